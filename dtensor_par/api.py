@@ -1,0 +1,44 @@
+"""Public entry points."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch._dynamo.backends.registry import lookup_backend
+from torch.distributed.device_mesh import DeviceMesh
+
+from .mesh import MeshInfo
+from .passes.context import ParallelConfig
+from .runtime import ParallelRuntime
+
+OUTPUT_MODES = ("full", "local")
+
+
+def resolve_backend(inner_backend: str | Callable) -> Callable:
+    return inner_backend if callable(inner_backend) else lookup_backend(inner_backend)
+
+
+def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "inductor", dump_dir: str | None = None,
+                    output: str = "full", sequence_parallel: bool = False) -> Callable:
+    """A ``torch.compile`` backend that runs the model tensor-parallel over ``mesh``.
+
+    ``output="full"`` returns full tensors on every rank; ``"local"`` returns local shards as
+    DTensors. ``sequence_parallel`` shards norms, residuals and pointwise ops between sites
+    along the sequence over tp (Megatron-SP): reduce-scatter + all-gather instead of all-reduce.
+    """
+    if output not in OUTPUT_MODES:
+        raise ValueError(f"hybrid_parallel: output must be one of {OUTPUT_MODES}, got {output!r}")
+    info = MeshInfo.from_mesh(mesh)
+    cp = {name: info.size(name) for name in ("ring", "ulysses") if info.size(name) > 1}
+    if cp:
+        raise NotImplementedError(
+            f"hybrid_parallel: context parallelism (mesh dims {cp}) is not implemented yet; "
+            "use a mesh whose 'ring' and 'ulysses' dims have size 1"
+        )
+    config = ParallelConfig(info, sequence_parallel=sequence_parallel, output=output, dump_dir=dump_dir)
+    inner = resolve_backend(inner_backend)
+
+    def backend(gm, example_inputs):
+        return ParallelRuntime(gm, config, mesh, inner)
+
+    return backend

@@ -1,0 +1,123 @@
+"""The shared ("tp", "ring", "ulysses") device mesh and a read-only view of it for the passes."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("tp", "ring", "ulysses")
+
+
+def default_device_type() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def default_order(device_type: str) -> tuple[str, ...]:
+    """Last name = fastest-varying (contiguous ranks).
+
+    TP is the most bandwidth-hungry dim, so it goes innermost (one NVLink domain) on CUDA
+    and CPU; Neuron's all-to-all wants contiguous rank groups, so Ulysses goes innermost.
+    Ring only moves point-to-point traffic and tolerates the slowest links: outermost.
+    """
+    if device_type == "neuron":
+        return ("ring", "tp", "ulysses")
+    return ("ring", "ulysses", "tp")
+
+
+def _init_default_group(device_type: str) -> None:
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            "init_mesh: no default process group is initialized and the torchrun environment "
+            f"variables {missing} are not set; run under torchrun or call "
+            "torch.distributed.init_process_group first"
+        )
+    backend = {"cuda": "nccl", "neuron": "neuron"}.get(device_type, "gloo")
+    dist.init_process_group(backend)
+
+
+def init_mesh(tp: int = 1, ring: int = 1, ulysses: int = 1, *, device_type: str | None = None,
+              order: tuple[str, ...] | None = None) -> DeviceMesh:
+    """Build the ("tp", "ring", "ulysses") mesh over the default process group.
+
+    ``order`` lists the three dim names, the last varying fastest across ranks.
+    """
+    device_type = device_type or default_device_type()
+    sizes = {"tp": tp, "ring": ring, "ulysses": ulysses}
+    for name, size in sizes.items():
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"init_mesh: mesh dim {name!r} must be a positive int, got {size!r}")
+    order = tuple(order) if order is not None else default_order(device_type)
+    if sorted(order) != sorted(MESH_DIMS):
+        raise ValueError(f"init_mesh: order must name each of {MESH_DIMS} once, got {order}")
+    _init_default_group(device_type)
+    world = dist.get_world_size()
+    total = math.prod(sizes.values())
+    if total != world:
+        raise ValueError(
+            f"init_mesh: tp={tp} x ring={ring} x ulysses={ulysses} = {total} ranks, "
+            f"but the world size is {world}"
+        )
+    return init_device_mesh(device_type, tuple(sizes[n] for n in order), mesh_dim_names=order)
+
+
+@dataclass(frozen=True)
+class MeshDim:
+    """One named mesh dim as this rank sees it."""
+
+    name: str
+    size: int
+    rank: int  # this rank's coordinate along the dim
+    group_name: str | None  # None when size == 1: no collective is ever issued
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The mesh as the passes need it: sizes, this rank's coordinates and group names."""
+
+    device_type: str
+    dims: dict[str, MeshDim]
+
+    def size(self, name: str) -> int:
+        return self.dims[name].size
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(d.size for d in self.dims.values())
+
+    @staticmethod
+    def from_mesh(mesh: DeviceMesh) -> MeshInfo:
+        names = mesh.mesh_dim_names
+        if names is None:
+            raise ValueError(f"hybrid_parallel: the mesh needs dim names drawn from {MESH_DIMS}")
+        unknown = [n for n in names if n not in MESH_DIMS]
+        if unknown:
+            raise ValueError(
+                f"hybrid_parallel: unknown mesh dim names {unknown} (mesh dims {tuple(names)} with "
+                f"sizes {tuple(mesh.shape)}); allowed names are {MESH_DIMS}"
+            )
+        if dist.get_world_size() != mesh.size():
+            raise ValueError(
+                f"hybrid_parallel: the mesh {dict(zip(names, mesh.shape))} holds {mesh.size()} "
+                f"ranks but the world size is {dist.get_world_size()}"
+            )
+        coords = mesh.get_coordinate()
+        dims = {}
+        for name in MESH_DIMS:
+            if name not in names:
+                dims[name] = MeshDim(name, 1, 0, None)
+                continue
+            i = names.index(name)
+            size = mesh.shape[i]
+            group = mesh.get_group(name).group_name if size > 1 else None
+            dims[name] = MeshDim(name, size, coords[i], group)
+        return MeshInfo(mesh.device_type, dims)

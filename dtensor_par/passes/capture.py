@@ -1,0 +1,56 @@
+"""capture: name the parameter placeholders and give every node its concrete shape."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from .context import ParallelContext, ParamInfo
+
+_SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)\['([^']+)'\]")
+
+
+def _fqn(node: fx.Node) -> str:
+    """``L['self']._modules['attn']._parameters['weight']`` -> ``attn.weight``."""
+    grapharg = node.meta.get("grapharg")
+    if grapharg is not None:
+        parts = _SOURCE_PART.findall(grapharg.source.name)
+        if parts:
+            return ".".join(parts)
+    return node.target
+
+
+def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
+    """Record parameters, then specialize the graph to the concrete example inputs.
+
+    Every node gets ``meta["val"]``: a fake tensor with static sizes. Integer-valued nodes
+    (sizes of dynamic graphs) are replaced by their values, so later passes see only the
+    global static sizes that Dynamo writes into static graphs.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(ctx.example_inputs):
+        raise ValueError(f"capture: graph has {len(placeholders)} inputs, got {len(ctx.example_inputs)}")
+    for i, (node, value) in enumerate(zip(placeholders, ctx.example_inputs)):
+        if isinstance(value, torch.nn.Parameter):
+            ctx.params[node.name] = ParamInfo(_fqn(node), i, value)
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_inputs = [mode.from_tensor(v, static_shapes=True) if isinstance(v, torch.Tensor) else v
+                   for v in ctx.example_inputs]
+    with mode:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+
+    for node in list(gm.graph.nodes):
+        value = node.meta.get("val")
+        if node.op == "output" or not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
+            continue
+        node.replace_all_uses_with(int(value))
+        if node.op != "placeholder":
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm

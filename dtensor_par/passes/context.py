@@ -1,0 +1,50 @@
+"""State that the passes hand one another for one captured graph."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ..mesh import MeshInfo
+from ..placements import Placement
+
+logger = logging.getLogger("dtensor_par")
+
+
+@dataclass
+class ParallelConfig:
+    """What the user asked for in ``hybrid_parallel``."""
+
+    mesh: MeshInfo
+    sequence_parallel: bool = False
+    output: str = "full"  # "full": gathered tensors; "local": local shards as DTensors
+    dump_dir: str | None = None  # where each pass writes its graph, if set
+
+
+@dataclass
+class ParamInfo:
+    fqn: str
+    index: int  # position among the graph's inputs
+    tensor: torch.Tensor
+
+
+@dataclass
+class ParallelContext:
+    config: ParallelConfig
+    example_inputs: list
+    params: dict[str, ParamInfo] = field(default_factory=dict)  # placeholder name -> parameter
+    sites: list = field(default_factory=list)  # AttentionSite | MLPSite, from detect
+    param_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> tp placement
+    output_placements: list[Placement | None] = field(default_factory=list)  # per graph output, from plan
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def mesh(self) -> MeshInfo:
+        return self.config.mesh
+
+    def warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+            logger.warning(message)

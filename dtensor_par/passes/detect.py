@@ -1,0 +1,134 @@
+"""detect: find attention and MLP sites and the projections that feed them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from .context import ParallelContext
+from .patterns import LAYOUT, POINTWISE, is_activation, is_linear, op_kind, tensor_val
+
+# Ops allowed between a projection and the attention call: head reshapes, RoPE, QK-norm.
+_TO_ATTENTION = POINTWISE | LAYOUT | {"norm"}
+# Ops allowed between attention output and its out projection.
+_FROM_ATTENTION = LAYOUT | {"cast"}
+# Ops allowed inside an MLP between up/gate and down projections.
+_INSIDE_MLP = POINTWISE | {"split", "getitem"}
+
+
+@dataclass
+class AttentionSite:
+    name: str
+    core: fx.Node  # the scaled_dot_product_attention call
+    q: list[fx.Node]  # projection linears; a fused QKV linear appears in q, k and v
+    k: list[fx.Node]
+    v: list[fx.Node]
+    out: list[fx.Node]
+    num_heads: int
+    num_kv_heads: int
+
+    @property
+    def colwise(self) -> list[fx.Node]:
+        return list(dict.fromkeys(self.q + self.k + self.v))
+
+    @property
+    def rowwise(self) -> list[fx.Node]:
+        return self.out
+
+
+@dataclass
+class MLPSite:
+    name: str
+    up: list[fx.Node]  # up and gate projections
+    down: fx.Node
+    activations: list[fx.Node] = field(default_factory=list)
+
+    @property
+    def colwise(self) -> list[fx.Node]:
+        return self.up
+
+    @property
+    def rowwise(self) -> list[fx.Node]:
+        return [self.down]
+
+
+def _has_param_weight(linear: fx.Node, ctx: ParallelContext) -> bool:
+    weight = linear.args[1]
+    return isinstance(weight, fx.Node) and weight.name in ctx.params
+
+
+def find_producers(start: fx.Node, through: set[str], ctx: ParallelContext) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Walk back from ``start`` through ops of the given kinds; return (linears, nodes walked)."""
+    linears, walked, stack, seen = [], [], [start], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if is_linear(node):
+            if _has_param_weight(node, ctx):
+                linears.append(node)
+            continue
+        if op_kind(node) in through:
+            walked.append(node)
+            stack.extend(node.all_input_nodes)
+    return list(dict.fromkeys(linears)), walked
+
+
+def find_consumers(start: fx.Node, through: set[str], ctx: ParallelContext) -> list[fx.Node]:
+    """Walk forward from ``start`` through ops of the given kinds to the linears it feeds."""
+    linears, stack, seen = [], list(start.users), set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if is_linear(node):
+            if _has_param_weight(node, ctx):
+                linears.append(node)
+        elif op_kind(node) in through:
+            stack.extend(node.users)
+    return linears
+
+
+def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[AttentionSite]:
+    sites = []
+    for node in gm.graph.nodes:
+        if op_kind(node) != "sdpa":
+            continue
+        q, k, v = (find_producers(a, _TO_ATTENTION, ctx)[0] for a in node.args[:3])
+        q_val, k_val = tensor_val(node.args[0]), tensor_val(node.args[1])
+        heads = q_val.shape[-3] if q_val.dim() >= 4 else 1
+        kv_heads = k_val.shape[-3] if k_val.dim() >= 4 else 1
+        out = find_consumers(node, _FROM_ATTENTION, ctx)
+        sites.append(AttentionSite(f"attention{len(sites)}", node, q, k, v, out, heads, kv_heads))
+    return sites
+
+
+def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]) -> list[MLPSite]:
+    sites = []
+    for node in gm.graph.nodes:
+        if not is_linear(node) or node in taken or not _has_param_weight(node, ctx):
+            continue
+        ups, walked = find_producers(node.args[0], _INSIDE_MLP, ctx)
+        activations = [n for n in walked if is_activation(n)]
+        if ups and activations and not taken.intersection(ups):
+            sites.append(MLPSite(f"mlp{len(sites)}", ups, node, activations))
+            taken.update(ups)
+            taken.add(node)
+    return sites
+
+
+def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
+    """Record sites in ``ctx.sites`` and tag their nodes with ``meta["dtensor_par_site"]``."""
+    attention = find_attention_sites(gm, ctx)
+    taken = {n for site in attention for n in site.colwise + site.rowwise}
+    ctx.sites = attention + find_mlp_sites(gm, ctx, taken)
+    for site in ctx.sites:
+        roles = {"core": [site.core]} if isinstance(site, AttentionSite) else {}
+        roles.update({"colwise": site.colwise, "rowwise": site.rowwise})
+        for role, nodes in roles.items():
+            for n in nodes:
+                n.meta["dtensor_par_site"] = f"{site.name}.{role}"
+    return gm

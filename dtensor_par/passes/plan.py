@@ -1,0 +1,133 @@
+"""plan: give every node a placement on the tp mesh dim.
+
+Sites decide the weights (Megatron: q/k/v, up and gate colwise; out and down rowwise); the
+rule table then carries placements through every node in graph order, so the plan covers
+the whole graph, not just the sites.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..placements import InterleavedShard, Placement, Replicate, Shard
+from .context import ParallelContext
+from .detect import AttentionSite
+from .patterns import op_kind, tensor_val
+from .rules import RULES, NodeSharding, RuleEnv, check_divisible, replicate_all, split_dim, tensor_inputs
+
+R = Replicate()
+
+
+def fused_parts(linear: fx.Node) -> tuple[int, ...] | None:
+    """Part sizes when the linear's output is only consumed by one chunk/split of its last dim."""
+    users = list(linear.users)
+    if len(users) != 1 or op_kind(users[0]) != "split":
+        return None
+    split = users[0]
+    out_dim = tensor_val(linear).dim() - 1
+    if split.args[0] is not linear or split_dim(split) != out_dim:
+        return None
+    return tuple(t.shape[out_dim] for t in split.meta["val"])
+
+
+def colwise_placement(linear: fx.Node, tp: int) -> Placement | None:
+    out_features = tensor_val(linear).shape[-1]
+    parts = fused_parts(linear)
+    if parts is not None and len(parts) > 1:
+        return InterleavedShard(0, parts) if all(p % tp == 0 for p in parts) else None
+    return Shard(0) if out_features % tp == 0 else None
+
+
+def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None:
+    """Weight placements for one site, or None (with a warning) to leave it replicated."""
+    tp = ctx.mesh.size("tp")
+    colwise = list(site.colwise)
+    if isinstance(site, AttentionSite):
+        if site.num_heads % tp:
+            raise ValueError(
+                f"hybrid_parallel: attention {site.core.name!r} has {site.num_heads} heads, not divisible "
+                f"by mesh dim 'tp' of size {tp} (uneven heads come with context parallelism)"
+            )
+        if site.num_kv_heads % tp and site.num_kv_heads != site.num_heads:
+            kv_only = [n for n in dict.fromkeys(site.k + site.v) if n not in site.q]
+            ctx.warn(f"{site.name} ({site.core.name}): {site.num_kv_heads} kv heads do not divide by "
+                     f"tp={tp}; kv projections {[n.name for n in kv_only]} stay replicated")
+            colwise = [n for n in colwise if n not in kv_only]
+            if any(n in site.q for n in site.k + site.v):
+                ctx.warn(f"{site.name}: fused projection with {site.num_kv_heads} kv heads at tp={tp} "
+                         f"stays replicated")
+                return None
+    placements = {}
+    for linear in colwise:
+        p = colwise_placement(linear, tp)
+        if p is None:
+            ctx.warn(f"{site.name}: {linear.name} has {tensor_val(linear).shape[-1]} output features "
+                     f"(parts {fused_parts(linear)}), not divisible by tp={tp}; the site stays replicated")
+            return None
+        placements[linear] = p
+    for linear in site.rowwise:
+        in_features = tensor_val(linear.args[0]).shape[-1]
+        if in_features % tp:
+            ctx.warn(f"{site.name}: {linear.name} has {in_features} input features, not divisible by "
+                     f"tp={tp}; the site stays replicated")
+            return None
+        placements[linear] = Shard(1)
+    return placements
+
+
+def assign_weight_placements(ctx: ParallelContext) -> None:
+    """Fill ``ctx.param_placements`` from the sites; a weight shared by two roles stays replicated."""
+    chosen: dict[str, Placement] = {}
+    conflicts: set[str] = set()
+    for site in ctx.sites:
+        placements = _site_weights(site, ctx) or {}
+        for linear, p in placements.items():
+            tensors = [(linear.args[1], p)]
+            bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+            if bias is not None:
+                tensors.append((bias, p))
+            for tensor, placement in tensors:
+                if tensor.name in chosen and chosen[tensor.name] != placement:
+                    conflicts.add(tensor.name)
+                chosen[tensor.name] = placement
+    for name in conflicts:
+        ctx.warn(f"parameter {ctx.params[name].fqn} is used by sites that shard it differently; "
+                 f"it stays replicated")
+        chosen.pop(name)
+    ctx.param_placements = chosen
+
+
+def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding:
+    ins = tensor_inputs(node)
+    cur = [i.meta["dtensor_par"].out for i in ins]
+    if node.op == "placeholder":
+        return NodeSharding(env.param_placements.get(node.name, R), ())
+    if node.op == "get_attr":
+        return NodeSharding(R, ())
+    if node.op == "output":
+        keep = ctx.config.output == "local"
+        return NodeSharding(None, tuple(p if keep and isinstance(p, (Shard, Replicate)) else R for p in cur))
+    rule = RULES.get(op_kind(node))
+    if rule is None:
+        return replicate_all(node, ins, cur, f"no sharding rule for {node.target}")
+    sharding = rule(node, ins, cur, env)
+    problem = check_divisible(node, ins, sharding, env.size)
+    if problem:
+        return replicate_all(node, ins, cur, problem)
+    return sharding
+
+
+def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
+    """Annotate every node with ``meta["dtensor_par"]``: a NodeSharding on mesh dim 'tp'."""
+    assign_weight_placements(ctx)
+    env = RuleEnv(ctx.mesh.size("tp"), ctx.param_placements, ctx.config.sequence_parallel)
+    for node in gm.graph.nodes:
+        sharding = plan_node(node, env, ctx)
+        node.meta["dtensor_par"] = sharding
+        if node.op == "output":
+            placements = iter(sharding.inputs)
+            ctx.output_placements = [next(placements) if tensor_val(o) is not None else None
+                                     for o in node.args[0]]
+        if sharding.note:
+            ctx.warn(f"{node.name} ({node.target}): inputs gathered on mesh dim 'tp': {sharding.note}")
+    return gm

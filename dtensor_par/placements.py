@@ -1,0 +1,66 @@
+"""Placements used by the planner: DTensor's Shard/Replicate/Partial plus InterleavedShard.
+
+A fused projection (one linear whose output is then chunked into q, k, v, or gate and up)
+is sharded part by part: each rank holds its slice of every part, laid side by side. That is
+not a DTensor ``Shard`` (whose local slice is one contiguous range), so it gets its own type.
+Only the chunk/split that undoes the fusion may consume it as sharded; any other consumer
+gathers it, with the parts put back in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["Partial", "Replicate", "Shard", "InterleavedShard", "Placement",
+           "shard_dim", "parts_of", "local_shape", "local_chunk", "describe"]
+
+
+@dataclass(frozen=True)
+class InterleavedShard(Placement):
+    """Sharded along ``dim`` part by part; ``parts`` are the global part sizes along ``dim``."""
+
+    dim: int
+    parts: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        return f"IS({self.dim},{list(self.parts)})"
+
+
+def shard_dim(p: Placement) -> int | None:
+    """The tensor dim a placement splits, or None for Replicate/Partial."""
+    if isinstance(p, (Shard, InterleavedShard)):
+        return p.dim
+    return None
+
+
+def parts_of(p: Placement, full_size: int) -> tuple[int, ...]:
+    return p.parts if isinstance(p, InterleavedShard) else (full_size,)
+
+
+def local_shape(shape: torch.Size | tuple[int, ...], p: Placement, size: int) -> tuple[int, ...]:
+    d = shard_dim(p)
+    shape = tuple(shape)
+    if d is None:
+        return shape
+    return shape[:d] + (shape[d] // size,) + shape[d + 1:]
+
+
+def local_chunk(full: torch.Tensor, p: Placement, rank: int, size: int) -> torch.Tensor:
+    """This rank's piece of a full tensor under placement ``p`` (a view where one part)."""
+    d = shard_dim(p)
+    if d is None:
+        return full
+    pieces = [part.chunk(size, dim=d)[rank] for part in full.split(list(parts_of(p, full.shape[d])), dim=d)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
+
+
+def describe(p: Placement | tuple | list | None) -> str:
+    if p is None:
+        return "-"
+    if isinstance(p, (tuple, list)):
+        return "(" + ", ".join(describe(x) for x in p) + ")"
+    return repr(p)

@@ -1,0 +1,127 @@
+"""What Dynamo calls: slices inputs, caches local weight shards, runs the per-rank graph."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from .backend import parallelize_graph
+from .mesh import MeshDim
+from .ops.collectives import gather_param_grad
+from .passes.context import ParallelConfig, ParallelContext
+from .placements import Placement, local_chunk, shard_dim
+
+
+class _LocalShard(torch.autograd.Function):
+    """Hands the graph a cached local shard; sends the full gradient back to the parameter."""
+
+    @staticmethod
+    def forward(ctx, param, local, placement, dim):
+        ctx.placement, ctx.dim = placement, dim
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = gather_param_grad(grad, ctx.placement, ctx.dim.group_name, ctx.dim.size)
+        return full, None, None, None
+
+
+class LocalShards:
+    """Local shards of sharded parameters, re-sliced only when a parameter changes in place."""
+
+    def __init__(self, dim: MeshDim):
+        self.dim = dim
+        self._cache: dict[int, tuple[torch.Tensor, int, Placement, torch.Tensor]] = {}
+
+    def get(self, param: torch.Tensor, placement: Placement) -> torch.Tensor:
+        entry = self._cache.get(id(param))
+        if entry is None or entry[0] is not param or entry[1] != param._version or entry[2] != placement:
+            local = local_chunk(param.detach(), placement, self.dim.rank, self.dim.size).contiguous()
+            entry = (param, param._version, placement, local)
+            self._cache[id(param)] = entry
+        local = entry[3]
+        if param.requires_grad and torch.is_grad_enabled():
+            return _LocalShard.apply(param, local, placement, self.dim)
+        return local
+
+
+@dataclass
+class LocalGraph:
+    """One specialization: the compiled per-rank graph and its input/output placements."""
+
+    fn: Callable
+    input_placements: list[Placement]
+    output_placements: list[Placement | None]
+    context: ParallelContext
+
+
+def _signature(args) -> tuple:
+    return tuple((tuple(a.shape), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor) else
+                 (type(a), a if isinstance(a, (int, float, bool)) else None) for a in args)
+
+
+class ParallelRuntime:
+    """The callable the backend hands Dynamo, one per captured graph.
+
+    Planning happens at the first call of each input signature with concrete inputs, so a
+    graph Dynamo captured with symbolic sizes is specialized to each size it meets.
+    """
+
+    def __init__(self, gm: fx.GraphModule, config: ParallelConfig, mesh: DeviceMesh,
+                 inner_backend: Callable):
+        self.gm, self.config, self.mesh, self.inner_backend = gm, config, mesh, inner_backend
+        self.shards = LocalShards(config.mesh.dims["tp"])
+        self.graphs: dict[tuple, LocalGraph] = {}
+
+    def __call__(self, *args):
+        key = _signature(args)
+        local_graph = self.graphs.get(key) or self.graphs.setdefault(key, self._build(args))
+        local_args = self._local_args(args, local_graph.input_placements)
+        outs = local_graph.fn(*local_args)
+        if self.config.output == "local":
+            outs = type(outs)(self._as_dtensor(o, p) for o, p in zip(outs, local_graph.output_placements))
+        return outs
+
+    def _local_args(self, args, placements: list[Placement]) -> list:
+        tp = self.config.mesh.dims["tp"]
+        local = []
+        for a, p in zip(args, placements):
+            if isinstance(a, torch.nn.Parameter) and shard_dim(p) is not None:
+                a = self.shards.get(a, p)
+            elif isinstance(a, torch.Tensor):
+                a = local_chunk(a, p, tp.rank, tp.size)
+            local.append(a)
+        return local
+
+    def _check_devices(self, args) -> None:
+        placeholders = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        for name, a in zip(placeholders, args):
+            if isinstance(a, torch.Tensor) and a.device.type != self.config.mesh.device_type:
+                raise ValueError(
+                    f"hybrid_parallel: input {name!r} is on {a.device.type} but the mesh is on "
+                    f"{self.config.mesh.device_type}; move the model and inputs to the mesh's device type"
+                )
+
+    def _build(self, args) -> LocalGraph:
+        self._check_devices(args)
+        local_gm, ctx = parallelize_graph(self.gm, args, self.config)
+        placeholders = [n for n in local_gm.graph.nodes if n.op == "placeholder"]
+        input_placements = [n.meta["dtensor_par"].out for n in placeholders]
+        with torch.no_grad():
+            local = self._local_args(args, input_placements)
+        examples = [x.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else x
+                    for x, a in zip(local, args)]
+        fn = self.inner_backend(local_gm, examples)
+        return LocalGraph(fn, input_placements, ctx.output_placements, ctx)
+
+    def _as_dtensor(self, out, placement: Placement | None):
+        if not isinstance(out, torch.Tensor) or placement is None:
+            return out
+        names = self.mesh.mesh_dim_names
+        placements = [placement if name == "tp" else Replicate() for name in names]
+        return DTensor.from_local(out, self.mesh, placements, run_check=False)
