@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from torch._dynamo.backends.registry import lookup_backend
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -42,3 +44,16 @@ def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "induct
         return ParallelRuntime(gm, config, mesh, inner)
 
     return backend
+
+
+def capture_graphs(model, *example_inputs) -> list[tuple]:
+    """The (graph, example inputs) pairs Dynamo hands a backend for ``model(*example_inputs)``."""
+    captured = []
+
+    def record(gm, inputs):
+        captured.append((gm, list(inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=record)(*example_inputs)
+    return captured

@@ -92,15 +92,33 @@ def find_consumers(start: fx.Node, through: set[str], ctx: ParallelContext) -> l
     return linears
 
 
+def _split_heads(node: fx.Node) -> int | None:
+    """Head count of a view that splits the feature dim into (heads, head_dim)."""
+    if op_kind(node) != "view":
+        return None
+    src, dst = tensor_val(node.args[0]).shape, tensor_val(node).shape
+    if len(dst) == len(src) + 1 and src[-1] == dst[-2] * dst[-1] and src[:-1] == dst[:-2]:
+        return dst[-2]
+    return None
+
+
+def projected_heads(attention_input: fx.Node, ctx: ParallelContext) -> int:
+    """Heads of one attention input as its projection makes them (before any repeat-kv)."""
+    linears, walked = find_producers(attention_input, _TO_ATTENTION, ctx)
+    counts = {h for h in map(_split_heads, walked) if h is not None}
+    if len(counts) == 1:
+        return counts.pop()
+    val = tensor_val(attention_input)
+    return val.shape[-3] if val.dim() >= 4 else 1
+
+
 def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[AttentionSite]:
     sites = []
     for node in gm.graph.nodes:
         if op_kind(node) != "sdpa":
             continue
         q, k, v = (find_producers(a, _TO_ATTENTION, ctx)[0] for a in node.args[:3])
-        q_val, k_val = tensor_val(node.args[0]), tensor_val(node.args[1])
-        heads = q_val.shape[-3] if q_val.dim() >= 4 else 1
-        kv_heads = k_val.shape[-3] if k_val.dim() >= 4 else 1
+        heads, kv_heads = (projected_heads(a, ctx) for a in node.args[:2])
         out = find_consumers(node, _FROM_ATTENTION, ctx)
         sites.append(AttentionSite(f"attention{len(sites)}", node, q, k, v, out, heads, kv_heads))
     return sites

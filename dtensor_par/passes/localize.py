@@ -118,3 +118,9 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
+
+
+def collectives_in(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
+    """Every forward collective of a localized graph, with its kind."""
+    return [(n, C.COLLECTIVES[n.target]) for n in gm.graph.nodes
+            if n.op == "call_function" and n.target in C.COLLECTIVES]

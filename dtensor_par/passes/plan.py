@@ -38,6 +38,11 @@ def colwise_placement(linear: fx.Node, tp: int) -> Placement | None:
     return Shard(0) if out_features % tp == 0 else None
 
 
+def module_name(linear: fx.Node, ctx: ParallelContext) -> str:
+    """The module path of a linear, read off its weight (``blocks.0.k_proj``)."""
+    return ctx.params[linear.args[1].name].fqn.removesuffix(".weight")
+
+
 def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None:
     """Weight placements for one site, or None (with a warning) to leave it replicated."""
     tp = ctx.mesh.size("tp")
@@ -51,7 +56,7 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
         if site.num_kv_heads % tp and site.num_kv_heads != site.num_heads:
             kv_only = [n for n in dict.fromkeys(site.k + site.v) if n not in site.q]
             ctx.warn(f"{site.name} ({site.core.name}): {site.num_kv_heads} kv heads do not divide by "
-                     f"tp={tp}; kv projections {[n.name for n in kv_only]} stay replicated")
+                     f"tp={tp}; kv projections {[module_name(n, ctx) for n in kv_only]} stay replicated")
             colwise = [n for n in colwise if n not in kv_only]
             if any(n in site.q for n in site.k + site.v):
                 ctx.warn(f"{site.name}: fused projection with {site.num_kv_heads} kv heads at tp={tp} "
@@ -61,14 +66,14 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
     for linear in colwise:
         p = colwise_placement(linear, tp)
         if p is None:
-            ctx.warn(f"{site.name}: {linear.name} has {tensor_val(linear).shape[-1]} output features "
+            ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {tensor_val(linear).shape[-1]} output features "
                      f"(parts {fused_parts(linear)}), not divisible by tp={tp}; the site stays replicated")
             return None
         placements[linear] = p
     for linear in site.rowwise:
         in_features = tensor_val(linear.args[0]).shape[-1]
         if in_features % tp:
-            ctx.warn(f"{site.name}: {linear.name} has {in_features} input features, not divisible by "
+            ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {in_features} input features, not divisible by "
                      f"tp={tp}; the site stays replicated")
             return None
         placements[linear] = Shard(1)

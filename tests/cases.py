@@ -1,0 +1,54 @@
+"""Rank-side test cases: each builds a model, runs it through the backend and compares."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import dtensor_par
+from tests import models
+from tests.harness import compare
+
+CASES = {
+    "gpt_fused_qkv": (lambda: models.GPT(layers=2), lambda: [(torch.randn(2, 8, 32),)]),
+    "llama_gqa_rope": (lambda: models.Llama(layers=2), lambda: [(torch.randint(0, 50, (2, 8)),)]),
+    "llama_enable_gqa": (lambda: models.Llama(layers=1, enable_gqa=True), lambda: [(torch.randint(0, 50, (2, 8)),)]),
+    "graph_break": (models.GraphBreakModel, lambda: [(torch.randn(2, 8, 32),)]),
+    "odd_mlp_width": (models.OddMLPBlock, lambda: [(torch.randn(2, 8, 32),)]),
+}
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def run_cases(rank: int, world: int, names: list[str], options: dict, steps: int = 2,
+              inputs: list | None = None, full_tensor: bool = False) -> dict:
+    """Compare each named case against one device; return metrics and warnings per case."""
+    mesh = dtensor_par.init_mesh(tp=world)
+    results = {}
+    for name in names:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        make_model, make_inputs = CASES[name]
+        model = make_model()
+        backend = dtensor_par.hybrid_parallel(mesh, **{"inner_backend": "aot_eager", **options})
+
+        def compiled_fn(m):
+            compiled = torch.compile(m, backend=backend)
+            return (lambda *a: compiled(*a).full_tensor()) if full_tensor else compiled
+
+        handler = _Warnings()
+        logging.getLogger("dtensor_par").addHandler(handler)
+        try:
+            metrics = compare(model, inputs or make_inputs(), compiled_fn, steps=steps)
+        finally:
+            logging.getLogger("dtensor_par").removeHandler(handler)
+        results[name] = {**metrics, "warnings": handler.messages}
+    return results

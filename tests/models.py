@@ -1,0 +1,137 @@
+"""Small transformer models, written as users write them (no plans, no annotations)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm block with a fused QKV projection (chunked), biases, GELU MLP."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4, mlp: int = 64):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.fc = nn.Linear(hidden, mlp)
+        self.fc_out = nn.Linear(mlp, hidden)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int = 2, **block):
+        super().__init__()
+        self.blocks = nn.ModuleList(GPTBlock(**block) for _ in range(layers))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, RoPE, GQA (repeat-kv pattern or ``enable_gqa``), causal attention, SwiGLU."""
+
+    def __init__(self, hidden: int = 64, heads: int = 8, kv_heads: int = 2, mlp: int = 96,
+                 enable_gqa: bool = False):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.enable_gqa = enable_gqa
+        self.input_norm, self.post_norm = RMSNorm(hidden), RMSNorm(hidden)
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, mlp, bias=False)
+        self.up_proj = nn.Linear(hidden, mlp, bias=False)
+        self.down_proj = nn.Linear(mlp, hidden, bias=False)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _repeat_kv(self, t):
+        b, n, s, d = t.shape
+        rep = self.heads // self.kv_heads
+        return t[:, :, None, :, :].expand(b, n, rep, s, d).reshape(b, n * rep, s, d)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        freqs = torch.outer(torch.arange(s, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        h = self.input_norm(x)
+        q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if self.enable_gqa:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            a = F.scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), is_causal=True)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, s, -1))
+        h = self.post_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(nn.Module):
+    """Token embedding, Llama blocks, final norm and LM head (outside any site: replicated)."""
+
+    def __init__(self, vocab: int = 50, layers: int = 2, **block):
+        super().__init__()
+        hidden = block.setdefault("hidden", 64)
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(LlamaBlock(**block) for _ in range(layers))
+        self.norm = RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+
+class GraphBreakModel(nn.Module):
+    """Two blocks with a graph break between them: Dynamo hands the backend two graphs."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = GPTBlock(), GPTBlock()
+
+    def forward(self, x):
+        x = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(x)
+
+
+class OddMLPBlock(GPTBlock):
+    """A GPT block whose MLP width (18) is not divisible by 4: that MLP stays replicated at tp=4."""
+
+    def __init__(self):
+        super().__init__(hidden=32, heads=4, mlp=18)
