@@ -10,6 +10,7 @@ from torch._dynamo.backends.registry import lookup_backend
 from torch.distributed.device_mesh import DeviceMesh
 
 from .mesh import MeshInfo
+from .passes.capture import record_module_names
 from .passes.context import ParallelConfig
 from .runtime import ParallelRuntime
 
@@ -41,19 +42,19 @@ def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "induct
     inner = resolve_backend(inner_backend)
 
     def backend(gm, example_inputs):
-        return ParallelRuntime(gm, config, mesh, inner)
+        return ParallelRuntime(record_module_names(gm), config, mesh, inner)
 
     return backend
 
 
-def capture_graphs(model, *example_inputs) -> list[tuple]:
+def capture_graphs(model, *example_inputs, dynamic: bool | None = None) -> list[tuple]:
     """The (graph, example inputs) pairs Dynamo hands a backend for ``model(*example_inputs)``."""
     captured = []
 
     def record(gm, inputs):
-        captured.append((gm, list(inputs)))
+        captured.append((record_module_names(gm), list(inputs)))
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(model, backend=record)(*example_inputs)
+    torch.compile(model, backend=record, dynamic=dynamic)(*example_inputs)
     return captured

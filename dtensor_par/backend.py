@@ -19,7 +19,9 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    return fx.GraphModule(gm, graph)
+    copy = fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    return copy
 
 
 def parallelize_graph(gm: fx.GraphModule, example_inputs: list, config: ParallelConfig,

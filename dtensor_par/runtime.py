@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from .backend import parallelize_graph
 from .mesh import MeshDim
 from .ops.collectives import gather_param_grad
+from .passes.capture import scalar_inputs
 from .passes.context import ParallelConfig, ParallelContext
 from .placements import Placement, local_chunk, shard_dim
 
@@ -60,9 +61,11 @@ class LocalGraph:
     context: ParallelContext
 
 
-def _signature(args) -> tuple:
-    return tuple((tuple(a.shape), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor) else
-                 (type(a), a if isinstance(a, (int, float, bool)) else None) for a in args)
+def _signature(args, scalars: list[int]) -> tuple:
+    """What a specialization depends on: tensor metadata, Python numbers, lifted scalars' values."""
+    key = tuple((tuple(a.shape), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor) else
+                (type(a), a if isinstance(a, (int, float, bool)) else None) for a in args)
+    return key + tuple(args[i].item() for i in scalars)
 
 
 class ParallelRuntime:
@@ -77,9 +80,10 @@ class ParallelRuntime:
         self.gm, self.config, self.mesh, self.inner_backend = gm, config, mesh, inner_backend
         self.shards = LocalShards(config.mesh.dims["tp"])
         self.graphs: dict[tuple, LocalGraph] = {}
+        self.scalars = scalar_inputs(gm)
 
     def __call__(self, *args):
-        key = _signature(args)
+        key = _signature(args, self.scalars)
         local_graph = self.graphs.get(key) or self.graphs.setdefault(key, self._build(args))
         local_args = self._local_args(args, local_graph.input_placements)
         outs = local_graph.fn(*local_args)

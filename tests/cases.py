@@ -16,6 +16,7 @@ CASES = {
     "llama_enable_gqa": (lambda: models.Llama(layers=1, enable_gqa=True), lambda: [(torch.randint(0, 50, (2, 8)),)]),
     "graph_break": (models.GraphBreakModel, lambda: [(torch.randn(2, 8, 32),)]),
     "odd_mlp_width": (models.OddMLPBlock, lambda: [(torch.randn(2, 8, 32),)]),
+    "unshardable_op": (models.CumsumMLP, lambda: [(torch.randn(2, 4, 16),)]),
 }
 
 
@@ -29,7 +30,7 @@ class _Warnings(logging.Handler):
 
 
 def run_cases(rank: int, world: int, names: list[str], options: dict, steps: int = 2,
-              inputs: list | None = None, full_tensor: bool = False) -> dict:
+              inputs: list | None = None, full_tensor: bool = False, dynamic: bool | None = None) -> dict:
     """Compare each named case against one device; return metrics and warnings per case."""
     mesh = dtensor_par.init_mesh(tp=world)
     results = {}
@@ -41,7 +42,7 @@ def run_cases(rank: int, world: int, names: list[str], options: dict, steps: int
         backend = dtensor_par.hybrid_parallel(mesh, **{"inner_backend": "aot_eager", **options})
 
         def compiled_fn(m):
-            compiled = torch.compile(m, backend=backend)
+            compiled = torch.compile(m, backend=backend, dynamic=dynamic)
             return (lambda *a: compiled(*a).full_tensor()) if full_tensor else compiled
 
         handler = _Warnings()

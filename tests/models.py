@@ -135,3 +135,15 @@ class OddMLPBlock(GPTBlock):
 
     def __init__(self):
         super().__init__(hidden=32, heads=4, mlp=18)
+
+
+class CumsumMLP(nn.Module):
+    """An MLP holding an op with no sharding rule (cumsum): its input is gathered, exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        return self.down(h + torch.cumsum(h, dim=1))

@@ -37,10 +37,13 @@ def test_inductor_matches_single_device():
     _check(run_ranks(2, run_cases, ["gpt_fused_qkv"], {"inner_backend": "inductor"}, 1))
 
 
-def test_new_batch_and_sequence_sizes_recompile_correctly():
-    shapes = [(2, 8, 32), (3, 8, 32), (3, 12, 32), (1, 4, 32)]
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_new_batch_and_sequence_sizes_stay_correct(dynamic):
+    """Automatic dynamic shapes recompile with symbolic sizes; ``dynamic=True`` also lifts
+    float attributes to inputs. Each size is planned on its own."""
+    shapes = [(2, 8, 32), (3, 8, 32), (3, 12, 32), (3, 12, 32), (1, 4, 32)]
     inputs = [(torch.randn(*s),) for s in shapes]
-    _check(run_ranks(2, run_cases, ["gpt_fused_qkv"], {}, 1, inputs))
+    _check(run_ranks(2, run_cases, ["gpt_fused_qkv"], {}, 1, inputs, False, dynamic))
 
 
 def test_local_output_is_dtensor_of_the_same_values():

@@ -9,6 +9,9 @@ forward                 placement change       backward
 all_reduce              Partial -> Replicate   identity
 reduce_scatter          Partial -> Shard       all_gather
 all_gather              Shard -> Replicate     local slice
+all_gather_partial_grad Shard -> Replicate,    reduce_scatter
+                        used by a rank-local
+                        computation
 shard_local             Replicate -> Shard     all_gather
 all_to_all              Shard(a) -> Shard(b)   all_to_all back
 grad_all_reduce         Replicate used by a    all_reduce (the gradient
@@ -42,10 +45,10 @@ def _gather(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, group: str
     return torch.cat([per_rank[r][i] for i in range(len(parts)) for r in range(size)], dim=dim)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Tensor:
-    stacked = torch.cat(x.chunk(size, dim=dim), dim=0).contiguous()
-    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(stacked, "sum", size, group))
-    return out
+def _reduce_scatter(x: torch.Tensor, p: Placement, group: str, size: int) -> torch.Tensor:
+    """Sum over ranks, keeping this rank's piece under placement ``p``."""
+    stacked = torch.cat([local_chunk(x, p, r, size) for r in range(size)], dim=0).contiguous()
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(stacked, "sum", size, group))
 
 
 def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str, size: int) -> torch.Tensor:
@@ -102,11 +105,23 @@ class _ShardLocal(torch.autograd.Function):
         return _gather(grad, dim, parts, group, size), None, None, None, None, None
 
 
+class _AllGatherPartialGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, parts, group, size):
+        ctx.args = (dim, parts, group, size)
+        return _gather(x, dim, parts, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, parts, group, size = ctx.args
+        return _reduce_scatter(grad, _placement(dim, parts), group, size), None, None, None, None
+
+
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, size):
         ctx.args = (dim, group, size)
-        return _reduce_scatter(x, dim, group, size)
+        return _reduce_scatter(x, Shard(dim), group, size)
 
     @staticmethod
     def backward(ctx, grad):
@@ -139,6 +154,11 @@ def all_gather(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, group: 
     return _AllGather.apply(x, dim, parts, group, rank, size)
 
 
+def all_gather_partial_grad(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, group: str,
+                            size: int) -> torch.Tensor:
+    return _AllGatherPartialGrad.apply(x, dim, parts, group, size)
+
+
 def shard_local(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, group: str, rank: int,
                 size: int) -> torch.Tensor:
     return _ShardLocal.apply(x, dim, parts, group, rank, size)
@@ -158,5 +178,5 @@ def gather_param_grad(grad: torch.Tensor, p: Placement, group: str, size: int) -
 
 
 COLLECTIVES = {all_reduce: "all_reduce", reduce_scatter: "reduce_scatter", all_gather: "all_gather",
-               all_to_all: "all_to_all"}
+               all_gather_partial_grad: "all_gather", all_to_all: "all_to_all"}
 """Functions a localized graph calls that communicate in the forward, by kind."""

@@ -14,29 +14,52 @@ from .context import ParallelContext, ParamInfo
 _SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)\['([^']+)'\]")
 
 
-def _fqn(node: fx.Node) -> str:
-    """``L['self']._modules['attn']._parameters['weight']`` -> ``attn.weight``."""
-    grapharg = node.meta.get("grapharg")
-    if grapharg is not None:
-        parts = _SOURCE_PART.findall(grapharg.source.name)
-        if parts:
-            return ".".join(parts)
-    return node.target
+FQNS = "dtensor_par_fqns"
+
+
+def record_module_names(gm: fx.GraphModule) -> fx.GraphModule:
+    """Keep each placeholder's module path in ``gm.meta`` while Dynamo's sources are there.
+
+    ``L['self']._modules['attn']._parameters['weight']`` -> ``attn.weight``. Dynamo drops the
+    sources from node meta once its compile returns, and planning happens later.
+    """
+    names = {}
+    for node in gm.graph.nodes:
+        grapharg = node.meta.get("grapharg")
+        parts = _SOURCE_PART.findall(grapharg.source.name) if grapharg is not None else []
+        if node.op == "placeholder" and parts:
+            names[node.name] = ".".join(parts)
+    gm.meta.setdefault(FQNS, names)
+    return gm
+
+
+def scalar_inputs(gm: fx.GraphModule) -> list[int]:
+    """Inputs only read as Python scalars (``.item()``): floats that Dynamo lifted to tensors
+    under ``dynamic=True``. Planning specializes on their values."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [i for i, n in enumerate(placeholders)
+            if n.users and all(u.op == "call_method" and u.target == "item" for u in n.users)]
 
 
 def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Record parameters, then specialize the graph to the concrete example inputs.
 
-    Every node gets ``meta["val"]``: a fake tensor with static sizes. Integer-valued nodes
+    Scalars read with ``.item()`` become constants. Every node gets ``meta["val"]``: a fake tensor with static sizes. Integer-valued nodes
     (sizes of dynamic graphs) are replaced by their values, so later passes see only the
     global static sizes that Dynamo writes into static graphs.
     """
+    names = gm.meta.get(FQNS, {})
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(ctx.example_inputs):
         raise ValueError(f"capture: graph has {len(placeholders)} inputs, got {len(ctx.example_inputs)}")
     for i, (node, value) in enumerate(zip(placeholders, ctx.example_inputs)):
         if isinstance(value, torch.nn.Parameter):
-            ctx.params[node.name] = ParamInfo(_fqn(node), i, value)
+            ctx.params[node.name] = ParamInfo(names.get(node.name, node.target), i, value)
+
+    for i in scalar_inputs(gm):
+        for item in list(placeholders[i].users):
+            item.replace_all_uses_with(ctx.example_inputs[i].item())
+            gm.graph.erase_node(item)
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = [mode.from_tensor(v, static_shapes=True) if isinstance(v, torch.Tensor) else v

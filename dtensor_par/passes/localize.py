@@ -100,12 +100,16 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             i = next(position)
             src, dst = arg.meta["dtensor_par"].out, sharding.inputs[i]
             new = arg
+            partial_grad = dst == R and computes_locally and tensor_val(arg).is_floating_point()
             with graph.inserting_before(node):
+                if partial_grad and shard_dim(src) is not None:
+                    return cached((arg, "gather_partial_grad"), lambda: graph.call_function(
+                        C.all_gather_partial_grad, (arg, src.dim, _parts(src), tp.group_name, tp.size)))
                 if src != dst:
                     new = cached((arg, dst), lambda: redistribute(graph, arg, src, dst, tp))
-                if dst == R and computes_locally and tensor_val(arg).is_floating_point():
+                if partial_grad:
                     new = cached((new, "grad_all_reduce"),
-                                  lambda: graph.call_function(C.grad_all_reduce, (new, tp.group_name)))
+                                 lambda: graph.call_function(C.grad_all_reduce, (new, tp.group_name)))
             return new
 
         node.args = fx.node.map_arg(node.args, localized)

@@ -72,6 +72,17 @@ def op_kind(node: fx.Node) -> str | None:
     return None
 
 
+def target_name(node: fx.Node) -> str:
+    """``torch.cumsum``, ``Tensor.view``, ``operator.add``: how a user would spell the op."""
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    if node.op == "call_function":
+        module = getattr(node.target, "__module__", None) or "torch"
+        module = "torch" if module.startswith("torch") and module != "torch.nn.functional" else module
+        return f"{module}.{getattr(node.target, '__name__', node.target)}"
+    return str(node.target)
+
+
 def is_activation(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_method") and node.target in ACTIVATIONS
 

@@ -12,7 +12,7 @@ import torch.fx as fx
 from ..placements import InterleavedShard, Placement, Replicate, Shard
 from .context import ParallelContext
 from .detect import AttentionSite
-from .patterns import op_kind, tensor_val
+from .patterns import op_kind, target_name, tensor_val
 from .rules import RULES, NodeSharding, RuleEnv, check_divisible, replicate_all, split_dim, tensor_inputs
 
 R = Replicate()
@@ -114,7 +114,7 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding
         return NodeSharding(None, tuple(p if keep and isinstance(p, (Shard, Replicate)) else R for p in cur))
     rule = RULES.get(op_kind(node))
     if rule is None:
-        return replicate_all(node, ins, cur, f"no sharding rule for {node.target}")
+        return replicate_all(node, ins, cur, f"no sharding rule for {target_name(node)}")
     sharding = rule(node, ins, cur, env)
     problem = check_divisible(node, ins, sharding, env.size)
     if problem:
@@ -134,5 +134,5 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             ctx.output_placements = [next(placements) if tensor_val(o) is not None else None
                                      for o in node.args[0]]
         if sharding.note:
-            ctx.warn(f"{node.name} ({node.target}): inputs gathered on mesh dim 'tp': {sharding.note}")
+            ctx.warn(f"{node.name} ({target_name(node)}): inputs gathered on mesh dim 'tp': {sharding.note}")
     return gm

@@ -1,0 +1,40 @@
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import dtensor_par
+from dtensor_par.api import capture_graphs
+from dtensor_par.backend import parallelize_graph
+from dtensor_par.mesh import MeshInfo
+from dtensor_par.passes.context import ParallelConfig
+
+
+def _init_fake(world: int) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+@pytest.fixture
+def fake_world():
+    """Initialize a fake process group of the given size (rank 0); no communication happens."""
+    yield _init_fake
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch._dynamo.reset()
+
+
+def plan_graph(model, inputs, *, tp: int, passes=None, **options):
+    """Capture the model's one graph and run the passes on it at ``tp`` on a fake group."""
+    _init_fake(tp)
+    mesh = dtensor_par.init_mesh(tp=tp)
+    (gm, example_inputs), = capture_graphs(model, *inputs)
+    config = ParallelConfig(MeshInfo.from_mesh(mesh), **options)
+    kwargs = {"passes": passes} if passes is not None else {}
+    return parallelize_graph(gm, example_inputs, config, **kwargs)
+
+
+@pytest.fixture
+def planned(fake_world):
+    return plan_graph

@@ -1,0 +1,81 @@
+"""Bad input gets a clear error naming the node, the mesh dim and the sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import dtensor_par
+from dtensor_par.ops import collectives as C
+from tests import models
+
+
+def test_unknown_mesh_dim_name(fake_world):
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("tp", "dp"))
+    with pytest.raises(ValueError, match=r"unknown mesh dim names \['dp'\].*sizes \(4, 2\)"):
+        dtensor_par.hybrid_parallel(mesh)
+
+
+def test_mesh_size_must_equal_world_size(fake_world):
+    fake_world(8)
+    with pytest.raises(ValueError, match=r"tp=4 x ring=1 x ulysses=1 = 4 ranks, but the world size is 8"):
+        dtensor_par.init_mesh(tp=4)
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    with pytest.raises(ValueError, match=r"holds 4 ranks but the world size is 8"):
+        dtensor_par.hybrid_parallel(mesh)
+
+
+def test_init_mesh_rejects_bad_order_and_sizes(fake_world):
+    fake_world(8)
+    with pytest.raises(ValueError, match="order must name each of"):
+        dtensor_par.init_mesh(tp=8, order=("tp", "ring", "dp"))
+    with pytest.raises(ValueError, match="'ring' must be a positive int"):
+        dtensor_par.init_mesh(tp=8, ring=0)
+
+
+def test_init_mesh_order_puts_last_dim_on_contiguous_ranks(fake_world):
+    fake_world(8)
+    mesh = dtensor_par.init_mesh(tp=2, ring=2, ulysses=2)
+    assert mesh.mesh_dim_names == ("ring", "ulysses", "tp")
+    assert mesh.mesh.flatten().tolist() == list(range(8))
+    mesh = dtensor_par.init_mesh(tp=2, ring=2, ulysses=2, order=("tp", "ring", "ulysses"))
+    assert mesh.mesh_dim_names == ("tp", "ring", "ulysses")
+    assert dtensor_par.mesh.default_order("neuron")[-1] == "ulysses"
+
+
+def test_heads_not_divisible_by_tp(fake_world):
+    fake_world(8)
+    compiled = torch.compile(models.GPTBlock(hidden=48, heads=6, mlp=64),
+                             backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(tp=8), inner_backend="eager"))
+    with pytest.raises(ValueError, match=r"attention 'a' has 6 heads, not divisible by mesh dim 'tp' of size 8"):
+        compiled(torch.randn(2, 8, 48))
+
+
+def test_inputs_on_another_device_type_than_the_mesh(fake_world):
+    fake_world(2)
+    model = models.GPTBlock().to("meta")
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(tp=2),
+                                                                         inner_backend="eager"))
+    with pytest.raises(ValueError, match=r"input 'l_x_' is on meta but the mesh is on cpu"):
+        compiled(torch.randn(2, 8, 32, device="meta"))
+
+
+def test_context_parallel_dims_are_refused_until_implemented(fake_world):
+    fake_world(4)
+    with pytest.raises(NotImplementedError, match=r"context parallelism \(mesh dims \{'ring': 2\}\)"):
+        dtensor_par.hybrid_parallel(dtensor_par.init_mesh(tp=2, ring=2))
+
+
+def test_unknown_output_mode(fake_world):
+    fake_world(2)
+    with pytest.raises(ValueError, match="output must be one of"):
+        dtensor_par.hybrid_parallel(dtensor_par.init_mesh(tp=2), output="gathered")
+
+
+def test_unshardable_op_gathers_with_a_warning_naming_the_node(planned):
+    gm, ctx = planned(models.CumsumMLP(), [torch.randn(2, 4, 16)], tp=4)
+    assert ctx.warnings == ["cumsum (torch.cumsum): inputs gathered on mesh dim 'tp': no sharding rule for torch.cumsum"]
+    gathered = [n for n in gm.graph.nodes if n.target is C.all_gather]
+    assert [n.args[0].name for n in gathered] == ["h"]

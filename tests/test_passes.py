@@ -1,0 +1,102 @@
+"""Each pass on its own, on a fake process group."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+import dtensor_par
+from dtensor_par.api import capture_graphs
+from dtensor_par.backend import parallelize_graph
+from dtensor_par.mesh import MeshInfo
+from dtensor_par.passes.context import ParallelConfig
+from dtensor_par.passes.capture import capture_pass
+from dtensor_par.passes.detect import AttentionSite, MLPSite, detect_pass
+from dtensor_par.passes.patterns import op_kind
+from dtensor_par.passes.rewrite import rewrite_pass
+from dtensor_par.passes.rules import _index_map, view_target
+from dtensor_par.placements import InterleavedShard, Replicate, Shard, local_chunk
+from tests import models
+from tests.conftest import plan_graph
+
+
+def test_capture_names_parameters_and_specializes_symbolic_sizes(fake_world):
+    fake_world(2)
+    (gm, inputs), = capture_graphs(models.GPTBlock(), torch.randn(2, 8, 32), dynamic=True)
+    sizes = iter([3, 5])
+    concrete = [next(sizes) if isinstance(i, torch.SymInt) else
+                torch.randn(3, 5, 32) if isinstance(i, torch.Tensor) and i.dim() == 3 else i for i in inputs]
+    config = ParallelConfig(MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2)))
+    gm, ctx = parallelize_graph(gm, concrete, config, passes=(capture_pass,))
+    assert sorted(p.fqn for p in ctx.params.values()) == sorted(
+        ["ln1.weight", "ln1.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias",
+         "ln2.weight", "ln2.bias", "fc.weight", "fc.bias", "fc_out.weight", "fc_out.bias"])
+    views = [n for n in gm.graph.nodes if n.target == "view"]
+    assert len(views) == 3 and all(n.args[1:3] == (3, 5) for n in views)
+    assert not any(isinstance(n.meta.get("val"), torch.SymInt) for n in gm.graph.nodes if n.op != "placeholder")
+
+
+def test_detect_finds_fused_qkv_attention_and_mlp(fake_world):
+    _, ctx = plan_graph(models.GPTBlock(), [torch.randn(2, 8, 32)], tp=2, passes=(capture_pass, detect_pass))
+    attention, mlp = ctx.sites
+    assert isinstance(attention, AttentionSite) and isinstance(mlp, MLPSite)
+    names = lambda nodes: [ctx.params[n.args[1].name].fqn for n in nodes]  # noqa: E731
+    assert names(attention.q) == names(attention.k) == names(attention.v) == ["qkv.weight"]
+    assert names(attention.out) == ["proj.weight"]
+    assert (attention.num_heads, attention.num_kv_heads) == (4, 4)
+    assert names(mlp.up) == ["fc.weight"] and names([mlp.down]) == ["fc_out.weight"]
+
+
+def test_detect_finds_gated_mlp_and_gqa_heads(fake_world):
+    ids = [torch.randint(0, 50, (2, 8))]
+    _, ctx = plan_graph(models.Llama(layers=1), ids, tp=2, passes=(capture_pass, detect_pass))
+    attention, mlp = ctx.sites
+    names = lambda nodes: sorted(ctx.params[n.args[1].name].fqn for n in nodes)  # noqa: E731
+    assert (attention.num_heads, attention.num_kv_heads) == (8, 2)
+    assert names(attention.k) == ["blocks.0.k_proj.weight"]
+    assert names(mlp.up) == ["blocks.0.gate_proj.weight", "blocks.0.up_proj.weight"]
+    assert names([mlp.down]) == ["blocks.0.down_proj.weight"]
+    assert "lm_head.weight" not in {ctx.params[n.args[1].name].fqn for s in ctx.sites for n in s.colwise + s.rowwise}
+
+
+def test_rewrite_splits_rowwise_bias_and_expands_gqa_kv(fake_world):
+    _, ctx = plan_graph(models.GPTBlock(), [torch.randn(2, 8, 32)], tp=2,
+                        passes=(capture_pass, detect_pass, rewrite_pass))
+    attention, mlp = ctx.sites
+    for linear in attention.out + [mlp.down]:
+        assert len(linear.args) == 2 and not linear.kwargs
+        (add,) = linear.users
+        assert add.target is operator.add and add.args[1].op == "placeholder"
+    model = models.Llama(layers=1, enable_gqa=True)
+    gm, ctx = plan_graph(model, [torch.randint(0, 50, (2, 8))], tp=4, passes=(capture_pass, detect_pass, rewrite_pass))
+    core = ctx.sites[0].core
+    assert core.kwargs["enable_gqa"] is False
+    assert [a.target for a in core.args[1:3]] == ["repeat_interleave"] * 2
+
+
+@pytest.mark.parametrize("src, dst, placement, expected", [
+    ((2, 8, 64), (2, 8, 8, 8), Shard(2), Shard(2)),           # split features into heads
+    ((2, 8, 8, 8), (2, 8, 64), Shard(2), Shard(2)),           # merge heads back
+    ((2, 8, 8, 8), (2, 8, 64), Shard(3), None),               # head_dim shard cannot merge
+    ((2, 8, 48), (2, 8, 6, 8), Shard(2), None),               # 6 heads do not divide by 4
+    ((2, 8, 96), (2, 8, 3, 4, 8), InterleavedShard(2, (32, 32, 32)), Shard(3)),  # fused qkv view
+    ((2, 8, 96), (16, 96), InterleavedShard(2, (32, 32, 32)), InterleavedShard(1, (32, 32, 32))),
+    ((2, 1, 64), (2, 64), Shard(2), Shard(1)),
+])
+def test_view_rule(src, dst, placement, expected):
+    assert view_target(src, dst, placement, 4) == expected
+
+
+def test_basic_index_keeps_whole_dims():
+    assert _index_map((Ellipsis, slice(None, 4)), 4) == {0: 0, 1: 1, 2: 2}
+    assert _index_map((slice(None), slice(None), None), 4) == {0: 0, 1: 1, 2: 3, 3: 4}
+    assert _index_map((slice(None), -1), 3) == {0: 0, 2: 1}
+
+
+def test_interleaved_local_chunk_takes_each_part():
+    full = torch.arange(12)
+    assert local_chunk(full, InterleavedShard(0, (4, 4, 4)), 1, 2).tolist() == [2, 3, 6, 7, 10, 11]
+    assert local_chunk(full, Shard(0), 1, 2).tolist() == list(range(6, 12))
+    assert local_chunk(full, Replicate(), 1, 2) is full

@@ -1,0 +1,151 @@
+"""Exact structure of the per-rank graph at world size 8, on a fake process group."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import expecttest
+import torch
+import torch.distributed as dist
+from torch._dynamo.backends.common import aot_autograd
+
+from dtensor_par.ops import collectives as C
+from dtensor_par.passes.localize import collectives_in
+from dtensor_par.placements import InterleavedShard, Replicate, Shard, local_chunk
+from tests import models
+from tests.conftest import plan_graph
+
+
+def forward_collectives(gm) -> Counter:
+    return Counter(kind for _, kind in collectives_in(gm))
+
+
+def traced_collectives(gm, ctx, tp: int) -> dict[str, Counter]:
+    """Collectives AOTAutograd traces into the forward and backward graphs of the local graph."""
+    graphs = {}
+
+    def keep(name):
+        def compiler(g, _):
+            graphs[name] = g
+            return g
+        return compiler
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = []
+    for node, value in zip(placeholders, ctx.example_inputs):
+        local = local_chunk(value.detach(), node.meta["dtensor_par"].out, 0, tp).contiguous()
+        inputs.append(local.requires_grad_(value.is_floating_point()))
+    out = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))(gm, inputs)(*inputs)
+    out[0].sum().backward()
+    return {name: Counter(n.target.__name__.split(".")[0] for n in g.graph.nodes
+                          if n.op == "call_function" and getattr(n.target, "namespace", "") == "_c10d_functional"
+                          and "wait" not in str(n.target))
+            for name, g in graphs.items()}
+
+
+def test_plain_tp_two_all_reduces_per_block_forward_and_backward(fake_world):
+    layers = 3
+    model = models.GPT(layers=layers, hidden=64, heads=8, mlp=128)
+    gm, ctx = plan_graph(model, [torch.randn(2, 16, 64)], tp=8)
+    assert forward_collectives(gm) == Counter(all_reduce=2 * layers)
+    assert sum(n.target is C.grad_all_reduce for n in gm.graph.nodes) == 2 * layers
+    traced = traced_collectives(gm, ctx, 8)
+    assert traced["forward"] == Counter(all_reduce=2 * layers)
+    assert traced["backward"] == Counter(all_reduce=2 * layers)
+    assert ctx.warnings == []
+
+
+def test_sequence_parallel_reduce_scatter_and_all_gather(fake_world):
+    layers = 3
+    model = models.GPT(layers=layers, hidden=64, heads=8, mlp=128)
+    gm, ctx = plan_graph(model, [torch.randn(2, 16, 64)], tp=8, sequence_parallel=True)
+    # Block 1 gets the replicated input, so only its MLP needs a gather; every later block
+    # gathers before attention and MLP; the output is gathered once at the end.
+    assert forward_collectives(gm) == Counter(reduce_scatter=2 * layers, all_gather=2 * layers)
+    traced = traced_collectives(gm, ctx, 8)
+    assert traced["forward"] == Counter(reduce_scatter_tensor=2 * layers, all_gather_into_tensor=2 * layers)
+    # Backward: each gather that feeds a colwise linear reduce-scatters (the output gather
+    # only slices); each reduce-scatter all-gathers, plus block 1's slice of its input.
+    # All-reduces: grads of the sequence-sharded norms' weight and bias (2 * (2 * layers - 1)),
+    # of the rowwise biases (2 * layers), and of block 1's replicated attention input (1).
+    norms_on_shards = 2 * layers - 1
+    assert traced["backward"] == Counter(reduce_scatter_tensor=2 * layers - 1, all_gather_into_tensor=2 * layers + 1,
+                                         all_reduce=2 * norms_on_shards + 2 * layers + 1)
+
+
+def test_megatron_weight_placements(fake_world):
+    gm, ctx = plan_graph(models.GPTBlock(hidden=64, heads=8, mlp=128), [torch.randn(2, 16, 64)], tp=8)
+    by_fqn = {ctx.params[name].fqn: p for name, p in ctx.param_placements.items()}
+    assert by_fqn == {
+        "qkv.weight": InterleavedShard(0, (64, 64, 64)), "qkv.bias": InterleavedShard(0, (64, 64, 64)),
+        "proj.weight": Shard(1), "fc.weight": Shard(0), "fc.bias": Shard(0), "fc_out.weight": Shard(1),
+    }
+
+
+def test_llama_gqa_kv_sharded_when_divisible_else_replicated(fake_world):
+    ids = [torch.randint(0, 50, (2, 8))]
+    model = models.Llama(layers=1, hidden=64, heads=8, kv_heads=8)
+    _, ctx = plan_graph(model, ids, tp=8)
+    fqns = {ctx.params[name].fqn for name, p in ctx.param_placements.items() if p != Replicate()}
+    assert {"blocks.0.k_proj.weight", "blocks.0.v_proj.weight", "blocks.0.q_proj.weight"} <= fqns
+    model = models.Llama(layers=1, hidden=64, heads=8, kv_heads=2)
+    gm, ctx = plan_graph(model, ids, tp=8)
+    fqns = {ctx.params[name].fqn for name in ctx.param_placements}
+    assert "blocks.0.k_proj.weight" not in fqns and "blocks.0.q_proj.weight" in fqns
+    assert ctx.warnings == ["attention0 (a): 2 kv heads do not divide by tp=8; "
+                            "kv projections ['blocks.0.k_proj', 'blocks.0.v_proj'] stay replicated"]
+    assert forward_collectives(gm) == Counter(all_reduce=2)
+
+
+class TestLocalGraphGolden(expecttest.TestCase):
+    def tearDown(self):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch._dynamo.reset()
+
+    def test_gpt_block_local_graph_at_tp8(self):
+        gm, _ = plan_graph(models.GPTBlock(hidden=64, heads=8, mlp=128), [torch.randn(2, 16, 64)], tp=8)
+        self.assertExpectedInline(gm.code.strip(), """\
+def forward(self, L_x_ : torch.Tensor, L_self_modules_ln1_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_ln1_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_qkv_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_qkv_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_proj_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_proj_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_ln2_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_ln2_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_fc_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_fc_parameters_bias_ : torch.nn.parameter.Parameter, L_self_modules_fc_out_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_fc_out_parameters_bias_ : torch.nn.parameter.Parameter):
+    l_x_ = L_x_
+    l_self_modules_ln1_parameters_weight_ = L_self_modules_ln1_parameters_weight_
+    l_self_modules_ln1_parameters_bias_ = L_self_modules_ln1_parameters_bias_
+    l_self_modules_qkv_parameters_weight_ = L_self_modules_qkv_parameters_weight_
+    l_self_modules_qkv_parameters_bias_ = L_self_modules_qkv_parameters_bias_
+    l_self_modules_proj_parameters_weight_ = L_self_modules_proj_parameters_weight_
+    l_self_modules_proj_parameters_bias_ = L_self_modules_proj_parameters_bias_
+    l_self_modules_ln2_parameters_weight_ = L_self_modules_ln2_parameters_weight_
+    l_self_modules_ln2_parameters_bias_ = L_self_modules_ln2_parameters_bias_
+    l_self_modules_fc_parameters_weight_ = L_self_modules_fc_parameters_weight_
+    l_self_modules_fc_parameters_bias_ = L_self_modules_fc_parameters_bias_
+    l_self_modules_fc_out_parameters_weight_ = L_self_modules_fc_out_parameters_weight_
+    l_self_modules_fc_out_parameters_bias_ = L_self_modules_fc_out_parameters_bias_
+    layer_norm = torch.nn.functional.layer_norm(l_x_, (64,), l_self_modules_ln1_parameters_weight_, l_self_modules_ln1_parameters_bias_, 1e-05);  l_self_modules_ln1_parameters_weight_ = l_self_modules_ln1_parameters_bias_ = None
+    grad_all_reduce = dtensor_par_ops_collectives_grad_all_reduce(layer_norm, '0');  layer_norm = None
+    linear = torch._C._nn.linear(grad_all_reduce, l_self_modules_qkv_parameters_weight_, l_self_modules_qkv_parameters_bias_);  grad_all_reduce = l_self_modules_qkv_parameters_weight_ = l_self_modules_qkv_parameters_bias_ = None
+    chunk = linear.chunk(3, dim = -1);  linear = None
+    q = chunk[0]
+    k = chunk[1]
+    v = chunk[2];  chunk = None
+    reshape_1 = q.reshape(2, 16, 1, 8);  q = None
+    q_1 = reshape_1.transpose(1, 2);  reshape_1 = None
+    reshape_2 = k.reshape(2, 16, 1, 8);  k = None
+    k_1 = reshape_2.transpose(1, 2);  reshape_2 = None
+    reshape_3 = v.reshape(2, 16, 1, 8);  v = None
+    v_1 = reshape_3.transpose(1, 2);  reshape_3 = None
+    a = torch._C._nn.scaled_dot_product_attention(q_1, k_1, v_1, is_causal = True);  q_1 = k_1 = v_1 = None
+    transpose_3 = a.transpose(1, 2);  a = None
+    reshape_4 = transpose_3.reshape(2, 16, 8);  transpose_3 = None
+    linear_1 = torch._C._nn.linear(reshape_4, l_self_modules_proj_parameters_weight_);  reshape_4 = l_self_modules_proj_parameters_weight_ = None
+    all_reduce = dtensor_par_ops_collectives_all_reduce(linear_1, '0');  linear_1 = None
+    add = all_reduce + l_self_modules_proj_parameters_bias_;  all_reduce = l_self_modules_proj_parameters_bias_ = None
+    x = l_x_ + add;  l_x_ = add = None
+    layer_norm_1 = torch.nn.functional.layer_norm(x, (64,), l_self_modules_ln2_parameters_weight_, l_self_modules_ln2_parameters_bias_, 1e-05);  l_self_modules_ln2_parameters_weight_ = l_self_modules_ln2_parameters_bias_ = None
+    grad_all_reduce_1 = dtensor_par_ops_collectives_grad_all_reduce(layer_norm_1, '0');  layer_norm_1 = None
+    linear_2 = torch._C._nn.linear(grad_all_reduce_1, l_self_modules_fc_parameters_weight_, l_self_modules_fc_parameters_bias_);  grad_all_reduce_1 = l_self_modules_fc_parameters_weight_ = l_self_modules_fc_parameters_bias_ = None
+    gelu = torch._C._nn.gelu(linear_2, approximate = 'tanh');  linear_2 = None
+    linear_3 = torch._C._nn.linear(gelu, l_self_modules_fc_out_parameters_weight_);  gelu = l_self_modules_fc_out_parameters_weight_ = None
+    all_reduce_1 = dtensor_par_ops_collectives_all_reduce(linear_3, '0');  linear_3 = None
+    add_2 = all_reduce_1 + l_self_modules_fc_out_parameters_bias_;  all_reduce_1 = l_self_modules_fc_out_parameters_bias_ = None
+    add_1 = x + add_2;  x = add_2 = None
+    return (add_1,)""")
