@@ -1,6 +1,8 @@
 """Compile-time tensor + context parallelism for unmodified PyTorch models."""
 
 from .api import hybrid_parallel
+from .explain import explain
+from .logs import set_verbosity
 from .mesh import init_mesh
 
-__all__ = ["hybrid_parallel", "init_mesh"]
+__all__ = ["explain", "hybrid_parallel", "init_mesh", "set_verbosity"]

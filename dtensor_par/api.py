@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -29,6 +30,7 @@ def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "induct
     DTensors. ``sequence_parallel`` shards norms, residuals and pointwise ops between sites
     along the sequence over tp (Megatron-SP): reduce-scatter + all-gather instead of all-reduce.
     """
+    dump_dir = dump_dir or os.environ.get("DTENSOR_PAR_DUMP")
     if output not in OUTPUT_MODES:
         raise ValueError(f"hybrid_parallel: output must be one of {OUTPUT_MODES}, got {output!r}")
     info = MeshInfo.from_mesh(mesh)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
 import torch.fx as fx
+
+from .dump import GraphDump
+from .logs import logger
 
 from .passes.capture import capture_pass
 from .passes.context import ParallelConfig, ParallelContext
 from .passes.detect import detect_pass
-from .passes.localize import localize_pass
+from .passes.localize import communications, localize_pass
 from .passes.plan import plan_pass
 from .passes.rewrite import rewrite_pass
 
@@ -25,10 +30,20 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def parallelize_graph(gm: fx.GraphModule, example_inputs: list, config: ParallelConfig,
-                      passes=PASSES) -> tuple[fx.GraphModule, ParallelContext]:
+                      passes=PASSES, dump: GraphDump | None = None) -> tuple[fx.GraphModule, ParallelContext]:
     """Run ``passes`` in order on a copy of ``gm`` for concrete ``example_inputs``."""
     ctx = ParallelContext(config, list(example_inputs))
+    if dump is not None:
+        dump.captured(gm)
     gm = copy_graph_module(gm)
+    start = time.perf_counter()
     for run in passes:
+        t0 = time.perf_counter()
         gm = run(gm, ctx)
+        logger.debug("%s: %.1f ms", run.__name__, 1e3 * (time.perf_counter() - t0))
+        if dump is not None:
+            dump.after(run.__name__, gm, ctx)
+    logger.info("planned a graph of %d nodes: %d sites, %d ops that communicate, %d warnings, %.1f ms",
+                len(gm.graph.nodes), len(ctx.sites), len(communications(gm)), len(ctx.warnings),
+                1e3 * (time.perf_counter() - start))
     return gm, ctx

@@ -86,6 +86,7 @@ class MeshInfo:
 
     device_type: str
     dims: dict[str, MeshDim]
+    order: tuple[str, ...]  # all three dim names, the last varying fastest across ranks
 
     def size(self, name: str) -> int:
         return self.dims[name].size
@@ -120,4 +121,12 @@ class MeshInfo:
             size = mesh.shape[i]
             group = mesh.get_group(name).group_name if size > 1 else None
             dims[name] = MeshDim(name, size, coords[i], group)
-        return MeshInfo(mesh.device_type, dims)
+        order = tuple(n for n in MESH_DIMS if n not in names) + tuple(names)
+        return MeshInfo(mesh.device_type, dims, order)
+
+    @staticmethod
+    def for_planning(sizes: dict[str, int], device_type: str, order: tuple[str, ...] | None = None) -> MeshInfo:
+        """A mesh seen from rank 0 without any process group: enough to plan at any size."""
+        order = tuple(order) if order is not None else default_order(device_type)
+        dims = {n: MeshDim(n, sizes.get(n, 1), 0, n if sizes.get(n, 1) > 1 else None) for n in MESH_DIMS}
+        return MeshInfo(device_type, dims, order)

@@ -63,4 +63,4 @@ def describe(p: Placement | tuple | list | None) -> str:
         return "-"
     if isinstance(p, (tuple, list)):
         return "(" + ", ".join(describe(x) for x in p) + ")"
-    return repr(p)
+    return str(p)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -11,11 +13,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from .backend import parallelize_graph
+from .dump import GraphDump
 from .mesh import MeshDim
 from .ops.collectives import gather_param_grad
 from .passes.capture import scalar_inputs
 from .passes.context import ParallelConfig, ParallelContext
 from .placements import Placement, local_chunk, shard_dim
+
+
+_graph_ids = itertools.count()  # names dump folders: one per planned graph and input signature
 
 
 class _LocalShard(torch.autograd.Function):
@@ -111,9 +117,17 @@ class ParallelRuntime:
                     f"{self.config.mesh.device_type}; move the model and inputs to the mesh's device type"
                 )
 
+    def _dump(self) -> GraphDump | None:
+        if self.config.dump_dir is None:
+            return None
+        dims = self.config.mesh.dims  # this rank's coordinates name its folder
+        coords = "_".join(f"{d}{dims[d].rank}" for d in self.config.mesh.order)
+        folder = os.path.join(self.config.dump_dir, coords, f"graph{next(_graph_ids)}")
+        return GraphDump(folder, self.config.mesh.order)
+
     def _build(self, args) -> LocalGraph:
         self._check_devices(args)
-        local_gm, ctx = parallelize_graph(self.gm, args, self.config)
+        local_gm, ctx = parallelize_graph(self.gm, args, self.config, dump=self._dump())
         placeholders = [n for n in local_gm.graph.nodes if n.op == "placeholder"]
         input_placements = [n.meta["dtensor_par"].out for n in placeholders]
         with torch.no_grad():

@@ -81,7 +81,7 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x):
         b, s, _ = x.shape
-        freqs = torch.outer(torch.arange(s, dtype=torch.float32), self.inv_freq)
+        freqs = torch.outer(torch.arange(s, dtype=torch.float32, device=x.device), self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         h = self.input_norm(x)

@@ -177,6 +177,13 @@ def gather_param_grad(grad: torch.Tensor, p: Placement, group: str, size: int) -
     return _gather(grad, p.dim, p.parts if isinstance(p, InterleavedShard) else None, group, size)
 
 
-COLLECTIVES = {all_reduce: "all_reduce", reduce_scatter: "reduce_scatter", all_gather: "all_gather",
-               all_gather_partial_grad: "all_gather", all_to_all: "all_to_all"}
-"""Functions a localized graph calls that communicate in the forward, by kind."""
+COMMUNICATION = {
+    all_reduce: ("all_reduce", None),
+    reduce_scatter: ("reduce_scatter", "all_gather"),
+    all_gather: ("all_gather", None),
+    all_gather_partial_grad: ("all_gather", "reduce_scatter"),
+    shard_local: (None, "all_gather"),
+    all_to_all: ("all_to_all", "all_to_all"),
+    grad_all_reduce: (None, "all_reduce"),
+}
+"""The collective each function a localized graph calls issues in (forward, backward)."""

@@ -55,6 +55,7 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for i, (node, value) in enumerate(zip(placeholders, ctx.example_inputs)):
         if isinstance(value, torch.nn.Parameter):
             ctx.params[node.name] = ParamInfo(names.get(node.name, node.target), i, value)
+            node.meta["dtensor_par_fqn"] = ctx.params[node.name].fqn
 
     for i in scalar_inputs(gm):
         for item in list(placeholders[i].users):
@@ -75,5 +76,24 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         if node.op != "placeholder":
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
+    _mark_requires_grad(gm, ctx.example_inputs)
     gm.recompile()
     return gm
+
+
+def _mark_requires_grad(gm: fx.GraphModule, example_inputs: list) -> None:
+    """``meta["requires_grad"]``: whether autograd will want the node's gradient.
+
+    Fake values cannot tell (their snapshots are detached), and localize needs it to add a
+    backward collective only where a gradient flows.
+    """
+    placeholders = iter(example_inputs)
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            example = next(placeholders)
+            flows = isinstance(example, torch.Tensor) and example.requires_grad
+        else:
+            flows = (node.target != "detach" and isinstance(val, (torch.Tensor, tuple, list))
+                     and any(i.meta.get("requires_grad") for i in node.all_input_nodes))
+        node.meta["requires_grad"] = flows

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from ..logs import logger
 from ..mesh import MeshInfo
 from ..placements import Placement
-
-logger = logging.getLogger("dtensor_par")
 
 
 @dataclass

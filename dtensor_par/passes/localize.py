@@ -8,6 +8,9 @@ them), so placeholders are left as they are.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 
@@ -25,23 +28,57 @@ def _parts(p: Placement) -> tuple[int, ...] | None:
     return p.parts if isinstance(p, InterleavedShard) else None
 
 
-def redistribute(graph: fx.Graph, x: fx.Node, src: Placement, dst: Placement, dim: MeshDim) -> fx.Node:
+@dataclass(frozen=True)
+class Communication:
+    """What one inserted op communicates, for dumps and reports."""
+
+    forward: str | None  # collective issued in the forward, if any
+    backward: str | None  # collective its backward issues, if any
+    mesh_dim: str
+    group_size: int
+    forward_bytes: int  # bytes this rank puts into the forward collective
+    backward_bytes: int  # bytes of the gradient this rank puts into the backward collective
+    site: str | None  # the site whose plan needs it
+
+
+def local_bytes(val: torch.Tensor, p: Placement, size: int) -> int:
+    return math.prod(local_shape(val.shape, p, size)) * val.element_size()
+
+
+class _Inserter:
+    """Inserts collective calls before a node, each annotated with its Communication."""
+
+    def __init__(self, graph: fx.Graph, dim: MeshDim, val: torch.Tensor, site: str | None):
+        self.graph, self.dim, self.val, self.site = graph, dim, val, site
+
+    def __call__(self, fn, args: tuple, src: Placement, dst: Placement) -> fx.Node:
+        node = self.graph.call_function(fn, args)
+        forward, backward = C.COMMUNICATION[fn]
+        size = self.dim.size
+        node.meta["dtensor_par_comm"] = Communication(
+            forward, backward, self.dim.name, size, local_bytes(self.val, src, size),
+            local_bytes(self.val, dst, size), self.site)
+        return node
+
+
+def redistribute(insert: _Inserter, x: fx.Node, src: Placement, dst: Placement) -> fx.Node:
     """Insert the op that turns ``x`` from ``src`` into ``dst`` placement (before the cursor)."""
+    dim = insert.dim
     group, rank, size = dim.group_name, dim.rank, dim.size
     if isinstance(src, Partial):
         if dst == R:
-            return graph.call_function(C.all_reduce, (x, group))
+            return insert(C.all_reduce, (x, group), src, dst)
         if isinstance(dst, Shard):
-            return graph.call_function(C.reduce_scatter, (x, dst.dim, group, size))
+            return insert(C.reduce_scatter, (x, dst.dim, group, size), src, dst)
     elif src == R:
-        return graph.call_function(C.shard_local, (x, dst.dim, _parts(dst), group, rank, size))
+        return insert(C.shard_local, (x, dst.dim, _parts(dst), group, rank, size), src, dst)
     elif dst == R:
-        return graph.call_function(C.all_gather, (x, src.dim, _parts(src), group, rank, size))
+        return insert(C.all_gather, (x, src.dim, _parts(src), group, rank, size), src, dst)
     elif isinstance(src, Shard) and isinstance(dst, Shard):
-        return graph.call_function(C.all_to_all, (x, src.dim, dst.dim, group, size))
+        return insert(C.all_to_all, (x, src.dim, dst.dim, group, size), src, dst)
     else:
-        full = graph.call_function(C.all_gather, (x, src.dim, _parts(src), group, rank, size))
-        return graph.call_function(C.shard_local, (full, dst.dim, _parts(dst), group, rank, size))
+        full = insert(C.all_gather, (x, src.dim, _parts(src), group, rank, size), src, R)
+        return insert(C.shard_local, (full, dst.dim, _parts(dst), group, rank, size), R, dst)
     raise ValueError(f"localize: no redistribution from {src} to {dst} for {x.name}")
 
 
@@ -100,16 +137,18 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             i = next(position)
             src, dst = arg.meta["dtensor_par"].out, sharding.inputs[i]
             new = arg
-            partial_grad = dst == R and computes_locally and tensor_val(arg).is_floating_point()
+            partial_grad = dst == R and computes_locally and arg.meta["requires_grad"]
+            site = node.meta.get("dtensor_par_site") or arg.meta.get("dtensor_par_site")
+            insert = _Inserter(graph, tp, tensor_val(arg), site)
             with graph.inserting_before(node):
                 if partial_grad and shard_dim(src) is not None:
-                    return cached((arg, "gather_partial_grad"), lambda: graph.call_function(
-                        C.all_gather_partial_grad, (arg, src.dim, _parts(src), tp.group_name, tp.size)))
+                    return cached((arg, "gather_partial_grad"), lambda: insert(
+                        C.all_gather_partial_grad, (arg, src.dim, _parts(src), tp.group_name, tp.size), src, R))
                 if src != dst:
-                    new = cached((arg, dst), lambda: redistribute(graph, arg, src, dst, tp))
+                    new = cached((arg, dst), lambda: redistribute(insert, arg, src, dst))
                 if partial_grad:
                     new = cached((new, "grad_all_reduce"),
-                                 lambda: graph.call_function(C.grad_all_reduce, (new, tp.group_name)))
+                                 lambda: insert(C.grad_all_reduce, (new, tp.group_name), R, R))
             return new
 
         node.args = fx.node.map_arg(node.args, localized)
@@ -124,7 +163,11 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     return gm
 
 
+def communications(gm: fx.GraphModule) -> list[tuple[fx.Node, Communication]]:
+    """Every op of a localized graph that communicates, forward or backward."""
+    return [(n, n.meta["dtensor_par_comm"]) for n in gm.graph.nodes if "dtensor_par_comm" in n.meta]
+
+
 def collectives_in(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
     """Every forward collective of a localized graph, with its kind."""
-    return [(n, C.COLLECTIVES[n.target]) for n in gm.graph.nodes
-            if n.op == "call_function" and n.target in C.COLLECTIVES]
+    return [(n, c.forward) for n, c in communications(gm) if c.forward]

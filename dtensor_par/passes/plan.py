@@ -129,6 +129,8 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         sharding = plan_node(node, env, ctx)
         node.meta["dtensor_par"] = sharding
+        if tensor_val(node) is not None:
+            node.meta["dtensor_par_shape"] = tuple(tensor_val(node).shape)
         if node.op == "output":
             placements = iter(sharding.inputs)
             ctx.output_placements = [next(placements) if tensor_val(o) is not None else None

@@ -1,0 +1,229 @@
+"""Graph dumps: what each pass made of a graph, the collectives, the plan as JSON, the mesh.
+
+A dump folder holds, for one compiled graph: ``0_dynamo.py`` (the graph as Dynamo captured
+it) and one file per pass (``1_capture.py`` ... ``5_localize.py``, the last being the graph the
+inner backend compiles; gloo and NCCL take its functional collectives as they are),
+``sites.txt``, ``collectives.md``, ``plan.json`` and ``mesh.svg``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from xml.sax.saxutils import escape
+
+import torch.fx as fx
+
+from .mesh import MESH_DIMS
+from .passes.context import ParallelContext
+from .passes.detect import AttentionSite
+from .passes.localize import communications
+from .passes.patterns import target_name
+from .placements import Replicate, describe, local_shape
+
+PLAN_VERSION = 1
+
+
+def _format_arg(a) -> str:
+    if isinstance(a, fx.Node):
+        return a.name
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_format_arg(x) for x in a)
+        return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+    return repr(a)
+
+
+def node_line(node: fx.Node) -> str:
+    """One node as code, with its shape, placements and site as a comment."""
+    args = node.args[1:] if node.op == "call_method" else node.args
+    parts = [_format_arg(a) for a in args] + [f"{k}={_format_arg(v)}" for k, v in node.kwargs.items()]
+    if node.op == "placeholder":
+        code = f"{node.name} = input({node.target!r})"
+    elif node.op == "output":
+        code = f"return {_format_arg(node.args[0])}"
+    elif node.op == "call_method":
+        code = f"{node.name} = {_format_arg(node.args[0])}.{node.target}({', '.join(parts)})"
+    else:
+        code = f"{node.name} = {target_name(node)}({', '.join(parts)})"
+    notes = [node.meta["dtensor_par_fqn"]] if "dtensor_par_fqn" in node.meta else []
+    if "dtensor_par_shape" in node.meta:
+        notes.append(str(list(node.meta["dtensor_par_shape"])))
+    sharding = node.meta.get("dtensor_par")
+    if sharding is not None:
+        ins = f" <- {describe(sharding.inputs)}" if sharding.inputs else ""
+        notes.append(f"tp: {describe(sharding.out)}{ins}")
+    if "dtensor_par_comm" in node.meta:
+        c = node.meta["dtensor_par_comm"]
+        notes.append(f"comm fwd={c.forward} bwd={c.backward} over {c.mesh_dim}[{c.group_size}]")
+    if node.meta.get("dtensor_par_site"):
+        notes.append(node.meta["dtensor_par_site"])
+    return code + (f"  # {'  '.join(notes)}" if notes else "")
+
+
+def graph_text(gm: fx.GraphModule) -> str:
+    return "\n".join(node_line(n) for n in gm.graph.nodes) + "\n"
+
+
+def sites_text(ctx: ParallelContext) -> str:
+    lines = []
+    for site in ctx.sites:
+        def names(nodes):
+            return [ctx.params[n.args[1].name].fqn.removesuffix(".weight") for n in nodes]
+        if isinstance(site, AttentionSite):
+            lines.append(f"{site.name}: attention {site.core.name}, {site.num_heads} heads, "
+                         f"{site.num_kv_heads} kv heads; q={names(site.q)} k={names(site.k)} "
+                         f"v={names(site.v)} out={names(site.out)}")
+        else:
+            lines.append(f"{site.name}: mlp up={names(site.up)} down={names([site.down])} "
+                         f"activations={[a.name for a in site.activations]}")
+    return "\n".join(lines) + "\n"
+
+
+def collective_rows(gm: fx.GraphModule) -> list[dict]:
+    """Collectives of a localized graph grouped by (direction, op, dim, size, bytes, site)."""
+    counts = Counter()
+    for _, c in communications(gm):
+        for direction, op, nbytes in (("forward", c.forward, c.forward_bytes),
+                                      ("backward", c.backward, c.backward_bytes)):
+            if op:
+                counts[(direction, op, c.mesh_dim, c.group_size, nbytes, c.site or "-")] += 1
+    keys = ("direction", "op", "mesh_dims", "group_size", "bytes_per_rank", "site")
+    return [{**dict(zip(keys, k)), "count": n} for k, n in counts.items()]
+
+
+def collectives_markdown(rows: list[dict]) -> str:
+    lines = ["| direction | op | mesh dims | group size | bytes per rank | count | site |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['direction']} | {r['op']} | {r['mesh_dims']} | {r['group_size']} | {r['bytes_per_rank']} "
+              f"| {r['count']} | {r['site']} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def parameter_rows(ctx: ParallelContext) -> list[dict]:
+    size = ctx.mesh.size("tp")
+    rows = []
+    for name, info in ctx.params.items():
+        p = ctx.param_placements.get(name)
+        shape = tuple(info.tensor.shape)
+        local = local_shape(shape, p, size) if p is not None else shape
+        numel = 1
+        for d in local:
+            numel *= d
+        rows.append({"name": info.fqn, "shape": list(shape), "placement": {"tp": describe(p or Replicate())},
+                     "local_shape": list(local), "bytes_per_rank": numel * info.tensor.element_size()})
+    return rows
+
+
+def planned_nodes(gm: fx.GraphModule) -> list[dict]:
+    """Every node of a planned graph with its shape, placements and site."""
+    nodes = []
+    for n in gm.graph.nodes:
+        sharding = n.meta.get("dtensor_par")
+        nodes.append({"name": n.name, "op": n.op, "target": target_name(n),
+                      "shape": list(n.meta["dtensor_par_shape"]) if "dtensor_par_shape" in n.meta else None,
+                      "placement": {"tp": {"out": describe(sharding.out), "inputs": describe(sharding.inputs)}},
+                      "site": n.meta.get("dtensor_par_site")})
+    return nodes
+
+
+def plan_dict(nodes: list[dict], local_gm: fx.GraphModule, ctx: ParallelContext) -> dict:
+    """The plan with stable keys: mesh, sites, parameters, nodes, collectives, warnings."""
+    return {
+        "version": PLAN_VERSION,
+        "mesh": {name: ctx.mesh.size(name) for name in MESH_DIMS},
+        "world_size": ctx.mesh.world_size,
+        "sites": sites_text(ctx).splitlines(),
+        "parameters": parameter_rows(ctx),
+        "nodes": nodes,
+        "collectives": collective_rows(local_gm),
+        "warnings": list(ctx.warnings),
+    }
+
+
+def mesh_svg(sizes: dict[str, int], order: tuple[str, ...], sites: list[str] | None = None) -> str:
+    """Ranks as a grid: one panel per index of the outer dim, rows along the middle dim,
+    columns along the innermost (contiguous) dim. Innermost groups are the filled rows,
+    middle-dim groups the dashed columns, outer-dim groups share a cell position."""
+    outer, middle, inner = (sizes[d] for d in order)
+    cell, gap, pad = 44, 24, 20
+    panel_w, panel_h = inner * cell, middle * cell
+    site_lines = sites or []
+    title = (f'mesh {" x ".join(f"{d}={sizes[d]}" for d in order)} ({outer * middle * inner} ranks; '
+             f'last dim contiguous)')
+    legend = (f"filled rows: {order[2]} groups; dashed columns: {order[1]} groups; "
+              f"same cell across panels: {order[0]} groups")
+    char_width = 7.3  # 12px monospace
+    longest = max(len(line) for line in [title, legend] + site_lines)
+    width = int(max(pad * 2 + outer * panel_w + (outer - 1) * gap, pad * 2 + longest * char_width))
+    height = pad + 30 + panel_h + 40 + 16 * len(site_lines)
+    colors = ["#cfe3ff", "#ffe0b3", "#d6f5d6", "#f5d6f0", "#fff5b3", "#d6f0f5", "#e8d6f5", "#f5dcd6"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="monospace" font-size="12">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{pad}" y="{pad + 4}">{escape(title)}</text>']
+    top = pad + 30
+    for o in range(outer):
+        x0 = pad + o * (panel_w + gap)
+        out.append(f'<text x="{x0}" y="{top - 6}">{escape(order[0])}={o}</text>')
+        for m in range(middle):
+            y = top + m * cell
+            out.append(f'<rect x="{x0 + 2}" y="{y + 2}" width="{panel_w - 4}" height="{cell - 4}" rx="8" '
+                       f'fill="{colors[(o * middle + m) % len(colors)]}" stroke="#555"/>')
+            for i in range(inner):
+                rank = (o * middle + m) * inner + i
+                out.append(f'<text x="{x0 + i * cell + cell / 2}" y="{y + cell / 2 + 4}" '
+                           f'text-anchor="middle">{rank}</text>')
+        for i in range(inner):
+            out.append(f'<rect x="{x0 + i * cell + 6}" y="{top - 2}" width="{cell - 12}" height="{panel_h + 4}" '
+                       f'fill="none" stroke="#c33" stroke-dasharray="4 3"/>')
+    legend_y = top + panel_h + 24
+    out.append(f'<text x="{pad}" y="{legend_y}">{escape(legend)}</text>')
+    for k, line in enumerate(site_lines):
+        out.append(f'<text x="{pad}" y="{legend_y + 20 + 16 * k}">{escape(line)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def site_placement_lines(ctx: ParallelContext) -> list[str]:
+    """Per site, the tp placement of each of its weights."""
+    lines = []
+    for site in ctx.sites:
+        weights = []
+        for linear in site.colwise + site.rowwise:
+            name = linear.args[1].name
+            weights.append(f"{ctx.params[name].fqn}={describe(ctx.param_placements.get(name, Replicate()))}")
+        lines.append(f"{site.name}: " + ", ".join(weights))
+    return lines
+
+
+class GraphDump:
+    """Writes one folder per compiled graph; ``after`` is called after every pass."""
+
+    def __init__(self, folder: str, order: tuple[str, ...]):
+        self.folder, self.order = folder, order
+        os.makedirs(folder, exist_ok=True)
+        self.step = 0
+        self.nodes: list[dict] = []
+
+    def _write(self, name: str, text: str) -> None:
+        with open(os.path.join(self.folder, name), "w") as f:
+            f.write(text)
+
+    def captured(self, gm: fx.GraphModule) -> None:
+        self._write("0_dynamo.py", gm.code)
+
+    def after(self, pass_name: str, gm: fx.GraphModule, ctx: ParallelContext) -> None:
+        self.step += 1
+        name = pass_name.removesuffix("_pass")
+        self._write(f"{self.step}_{name}.py", graph_text(gm))
+        if name == "detect":
+            self._write("sites.txt", sites_text(ctx))
+        if name == "plan":
+            self.nodes = planned_nodes(gm)
+        if name == "localize":
+            plan = plan_dict(self.nodes, gm, ctx)
+            self._write("plan.json", json.dumps(plan, indent=1, sort_keys=True) + "\n")
+            self._write("collectives.md", collectives_markdown(plan["collectives"]))
+            sizes = {d: ctx.mesh.size(d) for d in MESH_DIMS}
+            self._write("mesh.svg", mesh_svg(sizes, self.order, site_placement_lines(ctx)))

@@ -1,0 +1,99 @@
+"""Plan a model at any mesh size in one process, with no process group, and report the plan."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+from .api import capture_graphs
+from .backend import parallelize_graph
+from .dump import GraphDump, collective_rows, mesh_svg, parameter_rows, site_placement_lines, sites_text
+from .mesh import MESH_DIMS, MeshInfo
+from .passes.context import ParallelConfig
+
+
+@dataclass
+class GraphReport:
+    sites: list[str]
+    placements: list[str]
+    parameters: list[dict]
+    collectives: list[dict]
+    warnings: list[str]
+    plan_seconds: float  # the passes alone, without Dynamo's capture
+
+
+@dataclass
+class Report:
+    """What ``explain`` found; ``str(report)`` is a readable text report."""
+
+    sizes: dict[str, int]
+    order: tuple[str, ...]
+    device_type: str
+    graphs: list[GraphReport] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes.values())
+
+    @property
+    def parameter_bytes(self) -> tuple[int, int]:
+        """(bytes per rank, bytes of the full model) over all graphs' parameters."""
+        rows = {r["name"]: r for g in self.graphs for r in g.parameters}.values()
+        local = sum(r["bytes_per_rank"] for r in rows)
+        full = sum(math.prod(r["shape"]) * (r["bytes_per_rank"] // max(math.prod(r["local_shape"]), 1))
+                   for r in rows)
+        return local, full
+
+    def svg(self) -> str:
+        lines = [line for g in self.graphs for line in g.placements]
+        return mesh_svg(self.sizes, self.order, lines)
+
+    def __str__(self) -> str:
+        mesh = " x ".join(f"{d}={self.sizes[d]}" for d in self.order)
+        local, full = self.parameter_bytes
+        out = [f"dtensor_par plan: mesh {mesh} ({self.world_size} ranks, {self.device_type}, last dim contiguous)",
+               f"parameters: {local:,} bytes per rank of {full:,} ({local / max(full, 1):.1%})"]
+        for i, g in enumerate(self.graphs):
+            out.append(f"\ngraph {i}: {len(g.sites)} sites")
+            out += [f"  {s}" for s in g.sites]
+            out.append("  weight placements:")
+            out += [f"    {p}" for p in g.placements]
+            out.append("  collectives (direction op mesh-dim[group] bytes-per-rank x count, site):")
+            out += [f"    {c['direction']:8} {c['op']:14} {c['mesh_dims']}[{c['group_size']}] "
+                    f"{c['bytes_per_rank']:>12,} B x {c['count']}  {c['site']}" for c in g.collectives]
+            if g.warnings:
+                out.append("  warnings:")
+                out += [f"    {w}" for w in g.warnings]
+        return "\n".join(out)
+
+
+def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int = 1, device_type: str = "cuda",
+            order: tuple[str, ...] | None = None, sequence_parallel: bool = False,
+            dump_dir: str | None = None) -> Report:
+    """Plan ``model(*example_inputs)`` for the given mesh as rank 0 would, without hardware.
+
+    The model may live on the ``meta`` device, so a model too large for this machine can be
+    planned at its real size.
+    """
+    sizes = {"tp": tp, "ring": ring, "ulysses": ulysses}
+    for name, size in sizes.items():
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"explain: mesh dim {name!r} must be a positive int, got {size!r}")
+    cp = {n: sizes[n] for n in ("ring", "ulysses") if sizes[n] > 1}
+    if cp:
+        raise NotImplementedError(f"explain: context parallelism (mesh dims {cp}) is not implemented yet")
+    info = MeshInfo.for_planning(sizes, device_type, order)
+    if sorted(info.order) != sorted(MESH_DIMS):
+        raise ValueError(f"explain: order must name each of {MESH_DIMS} once, got {info.order}")
+    config = ParallelConfig(info, sequence_parallel=sequence_parallel)
+    report = Report(sizes, info.order, device_type)
+    for i, (gm, inputs) in enumerate(capture_graphs(model, *example_inputs)):
+        dump = GraphDump(os.path.join(dump_dir, f"graph{i}"), info.order) if dump_dir else None
+        start = time.perf_counter()
+        local_gm, ctx = parallelize_graph(gm, inputs, config, dump=dump)
+        report.graphs.append(GraphReport(sites_text(ctx).splitlines(), site_placement_lines(ctx),
+                                         parameter_rows(ctx), collective_rows(local_gm), list(ctx.warnings),
+                                         time.perf_counter() - start))
+    return report

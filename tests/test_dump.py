@@ -1,0 +1,189 @@
+"""Graph dumps, explain, the CLI and the verbosity switch."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import expecttest
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtensor_par
+from tests import factories, models
+from tests.conftest import _init_fake
+
+PASS_FILES = ["0_dynamo.py", "1_capture.py", "2_detect.py", "3_rewrite.py", "4_plan.py", "5_localize.py",
+              "collectives.md", "mesh.svg", "plan.json", "sites.txt"]
+
+
+def _compile_and_run(tmp_path, world: int, **options) -> None:
+    _init_fake(world)
+    mesh = dtensor_par.init_mesh(tp=world)
+    model = models.GPTBlock(hidden=64, heads=8, mlp=128)
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="eager", **options))
+    compiled(torch.randn(2, 16, 64))
+
+
+class TestDumpGolden(expecttest.TestCase):
+    def tearDown(self):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch._dynamo.reset()
+
+    def test_dump_of_a_gpt_block_at_8_ranks(self):
+        folder = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"dtensor_par_dump_{os.getpid()}")
+        shutil.rmtree(folder, ignore_errors=True)
+        _compile_and_run(None, 8, dump_dir=folder)
+        (graph,) = os.listdir(os.path.join(folder, "ring0_ulysses0_tp0"))
+        out = os.path.join(folder, "ring0_ulysses0_tp0", graph)
+        assert sorted(os.listdir(out)) == PASS_FILES
+        read = lambda name: open(os.path.join(out, name)).read()  # noqa: E731
+        self.assertExpectedInline(read("sites.txt"), """\
+attention0: attention a, 8 heads, 8 kv heads; q=['qkv'] k=['qkv'] v=['qkv'] out=['proj']
+mlp0: mlp up=['fc'] down=['fc_out'] activations=['gelu']
+""")
+        self.assertExpectedInline(read("collectives.md"), """\
+| direction | op | mesh dims | group size | bytes per rank | count | site |
+| --- | --- | --- | --- | --- | --- | --- |
+| backward | all_reduce | tp | 8 | 8192 | 1 | attention0.colwise |
+| forward | all_reduce | tp | 8 | 8192 | 1 | attention0.rowwise |
+| backward | all_reduce | tp | 8 | 8192 | 1 | mlp0.colwise |
+| forward | all_reduce | tp | 8 | 8192 | 1 | mlp0.rowwise |
+""")
+        self.assertExpectedInline(read("4_plan.py"), """\
+l_x_ = input('L_x_')  # [2, 16, 64]  tp: R
+l_self_modules_ln1_parameters_weight_ = input('L_self_modules_ln1_parameters_weight_')  # ln1.weight  [64]  tp: R
+l_self_modules_ln1_parameters_bias_ = input('L_self_modules_ln1_parameters_bias_')  # ln1.bias  [64]  tp: R
+l_self_modules_qkv_parameters_weight_ = input('L_self_modules_qkv_parameters_weight_')  # qkv.weight  [192, 64]  tp: IS(0,[64, 64, 64])
+l_self_modules_qkv_parameters_bias_ = input('L_self_modules_qkv_parameters_bias_')  # qkv.bias  [192]  tp: IS(0,[64, 64, 64])
+l_self_modules_proj_parameters_weight_ = input('L_self_modules_proj_parameters_weight_')  # proj.weight  [64, 64]  tp: S(1)
+l_self_modules_proj_parameters_bias_ = input('L_self_modules_proj_parameters_bias_')  # proj.bias  [64]  tp: R
+l_self_modules_ln2_parameters_weight_ = input('L_self_modules_ln2_parameters_weight_')  # ln2.weight  [64]  tp: R
+l_self_modules_ln2_parameters_bias_ = input('L_self_modules_ln2_parameters_bias_')  # ln2.bias  [64]  tp: R
+l_self_modules_fc_parameters_weight_ = input('L_self_modules_fc_parameters_weight_')  # fc.weight  [128, 64]  tp: S(0)
+l_self_modules_fc_parameters_bias_ = input('L_self_modules_fc_parameters_bias_')  # fc.bias  [128]  tp: S(0)
+l_self_modules_fc_out_parameters_weight_ = input('L_self_modules_fc_out_parameters_weight_')  # fc_out.weight  [64, 128]  tp: S(1)
+l_self_modules_fc_out_parameters_bias_ = input('L_self_modules_fc_out_parameters_bias_')  # fc_out.bias  [64]  tp: R
+layer_norm = torch.nn.functional.layer_norm(l_x_, (64,), l_self_modules_ln1_parameters_weight_, l_self_modules_ln1_parameters_bias_, 1e-05)  # [2, 16, 64]  tp: R <- (R, R, R)
+linear = torch.linear(layer_norm, l_self_modules_qkv_parameters_weight_, l_self_modules_qkv_parameters_bias_)  # [2, 16, 192]  tp: IS(2,[64, 64, 64]) <- (R, IS(0,[64, 64, 64]), IS(0,[64, 64, 64]))  attention0.colwise
+chunk = linear.chunk(3, dim=-1)  # tp: (S(2), S(2), S(2)) <- (IS(2,[64, 64, 64]))
+q = _operator.getitem(chunk, 0)  # [2, 16, 64]  tp: S(2)
+k = _operator.getitem(chunk, 1)  # [2, 16, 64]  tp: S(2)
+v = _operator.getitem(chunk, 2)  # [2, 16, 64]  tp: S(2)
+view = q.view(2, 16, 8, 8)  # [2, 16, 8, 8]  tp: S(2) <- (S(2))
+q_1 = view.transpose(1, 2)  # [2, 8, 16, 8]  tp: S(1) <- (S(2))
+view_1 = k.view(2, 16, 8, 8)  # [2, 16, 8, 8]  tp: S(2) <- (S(2))
+k_1 = view_1.transpose(1, 2)  # [2, 8, 16, 8]  tp: S(1) <- (S(2))
+view_2 = v.view(2, 16, 8, 8)  # [2, 16, 8, 8]  tp: S(2) <- (S(2))
+v_1 = view_2.transpose(1, 2)  # [2, 8, 16, 8]  tp: S(1) <- (S(2))
+a = torch.scaled_dot_product_attention(q_1, k_1, v_1, is_causal=True)  # [2, 8, 16, 8]  tp: S(1) <- (S(1), S(1), S(1))  attention0.core
+transpose_3 = a.transpose(1, 2)  # [2, 16, 8, 8]  tp: S(2) <- (S(1))
+reshape = transpose_3.reshape(2, 16, 64)  # [2, 16, 64]  tp: S(2) <- (S(2))
+linear_1 = torch.linear(reshape, l_self_modules_proj_parameters_weight_)  # [2, 16, 64]  tp: P(sum) <- (S(2), S(1))  attention0.rowwise
+add = _operator.add(linear_1, l_self_modules_proj_parameters_bias_)  # [2, 16, 64]  tp: R <- (R, R)  attention0.rowwise
+x = _operator.add(l_x_, add)  # [2, 16, 64]  tp: R <- (R, R)
+layer_norm_1 = torch.nn.functional.layer_norm(x, (64,), l_self_modules_ln2_parameters_weight_, l_self_modules_ln2_parameters_bias_, 1e-05)  # [2, 16, 64]  tp: R <- (R, R, R)
+linear_2 = torch.linear(layer_norm_1, l_self_modules_fc_parameters_weight_, l_self_modules_fc_parameters_bias_)  # [2, 16, 128]  tp: S(2) <- (R, S(0), S(0))  mlp0.colwise
+gelu = torch.gelu(linear_2, approximate='tanh')  # [2, 16, 128]  tp: S(2) <- (S(2))
+linear_3 = torch.linear(gelu, l_self_modules_fc_out_parameters_weight_)  # [2, 16, 64]  tp: P(sum) <- (S(2), S(1))  mlp0.rowwise
+add_2 = _operator.add(linear_3, l_self_modules_fc_out_parameters_bias_)  # [2, 16, 64]  tp: R <- (R, R)  mlp0.rowwise
+add_1 = _operator.add(x, add_2)  # [2, 16, 64]  tp: R <- (R, R)
+return (add_1,)  # tp: - <- (R)
+""")
+        plan = json.loads(read("plan.json"))
+        assert sorted(plan) == ["collectives", "mesh", "nodes", "parameters", "sites", "version", "warnings",
+                                "world_size"]
+        assert plan["mesh"] == {"tp": 8, "ring": 1, "ulysses": 1} and plan["world_size"] == 8
+        assert {p["name"]: p["placement"]["tp"] for p in plan["parameters"]}["qkv.weight"] == "IS(0,[64, 64, 64])"
+        ET.fromstring(read("mesh.svg"))
+        shutil.rmtree(folder)
+
+
+def test_dump_folder_from_environment(tmp_path, monkeypatch, fake_world):
+    monkeypatch.setenv("DTENSOR_PAR_DUMP", str(tmp_path))
+    _compile_and_run(tmp_path, 2)
+    (graph,) = os.listdir(tmp_path / "ring0_ulysses0_tp0")
+    assert sorted(os.listdir(tmp_path / "ring0_ulysses0_tp0" / graph)) == PASS_FILES
+
+
+def test_explain_56_heads_at_tp8_without_hardware():
+    model, inputs = factories.minimax_like()
+    report = dtensor_par.explain(model, inputs, tp=8)
+    text = str(report)
+    assert report.world_size == 8 and not dist.is_initialized()
+    (graph,) = report.graphs
+    assert len(graph.sites) == 4
+    assert "attention0: blocks.0.q_proj.weight=S(0), blocks.0.k_proj.weight=S(0)" in text
+    forward = sorted((c["op"], c["site"], c["count"]) for c in graph.collectives if c["direction"] == "forward")
+    assert forward == [("all_reduce", f"{site}.rowwise", 1) for site in ("attention0", "attention1", "mlp0", "mlp1")]
+    local, full = report.parameter_bytes
+    assert local < full / 4 and graph.warnings == []
+
+
+def test_explain_at_64_ranks():
+    with torch.device("meta"):
+        model = models.Llama(vocab=1000, layers=2, hidden=64 * 64, heads=64, kv_heads=8, mlp=4096)
+        ids = torch.randint(0, 1000, (1, 128))
+    report = dtensor_par.explain(model, (ids,), tp=64)
+    assert report.world_size == 64
+    assert any("8 kv heads do not divide by tp=64" in w for w in report.graphs[0].warnings)
+
+
+def test_explain_refuses_context_parallel_until_implemented():
+    model, inputs = factories.gpt()
+    with pytest.raises(NotImplementedError, match=r"context parallelism \(mesh dims \{'ring': 2, 'ulysses': 4\}\)"):
+        dtensor_par.explain(model, inputs, tp=8, ulysses=4, ring=2)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "dtensor_par", "explain", *args], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(__file__)), timeout=120)
+
+
+def test_cli_end_to_end(tmp_path):
+    svg = tmp_path / "mesh.svg"
+    result = _cli("tests/factories.py:gpt", "--tp", "8", "--svg", str(svg), "--dump", str(tmp_path / "dump"))
+    assert result.returncode == 0, result.stderr
+    assert "dtensor_par plan: mesh ring=1 x ulysses=1 x tp=8 (8 ranks, cuda" in result.stdout
+    assert "forward  all_reduce" in result.stdout
+    root = ET.fromstring(svg.read_text())
+    assert sum(1 for e in root.iter() if e.tag.endswith("text") and e.text and e.text.isdigit()) == 8
+    assert sorted(os.listdir(tmp_path / "dump" / "graph0")) == PASS_FILES
+    if shutil.which("rsvg-convert"):
+        png = tmp_path / "mesh.png"
+        subprocess.run(["rsvg-convert", str(svg), "-o", str(png)], check=True)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("tests/nowhere.py:gpt", "explain: no file 'tests/nowhere.py'"),
+    ("tests/factories.py:missing", "explain: 'tests/factories.py' has no factory 'missing'"),
+    ("tests/factories.py", "explain: expected MODULE:FACTORY"),
+])
+def test_cli_bad_factory(spec, message):
+    result = _cli(spec, "--tp", "2")
+    assert result.returncode != 0 and message in result.stderr
+
+
+def test_cli_mesh_larger_than_heads_allow():
+    result = _cli("tests/factories.py:gpt", "--tp", "16")
+    assert result.returncode == 2
+    assert "attention 'a' has 8 heads, not divisible by mesh dim 'tp' of size 16" in result.stderr
+
+
+def test_verbosity_switch(caplog):
+    dtensor_par.set_verbosity("info")
+    try:
+        with caplog.at_level(logging.INFO, logger="dtensor_par"):
+            model, inputs = factories.gpt()
+            dtensor_par.explain(model, inputs, tp=2)
+        assert any("planned a graph of" in r.getMessage() for r in caplog.records)
+    finally:
+        dtensor_par.set_verbosity("warning")
