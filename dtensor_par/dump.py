@@ -49,10 +49,9 @@ def node_line(node: fx.Node) -> str:
     notes = [node.meta["dtensor_par_fqn"]] if "dtensor_par_fqn" in node.meta else []
     if "dtensor_par_shape" in node.meta:
         notes.append(str(list(node.meta["dtensor_par_shape"])))
-    sharding = node.meta.get("dtensor_par")
-    if sharding is not None:
+    for dim, sharding in node.meta.get("dtensor_par", {}).items():
         ins = f" <- {describe(sharding.inputs)}" if sharding.inputs else ""
-        notes.append(f"tp: {describe(sharding.out)}{ins}")
+        notes.append(f"{dim}: {describe(sharding.out)}{ins}")
     if "dtensor_par_comm" in node.meta:
         c = node.meta["dtensor_par_comm"]
         notes.append(f"comm fwd={c.forward} bwd={c.backward} over {c.mesh_dim}[{c.group_size}]")
@@ -119,10 +118,10 @@ def planned_nodes(gm: fx.GraphModule) -> list[dict]:
     """Every node of a planned graph with its shape, placements and site."""
     nodes = []
     for n in gm.graph.nodes:
-        sharding = n.meta.get("dtensor_par")
         nodes.append({"name": n.name, "op": n.op, "target": target_name(n),
                       "shape": list(n.meta["dtensor_par_shape"]) if "dtensor_par_shape" in n.meta else None,
-                      "placement": {"tp": {"out": describe(sharding.out), "inputs": describe(sharding.inputs)}},
+                      "placement": {dim: {"out": describe(s.out), "inputs": describe(s.inputs)}
+                                    for dim, s in n.meta["dtensor_par"].items()},
                       "site": n.meta.get("dtensor_par_site")})
     return nodes
 

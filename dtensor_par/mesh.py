@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("tp", "ring", "ulysses")
+PLAN_DIMS = ("tp", "cp")
+"""The dims the planner shards over: tp (heads, features) and cp = ring x ulysses (sequence)."""
 
 
 def default_device_type() -> str:
@@ -82,18 +84,28 @@ class MeshDim:
 
 @dataclass(frozen=True)
 class MeshInfo:
-    """The mesh as the passes need it: sizes, this rank's coordinates and group names."""
+    """The mesh as the passes need it: sizes, this rank's coordinates and group names.
+
+    ``dims`` holds "tp", "ring", "ulysses" and "cp": ring x ulysses flattened ring-major
+    (cp rank = ring rank * ulysses + ulysses rank, whatever the mesh order), so the sequence
+    shard a rank holds outside attention is the one hybrid attention expects.
+    """
 
     device_type: str
     dims: dict[str, MeshDim]
-    order: tuple[str, ...]  # all three dim names, the last varying fastest across ranks
+    order: tuple[str, ...]  # the three mesh dim names, the last varying fastest across ranks
 
     def size(self, name: str) -> int:
         return self.dims[name].size
 
     @property
     def world_size(self) -> int:
-        return math.prod(d.size for d in self.dims.values())
+        return math.prod(self.size(n) for n in MESH_DIMS)
+
+    @property
+    def plan_dims(self) -> list[MeshDim]:
+        """The planner's dims that shard anything (size > 1)."""
+        return [self.dims[n] for n in PLAN_DIMS if self.size(n) > 1]
 
     @staticmethod
     def from_mesh(mesh: DeviceMesh) -> MeshInfo:
@@ -121,6 +133,7 @@ class MeshInfo:
             size = mesh.shape[i]
             group = mesh.get_group(name).group_name if size > 1 else None
             dims[name] = MeshDim(name, size, coords[i], group)
+        dims["cp"] = _cp_dim(mesh, dims)
         order = tuple(n for n in MESH_DIMS if n not in names) + tuple(names)
         return MeshInfo(mesh.device_type, dims, order)
 
@@ -128,5 +141,25 @@ class MeshInfo:
     def for_planning(sizes: dict[str, int], device_type: str, order: tuple[str, ...] | None = None) -> MeshInfo:
         """A mesh seen from rank 0 without any process group: enough to plan at any size."""
         order = tuple(order) if order is not None else default_order(device_type)
-        dims = {n: MeshDim(n, sizes.get(n, 1), 0, n if sizes.get(n, 1) > 1 else None) for n in MESH_DIMS}
+        sizes = {**{n: 1 for n in MESH_DIMS}, **sizes}
+        sizes["cp"] = sizes["ring"] * sizes["ulysses"]
+        dims = {n: MeshDim(n, sizes[n], 0, n if sizes[n] > 1 else None) for n in MESH_DIMS + ("cp",)}
         return MeshInfo(device_type, dims, order)
+
+
+def _cp_dim(mesh: DeviceMesh, dims: dict[str, MeshDim]) -> MeshDim:
+    """A process group per tp index over its ring x ulysses ranks, ordered ring-major."""
+    ring, ulysses = dims["ring"], dims["ulysses"]
+    size = ring.size * ulysses.size
+    if size == 1:
+        return MeshDim("cp", 1, 0, None)
+    names = list(mesh.mesh_dim_names)
+    ranks = mesh.mesh.reshape(mesh.shape)
+    present = [n for n in ("tp", "ring", "ulysses") if n in names]
+    ranks = ranks.permute([names.index(n) for n in present]).reshape(-1, size)  # one row per tp index: ring-major, ulysses fastest
+    mine = None
+    for row in ranks.tolist():
+        group = dist.new_group(row)  # every rank creates every group, in the same order
+        if dist.get_rank() in row:
+            mine = group
+    return MeshDim("cp", size, ring.rank * ulysses.size + ulysses.rank, mine.group_name)

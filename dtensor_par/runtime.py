@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .backend import parallelize_graph
 from .dump import GraphDump
-from .mesh import MeshDim
+from .mesh import MeshDim, MeshInfo
 from .ops.collectives import gather_param_grad
 from .passes.capture import scalar_inputs
 from .passes.context import ParallelConfig, ParallelContext
@@ -36,6 +36,14 @@ class _LocalShard(torch.autograd.Function):
     def backward(ctx, grad):
         full = gather_param_grad(grad, ctx.placement, ctx.dim.group_name, ctx.dim.size)
         return full, None, None, None
+
+
+def local_value(full: torch.Tensor, placements: dict[str, Placement], mesh: MeshInfo) -> torch.Tensor:
+    """This rank's piece of a full tensor under a placement per planned mesh dim."""
+    for name, p in placements.items():
+        dim = mesh.dims[name]
+        full = local_chunk(full, p, dim.rank, dim.size)
+    return full
 
 
 class LocalShards:
@@ -97,14 +105,13 @@ class ParallelRuntime:
             outs = type(outs)(self._as_dtensor(o, p) for o, p in zip(outs, local_graph.output_placements))
         return outs
 
-    def _local_args(self, args, placements: list[Placement]) -> list:
-        tp = self.config.mesh.dims["tp"]
+    def _local_args(self, args, placements: list[dict[str, Placement]]) -> list:
         local = []
         for a, p in zip(args, placements):
-            if isinstance(a, torch.nn.Parameter) and shard_dim(p) is not None:
-                a = self.shards.get(a, p)
+            if isinstance(a, torch.nn.Parameter) and shard_dim(p.get("tp")) is not None:
+                a = self.shards.get(a, p["tp"])  # parameters are only ever sharded on tp
             elif isinstance(a, torch.Tensor):
-                a = local_chunk(a, p, tp.rank, tp.size)
+                a = local_value(a, p, self.config.mesh)
             local.append(a)
         return local
 
@@ -129,7 +136,7 @@ class ParallelRuntime:
         self._check_devices(args)
         local_gm, ctx = parallelize_graph(self.gm, args, self.config, dump=self._dump())
         placeholders = [n for n in local_gm.graph.nodes if n.op == "placeholder"]
-        input_placements = [n.meta["dtensor_par"].out for n in placeholders]
+        input_placements = [{d: s.out for d, s in n.meta["dtensor_par"].items()} for n in placeholders]
         with torch.no_grad():
             local = self._local_args(args, input_placements)
         examples = [x.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else x
@@ -137,9 +144,14 @@ class ParallelRuntime:
         fn = self.inner_backend(local_gm, examples)
         return LocalGraph(fn, input_placements, ctx.output_placements, ctx)
 
-    def _as_dtensor(self, out, placement: Placement | None):
-        if not isinstance(out, torch.Tensor) or placement is None:
+    def _as_dtensor(self, out, placements: dict[str, Placement] | None):
+        """A local output as a DTensor: tp as planned, the sequence shard on ring then ulysses."""
+        if not isinstance(out, torch.Tensor) or placements is None:
             return out
         names = self.mesh.mesh_dim_names
-        placements = [placement if name == "tp" else Replicate() for name in names]
-        return DTensor.from_local(out, self.mesh, placements, run_check=False)
+        cp = placements.get("cp", Replicate())
+        if shard_dim(cp) is not None and names.index("ring") > names.index("ulysses"):
+            raise NotImplementedError("output='local' with a sequence-sharded output needs 'ring' before "
+                                      f"'ulysses' in the mesh order, got {names}")
+        per_dim = {"tp": placements.get("tp", Replicate()), "ring": cp, "ulysses": cp}
+        return DTensor.from_local(out, self.mesh, [per_dim[n] for n in names], run_check=False)

@@ -11,7 +11,8 @@ from torch._dynamo.backends.common import aot_autograd
 
 from dtensor_par.ops import collectives as C
 from dtensor_par.passes.localize import collectives_in
-from dtensor_par.placements import InterleavedShard, Replicate, Shard, local_chunk
+from dtensor_par.placements import InterleavedShard, Replicate, Shard
+from dtensor_par.runtime import local_value
 from tests import models
 from tests.conftest import plan_graph
 
@@ -20,7 +21,7 @@ def forward_collectives(gm) -> Counter:
     return Counter(kind for _, kind in collectives_in(gm))
 
 
-def traced_collectives(gm, ctx, tp: int) -> dict[str, Counter]:
+def traced_collectives(gm, ctx) -> dict[str, Counter]:
     """Collectives AOTAutograd traces into the forward and backward graphs of the local graph."""
     graphs = {}
 
@@ -33,7 +34,8 @@ def traced_collectives(gm, ctx, tp: int) -> dict[str, Counter]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = []
     for node, value in zip(placeholders, ctx.example_inputs):
-        local = local_chunk(value.detach(), node.meta["dtensor_par"].out, 0, tp).contiguous()
+        placements = {d: s.out for d, s in node.meta["dtensor_par"].items()}
+        local = local_value(value.detach(), placements, ctx.mesh).contiguous()
         inputs.append(local.requires_grad_(value.is_floating_point()))
     out = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))(gm, inputs)(*inputs)
     out[0].sum().backward()
@@ -49,7 +51,7 @@ def test_plain_tp_two_all_reduces_per_block_forward_and_backward(fake_world):
     gm, ctx = plan_graph(model, [torch.randn(2, 16, 64)], tp=8)
     assert forward_collectives(gm) == Counter(all_reduce=2 * layers)
     assert sum(n.target is C.grad_all_reduce for n in gm.graph.nodes) == 2 * layers
-    traced = traced_collectives(gm, ctx, 8)
+    traced = traced_collectives(gm, ctx)
     assert traced["forward"] == Counter(all_reduce=2 * layers)
     assert traced["backward"] == Counter(all_reduce=2 * layers)
     assert ctx.warnings == []
@@ -62,7 +64,7 @@ def test_sequence_parallel_reduce_scatter_and_all_gather(fake_world):
     # Block 1 gets the replicated input, so only its MLP needs a gather; every later block
     # gathers before attention and MLP; the output is gathered once at the end.
     assert forward_collectives(gm) == Counter(reduce_scatter=2 * layers, all_gather=2 * layers)
-    traced = traced_collectives(gm, ctx, 8)
+    traced = traced_collectives(gm, ctx)
     assert traced["forward"] == Counter(reduce_scatter_tensor=2 * layers, all_gather_into_tensor=2 * layers)
     # Backward: each gather that feeds a colwise linear reduce-scatters (the output gather
     # only slices); each reduce-scatter all-gathers, plus block 1's slice of its input.

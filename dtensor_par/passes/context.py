@@ -35,7 +35,7 @@ class ParallelContext:
     params: dict[str, ParamInfo] = field(default_factory=dict)  # placeholder name -> parameter
     sites: list = field(default_factory=list)  # AttentionSite | MLPSite, from detect
     param_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> tp placement
-    output_placements: list[Placement | None] = field(default_factory=list)  # per graph output, from plan
+    output_placements: list[dict[str, Placement] | None] = field(default_factory=list)  # per output, by dim
     warnings: list[str] = field(default_factory=list)
 
     @property

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..mesh import MeshDim
+from ..mesh import MeshDim, MeshInfo
 from ..ops import collectives as C
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard, local_shape, shard_dim
 from .context import ParallelContext
@@ -41,23 +41,20 @@ class Communication:
     site: str | None  # the site whose plan needs it
 
 
-def local_bytes(val: torch.Tensor, p: Placement, size: int) -> int:
-    return math.prod(local_shape(val.shape, p, size)) * val.element_size()
-
-
 class _Inserter:
-    """Inserts collective calls before a node, each annotated with its Communication."""
+    """Inserts collective calls on one mesh dim, each annotated with its Communication."""
 
-    def __init__(self, graph: fx.Graph, dim: MeshDim, val: torch.Tensor, site: str | None):
-        self.graph, self.dim, self.val, self.site = graph, dim, val, site
+    def __init__(self, graph: fx.Graph, dim: MeshDim, shape: tuple[int, ...], element_size: int, site: str | None):
+        self.graph, self.dim, self.shape, self.element_size, self.site = graph, dim, shape, element_size, site
+
+    def nbytes(self, p: Placement) -> int:
+        return math.prod(local_shape(self.shape, p, self.dim.size)) * self.element_size
 
     def __call__(self, fn, args: tuple, src: Placement, dst: Placement) -> fx.Node:
         node = self.graph.call_function(fn, args)
         forward, backward = C.COMMUNICATION[fn]
-        size = self.dim.size
         node.meta["dtensor_par_comm"] = Communication(
-            forward, backward, self.dim.name, size, local_bytes(self.val, src, size),
-            local_bytes(self.val, dst, size), self.site)
+            forward, backward, self.dim.name, self.dim.size, self.nbytes(src), self.nbytes(dst), self.site)
         return node
 
 
@@ -86,18 +83,22 @@ def _outputs(p) -> tuple:
     return p if isinstance(p, tuple) else (p,)
 
 
-def _local_sizes(node: fx.Node, size: int) -> tuple[int, ...]:
-    return local_shape(tensor_val(node).shape, node.meta["dtensor_par"].out, size)
+def local_shape_on(shape, placements: dict[str, Placement], mesh: MeshInfo) -> tuple[int, ...]:
+    """A global shape cut by the placement on every planned dim."""
+    shape = tuple(shape)
+    for name, p in placements.items():
+        shape = local_shape(shape, p, mesh.size(name))
+    return shape
 
 
-def _rewrite_sizes(gm: fx.GraphModule, node: fx.Node, size: int) -> None:
+def _rewrite_sizes(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     """Give a view/expand/split the local sizes of its output."""
     kind = op_kind(node)
-    sharding = node.meta["dtensor_par"]
+    plans = node.meta["dtensor_par"]
     if kind in ("view", "expand"):
-        if shard_dim(sharding.out) is None and shard_dim(sharding.inputs[0]) is None:
+        if all(shard_dim(s.out) is None and shard_dim(s.inputs[0]) is None for s in plans.values()):
             return
-        local = _local_sizes(node, size)
+        local = local_shape_on(node.meta["dtensor_par_shape"], {d: s.out for d, s in plans.items()}, mesh)
         method = "expand" if kind == "expand" else "reshape"
         with gm.graph.inserting_before(node):
             new = gm.graph.call_method(method, (node.args[0], *local))
@@ -105,18 +106,32 @@ def _rewrite_sizes(gm: fx.GraphModule, node: fx.Node, size: int) -> None:
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
     elif kind == "split" and node.target in ("split", "split_with_sizes", torch.split):
-        dim = split_dim(node)
-        if shard_dim(sharding.inputs[0]) != dim:
-            return
         sizes = node.args[1]
-        local = sizes // size if isinstance(sizes, int) else [s // size for s in sizes]
-        node.args = (node.args[0], local) + tuple(node.args[2:])
+        for name, sharding in plans.items():
+            if shard_dim(sharding.inputs[0]) == split_dim(node):
+                n = mesh.size(name)
+                sizes = sizes // n if isinstance(sizes, int) else [s // n for s in sizes]
+        node.args = (node.args[0], sizes) + tuple(node.args[2:])
+
+
+def _edge(insert: _Inserter, cached, x: fx.Node, src: Placement, dst: Placement, partial_grad: bool) -> fx.Node:
+    """The ops one input edge needs on one mesh dim; ``partial_grad``: the consumer computes
+    rank-locally from a replicated input, so that input's gradient is a per-rank partial."""
+    dim = insert.dim
+    if partial_grad and shard_dim(src) is not None:
+        return cached((x, dim.name, "gather_partial_grad"), lambda: insert(
+            C.all_gather_partial_grad, (x, src.dim, _parts(src), dim.group_name, dim.size), src, R))
+    if src != dst:
+        x = cached((x, dim.name, dst), lambda: redistribute(insert, x, src, dst))
+    if partial_grad:
+        x = cached((x, dim.name, "grad_all_reduce"), lambda: insert(C.grad_all_reduce, (x, dim.group_name), R, R))
+    return x
 
 
 def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    tp = ctx.mesh.dims["tp"]
+    dims = ctx.mesh.plan_dims
     graph = gm.graph
-    cache: dict = {}  # one redistribution per producer and target placement, for all consumers
+    cache: dict = {}  # one redistribution per producer, mesh dim and target placement
 
     def cached(key, make) -> fx.Node:
         if key not in cache:
@@ -124,37 +139,34 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         return cache[key]
 
     for node in list(graph.nodes):
-        sharding = node.meta.get("dtensor_par")
+        plans = node.meta.get("dtensor_par")
         ins = tensor_inputs(node)
-        if sharding is None or not ins:
+        if not plans or not ins:
             continue
-        computes_locally = any(p != R for p in _outputs(sharding.out) if p is not None)
         position = iter(range(len(ins)))
 
         def localized(arg: fx.Node) -> fx.Node:
             if tensor_val(arg) is None:
                 return arg
             i = next(position)
-            src, dst = arg.meta["dtensor_par"].out, sharding.inputs[i]
-            new = arg
-            partial_grad = dst == R and computes_locally and arg.meta["requires_grad"]
             site = node.meta.get("dtensor_par_site") or arg.meta.get("dtensor_par_site")
-            insert = _Inserter(graph, tp, tensor_val(arg), site)
-            with graph.inserting_before(node):
-                if partial_grad and shard_dim(src) is not None:
-                    return cached((arg, "gather_partial_grad"), lambda: insert(
-                        C.all_gather_partial_grad, (arg, src.dim, _parts(src), tp.group_name, tp.size), src, R))
-                if src != dst:
-                    new = cached((arg, dst), lambda: redistribute(insert, arg, src, dst))
-                if partial_grad:
-                    new = cached((new, "grad_all_reduce"),
-                                 lambda: insert(C.grad_all_reduce, (new, tp.group_name), R, R))
+            current = {d.name: arg.meta["dtensor_par"][d.name].out for d in dims}
+            val, new = tensor_val(arg), arg
+            for dim in dims:
+                src, dst = current[dim.name], plans[dim.name].inputs[i]
+                computes_locally = any(p != R for p in _outputs(plans[dim.name].out) if p is not None)
+                partial_grad = dst == R and computes_locally and arg.meta["requires_grad"]
+                others = {d: p for d, p in current.items() if d != dim.name}
+                insert = _Inserter(graph, dim, local_shape_on(val.shape, others, ctx.mesh), val.element_size(), site)
+                with graph.inserting_before(node):
+                    new = _edge(insert, cached, new, src, dst, partial_grad)
+                current[dim.name] = dst
             return new
 
         node.args = fx.node.map_arg(node.args, localized)
         node.kwargs = fx.node.map_arg(node.kwargs, localized)
-        if node.op != "output" and tp.size > 1:
-            _rewrite_sizes(gm, node, tp.size)
+        if node.op != "output":
+            _rewrite_sizes(gm, node, ctx.mesh)
     for node in graph.nodes:
         for key in ("val", "example_value", "tensor_meta"):
             node.meta.pop(key, None)

@@ -104,9 +104,9 @@ def assign_weight_placements(ctx: ParallelContext) -> None:
 
 def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding:
     ins = tensor_inputs(node)
-    cur = [i.meta["dtensor_par"].out for i in ins]
+    cur = [env.out_of(i) for i in ins]
     if node.op == "placeholder":
-        return NodeSharding(env.param_placements.get(node.name, R), ())
+        return NodeSharding(env.input_placements.get(node.name, R), ())
     if node.op == "get_attr":
         return NodeSharding(R, ())
     if node.op == "output":
@@ -123,18 +123,25 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding
 
 
 def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    """Annotate every node with ``meta["dtensor_par"]``: a NodeSharding on mesh dim 'tp'."""
-    assign_weight_placements(ctx)
-    env = RuleEnv(ctx.mesh.size("tp"), ctx.param_placements, ctx.config.sequence_parallel)
+    """Annotate every node with ``meta["dtensor_par"]``: a NodeSharding per planned mesh dim."""
+    if ctx.mesh.size("tp") > 1:
+        assign_weight_placements(ctx)
+    seeds = {"tp": ctx.param_placements, "cp": {}}
     for node in gm.graph.nodes:
-        sharding = plan_node(node, env, ctx)
-        node.meta["dtensor_par"] = sharding
+        node.meta["dtensor_par"] = {}
         if tensor_val(node) is not None:
             node.meta["dtensor_par_shape"] = tuple(tensor_val(node).shape)
-        if node.op == "output":
-            placements = iter(sharding.inputs)
-            ctx.output_placements = [next(placements) if tensor_val(o) is not None else None
-                                     for o in node.args[0]]
-        if sharding.note:
-            ctx.warn(f"{node.name} ({target_name(node)}): inputs gathered on mesh dim 'tp': {sharding.note}")
+    for dim in ctx.mesh.plan_dims:
+        env = RuleEnv(dim.name, dim.size, seeds[dim.name], ctx.config.sequence_parallel)
+        for node in gm.graph.nodes:
+            sharding = plan_node(node, env, ctx)
+            node.meta["dtensor_par"][dim.name] = sharding
+            if sharding.note:
+                ctx.warn(f"{node.name} ({target_name(node)}): inputs gathered on mesh dim {dim.name!r}: "
+                         f"{sharding.note}")
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    tensors = [i for i, o in enumerate(output.args[0]) if tensor_val(o) is not None]
+    ctx.output_placements = [None] * len(output.args[0])
+    for k, i in enumerate(tensors):
+        ctx.output_placements[i] = {d: s.inputs[k] for d, s in output.meta["dtensor_par"].items()}
     return gm

@@ -22,7 +22,7 @@ R = Replicate()
 
 @dataclass(frozen=True)
 class NodeSharding:
-    """Planned placements of one node on one mesh dim."""
+    """Planned placements of one node on one mesh dim (``node.meta["dtensor_par"][dim]``)."""
 
     out: Placement | tuple[Placement, ...] | None  # a tuple for ops returning several tensors
     inputs: tuple[Placement, ...]  # required placement of each tensor input (``tensor_inputs`` order)
@@ -31,9 +31,13 @@ class NodeSharding:
 
 @dataclass
 class RuleEnv:
-    size: int  # mesh dim size
-    param_placements: dict[str, Placement]
+    dim: str  # the mesh dim planned: "tp" or "cp"
+    size: int
+    input_placements: dict[str, Placement]  # placeholder name -> placement (others Replicate)
     sequence_parallel: bool
+
+    def out_of(self, node: fx.Node):
+        return node.meta["dtensor_par"][self.dim].out
 
     def reduce_target(self, node: fx.Node) -> Placement:
         """Where a Partial goes when an op cannot take it: Replicate, or the sequence shard
@@ -216,7 +220,7 @@ def _index_map(index, ndim: int) -> dict[int, int] | None:
 def getitem_rule(node, ins, cur, env):
     source = node.args[0]
     if isinstance(source.meta.get("val"), (tuple, list)):
-        return NodeSharding(source.meta["dtensor_par"].out[node.args[1]], ())
+        return NodeSharding(env.out_of(source)[node.args[1]], ())
     kept = _index_map(node.args[1], tensor_val(source).dim())
     if kept is None or len(ins) != 1:
         return replicate_all(node, ins, cur, "advanced indexing")
