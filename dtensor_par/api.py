@@ -22,10 +22,19 @@ def resolve_backend(inner_backend: str | Callable) -> Callable:
     return inner_backend if callable(inner_backend) else lookup_backend(inner_backend)
 
 
+def check_options(info: MeshInfo, sequence_parallel: bool) -> None:
+    if sequence_parallel and info.size("cp") > 1:
+        raise NotImplementedError(
+            f"hybrid_parallel: sequence_parallel=True with context parallelism (ring={info.size('ring')}, "
+            f"ulysses={info.size('ulysses')}) is not implemented: both would shard the sequence")
+
+
 def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "inductor", dump_dir: str | None = None,
                     output: str = "full", sequence_parallel: bool = False) -> Callable:
-    """A ``torch.compile`` backend that runs the model tensor-parallel over ``mesh``.
+    """A ``torch.compile`` backend that runs the model tensor- and context-parallel over ``mesh``.
 
+    Heads are sharded over tp; with ``ring`` or ``ulysses`` > 1, activations are sharded along
+    the sequence over ring x ulysses and attention runs as Ulysses x ring hybrid attention.
     ``output="full"`` returns full tensors on every rank; ``"local"`` returns local shards as
     DTensors. ``sequence_parallel`` shards norms, residuals and pointwise ops between sites
     along the sequence over tp (Megatron-SP): reduce-scatter + all-gather instead of all-reduce.
@@ -34,12 +43,7 @@ def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "induct
     if output not in OUTPUT_MODES:
         raise ValueError(f"hybrid_parallel: output must be one of {OUTPUT_MODES}, got {output!r}")
     info = MeshInfo.from_mesh(mesh)
-    cp = {name: info.size(name) for name in ("ring", "ulysses") if info.size(name) > 1}
-    if cp:
-        raise NotImplementedError(
-            f"hybrid_parallel: context parallelism (mesh dims {cp}) is not implemented yet; "
-            "use a mesh whose 'ring' and 'ulysses' dims have size 1"
-        )
+    check_options(info, sequence_parallel)
     config = ParallelConfig(info, sequence_parallel=sequence_parallel, output=output, dump_dir=dump_dir)
     inner = resolve_backend(inner_backend)
 

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from .mesh import MESH_DIMS
 from .passes.context import ParallelContext
-from .passes.detect import AttentionSite
+from .passes.detect import AttentionSite, module_name, weight_name
 from .passes.localize import communications
 from .passes.patterns import target_name
 from .placements import Replicate, describe, local_shape
@@ -52,8 +52,7 @@ def node_line(node: fx.Node) -> str:
     for dim, sharding in node.meta.get("dtensor_par", {}).items():
         ins = f" <- {describe(sharding.inputs)}" if sharding.inputs else ""
         notes.append(f"{dim}: {describe(sharding.out)}{ins}")
-    if "dtensor_par_comm" in node.meta:
-        c = node.meta["dtensor_par_comm"]
+    for c in node.meta.get("dtensor_par_comm", ()):
         notes.append(f"comm fwd={c.forward} bwd={c.backward} over {c.mesh_dim}[{c.group_size}]")
     if node.meta.get("dtensor_par_site"):
         notes.append(node.meta["dtensor_par_site"])
@@ -68,7 +67,7 @@ def sites_text(ctx: ParallelContext) -> str:
     lines = []
     for site in ctx.sites:
         def names(nodes):
-            return [ctx.params[n.args[1].name].fqn.removesuffix(".weight") for n in nodes]
+            return [module_name(n, ctx) for n in nodes]
         if isinstance(site, AttentionSite):
             lines.append(f"{site.name}: attention {site.core.name}, {site.num_heads} heads, "
                          f"{site.num_kv_heads} kv heads; q={names(site.q)} k={names(site.k)} "
@@ -190,7 +189,7 @@ def site_placement_lines(ctx: ParallelContext) -> list[str]:
     for site in ctx.sites:
         weights = []
         for linear in site.colwise + site.rowwise:
-            name = linear.args[1].name
+            name = weight_name(linear)
             weights.append(f"{ctx.params[name].fqn}={describe(ctx.param_placements.get(name, Replicate()))}")
         lines.append(f"{site.name}: " + ", ".join(weights))
     return lines

@@ -7,7 +7,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .api import capture_graphs
+from .api import capture_graphs, check_options
 from .backend import parallelize_graph
 from .dump import GraphDump, collective_rows, mesh_svg, parameter_rows, site_placement_lines, sites_text
 from .mesh import MESH_DIMS, MeshInfo
@@ -81,10 +81,8 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
     for name, size in sizes.items():
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"explain: mesh dim {name!r} must be a positive int, got {size!r}")
-    cp = {n: sizes[n] for n in ("ring", "ulysses") if sizes[n] > 1}
-    if cp:
-        raise NotImplementedError(f"explain: context parallelism (mesh dims {cp}) is not implemented yet")
     info = MeshInfo.for_planning(sizes, device_type, order)
+    check_options(info, sequence_parallel)
     if sorted(info.order) != sorted(MESH_DIMS):
         raise ValueError(f"explain: order must name each of {MESH_DIMS} once, got {info.order}")
     config = ParallelConfig(info, sequence_parallel=sequence_parallel)

@@ -15,6 +15,25 @@ PLAN_DIMS = ("tp", "cp")
 """The dims the planner shards over: tp (heads, features) and cp = ring x ulysses (sequence)."""
 
 
+_CHUNK_OF_GROUP_RANK: dict[str, tuple[int, ...]] = {}
+
+
+def register_chunk_order(group: str, chunks: list[int]) -> None:
+    """Declare that group rank g holds chunk ``chunks[g]`` of a tensor sharded over the group.
+
+    Process groups order their ranks by global rank; the flattened (ring, ulysses) group,
+    whose shards follow ring-major order, declares that order here, and the collectives
+    send and assemble chunks by it.
+    """
+    if list(chunks) != sorted(chunks):
+        _CHUNK_OF_GROUP_RANK[group] = tuple(chunks)
+
+
+def chunk_order(group: str, size: int):
+    """The chunk each rank of ``group`` holds, by group rank."""
+    return _CHUNK_OF_GROUP_RANK.get(group, range(size))
+
+
 def default_device_type() -> str:
     if torch.cuda.is_available():
         return "cuda"
@@ -162,4 +181,5 @@ def _cp_dim(mesh: DeviceMesh, dims: dict[str, MeshDim]) -> MeshDim:
         group = dist.new_group(row)  # every rank creates every group, in the same order
         if dist.get_rank() in row:
             mine = group
+            register_chunk_order(group.group_name, [row.index(r) for r in sorted(row)])
     return MeshDim("cp", size, ring.rank * ulysses.size + ulysses.rank, mine.group_name)

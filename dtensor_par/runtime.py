@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from .backend import parallelize_graph
 from .dump import GraphDump
 from .mesh import MeshDim, MeshInfo
-from .ops.collectives import gather_param_grad
+from .ops.collectives import gather_param_grad, shard_local
 from .passes.capture import scalar_inputs
 from .passes.context import ParallelConfig, ParallelContext
 from .placements import Placement, local_chunk, shard_dim
@@ -39,10 +39,12 @@ class _LocalShard(torch.autograd.Function):
 
 
 def local_value(full: torch.Tensor, placements: dict[str, Placement], mesh: MeshInfo) -> torch.Tensor:
-    """This rank's piece of a full tensor under a placement per planned mesh dim."""
+    """This rank's piece of a full (replicated) input; its gradient is gathered back whole."""
     for name, p in placements.items():
-        dim = mesh.dims[name]
-        full = local_chunk(full, p, dim.rank, dim.size)
+        d = shard_dim(p)
+        if d is not None:
+            dim = mesh.dims[name]
+            full = shard_local(full, d, getattr(p, "parts", None), dim.group_name, dim.rank, dim.size)
     return full
 
 

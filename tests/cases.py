@@ -17,6 +17,9 @@ CASES = {
     "graph_break": (models.GraphBreakModel, lambda: [(torch.randn(2, 8, 32),)]),
     "odd_mlp_width": (models.OddMLPBlock, lambda: [(torch.randn(2, 8, 32),)]),
     "unshardable_op": (models.CumsumMLP, lambda: [(torch.randn(2, 4, 16),)]),
+    "sequence_mixing": (models.SequencePooling, lambda: [(torch.randn(2, 8, 32),)]),
+    "uneven_heads_14": (lambda: models.Llama(layers=1, hidden=56, heads=14, kv_heads=2, mlp=64),
+                        lambda: [(torch.randint(0, 50, (2, 8)),)]),
 }
 
 
@@ -30,9 +33,10 @@ class _Warnings(logging.Handler):
 
 
 def run_cases(rank: int, world: int, names: list[str], options: dict, steps: int = 2,
-              inputs: list | None = None, full_tensor: bool = False, dynamic: bool | None = None) -> dict:
+              inputs: list | None = None, full_tensor: bool = False, dynamic: bool | None = None,
+              mesh_sizes: dict | None = None, order: tuple | None = None) -> dict:
     """Compare each named case against one device; return metrics and warnings per case."""
-    mesh = dtensor_par.init_mesh(tp=world)
+    mesh = dtensor_par.init_mesh(**(mesh_sizes or {"tp": world}), order=order)
     results = {}
     for name in names:
         torch._dynamo.reset()

@@ -147,3 +147,16 @@ class CumsumMLP(nn.Module):
     def forward(self, x):
         h = torch.relu(self.up(x))
         return self.down(h + torch.cumsum(h, dim=1))
+
+
+class SequencePooling(nn.Module):
+    """Ops that mix along the sequence after attention: a mean over it and the last token."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = GPTBlock()
+
+    def forward(self, x):
+        x = self.block(x)
+        x = x + x.mean(dim=1, keepdim=True)
+        return x[:, -1]

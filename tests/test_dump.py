@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 import logging
 import os
 import shutil
@@ -136,10 +137,23 @@ def test_explain_at_64_ranks():
     assert any("8 kv heads do not divide by tp=64" in w for w in report.graphs[0].warnings)
 
 
-def test_explain_refuses_context_parallel_until_implemented():
-    model, inputs = factories.gpt()
-    with pytest.raises(NotImplementedError, match=r"context parallelism \(mesh dims \{'ring': 2, 'ulysses': 4\}\)"):
-        dtensor_par.explain(model, inputs, tp=8, ulysses=4, ring=2)
+def test_explain_56_heads_at_64_ranks_tp8_ulysses4_ring2():
+    model, inputs = factories.minimax_like()
+    report = dtensor_par.explain(model, inputs, tp=8, ulysses=4, ring=2)
+    assert report.world_size == 64
+    (graph,) = report.graphs
+    assert graph.warnings == [
+        f"attention{i} (a{suffix}): 7 query / 7 kv heads per tp rank (tp=8) do not divide by mesh dim 'ulysses' "
+        "of size 4; padded to 8 heads (1 zero heads computed per 7)" for i, suffix in ((0, ""), (1, "_1"))]
+    per_attention = Counter((c["direction"], c["op"], c["mesh_dims"]) for c in graph.collectives
+                            for _ in range(c["count"]) if c["site"] == "attention0")
+    assert per_attention[("forward", "all_to_all", "ulysses")] == 2
+    assert per_attention[("forward", "ring_rotate", "ring")] == 1
+    # q/k/v of one sequence shard (seq 256 / cp 8 = 32 tokens), 8 padded heads of 64 floats, packed.
+    qkv = next(c for c in graph.collectives if c["site"] == "attention0" and c["op"] == "all_to_all"
+               and c["direction"] == "forward" and c["bytes_per_rank"] > 100_000)
+    assert qkv["bytes_per_rank"] == 3 * 8 * 32 * 64 * 4
+    assert "ring=2 x ulysses=4 x tp=8 (64 ranks" in str(report)
 
 
 def _cli(*args):

@@ -62,10 +62,19 @@ def test_inputs_on_another_device_type_than_the_mesh(fake_world):
         compiled(torch.randn(2, 8, 32, device="meta"))
 
 
-def test_context_parallel_dims_are_refused_until_implemented(fake_world):
+def test_sequence_parallel_and_context_parallel_together_are_refused(fake_world):
     fake_world(4)
-    with pytest.raises(NotImplementedError, match=r"context parallelism \(mesh dims \{'ring': 2\}\)"):
-        dtensor_par.hybrid_parallel(dtensor_par.init_mesh(tp=2, ring=2))
+    with pytest.raises(NotImplementedError, match=r"sequence_parallel=True with context parallelism \(ring=2"):
+        dtensor_par.hybrid_parallel(dtensor_par.init_mesh(tp=2, ring=2), sequence_parallel=True)
+
+
+def test_sequence_not_divisible_by_cp(fake_world):
+    fake_world(4)
+    compiled = torch.compile(models.GPTBlock(), backend=dtensor_par.hybrid_parallel(
+        dtensor_par.init_mesh(ring=2, ulysses=2), inner_backend="eager"))
+    with pytest.raises(ValueError, match=r"attention 'a' has sequence length 10, not divisible by ring x ulysses "
+                                         r"= 2 x 2 = 4"):
+        compiled(torch.randn(2, 10, 32))
 
 
 def test_unknown_output_mode(fake_world):

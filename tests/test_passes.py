@@ -15,7 +15,7 @@ from dtensor_par.passes.context import ParallelConfig
 from dtensor_par.passes.capture import capture_pass
 from dtensor_par.passes.detect import AttentionSite, MLPSite, detect_pass
 from dtensor_par.passes.patterns import op_kind
-from dtensor_par.passes.rewrite import rewrite_pass
+from dtensor_par.passes.rewrite import gqa_repeat, rewrite_pass
 from dtensor_par.passes.rules import _index_map, view_target
 from dtensor_par.placements import InterleavedShard, Replicate, Shard, local_chunk
 from tests import models
@@ -72,8 +72,17 @@ def test_rewrite_splits_rowwise_bias_and_expands_gqa_kv(fake_world):
     model = models.Llama(layers=1, enable_gqa=True)
     gm, ctx = plan_graph(model, [torch.randint(0, 50, (2, 8))], tp=4, passes=(capture_pass, detect_pass, rewrite_pass))
     core = ctx.sites[0].core
-    assert core.kwargs["enable_gqa"] is False
-    assert [a.target for a in core.args[1:3]] == ["repeat_interleave"] * 2
+    # 2 kv heads for 8 query heads at tp=4: each kv head repeated twice (4 kv heads, one per
+    # rank, each serving that rank's 2 query heads), not four times.
+    assert core.kwargs["enable_gqa"] is True
+    assert [(a.target, a.args[1]) for a in core.args[1:3]] == [("repeat_interleave", 2)] * 2
+
+
+@pytest.mark.parametrize("heads, kv_heads, divisor, repeat", [
+    (8, 2, 2, 1), (8, 2, 4, 2), (8, 2, 8, 4), (12, 3, 2, 2), (8, 1, 4, 4), (12, 4, 8, 3),
+])
+def test_gqa_repeat_is_the_fewest_that_splits_evenly(heads, kv_heads, divisor, repeat):
+    assert gqa_repeat(heads, kv_heads, divisor) == repeat
 
 
 @pytest.mark.parametrize("src, dst, placement, expected", [

@@ -151,3 +151,42 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_ln1_parameters_weight_ : t
     add_2 = all_reduce_1 + l_self_modules_fc_out_parameters_bias_;  all_reduce_1 = l_self_modules_fc_out_parameters_bias_ = None
     add_1 = x + add_2;  x = add_2 = None
     return (add_1,)""")
+
+
+def test_hybrid_attention_collectives_per_attention(fake_world):
+    """tp=2 x ring=2 x ulysses=2: per attention, forward one all-to-all for q/k/v (packed),
+    one for the output and ring-1 kv rotations; the backward mirrors both all-to-alls."""
+    import dtensor_par
+    from dtensor_par.api import capture_graphs
+    from dtensor_par.backend import parallelize_graph
+    from dtensor_par.mesh import MeshInfo
+    from dtensor_par.passes.context import ParallelConfig
+
+    fake_world(8)
+    layers, ring = 2, 2
+    mesh = dtensor_par.init_mesh(tp=2, ring=ring, ulysses=2)
+    info = MeshInfo.from_mesh(mesh)
+    (g, inputs), = capture_graphs(models.GPT(layers=layers, hidden=64, heads=8, mlp=128), torch.randn(2, 16, 64))
+    gm, ctx = parallelize_graph(g, inputs, ParallelConfig(info))
+    graphs = {}
+
+    def keep(name):
+        def compiler(graph, _):
+            graphs[name] = graph
+            return graph
+        return compiler
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    local = [local_value(v.detach(), {d: s.out for d, s in n.meta["dtensor_par"].items()}, ctx.mesh)
+             .contiguous().requires_grad_(True) for n, v in zip(placeholders, ctx.example_inputs)]
+    aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))(gm, local)(*local)[0].sum().backward()
+
+    def all_to_alls(graph, dim):
+        group = info.dims[dim].group_name
+        return sum(1 for n in graph.graph.nodes if n.target == torch.ops._c10d_functional.all_to_all_single.default
+                   and n.args[3] == group)
+
+    assert all_to_alls(graphs["forward"], "ulysses") == 2 * layers
+    assert all_to_alls(graphs["forward"], "ring") == (ring - 1) * layers
+    assert all_to_alls(graphs["backward"], "ulysses") == 2 * layers
+    assert all_to_alls(graphs["backward"], "ring") >= (2 * ring - 1) * layers

@@ -58,6 +58,16 @@ def _has_param_weight(linear: fx.Node, ctx: ParallelContext) -> bool:
     return isinstance(weight, fx.Node) and weight.name in ctx.params
 
 
+def weight_name(linear: fx.Node) -> str:
+    """The placeholder of a site linear's weight (kept in meta: localize rewires the args)."""
+    return linear.meta["dtensor_par_weight"]
+
+
+def module_name(linear: fx.Node, ctx: ParallelContext) -> str:
+    """The module path of a site linear, read off its weight (``blocks.0.k_proj``)."""
+    return ctx.params[weight_name(linear)].fqn.removesuffix(".weight")
+
+
 def find_producers(start: fx.Node, through: set[str], ctx: ParallelContext) -> tuple[list[fx.Node], list[fx.Node]]:
     """Walk back from ``start`` through ops of the given kinds; return (linears, nodes walked)."""
     linears, walked, stack, seen = [], [], [start], set()
@@ -149,4 +159,6 @@ def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         for role, nodes in roles.items():
             for n in nodes:
                 n.meta["dtensor_par_site"] = f"{site.name}.{role}"
+        for linear in site.colwise + site.rowwise:
+            linear.meta["dtensor_par_weight"] = linear.args[1].name
     return gm

@@ -53,8 +53,8 @@ class _Inserter:
     def __call__(self, fn, args: tuple, src: Placement, dst: Placement) -> fx.Node:
         node = self.graph.call_function(fn, args)
         forward, backward = C.COMMUNICATION[fn]
-        node.meta["dtensor_par_comm"] = Communication(
-            forward, backward, self.dim.name, self.dim.size, self.nbytes(src), self.nbytes(dst), self.site)
+        node.meta["dtensor_par_comm"] = [Communication(
+            forward, backward, self.dim.name, self.dim.size, self.nbytes(src), self.nbytes(dst), self.site)]
         return node
 
 
@@ -176,8 +176,8 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
 
 
 def communications(gm: fx.GraphModule) -> list[tuple[fx.Node, Communication]]:
-    """Every op of a localized graph that communicates, forward or backward."""
-    return [(n, n.meta["dtensor_par_comm"]) for n in gm.graph.nodes if "dtensor_par_comm" in n.meta]
+    """Every collective of a localized graph, forward or backward, with the op issuing it."""
+    return [(n, c) for n in gm.graph.nodes for c in n.meta.get("dtensor_par_comm", ())]
 
 
 def collectives_in(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:

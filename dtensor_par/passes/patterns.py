@@ -12,6 +12,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..ops.attention import hybrid_attention
+
 _FUNCTION_KINDS = {
     "add": [operator.add, operator.iadd, torch.add],
     "sub": [operator.sub, operator.isub, torch.sub],
@@ -26,6 +28,7 @@ _FUNCTION_KINDS = {
     "matmul": [operator.matmul, torch.matmul, torch.bmm],
     "linear": [torch._C._nn.linear, F.linear],
     "sdpa": [torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention],
+    "hybrid_attention": [hybrid_attention],
     "norm": [F.layer_norm, F.rms_norm],
     "softmax": [F.softmax, torch.softmax, F.log_softmax, torch.log_softmax],
     "reduce": [torch.sum, torch.mean, torch.amax],
@@ -55,6 +58,7 @@ _METHOD_KINDS = {
     "transpose": ["transpose", "swapaxes"],
     "permute": ["permute"],
     "split": ["chunk", "split", "split_with_sizes"],
+    "repeat_interleave": ["repeat_interleave"],
 }
 _METHODS = {m: kind for kind, ms in _METHOD_KINDS.items() for m in ms}
 

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from ..placements import InterleavedShard, Placement, Replicate, Shard
 from .context import ParallelContext
-from .detect import AttentionSite
+from .detect import AttentionSite, module_name
 from .patterns import op_kind, target_name, tensor_val
 from .rules import RULES, NodeSharding, RuleEnv, check_divisible, replicate_all, split_dim, tensor_inputs
 
@@ -36,11 +36,6 @@ def colwise_placement(linear: fx.Node, tp: int) -> Placement | None:
     if parts is not None and len(parts) > 1:
         return InterleavedShard(0, parts) if all(p % tp == 0 for p in parts) else None
     return Shard(0) if out_features % tp == 0 else None
-
-
-def module_name(linear: fx.Node, ctx: ParallelContext) -> str:
-    """The module path of a linear, read off its weight (``blocks.0.k_proj``)."""
-    return ctx.params[linear.args[1].name].fqn.removesuffix(".weight")
 
 
 def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None:
@@ -102,6 +97,24 @@ def assign_weight_placements(ctx: ParallelContext) -> None:
     ctx.param_placements = chosen
 
 
+def sequence_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, Placement]:
+    """Graph inputs sharded along the sequence over cp: those whose dim 1 has the length of
+    the sequence hybrid attention runs over (the runtime slices them, no communication)."""
+    lengths = {tensor_val(s.core.args[0]).shape[-2] for s in ctx.sites
+               if isinstance(s, AttentionSite) and op_kind(s.core) == "hybrid_attention"}
+    if not lengths:
+        ctx.warn(f"no attention runs sequence-parallel: mesh dims 'ring' x 'ulysses' = {ctx.mesh.size('cp')} "
+                 "shard nothing")
+        return {}
+    placements = {}
+    for node in gm.graph.nodes:
+        val = tensor_val(node)
+        if node.op == "placeholder" and node.name not in ctx.params and val is not None and val.dim() >= 2 \
+                and val.shape[1] in lengths:
+            placements[node.name] = Shard(1)
+    return placements
+
+
 def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding:
     ins = tensor_inputs(node)
     cur = [env.out_of(i) for i in ins]
@@ -126,7 +139,7 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Annotate every node with ``meta["dtensor_par"]``: a NodeSharding per planned mesh dim."""
     if ctx.mesh.size("tp") > 1:
         assign_weight_placements(ctx)
-    seeds = {"tp": ctx.param_placements, "cp": {}}
+    seeds = {"tp": ctx.param_placements, "cp": sequence_input_placements(gm, ctx) if ctx.mesh.size("cp") > 1 else {}}
     for node in gm.graph.nodes:
         node.meta["dtensor_par"] = {}
         if tensor_val(node) is not None:

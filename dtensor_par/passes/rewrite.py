@@ -2,9 +2,12 @@
 
 - The bias of a rowwise projection is added once, after the partial sums are reduced:
   ``linear(x, w, b)`` becomes ``linear(x, w) + b``.
-- ``enable_gqa`` attention whose kv heads cannot be split over tp gets its kv heads repeated
-  to the query heads first (the kv projections then stay replicated), so each rank can take
-  exactly the kv heads of its own query heads.
+- ``enable_gqa`` attention whose kv heads cannot be split over tp (x ulysses) gets each kv
+  head repeated, the fewest times that make them split evenly, so each rank takes exactly
+  the kv heads of its own query heads; otherwise kv travels with its own heads.
+- With context parallelism, each attention call becomes ``hybrid_attention`` (Ulysses
+  all-to-all, ring attention, all-to-all back) over sequence shards. Attention with a mask or
+  dropout stays as it is and runs on the gathered sequence, with a warning.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..ops.attention import hybrid_attention
 from .context import ParallelContext
 from .detect import AttentionSite
+from .localize import Communication
 from .patterns import arg, tensor_val
 
 
@@ -38,9 +43,15 @@ def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:
     add.meta["dtensor_par_site"] = linear.meta.get("dtensor_par_site")
 
 
-def expand_gqa_kv(gm: fx.GraphModule, site: AttentionSite) -> None:
+def gqa_repeat(heads: int, kv_heads: int, divisor: int) -> int:
+    """Fewest repeats of each kv head after which they split evenly over ``divisor`` ranks
+    and still group the query heads (``enable_gqa`` maps query head i to kv head i // group)."""
+    return next(r for r in range(1, heads // kv_heads + 1)
+                if (kv_heads * r) % divisor == 0 and heads % (kv_heads * r) == 0 or kv_heads * r == heads)
+
+
+def expand_gqa_kv(gm: fx.GraphModule, site: AttentionSite, repeat: int) -> None:
     core, graph = site.core, gm.graph
-    repeat = site.num_heads // site.num_kv_heads
     new_args = list(core.args)
     for i in (1, 2):
         kv = core.args[i]
@@ -49,7 +60,80 @@ def expand_gqa_kv(gm: fx.GraphModule, site: AttentionSite) -> None:
         _with_val(expanded, tensor_val(kv).repeat_interleave(repeat, dim=-3))
         new_args[i] = expanded
     core.args = tuple(new_args)
-    core.kwargs = {**core.kwargs, "enable_gqa": False}
+    core.kwargs = {**core.kwargs, "enable_gqa": site.num_kv_heads * repeat != site.num_heads}
+
+
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def sdpa_arguments(core: fx.Node) -> dict:
+    """Every argument of a scaled_dot_product_attention call by name."""
+    names = ["query", "key", "value", *_SDPA_DEFAULTS]
+    return {**_SDPA_DEFAULTS, **dict(zip(names, core.args)), **core.kwargs}
+
+
+def hybrid_attention_communication(site: AttentionSite, q, k, mesh) -> list[Communication]:
+    """The collectives one hybrid attention issues, per rank, forward and backward.
+
+    Ulysses: one all-to-all for q/k/v (packed) and one for the output, each mirrored in the
+    backward. Ring: ring-1 kv rotations forward; backward ring-1 kv rotations plus ring fp32
+    dk/dv rotations. Sizes include the zero heads padding adds.
+    """
+    tp, ulysses, ring, cp = (mesh.size(n) for n in ("tp", "ulysses", "ring", "cp"))
+    batch, heads, seq, head_dim = q.shape
+    q_heads = heads // tp
+    kv_heads = k.shape[-3] // tp if k.shape[-3] % tp == 0 else k.shape[-3]
+    if q_heads % ulysses or kv_heads % ulysses:
+        q_heads = kv_heads = -(-q_heads // ulysses) * ulysses
+    per_head = batch * (seq // cp) * head_dim * q.element_size()  # one head of a sequence shard
+    comms = []
+    if ulysses > 1:
+        for nbytes in (per_head * (q_heads + 2 * kv_heads), per_head * q_heads):
+            comms.append(Communication("all_to_all", "all_to_all", "ulysses", ulysses, nbytes, nbytes, site.name))
+    if ring > 1:
+        kv_block = 2 * (kv_heads // ulysses) * per_head * ulysses  # k and v of one ring block
+        comms += [Communication("ring_rotate", "ring_rotate", "ring", ring, kv_block, kv_block, site.name)
+                  for _ in range(ring - 1)]
+        fp32_block = kv_block * 4 // q.element_size()
+        comms += [Communication(None, "ring_rotate", "ring", ring, 0, fp32_block, site.name) for _ in range(ring)]
+    return comms
+
+
+def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> None:
+    """Replace the site's SDPA call by ``hybrid_attention`` over the cp mesh dims."""
+    mesh, core = ctx.mesh, site.core
+    sdpa = sdpa_arguments(core)
+    if sdpa["attn_mask"] is not None or sdpa["dropout_p"] or tensor_val(sdpa["query"]).dim() != 4:
+        ctx.warn(f"{site.name} ({core.name}): attention with a mask, dropout or no batch dim runs on the "
+                 f"gathered sequence (mesh dims 'ring' x 'ulysses' = {mesh.size('cp')})")
+        return
+    tp, ulysses = mesh.size("tp"), mesh.size("ulysses")
+    kv_heads = tensor_val(sdpa["key"]).shape[-3]
+    kv_heads = kv_heads // tp if kv_heads % tp == 0 else kv_heads
+    heads = site.num_heads // tp
+    if heads % ulysses or kv_heads % ulysses:
+        padded = -(-heads // ulysses) * ulysses
+        ctx.warn(f"{site.name} ({core.name}): {heads} query / {kv_heads} kv heads per tp rank (tp={tp}) do not "
+                 f"divide by mesh dim 'ulysses' of size {ulysses}; padded to {padded} heads "
+                 f"({padded - heads} zero heads computed per {heads})")
+    seq = tensor_val(sdpa["query"]).shape[-2]
+    if seq % mesh.size("cp") or tensor_val(sdpa["key"]).shape[-2] % mesh.size("cp"):
+        raise ValueError(
+            f"hybrid_parallel: attention {core.name!r} has sequence length {seq}, not divisible by "
+            f"ring x ulysses = {mesh.size('ring')} x {ulysses} = {mesh.size('cp')} "
+            "(uneven sequence splits are not implemented yet)")
+    ring = mesh.dims["ring"]
+    kwargs = {"is_causal": sdpa["is_causal"], "scale": sdpa["scale"], "enable_gqa": sdpa["enable_gqa"],
+              "ulysses_group": mesh.dims["ulysses"].group_name, "ulysses_size": ulysses,
+              "ring_group": ring.group_name, "ring_rank": ring.rank, "ring_size": ring.size}
+    with gm.graph.inserting_before(core):
+        hybrid = gm.graph.call_function(hybrid_attention, (sdpa["query"], sdpa["key"], sdpa["value"]), kwargs)
+    hybrid.meta.update(core.meta)
+    hybrid.meta["dtensor_par_comm"] = hybrid_attention_communication(site, tensor_val(sdpa["query"]),
+                                                                     tensor_val(sdpa["key"]), mesh)
+    core.replace_all_uses_with(hybrid)
+    gm.graph.erase_node(core)
+    site.core = hybrid
 
 
 def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
@@ -57,8 +141,14 @@ def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for site in ctx.sites:
         for linear in site.rowwise:
             split_rowwise_bias(gm, linear)
-        if (isinstance(site, AttentionSite) and site.core.kwargs.get("enable_gqa")
-                and site.num_kv_heads != site.num_heads and site.num_kv_heads % tp):
-            expand_gqa_kv(gm, site)
+        if not isinstance(site, AttentionSite):
+            continue
+        if site.core.kwargs.get("enable_gqa") and site.num_kv_heads != site.num_heads:
+            divisor = tp * (ctx.mesh.size("ulysses") if ctx.mesh.size("cp") > 1 else 1)
+            repeat = gqa_repeat(site.num_heads, site.num_kv_heads, divisor)
+            if repeat > 1:
+                expand_gqa_kv(gm, site, repeat)
+        if ctx.mesh.size("cp") > 1:
+            to_hybrid_attention(gm, site, ctx)
     gm.recompile()
     return gm

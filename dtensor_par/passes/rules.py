@@ -172,6 +172,14 @@ def expand_rule(node, ins, cur, env):
     return NodeSharding(_moved(p, p.dim + offset), tuple(cur))
 
 
+def repeat_interleave_rule(node, ins, cur, env):
+    """Each element repeated in place: the shard of the repeated tensor is the repeated shard."""
+    p = cur[0]
+    if isinstance(p, InterleavedShard) or len(ins) != 1 or arg(node, 2, "dim") is None:
+        return replicate_all(node, ins, cur, "repeat_interleave of an interleaved or flattened tensor")
+    return NodeSharding(p, (p,))
+
+
 def _dim_order(node: fx.Node, ndim: int) -> list[int]:
     """Output dim i comes from input dim order[i]."""
     if op_kind(node) == "transpose":
@@ -338,6 +346,14 @@ def sdpa_rule(node, ins, cur, env):
     return NodeSharding(chosen, tuple(expected))
 
 
+def hybrid_attention_rule(node, ins, cur, env):
+    """Heads split on tp as for SDPA; on cp every input and the output are sequence shards."""
+    if env.dim != "cp":
+        return sdpa_rule(node, ins, cur, env)
+    seq = Shard(tensor_val(ins[0]).dim() - 2)
+    return NodeSharding(seq, tuple(seq for _ in ins))
+
+
 # --- normalizations and reductions ------------------------------------------------------
 
 def norm_rule(node, ins, cur, env):
@@ -381,9 +397,9 @@ def embedding_rule(node, ins, cur, env):
 
 RULES: dict[str, Callable[..., NodeSharding]] = {
     **{k: pointwise_rule for k in ("add", "sub", "mul", "div", "neg", "unary", "cast", "where")},
-    "view": view_rule, "expand": expand_rule, "transpose": permute_rule, "permute": permute_rule,
+    "view": view_rule, "expand": expand_rule, "repeat_interleave": repeat_interleave_rule, "transpose": permute_rule, "permute": permute_rule,
     "getitem": getitem_rule, "split": split_rule, "cat": cat_rule, "stack": cat_rule,
-    "linear": linear_rule, "matmul": matmul_rule, "sdpa": sdpa_rule,
+    "linear": linear_rule, "matmul": matmul_rule, "sdpa": sdpa_rule, "hybrid_attention": hybrid_attention_rule,
     "norm": norm_rule, "softmax": softmax_rule, "reduce": reduce_rule, "embedding": embedding_rule,
 }
 

@@ -1,0 +1,54 @@
+"""Hybrid (Ulysses x ring) attention over sequence shards.
+
+Input q/k/v are this rank's sequence shard, ``[batch, heads, seq / cp, head_dim]`` with cp
+rank = ring rank * ulysses + ulysses rank. One all-to-all over ``ulysses`` trades the sequence
+shard for a head shard: each rank then holds its ring block (the ``ulysses`` shards of one
+ring rank, in order) for ``heads / ulysses`` heads. Ring attention over ``ring`` computes
+exact attention of that block against the whole sequence, and a second all-to-all trades
+the heads back. Both all-to-alls' backwards are all-to-alls the other way.
+
+Heads that do not divide by ``ulysses`` are padded with zero heads (grouped kv heads are
+repeated to the query heads first): a zero head's output is zero and is cut off again, so
+the result is exact at the cost of the padded heads' compute.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .collectives import all_to_all
+from .ring import ring_attention
+
+HEADS, SEQ = -3, -2
+
+
+def _seq_to_heads(tensors: list[torch.Tensor], group: str, size: int) -> list[torch.Tensor]:
+    """One all-to-all for tensors of one shape (packed), else one each."""
+    if all(t.shape == tensors[0].shape for t in tensors):
+        packed = all_to_all(torch.stack(tensors), SEQ % 5, HEADS % 5, group, size)
+        return list(packed.unbind(0))
+    return [all_to_all(t, SEQ % 4, HEADS % 4, group, size) for t in tensors]
+
+
+def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
+                     scale: float | None = None, enable_gqa: bool = False, ulysses_group: str | None = None,
+                     ulysses_size: int = 1, ring_group: str | None = None, ring_rank: int = 0,
+                     ring_size: int = 1) -> torch.Tensor:
+    """This rank's sequence shard of ``scaled_dot_product_attention(q, k, v)`` over the full
+    sequence, forward and backward."""
+    heads = q.shape[HEADS]
+    padded = heads
+    if ulysses_size > 1:
+        if heads % ulysses_size or k.shape[HEADS] % ulysses_size:
+            if enable_gqa and k.shape[HEADS] != heads:
+                k, v = (t.repeat_interleave(heads // t.shape[HEADS], dim=HEADS) for t in (k, v))
+                enable_gqa = False
+            padded = -(-heads // ulysses_size) * ulysses_size
+            q, k, v = (F.pad(t, (0, 0, 0, 0, 0, padded - heads)) for t in (q, k, v))
+        q, k, v = _seq_to_heads([q, k, v], ulysses_group, ulysses_size)
+    out = ring_attention(q, k, v, group_name=ring_group, rank=ring_rank, size=ring_size, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)
+    if ulysses_size > 1:
+        out = all_to_all(out, HEADS % 4, SEQ % 4, ulysses_group, ulysses_size)
+    return out[:, :heads] if padded != heads else out

@@ -1,0 +1,292 @@
+"""Exact ring attention: each rank keeps its query block while the key/value blocks travel
+around the ring, so no rank ever holds the full sequence.
+
+Partial results merge by log-sum-exp (online softmax), so the output equals full SDPA. The
+backward recomputes each block from the saved output and global log-sum-exp; the key/value
+gradients travel the ring with their blocks and arrive back at their owner.
+
+Every rotation is one ``_c10d_functional.all_to_all_single`` whose only non-empty send goes to
+the next rank and whose only non-empty receive comes from the previous one, so Dynamo and
+AOTAutograd trace it like any other op. The next rotation is issued before the current block
+is computed and waited on after it, so communication overlaps compute.
+
+Layouts (``S`` = full sequence length, ``n`` = ring size):
+
+- contiguous: rank ``r`` holds positions ``[r*S/n, (r+1)*S/n)``. Under a causal mask rank
+  ``r`` attends to ``r + 1`` blocks, so late ranks do most of the work.
+- zigzag: the sequence is cut into ``2n`` chunks and rank ``r`` holds chunks ``r`` and
+  ``2n-1-r``. Under a causal mask every rank does the same work at every ring step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+_c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+# The CUDA memory-efficient kernel pads its log-sum-exp to this many query rows, and its
+# backward checks the alignment that padding gives.
+_CUDA_LSE_ROW_ALIGNMENT = 32
+
+
+@dataclass(frozen=True)
+class _Block:
+    """The part of (this rank's queries) x (one source rank's keys) that is computed.
+
+    Rows are local sequence positions; ``is_causal`` means the two ranges hold the same
+    global positions, so the kernel's own causal mask is the global one.
+    """
+
+    q_rows: slice
+    kv_rows: slice
+    is_causal: bool
+
+
+def _plan_block(rank: int, source: int, q_len: int, kv_len: int, *, is_causal: bool,
+                zigzag: bool) -> _Block | None:
+    """What this rank computes against the key/value block of ``source``; None if causality
+    masks all of it."""
+    everything = _Block(slice(0, q_len), slice(0, kv_len), False)
+    if not is_causal:
+        return everything
+    if source == rank:
+        # Local positions increase with global ones in both layouts, so the local causal
+        # mask is the global one.
+        return _Block(slice(0, q_len), slice(0, kv_len), True)
+    if not zigzag:
+        return everything if source < rank else None
+    half = q_len // 2
+    if source < rank:
+        # Our chunks are r and 2n-1-r. The source's first chunk precedes both; its second
+        # chunk follows both.
+        return _Block(slice(0, q_len), slice(0, half), False)
+    # Both source chunks follow our first chunk and precede our second one.
+    return _Block(slice(half, q_len), slice(0, kv_len), False)
+
+
+def _source_at(step: int, rank: int, size: int) -> int:
+    """Whose key/value block this rank holds at ring step ``step``."""
+    return (rank - step) % size
+
+
+def zigzag_indices(seq_len: int, size: int, rank: int) -> torch.Tensor:
+    """Global positions rank ``rank`` holds in the zigzag layout, in local order."""
+    if seq_len % (2 * size):
+        raise ValueError(f"zigzag needs the sequence length ({seq_len}) to divide into 2 * {size} chunks")
+    chunk = seq_len // (2 * size)
+    first, second = rank, 2 * size - 1 - rank
+    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
+                      torch.arange(second * chunk, (second + 1) * chunk)])
+
+
+def ring_step_flops(seq_len: int, size: int, rank: int, *, zigzag: bool, is_causal: bool,
+                    batch: int = 1, heads: int = 1, head_dim: int = 1) -> list[int]:
+    """Attention FLOPs this rank spends at each ring step, following the schedule
+    ``ring_attention`` runs: 4 FLOPs per (query, key) pair per head dim (two matmuls,
+    QK^T and PV, each a multiply-add), counting only the pairs the kernel computes."""
+    if seq_len % size:
+        raise ValueError(f"sequence length {seq_len} does not divide into {size} ring blocks")
+    local = seq_len // size
+    per_step = []
+    for step in range(size):
+        block = _plan_block(rank, _source_at(step, rank, size), local, local, is_causal=is_causal,
+                            zigzag=zigzag)
+        pairs = 0
+        if block is not None:
+            rows = block.q_rows.stop - block.q_rows.start
+            cols = block.kv_rows.stop - block.kv_rows.start
+            pairs = rows * (rows + 1) // 2 if block.is_causal else rows * cols
+        per_step.append(4 * batch * heads * head_dim * pairs)
+    return per_step
+
+
+def _rotate(x: torch.Tensor, group_name: str, rank: int, size: int) -> torch.Tensor:
+    """Start sending ``x`` to the next rank and receiving the previous rank's; wait on the
+    result with ``wait_tensor``."""
+    rows = x.shape[0]
+    send_splits = [0] * size
+    send_splits[(rank + 1) % size] = rows
+    receive_splits = [0] * size
+    receive_splits[(rank - 1) % size] = rows
+    return _c10d.all_to_all_single(x.contiguous(), receive_splits, send_splits, group_name)
+
+
+def _repeat_kv_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """The fused kernels need one key/value head per query head (SDPA's GQA head order)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _sum_kv_head_grads(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """Gradient of ``_repeat_kv_heads``: each kv head collects the grads of its copies."""
+    if groups == 1:
+        return grad
+    batch, heads, seq, dim = grad.shape
+    return grad.view(batch, heads // groups, groups, seq, dim).sum(2)
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool,
+                   scale: float | None, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention output and per-row log-sum-exp ([B, H, Sq], float32)."""
+    k, v = _repeat_kv_heads(k, groups), _repeat_kv_heads(v, groups)
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+    out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal,
+                                                                  scale=scale)
+    return out, lse[..., : q.shape[-2]]
+
+
+def _block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, *, is_causal: bool, scale: float | None,
+                    groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's exact share of dq, dk, dv.
+
+    Given the *final* output and *global* log-sum-exp, the kernel's softmax probabilities are
+    the global ones, so the per-block gradients sum to the full-attention gradients.
+    """
+    k_rep, v_rep = _repeat_kv_heads(k, groups), _repeat_kv_heads(v, groups)
+    if q.device.type == "cpu":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k_rep, v_rep, out, lse, 0.0, is_causal, scale=scale)
+    else:
+        rows = q.shape[-2]
+        padded_rows = -(-rows // _CUDA_LSE_ROW_ALIGNMENT) * _CUDA_LSE_ROW_ALIGNMENT
+        lse = F.pad(lse, (0, padded_rows - rows)).contiguous()
+        # Without dropout the kernel ignores the RNG state; these match what its forward returns.
+        no_rng = torch.empty((), dtype=torch.long)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k_rep, v_rep, None, out, lse, no_rng, no_rng, 0.0, [True, True, True, False],
+            is_causal, scale=scale)
+    return dq, _sum_kv_head_grads(dk, groups), _sum_kv_head_grads(dv, groups)
+
+
+def _consume(result: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+    """``result``, made to depend on the last block received, adding an exact zero.
+
+    A rank whose last block the causal mask hides never reads it, and a graph partitioner
+    then drops the rotation that brought it. But the same collective also carries this rank's
+    block to its peer, which would wait forever.
+    """
+    return result + received[..., :0, :].sum()
+
+
+def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group_name: str, rank: int,
+                  size: int, is_causal: bool, scale: float | None,
+                  zigzag: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (q's dtype) and global log-sum-exp (float32) of this rank's query rows."""
+    groups = q.shape[1] // k.shape[1]
+    kv = torch.stack([k, v])
+    out = lse = None
+    for step in range(size):
+        incoming = _rotate(kv, group_name, rank, size) if step + 1 < size else None
+        block = _plan_block(rank, _source_at(step, rank, size), q.shape[-2], k.shape[-2],
+                            is_causal=is_causal, zigzag=zigzag)
+        if block is not None:
+            block_out, block_lse = _block_forward(
+                q[..., block.q_rows, :], kv[0][..., block.kv_rows, :], kv[1][..., block.kv_rows, :],
+                is_causal=block.is_causal, scale=scale, groups=groups)
+            if out is None:
+                # Step 0 is this rank's own block, which always covers every query row.
+                out, lse = block_out.float(), block_lse.float()
+            else:
+                rows = block.q_rows
+                merged_lse = torch.logaddexp(lse[..., rows], block_lse)
+                out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - merged_lse).unsqueeze(-1)
+                                     + block_out * torch.exp(block_lse - merged_lse).unsqueeze(-1))
+                lse[..., rows] = merged_lse
+        if incoming is not None:
+            kv = _c10d.wait_tensor(incoming)
+    return _consume(out, kv).to(q.dtype), lse
+
+
+def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, *, group_name: str, rank: int, size: int,
+                   is_causal: bool, scale: float | None,
+                   zigzag: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq stays here; each key/value block's gradient accumulator follows the block around
+    the ring (one step behind it) and its last rotation delivers it to the block's owner."""
+    groups = q.shape[1] // k.shape[1]
+    kv = torch.stack([k, v])
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dkv_incoming = None
+    for step in range(size):
+        kv_incoming = _rotate(kv, group_name, rank, size) if step + 1 < size else None
+        block = _plan_block(rank, _source_at(step, rank, size), q.shape[-2], k.shape[-2],
+                            is_causal=is_causal, zigzag=zigzag)
+        if block is not None:
+            rows, cols = block.q_rows, block.kv_rows
+            dq_block, dk_block, dv_block = _block_backward(
+                grad_out[..., rows, :], q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
+                out[..., rows, :], lse[..., rows], is_causal=block.is_causal, scale=scale, groups=groups)
+            dq[..., rows, :] += dq_block
+        # Wait for the accumulator only now, so its transfer overlapped this step's compute.
+        if dkv_incoming is None:
+            dkv = torch.zeros_like(kv, dtype=torch.float32)
+        else:
+            dkv = _c10d.wait_tensor(dkv_incoming)
+        if block is not None:
+            dkv[..., cols, :] += torch.stack([dk_block, dv_block])
+        dkv_incoming = _rotate(dkv, group_name, rank, size)
+        if kv_incoming is not None:
+            kv = _c10d.wait_tensor(kv_incoming)
+    dkv = _c10d.wait_tensor(dkv_incoming)
+    return _consume(dq, kv).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Autograd wrapper: the backward is the ring backward, not autograd through the forward's
+    collectives (which would rebuild every block's attention matrix)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group_name, rank, size, is_causal, scale, zigzag):
+        options = dict(group_name=group_name, rank=rank, size=size, is_causal=is_causal, scale=scale,
+                       zigzag=zigzag)
+        out, lse = _ring_forward(q, k, v, **options)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = options
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(grad_out, q, k, v, out, lse, **ctx.options)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rank: int, size: int,
+                  is_causal: bool, enable_gqa: bool, zigzag: bool) -> None:
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is outside a ring of size {size}")
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"ring_attention expects q [B, H, S, D] and k, v of one shape [B, Hkv, S, D]; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    q_heads, kv_heads = q.shape[1], k.shape[1]
+    if q_heads % kv_heads:
+        raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} key/value heads")
+    if q_heads != kv_heads and not enable_gqa:
+        raise ValueError(f"{q_heads} query heads and {kv_heads} key/value heads need enable_gqa=True")
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    if is_causal and q_len != kv_len:
+        raise ValueError(f"causal ring attention needs equal query and key/value block lengths; "
+                         f"got {q_len} and {kv_len}")
+    if zigzag and is_causal and q_len % 2:
+        raise ValueError(f"zigzag needs an even local block length (two chunks); got {q_len}")
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group_name: str, rank: int,
+                   size: int, is_causal: bool = False, scale: float | None = None,
+                   enable_gqa: bool = False, zigzag: bool = False) -> torch.Tensor:
+    """This rank's rows of ``F.scaled_dot_product_attention`` over the full sequences, in
+    forward and backward.
+
+    q: [B, Hq, Sq, D], k and v: [B, Hkv, Skv, D], this rank's sequence block (dim -2) of
+    equal-length blocks, in rank order, or in the zigzag layout (chunks ``rank`` and
+    ``2*size-1-rank``) when ``zigzag``. Key/value blocks travel with their own kv heads.
+    """
+    _check_inputs(q, k, v, rank=rank, size=size, is_causal=is_causal, enable_gqa=enable_gqa, zigzag=zigzag)
+    if size == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return _RingAttention.apply(q, k, v, group_name, rank, size, is_causal, scale, zigzag)

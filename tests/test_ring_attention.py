@@ -1,0 +1,189 @@
+"""Ring attention on gloo ranks: each rank's output rows and its q/k/v gradients equal the
+single-device SDPA run on the full sequences."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dtensor_par.ops.ring import ring_attention, ring_step_flops, zigzag_indices
+from tests.harness import FORWARD_ATOL, GRAD_RTOL, max_rel, run_ranks
+
+BATCH, HEAD_DIM, SEQ = 2, 8, 16
+
+CASES = {
+    "full": dict(),
+    "full_longer_kv": dict(kv_seq=2 * SEQ),
+    "causal": dict(is_causal=True),
+    "causal_zigzag": dict(is_causal=True, zigzag=True),
+    "causal_zigzag_gqa": dict(is_causal=True, zigzag=True, heads=4, kv_heads=2, enable_gqa=True),
+    "gqa": dict(heads=4, kv_heads=2, enable_gqa=True),
+    "causal_scale": dict(is_causal=True, scale=0.3),
+}
+
+_FORWARD_KERNEL = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_BACKWARD_KERNEL = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_ROTATION = torch.ops._c10d_functional.all_to_all_single.default
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the attention kernels and ring rotations that actually run."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (_FORWARD_KERNEL, _BACKWARD_KERNEL, _ROTATION):
+            self.counts[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _full_inputs(heads: int, kv_heads: int, kv_seq: int) -> tuple[torch.Tensor, ...]:
+    """The same full tensors on every rank."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(BATCH, heads, SEQ, HEAD_DIM, generator=gen)
+    k = torch.randn(BATCH, kv_heads, kv_seq, HEAD_DIM, generator=gen)
+    v = torch.randn(BATCH, kv_heads, kv_seq, HEAD_DIM, generator=gen)
+    weights = torch.randn(BATCH, heads, SEQ, HEAD_DIM, generator=gen)
+    return q, k, v, weights
+
+
+def _rank_positions(seq: int, world: int, rank: int, zigzag: bool) -> torch.Tensor:
+    if zigzag:
+        return zigzag_indices(seq, world, rank)
+    block = seq // world
+    return torch.arange(rank * block, (rank + 1) * block)
+
+
+def _compare(rank: int, world: int, attention, *, heads: int = 2, kv_heads: int = 2, kv_seq: int = SEQ,
+             is_causal: bool = False, zigzag: bool = False, enable_gqa: bool = False,
+             scale: float | None = None, count_ops: bool = True) -> dict:
+    """Run ``attention`` on this rank's blocks; return its differences to the single-device
+    SDPA forward and gradients and, if ``count_ops`` (eager only: torch.compile refuses
+    dispatch modes), the kernels and rotations it ran."""
+    q, k, v, weights = _full_inputs(heads, kv_heads, kv_seq)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    reference = F.scaled_dot_product_attention(*full, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    (reference * weights).sum().backward()
+
+    q_pos = _rank_positions(SEQ, world, rank, zigzag)
+    kv_pos = _rank_positions(kv_seq, world, rank, zigzag)
+    local = [t[:, :, pos].clone().requires_grad_() for t, pos in ((q, q_pos), (k, kv_pos), (v, kv_pos))]
+    counter = _CountOps()
+    with counter if count_ops else contextlib.nullcontext():
+        out = attention(*local, group_name=dist.group.WORLD.group_name, rank=rank, size=world,
+                        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, zigzag=zigzag)
+        (out * weights[:, :, q_pos]).sum().backward()
+    result = {"forward_abs": (out - reference[:, :, q_pos]).abs().max().item(), "counts": dict(counter.counts)}
+    for name, got, want, pos in zip("qkv", local, full, (q_pos, kv_pos, kv_pos)):
+        result[f"d{name}_rel"] = max_rel(got.grad, want.grad[:, :, pos])
+    return result
+
+
+def _compiled_case(rank: int, world: int) -> dict:
+    """One causal zigzag GQA case under ``aot_eager``, plus the rotations AOTAutograd traces
+    into the forward and backward graphs."""
+    options = CASES["causal_zigzag_gqa"]
+    compiled = torch.compile(ring_attention, backend="aot_eager", fullgraph=True)
+    result = _compare(rank, world, compiled, count_ops=False, **options)
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, _):
+            graphs[name] = gm
+            return gm
+        return compiler
+
+    capture = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    _compare(rank, world, torch.compile(ring_attention, backend=capture, fullgraph=True), count_ops=False, **options)
+    result["traced_rotations"] = {name: sum(node.target is _ROTATION for node in gm.graph.nodes)
+                                  for name, gm in graphs.items()}
+    return result
+
+
+def _rank_cases(rank: int, world: int, with_compiled: bool) -> dict:
+    results = {"eager": {name: _compare(rank, world, ring_attention, **options) for name, options in CASES.items()}}
+    if with_compiled:
+        results["compiled"] = _compiled_case(rank, world)
+    return results
+
+
+@functools.cache
+def _results(world: int) -> list[dict]:
+    """One spawn per world size serves all of that size's tests: process start-up (importing
+    torch on every rank) dominates the runtime."""
+    return run_ranks(world, _rank_cases, world == 2)
+
+
+def _assert_close(rank: int, name: str, metrics: dict) -> None:
+    assert metrics["forward_abs"] <= FORWARD_ATOL, (rank, name, metrics)
+    for grad in ("dq_rel", "dk_rel", "dv_rel"):
+        assert metrics[grad] <= GRAD_RTOL, (rank, name, grad, metrics)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_matches_single_device(world):
+    for rank, results in enumerate(_results(world)):
+        assert set(results["eager"]) == set(CASES)
+        for name, metrics in results["eager"].items():
+            _assert_close(rank, name, metrics)
+        # Contiguous causal: blocks of later ranks are skipped, not computed masked.
+        computed = {"full": world, "causal": rank + 1, "causal_zigzag": world}
+        for name, blocks in computed.items():
+            assert results["eager"][name]["counts"] == {
+                "aten::_scaled_dot_product_flash_attention_for_cpu": blocks,
+                "aten::_scaled_dot_product_flash_attention_for_cpu_backward": blocks,
+                # Forward: kv rotates world-1 times; backward: kv world-1, dkv world times.
+                "_c10d_functional::all_to_all_single": (world - 1) + (2 * world - 1),
+            }, (rank, name)
+
+
+def test_ring_attention_traces_under_aot_eager():
+    for rank, results in enumerate(_results(2)):
+        _assert_close(rank, "compiled", results["compiled"])
+        assert results["compiled"]["traced_rotations"] == {"forward": 1, "backward": 3}
+
+
+def test_zigzag_balances_causal_work_and_contiguous_does_not():
+    seq, size, head_dim = 16, 4, 8
+    # Local blocks of 4 tokens (zigzag: two chunks of 2). Own block: causal 4*5/2 = 10 pairs;
+    # zigzag off-diagonal: half the block on one side, 2*4 = 8 pairs; contiguous: 4*4 = 16 or 0.
+    zigzag = [ring_step_flops(seq, size, r, zigzag=True, is_causal=True, head_dim=head_dim) for r in range(size)]
+    assert zigzag == [[4 * 8 * p for p in (10, 8, 8, 8)]] * size
+    contiguous = [ring_step_flops(seq, size, r, zigzag=False, is_causal=True, head_dim=head_dim)
+                  for r in range(size)]
+    assert contiguous == [[4 * 8 * p for p in pairs] for pairs in
+                          ([10, 0, 0, 0], [10, 16, 0, 0], [10, 16, 16, 0], [10, 16, 16, 16])]
+    # Either way, all ranks together compute exactly the causal mask's seq*(seq+1)/2 pairs.
+    assert sum(map(sum, zigzag)) == sum(map(sum, contiguous)) == 4 * head_dim * seq * (seq + 1) // 2
+    assert ring_step_flops(seq, size, 1, zigzag=False, is_causal=False, batch=2, heads=3) == [4 * 2 * 3 * 16] * size
+
+
+def test_zigzag_indices():
+    assert zigzag_indices(16, 4, 1).tolist() == [2, 3, 12, 13]
+    held = torch.cat([zigzag_indices(16, 4, r) for r in range(4)])
+    assert sorted(held.tolist()) == list(range(16))
+    with pytest.raises(ValueError, match="12.*2 \\* 4"):
+        zigzag_indices(12, 4, 0)
+
+
+@pytest.mark.parametrize("q_shape, kv_shape, options, message", [
+    ((1, 3, 4, 8), (1, 2, 4, 8), dict(enable_gqa=True), "3 query heads are not a multiple of 2"),
+    ((1, 4, 4, 8), (1, 2, 4, 8), dict(), "4 query heads and 2 key/value heads need enable_gqa"),
+    ((1, 2, 4, 8), (1, 2, 6, 8), dict(is_causal=True), "got 4 and 6"),
+    ((1, 2, 3, 8), (1, 2, 3, 8), dict(is_causal=True, zigzag=True), "even local block length.*got 3"),
+])
+def test_clear_errors(q_shape, kv_shape, options, message):
+    q, k = torch.zeros(q_shape), torch.zeros(kv_shape)
+    with pytest.raises(ValueError, match=message):
+        ring_attention(q, k, k, group_name="unused", rank=0, size=2, **options)
