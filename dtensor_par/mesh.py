@@ -34,6 +34,14 @@ def chunk_order(group: str, size: int):
     return _CHUNK_OF_GROUP_RANK.get(group, range(size))
 
 
+_ZIGZAG_RING: dict[str, int] = {}
+
+
+def zigzag_ring(group: str) -> int | None:
+    """The ring size when tensors sharded over ``group`` use the zigzag layout, else None."""
+    return _ZIGZAG_RING.get(group)
+
+
 def default_device_type() -> str:
     if torch.cuda.is_available():
         return "cuda"
@@ -182,4 +190,6 @@ def _cp_dim(mesh: DeviceMesh, dims: dict[str, MeshDim]) -> MeshDim:
         if dist.get_rank() in row:
             mine = group
             register_chunk_order(group.group_name, [row.index(r) for r in sorted(row)])
+            if ring.size > 1:  # load-balanced causal attention: see ops.collectives._sequence_index
+                _ZIGZAG_RING[group.group_name] = ring.size
     return MeshDim("cp", size, ring.rank * ulysses.size + ulysses.rank, mine.group_name)

@@ -152,7 +152,10 @@ class ParallelRuntime:
             return out
         names = self.mesh.mesh_dim_names
         cp = placements.get("cp", Replicate())
-        if shard_dim(cp) is not None and names.index("ring") > names.index("ulysses"):
+        if shard_dim(cp) is not None and self.config.mesh.size("ring") > 1:
+            raise NotImplementedError("output='local' with ring > 1: sequence shards are in the zigzag layout, "
+                                      "which a DTensor placement cannot describe; use output='full'")
+        if shard_dim(cp) is not None and "ring" in names and names.index("ring") > names.index("ulysses"):
             raise NotImplementedError("output='local' with a sequence-sharded output needs 'ring' before "
                                       f"'ulysses' in the mesh order, got {names}")
         per_dim = {"tp": placements.get("tp", Replicate()), "ring": cp, "ulysses": cp}

@@ -72,9 +72,9 @@ def test_sequence_not_divisible_by_cp(fake_world):
     fake_world(4)
     compiled = torch.compile(models.GPTBlock(), backend=dtensor_par.hybrid_parallel(
         dtensor_par.init_mesh(ring=2, ulysses=2), inner_backend="eager"))
-    with pytest.raises(ValueError, match=r"attention 'a' has sequence length 10, not divisible by ring x ulysses "
-                                         r"= 2 x 2 = 4"):
-        compiled(torch.randn(2, 10, 32))
+    with pytest.raises(ValueError, match=r"attention 'a' has sequence length 12, not divisible by 2 x ring x "
+                                         r"ulysses = 8 \(ring=2, ulysses=2"):
+        compiled(torch.randn(2, 12, 32))
 
 
 def test_unknown_output_mode(fake_world):

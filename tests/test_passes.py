@@ -109,3 +109,19 @@ def test_interleaved_local_chunk_takes_each_part():
     assert local_chunk(full, InterleavedShard(0, (4, 4, 4)), 1, 2).tolist() == [2, 3, 6, 7, 10, 11]
     assert local_chunk(full, Shard(0), 1, 2).tolist() == list(range(6, 12))
     assert local_chunk(full, Replicate(), 1, 2) is full
+
+
+def test_zigzag_layout_balances_causal_work_across_ring_ranks():
+    """16 positions at ring=2 x ulysses=2: ring rank 0 holds chunks 0 and 3 of 4, ring rank 1
+    chunks 1 and 2; ulysses splits each ring block. Pieces and assembly are inverse."""
+    from dtensor_par.mesh import _ZIGZAG_RING
+    from dtensor_par.ops.collectives import _assemble, _piece
+
+    _ZIGZAG_RING["test-cp"] = 2
+    try:
+        x = torch.arange(16)
+        pieces = [_piece(x, Shard(0), "test-cp", c, 4).tolist() for c in range(4)]
+        assert pieces == [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]]
+        assert _assemble([torch.tensor(p) for p in pieces], 0, None, "test-cp", 4).tolist() == list(range(16))
+    finally:
+        del _ZIGZAG_RING["test-cp"]

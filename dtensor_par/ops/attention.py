@@ -1,7 +1,8 @@
 """Hybrid (Ulysses x ring) attention over sequence shards.
 
 Input q/k/v are this rank's sequence shard, ``[batch, heads, seq / cp, head_dim]`` with cp
-rank = ring rank * ulysses + ulysses rank. One all-to-all over ``ulysses`` trades the sequence
+rank = ring rank * ulysses + ulysses rank, in the zigzag layout when ring > 1 (ring rank r's
+block is chunks r and 2 * ring - 1 - r of 2 * ring), so causal attention is load-balanced. One all-to-all over ``ulysses`` trades the sequence
 shard for a head shard: each rank then holds its ring block (the ``ulysses`` shards of one
 ring rank, in order) for ``heads / ulysses`` heads. Ring attention over ``ring`` computes
 exact attention of that block against the whole sequence, and a second all-to-all trades
@@ -48,7 +49,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_ca
             q, k, v = (F.pad(t, (0, 0, 0, 0, 0, padded - heads)) for t in (q, k, v))
         q, k, v = _seq_to_heads([q, k, v], ulysses_group, ulysses_size)
     out = ring_attention(q, k, v, group_name=ring_group, rank=ring_rank, size=ring_size, is_causal=is_causal,
-                         scale=scale, enable_gqa=enable_gqa)
+                         scale=scale, enable_gqa=enable_gqa, zigzag=ring_size > 1)
     if ulysses_size > 1:
         out = all_to_all(out, HEADS % 4, SEQ % 4, ulysses_group, ulysses_size)
     return out[:, :heads] if padded != heads else out

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ..mesh import chunk_order, zigzag_ring
 from ..placements import InterleavedShard, Placement, Shard, local_chunk
 
 _c10d = torch.ops._c10d_functional
@@ -35,29 +36,67 @@ def _placement(dim: int, parts: tuple[int, ...] | None) -> Placement:
     return Shard(dim) if parts is None else InterleavedShard(dim, parts)
 
 
+def _sequence_index(length: int, group: str) -> torch.Tensor | None:
+    """Positions of a dim sharded over ``group`` in shard order, for the zigzag layout.
+
+    The dim is cut into 2 * ring chunks; ring rank r holds chunks r and 2 * ring - 1 - r (so
+    causal attention costs every ring rank the same), split further among its ulysses ranks.
+    None for a contiguous layout.
+    """
+    ring = zigzag_ring(group)
+    if ring is None:
+        return None
+    chunks = torch.arange(length).chunk(2 * ring)
+    return torch.cat([torch.cat([chunks[r], chunks[2 * ring - 1 - r]]) for r in range(ring)])
+
+
+def _piece(x: torch.Tensor, p: Placement, group: str, chunk: int, size: int) -> torch.Tensor:
+    """Chunk ``chunk`` of a full tensor under placement ``p`` over ``group``."""
+    index = _sequence_index(x.shape[p.dim], group) if isinstance(p, Shard) else None
+    if index is None:
+        return local_chunk(x, p, chunk, size)
+    n = x.shape[p.dim] // size
+    return x.index_select(p.dim, index[chunk * n:(chunk + 1) * n].to(x.device))
+
+
+def _assemble(by_chunk: list[torch.Tensor], dim: int, parts: tuple[int, ...] | None, group: str,
+              size: int) -> torch.Tensor:
+    """The full tensor from every chunk, in chunk order."""
+    if parts is not None:
+        local_parts = [p // size for p in parts]
+        per_chunk = [c.split(local_parts, dim=dim) for c in by_chunk]
+        return torch.cat([per_chunk[c][i] for i in range(len(parts)) for c in range(size)], dim=dim)
+    full = torch.cat(by_chunk, dim=dim)
+    index = _sequence_index(full.shape[dim], group)
+    return full if index is None else full.index_select(dim, torch.argsort(index).to(full.device))
+
+
+def _by_chunk(pieces, group: str, size: int) -> list[torch.Tensor]:
+    """Pieces received by group rank, reordered by the chunk each group rank holds."""
+    by_chunk = [None] * size
+    for piece, chunk in zip(pieces, chunk_order(group, size)):
+        by_chunk[chunk] = piece
+    return by_chunk
+
+
 def _gather(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, group: str, size: int) -> torch.Tensor:
     out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), size, group))
-    by_rank = out.chunk(size, dim=0)
-    if parts is None:
-        return torch.cat(by_rank, dim=dim)
-    local_parts = [p // size for p in parts]
-    per_rank = [r.split(local_parts, dim=dim) for r in by_rank]
-    return torch.cat([per_rank[r][i] for i in range(len(parts)) for r in range(size)], dim=dim)
+    return _assemble(_by_chunk(out.chunk(size, dim=0), group, size), dim, parts, group, size)
 
 
 def _reduce_scatter(x: torch.Tensor, p: Placement, group: str, size: int) -> torch.Tensor:
     """Sum over ranks, keeping this rank's piece under placement ``p``."""
-    stacked = torch.cat([local_chunk(x, p, r, size) for r in range(size)], dim=0).contiguous()
+    stacked = torch.cat([_piece(x, p, group, c, size) for c in chunk_order(group, size)], dim=0).contiguous()
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(stacked, "sum", size, group))
 
 
 def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str, size: int) -> torch.Tensor:
     """Local shard of ``src_dim`` -> local shard of ``dst_dim`` (even sizes)."""
-    send = torch.stack(x.chunk(size, dim=dst_dim), dim=0).contiguous()
+    send = torch.stack([_piece(x, Shard(dst_dim), group, c, size) for c in chunk_order(group, size)]).contiguous()
     flat = send.flatten(0, 1)
     split = [flat.shape[0] // size] * size
     recv = _c10d.wait_tensor(_c10d.all_to_all_single(flat, split, split, group)).view(send.shape)
-    return torch.cat(recv.unbind(0), dim=src_dim)
+    return _assemble(_by_chunk(recv.unbind(0), group, size), src_dim, None, group, size)
 
 
 class _AllReduce(torch.autograd.Function):
@@ -84,20 +123,20 @@ class _GradAllReduce(torch.autograd.Function):
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, parts, group, rank, size):
-        ctx.args = (dim, parts, rank, size)
+        ctx.args, ctx.group = (dim, parts, rank, size), group
         return _gather(x, dim, parts, group, size)
 
     @staticmethod
     def backward(ctx, grad):
         dim, parts, rank, size = ctx.args
-        return local_chunk(grad, _placement(dim, parts), rank, size), None, None, None, None, None
+        return _piece(grad, _placement(dim, parts), ctx.group, rank, size), None, None, None, None, None
 
 
 class _ShardLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, parts, group, rank, size):
         ctx.args = (dim, parts, group, size)
-        return local_chunk(x, _placement(dim, parts), rank, size).contiguous()
+        return _piece(x, _placement(dim, parts), group, rank, size).contiguous()
 
     @staticmethod
     def backward(ctx, grad):

@@ -117,11 +117,13 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
                  f"divide by mesh dim 'ulysses' of size {ulysses}; padded to {padded} heads "
                  f"({padded - heads} zero heads computed per {heads})")
     seq = tensor_val(sdpa["query"]).shape[-2]
-    if seq % mesh.size("cp") or tensor_val(sdpa["key"]).shape[-2] % mesh.size("cp"):
+    # The zigzag layout (ring > 1) cuts the sequence into 2 * ring chunks, each split by ulysses.
+    split = mesh.size("cp") * (2 if mesh.size("ring") > 1 else 1)
+    if seq % split or tensor_val(sdpa["key"]).shape[-2] % split:
         raise ValueError(
             f"hybrid_parallel: attention {core.name!r} has sequence length {seq}, not divisible by "
-            f"ring x ulysses = {mesh.size('ring')} x {ulysses} = {mesh.size('cp')} "
-            "(uneven sequence splits are not implemented yet)")
+            f"{'2 x ' if split != mesh.size('cp') else ''}ring x ulysses = {split} (ring={mesh.size('ring')}, "
+            f"ulysses={ulysses}; uneven sequence splits are not implemented yet)")
     ring = mesh.dims["ring"]
     kwargs = {"is_causal": sdpa["is_causal"], "scale": sdpa["scale"], "enable_gqa": sdpa["enable_gqa"],
               "ulysses_group": mesh.dims["ulysses"].group_name, "ulysses_size": ulysses,
