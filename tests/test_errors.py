@@ -88,3 +88,11 @@ def test_unshardable_op_gathers_with_a_warning_naming_the_node(planned):
     assert ctx.warnings == ["cumsum (torch.cumsum): inputs gathered on mesh dim 'tp': no sharding rule for torch.cumsum"]
     gathered = [n for n in gm.graph.nodes if n.target is C.all_gather]
     assert [n.args[0].name for n in gathered] == ["h"]
+
+
+def test_local_output_of_zigzag_sequence_shards_is_refused(fake_world):
+    fake_world(2)
+    compiled = torch.compile(models.GPTBlock(), backend=dtensor_par.hybrid_parallel(
+        dtensor_par.init_mesh(ring=2), inner_backend="eager", output="local"))
+    with pytest.raises(NotImplementedError, match="zigzag layout, which a DTensor placement cannot describe"):
+        compiled(torch.randn(2, 8, 32))

@@ -7,14 +7,13 @@ from collections import Counter
 import expecttest
 import torch
 import torch.distributed as dist
-from torch._dynamo.backends.common import aot_autograd
 
 from dtensor_par.ops import collectives as C
 from dtensor_par.passes.localize import collectives_in
 from dtensor_par.placements import InterleavedShard, Replicate, Shard
-from dtensor_par.runtime import local_value
 from tests import models
 from tests.conftest import plan_graph
+from tests.harness import aot_graphs
 
 
 def forward_collectives(gm) -> Counter:
@@ -23,26 +22,10 @@ def forward_collectives(gm) -> Counter:
 
 def traced_collectives(gm, ctx) -> dict[str, Counter]:
     """Collectives AOTAutograd traces into the forward and backward graphs of the local graph."""
-    graphs = {}
-
-    def keep(name):
-        def compiler(g, _):
-            graphs[name] = g
-            return g
-        return compiler
-
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = []
-    for node, value in zip(placeholders, ctx.example_inputs):
-        placements = {d: s.out for d, s in node.meta["dtensor_par"].items()}
-        local = local_value(value.detach(), placements, ctx.mesh).contiguous()
-        inputs.append(local.requires_grad_(value.is_floating_point()))
-    out = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))(gm, inputs)(*inputs)
-    out[0].sum().backward()
     return {name: Counter(n.target.__name__.split(".")[0] for n in g.graph.nodes
                           if n.op == "call_function" and getattr(n.target, "namespace", "") == "_c10d_functional"
                           and "wait" not in str(n.target))
-            for name, g in graphs.items()}
+            for name, g in aot_graphs(gm, ctx).items()}
 
 
 def test_plain_tp_two_all_reduces_per_block_forward_and_backward(fake_world):
@@ -168,18 +151,7 @@ def test_hybrid_attention_collectives_per_attention(fake_world):
     info = MeshInfo.from_mesh(mesh)
     (g, inputs), = capture_graphs(models.GPT(layers=layers, hidden=64, heads=8, mlp=128), torch.randn(2, 16, 64))
     gm, ctx = parallelize_graph(g, inputs, ParallelConfig(info))
-    graphs = {}
-
-    def keep(name):
-        def compiler(graph, _):
-            graphs[name] = graph
-            return graph
-        return compiler
-
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    local = [local_value(v.detach(), {d: s.out for d, s in n.meta["dtensor_par"].items()}, ctx.mesh)
-             .contiguous().requires_grad_(True) for n, v in zip(placeholders, ctx.example_inputs)]
-    aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))(gm, local)(*local)[0].sum().backward()
+    graphs = aot_graphs(gm, ctx)
 
     def all_to_alls(graph, dim):
         group = info.dims[dim].group_name

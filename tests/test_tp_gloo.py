@@ -22,7 +22,8 @@ TP_CASES = ["gpt_fused_qkv", "llama_gqa_rope", "llama_enable_gqa", "graph_break"
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_matches_single_device(world):
-    result = _check(run_ranks(world, run_cases, TP_CASES, {}))
+    """Two optimizer steps at world 2 (the second runs on re-sliced weight shards); one at 4."""
+    result = _check(run_ranks(world, run_cases, TP_CASES, {}, 2 if world == 2 else 1))
     assert set(result) == set(TP_CASES)
     if world == 4:
         assert any("fc" in w and "18" in w and "replicated" in w for w in result["odd_mlp_width"]["warnings"])
@@ -31,9 +32,9 @@ def test_tensor_parallel_matches_single_device(world):
         assert result["odd_mlp_width"]["warnings"] == []
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_sequence_parallel_matches_single_device(world):
-    _check(run_ranks(world, run_cases, ["gpt_fused_qkv", "llama_gqa_rope"], {"sequence_parallel": True}))
+@pytest.mark.parametrize("world, cases", [(2, ["gpt_fused_qkv", "llama_gqa_rope"]), (4, ["gpt_fused_qkv"])])
+def test_sequence_parallel_matches_single_device(world, cases):
+    _check(run_ranks(world, run_cases, cases, {"sequence_parallel": True}))
 
 
 def test_inductor_matches_single_device():

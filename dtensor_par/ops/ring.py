@@ -175,13 +175,16 @@ def _consume(result: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
 
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group_name: str, rank: int,
                   size: int, is_causal: bool, scale: float | None,
-                  zigzag: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output (q's dtype) and global log-sum-exp (float32) of this rank's query rows."""
+                  zigzag: bool, overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (q's dtype) and global log-sum-exp (float32) of this rank's query rows.
+    ``overlap=False`` waits for each rotation before computing (for benchmarks)."""
     groups = q.shape[1] // k.shape[1]
     kv = torch.stack([k, v])
     out = lse = None
     for step in range(size):
         incoming = _rotate(kv, group_name, rank, size) if step + 1 < size else None
+        if incoming is not None and not overlap:
+            incoming = _c10d.wait_tensor(incoming)
         block = _plan_block(rank, _source_at(step, rank, size), q.shape[-2], k.shape[-2],
                             is_causal=is_causal, zigzag=zigzag)
         if block is not None:
@@ -241,10 +244,10 @@ class _RingAttention(torch.autograd.Function):
     collectives (which would rebuild every block's attention matrix)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group_name, rank, size, is_causal, scale, zigzag):
+    def forward(ctx, q, k, v, group_name, rank, size, is_causal, scale, zigzag, overlap):
         options = dict(group_name=group_name, rank=rank, size=size, is_causal=is_causal, scale=scale,
                        zigzag=zigzag)
-        out, lse = _ring_forward(q, k, v, **options)
+        out, lse = _ring_forward(q, k, v, **options, overlap=overlap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = options
         return out
@@ -253,7 +256,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(grad_out, q, k, v, out, lse, **ctx.options)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rank: int, size: int,
@@ -278,9 +281,10 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rank: in
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group_name: str, rank: int,
                    size: int, is_causal: bool = False, scale: float | None = None,
-                   enable_gqa: bool = False, zigzag: bool = False) -> torch.Tensor:
+                   enable_gqa: bool = False, zigzag: bool = False, overlap: bool = True) -> torch.Tensor:
     """This rank's rows of ``F.scaled_dot_product_attention`` over the full sequences, in
-    forward and backward.
+    forward and backward. ``overlap=False`` serializes communication and compute in the
+    forward (only to measure what overlap saves).
 
     q: [B, Hq, Sq, D], k and v: [B, Hkv, Skv, D], this rank's sequence block (dim -2) of
     equal-length blocks, in rank order, or in the zigzag layout (chunks ``rank`` and
@@ -289,4 +293,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group_n
     _check_inputs(q, k, v, rank=rank, size=size, is_causal=is_causal, enable_gqa=enable_gqa, zigzag=zigzag)
     if size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    return _RingAttention.apply(q, k, v, group_name, rank, size, is_causal, scale, zigzag)
+    return _RingAttention.apply(q, k, v, group_name, rank, size, is_causal, scale, zigzag, overlap)
