@@ -1,9 +1,10 @@
 """Graph dumps: what each pass made of a graph, the collectives, the plan as JSON, the mesh.
 
 A dump folder holds, for one compiled graph: ``0_dynamo.py`` (the graph as Dynamo captured
-it) and one file per pass (``1_capture.py`` ... ``5_localize.py``, the last being the graph the
-inner backend compiles; gloo and NCCL take its functional collectives as they are),
-``sites.txt``, ``collectives.md``, ``plan.json`` and ``mesh.svg``.
+it), one file per pass (``1_capture.py`` ... ``5_localize.py``, the graph the inner backend
+compiles), ``6_lowered.py`` (its forward traced to aten ops on fake tensors: the functional
+collectives gloo and NCCL run, as they are), ``sites.txt``, ``collectives.md``, ``plan.json``
+and ``mesh.svg``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import os
 from collections import Counter
 from xml.sax.saxutils import escape
 
+import torch
 import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from .mesh import MESH_DIMS
 from .passes.context import ParallelContext
 from .passes.detect import AttentionSite, module_name, weight_name
-from .passes.localize import communications
+from .passes.localize import communications, local_shape_on
 from .passes.patterns import target_name
 from .placements import Replicate, describe, local_shape
 
@@ -195,6 +198,19 @@ def site_placement_lines(ctx: ParallelContext) -> list[str]:
     return lines
 
 
+def lowered_code(gm: fx.GraphModule, ctx: ParallelContext) -> str:
+    """The local graph's forward at aten level, traced on fake tensors (nothing is sent)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = []
+    for node, value in zip(placeholders, ctx.example_inputs):
+        if isinstance(value, torch.Tensor):
+            placements = {d: s.out for d, s in node.meta["dtensor_par"].items()}
+            value = torch.empty(local_shape_on(value.shape, placements, ctx.mesh), dtype=value.dtype)
+        inputs.append(value)
+    with torch.no_grad():
+        return make_fx(gm, tracing_mode="fake")(*inputs).code
+
+
 class GraphDump:
     """Writes one folder per compiled graph; ``after`` is called after every pass."""
 
@@ -220,6 +236,7 @@ class GraphDump:
         if name == "plan":
             self.nodes = planned_nodes(gm)
         if name == "localize":
+            self._write("6_lowered.py", lowered_code(gm, ctx))
             plan = plan_dict(self.nodes, gm, ctx)
             self._write("plan.json", json.dumps(plan, indent=1, sort_keys=True) + "\n")
             self._write("collectives.md", collectives_markdown(plan["collectives"]))

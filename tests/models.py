@@ -160,3 +160,14 @@ class SequencePooling(nn.Module):
         x = self.block(x)
         x = x + x.mean(dim=1, keepdim=True)
         return x[:, -1]
+
+
+class KeywordAttention(GPTBlock):
+    """SDPA called with keyword arguments only, with its own scale."""
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(query=q, key=k, value=v, is_causal=True, scale=0.3)
+        return x + self.proj(a.transpose(1, 2).reshape(b, s, h))

@@ -18,7 +18,7 @@ def _check(results: list[dict]) -> dict:
 @pytest.mark.parametrize("sizes, cases", [
     ({"tp": 2, "ring": 2}, ["gpt_fused_qkv", "llama_gqa_rope"]),
     ({"tp": 2, "ulysses": 2}, ["llama_enable_gqa", "uneven_heads_14"]),
-    ({"ring": 2, "ulysses": 2}, ["gpt_fused_qkv", "sequence_mixing"]),
+    ({"ring": 2, "ulysses": 2}, ["gpt_fused_qkv", "sequence_mixing", "keyword_sdpa_scale"]),
 ], ids=["tp2-ring2", "tp2-ulysses2", "ring2-ulysses2"])
 def test_each_pair_of_mesh_dims_at_world_4(sizes, cases):
     result = _check(run_ranks(4, run_cases, cases, {}, 1, None, False, None, sizes))

@@ -21,7 +21,7 @@ from tests import factories, models
 from tests.conftest import _init_fake
 
 PASS_FILES = ["0_dynamo.py", "1_capture.py", "2_detect.py", "3_rewrite.py", "4_plan.py", "5_localize.py",
-              "collectives.md", "mesh.svg", "plan.json", "sites.txt"]
+              "6_lowered.py", "collectives.md", "mesh.svg", "plan.json", "sites.txt"]
 
 
 def _compile_and_run(tmp_path, world: int, **options) -> None:
@@ -58,6 +58,9 @@ mlp0: mlp up=['fc'] down=['fc_out'] activations=['gelu']
 | backward | all_reduce | tp | 8 | 8192 | 1 | mlp0.colwise |
 | forward | all_reduce | tp | 8 | 8192 | 1 | mlp0.rowwise |
 """)
+        lowered = read("6_lowered.py")
+        assert lowered.count("torch.ops._c10d_functional.all_reduce.default") == 2
+        assert lowered.count("torch.ops._c10d_functional.wait_tensor.default") == 2
         self.assertExpectedInline(read("4_plan.py"), """\
 l_x_ = input('L_x_')  # [2, 16, 64]  tp: R
 l_self_modules_ln1_parameters_weight_ = input('L_self_modules_ln1_parameters_weight_')  # ln1.weight  [64]  tp: R

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from .context import ParallelContext
-from .patterns import LAYOUT, POINTWISE, is_activation, is_linear, op_kind, tensor_val
+from .patterns import LAYOUT, POINTWISE, is_activation, is_linear, op_kind, sdpa_arguments, tensor_val
 
 # Ops allowed between a projection and the attention call: head reshapes, RoPE, QK-norm.
 _TO_ATTENTION = POINTWISE | LAYOUT | {"norm"}
@@ -127,8 +127,9 @@ def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[Atten
     for node in gm.graph.nodes:
         if op_kind(node) != "sdpa":
             continue
-        q, k, v = (find_producers(a, _TO_ATTENTION, ctx)[0] for a in node.args[:3])
-        heads, kv_heads = (projected_heads(a, ctx) for a in node.args[:2])
+        sdpa = sdpa_arguments(node)
+        q, k, v = (find_producers(sdpa[name], _TO_ATTENTION, ctx)[0] for name in ("query", "key", "value"))
+        heads, kv_heads = (projected_heads(sdpa[name], ctx) for name in ("query", "key"))
         out = find_consumers(node, _FROM_ATTENTION, ctx)
         sites.append(AttentionSite(f"attention{len(sites)}", node, q, k, v, out, heads, kv_heads))
     return sites

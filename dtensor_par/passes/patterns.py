@@ -103,5 +103,14 @@ def arg(node: fx.Node, index: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def sdpa_arguments(core: fx.Node) -> dict:
+    """Every argument of a scaled_dot_product_attention call by name, positional or keyword."""
+    names = ["query", "key", "value", *_SDPA_DEFAULTS]
+    return {**_SDPA_DEFAULTS, **dict(zip(names, core.args)), **core.kwargs}
+
+
 def is_linear(node: fx.Node) -> bool:
     return op_kind(node) == "linear"

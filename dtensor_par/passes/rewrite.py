@@ -21,7 +21,7 @@ from ..ops.attention import hybrid_attention
 from .context import ParallelContext
 from .detect import AttentionSite
 from .localize import Communication
-from .patterns import arg, tensor_val
+from .patterns import arg, sdpa_arguments, tensor_val
 
 
 def _with_val(node: fx.Node, value) -> fx.Node:
@@ -52,24 +52,15 @@ def gqa_repeat(heads: int, kv_heads: int, divisor: int) -> int:
 
 def expand_gqa_kv(gm: fx.GraphModule, site: AttentionSite, repeat: int) -> None:
     core, graph = site.core, gm.graph
-    new_args = list(core.args)
-    for i in (1, 2):
-        kv = core.args[i]
+    sdpa = sdpa_arguments(core)
+    for name in ("key", "value"):
+        kv = sdpa[name]
         with graph.inserting_before(core):
             expanded = graph.call_method("repeat_interleave", (kv, repeat), {"dim": -3})
         _with_val(expanded, tensor_val(kv).repeat_interleave(repeat, dim=-3))
-        new_args[i] = expanded
-    core.args = tuple(new_args)
-    core.kwargs = {**core.kwargs, "enable_gqa": site.num_kv_heads * repeat != site.num_heads}
-
-
-_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-
-
-def sdpa_arguments(core: fx.Node) -> dict:
-    """Every argument of a scaled_dot_product_attention call by name."""
-    names = ["query", "key", "value", *_SDPA_DEFAULTS]
-    return {**_SDPA_DEFAULTS, **dict(zip(names, core.args)), **core.kwargs}
+        sdpa[name] = expanded
+    sdpa["enable_gqa"] = site.num_kv_heads * repeat != site.num_heads
+    core.args, core.kwargs = (sdpa.pop("query"), sdpa.pop("key"), sdpa.pop("value")), sdpa
 
 
 def hybrid_attention_communication(site: AttentionSite, q, k, mesh) -> list[Communication]:
@@ -145,7 +136,7 @@ def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             split_rowwise_bias(gm, linear)
         if not isinstance(site, AttentionSite):
             continue
-        if site.core.kwargs.get("enable_gqa") and site.num_kv_heads != site.num_heads:
+        if sdpa_arguments(site.core)["enable_gqa"] and site.num_kv_heads != site.num_heads:
             divisor = tp * (ctx.mesh.size("ulysses") if ctx.mesh.size("cp") > 1 else 1)
             repeat = gqa_repeat(site.num_heads, site.num_kv_heads, divisor)
             if repeat > 1:
