@@ -96,3 +96,15 @@ def test_local_output_of_zigzag_sequence_shards_is_refused(fake_world):
         dtensor_par.init_mesh(ring=2), inner_backend="eager", output="local"))
     with pytest.raises(NotImplementedError, match="zigzag layout, which a DTensor placement cannot describe"):
         compiled(torch.randn(2, 8, 32))
+
+
+def test_user_mesh_with_a_subset_of_dim_names(fake_world):
+    fake_world(8)
+    from dtensor_par.mesh import MeshInfo
+
+    info = MeshInfo.from_mesh(init_device_mesh("cpu", (4, 2), mesh_dim_names=("ulysses", "tp")))
+    assert {n: info.size(n) for n in ("tp", "ring", "ulysses", "cp")} == {"tp": 2, "ring": 1, "ulysses": 4, "cp": 4}
+    assert info.order == ("ring", "ulysses", "tp") and info.world_size == 8
+    compiled = torch.compile(models.GPTBlock(hidden=64, heads=8, mlp=128), backend=dtensor_par.hybrid_parallel(
+        init_device_mesh("cpu", (8,), mesh_dim_names=("tp",)), inner_backend="eager"))
+    assert compiled(torch.randn(2, 8, 64)).shape == (2, 8, 64)
