@@ -54,7 +54,11 @@ def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "induct
 
 
 def capture_graphs(model, *example_inputs, dynamic: bool | None = None) -> list[tuple]:
-    """The (graph, example inputs) pairs Dynamo hands a backend for ``model(*example_inputs)``."""
+    """The (graph, example inputs) pairs Dynamo hands a backend for ``model(*example_inputs)``.
+
+    Resets Dynamo's caches first (so repeated captures never hit its recompile limit):
+    compiled functions of the calling process recompile on their next call.
+    """
     captured = []
 
     def record(gm, inputs):
@@ -63,4 +67,6 @@ def capture_graphs(model, *example_inputs, dynamic: bool | None = None) -> list[
 
     torch._dynamo.reset()
     torch.compile(model, backend=record, dynamic=dynamic)(*example_inputs)
+    if not captured:
+        raise RuntimeError(f"capture_graphs: Dynamo captured no graph of {type(model).__name__}")
     return captured

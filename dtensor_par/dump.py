@@ -10,6 +10,7 @@ and ``mesh.svg``.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 from xml.sax.saxutils import escape
@@ -108,11 +109,10 @@ def parameter_rows(ctx: ParallelContext) -> list[dict]:
         p = ctx.param_placements.get(name)
         shape = tuple(info.tensor.shape)
         local = local_shape(shape, p, size) if p is not None else shape
-        numel = 1
-        for d in local:
-            numel *= d
+        element = info.tensor.element_size()
         rows.append({"name": info.fqn, "shape": list(shape), "placement": {"tp": describe(p or Replicate())},
-                     "local_shape": list(local), "bytes_per_rank": numel * info.tensor.element_size()})
+                     "local_shape": list(local), "bytes_per_rank": math.prod(local) * element,
+                     "bytes": math.prod(shape) * element})
     return rows
 
 

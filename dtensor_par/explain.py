@@ -41,10 +41,7 @@ class Report:
     def parameter_bytes(self) -> tuple[int, int]:
         """(bytes per rank, bytes of the full model) over all graphs' parameters."""
         rows = {r["name"]: r for g in self.graphs for r in g.parameters}.values()
-        local = sum(r["bytes_per_rank"] for r in rows)
-        full = sum(math.prod(r["shape"]) * (r["bytes_per_rank"] // max(math.prod(r["local_shape"]), 1))
-                   for r in rows)
-        return local, full
+        return sum(r["bytes_per_rank"] for r in rows), sum(r["bytes"] for r in rows)
 
     def svg(self) -> str:
         lines = [line for g in self.graphs for line in g.placements]
@@ -75,7 +72,7 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
     """Plan ``model(*example_inputs)`` for the given mesh as rank 0 would, without hardware.
 
     The model may live on the ``meta`` device, so a model too large for this machine can be
-    planned at its real size.
+    planned at its real size. Capturing resets Dynamo's caches (see ``capture_graphs``).
     """
     sizes = {"tp": tp, "ring": ring, "ulysses": ulysses}
     for name, size in sizes.items():

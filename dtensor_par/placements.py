@@ -16,7 +16,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["Partial", "Replicate", "Shard", "InterleavedShard", "Placement",
-           "shard_dim", "parts_of", "local_shape", "local_chunk", "describe"]
+           "shard_dim", "interleaved_parts", "parts_of", "local_shape", "local_chunk", "describe"]
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,13 @@ def shard_dim(p: Placement) -> int | None:
     return None
 
 
+def interleaved_parts(p: Placement) -> tuple[int, ...] | None:
+    """The part sizes of an InterleavedShard, None for any other placement."""
+    return p.parts if isinstance(p, InterleavedShard) else None
+
+
 def parts_of(p: Placement, full_size: int) -> tuple[int, ...]:
-    return p.parts if isinstance(p, InterleavedShard) else (full_size,)
+    return interleaved_parts(p) or (full_size,)
 
 
 def local_shape(shape: torch.Size | tuple[int, ...], p: Placement, size: int) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ from .mesh import MeshDim, MeshInfo
 from .ops.collectives import gather_param_grad, shard_local
 from .passes.capture import scalar_inputs
 from .passes.context import ParallelConfig, ParallelContext
-from .placements import Placement, local_chunk, shard_dim
+from .placements import Placement, interleaved_parts, local_chunk, shard_dim
 
 
 _graph_ids = itertools.count()  # names dump folders: one per planned graph and input signature
@@ -44,7 +44,7 @@ def local_value(full: torch.Tensor, placements: dict[str, Placement], mesh: Mesh
         d = shard_dim(p)
         if d is not None:
             dim = mesh.dims[name]
-            full = shard_local(full, d, getattr(p, "parts", None), dim.group_name, dim.rank, dim.size)
+            full = shard_local(full, d, interleaved_parts(p), dim.group_name, dim.rank, dim.size)
     return full
 
 

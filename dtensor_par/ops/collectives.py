@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..mesh import chunk_order, zigzag_ring
-from ..placements import InterleavedShard, Placement, Shard, local_chunk
+from ..placements import InterleavedShard, Placement, Shard, interleaved_parts, local_chunk
 
 _c10d = torch.ops._c10d_functional
 
@@ -213,7 +213,7 @@ def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str, size: in
 
 def gather_param_grad(grad: torch.Tensor, p: Placement, group: str, size: int) -> torch.Tensor:
     """Full gradient of a parameter from every rank's gradient of its local shard."""
-    return _gather(grad, p.dim, p.parts if isinstance(p, InterleavedShard) else None, group, size)
+    return _gather(grad, p.dim, interleaved_parts(p), group, size)
 
 
 COMMUNICATION = {

@@ -16,16 +16,12 @@ import torch.fx as fx
 
 from ..mesh import MeshDim, MeshInfo
 from ..ops import collectives as C
-from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard, local_shape, shard_dim
+from ..placements import Partial, Placement, Replicate, Shard, interleaved_parts, local_shape, shard_dim
 from .context import ParallelContext
 from .patterns import op_kind, tensor_val
 from .rules import split_dim, tensor_inputs
 
 R = Replicate()
-
-
-def _parts(p: Placement) -> tuple[int, ...] | None:
-    return p.parts if isinstance(p, InterleavedShard) else None
 
 
 @dataclass(frozen=True)
@@ -68,14 +64,14 @@ def redistribute(insert: _Inserter, x: fx.Node, src: Placement, dst: Placement) 
         if isinstance(dst, Shard):
             return insert(C.reduce_scatter, (x, dst.dim, group, size), src, dst)
     elif src == R:
-        return insert(C.shard_local, (x, dst.dim, _parts(dst), group, rank, size), src, dst)
+        return insert(C.shard_local, (x, dst.dim, interleaved_parts(dst), group, rank, size), src, dst)
     elif dst == R:
-        return insert(C.all_gather, (x, src.dim, _parts(src), group, rank, size), src, dst)
+        return insert(C.all_gather, (x, src.dim, interleaved_parts(src), group, rank, size), src, dst)
     elif isinstance(src, Shard) and isinstance(dst, Shard):
         return insert(C.all_to_all, (x, src.dim, dst.dim, group, size), src, dst)
     else:
-        full = insert(C.all_gather, (x, src.dim, _parts(src), group, rank, size), src, R)
-        return insert(C.shard_local, (full, dst.dim, _parts(dst), group, rank, size), R, dst)
+        full = insert(C.all_gather, (x, src.dim, interleaved_parts(src), group, rank, size), src, R)
+        return insert(C.shard_local, (full, dst.dim, interleaved_parts(dst), group, rank, size), R, dst)
     raise ValueError(f"localize: no redistribution from {src} to {dst} for {x.name}")
 
 
@@ -120,7 +116,7 @@ def _edge(insert: _Inserter, cached, x: fx.Node, src: Placement, dst: Placement,
     dim = insert.dim
     if partial_grad and shard_dim(src) is not None:
         return cached((x, dim.name, "gather_partial_grad"), lambda: insert(
-            C.all_gather_partial_grad, (x, src.dim, _parts(src), dim.group_name, dim.size), src, R))
+            C.all_gather_partial_grad, (x, src.dim, interleaved_parts(src), dim.group_name, dim.size), src, R))
     if src != dst:
         x = cached((x, dim.name, dst), lambda: redistribute(insert, x, src, dst))
     if partial_grad:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard, shard_dim
+from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard, parts_of, shard_dim
 from .patterns import arg, op_kind, tensor_val
 
 R = Replicate()
@@ -302,17 +302,12 @@ def matmul_rule(node, ins, cur, env):
         return NodeSharding(Partial(), (pa, pb))
     pa, pb = _resolve_partial(ins, cur, env)
     nd_out, nd_a, nd_b = tensor_val(node).dim(), tensor_val(a).dim(), tensor_val(b).dim()
-
-    def batch_placement(p, nd_in):  # a batch dim placement moved to the other operand
-        d = p.dim + nd_out - nd_in
-        return d
-
     if shard_dim(pa) is not None and not isinstance(pa, InterleavedShard):
         if pa.dim == nd_a - 1:  # contraction dim
             return NodeSharding(Partial(), (pa, Shard(nd_b - 2)))
         if pa.dim == nd_a - 2:
             return NodeSharding(Shard(nd_out - 2), (pa, R))
-        d_out = batch_placement(pa, nd_a)
+        d_out = pa.dim + nd_out - nd_a  # a batch dim: the other operand must match it
         d_b = d_out - (nd_out - nd_b)
         pb_need = R if d_b < 0 or tensor_val(b).shape[d_b] == 1 else Shard(d_b)
         return NodeSharding(Shard(d_out), (pa, pb_need))
@@ -321,7 +316,7 @@ def matmul_rule(node, ins, cur, env):
             return NodeSharding(Shard(nd_out - 1), (R, pb))
         if pb.dim == nd_b - 2:
             return NodeSharding(Partial(), (Shard(nd_a - 1), pb))
-        d_out = batch_placement(pb, nd_b)
+        d_out = pb.dim + nd_out - nd_b
         d_a = d_out - (nd_out - nd_a)
         pa_need = R if d_a < 0 or tensor_val(a).shape[d_a] == 1 else Shard(d_a)
         return NodeSharding(Shard(d_out), (pa_need, pb))
@@ -408,7 +403,7 @@ def _fits(p: Placement, val: torch.Tensor, size: int) -> bool:
     d = shard_dim(p)
     if d is None:
         return True
-    return all(part % size == 0 for part in (p.parts if isinstance(p, InterleavedShard) else (val.shape[d],)))
+    return all(part % size == 0 for part in parts_of(p, val.shape[d]))
 
 
 def check_divisible(node: fx.Node, ins: list[fx.Node], sharding: NodeSharding, size: int) -> str | None:
