@@ -17,7 +17,7 @@ from .dump import GraphDump
 from .mesh import MeshDim, MeshInfo
 from .ops.collectives import gather_param_grad, shard_local
 from .passes.capture import scalar_inputs
-from .passes.context import ParallelConfig, ParallelContext
+from .passes.context import ParallelConfig
 from .placements import Placement, interleaved_parts, local_chunk, shard_dim
 
 
@@ -72,9 +72,8 @@ class LocalGraph:
     """One specialization: the compiled per-rank graph and its input/output placements."""
 
     fn: Callable
-    input_placements: list[Placement]
-    output_placements: list[Placement | None]
-    context: ParallelContext
+    input_placements: list[dict[str, Placement]]
+    output_placements: list[dict[str, Placement] | None]
 
 
 def _signature(args, scalars: list[int]) -> tuple:
@@ -144,7 +143,7 @@ class ParallelRuntime:
         examples = [x.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else x
                     for x, a in zip(local, args)]
         fn = self.inner_backend(local_gm, examples)
-        return LocalGraph(fn, input_placements, ctx.output_placements, ctx)
+        return LocalGraph(fn, input_placements, ctx.output_placements)
 
     def _as_dtensor(self, out, placements: dict[str, Placement] | None):
         """A local output as a DTensor: tp as planned, the sequence shard on ring then ulysses."""

@@ -93,14 +93,9 @@ def compare(model: torch.nn.Module, inputs_seq: list, compiled_fn, steps: int = 
     return worst
 
 
-def aot_graphs(local_gm, ctx, backward: bool = True) -> dict:
-    """The forward (and backward) graphs AOTAutograd traces from a localized graph, run on
-    this rank's pieces of the example inputs (on a fake process group nothing is sent)."""
+def capturing_backend(graphs: dict):
+    """An AOTAutograd backend that keeps the forward and backward graphs it compiles in ``graphs``."""
     from torch._dynamo.backends.common import aot_autograd
-
-    from dtensor_par.runtime import local_value
-
-    graphs = {}
 
     def keep(name):
         def compiler(graph, _):
@@ -108,13 +103,23 @@ def aot_graphs(local_gm, ctx, backward: bool = True) -> dict:
             return graph
         return compiler
 
+    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+
+
+def aot_graphs(local_gm, ctx, backward: bool = True) -> dict:
+    """The forward (and backward) graphs AOTAutograd traces from a localized graph, run on
+    this rank's pieces of the example inputs (on a fake process group nothing is sent)."""
+    from dtensor_par.runtime import local_value
+
+    graphs = {}
+
     placeholders = [n for n in local_gm.graph.nodes if n.op == "placeholder"]
     inputs = []
     for node, value in zip(placeholders, ctx.example_inputs):
         placements = {d: s.out for d, s in node.meta["dtensor_par"].items()}
         local = local_value(value.detach(), placements, ctx.mesh).contiguous()
         inputs.append(local.requires_grad_(backward and value.is_floating_point()))
-    out = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))(local_gm, inputs)(*inputs)
+    out = capturing_backend(graphs)(local_gm, inputs)(*inputs)
     if backward:
         out[0].sum().backward()
     return graphs

@@ -11,11 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch._dynamo.backends.common import aot_autograd
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtensor_par.ops.ring import ring_attention, ring_step_flops, zigzag_indices
-from tests.harness import FORWARD_ATOL, GRAD_RTOL, max_rel, run_ranks
+from tests.harness import FORWARD_ATOL, GRAD_RTOL, capturing_backend, max_rel, run_ranks
 
 BATCH, HEAD_DIM, SEQ = 2, 8, 16
 
@@ -97,14 +96,7 @@ def _compiled_case(rank: int, world: int) -> dict:
     result = _compare(rank, world, compiled, count_ops=False, **options)
 
     graphs = {}
-
-    def keep(name):
-        def compiler(gm, _):
-            graphs[name] = gm
-            return gm
-        return compiler
-
-    capture = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    capture = capturing_backend(graphs)
     _compare(rank, world, torch.compile(ring_attention, backend=capture, fullgraph=True), count_ops=False, **options)
     result["traced_rotations"] = {name: sum(node.target is _ROTATION for node in gm.graph.nodes)
                                   for name, gm in graphs.items()}
