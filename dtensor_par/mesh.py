@@ -107,6 +107,7 @@ class MeshDim:
     size: int
     rank: int  # this rank's coordinate along the dim
     group_name: str | None  # None when size == 1: no collective is ever issued
+    chunks_per_rank: int = 1  # a dim sharded here is cut into size * chunks_per_rank equal chunks (2: zigzag)
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,8 @@ class MeshInfo:
         order = tuple(order) if order is not None else default_order(device_type)
         sizes = {**{n: 1 for n in MESH_DIMS}, **sizes}
         sizes["cp"] = sizes["ring"] * sizes["ulysses"]
-        dims = {n: MeshDim(n, sizes[n], 0, n if sizes[n] > 1 else None) for n in MESH_DIMS + ("cp",)}
+        dims = {n: MeshDim(n, sizes[n], 0, n if sizes[n] > 1 else None) for n in MESH_DIMS}
+        dims["cp"] = MeshDim("cp", sizes["cp"], 0, "cp" if sizes["cp"] > 1 else None, 2 if sizes["ring"] > 1 else 1)
         return MeshInfo(device_type, dims, order)
 
 
@@ -192,4 +194,4 @@ def _cp_dim(mesh: DeviceMesh, dims: dict[str, MeshDim]) -> MeshDim:
             register_chunk_order(group.group_name, [row.index(r) for r in sorted(row)])
             if ring.size > 1:  # load-balanced causal attention: see ops.collectives._sequence_index
                 _ZIGZAG_RING[group.group_name] = ring.size
-    return MeshDim("cp", size, ring.rank * ulysses.size + ulysses.rank, mine.group_name)
+    return MeshDim("cp", size, ring.rank * ulysses.size + ulysses.rank, mine.group_name, 2 if ring.size > 1 else 1)

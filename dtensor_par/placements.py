@@ -16,7 +16,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["Partial", "Replicate", "Shard", "InterleavedShard", "Placement",
-           "shard_dim", "interleaved_parts", "parts_of", "local_shape", "local_chunk", "describe"]
+           "shard_dim", "interleaved_parts", "parts_of", "shard_length", "local_shape", "local_chunk", "describe"]
 
 
 @dataclass(frozen=True)
@@ -46,12 +46,21 @@ def parts_of(p: Placement, full_size: int) -> tuple[int, ...]:
     return interleaved_parts(p) or (full_size,)
 
 
-def local_shape(shape: torch.Size | tuple[int, ...], p: Placement, size: int) -> tuple[int, ...]:
+def shard_length(length: int, size: int, chunks_per_rank: int = 1) -> int:
+    """Local length of a dim cut into ``size * chunks_per_rank`` equal chunks, ``chunks_per_rank``
+    to a rank. A length that does not divide is padded at the end first (only sequence dims
+    sharded over cp are; see ``ops.collectives``)."""
+    chunks = size * chunks_per_rank
+    return -(-length // chunks) * chunks_per_rank
+
+
+def local_shape(shape: torch.Size | tuple[int, ...], p: Placement, size: int,
+                chunks_per_rank: int = 1) -> tuple[int, ...]:
     d = shard_dim(p)
     shape = tuple(shape)
     if d is None:
         return shape
-    return shape[:d] + (shape[d] // size,) + shape[d + 1:]
+    return shape[:d] + (shard_length(shape[d], size, chunks_per_rank),) + shape[d + 1:]
 
 
 def local_chunk(full: torch.Tensor, p: Placement, rank: int, size: int) -> torch.Tensor:

@@ -10,6 +10,13 @@ import dtensor_par
 from tests import models
 from tests.harness import compare
 
+def _keep(seq: int) -> torch.Tensor:
+    """Key padding: the second sequence of the batch ends in 5 padding positions."""
+    keep = torch.ones(2, seq, dtype=torch.bool)
+    keep[1, -5:] = False
+    return keep
+
+
 CASES = {
     "gpt_fused_qkv": (lambda: models.GPT(layers=2), lambda: [(torch.randn(2, 8, 32),)]),
     "llama_gqa_rope": (lambda: models.Llama(layers=2), lambda: [(torch.randint(0, 50, (2, 8)),)]),
@@ -21,6 +28,13 @@ CASES = {
     "keyword_sdpa_scale": (models.KeywordAttention, lambda: [(torch.randn(2, 8, 32),)]),
     "uneven_heads_14": (lambda: models.Llama(layers=1, hidden=56, heads=14, kv_heads=2, mlp=64),
                         lambda: [(torch.randint(0, 50, (2, 8)),)]),
+    "bool_mask": (lambda: models.MaskedAttention("bool"), lambda: [(torch.randn(2, 16, 32), _keep(16))]),
+    "additive_mask": (lambda: models.MaskedAttention("additive"), lambda: [(torch.randn(2, 16, 32), _keep(16))]),
+    # Sequence length 30: not divisible into the 8 chunks of ring=2 x ulysses=2.
+    "uneven_seq_30": (lambda: models.Llama(layers=1), lambda: [(torch.randint(0, 50, (2, 30)),)]),
+    "uneven_seq_30_masked": (lambda: models.MaskedAttention("additive"), lambda: [(torch.randn(2, 30, 32), _keep(30))]),
+    "uneven_seq_30_bidirectional": (lambda: models.MaskedAttention(None), lambda: [(torch.randn(2, 30, 32),)]),
+    "uneven_seq_30_pooling": (models.SequencePooling, lambda: [(torch.randn(2, 30, 32),)]),
 }
 
 

@@ -171,3 +171,32 @@ class KeywordAttention(GPTBlock):
         q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
         a = F.scaled_dot_product_attention(query=q, key=k, value=v, is_causal=True, scale=0.3)
         return x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+
+
+class MaskedAttention(GPTBlock):
+    """Bidirectional attention under a user mask: key padding from the ``keep`` input
+    ([B, S], False = padding) with a boolean sliding window (``mask="bool"``), or with an
+    additive per-head distance bias (``"additive"``, ALiBi-like, so the mask has a head dim);
+    ``None``: no mask, no ``keep``."""
+
+    def __init__(self, mask: str | None):
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, x, keep=None):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        mask = None
+        if self.mask is not None:
+            pos = torch.arange(s, device=x.device)
+            distance = (pos[:, None] - pos[None, :]).abs()
+            padding = keep[:, None, None, :]
+            if self.mask == "additive":
+                slopes = torch.arange(1, self.heads + 1, device=x.device, dtype=x.dtype) / self.heads
+                mask = torch.where(padding, -distance.to(x.dtype) * slopes[:, None, None], float("-inf"))
+            else:
+                mask = (distance <= 5) & padding
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))

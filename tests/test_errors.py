@@ -68,13 +68,22 @@ def test_sequence_parallel_and_context_parallel_together_are_refused(fake_world)
         dtensor_par.hybrid_parallel(dtensor_par.init_mesh(tp=2, ring=2), sequence_parallel=True)
 
 
-def test_sequence_not_divisible_by_cp(fake_world):
+def test_sequence_shorter_than_cp(fake_world):
     fake_world(4)
     compiled = torch.compile(models.GPTBlock(), backend=dtensor_par.hybrid_parallel(
         dtensor_par.init_mesh(ring=2, ulysses=2), inner_backend="eager"))
-    with pytest.raises(ValueError, match=r"attention 'a' has sequence length 12, not divisible by 2 x ring x "
-                                         r"ulysses = 8 \(ring=2, ulysses=2"):
-        compiled(torch.randn(2, 12, 32))
+    with pytest.raises(ValueError, match=r"attention 'a' has sequence length 3 \(keys 3\), shorter than mesh dims "
+                                         r"'ring' x 'ulysses' = 2 x 2 = 4"):
+        compiled(torch.randn(2, 3, 32))
+
+
+def test_local_output_of_a_padded_sequence_is_refused(fake_world):
+    fake_world(2)
+    compiled = torch.compile(models.GPTBlock(), backend=dtensor_par.hybrid_parallel(
+        dtensor_par.init_mesh(ulysses=2), inner_backend="eager", output="local"))
+    with pytest.raises(NotImplementedError, match=r"output='local' with a sequence of length 5 padded to split "
+                                                  r"over mesh dims 'ring' x 'ulysses' = 2"):
+        compiled(torch.randn(2, 5, 32))
 
 
 def test_unknown_output_mode(fake_world):

@@ -26,6 +26,14 @@ CASES = {
     "causal_zigzag_gqa": dict(is_causal=True, zigzag=True, heads=4, kv_heads=2, enable_gqa=True),
     "gqa": dict(heads=4, kv_heads=2, enable_gqa=True),
     "causal_scale": dict(is_causal=True, scale=0.3),
+    # Masks: per-block rows the mask hides entirely, merged and differentiated exactly.
+    "bool_mask_zigzag": dict(mask="bool", zigzag=True),
+    "additive_mask": dict(mask="additive", heads=4, kv_heads=4),
+    # 14 real positions laid out as 16 (padding at the end): padded keys are masked.
+    "padded_zigzag": dict(real=14, zigzag=True),
+    "padded_causal_zigzag": dict(real=14, zigzag=True, is_causal=True),
+    "padded_additive_mask_zigzag_gqa": dict(real=14, zigzag=True, mask="additive", heads=4, kv_heads=2,
+                                            enable_gqa=True),
 }
 
 _FORWARD_KERNEL = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -56,6 +64,21 @@ def _full_inputs(heads: int, kv_heads: int, kv_seq: int) -> tuple[torch.Tensor, 
     return q, k, v, weights
 
 
+def _mask(kind: str | None, heads: int, length: int) -> torch.Tensor | None:
+    """A sliding window of width 3 (boolean) or a per-head distance bias (additive), both
+    hiding the last 3 keys of the second sequence."""
+    if kind is None:
+        return None
+    pos = torch.arange(length)
+    distance = (pos[:, None] - pos[None, :]).abs()
+    keep = torch.ones(BATCH, 1, 1, length, dtype=torch.bool)
+    keep[1, ..., -3:] = False
+    if kind == "bool":
+        return (distance <= 3) & keep
+    slopes = torch.arange(1, heads + 1).float().view(heads, 1, 1) / heads
+    return torch.where(keep, -distance * slopes, float("-inf"))
+
+
 def _rank_positions(seq: int, world: int, rank: int, zigzag: bool) -> torch.Tensor:
     if zigzag:
         return zigzag_indices(seq, world, rank)
@@ -64,27 +87,37 @@ def _rank_positions(seq: int, world: int, rank: int, zigzag: bool) -> torch.Tens
 
 
 def _compare(rank: int, world: int, attention, *, heads: int = 2, kv_heads: int = 2, kv_seq: int = SEQ,
-             is_causal: bool = False, zigzag: bool = False, enable_gqa: bool = False,
-             scale: float | None = None, count_ops: bool = True) -> dict:
+             is_causal: bool = False, zigzag: bool = False, enable_gqa: bool = False, scale: float | None = None,
+             mask: str | None = None, real: int | None = None, count_ops: bool = True) -> dict:
     """Run ``attention`` on this rank's blocks; return its differences to the single-device
     SDPA forward and gradients and, if ``count_ops`` (eager only: torch.compile refuses
-    dispatch modes), the kernels and rotations it ran."""
+    dispatch modes), the kernels and rotations it ran.
+
+    ``real``: only the first ``real`` positions are the sequence; the rest is padding, whose
+    output rows are not compared and whose gradients must be zero."""
     q, k, v, weights = _full_inputs(heads, kv_heads, kv_seq)
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    reference = F.scaled_dot_product_attention(*full, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    (reference * weights).sum().backward()
+    n, n_kv = real or SEQ, real or kv_seq
+    full = [t[:, :, :length].clone().requires_grad_() for t, length in ((q, n), (k, n_kv), (v, n_kv))]
+    full_mask = _mask(mask, heads, n)
+    reference = F.scaled_dot_product_attention(*full, attn_mask=full_mask, is_causal=is_causal, scale=scale,
+                                               enable_gqa=enable_gqa)
+    (reference * weights[:, :, :n]).sum().backward()
+    grads = [F.pad(t.grad, (0, 0, 0, length - t.shape[2])) for t, length in zip(full, (SEQ, kv_seq, kv_seq))]
 
     q_pos = _rank_positions(SEQ, world, rank, zigzag)
     kv_pos = _rank_positions(kv_seq, world, rank, zigzag)
+    real_rows = q_pos < n
     local = [t[:, :, pos].clone().requires_grad_() for t, pos in ((q, q_pos), (k, kv_pos), (v, kv_pos))]
+    local_mask = None if full_mask is None else full_mask[..., q_pos.clamp(max=n - 1), :]
     counter = _CountOps()
     with counter if count_ops else contextlib.nullcontext():
-        out = attention(*local, group_name=dist.group.WORLD.group_name, rank=rank, size=world,
-                        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, zigzag=zigzag)
-        (out * weights[:, :, q_pos]).sum().backward()
-    result = {"forward_abs": (out - reference[:, :, q_pos]).abs().max().item(), "counts": dict(counter.counts)}
-    for name, got, want, pos in zip("qkv", local, full, (q_pos, kv_pos, kv_pos)):
-        result[f"d{name}_rel"] = max_rel(got.grad, want.grad[:, :, pos])
+        out = attention(*local, group_name=dist.group.WORLD.group_name, rank=rank, size=world, attn_mask=local_mask,
+                        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, zigzag=zigzag, kv_len=real)
+        (out * weights[:, :, q_pos] * real_rows.view(-1, 1)).sum().backward()
+    result = {"forward_abs": (out - reference[:, :, q_pos.clamp(max=n - 1)])[:, :, real_rows].abs().max().item(),
+              "counts": dict(counter.counts)}
+    for name, got, want, pos in zip("qkv", local, grads, (q_pos, kv_pos, kv_pos)):
+        result[f"d{name}_rel"] = max_rel(got.grad, want[:, :, pos])
     return result
 
 
@@ -174,6 +207,11 @@ def test_zigzag_indices():
     ((1, 4, 4, 8), (1, 2, 4, 8), dict(), "4 query heads and 2 key/value heads need enable_gqa"),
     ((1, 2, 4, 8), (1, 2, 6, 8), dict(is_causal=True), "got 4 and 6"),
     ((1, 2, 3, 8), (1, 2, 3, 8), dict(is_causal=True, zigzag=True), "even local block length.*got 3"),
+    ((1, 2, 4, 8), (1, 2, 4, 8), dict(kv_len=4), r"kv_len 4 leaves ring ranks \[1\] with only padding"),
+    ((1, 2, 4, 8), (1, 2, 4, 8), dict(kv_len=6, attn_mask=torch.ones(4, 8, dtype=torch.bool)),
+     r"mask must be \[B\|1, H\|1, 4\|1, 6\|1\].*got \(1, 1, 4, 8\)"),
+    ((1, 2, 4, 8), (1, 2, 4, 8), dict(is_causal=True, attn_mask=torch.ones(4, 8, dtype=torch.bool)),
+     "a mask or is_causal, not both"),
 ])
 def test_clear_errors(q_shape, kv_shape, options, message):
     q, k = torch.zeros(q_shape), torch.zeros(kv_shape)

@@ -11,6 +11,9 @@ the heads back. Both all-to-alls' backwards are all-to-alls the other way.
 Heads that do not divide by ``ulysses`` are padded with zero heads (grouped kv heads are
 repeated to the query heads first): a zero head's output is zero and is cut off again, so
 the result is exact at the cost of the padded heads' compute.
+
+A sequence that does not divide evenly arrives padded at its end (``ops.collectives``); the
+ring masks the padded keys, and padded queries compute rows nobody reads.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .collectives import all_to_all
-from .ring import ring_attention
+from .ring import ring_attention, zigzag_indices
 
 HEADS, SEQ = -3, -2
 
@@ -32,12 +35,35 @@ def _seq_to_heads(tensors: list[torch.Tensor], group: str, size: int) -> list[to
     return [all_to_all(t, SEQ % 4, HEADS % 4, group, size) for t in tensors]
 
 
-def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
-                     scale: float | None = None, enable_gqa: bool = False, ulysses_group: str | None = None,
-                     ulysses_size: int = 1, ring_group: str | None = None, ring_rank: int = 0,
-                     ring_size: int = 1) -> torch.Tensor:
-    """This rank's sequence shard of ``scaled_dot_product_attention(q, k, v)`` over the full
-    sequence, forward and backward."""
+def _mask_for_rank(mask: torch.Tensor, heads: int, padded_heads: int, ulysses_rank: int, ulysses_size: int,
+                   rows: torch.Tensor) -> torch.Tensor:
+    """The part of a whole mask this rank's attention needs: its heads after the all-to-all and
+    the query rows of its ring block (``rows``: global positions, padding clamped to the last
+    real row so that a padded query is never left without a key)."""
+    mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    if mask.shape[HEADS] > 1:
+        if padded_heads != heads:  # the zero heads attend to everything
+            attend = torch.ones_like if mask.dtype == torch.bool else torch.zeros_like
+            mask = torch.cat([mask, attend(mask[:, :1]).expand(-1, padded_heads - heads, -1, -1)], dim=HEADS)
+        per_rank = padded_heads // ulysses_size
+        mask = mask.narrow(HEADS, ulysses_rank * per_rank, per_rank)
+    if mask.shape[SEQ] > 1:
+        mask = mask.index_select(SEQ, rows.clamp(max=mask.shape[SEQ] - 1).to(mask.device))
+    return mask
+
+
+def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
+                     is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                     ulysses_group: str | None = None, ulysses_rank: int = 0, ulysses_size: int = 1,
+                     ring_group: str | None = None, ring_rank: int = 0, ring_size: int = 1,
+                     kv_len: int | None = None) -> torch.Tensor:
+    """This rank's sequence shard of ``scaled_dot_product_attention(q, k, v, attn_mask)`` over
+    the full sequence, forward and backward.
+
+    ``attn_mask`` is whole (every query and key position, any broadcastable shape, heads
+    sharded only by tp). ``kv_len``: the real key length when an uneven sequence was padded
+    at its end to split evenly; the padded keys are masked.
+    """
     heads = q.shape[HEADS]
     padded = heads
     if ulysses_size > 1:
@@ -48,8 +74,14 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_ca
             padded = -(-heads // ulysses_size) * ulysses_size
             q, k, v = (F.pad(t, (0, 0, 0, 0, 0, padded - heads)) for t in (q, k, v))
         q, k, v = _seq_to_heads([q, k, v], ulysses_group, ulysses_size)
-    out = ring_attention(q, k, v, group_name=ring_group, rank=ring_rank, size=ring_size, is_causal=is_causal,
-                         scale=scale, enable_gqa=enable_gqa, zigzag=ring_size > 1)
+    if attn_mask is not None:
+        block = q.shape[SEQ]  # this ring rank's block of (padded) query positions
+        rows = (zigzag_indices(block * ring_size, ring_size, ring_rank) if ring_size > 1
+                else torch.arange(block))
+        attn_mask = _mask_for_rank(attn_mask, heads, padded, ulysses_rank, ulysses_size, rows)
+    out = ring_attention(q, k, v, group_name=ring_group, rank=ring_rank, size=ring_size, attn_mask=attn_mask,
+                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, zigzag=ring_size > 1,
+                         kv_len=kv_len)
     if ulysses_size > 1:
         out = all_to_all(out, HEADS % 4, SEQ % 4, ulysses_group, ulysses_size)
     return out[:, :heads] if padded != heads else out

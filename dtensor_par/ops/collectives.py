@@ -18,6 +18,10 @@ grad_all_reduce         Replicate used by a    all_reduce (the gradient
 (identity)              rank-local computation is a per-rank partial)
 ======================  =====================  ==========================
 
+A sequence dim whose length does not divide over cp is padded at the end to equal chunks
+(``_pad``); every gather cuts the padding off again, so an op that mixes along the sequence
+sees exactly the real positions, and attention masks the padded keys.
+
 The forwards are ``torch.ops._c10d_functional`` ops, so a traced graph shows each collective
 and inductor may schedule it. Each public function is what a localized graph calls.
 """
@@ -27,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..mesh import chunk_order, zigzag_ring
-from ..placements import InterleavedShard, Placement, Shard, interleaved_parts, local_chunk
+from ..placements import InterleavedShard, Placement, Shard, interleaved_parts, local_chunk, shard_length
 
 _c10d = torch.ops._c10d_functional
 
@@ -50,9 +54,33 @@ def _sequence_index(length: int, group: str) -> torch.Tensor | None:
     return torch.cat([torch.cat([chunks[r], chunks[2 * ring - 1 - r]]) for r in range(ring)])
 
 
-def _piece(x: torch.Tensor, p: Placement, group: str, chunk: int, size: int) -> torch.Tensor:
+def _laid_out_length(length: int, group: str, size: int) -> int:
+    """The length a dim of ``length`` sharded over ``group`` is laid out with: padded at the end
+    to equal chunks, two per rank in the zigzag layout."""
+    return size * shard_length(length, size, 2 if zigzag_ring(group) else 1)
+
+
+def _pad(x: torch.Tensor, dim: int, length: int, *, edge: bool) -> torch.Tensor:
+    """``x`` padded at the end of ``dim`` to ``length``.
+
+    Values are padded with copies of the last position (``edge``): padding tokens then look
+    like real ones, so no per-token op turns them into inf or NaN, which a backward would
+    spread through 0 * NaN. Gradients are padded with zeros: padding never reaches a result.
+    """
+    extra = length - x.shape[dim]
+    if extra == 0:
+        return x
+    last = x.narrow(dim, x.shape[dim] - 1, 1)
+    tail = (last if edge else torch.zeros_like(last)).expand(*x.shape[:dim], extra, *x.shape[dim + 1:])
+    return torch.cat([x, tail], dim=dim)
+
+
+def _piece(x: torch.Tensor, p: Placement, group: str, chunk: int, size: int, *, edge: bool = True) -> torch.Tensor:
     """Chunk ``chunk`` of a full tensor under placement ``p`` over ``group``."""
-    index = _sequence_index(x.shape[p.dim], group) if isinstance(p, Shard) else None
+    if not isinstance(p, Shard):
+        return local_chunk(x, p, chunk, size)
+    x = _pad(x, p.dim, _laid_out_length(x.shape[p.dim], group, size), edge=edge)
+    index = _sequence_index(x.shape[p.dim], group)
     if index is None:
         return local_chunk(x, p, chunk, size)
     n = x.shape[p.dim] // size
@@ -60,15 +88,17 @@ def _piece(x: torch.Tensor, p: Placement, group: str, chunk: int, size: int) -> 
 
 
 def _assemble(by_chunk: list[torch.Tensor], dim: int, parts: tuple[int, ...] | None, group: str,
-              size: int) -> torch.Tensor:
-    """The full tensor from every chunk, in chunk order."""
+              size: int, length: int | None) -> torch.Tensor:
+    """The full tensor from every chunk, in chunk order, cut to ``length`` if it was padded."""
     if parts is not None:
         local_parts = [p // size for p in parts]
         per_chunk = [c.split(local_parts, dim=dim) for c in by_chunk]
         return torch.cat([per_chunk[c][i] for i in range(len(parts)) for c in range(size)], dim=dim)
     full = torch.cat(by_chunk, dim=dim)
     index = _sequence_index(full.shape[dim], group)
-    return full if index is None else full.index_select(dim, torch.argsort(index).to(full.device))
+    if index is not None:
+        full = full.index_select(dim, torch.argsort(index).to(full.device))
+    return full if length is None or length == full.shape[dim] else full.narrow(dim, 0, length)
 
 
 def _by_chunk(pieces, group: str, size: int) -> list[torch.Tensor]:
@@ -79,24 +109,27 @@ def _by_chunk(pieces, group: str, size: int) -> list[torch.Tensor]:
     return by_chunk
 
 
-def _gather(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, group: str, size: int) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, group: str, size: int,
+            length: int | None = None) -> torch.Tensor:
     out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), size, group))
-    return _assemble(_by_chunk(out.chunk(size, dim=0), group, size), dim, parts, group, size)
+    return _assemble(_by_chunk(out.chunk(size, dim=0), group, size), dim, parts, group, size, length)
 
 
-def _reduce_scatter(x: torch.Tensor, p: Placement, group: str, size: int) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, p: Placement, group: str, size: int, *, edge: bool = True) -> torch.Tensor:
     """Sum over ranks, keeping this rank's piece under placement ``p``."""
-    stacked = torch.cat([_piece(x, p, group, c, size) for c in chunk_order(group, size)], dim=0).contiguous()
-    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(stacked, "sum", size, group))
+    pieces = [_piece(x, p, group, c, size, edge=edge) for c in chunk_order(group, size)]
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(torch.cat(pieces, dim=0).contiguous(), "sum", size, group))
 
 
-def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str, size: int) -> torch.Tensor:
-    """Local shard of ``src_dim`` -> local shard of ``dst_dim`` (even sizes)."""
-    send = torch.stack([_piece(x, Shard(dst_dim), group, c, size) for c in chunk_order(group, size)]).contiguous()
+def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str, size: int, length: int | None = None,
+                *, edge: bool = True) -> torch.Tensor:
+    """Local shard of ``src_dim`` (global ``length`` if padded) -> local shard of ``dst_dim``."""
+    pieces = [_piece(x, Shard(dst_dim), group, c, size, edge=edge) for c in chunk_order(group, size)]
+    send = torch.stack(pieces).contiguous()
     flat = send.flatten(0, 1)
     split = [flat.shape[0] // size] * size
     recv = _c10d.wait_tensor(_c10d.all_to_all_single(flat, split, split, group)).view(send.shape)
-    return _assemble(_by_chunk(recv.unbind(0), group, size), src_dim, None, group, size)
+    return _assemble(_by_chunk(recv.unbind(0), group, size), src_dim, None, group, size, length)
 
 
 class _AllReduce(torch.autograd.Function):
@@ -122,62 +155,62 @@ class _GradAllReduce(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, parts, group, rank, size):
+    def forward(ctx, x, dim, parts, group, rank, size, length):
         ctx.args, ctx.group = (dim, parts, rank, size), group
-        return _gather(x, dim, parts, group, size)
+        return _gather(x, dim, parts, group, size, length)
 
     @staticmethod
     def backward(ctx, grad):
         dim, parts, rank, size = ctx.args
-        return _piece(grad, _placement(dim, parts), ctx.group, rank, size), None, None, None, None, None
+        return _piece(grad, _placement(dim, parts), ctx.group, rank, size, edge=False), None, None, None, None, None, None
 
 
 class _ShardLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, parts, group, rank, size):
-        ctx.args = (dim, parts, group, size)
+        ctx.args = (dim, parts, group, size, x.shape[dim])
         return _piece(x, _placement(dim, parts), group, rank, size).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        dim, parts, group, size = ctx.args
-        return _gather(grad, dim, parts, group, size), None, None, None, None, None
+        dim, parts, group, size, length = ctx.args
+        return _gather(grad, dim, parts, group, size, length), None, None, None, None, None
 
 
 class _AllGatherPartialGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, parts, group, size):
+    def forward(ctx, x, dim, parts, group, size, length):
         ctx.args = (dim, parts, group, size)
-        return _gather(x, dim, parts, group, size)
+        return _gather(x, dim, parts, group, size, length)
 
     @staticmethod
     def backward(ctx, grad):
         dim, parts, group, size = ctx.args
-        return _reduce_scatter(grad, _placement(dim, parts), group, size), None, None, None, None
+        return _reduce_scatter(grad, _placement(dim, parts), group, size, edge=False), None, None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, size):
-        ctx.args = (dim, group, size)
+        ctx.args = (dim, group, size, x.shape[dim])
         return _reduce_scatter(x, Shard(dim), group, size)
 
     @staticmethod
     def backward(ctx, grad):
-        dim, group, size = ctx.args
-        return _gather(grad, dim, None, group, size), None, None, None
+        dim, group, size, length = ctx.args
+        return _gather(grad, dim, None, group, size, length), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, src_dim, dst_dim, group, size):
-        ctx.args = (src_dim, dst_dim, group, size)
-        return _all_to_all(x, src_dim, dst_dim, group, size)
+    def forward(ctx, x, src_dim, dst_dim, group, size, length):
+        ctx.args = (src_dim, dst_dim, group, size, x.shape[dst_dim])
+        return _all_to_all(x, src_dim, dst_dim, group, size, length)
 
     @staticmethod
     def backward(ctx, grad):
-        src_dim, dst_dim, group, size = ctx.args
-        return _all_to_all(grad, dst_dim, src_dim, group, size), None, None, None, None
+        src_dim, dst_dim, group, size, dst_length = ctx.args
+        return _all_to_all(grad, dst_dim, src_dim, group, size, dst_length, edge=False), None, None, None, None, None
 
 
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
@@ -188,14 +221,17 @@ def grad_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     return _GradAllReduce.apply(x, group)
 
 
+# ``length``: the global length of a sharded dim that was padded to lay it out (see _pad);
+# None when it divides evenly.
+
 def all_gather(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, group: str, rank: int,
-               size: int) -> torch.Tensor:
-    return _AllGather.apply(x, dim, parts, group, rank, size)
+               size: int, length: int | None = None) -> torch.Tensor:
+    return _AllGather.apply(x, dim, parts, group, rank, size, length)
 
 
 def all_gather_partial_grad(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, group: str,
-                            size: int) -> torch.Tensor:
-    return _AllGatherPartialGrad.apply(x, dim, parts, group, size)
+                            size: int, length: int | None = None) -> torch.Tensor:
+    return _AllGatherPartialGrad.apply(x, dim, parts, group, size, length)
 
 
 def shard_local(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, group: str, rank: int,
@@ -207,8 +243,9 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Te
     return _ReduceScatter.apply(x, dim, group, size)
 
 
-def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str, size: int) -> torch.Tensor:
-    return _AllToAll.apply(x, src_dim, dst_dim, group, size)
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str, size: int,
+               length: int | None = None) -> torch.Tensor:
+    return _AllToAll.apply(x, src_dim, dst_dim, group, size, length)
 
 
 def gather_param_grad(grad: torch.Tensor, p: Placement, group: str, size: int) -> torch.Tensor:

@@ -46,10 +46,32 @@ class _Block:
     is_causal: bool
 
 
-def _plan_block(rank: int, source: int, q_len: int, kv_len: int, *, is_causal: bool,
-                zigzag: bool) -> _Block | None:
-    """What this rank computes against the key/value block of ``source``; None if causality
-    masks all of it."""
+def _real_keys(source: int, size: int, block_len: int, kv_len: int | None, *, zigzag: bool) -> int:
+    """How many of ``source``'s key rows are real positions (< ``kv_len``), not the padding that
+    ends an uneven sequence. They are a prefix of the block: local positions increase with
+    global ones in both layouts."""
+    if kv_len is None:
+        return block_len
+    if not zigzag:
+        return min(block_len, max(0, kv_len - source * block_len))
+    chunk = block_len // 2
+    return sum(min(chunk, max(0, kv_len - c * chunk)) for c in (source, 2 * size - 1 - source))
+
+
+def _plan_block(rank: int, source: int, q_len: int, kv_len: int, *, is_causal: bool, zigzag: bool,
+                real_keys: int | None = None) -> _Block | None:
+    """What this rank computes against the key/value block of ``source``, whose first
+    ``real_keys`` rows are real; None if causality or padding masks all of it."""
+    block = _causal_block(rank, source, q_len, kv_len, is_causal=is_causal, zigzag=zigzag)
+    if block is None or real_keys is None or real_keys >= block.kv_rows.stop:
+        return block
+    if real_keys <= block.kv_rows.start:
+        return None
+    return _Block(block.q_rows, slice(block.kv_rows.start, real_keys), block.is_causal)
+
+
+def _causal_block(rank: int, source: int, q_len: int, kv_len: int, *, is_causal: bool,
+                  zigzag: bool) -> _Block | None:
     everything = _Block(slice(0, q_len), slice(0, kv_len), False)
     if not is_causal:
         return everything
@@ -128,20 +150,38 @@ def _sum_kv_head_grads(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(batch, heads // groups, groups, seq, dim).sum(2)
 
 
-def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool,
-                   scale: float | None, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's attention output and per-row log-sum-exp ([B, H, Sq], float32)."""
+def _cuda_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """The memory-efficient kernel takes its bias whole, [B, H, Sq, Skv], with rows aligned to
+    16 elements (padded and cut back, as SDPA itself prepares it)."""
+    if mask is None:
+        return None
+    keys = k.shape[-2]
+    bias = mask.expand(q.shape[0], q.shape[1], q.shape[2], keys)
+    return F.pad(bias, (0, -keys % 16))[..., :keys]
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+                   is_causal: bool, scale: float | None, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention output and per-row log-sum-exp ([B, H, Sq], float32); ``mask`` is
+    additive. A row the mask hides entirely gets log-sum-exp -inf (the CPU kernel reports 0),
+    so it weighs nothing in the merge."""
     k, v = _repeat_kv_heads(k, groups), _repeat_kv_heads(v, groups)
     if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
-    out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal,
-                                                                  scale=scale)
-    return out, lse[..., : q.shape[-2]]
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask,
+                                                                    scale=scale)
+    else:
+        out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, _cuda_bias(mask, q, k), True, 0.0,
+                                                                      is_causal, scale=scale)
+        lse = lse[..., : q.shape[-2]]
+    if mask is not None:
+        hidden = mask.isneginf().all(-1)
+        out, lse = out.masked_fill(hidden.unsqueeze(-1), 0.0), lse.masked_fill(hidden, float("-inf"))
+    return out, lse
 
 
 def _block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, *, is_causal: bool, scale: float | None,
-                    groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, *, is_causal: bool,
+                    scale: float | None, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block's exact share of dq, dk, dv.
 
     Given the *final* output and *global* log-sum-exp, the kernel's softmax probabilities are
@@ -150,7 +190,7 @@ def _block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     k_rep, v_rep = _repeat_kv_heads(k, groups), _repeat_kv_heads(v, groups)
     if q.device.type == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k_rep, v_rep, out, lse, 0.0, is_causal, scale=scale)
+            grad_out, q, k_rep, v_rep, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
     else:
         rows = q.shape[-2]
         padded_rows = -(-rows // _CUDA_LSE_ROW_ALIGNMENT) * _CUDA_LSE_ROW_ALIGNMENT
@@ -158,9 +198,29 @@ def _block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         # Without dropout the kernel ignores the RNG state; these match what its forward returns.
         no_rng = torch.empty((), dtype=torch.long)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k_rep, v_rep, None, out, lse, no_rng, no_rng, 0.0, [True, True, True, False],
-            is_causal, scale=scale)
+            grad_out, q, k_rep, v_rep, _cuda_bias(mask, q, k_rep), out, lse, no_rng, no_rng, 0.0,
+            [True, True, True, False], is_causal, scale=scale)
     return dq, _sum_kv_head_grads(dk, groups), _sum_kv_head_grads(dv, groups)
+
+
+def _block_mask(mask: torch.Tensor | None, block: _Block, source: int, size: int, block_len: int, *,
+                zigzag: bool) -> torch.Tensor | None:
+    """The mask's part for one block: its query rows, and the columns of the global key
+    positions ``source``'s block holds (``block.kv_rows``, a prefix of the block)."""
+    if mask is None:
+        return None
+    if mask.shape[-2] > 1:
+        mask = mask[..., block.q_rows, :]
+    if mask.shape[-1] == 1:
+        return mask
+    count = block.kv_rows.stop
+    if not zigzag:
+        return mask.narrow(-1, source * block_len, count)
+    chunk = block_len // 2
+    first = mask.narrow(-1, source * chunk, min(count, chunk))
+    if count <= chunk:
+        return first
+    return torch.cat([first, mask.narrow(-1, (2 * size - 1 - source) * chunk, count - chunk)], dim=-1)
 
 
 def _consume(result: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
@@ -173,9 +233,20 @@ def _consume(result: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
     return result + received[..., :0, :].sum()
 
 
-def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group_name: str, rank: int,
-                  size: int, is_causal: bool, scale: float | None,
-                  zigzag: bool, overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
+                block_lse: torch.Tensor, masked: bool) -> None:
+    """Fold one block's output into the running output of ``rows`` (online softmax)."""
+    merged = torch.logaddexp(lse[..., rows], block_lse)
+    # Under a mask a row may have met no visible key yet: -inf on both sides, weights 0.
+    reference = merged.masked_fill(merged.isneginf(), 0.0) if masked else merged
+    out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - reference).unsqueeze(-1)
+                         + block_out * torch.exp(block_lse - reference).unsqueeze(-1))
+    lse[..., rows] = merged
+
+
+def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+                  group_name: str, rank: int, size: int, is_causal: bool, scale: float | None, zigzag: bool,
+                  kv_len: int | None, overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (q's dtype) and global log-sum-exp (float32) of this rank's query rows.
     ``overlap=False`` waits for each rotation before computing (for benchmarks)."""
     groups = q.shape[1] // k.shape[1]
@@ -185,45 +256,48 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group_na
         incoming = _rotate(kv, group_name, rank, size) if step + 1 < size else None
         if incoming is not None and not overlap:
             incoming = _c10d.wait_tensor(incoming)
-        block = _plan_block(rank, _source_at(step, rank, size), q.shape[-2], k.shape[-2],
-                            is_causal=is_causal, zigzag=zigzag)
+        source = _source_at(step, rank, size)
+        block = _plan_block(rank, source, q.shape[-2], k.shape[-2], is_causal=is_causal, zigzag=zigzag,
+                            real_keys=_real_keys(source, size, k.shape[-2], kv_len, zigzag=zigzag))
         if block is not None:
             block_out, block_lse = _block_forward(
                 q[..., block.q_rows, :], kv[0][..., block.kv_rows, :], kv[1][..., block.kv_rows, :],
+                _block_mask(mask, block, source, size, k.shape[-2], zigzag=zigzag),
                 is_causal=block.is_causal, scale=scale, groups=groups)
             if out is None:
                 # Step 0 is this rank's own block, which always covers every query row.
                 out, lse = block_out.float(), block_lse.float()
             else:
-                rows = block.q_rows
-                merged_lse = torch.logaddexp(lse[..., rows], block_lse)
-                out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - merged_lse).unsqueeze(-1)
-                                     + block_out * torch.exp(block_lse - merged_lse).unsqueeze(-1))
-                lse[..., rows] = merged_lse
+                _merge_into(out, lse, block.q_rows, block_out, block_lse, mask is not None)
         if incoming is not None:
             kv = _c10d.wait_tensor(incoming)
     return _consume(out, kv).to(q.dtype), lse
 
 
 def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, *, group_name: str, rank: int, size: int,
-                   is_causal: bool, scale: float | None,
-                   zigzag: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, *, group_name: str, rank: int,
+                   size: int, is_causal: bool, scale: float | None, zigzag: bool,
+                   kv_len: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq stays here; each key/value block's gradient accumulator follows the block around
     the ring (one step behind it) and its last rotation delivers it to the block's owner."""
     groups = q.shape[1] // k.shape[1]
+    if mask is not None:
+        # A row the mask hides entirely has output 0 and no gradient; 0 keeps its kernel finite.
+        lse = lse.masked_fill(lse.isneginf(), 0.0)
     kv = torch.stack([k, v])
     dq = torch.zeros_like(q, dtype=torch.float32)
     dkv_incoming = None
     for step in range(size):
         kv_incoming = _rotate(kv, group_name, rank, size) if step + 1 < size else None
-        block = _plan_block(rank, _source_at(step, rank, size), q.shape[-2], k.shape[-2],
-                            is_causal=is_causal, zigzag=zigzag)
+        source = _source_at(step, rank, size)
+        block = _plan_block(rank, source, q.shape[-2], k.shape[-2], is_causal=is_causal, zigzag=zigzag,
+                            real_keys=_real_keys(source, size, k.shape[-2], kv_len, zigzag=zigzag))
         if block is not None:
             rows, cols = block.q_rows, block.kv_rows
             dq_block, dk_block, dv_block = _block_backward(
                 grad_out[..., rows, :], q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
-                out[..., rows, :], lse[..., rows], is_causal=block.is_causal, scale=scale, groups=groups)
+                _block_mask(mask, block, source, size, k.shape[-2], zigzag=zigzag), out[..., rows, :],
+                lse[..., rows], is_causal=block.is_causal, scale=scale, groups=groups)
             dq[..., rows, :] += dq_block
         # Wait for the accumulator only now, so its transfer overlapped this step's compute.
         if dkv_incoming is None:
@@ -244,23 +318,23 @@ class _RingAttention(torch.autograd.Function):
     collectives (which would rebuild every block's attention matrix)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group_name, rank, size, is_causal, scale, zigzag, overlap):
+    def forward(ctx, q, k, v, mask, group_name, rank, size, is_causal, scale, zigzag, kv_len, overlap):
         options = dict(group_name=group_name, rank=rank, size=size, is_causal=is_causal, scale=scale,
-                       zigzag=zigzag)
-        out, lse = _ring_forward(q, k, v, **options, overlap=overlap)
-        ctx.save_for_backward(q, k, v, out, lse)
+                       zigzag=zigzag, kv_len=kv_len)
+        out, lse = _ring_forward(q, k, v, mask, **options, overlap=overlap)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.options = options
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(grad_out, q, k, v, out, lse, **ctx.options)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(grad_out, q, k, v, mask, out, lse, **ctx.options)
+        return (dq, dk, dv) + (None,) * 9
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rank: int, size: int,
-                  is_causal: bool, enable_gqa: bool, zigzag: bool) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, rank: int,
+                  size: int, is_causal: bool, enable_gqa: bool, zigzag: bool, kv_len: int | None) -> None:
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside a ring of size {size}")
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
@@ -271,17 +345,36 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rank: in
         raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} key/value heads")
     if q_heads != kv_heads and not enable_gqa:
         raise ValueError(f"{q_heads} query heads and {kv_heads} key/value heads need enable_gqa=True")
-    q_len, kv_len = q.shape[-2], k.shape[-2]
-    if is_causal and q_len != kv_len:
+    q_len, block_len = q.shape[-2], k.shape[-2]
+    if is_causal and q_len != block_len:
         raise ValueError(f"causal ring attention needs equal query and key/value block lengths; "
-                         f"got {q_len} and {kv_len}")
-    if zigzag and is_causal and q_len % 2:
-        raise ValueError(f"zigzag needs an even local block length (two chunks); got {q_len}")
+                         f"got {q_len} and {block_len}")
+    if is_causal and mask is not None:
+        raise ValueError("ring attention takes a mask or is_causal, not both (as SDPA)")
+    if zigzag and (is_causal or kv_len is not None or mask is not None) and block_len % 2:
+        raise ValueError(f"zigzag needs an even local block length (two chunks); got {block_len}")
+    keys = block_len * size if kv_len is None else kv_len
+    if mask is not None and (mask.dim() != 4 or mask.shape[-2] not in (1, q_len) or mask.shape[-1] not in (1, keys)):
+        raise ValueError(f"the mask must be [B|1, H|1, {q_len}|1, {keys}|1] (this rank's query rows, every "
+                         f"key position); got {tuple(mask.shape)}")
+    if kv_len is not None:
+        empty = [r for r in range(size) if _real_keys(r, size, block_len, kv_len, zigzag=zigzag) == 0]
+        if kv_len > block_len * size or empty:
+            raise ValueError(f"kv_len {kv_len} leaves ring ranks {empty} with only padding in blocks of "
+                             f"{block_len} x {size}")
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = attend) as the additive mask the kernels take."""
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group_name: str, rank: int,
-                   size: int, is_causal: bool = False, scale: float | None = None,
-                   enable_gqa: bool = False, zigzag: bool = False, overlap: bool = True) -> torch.Tensor:
+                   size: int, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                   scale: float | None = None, enable_gqa: bool = False, zigzag: bool = False,
+                   kv_len: int | None = None, overlap: bool = True) -> torch.Tensor:
     """This rank's rows of ``F.scaled_dot_product_attention`` over the full sequences, in
     forward and backward. ``overlap=False`` serializes communication and compute in the
     forward (only to measure what overlap saves).
@@ -289,8 +382,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group_n
     q: [B, Hq, Sq, D], k and v: [B, Hkv, Skv, D], this rank's sequence block (dim -2) of
     equal-length blocks, in rank order, or in the zigzag layout (chunks ``rank`` and
     ``2*size-1-rank``) when ``zigzag``. Key/value blocks travel with their own kv heads.
+    ``kv_len``: the real key length when the blocks hold an uneven sequence padded at its end
+    (the padding is masked). ``attn_mask`` (boolean, True = attend, or additive):
+    [B|1, H|1, Sq|1, keys|1], this rank's query rows against every real key position in
+    global order; each block takes its columns.
     """
-    _check_inputs(q, k, v, rank=rank, size=size, is_causal=is_causal, enable_gqa=enable_gqa, zigzag=zigzag)
+    if attn_mask is not None and attn_mask.dim() < 4:
+        attn_mask = attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    _check_inputs(q, k, v, attn_mask, rank=rank, size=size, is_causal=is_causal, enable_gqa=enable_gqa,
+                  zigzag=zigzag, kv_len=kv_len)
     if size == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    return _RingAttention.apply(q, k, v, group_name, rank, size, is_causal, scale, zigzag, overlap)
+        if kv_len is not None:
+            k, v = k[..., :kv_len, :], v[..., :kv_len, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    mask = None if attn_mask is None else _additive(attn_mask, q.dtype)
+    return _RingAttention.apply(q, k, v, mask, group_name, rank, size, is_causal, scale, zigzag, kv_len, overlap)

@@ -44,10 +44,15 @@ class _Inserter:
         self.graph, self.dim, self.shape, self.element_size, self.site = graph, dim, shape, element_size, site
 
     def nbytes(self, p: Placement) -> int:
-        return math.prod(local_shape(self.shape, p, self.dim.size)) * self.element_size
+        return math.prod(local_shape(self.shape, p, self.dim.size, self.dim.chunks_per_rank)) * self.element_size
 
-    def __call__(self, fn, args: tuple, src: Placement, dst: Placement) -> fx.Node:
-        node = self.graph.call_function(fn, args)
+    def padded_length(self, p: Placement) -> dict:
+        """``{"length": n}`` when the dim ``p`` shards, of global length n, is laid out padded."""
+        length = self.shape[p.dim]
+        return {"length": length} if length % (self.dim.size * self.dim.chunks_per_rank) else {}
+
+    def __call__(self, fn, args: tuple, src: Placement, dst: Placement, **kwargs) -> fx.Node:
+        node = self.graph.call_function(fn, args, kwargs)
         forward, backward = C.COMMUNICATION[fn]
         node.meta["dtensor_par_comm"] = [Communication(
             forward, backward, self.dim.name, self.dim.size, self.nbytes(src), self.nbytes(dst), self.site)]
@@ -66,11 +71,13 @@ def redistribute(insert: _Inserter, x: fx.Node, src: Placement, dst: Placement) 
     elif src == R:
         return insert(C.shard_local, (x, dst.dim, interleaved_parts(dst), group, rank, size), src, dst)
     elif dst == R:
-        return insert(C.all_gather, (x, src.dim, interleaved_parts(src), group, rank, size), src, dst)
+        return insert(C.all_gather, (x, src.dim, interleaved_parts(src), group, rank, size), src, dst,
+                      **insert.padded_length(src))
     elif isinstance(src, Shard) and isinstance(dst, Shard):
-        return insert(C.all_to_all, (x, src.dim, dst.dim, group, size), src, dst)
+        return insert(C.all_to_all, (x, src.dim, dst.dim, group, size), src, dst, **insert.padded_length(src))
     else:
-        full = insert(C.all_gather, (x, src.dim, interleaved_parts(src), group, rank, size), src, R)
+        full = insert(C.all_gather, (x, src.dim, interleaved_parts(src), group, rank, size), src, R,
+                      **insert.padded_length(src))
         return insert(C.shard_local, (full, dst.dim, interleaved_parts(dst), group, rank, size), R, dst)
     raise ValueError(f"localize: no redistribution from {src} to {dst} for {x.name}")
 
@@ -83,7 +90,7 @@ def local_shape_on(shape, placements: dict[str, Placement], mesh: MeshInfo) -> t
     """A global shape cut by the placement on every planned dim."""
     shape = tuple(shape)
     for name, p in placements.items():
-        shape = local_shape(shape, p, mesh.size(name))
+        shape = local_shape(shape, p, mesh.size(name), mesh.dims[name].chunks_per_rank)
     return shape
 
 
@@ -116,7 +123,8 @@ def _edge(insert: _Inserter, cached, x: fx.Node, src: Placement, dst: Placement,
     dim = insert.dim
     if partial_grad and shard_dim(src) is not None:
         return cached((x, dim.name, "gather_partial_grad"), lambda: insert(
-            C.all_gather_partial_grad, (x, src.dim, interleaved_parts(src), dim.group_name, dim.size), src, R))
+            C.all_gather_partial_grad, (x, src.dim, interleaved_parts(src), dim.group_name, dim.size), src, R,
+            **insert.padded_length(src)))
     if src != dst:
         x = cached((x, dim.name, dst), lambda: redistribute(insert, x, src, dst))
     if partial_grad:

@@ -25,6 +25,8 @@ _FUNCTION_KINDS = {
               F.gelu, F.silu, F.relu, F.tanh, F.sigmoid, F.dropout, torch._C._nn.gelu,
               torch._C._nn.silu],
     "where": [torch.where, torch.masked_fill],
+    "logical": [operator.and_, operator.or_, operator.xor, operator.invert, operator.lt, operator.le, operator.gt,
+                operator.ge, operator.eq, operator.ne, torch.logical_and, torch.logical_or, torch.logical_not],
     "matmul": [operator.matmul, torch.matmul, torch.bmm],
     "linear": [torch._C._nn.linear, F.linear],
     "sdpa": [torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention],
@@ -50,6 +52,7 @@ _METHOD_KINDS = {
               "clamp", "square", "erf"],
     "cast": ["contiguous", "clone", "float", "half", "bfloat16", "double", "to", "type_as", "detach"],
     "where": ["masked_fill"],
+    "logical": ["logical_and", "logical_or", "logical_not", "lt", "le", "gt", "ge", "eq", "ne"],
     "matmul": ["matmul", "bmm"],
     "softmax": ["softmax", "log_softmax"],
     "reduce": ["sum", "mean", "amax"],
@@ -62,7 +65,7 @@ _METHOD_KINDS = {
 }
 _METHODS = {m: kind for kind, ms in _METHOD_KINDS.items() for m in ms}
 
-POINTWISE = {"add", "sub", "mul", "div", "neg", "unary", "cast", "where"}
+POINTWISE = {"add", "sub", "mul", "div", "neg", "unary", "cast", "where", "logical"}
 LAYOUT = {"view", "expand", "transpose", "permute", "split", "getitem", "cat", "stack"}
 ACTIVATIONS = {F.gelu, F.silu, F.relu, F.tanh, F.sigmoid, torch._C._nn.gelu, torch._C._nn.silu,
                torch.relu, torch.tanh, torch.sigmoid, "relu", "tanh", "sigmoid"}

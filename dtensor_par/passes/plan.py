@@ -115,6 +115,15 @@ def sequence_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[
     return placements
 
 
+def _check_local_outputs(outputs: list[fx.Node], placements: list[Placement], env: RuleEnv) -> None:
+    for node, p in zip(outputs, placements):
+        if isinstance(p, Shard) and env.padded(tensor_val(node).shape[p.dim]):
+            raise NotImplementedError(
+                f"output='local' with a sequence of length {tensor_val(node).shape[p.dim]} padded to split over "
+                f"mesh dims 'ring' x 'ulysses' = {env.size} (output {node.name!r}): a DTensor cannot hold the "
+                f"padding; use output='full'")
+
+
 def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding:
     ins = tensor_inputs(node)
     cur = [env.out_of(i) for i in ins]
@@ -124,12 +133,14 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding
         return NodeSharding(R, ())
     if node.op == "output":
         keep = ctx.config.output == "local"
+        if keep:
+            _check_local_outputs(ins, cur, env)
         return NodeSharding(None, tuple(p if keep and isinstance(p, (Shard, Replicate)) else R for p in cur))
     rule = RULES.get(op_kind(node))
     if rule is None:
         return replicate_all(node, ins, cur, f"no sharding rule for {target_name(node)}")
     sharding = rule(node, ins, cur, env)
-    problem = check_divisible(node, ins, sharding, env.size)
+    problem = check_divisible(node, ins, sharding, env)
     if problem:
         return replicate_all(node, ins, cur, problem)
     return sharding
@@ -145,7 +156,7 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         if tensor_val(node) is not None:
             node.meta["dtensor_par_shape"] = tuple(tensor_val(node).shape)
     for dim in ctx.mesh.plan_dims:
-        env = RuleEnv(dim.name, dim.size, seeds[dim.name], ctx.config.sequence_parallel)
+        env = RuleEnv(dim.name, dim.size, seeds[dim.name], ctx.config.sequence_parallel, dim.chunks_per_rank)
         for node in gm.graph.nodes:
             sharding = plan_node(node, env, ctx)
             node.meta["dtensor_par"][dim.name] = sharding

@@ -6,8 +6,9 @@
   head repeated, the fewest times that make them split evenly, so each rank takes exactly
   the kv heads of its own query heads; otherwise kv travels with its own heads.
 - With context parallelism, each attention call becomes ``hybrid_attention`` (Ulysses
-  all-to-all, ring attention, all-to-all back) over sequence shards. Attention with a mask or
-  dropout stays as it is and runs on the gathered sequence, with a warning.
+  all-to-all, ring attention, all-to-all back) over sequence shards, with its mask, and with
+  the padded keys of an uneven sequence masked. Attention with dropout or a mask that needs
+  a gradient stays as it is and runs on the gathered sequence, with a warning.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import operator
 import torch.fx as fx
 
 from ..ops.attention import hybrid_attention
+from ..placements import shard_length
 from .context import ParallelContext
 from .detect import AttentionSite
 from .localize import Communication
@@ -75,7 +77,8 @@ def hybrid_attention_communication(site: AttentionSite, q, k, mesh) -> list[Comm
     kv_heads = k.shape[-3] // tp if k.shape[-3] % tp == 0 else k.shape[-3]
     if q_heads % ulysses or kv_heads % ulysses:
         q_heads = kv_heads = -(-q_heads // ulysses) * ulysses
-    per_head = batch * (seq // cp) * head_dim * q.element_size()  # one head of a sequence shard
+    local_seq = shard_length(seq, cp, mesh.dims["cp"].chunks_per_rank)
+    per_head = batch * local_seq * head_dim * q.element_size()  # one head of a (padded) sequence shard
     comms = []
     if ulysses > 1:
         for nbytes in (per_head * (q_heads + 2 * kv_heads), per_head * q_heads):
@@ -89,13 +92,32 @@ def hybrid_attention_communication(site: AttentionSite, q, k, mesh) -> list[Comm
     return comms
 
 
+def _sequence_lengths(site: AttentionSite, q, k, mesh, ctx: ParallelContext) -> dict:
+    """``{"kv_len": n}`` when the keys' length does not divide over cp and hybrid attention
+    must mask the padding; raises when a rank would hold nothing but padding."""
+    cp, chunks = mesh.size("cp"), mesh.size("cp") * mesh.dims["cp"].chunks_per_rank
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    if min(q_len, kv_len) < cp:
+        raise ValueError(
+            f"hybrid_parallel: attention {site.core.name!r} has sequence length {q_len} (keys {kv_len}), "
+            f"shorter than mesh dims 'ring' x 'ulysses' = {mesh.size('ring')} x {mesh.size('ulysses')} = {cp}: "
+            f"some ranks would hold only padding; use smaller 'ring' or 'ulysses' dims")
+    if q_len % chunks or kv_len % chunks:
+        keys = f" (keys {kv_len})" if kv_len != q_len else ""
+        ctx.warn(f"{site.name} ({site.core.name}): sequence length {q_len}{keys} does not divide into {chunks} "
+                 f"equal chunks (ring={mesh.size('ring')}, ulysses={mesh.size('ulysses')}); padded at the end "
+                 f"to a multiple of {chunks}")
+    return {"kv_len": kv_len} if kv_len % chunks else {}
+
+
 def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> None:
     """Replace the site's SDPA call by ``hybrid_attention`` over the cp mesh dims."""
     mesh, core = ctx.mesh, site.core
     sdpa = sdpa_arguments(core)
-    if sdpa["attn_mask"] is not None or sdpa["dropout_p"] or tensor_val(sdpa["query"]).dim() != 4:
-        ctx.warn(f"{site.name} ({core.name}): attention with a mask, dropout or no batch dim runs on the "
-                 f"gathered sequence (mesh dims 'ring' x 'ulysses' = {mesh.size('cp')})")
+    mask = sdpa["attn_mask"]
+    if sdpa["dropout_p"] or tensor_val(sdpa["query"]).dim() != 4 or (mask is not None and mask.meta["requires_grad"]):
+        ctx.warn(f"{site.name} ({core.name}): attention with dropout, a mask that needs a gradient or no batch dim "
+                 f"runs on the gathered sequence (mesh dims 'ring' x 'ulysses' = {mesh.size('cp')})")
         return
     tp, ulysses = mesh.size("tp"), mesh.size("ulysses")
     kv_heads = tensor_val(sdpa["key"]).shape[-3]
@@ -106,18 +128,12 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
         ctx.warn(f"{site.name} ({core.name}): {heads} query / {kv_heads} kv heads per tp rank (tp={tp}) do not "
                  f"divide by mesh dim 'ulysses' of size {ulysses}; padded to {padded} heads "
                  f"({padded - heads} zero heads computed per {heads})")
-    seq = tensor_val(sdpa["query"]).shape[-2]
-    # The zigzag layout (ring > 1) cuts the sequence into 2 * ring chunks, each split by ulysses.
-    split = mesh.size("cp") * (2 if mesh.size("ring") > 1 else 1)
-    if seq % split or tensor_val(sdpa["key"]).shape[-2] % split:
-        raise ValueError(
-            f"hybrid_parallel: attention {core.name!r} has sequence length {seq}, not divisible by "
-            f"{'2 x ' if split != mesh.size('cp') else ''}ring x ulysses = {split} (ring={mesh.size('ring')}, "
-            f"ulysses={ulysses}; uneven sequence splits are not implemented yet)")
     ring = mesh.dims["ring"]
-    kwargs = {"is_causal": sdpa["is_causal"], "scale": sdpa["scale"], "enable_gqa": sdpa["enable_gqa"],
-              "ulysses_group": mesh.dims["ulysses"].group_name, "ulysses_size": ulysses,
-              "ring_group": ring.group_name, "ring_rank": ring.rank, "ring_size": ring.size}
+    kwargs = {"attn_mask": mask, "is_causal": sdpa["is_causal"], "scale": sdpa["scale"],
+              "enable_gqa": sdpa["enable_gqa"], "ulysses_group": mesh.dims["ulysses"].group_name,
+              "ulysses_rank": mesh.dims["ulysses"].rank, "ulysses_size": ulysses, "ring_group": ring.group_name,
+              "ring_rank": ring.rank, "ring_size": ring.size,
+              **_sequence_lengths(site, tensor_val(sdpa["query"]), tensor_val(sdpa["key"]), mesh, ctx)}
     with gm.graph.inserting_before(core):
         hybrid = gm.graph.call_function(hybrid_attention, (sdpa["query"], sdpa["key"], sdpa["value"]), kwargs)
     hybrid.meta.update(core.meta)

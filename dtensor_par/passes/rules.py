@@ -35,6 +35,12 @@ class RuleEnv:
     size: int
     input_placements: dict[str, Placement]  # placeholder name -> placement (others Replicate)
     sequence_parallel: bool
+    chunks_per_rank: int = 1  # 2 for cp's zigzag layout
+
+    def padded(self, length: int) -> bool:
+        """Whether a dim of this length is laid out padded when sharded here. Only cp pads (an
+        uneven sequence); ``check_divisible`` refuses uneven tp shards."""
+        return length % (self.size * self.chunks_per_rank) != 0
 
     def out_of(self, node: fx.Node):
         return node.meta["dtensor_par"][self.dim].out
@@ -149,7 +155,8 @@ def view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, size: 
             if dst[outer[0]] == len(p.parts) and len(set(p.parts)) == 1 and len(outer) > 1:
                 return Shard(outer[1]) if dst[outer[1]] % size == 0 else None
             return None
-        return Shard(outer[0]) if dst[outer[0]] % size == 0 else None
+        keeps_length = dst[outer[0]] == src[p.dim]  # the shard's layout is the input's: even or padded
+        return Shard(outer[0]) if keeps_length or dst[outer[0]] % size == 0 else None
     return None
 
 
@@ -159,6 +166,8 @@ def view_rule(node, ins, cur, env):
         return NodeSharding(p, tuple(cur))
     src, dst = tuple(tensor_val(ins[0]).shape), tuple(tensor_val(node).shape)
     out = view_target(src, dst, p, env.size)
+    if out is not None and env.padded(src[p.dim]) and dst[out.dim] != src[p.dim]:
+        out = None  # the padding sits at the end of the sharded dim, not of a merged one
     if out is None:
         return replicate_all(node, ins, cur, f"view {list(src)} -> {list(dst)} splits the sharded dim {p.dim}")
     return NodeSharding(out, tuple(cur))
@@ -174,9 +183,11 @@ def expand_rule(node, ins, cur, env):
 
 def repeat_interleave_rule(node, ins, cur, env):
     """Each element repeated in place: the shard of the repeated tensor is the repeated shard."""
-    p = cur[0]
-    if isinstance(p, InterleavedShard) or len(ins) != 1 or arg(node, 2, "dim") is None:
+    p, dim = cur[0], arg(node, 2, "dim")
+    if isinstance(p, InterleavedShard) or len(ins) != 1 or dim is None:
         return replicate_all(node, ins, cur, "repeat_interleave of an interleaved or flattened tensor")
+    if shard_dim(p) == _norm_dim(dim, tensor_val(ins[0]).dim()) and env.padded(tensor_val(ins[0]).shape[p.dim]):
+        return replicate_all(node, ins, cur, "repeat_interleave along the padded sequence dim")
     return NodeSharding(p, (p,))
 
 
@@ -302,6 +313,9 @@ def matmul_rule(node, ins, cur, env):
         return NodeSharding(Partial(), (pa, pb))
     pa, pb = _resolve_partial(ins, cur, env)
     nd_out, nd_a, nd_b = tensor_val(node).dim(), tensor_val(a).dim(), tensor_val(b).dim()
+    contracted = tensor_val(a).shape[-1]
+    if env.padded(contracted) and (shard_dim(pa) == nd_a - 1 or shard_dim(pb) == nd_b - 2):
+        return replicate_all(node, ins, [pa, pb], "contraction over the padded sequence dim")
     if shard_dim(pa) is not None and not isinstance(pa, InterleavedShard):
         if pa.dim == nd_a - 1:  # contraction dim
             return NodeSharding(Partial(), (pa, Shard(nd_b - 2)))
@@ -342,11 +356,12 @@ def sdpa_rule(node, ins, cur, env):
 
 
 def hybrid_attention_rule(node, ins, cur, env):
-    """Heads split on tp as for SDPA; on cp every input and the output are sequence shards."""
+    """Heads split on tp as for SDPA; on cp q, k, v and the output are sequence shards and a
+    mask is whole (each ring block takes its rows and columns)."""
     if env.dim != "cp":
         return sdpa_rule(node, ins, cur, env)
     seq = Shard(tensor_val(ins[0]).dim() - 2)
-    return NodeSharding(seq, tuple(seq for _ in ins))
+    return NodeSharding(seq, (seq, seq, seq) + (R,) * (len(ins) - 3))
 
 
 # --- normalizations and reductions ------------------------------------------------------
@@ -391,7 +406,7 @@ def embedding_rule(node, ins, cur, env):
 
 
 RULES: dict[str, Callable[..., NodeSharding]] = {
-    **{k: pointwise_rule for k in ("add", "sub", "mul", "div", "neg", "unary", "cast", "where")},
+    **{k: pointwise_rule for k in ("add", "sub", "mul", "div", "neg", "unary", "cast", "where", "logical")},
     "view": view_rule, "expand": expand_rule, "repeat_interleave": repeat_interleave_rule, "transpose": permute_rule, "permute": permute_rule,
     "getitem": getitem_rule, "split": split_rule, "cat": cat_rule, "stack": cat_rule,
     "linear": linear_rule, "matmul": matmul_rule, "sdpa": sdpa_rule, "hybrid_attention": hybrid_attention_rule,
@@ -399,18 +414,18 @@ RULES: dict[str, Callable[..., NodeSharding]] = {
 }
 
 
-def _fits(p: Placement, val: torch.Tensor, size: int) -> bool:
+def _fits(p: Placement, val: torch.Tensor, env: RuleEnv) -> bool:
     d = shard_dim(p)
-    if d is None:
-        return True
-    return all(part % size == 0 for part in parts_of(p, val.shape[d]))
+    if d is None or (env.dim == "cp" and isinstance(p, Shard)):
+        return True  # cp pads a sequence that does not divide
+    return all(part % env.size == 0 for part in parts_of(p, val.shape[d]))
 
 
-def check_divisible(node: fx.Node, ins: list[fx.Node], sharding: NodeSharding, size: int) -> str | None:
+def check_divisible(node: fx.Node, ins: list[fx.Node], sharding: NodeSharding, env: RuleEnv) -> str | None:
     """Why a planned placement cannot be laid out evenly, if it cannot."""
     outs = sharding.out if isinstance(sharding.out, tuple) else (sharding.out,)
     vals = node.meta["val"] if isinstance(node.meta.get("val"), (tuple, list)) else (node.meta.get("val"),)
     for p, val in list(zip(outs, vals)) + list(zip(sharding.inputs, (tensor_val(i) for i in ins))):
-        if isinstance(val, torch.Tensor) and not _fits(p, val, size):
-            return f"{p} of a tensor of shape {list(val.shape)} does not divide by {size}"
+        if isinstance(val, torch.Tensor) and not _fits(p, val, env):
+            return f"{p} of a tensor of shape {list(val.shape)} does not divide by {env.size}"
     return None
