@@ -5,7 +5,8 @@ analytic minimum, read off the compiled forward graph (AOTAutograd) on a fake pr
 
 Analytic minimum per rank (P = ulysses, R = ring, h = heads * head_dim, fp32):
 Ulysses sends (P-1)/P of 4 tensors of b*s*h/(R*P) elements (q, k, v in, output back);
-ring sends R-1 kv blocks of 2*b*(s/R)*h/P elements.
+ring sends R-1 kv blocks of 2*b*(s/R)*h/P elements. A sequence that does not divide into
+2*R*P chunks is padded; its ratio is the padding's overhead.
 """
 
 import argparse
@@ -47,13 +48,14 @@ def sent_bytes(batch, seq, heads, head_dim, ring, ulysses) -> dict[str, int]:
         torch._dynamo.reset()
 
 
-def analytic(batch, seq, heads, head_dim, ring, ulysses) -> dict[str, int]:
+def analytic(batch, seq, heads, head_dim, ring, ulysses) -> dict[str, float]:
+    """For the real sequence: an uneven one's padding counts as overhead."""
     h, b, fp32 = heads * head_dim, batch, 4
     out = {}
     if ulysses > 1:
-        out["ulysses"] = (ulysses - 1) * 4 * b * seq * h // (ring * ulysses * ulysses) * fp32
+        out["ulysses"] = (ulysses - 1) * 4 * b * seq * h / (ring * ulysses * ulysses) * fp32
     if ring > 1:
-        out["ring"] = (ring - 1) * 2 * b * (seq // ring) * h // ulysses * fp32
+        out["ring"] = (ring - 1) * 2 * b * (seq / ring) * h / ulysses * fp32
     return out
 
 
@@ -65,18 +67,20 @@ def main():
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--json")
     args = parser.parse_args()
-    shape = (args.batch, args.seq, args.heads, args.head_dim)
     rows = []
-    print("| scheme | ring | ulysses | mesh dim | sent MiB/rank | analytic MiB/rank | ratio |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for scheme, ring, ulysses in (("ulysses", 1, 4), ("ring", 4, 1), ("hybrid", 2, 2)):
+    print("| scheme | ring | ulysses | seq | mesh dim | sent MiB/rank | analytic MiB/rank | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    # The last scheme's sequence does not divide into 2 * ring * ulysses chunks: it is padded.
+    schemes = (("ulysses", 1, 4, 0), ("ring", 4, 1, 0), ("hybrid", 2, 2, 0), ("hybrid, uneven", 2, 2, -2))
+    for scheme, ring, ulysses, extra in schemes:
+        shape = (args.batch, args.seq + extra, args.heads, args.head_dim)
         measured, minimum = sent_bytes(*shape, ring, ulysses), analytic(*shape, ring, ulysses)
         for dim in minimum:
-            row = {"scheme": scheme, "ring": ring, "ulysses": ulysses, "mesh_dim": dim, "sent_bytes": measured[dim],
-                   "analytic_bytes": minimum[dim], "ratio": measured[dim] / minimum[dim]}
+            row = {"scheme": scheme, "ring": ring, "ulysses": ulysses, "seq": shape[1], "mesh_dim": dim,
+                   "sent_bytes": measured[dim], "analytic_bytes": minimum[dim], "ratio": measured[dim] / minimum[dim]}
             rows.append(row)
-            print(f"| {scheme} | {ring} | {ulysses} | {dim} | {measured[dim] / 2**20:.2f} | "
-                  f"{minimum[dim] / 2**20:.2f} | {row['ratio']:.2f} |")
+            print(f"| {scheme} | {ring} | {ulysses} | {shape[1]} | {dim} | {measured[dim] / 2**20:.3f} | "
+                  f"{minimum[dim] / 2**20:.3f} | {row['ratio']:.4f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -16,21 +16,29 @@ def _check(results: list[dict]) -> dict:
 
 
 @pytest.mark.parametrize("sizes, cases", [
-    ({"tp": 2, "ring": 2}, ["gpt_fused_qkv", "llama_gqa_rope"]),
-    ({"tp": 2, "ulysses": 2}, ["llama_enable_gqa", "uneven_heads_14"]),
-    ({"ring": 2, "ulysses": 2}, ["gpt_fused_qkv", "sequence_mixing", "keyword_sdpa_scale"]),
+    ({"tp": 2, "ring": 2}, ["gpt_fused_qkv", "llama_gqa_rope", "additive_mask"]),
+    ({"tp": 2, "ulysses": 2}, ["llama_enable_gqa", "uneven_heads_14", "bool_mask"]),
+    # Sequence length 30 in 8 chunks (zigzag over ring=2, split by ulysses=2): padded to 32.
+    ({"ring": 2, "ulysses": 2}, ["keyword_sdpa_scale", "uneven_seq_30", "uneven_seq_30_masked",
+                                 "uneven_seq_30_bidirectional", "uneven_seq_30_pooling"]),
 ], ids=["tp2-ring2", "tp2-ulysses2", "ring2-ulysses2"])
 def test_each_pair_of_mesh_dims_at_world_4(sizes, cases):
     result = _check(run_ranks(4, run_cases, cases, {}, 1, None, False, None, sizes))
+    for name, metrics in result.items():
+        # Masked attention runs as hybrid attention too, never gathered.
+        assert not any("gathered" in w and "attention" in w for w in metrics["warnings"]), (name, metrics)
+        padded = any("sequence length 30 does not divide into 8 equal chunks" in w for w in metrics["warnings"])
+        assert padded == name.startswith("uneven_seq_30"), (name, metrics["warnings"])
     if "uneven_heads_14" in result:
         assert any("padded to 8 heads" in w for w in result["uneven_heads_14"]["warnings"])
-    if "sequence_mixing" in result:
-        gathered = " ".join(result["sequence_mixing"]["warnings"])
+    if "uneven_seq_30_pooling" in result:
+        gathered = " ".join(result["uneven_seq_30_pooling"]["warnings"])
         assert "mean" in gathered and "getitem" in gathered and "'cp'" in gathered
 
 
 def test_tp_ring_ulysses_at_world_8_in_a_non_default_order():
     """Default order (ring, ulysses, tp) is covered at world 4; here ulysses sits outside ring,
-    so the flattened sequence group's rank order differs from its chunk order."""
-    _check(run_ranks(8, run_cases, ["gpt_fused_qkv", "llama_gqa_rope"], {}, 1, None, False, None,
+    so the flattened sequence group's rank order differs from its chunk order. The masked
+    case has a per-head mask split by tp, then ulysses, over a padded sequence."""
+    _check(run_ranks(8, run_cases, ["gpt_fused_qkv", "uneven_seq_30_masked"], {}, 1, None, False, None,
                      {"tp": 2, "ring": 2, "ulysses": 2}, ("tp", "ulysses", "ring")))
