@@ -162,3 +162,32 @@ def test_hybrid_attention_collectives_per_attention(fake_world):
     assert all_to_alls(graphs["forward"], "ring") == (ring - 1) * layers
     assert all_to_alls(graphs["backward"], "ulysses") == 2 * layers
     assert all_to_alls(graphs["backward"], "ring") == (2 * ring - 1) * layers
+
+
+def test_mask_stays_whole_and_an_uneven_sequence_is_padded(fake_world):
+    """ring=2 x ulysses=2, sequence 30 in 8 chunks (padded to 32): the key-padding input that
+    only builds the [B, H, S, S] mask stays whole (nothing gathers the mask); the forward has
+    the collectives of an even sequence, local shards of 32 / 4 positions, and the one gather
+    of the output cuts the padding off."""
+    import dtensor_par
+    from dtensor_par.api import capture_graphs
+    from dtensor_par.backend import parallelize_graph
+    from dtensor_par.mesh import MeshInfo
+    from dtensor_par.ops.attention import hybrid_attention
+    from dtensor_par.passes.context import ParallelConfig
+
+    fake_world(4)
+    info = MeshInfo.from_mesh(dtensor_par.init_mesh(ring=2, ulysses=2))
+    keep = torch.ones(2, 30, dtype=torch.bool)
+    (g, inputs), = capture_graphs(models.MaskedAttention("additive"), torch.randn(2, 30, 32), keep)
+    gm, ctx = parallelize_graph(g, inputs, ParallelConfig(info))
+    inputs = {n.name: n.meta["dtensor_par"]["cp"].out for n in gm.graph.nodes if n.op == "placeholder"}
+    assert inputs["l_x_"] == Shard(1) and inputs["l_keep_"] == Replicate()
+    assert forward_collectives(gm) == Counter(all_to_all=2, ring_rotate=1, all_gather=1)
+    gather, = [n for n in gm.graph.nodes if n.target is C.all_gather]
+    assert gather.kwargs == {"length": 30}
+    hybrid, = [n for n in gm.graph.nodes if n.target is hybrid_attention]
+    assert hybrid.kwargs["kv_len"] == 30 and hybrid.kwargs["attn_mask"].name == "mask"
+    traced = aot_graphs(gm, ctx, backward=False)["forward"]
+    x_local = next(n for n in traced.graph.nodes if n.op == "placeholder" and n.meta["val"].dim() == 3)
+    assert tuple(x_local.meta["val"].shape) == (2, 8, 32)

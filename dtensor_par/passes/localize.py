@@ -40,8 +40,10 @@ class Communication:
 class _Inserter:
     """Inserts collective calls on one mesh dim, each annotated with its Communication."""
 
-    def __init__(self, graph: fx.Graph, dim: MeshDim, shape: tuple[int, ...], element_size: int, site: str | None):
+    def __init__(self, graph: fx.Graph, dim: MeshDim, shape: tuple[int, ...], element_size: int, site: str | None,
+                 requires_grad: bool):
         self.graph, self.dim, self.shape, self.element_size, self.site = graph, dim, shape, element_size, site
+        self.requires_grad = requires_grad  # without a gradient, no backward collective runs
 
     def nbytes(self, p: Placement) -> int:
         return math.prod(local_shape(self.shape, p, self.dim.size, self.dim.chunks_per_rank)) * self.element_size
@@ -54,6 +56,7 @@ class _Inserter:
     def __call__(self, fn, args: tuple, src: Placement, dst: Placement, **kwargs) -> fx.Node:
         node = self.graph.call_function(fn, args, kwargs)
         forward, backward = C.COMMUNICATION[fn]
+        backward = backward if self.requires_grad else None
         node.meta["dtensor_par_comm"] = [Communication(
             forward, backward, self.dim.name, self.dim.size, self.nbytes(src), self.nbytes(dst), self.site)]
         return node
@@ -161,7 +164,8 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
                 computes_locally = any(p != R for p in _outputs(plans[dim.name].out) if p is not None)
                 partial_grad = dst == R and computes_locally and arg.meta["requires_grad"]
                 others = {d: p for d, p in current.items() if d != dim.name}
-                insert = _Inserter(graph, dim, local_shape_on(val.shape, others, ctx.mesh), val.element_size(), site)
+                insert = _Inserter(graph, dim, local_shape_on(val.shape, others, ctx.mesh), val.element_size(), site,
+                                   arg.meta["requires_grad"])
                 with graph.inserting_before(node):
                     new = _edge(insert, cached, new, src, dst, partial_grad)
                 current[dim.name] = dst

@@ -97,20 +97,33 @@ def assign_weight_placements(ctx: ParallelContext) -> None:
     ctx.param_placements = chosen
 
 
+def mask_only_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose every use ends in an attention mask. Hybrid attention takes its mask whole
+    and every rank holds the graph inputs whole, so these stay whole on cp: no gather of a
+    [B, H, S, S] mask built from a [B, S] key-padding input."""
+    only: set[fx.Node] = set()
+    for node in reversed(gm.graph.nodes):
+        if node.users and all(u in only or (op_kind(u) == "hybrid_attention" and u.kwargs.get("attn_mask") is node
+                                            and node not in u.args) for u in node.users):
+            only.add(node)
+    return only
+
+
 def sequence_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, Placement]:
     """Graph inputs sharded along the sequence over cp: those whose dim 1 has the length of
-    the sequence hybrid attention runs over (the runtime slices them, no communication)."""
+    the sequence hybrid attention runs over (the runtime slices them, no communication),
+    except inputs that only build attention masks."""
     lengths = {tensor_val(s.core.args[0]).shape[-2] for s in ctx.sites
                if isinstance(s, AttentionSite) and op_kind(s.core) == "hybrid_attention"}
     if not lengths:
         ctx.warn(f"no attention runs sequence-parallel: mesh dims 'ring' x 'ulysses' = {ctx.mesh.size('cp')} "
                  "shard nothing")
         return {}
-    placements = {}
+    placements, masks = {}, mask_only_nodes(gm)
     for node in gm.graph.nodes:
         val = tensor_val(node)
-        if node.op == "placeholder" and node.name not in ctx.params and val is not None and val.dim() >= 2 \
-                and val.shape[1] in lengths:
+        if node.op == "placeholder" and node.name not in ctx.params and node not in masks and val is not None \
+                and val.dim() >= 2 and val.shape[1] in lengths:
             placements[node.name] = Shard(1)
     return placements
 

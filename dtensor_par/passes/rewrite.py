@@ -26,7 +26,9 @@ from .patterns import arg, sdpa_arguments, tensor_val
 
 
 def _with_val(node: fx.Node, value) -> fx.Node:
+    """Give an inserted node the metadata capture gives every node."""
     node.meta["val"] = value
+    node.meta["requires_grad"] = any(i.meta["requires_grad"] for i in node.all_input_nodes)
     return node
 
 
