@@ -24,7 +24,6 @@ CASES = {
     "graph_break": (models.GraphBreakModel, lambda: [(torch.randn(2, 8, 32),)]),
     "odd_mlp_width": (models.OddMLPBlock, lambda: [(torch.randn(2, 8, 32),)]),
     "unshardable_op": (models.CumsumMLP, lambda: [(torch.randn(2, 4, 16),)]),
-    "sequence_mixing": (models.SequencePooling, lambda: [(torch.randn(2, 8, 32),)]),
     "keyword_sdpa_scale": (models.KeywordAttention, lambda: [(torch.randn(2, 8, 32),)]),
     "uneven_heads_14": (lambda: models.Llama(layers=1, hidden=56, heads=14, kv_heads=2, mlp=64),
                         lambda: [(torch.randint(0, 50, (2, 8)),)]),

@@ -150,14 +150,18 @@ class CumsumMLP(nn.Module):
 
 
 class SequencePooling(nn.Module):
-    """Ops that mix along the sequence after attention: a mean over it and the last token."""
+    """Ops that mix along the sequence after attention: a depthwise convolution over it, a
+    cumulative sum, a mean over it and the last token."""
 
-    def __init__(self):
+    def __init__(self, hidden: int = 32):
         super().__init__()
-        self.block = GPTBlock()
+        self.block = GPTBlock(hidden=hidden)
+        self.conv = nn.Conv1d(hidden, hidden, kernel_size=3, padding=1, groups=hidden)
 
     def forward(self, x):
         x = self.block(x)
+        x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)
+        x = x + x.cumsum(dim=1) / x.shape[1]
         x = x + x.mean(dim=1, keepdim=True)
         return x[:, -1]
 
