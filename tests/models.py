@@ -204,3 +204,15 @@ class MaskedAttention(GPTBlock):
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
         return x + self.fc_out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class SequenceGram(nn.Module):
+    """A contraction over the sequence after attention (the sum of x^T x over positions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = GPTBlock()
+
+    def forward(self, x):
+        x = self.block(x)
+        return x.transpose(1, 2) @ x

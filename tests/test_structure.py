@@ -191,3 +191,24 @@ def test_mask_stays_whole_and_an_uneven_sequence_is_padded(fake_world):
     traced = aot_graphs(gm, ctx, backward=False)["forward"]
     x_local = next(n for n in traced.graph.nodes if n.op == "placeholder" and n.meta["val"].dim() == 3)
     assert tuple(x_local.meta["val"].shape) == (2, 8, 32)
+
+
+def test_contraction_over_the_sequence_sums_shards_unless_padded(fake_world):
+    """An even sequence's shards contract to partial sums (one all-reduce on cp); a padded
+    one would sum the padding, so its shards are gathered (cut to the real length) first."""
+    import dtensor_par
+    from dtensor_par.api import capture_graphs
+    from dtensor_par.backend import parallelize_graph
+    from dtensor_par.mesh import MeshInfo
+    from dtensor_par.passes.context import ParallelConfig
+
+    fake_world(4)
+    info = MeshInfo.from_mesh(dtensor_par.init_mesh(ring=2, ulysses=2))
+    for seq, gathers, reduces in ((32, 0, 1), (30, 1, 0)):
+        (g, inputs), = capture_graphs(models.SequenceGram(), torch.randn(2, seq, 32))
+        gm, ctx = parallelize_graph(g, inputs, ParallelConfig(info))
+        matmul, = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "matmul"]
+        around = set(matmul.all_input_nodes) | set(matmul.users)
+        counts = Counter(kind for node, kind in collectives_in(gm) if node in around)
+        assert counts == Counter({k: v for k, v in (("all_gather", 2 * gathers), ("all_reduce", reduces)) if v}), seq
+        assert any("contraction over the padded sequence dim" in w for w in ctx.warnings) == bool(gathers)

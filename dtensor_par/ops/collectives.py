@@ -162,7 +162,8 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         dim, parts, rank, size = ctx.args
-        return _piece(grad, _placement(dim, parts), ctx.group, rank, size, edge=False), None, None, None, None, None, None
+        piece = _piece(grad, _placement(dim, parts), ctx.group, rank, size, edge=False)
+        return piece, None, None, None, None, None, None
 
 
 class _ShardLocal(torch.autograd.Function):

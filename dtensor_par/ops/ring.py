@@ -10,6 +10,11 @@ the next rank and whose only non-empty receive comes from the previous one, so D
 AOTAutograd trace it like any other op. The next rotation is issued before the current block
 is computed and waited on after it, so communication overlaps compute.
 
+A mask holds this rank's query rows against every key position; each block takes the
+columns of the keys it holds, and a row that a block's mask hides entirely weighs nothing in
+the merge. An uneven sequence padded at its end (``kv_len`` real keys) leaves the padded keys
+out of every block.
+
 Layouts (``S`` = full sequence length, ``n`` = ring size):
 
 - contiguous: rank ``r`` holds positions ``[r*S/n, (r+1)*S/n)``. Under a causal mask rank
@@ -58,36 +63,37 @@ def _real_keys(source: int, size: int, block_len: int, kv_len: int | None, *, zi
     return sum(min(chunk, max(0, kv_len - c * chunk)) for c in (source, 2 * size - 1 - source))
 
 
-def _plan_block(rank: int, source: int, q_len: int, kv_len: int, *, is_causal: bool, zigzag: bool,
+def _plan_block(rank: int, source: int, q_block: int, kv_block: int, *, is_causal: bool, zigzag: bool,
                 real_keys: int | None = None) -> _Block | None:
-    """What this rank computes against the key/value block of ``source``, whose first
-    ``real_keys`` rows are real; None if causality or padding masks all of it."""
-    block = _causal_block(rank, source, q_len, kv_len, is_causal=is_causal, zigzag=zigzag)
+    """What this rank computes against the key/value block of ``source`` (block lengths
+    ``q_block`` and ``kv_block``), whose first ``real_keys`` rows are real; None if causality
+    or padding hides all of it."""
+    block = _causal_block(rank, source, q_block, kv_block, is_causal=is_causal, zigzag=zigzag)
     if block is None or real_keys is None or real_keys >= block.kv_rows.stop:
         return block
-    if real_keys <= block.kv_rows.start:
-        return None
-    return _Block(block.q_rows, slice(block.kv_rows.start, real_keys), block.is_causal)
+    # Every block's key rows start at 0, so the real ones are a prefix of them.
+    return _Block(block.q_rows, slice(0, real_keys), block.is_causal) if real_keys else None
 
 
-def _causal_block(rank: int, source: int, q_len: int, kv_len: int, *, is_causal: bool,
+def _causal_block(rank: int, source: int, q_block: int, kv_block: int, *, is_causal: bool,
                   zigzag: bool) -> _Block | None:
-    everything = _Block(slice(0, q_len), slice(0, kv_len), False)
+    """The part causality leaves of this rank's queries against ``source``'s keys."""
+    everything = _Block(slice(0, q_block), slice(0, kv_block), False)
     if not is_causal:
         return everything
     if source == rank:
         # Local positions increase with global ones in both layouts, so the local causal
         # mask is the global one.
-        return _Block(slice(0, q_len), slice(0, kv_len), True)
+        return _Block(slice(0, q_block), slice(0, kv_block), True)
     if not zigzag:
         return everything if source < rank else None
-    half = q_len // 2
+    half = q_block // 2
     if source < rank:
         # Our chunks are r and 2n-1-r. The source's first chunk precedes both; its second
         # chunk follows both.
-        return _Block(slice(0, q_len), slice(0, half), False)
+        return _Block(slice(0, q_block), slice(0, half), False)
     # Both source chunks follow our first chunk and precede our second one.
-    return _Block(slice(half, q_len), slice(0, kv_len), False)
+    return _Block(slice(half, q_block), slice(0, kv_block), False)
 
 
 def _source_at(step: int, rank: int, size: int) -> int:
