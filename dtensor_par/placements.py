@@ -16,7 +16,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["Partial", "Replicate", "Shard", "InterleavedShard", "Placement",
-           "shard_dim", "interleaved_parts", "parts_of", "shard_length", "local_shape", "local_chunk", "describe"]
+           "shard_dim", "interleaved_parts", "parts_of", "shard_length", "is_padded", "local_shape", "local_chunk", "describe"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,11 @@ def shard_length(length: int, size: int, chunks_per_rank: int = 1) -> int:
     sharded over cp are; see ``ops.collectives``)."""
     chunks = size * chunks_per_rank
     return -(-length // chunks) * chunks_per_rank
+
+
+def is_padded(length: int, size: int, chunks_per_rank: int = 1) -> bool:
+    """Whether ``shard_length`` pads a dim of this length."""
+    return length % (size * chunks_per_rank) != 0
 
 
 def local_shape(shape: torch.Size | tuple[int, ...], p: Placement, size: int,

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from ..mesh import MeshDim, MeshInfo
 from ..ops import collectives as C
-from ..placements import Partial, Placement, Replicate, Shard, interleaved_parts, local_shape, shard_dim
+from ..placements import Partial, Placement, Replicate, Shard, interleaved_parts, is_padded, local_shape, shard_dim
 from .context import ParallelContext
 from .patterns import op_kind, tensor_val
 from .rules import split_dim, tensor_inputs
@@ -51,7 +51,7 @@ class _Inserter:
     def padded_length(self, p: Placement) -> dict:
         """``{"length": n}`` when the dim ``p`` shards, of global length n, is laid out padded."""
         length = self.shape[p.dim]
-        return {"length": length} if length % (self.dim.size * self.dim.chunks_per_rank) else {}
+        return {"length": length} if is_padded(length, self.dim.size, self.dim.chunks_per_rank) else {}
 
     def __call__(self, fn, args: tuple, src: Placement, dst: Placement, **kwargs) -> fx.Node:
         node = self.graph.call_function(fn, args, kwargs)

@@ -18,7 +18,7 @@ import operator
 import torch.fx as fx
 
 from ..ops.attention import hybrid_attention
-from ..placements import shard_length
+from ..placements import is_padded, shard_length
 from .context import ParallelContext
 from .detect import AttentionSite
 from .localize import Communication
@@ -97,19 +97,19 @@ def hybrid_attention_communication(site: AttentionSite, q, k, mesh) -> list[Comm
 def _sequence_lengths(site: AttentionSite, q, k, mesh, ctx: ParallelContext) -> dict:
     """``{"kv_len": n}`` when the keys' length does not divide over cp and hybrid attention
     must mask the padding; raises when a rank would hold nothing but padding."""
-    cp, chunks = mesh.size("cp"), mesh.size("cp") * mesh.dims["cp"].chunks_per_rank
+    cp, per_rank = mesh.size("cp"), mesh.dims["cp"].chunks_per_rank
     q_len, kv_len = q.shape[-2], k.shape[-2]
     if min(q_len, kv_len) < cp:
         raise ValueError(
             f"hybrid_parallel: attention {site.core.name!r} has sequence length {q_len} (keys {kv_len}), "
             f"shorter than mesh dims 'ring' x 'ulysses' = {mesh.size('ring')} x {mesh.size('ulysses')} = {cp}: "
             f"some ranks would hold only padding; use smaller 'ring' or 'ulysses' dims")
-    if q_len % chunks or kv_len % chunks:
+    if is_padded(q_len, cp, per_rank) or is_padded(kv_len, cp, per_rank):
         keys = f" (keys {kv_len})" if kv_len != q_len else ""
-        ctx.warn(f"{site.name} ({site.core.name}): sequence length {q_len}{keys} does not divide into {chunks} "
-                 f"equal chunks (ring={mesh.size('ring')}, ulysses={mesh.size('ulysses')}); padded at the end "
-                 f"to a multiple of {chunks}")
-    return {"kv_len": kv_len} if kv_len % chunks else {}
+        ctx.warn(f"{site.name} ({site.core.name}): sequence length {q_len}{keys} does not divide into "
+                 f"{cp * per_rank} equal chunks (ring={mesh.size('ring')}, ulysses={mesh.size('ulysses')}); padded at "
+                 f"the end to a multiple of {cp * per_rank}")
+    return {"kv_len": kv_len} if is_padded(kv_len, cp, per_rank) else {}
 
 
 def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> None:

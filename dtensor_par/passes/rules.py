@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard, parts_of, shard_dim
+from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard, is_padded, parts_of, shard_dim
 from .patterns import arg, op_kind, tensor_val
 
 R = Replicate()
@@ -40,7 +40,7 @@ class RuleEnv:
     def padded(self, length: int) -> bool:
         """Whether a dim of this length is laid out padded when sharded here. Only cp pads (an
         uneven sequence); ``check_divisible`` refuses uneven tp shards."""
-        return length % (self.size * self.chunks_per_rank) != 0
+        return is_padded(length, self.size, self.chunks_per_rank)
 
     def out_of(self, node: fx.Node):
         return node.meta["dtensor_par"][self.dim].out
