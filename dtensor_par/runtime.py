@@ -146,14 +146,11 @@ class ParallelRuntime:
         return LocalGraph(fn, input_placements, ctx.output_placements)
 
     def _as_dtensor(self, out, placements: dict[str, Placement] | None):
-        """A local output as a DTensor: tp as planned, the sequence shard on ulysses (ring is 1:
-        zigzag shards are refused)."""
+        """A local output as a DTensor: tp as planned, the sequence shard on ulysses (the plan
+        refuses zigzag and padded sequence shards)."""
         if not isinstance(out, torch.Tensor) or placements is None:
             return out
         names = self.mesh.mesh_dim_names
         cp = placements.get("cp", Replicate())
-        if shard_dim(cp) is not None and self.config.mesh.size("ring") > 1:
-            raise NotImplementedError("output='local' with ring > 1: sequence shards are in the zigzag layout, "
-                                      "which a DTensor placement cannot describe; use output='full'")
         per_dim = {"tp": placements.get("tp", Replicate()), "ring": cp, "ulysses": cp}
         return DTensor.from_local(out, self.mesh, [per_dim[n] for n in names], run_check=False)

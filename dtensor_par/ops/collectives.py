@@ -32,6 +32,7 @@ import torch
 
 from ..mesh import chunk_order, zigzag_ring
 from ..placements import InterleavedShard, Placement, Shard, interleaved_parts, local_chunk, shard_length
+from .ring import zigzag_indices
 
 _c10d = torch.ops._c10d_functional
 
@@ -50,8 +51,7 @@ def _sequence_index(length: int, group: str) -> torch.Tensor | None:
     ring = zigzag_ring(group)
     if ring is None:
         return None
-    chunks = torch.arange(length).chunk(2 * ring)
-    return torch.cat([torch.cat([chunks[r], chunks[2 * ring - 1 - r]]) for r in range(ring)])
+    return torch.cat([zigzag_indices(length, ring, r) for r in range(ring)])
 
 
 def _laid_out_length(length: int, group: str, size: int) -> int:

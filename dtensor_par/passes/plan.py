@@ -129,8 +129,15 @@ def sequence_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[
 
 
 def _check_local_outputs(outputs: list[fx.Node], placements: list[Placement], env: RuleEnv) -> None:
+    """A DTensor shard is one contiguous, unpadded range: refuse sequence shards that are not."""
     for node, p in zip(outputs, placements):
-        if isinstance(p, Shard) and env.padded(tensor_val(node).shape[p.dim]):
+        if not isinstance(p, Shard):
+            continue
+        if env.chunks_per_rank > 1:
+            raise NotImplementedError(
+                f"output='local' with ring > 1 (output {node.name!r}): sequence shards are in the zigzag layout, "
+                f"which a DTensor placement cannot describe; use output='full'")
+        if env.padded(tensor_val(node).shape[p.dim]):
             raise NotImplementedError(
                 f"output='local' with a sequence of length {tensor_val(node).shape[p.dim]} padded to split over "
                 f"mesh dims 'ring' x 'ulysses' = {env.size} (output {node.name!r}): a DTensor cannot hold the "
