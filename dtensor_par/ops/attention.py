@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .collectives import all_to_all
-from .ring import ring_attention, zigzag_indices
+from .ring import as_4d, ring_attention, zigzag_indices
 
 HEADS, SEQ = -3, -2
 
@@ -40,7 +40,7 @@ def _mask_for_rank(mask: torch.Tensor, heads: int, padded_heads: int, ulysses_ra
     """The part of a whole mask this rank's attention needs: its heads after the all-to-all and
     the query rows of its ring block (``rows``: global positions, padding clamped to the last
     real row so that a padded query is never left without a key)."""
-    mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    mask = as_4d(mask)
     if mask.shape[HEADS] > 1:
         if padded_heads != heads:  # the zero heads attend to everything
             attend = torch.ones_like if mask.dtype == torch.bool else torch.zeros_like

@@ -370,6 +370,11 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                              f"{block_len} x {size}")
 
 
+def as_4d(mask: torch.Tensor) -> torch.Tensor:
+    """A mask with its broadcast dims made explicit: [B|1, H|1, Sq|1, Skv|1], as SDPA aligns it."""
+    return mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask (True = attend) as the additive mask the kernels take."""
     if mask.dtype != torch.bool:
@@ -393,8 +398,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group_n
     [B|1, H|1, Sq|1, keys|1], this rank's query rows against every real key position in
     global order; each block takes its columns.
     """
-    if attn_mask is not None and attn_mask.dim() < 4:
-        attn_mask = attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if attn_mask is not None:
+        attn_mask = as_4d(attn_mask)
     _check_inputs(q, k, v, attn_mask, rank=rank, size=size, is_causal=is_causal, enable_gqa=enable_gqa,
                   zigzag=zigzag, kv_len=kv_len)
     if size == 1:
