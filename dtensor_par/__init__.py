@@ -4,5 +4,6 @@ from .api import hybrid_parallel
 from .explain import explain
 from .logs import set_verbosity
 from .mesh import init_mesh
+from .sharded import parallelize
 
-__all__ = ["explain", "hybrid_parallel", "init_mesh", "set_verbosity"]
+__all__ = ["explain", "hybrid_parallel", "init_mesh", "parallelize", "set_verbosity"]

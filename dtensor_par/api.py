@@ -53,8 +53,8 @@ def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "induct
     return backend
 
 
-def capture_graphs(model, *example_inputs, dynamic: bool | None = None) -> list[tuple]:
-    """The (graph, example inputs) pairs Dynamo hands a backend for ``model(*example_inputs)``.
+def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **example_kwargs) -> list[tuple]:
+    """The (graph, example inputs) pairs Dynamo hands a backend for ``model(*example_inputs, **example_kwargs)``.
 
     Resets Dynamo's caches first (so repeated captures never hit its recompile limit):
     compiled functions of the calling process recompile on their next call.
@@ -66,7 +66,7 @@ def capture_graphs(model, *example_inputs, dynamic: bool | None = None) -> list[
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(model, backend=record, dynamic=dynamic)(*example_inputs)
+    torch.compile(model, backend=record, dynamic=dynamic)(*example_inputs, **example_kwargs)
     if not captured:
         raise RuntimeError(f"capture_graphs: Dynamo captured no graph of {type(model).__name__}")
     return captured

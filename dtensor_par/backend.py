@@ -17,6 +17,7 @@ from .passes.plan import plan_pass
 from .passes.rewrite import rewrite_pass
 
 PASSES = (capture_pass, detect_pass, rewrite_pass, plan_pass, localize_pass)
+PLANNING_PASSES = PASSES[:PASSES.index(plan_pass) + 1]  # enough for every node's placement
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -136,7 +136,8 @@ class MeshInfo:
         return [self.dims[n] for n in PLAN_DIMS if self.size(n) > 1]
 
     @staticmethod
-    def from_mesh(mesh: DeviceMesh) -> MeshInfo:
+    def check_names(mesh: DeviceMesh) -> None:
+        """A user mesh must name its dims from MESH_DIMS and span the whole world."""
         names = mesh.mesh_dim_names
         if names is None:
             raise ValueError(f"hybrid_parallel: the mesh needs dim names drawn from {MESH_DIMS}")
@@ -151,6 +152,16 @@ class MeshInfo:
                 f"hybrid_parallel: the mesh {dict(zip(names, mesh.shape))} holds {mesh.size()} "
                 f"ranks but the world size is {dist.get_world_size()}"
             )
+
+    @staticmethod
+    def full_order(names: tuple[str, ...]) -> tuple[str, ...]:
+        """All of MESH_DIMS in layout order: dims a mesh lacks (size 1) go outermost."""
+        return tuple(n for n in MESH_DIMS if n not in names) + tuple(names)
+
+    @staticmethod
+    def from_mesh(mesh: DeviceMesh) -> MeshInfo:
+        MeshInfo.check_names(mesh)
+        names = mesh.mesh_dim_names
         coords = mesh.get_coordinate()
         dims = {}
         for name in MESH_DIMS:
@@ -162,8 +173,7 @@ class MeshInfo:
             group = mesh.get_group(name).group_name if size > 1 else None
             dims[name] = MeshDim(name, size, coords[i], group)
         dims["cp"] = _cp_dim(mesh, dims)
-        order = tuple(n for n in MESH_DIMS if n not in names) + tuple(names)
-        return MeshInfo(mesh.device_type, dims, order)
+        return MeshInfo(mesh.device_type, dims, MeshInfo.full_order(names))
 
     @staticmethod
     def for_planning(sizes: dict[str, int], device_type: str, order: tuple[str, ...] | None = None) -> MeshInfo:

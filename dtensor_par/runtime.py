@@ -1,7 +1,15 @@
-"""What Dynamo calls: slices inputs, caches local weight shards, runs the per-rank graph."""
+"""What Dynamo calls: slices inputs and parameters, runs the per-rank graph for each input size.
+
+Parameters come in two modes. A model passed through ``parallelize`` holds DTensor shards:
+Dynamo hands the graph their stand-ins and the runtime feeds ``param.to_local()`` (the
+gradient comes back as a DTensor shard; nothing is gathered). Any other model holds full
+parameters: the runtime slices this rank's piece at every call (a view where it can) and
+all-gathers each sharded parameter's gradient back to full size in backward.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from dataclasses import dataclass
@@ -17,15 +25,16 @@ from .dump import GraphDump
 from .mesh import MeshDim, MeshInfo
 from .ops.collectives import gather_param_grad, shard_local
 from .passes.capture import scalar_inputs
-from .passes.context import ParallelConfig
-from .placements import Placement, interleaved_parts, local_chunk, shard_dim
+from .passes.context import ParallelConfig, ParallelContext
+from .placements import Placement, describe, interleaved_parts, local_chunk, shard_dim
+from .sharded import dtensor_placements, standin_param
 
 
 _graph_ids = itertools.count()  # names dump folders: one per planned graph and input signature
 
 
 class _LocalShard(torch.autograd.Function):
-    """Hands the graph a cached local shard; sends the full gradient back to the parameter."""
+    """Hands the graph a full parameter's local piece; sends the full gradient back to it."""
 
     @staticmethod
     def forward(ctx, param, local, placement, dim):
@@ -38,6 +47,15 @@ class _LocalShard(torch.autograd.Function):
         return full, None, None, None
 
 
+def local_param(param: torch.nn.Parameter, placement: Placement, dim: MeshDim) -> torch.Tensor:
+    """This rank's piece of a full parameter, sliced at every call: a stale piece cannot be
+    served, whatever changed the parameter (``.data`` writes and replacements included)."""
+    local = local_chunk(param.detach(), placement, dim.rank, dim.size)
+    if param.requires_grad and torch.is_grad_enabled():
+        return _LocalShard.apply(param, local, placement, dim)
+    return local
+
+
 def local_value(full: torch.Tensor, placements: dict[str, Placement], mesh: MeshInfo) -> torch.Tensor:
     """This rank's piece of a full (replicated) input; its gradient is gathered back whole."""
     for name, p in placements.items():
@@ -46,25 +64,6 @@ def local_value(full: torch.Tensor, placements: dict[str, Placement], mesh: Mesh
             dim = mesh.dims[name]
             full = shard_local(full, d, interleaved_parts(p), dim.group_name, dim.rank, dim.size)
     return full
-
-
-class LocalShards:
-    """Local shards of sharded parameters, re-sliced only when a parameter changes in place."""
-
-    def __init__(self, dim: MeshDim):
-        self.dim = dim
-        self._cache: dict[int, tuple[torch.Tensor, int, Placement, torch.Tensor]] = {}
-
-    def get(self, param: torch.Tensor, placement: Placement) -> torch.Tensor:
-        entry = self._cache.get(id(param))
-        if entry is None or entry[0] is not param or entry[1] != param._version or entry[2] != placement:
-            local = local_chunk(param.detach(), placement, self.dim.rank, self.dim.size).contiguous()
-            entry = (param, param._version, placement, local)
-            self._cache[id(param)] = entry
-        local = entry[3]
-        if param.requires_grad and torch.is_grad_enabled():
-            return _LocalShard.apply(param, local, placement, self.dim)
-        return local
 
 
 @dataclass
@@ -93,7 +92,6 @@ class ParallelRuntime:
     def __init__(self, gm: fx.GraphModule, config: ParallelConfig, mesh: DeviceMesh,
                  inner_backend: Callable):
         self.gm, self.config, self.mesh, self.inner_backend = gm, config, mesh, inner_backend
-        self.shards = LocalShards(config.mesh.dims["tp"])
         self.graphs: dict[tuple, LocalGraph] = {}
         self.scalars = scalar_inputs(gm)
 
@@ -109,8 +107,11 @@ class ParallelRuntime:
     def _local_args(self, args, placements: list[dict[str, Placement]]) -> list:
         local = []
         for a, p in zip(args, placements):
-            if isinstance(a, torch.nn.Parameter) and shard_dim(p.get("tp")) is not None:
-                a = self.shards.get(a, p["tp"])  # parameters are only ever sharded on tp
+            param = standin_param(a)
+            if param is not None:
+                a = param.to_local()
+            elif isinstance(a, torch.nn.Parameter) and shard_dim(p.get("tp")) is not None:
+                a = local_param(a, p["tp"], self.config.mesh.dims["tp"])  # parameters are only ever sharded on tp
             elif isinstance(a, torch.Tensor):
                 a = local_value(a, p, self.config.mesh)
             local.append(a)
@@ -133,9 +134,27 @@ class ParallelRuntime:
         folder = os.path.join(self.config.dump_dir, coords, f"graph{next(_graph_ids)}")
         return GraphDump(folder, self.config.mesh.order)
 
+    def _check_sharded_params(self, ctx: ParallelContext, args) -> None:
+        """DTensor parameters must be laid out as this plan needs them, on this mesh."""
+        for name, info in ctx.params.items():
+            param = standin_param(args[info.index])
+            if param is None:
+                continue
+            planned = ctx.param_placements.get(name, Replicate())
+            if param.device_mesh != self.mesh or tuple(param.placements) != dtensor_placements(planned, self.mesh):
+                raise ValueError(
+                    f"hybrid_parallel: parameter {info.fqn!r} is a DTensor with placements {param.placements} over "
+                    f"{param.device_mesh}, but this plan needs {dtensor_placements(planned, self.mesh)} "
+                    f"(tp: {describe(planned)}) over {self.mesh}; parallelize the model with the mesh and "
+                    f"options you compile it with")
+
     def _build(self, args) -> LocalGraph:
         self._check_devices(args)
-        local_gm, ctx = parallelize_graph(self.gm, args, self.config, dump=self._dump())
+        config = self.config
+        if any(standin_param(a) is not None for a in args):
+            config = dataclasses.replace(config, parallelized=True)
+        local_gm, ctx = parallelize_graph(self.gm, args, config, dump=self._dump())
+        self._check_sharded_params(ctx, args)
         placeholders = [n for n in local_gm.graph.nodes if n.op == "placeholder"]
         input_placements = [{d: s.out for d, s in n.meta["dtensor_par"].items()} for n in placeholders]
         with torch.no_grad():

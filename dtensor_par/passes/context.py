@@ -19,6 +19,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     output: str = "full"  # "full": gathered tensors; "local": local shards as DTensors
     dump_dir: str | None = None  # where each pass writes its graph, if set
+    parallelized: bool = False  # parameters are DTensor shards (dtensor_par.parallelize), not full tensors
 
 
 @dataclass

@@ -64,6 +64,11 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
             ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {tensor_val(linear).shape[-1]} output features "
                      f"(parts {fused_parts(linear)}), not divisible by tp={tp}; the site stays replicated")
             return None
+        if ctx.config.parallelized and isinstance(p, InterleavedShard) and len(set(p.parts)) > 1:
+            ctx.warn(f"{site.name}: {module_name(linear, ctx)} is a fused projection of unequal parts "
+                     f"{list(p.parts)}, whose interleaved shard no DTensor placement describes; under "
+                     f"parallelize the site stays replicated")
+            return None
         placements[linear] = p
     for linear in site.rowwise:
         in_features = tensor_val(linear.args[0]).shape[-1]

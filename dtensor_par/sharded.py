@@ -1,0 +1,216 @@
+"""Sharded state: each rank holds only its piece of every parameter the plan shards.
+
+``parallelize`` plans a model once (as ``explain`` does) and replaces, in place and under
+the same names, each parameter by an ``nn.Parameter`` holding a DTensor with the plan's
+placements (``Shard`` or, for fused projections, ``_StridedShard`` on tp; ``Replicate`` on
+every other mesh dim and for every unsharded parameter). The optimizer, ``clip_grad_norm_``
+and ``torch.distributed.checkpoint`` then work as they do for FSDP2/TP models.
+
+Dynamo must not trace the model on DTensors: DTensor would propagate its own placements
+through every op (slow, and some ops have no rule). So while a parallelized model is
+called, a forward pre-hook puts a *stand-in* in each DTensor parameter's place: a plain
+``nn.Parameter`` of the global shape and dtype that owns no memory (a NaN expanded to that
+shape), and a forward hook puts the DTensor back. Dynamo hands the stand-ins to the backend;
+the runtime feeds the graph ``param.to_local()`` in their place, so ``param.grad`` comes back
+as a DTensor with the parameter's placements and nothing is gathered. Outside
+``torch.compile`` the pre-hook refuses to run, so stand-ins never compute a result.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Placement as DTensorPlacement
+from torch.distributed.tensor import Replicate as DTensorReplicate
+from torch.distributed.tensor import Shard as DTensorShard
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .mesh import MeshInfo
+from .placements import InterleavedShard, Placement, Replicate, Shard, describe, local_chunk, local_shape
+
+_STANDIN_OF = "_dtensor_par_param"  # the stand-in's attribute naming the DTensor parameter it stands for
+_STATE = "_dtensor_par_sharded"  # the root module's attribute holding its ShardedState
+
+
+def dtensor_placements(p: Placement, mesh: DeviceMesh) -> tuple[DTensorPlacement, ...]:
+    """DTensor placements over ``mesh`` of a parameter planned ``p`` on tp, replicated elsewhere.
+
+    An InterleavedShard of equal parts is a ``_StridedShard``: rank r holds chunks r, r + tp,
+    ... of the tensor cut into parts x tp chunks, which is its slice of every part.
+    """
+    if isinstance(p, InterleavedShard):
+        if len(set(p.parts)) != 1:
+            raise ValueError(f"parallelize: a fused projection with unequal parts {list(p.parts)} has no DTensor "
+                             f"placement")
+        tp = _StridedShard(p.dim, split_factor=len(p.parts))
+    elif isinstance(p, Shard):
+        tp = DTensorShard(p.dim)
+    else:
+        tp = DTensorReplicate()
+    return tuple(tp if name == "tp" else DTensorReplicate() for name in mesh.mesh_dim_names)
+
+
+@dataclass
+class Slot:
+    """One place a DTensor parameter is registered: ``module._parameters[name]``."""
+
+    module: nn.Module
+    name: str
+    param: nn.Parameter  # the DTensor parameter
+    standin: nn.Parameter  # what Dynamo sees in its place
+
+
+@dataclass
+class ShardedState:
+    mesh: DeviceMesh
+    options: dict
+    slots: list[Slot]
+    placements: dict[str, Placement]  # FQN -> tp placement, as planned
+
+
+def _standin(param: nn.Parameter) -> nn.Parameter:
+    """A plain parameter of the DTensor's global shape that owns one element: NaN, so any
+    backend but ours that computes with it shows it at once."""
+    nan = torch.full((), float("nan"), dtype=param.dtype, device=param.to_local().device)
+    standin = nn.Parameter(nan.expand(param.shape), requires_grad=param.requires_grad)
+    setattr(standin, _STANDIN_OF, param)
+    return standin
+
+
+def standin_param(value) -> nn.Parameter | None:
+    """The DTensor parameter a graph input stands for, or None for any other input."""
+    return getattr(value, _STANDIN_OF, None) if isinstance(value, nn.Parameter) else None
+
+
+def _swap_in(module: nn.Module, args) -> None:
+    if not torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"{type(module).__name__} was parallelized (its parameters are DTensor shards): call it through "
+            f"torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh)), or build it with the "
+            f"dtensor_par.parallel class decorator")
+    for slot in getattr(module, _STATE).slots:
+        slot.module._parameters[slot.name] = slot.standin
+
+
+def _swap_out(module: nn.Module, args, output) -> None:
+    for slot in getattr(module, _STATE).slots:
+        slot.module._parameters[slot.name] = slot.param
+
+
+def sharded_state(model: nn.Module) -> ShardedState | None:
+    return getattr(model, _STATE, None)
+
+
+# Parameters that parallelize replaced, by the FQN they had: an optimizer still holding one
+# was built before parallelize and would step tensors the model no longer uses.
+_REPLACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_optimizer_check = None
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in _REPLACED:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds parameter {_REPLACED[p]!r} as it was before "
+                    f"dtensor_par.parallelize replaced it by its DTensor shard; build the optimizer after "
+                    f"parallelize (or after the first call of a dtensor_par.parallel model)")
+
+
+def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, example_kwargs: dict,
+                    options: dict) -> tuple[dict[str, Placement], list[str]]:
+    """The tp placement of every parameter the plan shards (by FQN), and the plan's warnings.
+
+    Plans as ``explain`` does: one process, no communication, any device (meta included).
+    """
+    from .api import capture_graphs
+    from .backend import PLANNING_PASSES, parallelize_graph
+    from .passes.context import ParallelConfig
+
+    info = MeshInfo.for_planning(dict(zip(mesh.mesh_dim_names, mesh.shape)), mesh.device_type,
+                                 MeshInfo.full_order(mesh.mesh_dim_names))
+    config = ParallelConfig(info, parallelized=True, **options)
+    placements: dict[str, Placement] = {}
+    warnings: list[str] = []
+    for gm, inputs in capture_graphs(model, *example_args, **example_kwargs):
+        _, ctx = parallelize_graph(gm, inputs, config, passes=PLANNING_PASSES)
+        warnings += ctx.warnings
+        for name, info_ in ctx.params.items():
+            p = ctx.param_placements.get(name, Replicate())
+            if placements.setdefault(info_.fqn, p) != p:
+                raise ValueError(f"parallelize: graphs of {type(model).__name__} shard parameter {info_.fqn!r} "
+                                 f"differently ({describe(placements[info_.fqn])} and {describe(p)})")
+    return placements, warnings
+
+
+def _tp_coordinate(mesh: DeviceMesh) -> tuple[int, int]:
+    """(this rank's index, size) along the mesh's tp dim; (0, 1) without one."""
+    if "tp" not in mesh.mesh_dim_names:
+        return 0, 1
+    i = mesh.mesh_dim_names.index("tp")
+    return mesh.get_coordinate()[i], mesh.size(i)
+
+
+def _as_dtensor(param: nn.Parameter, p: Placement, mesh: DeviceMesh) -> nn.Parameter:
+    """This rank's piece of ``param`` as a DTensor parameter; its storage holds only that piece."""
+    rank, size = _tp_coordinate(mesh)
+    if param.is_meta:  # materialize the local piece only, uninitialized (as ``Module.to_empty``)
+        local = torch.empty(local_shape(param.shape, p, size), dtype=param.dtype, device=mesh.device_type)
+    else:
+        local = local_chunk(param.detach(), p, rank, size).clone(memory_format=torch.contiguous_format)
+    dtensor = DTensor.from_local(local, mesh, dtensor_placements(p, mesh), run_check=False,
+                                 shape=param.shape, stride=torch.empty(param.shape, device="meta").stride())
+    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *,
+                example_kwargs: dict | None = None, sequence_parallel: bool = False) -> nn.Module:
+    """Hold on each rank only its piece of the model's parameters, as DTensors; return ``model``.
+
+    Plans ``model(*example_inputs, **example_kwargs)`` once, without communication (the
+    model may be on the ``meta`` device: then only the local pieces are materialized, with
+    uninitialized values to load or initialize), and replaces every parameter, in place and
+    under the same FQN, by an ``nn.Parameter(DTensor)``: the plan's placement on tp,
+    Replicate on the other mesh dims. Run the model with ``torch.compile(model,
+    backend=hybrid_parallel(mesh))``; build the optimizer afterwards. Options are those of
+    ``hybrid_parallel`` that change the plan.
+    """
+    global _optimizer_check
+    options = {"sequence_parallel": sequence_parallel}
+    state = sharded_state(model)
+    if state is not None:
+        if state.mesh != mesh or state.options != options:
+            raise ValueError(f"parallelize: {type(model).__name__} was already parallelized over {state.mesh} "
+                             f"with {state.options}; it cannot be parallelized again over {mesh} with {options}")
+        return model
+    MeshInfo.check_names(mesh)
+    placements, _ = plan_placements(model, mesh, tuple(example_inputs), example_kwargs or {}, options)
+
+    slots: list[Slot] = []
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(old) -> (DTensor param, stand-in); tied weights share them
+    for fqn, old in model.named_parameters(remove_duplicate=False):
+        owner_name, _, name = fqn.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if id(old) not in replaced:
+            param = _as_dtensor(old, placements.get(fqn, Replicate()), mesh)
+            replaced[id(old)] = (param, _standin(param))
+            _REPLACED[old] = fqn
+        param, standin = replaced[id(old)]
+        owner._parameters[name] = param
+        slots.append(Slot(owner, name, param, standin))
+    for module in model.modules():  # buffers of a meta model: materialized whole, uninitialized
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device=mesh.device_type)
+    setattr(model, _STATE, ShardedState(mesh, options, slots, placements))
+    model.register_forward_pre_hook(_swap_in)
+    model.register_forward_hook(_swap_out, always_call=True)
+    if _optimizer_check is None:
+        _optimizer_check = register_optimizer_step_pre_hook(_check_optimizer)
+    return model
