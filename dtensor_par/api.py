@@ -56,8 +56,9 @@ def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "induct
 def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **example_kwargs) -> list[tuple]:
     """The (graph, example inputs) pairs Dynamo hands a backend for ``model(*example_inputs, **example_kwargs)``.
 
-    Resets Dynamo's caches first (so repeated captures never hit its recompile limit):
-    compiled functions of the calling process recompile on their next call.
+    Resets Dynamo's caches before and after (so repeated captures never hit its recompile
+    limit, and a later compile of the model starts fresh): compiled functions of the calling
+    process recompile on their next call.
     """
     captured = []
 
@@ -66,7 +67,10 @@ def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **exampl
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(model, backend=record, dynamic=dynamic)(*example_inputs, **example_kwargs)
+    try:
+        torch.compile(model, backend=record, dynamic=dynamic)(*example_inputs, **example_kwargs)
+    finally:
+        torch._dynamo.reset()
     if not captured:
         raise RuntimeError(f"capture_graphs: Dynamo captured no graph of {type(model).__name__}")
     return captured

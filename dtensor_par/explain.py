@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 
 from .api import capture_graphs, check_options
 from .backend import parallelize_graph
-from .dump import GraphDump, collective_rows, mesh_svg, parameter_rows, site_placement_lines, sites_text
+from .dump import GraphDump, collective_rows, mesh_svg, parameter_rows, site_placement_lines, sites_text, state_line
 from .mesh import MESH_DIMS, MeshInfo
 from .passes.context import ParallelConfig
+from .sharded import sharded_state
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Report:
     sizes: dict[str, int]
     order: tuple[str, ...]
     device_type: str
+    parameter_state: str  # which mode the parameter bytes describe: sharded or full
     graphs: list[GraphReport] = field(default_factory=list)
 
     @property
@@ -51,7 +53,8 @@ class Report:
         mesh = " x ".join(f"{d}={self.sizes[d]}" for d in self.order)
         local, full = self.parameter_bytes
         out = [f"dtensor_par plan: mesh {mesh} ({self.world_size} ranks, {self.device_type}, last dim contiguous)",
-               f"parameters: {local:,} bytes per rank of {full:,} ({local / max(full, 1):.1%})"]
+               f"parameters: {local:,} bytes held per rank of {full:,} ({local / max(full, 1):.1%}); "
+               f"state {self.parameter_state}"]
         for i, g in enumerate(self.graphs):
             out.append(f"\ngraph {i}: {len(g.sites)} sites")
             out += [f"  {s}" for s in g.sites]
@@ -68,11 +71,13 @@ class Report:
 
 def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int = 1, device_type: str = "cuda",
             order: tuple[str, ...] | None = None, sequence_parallel: bool = False,
-            dump_dir: str | None = None) -> Report:
+            dump_dir: str | None = None, parallelized: bool | None = None) -> Report:
     """Plan ``model(*example_inputs)`` for the given mesh as rank 0 would, without hardware.
 
     The model may live on the ``meta`` device, so a model too large for this machine can be
     planned at its real size. Capturing resets Dynamo's caches (see ``capture_graphs``).
+    ``parallelized``: report parameters held as by ``parallelize`` (DTensor pieces, no
+    gradient gathers) or as by ``hybrid_parallel`` alone (full); default: as the model is.
     """
     sizes = {"tp": tp, "ring": ring, "ulysses": ulysses}
     for name, size in sizes.items():
@@ -82,8 +87,10 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
     check_options(info, sequence_parallel)
     if sorted(info.order) != sorted(MESH_DIMS):
         raise ValueError(f"explain: order must name each of {MESH_DIMS} once, got {info.order}")
-    config = ParallelConfig(info, sequence_parallel=sequence_parallel)
-    report = Report(sizes, info.order, device_type)
+    if parallelized is None:
+        parallelized = sharded_state(model) is not None
+    config = ParallelConfig(info, sequence_parallel=sequence_parallel, parallelized=parallelized)
+    report = Report(sizes, info.order, device_type, state_line(parallelized))
     for i, (gm, inputs) in enumerate(capture_graphs(model, *example_inputs)):
         dump = GraphDump(os.path.join(dump_dir, f"graph{i}"), info.order) if dump_dir else None
         start = time.perf_counter()

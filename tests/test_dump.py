@@ -53,6 +53,11 @@ mlp0: mlp up=['fc'] down=['fc_out'] activations=['gelu']
         self.assertExpectedInline(read("collectives.md"), """\
 | direction | op | mesh dims | group size | bytes per rank | count | site |
 | --- | --- | --- | --- | --- | --- | --- |
+| backward | all_gather | tp | 8 | 6144 | 1 | parameter gradient |
+| backward | all_gather | tp | 8 | 96 | 1 | parameter gradient |
+| backward | all_gather | tp | 8 | 2048 | 1 | parameter gradient |
+| backward | all_gather | tp | 8 | 4096 | 2 | parameter gradient |
+| backward | all_gather | tp | 8 | 64 | 1 | parameter gradient |
 | backward | all_reduce | tp | 8 | 8192 | 1 | attention0.colwise |
 | forward | all_reduce | tp | 8 | 8192 | 1 | attention0.rowwise |
 | backward | all_reduce | tp | 8 | 8192 | 1 | mlp0.colwise |
@@ -102,8 +107,9 @@ add_1 = _operator.add(x, add_2)  # [2, 16, 64]  tp: R <- (R, R)
 return (add_1,)  # tp: - <- (R)
 """)
         plan = json.loads(read("plan.json"))
-        assert sorted(plan) == ["collectives", "mesh", "nodes", "parameters", "sites", "version", "warnings",
-                                "world_size"]
+        assert sorted(plan) == ["collectives", "mesh", "nodes", "parameter_state", "parameters", "sites", "version",
+                                "warnings", "world_size"]
+        assert plan["version"] == 2 and plan["parameter_state"].startswith("full (model not parallelized)")
         assert plan["mesh"] == {"tp": 8, "ring": 1, "ulysses": 1} and plan["world_size"] == 8
         assert {p["name"]: p["placement"]["tp"] for p in plan["parameters"]}["qkv.weight"] == "IS(0,[64, 64, 64])"
         ET.fromstring(read("mesh.svg"))
@@ -119,7 +125,7 @@ def test_dump_folder_from_environment(tmp_path, monkeypatch, fake_world):
 
 def test_explain_56_heads_at_tp8_without_hardware():
     model, inputs = factories.minimax_like()
-    report = dtensor_par.explain(model, inputs, tp=8)
+    report = dtensor_par.explain(model, inputs, tp=8, parallelized=True)
     text = str(report)
     assert report.world_size == 8 and not dist.is_initialized()
     (graph,) = report.graphs
@@ -129,6 +135,12 @@ def test_explain_56_heads_at_tp8_without_hardware():
     assert forward == [("all_reduce", f"{site}.rowwise", 1) for site in ("attention0", "attention1", "mlp0", "mlp1")]
     local, full = report.parameter_bytes
     assert local < full / 4 and graph.warnings == []
+    assert "state sharded (dtensor_par.parallelize)" in text
+    unparallelized = dtensor_par.explain(model, inputs, tp=8)
+    assert unparallelized.parameter_bytes == (full, full) and "state full (model not parallelized)" in str(unparallelized)
+    gathers = [c for c in unparallelized.graphs[0].collectives if c["site"] == "parameter gradient"]
+    assert gathers and all(c["direction"] == "backward" and c["op"] == "all_gather" for c in gathers)
+    assert not any(c["site"] == "parameter gradient" for c in graph.collectives)
 
 
 def test_explain_at_64_ranks():

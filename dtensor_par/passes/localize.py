@@ -3,7 +3,8 @@
 One walk in graph order: where a consumer needs another placement than its producer has,
 insert exactly that redistribution (once per producer and placement); rewrite every shape
 argument from global to local sizes. Parameters arrive as local shards (the runtime slices
-them), so placeholders are left as they are.
+them), so placeholders are left as they are; but a full (not parallelized) parameter has its
+gradient all-gathered by the runtime, and its placeholder records that collective.
 """
 
 from __future__ import annotations
@@ -135,7 +136,22 @@ def _edge(insert: _Inserter, cached, x: fx.Node, src: Placement, dst: Placement,
     return x
 
 
+def record_param_grad_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
+    """Without ``parallelize`` every rank holds full parameters: the runtime hands the graph
+    this rank's piece of each sharded one and all-gathers its gradient back to full size."""
+    tp = ctx.mesh.dims["tp"]
+    for node in gm.graph.nodes:
+        p = ctx.param_placements.get(node.name)
+        if node.op == "placeholder" and shard_dim(p) is not None and node.meta["requires_grad"]:
+            val = tensor_val(node)
+            nbytes = math.prod(local_shape(val.shape, p, tp.size)) * val.element_size()
+            node.meta["dtensor_par_comm"] = [Communication(None, "all_gather", "tp", tp.size, 0, nbytes,
+                                                           "parameter gradient")]
+
+
 def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
+    if not ctx.config.parallelized:
+        record_param_grad_gathers(gm, ctx)
     dims = ctx.mesh.plan_dims
     graph = gm.graph
     cache: dict = {}  # one redistribution per producer, mesh dim and target placement
