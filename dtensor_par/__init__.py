@@ -1,9 +1,9 @@
 """Compile-time tensor + context parallelism for unmodified PyTorch models."""
 
-from .api import hybrid_parallel
+from .api import hybrid_parallel, parallel
 from .explain import explain
 from .logs import set_verbosity
 from .mesh import init_mesh
 from .sharded import parallelize
 
-__all__ = ["explain", "hybrid_parallel", "init_mesh", "parallelize", "set_verbosity"]
+__all__ = ["explain", "hybrid_parallel", "init_mesh", "parallel", "parallelize", "set_verbosity"]

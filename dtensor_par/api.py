@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
 import torch
-
+import torch.nn as nn
 from torch._dynamo.backends.registry import lookup_backend
 from torch.distributed.device_mesh import DeviceMesh
 
-from .mesh import MeshInfo
+from .mesh import MeshInfo, init_mesh
 from .passes.capture import record_module_names
 from .passes.context import ParallelConfig
 from .runtime import ParallelRuntime
+from .sharded import parallelize
 
 OUTPUT_MODES = ("full", "local")
 
@@ -53,24 +55,39 @@ def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "induct
     return backend
 
 
-def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **example_kwargs) -> list[tuple]:
-    """The (graph, example inputs) pairs Dynamo hands a backend for ``model(*example_inputs, **example_kwargs)``.
+PLAN_OPTIONS = ("sequence_parallel",)
+"""The ``hybrid_parallel`` options that change the plan, hence what ``parallelize`` shards."""
 
-    Resets Dynamo's caches before and after (so repeated captures never hit its recompile
-    limit, and a later compile of the model starts fresh): compiled functions of the calling
-    process recompile on their next call.
+
+def parallel(tp: int = 1, ring: int = 1, ulysses: int = 1, *, mesh: DeviceMesh | None = None, **options):
+    """Class decorator: instances of the decorated ``nn.Module`` class run parallelized.
+
+    At an instance's first call (its inputs are known then) ``parallelize`` shards its
+    parameters over ``mesh`` (default: ``init_mesh(tp, ring, ulysses)`` over the default
+    process group), and that call and every later one run through ``torch.compile`` with
+    ``hybrid_parallel(mesh, **options)``. Before its first call an instance is the plain
+    module: load a full ``state_dict`` then, and build the optimizer after. Works on
+    third-party classes too: ``parallel(tp=2)(LlamaForCausalLM)``.
     """
-    captured = []
+    plan_options = {k: v for k, v in options.items() if k in PLAN_OPTIONS}
+    meshes: list[DeviceMesh] = [mesh] if mesh is not None else []  # made at the first call, shared by instances
 
-    def record(gm, inputs):
-        captured.append((record_module_names(gm), list(inputs)))
-        return gm.forward
+    def call(self, *args, **kwargs):
+        compiled = self.__dict__.get("_dtensor_par_compiled")
+        if compiled is None:
+            if not meshes:
+                meshes.append(init_mesh(tp, ring, ulysses))
+            parallelize(self, meshes[0], args, example_kwargs=kwargs, **plan_options)
+            compiled = torch.compile(functools.partial(nn.Module.__call__, self),
+                                     backend=hybrid_parallel(meshes[0], **options))
+            self.__dict__["_dtensor_par_compiled"] = compiled
+        return compiled(*args, **kwargs)
 
-    torch._dynamo.reset()
-    try:
-        torch.compile(model, backend=record, dynamic=dynamic)(*example_inputs, **example_kwargs)
-    finally:
-        torch._dynamo.reset()
-    if not captured:
-        raise RuntimeError(f"capture_graphs: Dynamo captured no graph of {type(model).__name__}")
-    return captured
+    def decorate(cls):
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"dtensor_par.parallel decorates torch.nn.Module subclasses, got {cls!r}")
+        return type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__,
+                                           "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+
+    return decorate
+

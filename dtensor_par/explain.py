@@ -7,7 +7,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .api import capture_graphs, check_options
+from .api import check_options
+from .passes.capture import capture_graphs
 from .backend import parallelize_graph
 from .dump import GraphDump, collective_rows, mesh_svg, parameter_rows, site_placement_lines, sites_text, state_line
 from .mesh import MESH_DIMS, MeshInfo

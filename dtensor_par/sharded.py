@@ -31,7 +31,10 @@ from torch.distributed.tensor import Shard as DTensorShard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .backend import PLANNING_PASSES, parallelize_graph
 from .mesh import MeshInfo
+from .passes.capture import capture_graphs
+from .passes.context import ParallelConfig
 from .placements import InterleavedShard, Placement, Replicate, Shard, describe, local_chunk, local_shape
 
 _STANDIN_OF = "_dtensor_par_param"  # the stand-in's attribute naming the DTensor parameter it stands for
@@ -60,6 +63,7 @@ def dtensor_placements(p: Placement, mesh: DeviceMesh) -> tuple[DTensorPlacement
 class Slot:
     """One place a DTensor parameter is registered: ``module._parameters[name]``."""
 
+    fqn: str
     module: nn.Module
     name: str
     param: nn.Parameter  # the DTensor parameter
@@ -89,12 +93,18 @@ def standin_param(value) -> nn.Parameter | None:
 
 
 def _swap_in(module: nn.Module, args) -> None:
+    slots = getattr(module, _STATE).slots
+    for slot in slots:
+        if slot.module._parameters[slot.name] is not slot.param:
+            raise RuntimeError(
+                f"parameter {slot.fqn!r} of parallelized {type(module).__name__} was replaced; change it in place "
+                f"(copy_, torch.distributed.checkpoint.state_dict.set_model_state_dict)")
     if not torch.compiler.is_compiling():
         raise RuntimeError(
             f"{type(module).__name__} was parallelized (its parameters are DTensor shards): call it through "
             f"torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh)), or build it with the "
             f"dtensor_par.parallel class decorator")
-    for slot in getattr(module, _STATE).slots:
+    for slot in slots:
         slot.module._parameters[slot.name] = slot.standin
 
 
@@ -109,16 +119,22 @@ def sharded_state(model: nn.Module) -> ShardedState | None:
 
 # Parameters that parallelize replaced, by the FQN they had: an optimizer still holding one
 # was built before parallelize and would step tensors the model no longer uses.
-_REPLACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_REPLACED: dict[int, tuple[weakref.ref, str]] = {}  # id -> (the old parameter, its FQN)
 _optimizer_check = None
+
+
+def _remember_replaced(old: nn.Parameter, fqn: str) -> None:
+    key = id(old)
+    _REPLACED[key] = (weakref.ref(old, lambda _: _REPLACED.pop(key, None)), fqn)
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p in _REPLACED:
+            ref, fqn = _REPLACED.get(id(p), (None, None))
+            if ref is not None and ref() is p:
                 raise RuntimeError(
-                    f"{type(optimizer).__name__} holds parameter {_REPLACED[p]!r} as it was before "
+                    f"{type(optimizer).__name__} holds parameter {fqn!r} as it was before "
                     f"dtensor_par.parallelize replaced it by its DTensor shard; build the optimizer after "
                     f"parallelize (or after the first call of a dtensor_par.parallel model)")
 
@@ -129,10 +145,6 @@ def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, exa
 
     Plans as ``explain`` does: one process, no communication, any device (meta included).
     """
-    from .api import capture_graphs
-    from .backend import PLANNING_PASSES, parallelize_graph
-    from .passes.context import ParallelConfig
-
     info = MeshInfo.for_planning(dict(zip(mesh.mesh_dim_names, mesh.shape)), mesh.device_type,
                                  MeshInfo.full_order(mesh.mesh_dim_names))
     config = ParallelConfig(info, parallelized=True, **options)
@@ -200,10 +212,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), 
         if id(old) not in replaced:
             param = _as_dtensor(old, placements.get(fqn, Replicate()), mesh)
             replaced[id(old)] = (param, _standin(param))
-            _REPLACED[old] = fqn
+            _remember_replaced(old, fqn)
         param, standin = replaced[id(old)]
         owner._parameters[name] = param
-        slots.append(Slot(owner, name, param, standin))
+        slots.append(Slot(fqn, owner, name, param, standin))
     for module in model.modules():  # buffers of a meta model: materialized whole, uninitialized
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dtensor_par
-from dtensor_par.api import capture_graphs
+from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.backend import parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.passes.context import ParallelConfig

@@ -140,7 +140,7 @@ def test_hybrid_attention_collectives_per_attention(fake_world):
     """tp=2 x ring=2 x ulysses=2: per attention, forward one all-to-all for q/k/v (packed),
     one for the output and ring-1 kv rotations; the backward mirrors both all-to-alls."""
     import dtensor_par
-    from dtensor_par.api import capture_graphs
+    from dtensor_par.passes.capture import capture_graphs
     from dtensor_par.backend import parallelize_graph
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.passes.context import ParallelConfig
@@ -170,7 +170,7 @@ def test_mask_stays_whole_and_an_uneven_sequence_is_padded(fake_world):
     the collectives of an even sequence, local shards of 32 / 4 positions, and the one gather
     of the output cuts the padding off."""
     import dtensor_par
-    from dtensor_par.api import capture_graphs
+    from dtensor_par.passes.capture import capture_graphs
     from dtensor_par.backend import parallelize_graph
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.ops.attention import hybrid_attention
@@ -197,7 +197,7 @@ def test_contraction_over_the_sequence_sums_shards_unless_padded(fake_world):
     """An even sequence's shards contract to partial sums (one all-reduce on cp); a padded
     one would sum the padding, so its shards are gathered (cut to the real length) first."""
     import dtensor_par
-    from dtensor_par.api import capture_graphs
+    from dtensor_par.passes.capture import capture_graphs
     from dtensor_par.backend import parallelize_graph
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.passes.context import ParallelConfig

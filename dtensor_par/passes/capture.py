@@ -33,6 +33,29 @@ def record_module_names(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **example_kwargs) -> list[tuple]:
+    """The (graph, example inputs) pairs Dynamo hands a backend for ``model(*example_inputs, **example_kwargs)``.
+
+    Resets Dynamo's caches before and after (so repeated captures never hit its recompile
+    limit, and a later compile of the model starts fresh): compiled functions of the calling
+    process recompile on their next call.
+    """
+    captured = []
+
+    def record(gm, inputs):
+        captured.append((record_module_names(gm), list(inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend=record, dynamic=dynamic)(*example_inputs, **example_kwargs)
+    finally:
+        torch._dynamo.reset()
+    if not captured:
+        raise RuntimeError(f"capture_graphs: Dynamo captured no graph of {type(model).__name__}")
+    return captured
+
+
 def scalar_inputs(gm: fx.GraphModule) -> list[int]:
     """Inputs only read as Python scalars (``.item()``): floats that Dynamo lifted to tensors
     under ``dynamic=True``. Planning specializes on their values."""

@@ -1,0 +1,292 @@
+"""Sharded state (``parallelize``): each rank holds 1/tp of sharded parameters, gradients and
+optimizer state, trains exactly like one device, and checkpoints with stock PyTorch."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import os
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dtensor_par
+from tests import models
+from tests.harness import loss_of, max_rel, run_ranks
+
+PARAM_RTOL = 1e-5
+
+# Block weights the plan shards on tp (the rest, norms, embedding, LM head and rowwise biases,
+# stays replicated).
+SHARDED = {
+    "gpt": ("qkv.weight", "qkv.bias", "proj.weight", "fc.weight", "fc.bias", "fc_out.weight"),
+    "llama": ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+              "up_proj.weight", "down_proj.weight"),
+}
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    if name == "gpt":  # fused qkv: a _StridedShard parameter
+        return models.GPT(layers=2), torch.randn(2, 8, 32)
+    return models.Llama(layers=2), torch.randint(0, 50, (2, 8))
+
+
+def _storage_bytes(t) -> int:
+    return t.to_local().untyped_storage().nbytes()
+
+
+def _check_storage(model: nn.Module, optimizer, name: str, tp: int) -> int:
+    """Every parameter, gradient and AdamW state tensor holds exactly its share; returns how
+    many parameters are sharded."""
+    sharded = 0
+    for fqn, p in model.named_parameters():
+        full = p.numel() * p.element_size()
+        expected = full // tp if fqn.endswith(SHARDED[name]) else full
+        sharded += fqn.endswith(SHARDED[name])
+        state = optimizer.state[p]
+        for what, t in (("parameter", p), ("gradient", p.grad), ("exp_avg", state["exp_avg"]),
+                        ("exp_avg_sq", state["exp_avg_sq"])):
+            assert _storage_bytes(t) == expected, (fqn, what, _storage_bytes(t), expected)
+    return sharded
+
+
+def train_against_one_device(rank: int, world: int, sizes: dict, names: list[str], checkpoint_dir: str | None):
+    """3 AdamW steps with clipping, parallelized vs one device; storage shares; state dicts."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    mesh = dtensor_par.init_mesh(**sizes)
+    results = {}
+    for name in names:
+        torch._dynamo.reset()
+        model, x = _model(name)
+        reference = copy.deepcopy(model)
+        dtensor_par.parallelize(model, mesh, (x,))
+        compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager"))
+        # eps bounds Adam's normalization of near-zero gradient entries: an entry at fp32 rounding
+        # noise (reordered sums) would otherwise get a full-size step of either sign on each side.
+        make_opt = lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-3, foreach=True)  # noqa: E731
+        opt, opt_ref = make_opt(model.parameters()), make_opt(reference.parameters())
+        worst = Counter()
+        for _ in range(3):
+            loss, loss_ref = loss_of(compiled(x)), loss_of(reference(x))
+            loss.backward()
+            loss_ref.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            norm_ref = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+            assert all(isinstance(p.grad, torch.distributed.tensor.DTensor) for p in model.parameters())
+            opt.step()
+            opt_ref.step()
+            worst["loss"] = max(worst["loss"], abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()))
+            worst["norm"] = max(worst["norm"], abs(norm.full_tensor().item() - norm_ref.item()) / norm_ref.item())
+            worst["param"] = max(worst["param"], max(max_rel(p.full_tensor(), q)
+                                                     for p, q in zip(model.parameters(), reference.parameters())))
+            if _ == 2:
+                worst["sharded_params"] = _check_storage(model, opt, name, mesh["tp"].size())
+            opt.zero_grad()
+            opt_ref.zero_grad()
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        worst["full_state_dict"] = max(max_rel(full[k], v) for k, v in reference.state_dict().items())
+        fresh, _ = _model(name)
+        torch.nn.init.zeros_(next(fresh.parameters()))
+        dtensor_par.parallelize(fresh, mesh, (x,))
+        set_model_state_dict(fresh, dict(reference.state_dict()), options=StateDictOptions(full_state_dict=True))
+        worst["loaded_full"] = max(max_rel(p.full_tensor(), q) for p, q in zip(fresh.parameters(), reference.parameters()))
+
+        if checkpoint_dir is not None and name == "llama":  # DCP: sharded files, optimizer included
+            import torch.distributed.checkpoint as dcp
+            saved = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+            dcp.save(saved, checkpoint_id=checkpoint_dir)
+            expected = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+            expected_avg = [opt.state[p]["exp_avg"].full_tensor().clone() for p in model.parameters()]
+            loss_of(compiled(x)).backward()
+            opt.step()  # move weights and state away from the checkpoint
+            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+            dcp.load(state, checkpoint_id=checkpoint_dir)
+            set_model_state_dict(model, state["model"])
+            set_optimizer_state_dict(model, opt, state["optim"])
+            worst["dcp_params"] = max(max_rel(v.full_tensor(), expected[k]) for k, v in model.state_dict().items())
+            worst["dcp_exp_avg"] = max(max_rel(opt.state[p]["exp_avg"].full_tensor(), e)
+                                       for p, e in zip(model.parameters(), expected_avg))
+        results[name] = dict(worst)
+    return results
+
+
+@pytest.mark.parametrize("sizes", [{"tp": 2, "ulysses": 2}, {"tp": 2, "ring": 2, "ulysses": 2}],
+                         ids=["tp2-ulysses2", "tp2-ring2-ulysses2"])
+def test_training_matches_one_device_holding_one_tp_share(sizes, tmp_path):
+    world = 1
+    for size in sizes.values():
+        world *= size
+    checkpoint = str(tmp_path / "checkpoint") if world == 4 else None
+    for result in run_ranks(world, train_against_one_device, sizes, ["gpt", "llama"], checkpoint):
+        for name, worst in result.items():
+            assert worst["sharded_params"] == 2 * len(SHARDED[name]), (name, worst)
+            for key in ("loss", "norm", "param", "full_state_dict", "loaded_full", "dcp_params", "dcp_exp_avg"):
+                assert worst.get(key, 0.0) <= PARAM_RTOL, (name, key, worst)
+        if checkpoint:
+            assert "dcp_params" in result["llama"]
+
+
+_FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
+               "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single",
+               "ring_rotate": "all_to_all_single"}
+
+
+class _CountCollectives(TorchDispatchMode):
+    """Counts the functional collectives that actually run."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func.overloadpacket.__name__ != "wait_tensor":
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_collectives(rank: int, world: int, dump_dir: str):
+    """One training step's executed collectives against the dumped table, for a parallelized
+    model and for one that is not (whose table lists the parameter-gradient gathers)."""
+    mesh = dtensor_par.init_mesh(tp=2, ulysses=2)
+    results = {}
+    for parallelized in (True, False):
+        torch._dynamo.reset()
+        model, x = _model("llama")
+        if parallelized:
+            dtensor_par.parallelize(model, mesh, (x,))
+        folder = os.path.join(dump_dir, str(parallelized))
+        compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager",
+                                                                            dump_dir=folder))
+        loss_of(compiled(x)).backward()  # compiles
+        with _CountCollectives() as counter:
+            loss_of(compiled(x)).backward()
+        table = Counter()
+        for plan in glob.glob(os.path.join(folder, f"ring0_ulysses{rank // 2}_tp{rank % 2}", "*", "plan.json")):
+            with open(plan) as f:
+                for row in json.load(f)["collectives"]:
+                    table[_FUNCTIONAL[row["op"]]] += row["count"]
+        gathers = sum(row["count"] for plan in glob.glob(os.path.join(folder, "*", "*", "plan.json"))
+                      for row in json.load(open(plan))["collectives"] if row["site"] == "parameter gradient")
+        results[str(parallelized)] = {"ran": dict(counter.counts), "table": dict(table), "param_grad_gathers": gathers}
+    return results
+
+
+def test_every_collective_a_step_runs_is_in_the_table(tmp_path):
+    result = run_ranks(4, count_collectives, str(tmp_path))[0]
+    for mode in ("True", "False"):
+        assert result[mode]["ran"] == result[mode]["table"], (mode, result[mode])
+    assert result["True"]["param_grad_gathers"] == 0
+    assert result["False"]["param_grad_gathers"] > 0
+    assert result["False"]["ran"]["all_gather_into_tensor"] > result["True"]["ran"].get("all_gather_into_tensor", 0)
+
+
+def full_parameters_stay_fresh(rank: int, world: int):
+    """Without parallelize the runtime slices full parameters at every call: in-place changes
+    through ``.data``, ``.data =`` and a replaced parameter are all seen."""
+    mesh = dtensor_par.init_mesh(tp=2)
+    model, x = _model("gpt")
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager"))
+    diffs = [(compiled(x) - reference(x)).abs().max().item()]
+    for m in (model, reference):
+        m.blocks[0].fc.weight.data.add_(0.5)
+    diffs.append((compiled(x) - reference(x)).abs().max().item())
+    new = torch.randn_like(model.blocks[0].proj.weight)
+    model.blocks[0].proj.weight.data, reference.blocks[0].proj.weight.data = new.clone(), new.clone()
+    diffs.append((compiled(x) - reference(x)).abs().max().item())
+    new = torch.randn_like(model.blocks[1].qkv.weight)
+    model.blocks[1].qkv.weight = nn.Parameter(new.clone())
+    reference.blocks[1].qkv.weight = nn.Parameter(new.clone())
+    diffs.append((compiled(x) - reference(x)).abs().max().item())
+    return diffs
+
+
+def test_full_parameters_changed_in_any_way_are_seen():
+    for diffs in run_ranks(2, full_parameters_stay_fresh):
+        assert max(diffs) <= 1e-5, diffs
+
+
+# --- bad input, planned on a fake process group (nothing is sent) ----------------------------
+
+def test_parallelize_errors(fake_world):
+    fake_world(4)
+    mesh = dtensor_par.init_mesh(tp=2, ulysses=2)
+    model, x = _model("llama")
+    early = torch.optim.AdamW(model.parameters())
+    assert dtensor_par.parallelize(model, mesh, (x,)) is model
+    assert dtensor_par.parallelize(model, mesh, (x,)) is model  # again with the same mesh: nothing to do
+    with pytest.raises(ValueError, match="already parallelized"):
+        dtensor_par.parallelize(model, dtensor_par.init_mesh(tp=4), (x,))
+    with pytest.raises(RuntimeError, match=r"holds parameter 'embed.weight' as it was before"):
+        early.step()
+    with pytest.raises(RuntimeError, match="was parallelized .* torch.compile"):
+        model(x)
+    other = torch.compile(model, backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(tp=4),
+                                                                     inner_backend="aot_eager"))
+    with pytest.raises(Exception, match=r"parameter 'embed.weight' is a DTensor .* over DeviceMesh\(\(ring=1, "
+                                        r"ulysses=2, tp=2\).* but this plan needs .* over DeviceMesh\(\(ring=1, "
+                                        r"ulysses=1, tp=4\)"):
+        other(x)
+
+
+def test_replaced_parallelized_parameter_is_refused(fake_world):
+    fake_world(2)
+    mesh = dtensor_par.init_mesh(tp=2)
+    model, x = _model("gpt")
+    dtensor_par.parallelize(model, mesh, (x,))
+    model.blocks[0].fc.weight = nn.Parameter(torch.zeros(64, 32))
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager"))
+    with pytest.raises(RuntimeError, match=r"parameter 'blocks.0.fc.weight' of parallelized GPT was replaced"):
+        compiled(x)
+
+
+def test_meta_model_materializes_only_local_pieces(fake_world):
+    fake_world(4)
+    mesh = dtensor_par.init_mesh(tp=4)
+    with torch.device("meta"):
+        model = models.Llama(layers=1, hidden=64, heads=8, kv_heads=4, mlp=128)
+        ids = torch.randint(0, 50, (1, 16))
+    dtensor_par.parallelize(model, mesh, (ids,))
+    q = model.blocks[0].q_proj.weight
+    assert q.shape == (64, 64) and q.to_local().shape == (16, 64) and q.to_local().device.type == "cpu"
+    assert _storage_bytes(q) == 16 * 64 * 4
+    assert model.embed.weight.to_local().shape == (50, 64)
+    assert not any(b.is_meta for b in model.buffers())
+
+
+def test_parallel_decorator_refuses_a_non_module():
+    with pytest.raises(TypeError, match="decorates torch.nn.Module subclasses"):
+        dtensor_par.parallel(tp=2)(object)
+
+
+def decorated_model(rank: int, world: int):
+    """A decorated class (third-party style): loads a full state dict before its first call,
+    then trains exactly like one device."""
+    Parallel = dtensor_par.parallel(tp=2, inner_backend="aot_eager")(models.Llama)
+    torch.manual_seed(0)
+    reference = models.Llama(layers=1)
+    model = Parallel(layers=1)
+    model.load_state_dict(reference.state_dict())
+    x = torch.randint(0, 50, (2, 8))
+    out = model(x)
+    loss_of(out).backward()
+    loss_of(reference(x)).backward()
+    sharded = model.blocks[0].q_proj.weight
+    return {"forward": (out - reference(x)).abs().max().item(),
+            "grad": max(max_rel(p.grad.full_tensor(), q.grad) for p, q in zip(model.parameters(), reference.parameters())),
+            "local_rows": sharded.to_local().shape[0], "name": type(model).__name__}
+
+
+def test_parallel_decorator_on_a_model_class():
+    for result in run_ranks(2, decorated_model):
+        assert result["forward"] <= 1e-5 and result["grad"] <= 1e-4, result
+        assert result["local_rows"] == 32 and result["name"] == "Llama"
