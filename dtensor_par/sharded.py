@@ -75,7 +75,6 @@ class ShardedState:
     mesh: DeviceMesh
     options: dict
     slots: list[Slot]
-    placements: dict[str, Placement]  # FQN -> tp placement, as planned
 
 
 def _standin(param: nn.Parameter) -> nn.Parameter:
@@ -140,25 +139,23 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 
 
 def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, example_kwargs: dict,
-                    options: dict) -> tuple[dict[str, Placement], list[str]]:
-    """The tp placement of every parameter the plan shards (by FQN), and the plan's warnings.
+                    options: dict) -> dict[str, Placement]:
+    """The tp placement of every parameter of the plan (by FQN); its warnings are logged.
 
     Plans as ``explain`` does: one process, no communication, any device (meta included).
     """
-    info = MeshInfo.for_planning(dict(zip(mesh.mesh_dim_names, mesh.shape)), mesh.device_type,
-                                 MeshInfo.full_order(mesh.mesh_dim_names))
-    config = ParallelConfig(info, parallelized=True, **options)
+    mesh_info = MeshInfo.for_planning(dict(zip(mesh.mesh_dim_names, mesh.shape)), mesh.device_type,
+                                      MeshInfo.full_order(mesh.mesh_dim_names))
+    config = ParallelConfig(mesh_info, parallelized=True, **options)
     placements: dict[str, Placement] = {}
-    warnings: list[str] = []
     for gm, inputs in capture_graphs(model, *example_args, **example_kwargs):
         _, ctx = parallelize_graph(gm, inputs, config, passes=PLANNING_PASSES)
-        warnings += ctx.warnings
-        for name, info_ in ctx.params.items():
+        for name, param in ctx.params.items():
             p = ctx.param_placements.get(name, Replicate())
-            if placements.setdefault(info_.fqn, p) != p:
-                raise ValueError(f"parallelize: graphs of {type(model).__name__} shard parameter {info_.fqn!r} "
-                                 f"differently ({describe(placements[info_.fqn])} and {describe(p)})")
-    return placements, warnings
+            if placements.setdefault(param.fqn, p) != p:
+                raise ValueError(f"parallelize: graphs of {type(model).__name__} shard parameter {param.fqn!r} "
+                                 f"differently ({describe(placements[param.fqn])} and {describe(p)})")
+    return placements
 
 
 def _tp_coordinate(mesh: DeviceMesh) -> tuple[int, int]:
@@ -202,7 +199,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), 
                              f"with {state.options}; it cannot be parallelized again over {mesh} with {options}")
         return model
     MeshInfo.check_names(mesh)
-    placements, _ = plan_placements(model, mesh, tuple(example_inputs), example_kwargs or {}, options)
+    placements = plan_placements(model, mesh, tuple(example_inputs), example_kwargs or {}, options)
 
     slots: list[Slot] = []
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(old) -> (DTensor param, stand-in); tied weights share them
@@ -220,7 +217,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), 
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:
                 module._buffers[name] = torch.empty_like(buffer, device=mesh.device_type)
-    setattr(model, _STATE, ShardedState(mesh, options, slots, placements))
+    setattr(model, _STATE, ShardedState(mesh, options, slots))
     model.register_forward_pre_hook(_swap_in)
     model.register_forward_hook(_swap_out, always_call=True)
     if _optimizer_check is None:
