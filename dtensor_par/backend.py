@@ -10,7 +10,7 @@ from .dump import GraphDump
 from .logs import logger
 
 from .passes.capture import capture_pass
-from .passes.context import ParallelConfig, ParallelContext
+from .passes.context import USER_ERRORS, ParallelConfig, ParallelContext, PlanningError
 from .passes.detect import detect_pass
 from .passes.localize import communications, localize_pass
 from .passes.plan import plan_pass
@@ -40,7 +40,13 @@ def parallelize_graph(gm: fx.GraphModule, example_inputs: list, config: Parallel
     start = time.perf_counter()
     for run in passes:
         t0 = time.perf_counter()
-        gm = run(gm, ctx)
+        try:
+            gm = run(gm, ctx)
+        except USER_ERRORS:
+            raise
+        except Exception as e:
+            raise PlanningError(f"{run.__name__}: {type(e).__name__}: {e}. This is a dtensor_par bug: please report "
+                                f"it with this message, or set DTENSOR_PAR_DUMP=DIR to see the graph") from e
         logger.debug("%s: %.1f ms", run.__name__, 1e3 * (time.perf_counter() - t0))
         if dump is not None:
             dump.after(run.__name__, gm, ctx)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx as fx
 
 from ..logs import logger
 from ..mesh import MeshInfo
-from ..placements import Placement
+from ..placements import Placement, describe
 
 
 @dataclass
@@ -47,3 +49,35 @@ class ParallelContext:
         if message not in self.warnings:
             self.warnings.append(message)
             logger.warning(message)
+
+
+class PlanningError(RuntimeError):
+    """A pass could not handle one node. Names the node, its op, input shapes and placements."""
+
+
+USER_ERRORS = (ValueError, NotImplementedError, TypeError, PlanningError)
+"""Errors the passes raise on purpose, each with a message for the user; anything else is a
+defect of ours and becomes a PlanningError naming where it happened."""
+
+
+def _described(node: fx.Node) -> str:
+    """``name [shape] (tp: S(0), cp: R)``: a node's value and its planned placements."""
+    value = node.meta.get("val")
+    shape = str(list(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
+    placements = ", ".join(f"{d}: {describe(s.out)}" for d, s in node.meta.get("dtensor_par", {}).items())
+    return f"{node.name} {shape}" + (f" ({placements})" if placements else "")
+
+
+@contextlib.contextmanager
+def at_node(pass_name: str, node: fx.Node):
+    """Turn an internal exception raised while a pass handles ``node`` into a PlanningError."""
+    try:
+        yield
+    except USER_ERRORS:
+        raise
+    except Exception as e:
+        inputs = "; ".join(_described(i) for i in node.all_input_nodes)
+        raise PlanningError(
+            f"{pass_name}: cannot handle node {_described(node)} = {getattr(node.target, '__name__', node.target)}"
+            f"({inputs}): {type(e).__name__}: {e}. This is a dtensor_par bug: please report it with this message, "
+            f"or set DTENSOR_PAR_DUMP=DIR to see the graph") from e

@@ -18,7 +18,7 @@ import torch.fx as fx
 from ..mesh import MeshDim, MeshInfo
 from ..ops import collectives as C
 from ..placements import Partial, Placement, Replicate, Shard, interleaved_parts, is_padded, local_shape, shard_dim
-from .context import ParallelContext
+from .context import ParallelContext, at_node
 from .patterns import op_kind, tensor_val
 from .rules import split_dim, tensor_inputs
 
@@ -187,10 +187,11 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
                 current[dim.name] = dst
             return new
 
-        node.args = fx.node.map_arg(node.args, localized)
-        node.kwargs = fx.node.map_arg(node.kwargs, localized)
-        if node.op != "output":
-            _rewrite_sizes(gm, node, ctx.mesh)
+        with at_node("localize", node):
+            node.args = fx.node.map_arg(node.args, localized)
+            node.kwargs = fx.node.map_arg(node.kwargs, localized)
+            if node.op != "output":
+                _rewrite_sizes(gm, node, ctx.mesh)
     for node in graph.nodes:
         for key in ("val", "example_value", "tensor_meta"):
             node.meta.pop(key, None)

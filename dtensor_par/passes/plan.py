@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..placements import InterleavedShard, Placement, Replicate, Shard
-from .context import ParallelContext
+from .context import ParallelContext, at_node
 from .detect import AttentionSite, module_name
 from .patterns import op_kind, target_name, tensor_val
 from .rules import RULES, NodeSharding, RuleEnv, check_divisible, replicate_all, split_dim, tensor_inputs
@@ -183,7 +183,8 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for dim in ctx.mesh.plan_dims:
         env = RuleEnv(dim.name, dim.size, seeds[dim.name], ctx.config.sequence_parallel, dim.chunks_per_rank)
         for node in gm.graph.nodes:
-            sharding = plan_node(node, env, ctx)
+            with at_node("plan", node):
+                sharding = plan_node(node, env, ctx)
             node.meta["dtensor_par"][dim.name] = sharding
             if sharding.note:
                 ctx.warn(f"{node.name} ({target_name(node)}): inputs gathered on mesh dim {dim.name!r}: "

@@ -269,19 +269,26 @@ def split_rule(node, ins, cur, env):
 
 
 def cat_rule(node, ins, cur, env):
+    """Empty inputs (an empty kv cache: ``cat([torch.tensor([]), k])``) add nothing and stay
+    as they are; the others must share one placement, sharded off the concatenated dim."""
     stack = op_kind(node) == "stack"
     dim = _norm_dim(arg(node, 1, "dim", 0), tensor_val(node).dim())
-    if all(isinstance(p, Partial) for p in cur):
+    empty = [not stack and tensor_val(i).numel() == 0 for i in ins]
+    real = [(i, p) for i, p, e in zip(ins, cur, empty) if not e]
+    as_given = lambda required: tuple(p if e else required for p, e in zip(cur, empty))  # noqa: E731
+    if all(isinstance(p, Partial) for _, p in real):
         return NodeSharding(Partial(), tuple(cur))
-    cur = _resolve_partial(ins, cur, env)
-    sharded = [p for p in cur if shard_dim(p) is not None]
+    resolved = _resolve_partial([i for i, _ in real], [p for _, p in real], env)
+    sharded = [p for p in resolved if shard_dim(p) is not None]
     if not sharded:
-        return NodeSharding(R, tuple(R for _ in ins))
+        return NodeSharding(R, as_given(R))
     p = sharded[0]
+    if len(real) == 1:  # nothing but empties beside it: the concatenation is the tensor itself
+        return NodeSharding(p, as_given(p))
     out_dim = p.dim + 1 if stack and p.dim >= dim else p.dim
     if isinstance(p, InterleavedShard) or (not stack and p.dim == dim):
         return replicate_all(node, ins, cur, f"concatenation along the sharded dim {dim}")
-    return NodeSharding(Shard(out_dim), tuple(p for _ in ins))
+    return NodeSharding(Shard(out_dim), as_given(p))
 
 
 # --- contractions ---------------------------------------------------------------------
@@ -426,6 +433,8 @@ def check_divisible(node: fx.Node, ins: list[fx.Node], sharding: NodeSharding, e
     outs = sharding.out if isinstance(sharding.out, tuple) else (sharding.out,)
     vals = node.meta["val"] if isinstance(node.meta.get("val"), (tuple, list)) else (node.meta.get("val"),)
     for p, val in list(zip(outs, vals)) + list(zip(sharding.inputs, (tensor_val(i) for i in ins))):
+        if isinstance(val, torch.Tensor) and shard_dim(p) is not None and shard_dim(p) >= val.dim():
+            return f"{p} of a tensor of shape {list(val.shape)} names no dim of it"
         if isinstance(val, torch.Tensor) and not _fits(p, val, env):
             return f"{p} of a tensor of shape {list(val.shape)} does not divide by {env.size}"
     return None
