@@ -9,6 +9,7 @@ import torch.fx as fx
 from .dump import GraphDump
 from .logs import logger
 
+from .passes.canonicalize import canonicalize_pass
 from .passes.capture import capture_pass
 from .passes.context import USER_ERRORS, ParallelConfig, ParallelContext, PlanningError
 from .passes.detect import detect_pass
@@ -16,7 +17,7 @@ from .passes.localize import communications, localize_pass
 from .passes.plan import plan_pass
 from .passes.rewrite import rewrite_pass
 
-PASSES = (capture_pass, detect_pass, rewrite_pass, plan_pass, localize_pass)
+PASSES = (capture_pass, canonicalize_pass, detect_pass, rewrite_pass, plan_pass, localize_pass)
 PLANNING_PASSES = PASSES[:PASSES.index(plan_pass) + 1]  # enough for every node's placement
 
 

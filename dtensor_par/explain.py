@@ -72,8 +72,9 @@ class Report:
 
 def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int = 1, device_type: str = "cuda",
             order: tuple[str, ...] | None = None, sequence_parallel: bool = False,
-            dump_dir: str | None = None, parallelized: bool | None = None) -> Report:
-    """Plan ``model(*example_inputs)`` for the given mesh as rank 0 would, without hardware.
+            dump_dir: str | None = None, parallelized: bool | None = None,
+            example_kwargs: dict | None = None) -> Report:
+    """Plan ``model(*example_inputs, **example_kwargs)`` for the given mesh as rank 0 would, without hardware.
 
     The model may live on the ``meta`` device, so a model too large for this machine can be
     planned at its real size. Capturing resets Dynamo's caches (see ``capture_graphs``).
@@ -92,7 +93,7 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
         parallelized = sharded_state(model) is not None
     config = ParallelConfig(info, sequence_parallel=sequence_parallel, parallelized=parallelized)
     report = Report(sizes, info.order, device_type, state_line(parallelized))
-    for i, (gm, inputs) in enumerate(capture_graphs(model, *example_inputs)):
+    for i, (gm, inputs) in enumerate(capture_graphs(model, *example_inputs, **(example_kwargs or {}))):
         dump = GraphDump(os.path.join(dump_dir, f"graph{i}"), info.order) if dump_dir else None
         start = time.perf_counter()
         local_gm, ctx = parallelize_graph(gm, inputs, config, dump=dump)

@@ -104,6 +104,13 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     return gm
 
 
+def with_val(node: fx.Node, value) -> fx.Node:
+    """Give a node a later pass inserts the metadata capture gives every node."""
+    node.meta["val"] = value
+    node.meta["requires_grad"] = any(i.meta["requires_grad"] for i in node.all_input_nodes)
+    return node
+
+
 def _mark_requires_grad(gm: fx.GraphModule, example_inputs: list) -> None:
     """``meta["requires_grad"]``: whether autograd will want the node's gradient.
 

@@ -53,8 +53,17 @@ class MLPSite:
         return [self.down]
 
 
-def _has_param_weight(linear: fx.Node, ctx: ParallelContext) -> bool:
+def weight_param(linear: fx.Node) -> tuple[fx.Node, bool]:
+    """The tensor a linear's weight is read from, and whether it is stored transposed
+    (``[in, out]``, read through ``t()``: GPT-2's Conv1D after canonicalize)."""
     weight = linear.args[1]
+    if isinstance(weight, fx.Node) and op_kind(weight) == "transpose" and weight.target == "t":
+        return weight.args[0], True
+    return weight, False
+
+
+def _has_param_weight(linear: fx.Node, ctx: ParallelContext) -> bool:
+    weight, _ = weight_param(linear)
     return isinstance(weight, fx.Node) and weight.name in ctx.params
 
 
@@ -161,5 +170,5 @@ def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             for n in nodes:
                 n.meta["dtensor_par_site"] = f"{site.name}.{role}"
         for linear in site.colwise + site.rowwise:
-            linear.meta["dtensor_par_weight"] = linear.args[1].name
+            linear.meta["dtensor_par_weight"] = weight_param(linear)[0].name
     return gm

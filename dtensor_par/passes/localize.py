@@ -56,6 +56,7 @@ class _Inserter:
 
     def __call__(self, fn, args: tuple, src: Placement, dst: Placement, **kwargs) -> fx.Node:
         node = self.graph.call_function(fn, args, kwargs)
+        node.meta["val"] = args[0].meta.get("val")  # the global value: a redistribution keeps it
         forward, backward = C.COMMUNICATION[fn]
         backward = backward if self.requires_grad else None
         node.meta["dtensor_par_comm"] = [Communication(

@@ -11,9 +11,9 @@ import torch.fx as fx
 
 from ..placements import InterleavedShard, Placement, Replicate, Shard
 from .context import ParallelContext, at_node
-from .detect import AttentionSite, module_name
+from .detect import AttentionSite, module_name, weight_param
 from .patterns import op_kind, target_name, tensor_val
-from .rules import RULES, NodeSharding, RuleEnv, check_divisible, replicate_all, split_dim, tensor_inputs
+from .rules import RULES, NodeSharding, RuleEnv, check_divisible, moved, replicate_all, split_dim, tensor_inputs
 
 R = Replicate()
 
@@ -87,7 +87,8 @@ def assign_weight_placements(ctx: ParallelContext) -> None:
     for site in ctx.sites:
         placements = _site_weights(site, ctx) or {}
         for linear, p in placements.items():
-            tensors = [(linear.args[1], p)]
+            weight, transposed = weight_param(linear)
+            tensors = [(weight, moved(p, 1 - p.dim) if transposed else p)]
             bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
             if bias is not None:
                 tensors.append((bias, p))

@@ -19,17 +19,11 @@ import torch.fx as fx
 
 from ..ops.attention import hybrid_attention
 from ..placements import is_padded, shard_length
+from .capture import with_val
 from .context import ParallelContext
 from .detect import AttentionSite
 from .localize import Communication
 from .patterns import arg, sdpa_arguments, tensor_val
-
-
-def _with_val(node: fx.Node, value) -> fx.Node:
-    """Give an inserted node the metadata capture gives every node."""
-    node.meta["val"] = value
-    node.meta["requires_grad"] = any(i.meta["requires_grad"] for i in node.all_input_nodes)
-    return node
 
 
 def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:
@@ -42,7 +36,7 @@ def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:
     linear.replace_all_uses_with(add, delete_user_cb=lambda user: user is not add)
     linear.args = linear.args[:2]
     linear.kwargs = {}
-    _with_val(add, linear.meta["val"])
+    with_val(add, linear.meta["val"])
     add.meta["dtensor_par_site"] = linear.meta.get("dtensor_par_site")
 
 
@@ -60,7 +54,7 @@ def expand_gqa_kv(gm: fx.GraphModule, site: AttentionSite, repeat: int) -> None:
         kv = sdpa[name]
         with graph.inserting_before(core):
             expanded = graph.call_method("repeat_interleave", (kv, repeat), {"dim": -3})
-        _with_val(expanded, tensor_val(kv).repeat_interleave(repeat, dim=-3))
+        with_val(expanded, tensor_val(kv).repeat_interleave(repeat, dim=-3))
         sdpa[name] = expanded
     sdpa["enable_gqa"] = site.num_kv_heads * repeat != site.num_heads
     core.args, core.kwargs = (sdpa.pop("query"), sdpa.pop("key"), sdpa.pop("value")), sdpa

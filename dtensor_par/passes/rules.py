@@ -60,7 +60,8 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return found
 
 
-def _moved(p: Placement, dim: int) -> Placement:
+def moved(p: Placement, dim: int) -> Placement:
+    """The same kind of shard (parts included) along another dim."""
     return InterleavedShard(dim, p.parts) if isinstance(p, InterleavedShard) else Shard(dim)
 
 
@@ -106,7 +107,7 @@ def pointwise_rule(node, ins, cur, env):
     target = None
     for i, p in zip(ins, cur):
         if shard_dim(p) is not None:
-            target = _moved(p, p.dim + out_val.dim() - tensor_val(i).dim())
+            target = moved(p, p.dim + out_val.dim() - tensor_val(i).dim())
             break
     if target is None:
         return NodeSharding(R, tuple(R for _ in ins))
@@ -115,7 +116,7 @@ def pointwise_rule(node, ins, cur, env):
         val = tensor_val(i)
         d = target.dim - (out_val.dim() - val.dim())
         broadcast = d < 0 or (val.shape[d] == 1 and out_val.shape[target.dim] != 1)
-        expected.append(R if broadcast else _moved(target, d))
+        expected.append(R if broadcast else moved(target, d))
     return NodeSharding(target, tuple(expected))
 
 
@@ -178,7 +179,7 @@ def expand_rule(node, ins, cur, env):
     if shard_dim(p) is None:
         return NodeSharding(p, tuple(cur))
     offset = tensor_val(node).dim() - tensor_val(ins[0]).dim()
-    return NodeSharding(_moved(p, p.dim + offset), tuple(cur))
+    return NodeSharding(moved(p, p.dim + offset), tuple(cur))
 
 
 def repeat_interleave_rule(node, ins, cur, env):
@@ -194,6 +195,8 @@ def repeat_interleave_rule(node, ins, cur, env):
 def _dim_order(node: fx.Node, ndim: int) -> list[int]:
     """Output dim i comes from input dim order[i]."""
     if op_kind(node) == "transpose":
+        if node.target in ("t", torch.t):
+            return list(reversed(range(ndim)))
         a, b = (_norm_dim(d, ndim) for d in (arg(node, 1, "dim0"), arg(node, 2, "dim1")))
         order = list(range(ndim))
         order[a], order[b] = order[b], order[a]
@@ -209,11 +212,17 @@ def permute_rule(node, ins, cur, env):
     if shard_dim(p) is None:
         return NodeSharding(p, tuple(cur))
     order = _dim_order(node, tensor_val(ins[0]).dim())
-    return NodeSharding(_moved(p, order.index(p.dim)), tuple(cur))
+    return NodeSharding(moved(p, order.index(p.dim)), tuple(cur))
 
 
-def _index_map(index, ndim: int) -> dict[int, int] | None:
+def _whole(e: slice, size: int) -> bool:
+    """Whether a slice keeps every position of a dim of ``size`` (``x[:, 0:]`` as ``x[:, :]``)."""
+    return e.indices(size) == (0, size, 1)
+
+
+def _index_map(index, shape: tuple[int, ...]) -> dict[int, int] | None:
     """Input dim -> output dim for the dims a basic index keeps whole; None if not basic."""
+    ndim = len(shape)
     entries = index if isinstance(index, tuple) else (index,)
     consumed = sum(1 for e in entries if e is not None and e is not Ellipsis)
     kept, src, dst = {}, 0, 0
@@ -226,7 +235,7 @@ def _index_map(index, ndim: int) -> dict[int, int] | None:
         elif isinstance(e, int):
             src += 1
         elif isinstance(e, slice):
-            if e == slice(None):
+            if all(isinstance(v, (int, type(None))) for v in (e.start, e.stop, e.step)) and _whole(e, shape[src]):
                 kept[src] = dst
             src += 1; dst += 1
         else:
@@ -240,7 +249,7 @@ def getitem_rule(node, ins, cur, env):
     source = node.args[0]
     if isinstance(source.meta.get("val"), (tuple, list)):
         return NodeSharding(env.out_of(source)[node.args[1]], ())
-    kept = _index_map(node.args[1], tensor_val(source).dim())
+    kept = _index_map(node.args[1], tuple(tensor_val(source).shape))
     if kept is None or len(ins) != 1:
         return replicate_all(node, ins, cur, "advanced indexing")
     p = cur[0]
@@ -248,7 +257,7 @@ def getitem_rule(node, ins, cur, env):
         return NodeSharding(p, (p,))
     if p.dim not in kept:
         return replicate_all(node, ins, cur, f"indexing into the sharded dim {p.dim}")
-    return NodeSharding(_moved(p, kept[p.dim]), (p,))
+    return NodeSharding(moved(p, kept[p.dim]), (p,))
 
 
 def split_dim(node: fx.Node) -> int:
@@ -298,7 +307,7 @@ def linear_rule(node, ins, cur, env):
     has_bias = len(ins) == 3
     ndim = tensor_val(node).dim()
     if shard_dim(w_p) == 0:  # colwise: full input, this rank's output features
-        return NodeSharding(_moved(w_p, ndim - 1), (R, w_p) + ((_moved(w_p, 0),) if has_bias else ()))
+        return NodeSharding(moved(w_p, ndim - 1), (R, w_p) + ((moved(w_p, 0),) if has_bias else ()))
     if shard_dim(w_p) == 1:  # rowwise: this rank's input features, partial sums out
         if has_bias:
             raise AssertionError(f"{node.name}: rowwise linear must have its bias split off by rewrite_pass")
@@ -402,7 +411,7 @@ def reduce_rule(node, ins, cur, env):
     if shard_dim(p) is None or p.dim in reduced:
         return replicate_all(node, ins, [p], "reduction over the sharded dim")
     out_dim = p.dim if keepdim else p.dim - sum(1 for d in reduced if d < p.dim)
-    return NodeSharding(_moved(p, out_dim), (p,))
+    return NodeSharding(moved(p, out_dim), (p,))
 
 
 def embedding_rule(node, ins, cur, env):

@@ -1,0 +1,60 @@
+"""canonicalize: rewrite equivalent spellings of one computation into the one the rules know.
+
+- A ``Conv1D`` linear (GPT-2: ``addmm(bias, x.view(-1, k), weight).view(*lead, n)`` with the
+  weight stored ``[in, out]``) becomes ``linear(x, weight.t(), bias)``: the batch and
+  sequence dims are never flattened together, so a sequence sharded over cp stays sharded,
+  and the projection is found and sharded like any other (its weight transposed).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .capture import with_val
+from .context import ParallelContext
+from .patterns import op_kind, tensor_val
+
+
+def _flattened_source(view: fx.Node) -> fx.Node | None:
+    """``x`` when ``view`` is ``x.view(-1, k)`` merging every leading dim of ``x``."""
+    if op_kind(view) != "view" or not isinstance(view.args[0], fx.Node):
+        return None
+    x, out = tensor_val(view.args[0]), tensor_val(view)
+    if x is None or out is None or out.dim() != 2 or x.dim() < 3 or out.shape[1] != x.shape[-1]:
+        return None
+    return view.args[0]
+
+
+def conv1d_linear(gm: fx.GraphModule, addmm: fx.Node) -> bool:
+    """Rewrite one ``addmm`` of the Conv1D form; False when it is not one."""
+    if addmm.kwargs or len(addmm.args) != 3:
+        return False  # beta/alpha given: not a plain linear
+    bias, flat, weight = addmm.args
+    x = _flattened_source(flat)
+    users = list(addmm.users)
+    if x is None or len(users) != 1 or op_kind(users[0]) != "view":
+        return False
+    unflatten = users[0]
+    if tuple(tensor_val(unflatten).shape) != tuple(tensor_val(x).shape[:-1]) + (tensor_val(addmm).shape[-1],):
+        return False
+    graph = gm.graph
+    with graph.inserting_before(addmm):
+        transposed = with_val(graph.call_method("t", (weight,)), tensor_val(weight).t())
+        linear = graph.call_function(F.linear, (x, transposed, bias))
+    with_val(linear, tensor_val(unflatten))
+    unflatten.replace_all_uses_with(linear)
+    for node in (unflatten, addmm):
+        graph.erase_node(node)
+    if not flat.users:
+        graph.erase_node(flat)
+    return True
+
+
+def canonicalize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.addmm:
+            conv1d_linear(gm, node)
+    gm.recompile()
+    return gm

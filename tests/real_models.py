@@ -1,0 +1,46 @@
+"""Real models as users have them (transformers, diffusers), built from small configs: no downloads.
+
+Each factory returns ``(model, args, kwargs)``; the model's first output is compared.
+Dropout is off so a parallel run can equal one device exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB, BATCH, SEQ = 128, 2, 32
+
+
+def _ids():
+    return torch.randint(0, VOCAB, (BATCH, SEQ))
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)
+    return LlamaForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=8, n_positions=64, attn_pdrop=0.0,
+                        resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
+def qwen2():
+    from transformers import Qwen2Config, Qwen2Model
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2)
+    return Qwen2Model(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
+def mistral():
+    from transformers import MistralConfig, MistralModel
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=8, num_key_value_heads=4, sliding_window=12, eos_token_id=0)
+    return MistralModel(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
+FACTORIES = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral}
