@@ -51,7 +51,8 @@ def parallelize_graph(gm: fx.GraphModule, example_inputs: list, config: Parallel
         logger.debug("%s: %.1f ms", run.__name__, 1e3 * (time.perf_counter() - t0))
         if dump is not None:
             dump.after(run.__name__, gm, ctx)
-    logger.info("planned a graph of %d nodes: %d sites, %d ops that communicate, %d warnings, %.1f ms",
-                len(gm.graph.nodes), len(ctx.sites), len(communications(gm)), len(ctx.warnings),
+    logger.info("planned a graph of %d nodes: %d sites, %d ops that communicate, %s, %d warnings, %.1f ms",
+                len(gm.graph.nodes), len(ctx.sites), len(communications(gm)),
+                ctx.coverage.summary() if ctx.coverage else "not planned", len(ctx.warnings),
                 1e3 * (time.perf_counter() - start))
     return gm, ctx

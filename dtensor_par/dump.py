@@ -1,8 +1,8 @@
 """Graph dumps: what each pass made of a graph, the collectives, the plan as JSON, the mesh.
 
 A dump folder holds, for one compiled graph: ``0_dynamo.py`` (the graph as Dynamo captured
-it), one file per pass (``1_capture.py`` ... ``5_localize.py``, the graph the inner backend
-compiles), ``6_lowered.py`` (its forward traced to aten ops on fake tensors: the functional
+it), one file per pass (``1_capture.py`` ... ``6_localize.py``, the graph the inner backend
+compiles), ``7_lowered.py`` (its forward traced to aten ops on fake tensors: the functional
 collectives gloo and NCCL run, as they are), ``sites.txt``, ``collectives.md``, ``plan.json``
 and ``mesh.svg``.
 """
@@ -26,7 +26,7 @@ from .passes.localize import communications, local_shape_on
 from .passes.patterns import target_name
 from .placements import Replicate, describe, local_shape
 
-PLAN_VERSION = 2  # 2: parameter_state; bytes_per_rank is what the rank holds
+PLAN_VERSION = 2  # 2: parameter_state, coverage; bytes_per_rank is what the rank holds
 
 
 def _format_arg(a) -> str:
@@ -140,7 +140,7 @@ def planned_nodes(gm: fx.GraphModule) -> list[dict]:
 
 
 def plan_dict(nodes: list[dict], local_gm: fx.GraphModule, ctx: ParallelContext) -> dict:
-    """The plan with stable keys: mesh, sites, parameters, nodes, collectives, warnings."""
+    """The plan with stable keys: mesh, sites, parameters, nodes, collectives, warnings, coverage."""
     return {
         "version": PLAN_VERSION,
         "mesh": {name: ctx.mesh.size(name) for name in MESH_DIMS},
@@ -151,6 +151,7 @@ def plan_dict(nodes: list[dict], local_gm: fx.GraphModule, ctx: ParallelContext)
         "nodes": nodes,
         "collectives": collective_rows(local_gm),
         "warnings": list(ctx.warnings),
+        "coverage": ctx.coverage.as_dict(),
     }
 
 
@@ -248,7 +249,7 @@ class GraphDump:
         if name == "plan":
             self.nodes = planned_nodes(gm)
         if name == "localize":
-            self._write("6_lowered.py", lowered_code(gm, ctx))
+            self._write(f"{self.step + 1}_lowered.py", lowered_code(gm, ctx))
             plan = plan_dict(self.nodes, gm, ctx)
             self._write("plan.json", json.dumps(plan, indent=1, sort_keys=True) + "\n")
             self._write("collectives.md", collectives_markdown(plan["collectives"]))

@@ -13,6 +13,7 @@ from .backend import parallelize_graph
 from .dump import GraphDump, collective_rows, mesh_svg, parameter_rows, site_placement_lines, sites_text, state_line
 from .mesh import MESH_DIMS, MeshInfo
 from .passes.context import ParallelConfig
+from .passes.coverage import Coverage
 from .sharded import sharded_state
 
 
@@ -24,6 +25,7 @@ class GraphReport:
     collectives: list[dict]
     warnings: list[str]
     plan_seconds: float  # the passes alone, without Dynamo's capture
+    coverage: Coverage  # what runs split: linear FLOPs, parameters, fallback gathers
 
 
 @dataclass
@@ -57,13 +59,16 @@ class Report:
                f"parameters: {local:,} bytes held per rank of {full:,} ({local / max(full, 1):.1%}); "
                f"state {self.parameter_state}"]
         for i, g in enumerate(self.graphs):
-            out.append(f"\ngraph {i}: {len(g.sites)} sites")
+            out.append(f"\ngraph {i}: {len(g.sites)} sites; {g.coverage.summary()}")
             out += [f"  {s}" for s in g.sites]
             out.append("  weight placements:")
             out += [f"    {p}" for p in g.placements]
             out.append("  collectives (direction op mesh-dim[group] bytes-per-rank x count, site):")
             out += [f"    {c['direction']:8} {c['op']:14} {c['mesh_dims']}[{c['group_size']}] "
                     f"{c['bytes_per_rank']:>12,} B x {c['count']}  {c['site']}" for c in g.collectives]
+            if g.coverage.fallback_gathers:
+                out.append("  fallback gathers (correct, but not parallel):")
+                out += [f"    {f}" for f in g.coverage.fallback_gathers]
             if g.warnings:
                 out.append("  warnings:")
                 out += [f"    {w}" for w in g.warnings]
@@ -99,5 +104,5 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
         local_gm, ctx = parallelize_graph(gm, inputs, config, dump=dump)
         report.graphs.append(GraphReport(sites_text(ctx).splitlines(), site_placement_lines(ctx),
                                          parameter_rows(ctx), collective_rows(local_gm), list(ctx.warnings),
-                                         time.perf_counter() - start))
+                                         time.perf_counter() - start, ctx.coverage))
     return report

@@ -20,8 +20,8 @@ import dtensor_par
 from tests import factories, models
 from tests.conftest import _init_fake
 
-PASS_FILES = ["0_dynamo.py", "1_capture.py", "2_detect.py", "3_rewrite.py", "4_plan.py", "5_localize.py",
-              "6_lowered.py", "collectives.md", "mesh.svg", "plan.json", "sites.txt"]
+PASS_FILES = ["0_dynamo.py", "1_capture.py", "2_canonicalize.py", "3_detect.py", "4_rewrite.py", "5_plan.py",
+              "6_localize.py", "7_lowered.py", "collectives.md", "mesh.svg", "plan.json", "sites.txt"]
 
 
 def _compile_and_run(tmp_path, world: int, **options) -> None:
@@ -63,10 +63,10 @@ mlp0: mlp up=['fc'] down=['fc_out'] activations=['gelu']
 | backward | all_reduce | tp | 8 | 8192 | 1 | mlp0.colwise |
 | forward | all_reduce | tp | 8 | 8192 | 1 | mlp0.rowwise |
 """)
-        lowered = read("6_lowered.py")
+        lowered = read("7_lowered.py")
         assert lowered.count("torch.ops._c10d_functional.all_reduce.default") == 2
         assert lowered.count("torch.ops._c10d_functional.wait_tensor.default") == 2
-        self.assertExpectedInline(read("4_plan.py"), """\
+        self.assertExpectedInline(read("5_plan.py"), """\
 l_x_ = input('L_x_')  # [2, 16, 64]  tp: R
 l_self_modules_ln1_parameters_weight_ = input('L_self_modules_ln1_parameters_weight_')  # ln1.weight  [64]  tp: R
 l_self_modules_ln1_parameters_bias_ = input('L_self_modules_ln1_parameters_bias_')  # ln1.bias  [64]  tp: R
@@ -107,8 +107,10 @@ add_1 = _operator.add(x, add_2)  # [2, 16, 64]  tp: R <- (R, R)
 return (add_1,)  # tp: - <- (R)
 """)
         plan = json.loads(read("plan.json"))
-        assert sorted(plan) == ["collectives", "mesh", "nodes", "parameter_state", "parameters", "sites", "version",
-                                "warnings", "world_size"]
+        assert sorted(plan) == ["collectives", "coverage", "mesh", "nodes", "parameter_state", "parameters", "sites",
+                                "version", "warnings", "world_size"]
+        assert plan["coverage"]["fallback_gathers"] == [] and plan["coverage"]["parallel_sites"] == 2
+        assert plan["coverage"]["sharded_linear_flops"] == plan["coverage"]["linear_flops"] > 0
         assert plan["version"] == 2 and plan["parameter_state"].startswith("full (model not parallelized)")
         assert plan["mesh"] == {"tp": 8, "ring": 1, "ulysses": 1} and plan["world_size"] == 8
         assert {p["name"]: p["placement"]["tp"] for p in plan["parameters"]}["qkv.weight"] == "IS(0,[64, 64, 64])"

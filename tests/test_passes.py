@@ -98,9 +98,12 @@ def test_view_rule(src, dst, placement, expected):
 
 
 def test_basic_index_keeps_whole_dims():
-    assert _index_map((Ellipsis, slice(None, 4)), 4) == {0: 0, 1: 1, 2: 2}
-    assert _index_map((slice(None), slice(None), None), 4) == {0: 0, 1: 1, 2: 3, 3: 4}
-    assert _index_map((slice(None), -1), 3) == {0: 0, 2: 1}
+    assert _index_map((Ellipsis, slice(None, 4)), (2, 3, 5, 8)) == {0: 0, 1: 1, 2: 2}
+    assert _index_map((Ellipsis, slice(None, 8)), (2, 3, 5, 8)) == {0: 0, 1: 1, 2: 2, 3: 3}  # whole
+    assert _index_map((slice(None), slice(None), None), (2, 3, 5, 8)) == {0: 0, 1: 1, 2: 3, 3: 4}
+    assert _index_map((slice(None), -1), (2, 3, 5)) == {0: 0, 2: 1}
+    assert _index_map((slice(None), slice(0, None), slice(-5, None)), (2, 3, 5)) == {0: 0, 1: 1, 2: 2}
+    assert _index_map((slice(None), slice(1, None)), (2, 3)) == {0: 0}
 
 
 def test_interleaved_local_chunk_takes_each_part():

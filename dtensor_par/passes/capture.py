@@ -11,7 +11,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .context import ParallelContext, ParamInfo
 
-_SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)\['([^']+)'\]")
+_SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)(?:'\])?\['([^']+)'\]")
 
 
 FQNS = "dtensor_par_fqns"
@@ -20,7 +20,8 @@ FQNS = "dtensor_par_fqns"
 def record_module_names(gm: fx.GraphModule) -> fx.GraphModule:
     """Keep each placeholder's module path in ``gm.meta`` while Dynamo's sources are there.
 
-    ``L['self']._modules['attn']._parameters['weight']`` -> ``attn.weight``. Dynamo drops the
+    ``L['self']._modules['attn']._parameters['weight']`` -> ``attn.weight`` (also when Dynamo
+    spells the first step ``L['self'].__dict__['_modules']['attn']``). Dynamo drops the
     sources from node meta once its compile returns, and planning happens later.
     """
     names = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -11,6 +12,9 @@ import torch.fx as fx
 from ..logs import logger
 from ..mesh import MeshInfo
 from ..placements import Placement, describe
+
+if TYPE_CHECKING:
+    from .coverage import Coverage
 
 
 @dataclass
@@ -40,6 +44,7 @@ class ParallelContext:
     param_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> tp placement
     output_placements: list[dict[str, Placement] | None] = field(default_factory=list)  # per output, by dim
     warnings: list[str] = field(default_factory=list)
+    coverage: Coverage | None = None  # from plan_pass
 
     @property
     def mesh(self) -> MeshInfo:

@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from ..placements import InterleavedShard, Placement, Replicate, Shard
 from .context import ParallelContext, at_node
+from .coverage import measure_coverage
 from .detect import AttentionSite, module_name, weight_param
 from .patterns import op_kind, target_name, tensor_val
 from .rules import RULES, NodeSharding, RuleEnv, check_divisible, moved, replicate_all, split_dim, tensor_inputs
@@ -195,4 +196,8 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     ctx.output_placements = [None] * len(output.args[0])
     for k, i in enumerate(tensors):
         ctx.output_placements[i] = {d: s.inputs[k] for d, s in output.meta["dtensor_par"].items()}
+    ctx.coverage = measure_coverage(gm, ctx)
+    if ctx.mesh.plan_dims and ctx.sites and not ctx.coverage.parallel_sites:
+        ctx.warn(f"none of the {len(ctx.sites)} attention and MLP sites runs parallel: every rank computes the whole "
+                 f"model (see the warnings above for why)")
     return gm

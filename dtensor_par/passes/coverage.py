@@ -1,0 +1,99 @@
+"""How much of a planned graph actually runs split: the numbers behind every report.
+
+A linear (or matmul) runs sharded on a mesh dim when its output there is not Replicate
+(sharded, or partial sums): each rank then does 1/size of its work on that dim. Block
+linears are those whose weight lives in a numbered module (``layers.3.mlp.up_proj``), the
+repeated transformer blocks; the LM head or an embedding projection outside them is
+reported on its own. A fallback gather is a node whose inputs the plan had to gather
+because no rule could keep them split.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from ..placements import Replicate
+from .context import ParallelContext
+from .detect import AttentionSite, weight_name
+from .patterns import op_kind, tensor_val
+
+_IN_BLOCK = re.compile(r"\.\d+\.")
+
+
+@dataclass
+class Coverage:
+    linear_flops: int = 0
+    sharded_linear_flops: int = 0  # sharded on every planned mesh dim
+    block_linear_flops: int = 0
+    sharded_block_linear_flops: int = 0
+    parameters: int = 0  # elements
+    sharded_parameters: int = 0
+    fallback_gathers: list[str] = field(default_factory=list)  # "node (op) on dim: why"
+    parallel_sites: int = 0
+
+    @staticmethod
+    def share(part: int, whole: int) -> float:
+        return part / whole if whole else 1.0
+
+    def summary(self) -> str:
+        return (f"linear FLOPs sharded {self.share(self.sharded_linear_flops, self.linear_flops):.1%} "
+                f"(in blocks {self.share(self.sharded_block_linear_flops, self.block_linear_flops):.1%}), "
+                f"parameters sharded {self.share(self.sharded_parameters, self.parameters):.1%}, "
+                f"{len(self.fallback_gathers)} fallback gathers")
+
+    def as_dict(self) -> dict:
+        return {"linear_flops": self.linear_flops, "sharded_linear_flops": self.sharded_linear_flops,
+                "block_linear_flops": self.block_linear_flops,
+                "sharded_block_linear_flops": self.sharded_block_linear_flops,
+                "parameters": self.parameters, "sharded_parameters": self.sharded_parameters,
+                "fallback_gathers": list(self.fallback_gathers), "parallel_sites": self.parallel_sites}
+
+
+def _linear_flops(node: fx.Node) -> int:
+    """2 x output elements x contracted length, for a linear or matmul node."""
+    out = tensor_val(node)
+    contracted = tensor_val(node.args[0]).shape[-1]
+    return 2 * math.prod(out.shape) * contracted
+
+
+def _weight_fqn(node: fx.Node, ctx: ParallelContext) -> str | None:
+    for i in node.all_input_nodes:
+        source = i.args[0] if op_kind(i) == "transpose" and i.args and isinstance(i.args[0], fx.Node) else i
+        if source.name in ctx.params:
+            return ctx.params[source.name].fqn
+    return None
+
+
+def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
+    """The coverage of a planned graph (after ``plan_pass``)."""
+    cov = Coverage()
+    for node in gm.graph.nodes:
+        plans = node.meta.get("dtensor_par", {})
+        for dim, sharding in plans.items():
+            if sharding.note:
+                cov.fallback_gathers.append(f"{node.name} on {dim!r}: {sharding.note}")
+        if op_kind(node) not in ("linear", "matmul") or tensor_val(node) is None:
+            continue
+        flops = _linear_flops(node)
+        sharded = bool(plans) and all(s.out != Replicate() for s in plans.values())
+        cov.linear_flops += flops
+        cov.sharded_linear_flops += flops * sharded
+        fqn = _weight_fqn(node, ctx)
+        if fqn is not None and _IN_BLOCK.search(fqn):
+            cov.block_linear_flops += flops
+            cov.sharded_block_linear_flops += flops * sharded
+    for name, info in ctx.params.items():
+        cov.parameters += info.tensor.numel()
+        cov.sharded_parameters += info.tensor.numel() * (name in ctx.param_placements)
+    cov.parallel_sites = sum(_runs_parallel(site, ctx) for site in ctx.sites)
+    return cov
+
+
+def _runs_parallel(site, ctx: ParallelContext) -> bool:
+    """A site runs parallel when tp shards one of its weights or cp runs its attention."""
+    sharded = any(weight_name(linear) in ctx.param_placements for linear in site.colwise + site.rowwise)
+    return sharded or (isinstance(site, AttentionSite) and op_kind(site.core) == "hybrid_attention")
