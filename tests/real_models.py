@@ -43,4 +43,27 @@ def mistral():
     return MistralModel(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
-FACTORIES = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral}
+def flux():
+    """Joint (text + image) attention blocks and single-stream blocks."""
+    from diffusers import FluxTransformer2DModel
+    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+                                   pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
+    image, text = 32, 16
+    ids = torch.zeros(image, 3)
+    ids[:, 1], ids[:, 2] = torch.arange(image) // 8, torch.arange(image) % 8
+    kwargs = {"hidden_states": torch.randn(1, image, 16), "encoder_hidden_states": torch.randn(1, text, 32),
+              "pooled_projections": torch.randn(1, 32), "timestep": torch.tensor([0.5]), "img_ids": ids,
+              "txt_ids": torch.zeros(text, 3), "return_dict": False}
+    return model, (), kwargs
+
+
+def phi3():
+    """A fused qkv projection sliced by index, a fused gate_up projection."""
+    from transformers import Phi3Config, Phi3Model
+    config = Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=8, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    return Phi3Model(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
+FACTORIES = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "flux": flux, "phi3": phi3}

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..mesh import chunk_order, zigzag_ring
-from ..placements import InterleavedShard, Placement, Shard, interleaved_parts, local_chunk, shard_length
+from ..placements import InterleavedShard, Placement, Shard, interleaved_parts, parts_of, shard_dim, shard_length
 from .ring import zigzag_indices
 
 _c10d = torch.ops._c10d_functional
@@ -75,30 +75,44 @@ def _pad(x: torch.Tensor, dim: int, length: int, *, edge: bool) -> torch.Tensor:
     return torch.cat([x, tail], dim=dim)
 
 
-def _piece(x: torch.Tensor, p: Placement, group: str, chunk: int, size: int, *, edge: bool = True) -> torch.Tensor:
-    """Chunk ``chunk`` of a full tensor under placement ``p`` over ``group``."""
-    if not isinstance(p, Shard):
-        return local_chunk(x, p, chunk, size)
-    x = _pad(x, p.dim, _laid_out_length(x.shape[p.dim], group, size), edge=edge)
-    index = _sequence_index(x.shape[p.dim], group)
+def _part_piece(x: torch.Tensor, dim: int, group: str, chunk: int, size: int, edge: bool) -> torch.Tensor:
+    """Chunk ``chunk`` of one sharded run of ``dim``: padded, in the zigzag order if any."""
+    x = _pad(x, dim, _laid_out_length(x.shape[dim], group, size), edge=edge)
+    index = _sequence_index(x.shape[dim], group)
     if index is None:
-        return local_chunk(x, p, chunk, size)
-    n = x.shape[p.dim] // size
-    return x.index_select(p.dim, index[chunk * n:(chunk + 1) * n].to(x.device))
+        return x.chunk(size, dim=dim)[chunk]
+    n = x.shape[dim] // size
+    return x.index_select(dim, index[chunk * n:(chunk + 1) * n].to(x.device))
 
 
-def _assemble(by_chunk: list[torch.Tensor], dim: int, parts: tuple[int, ...] | None, group: str,
-              size: int, length: int | None) -> torch.Tensor:
-    """The full tensor from every chunk, in chunk order, cut to ``length`` if it was padded."""
-    if parts is not None:
-        local_parts = [p // size for p in parts]
-        per_chunk = [c.split(local_parts, dim=dim) for c in by_chunk]
-        return torch.cat([per_chunk[c][i] for i in range(len(parts)) for c in range(size)], dim=dim)
-    full = torch.cat(by_chunk, dim=dim)
+def _piece(x: torch.Tensor, p: Placement, group: str, chunk: int, size: int, *, edge: bool = True) -> torch.Tensor:
+    """Chunk ``chunk`` of a full tensor under placement ``p`` over ``group``: its piece of
+    each part of an InterleavedShard, every part laid out as a Shard is."""
+    if shard_dim(p) is None:
+        return x
+    parts = x.split(list(parts_of(p, x.shape[p.dim])), dim=p.dim)
+    pieces = [_part_piece(part, p.dim, group, chunk, size, edge) for part in parts]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=p.dim)
+
+
+def _in_order(full: torch.Tensor, dim: int, group: str, length: int | None) -> torch.Tensor:
+    """A run of ``dim`` gathered in chunk order, put in sequence order and cut to ``length``."""
     index = _sequence_index(full.shape[dim], group)
     if index is not None:
         full = full.index_select(dim, torch.argsort(index).to(full.device))
     return full if length is None or length == full.shape[dim] else full.narrow(dim, 0, length)
+
+
+def _assemble(by_chunk: list[torch.Tensor], dim: int, parts: tuple[int, ...] | None, group: str,
+              size: int, length: int | None) -> torch.Tensor:
+    """The full tensor from every chunk, in chunk order, cut to ``length`` if it was padded;
+    an InterleavedShard part by part."""
+    if parts is None:
+        return _in_order(torch.cat(by_chunk, dim=dim), dim, group, length)
+    local_parts = [_laid_out_length(part, group, size) // size for part in parts]
+    per_chunk = [c.split(local_parts, dim=dim) for c in by_chunk]
+    return torch.cat([_in_order(torch.cat([per_chunk[c][i] for c in range(size)], dim=dim), dim, group, part)
+                      for i, part in enumerate(parts)], dim=dim)
 
 
 def _by_chunk(pieces, group: str, size: int) -> list[torch.Tensor]:

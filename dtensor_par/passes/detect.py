@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from .context import ParallelContext
+from .rules import cat_dim, tensor_inputs
 from .patterns import LAYOUT, POINTWISE, is_activation, is_linear, op_kind, sdpa_arguments, tensor_val
 
 # Ops allowed between a projection and the attention call: head reshapes, RoPE, QK-norm.
-_TO_ATTENTION = POINTWISE | LAYOUT | {"norm"}
+TO_ATTENTION = POINTWISE | LAYOUT | {"norm"}
 # Ops allowed between attention output and its out projection.
 _FROM_ATTENTION = LAYOUT | {"cast"}
 # Ops allowed inside an MLP between up/gate and down projections.
@@ -27,10 +28,11 @@ class AttentionSite:
     out: list[fx.Node]
     num_heads: int
     num_kv_heads: int
+    branch: list[fx.Node] = field(default_factory=list)  # an MLP beside attention, sharing its out projection
 
     @property
     def colwise(self) -> list[fx.Node]:
-        return list(dict.fromkeys(self.q + self.k + self.v))
+        return list(dict.fromkeys(self.q + self.k + self.v + self.branch))
 
     @property
     def rowwise(self) -> list[fx.Node]:
@@ -123,7 +125,7 @@ def _split_heads(node: fx.Node) -> int | None:
 
 def projected_heads(attention_input: fx.Node, ctx: ParallelContext) -> int:
     """Heads of one attention input as its projection makes them (before any repeat-kv)."""
-    linears, walked = find_producers(attention_input, _TO_ATTENTION, ctx)
+    linears, walked = find_producers(attention_input, TO_ATTENTION, ctx)
     counts = {h for h in map(_split_heads, walked) if h is not None}
     if len(counts) == 1:
         return counts.pop()
@@ -137,11 +139,22 @@ def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[Atten
         if op_kind(node) != "sdpa":
             continue
         sdpa = sdpa_arguments(node)
-        q, k, v = (find_producers(sdpa[name], _TO_ATTENTION, ctx)[0] for name in ("query", "key", "value"))
+        q, k, v = (find_producers(sdpa[name], TO_ATTENTION, ctx)[0] for name in ("query", "key", "value"))
         heads, kv_heads = (projected_heads(sdpa[name], ctx) for name in ("query", "key"))
         out = find_consumers(node, _FROM_ATTENTION, ctx)
-        sites.append(AttentionSite(f"attention{len(sites)}", node, q, k, v, out, heads, kv_heads))
+        branch = [linear for o in out for part in (concatenated_features(o) or ())
+                  for linear in find_producers(part, _INSIDE_MLP, ctx)[0]]
+        sites.append(AttentionSite(f"attention{len(sites)}", node, q, k, v, out, heads, kv_heads, branch))
     return sites
+
+
+def concatenated_features(linear: fx.Node) -> list[fx.Node] | None:
+    """The inputs of a ``cat`` along the feature dim that a linear reads (Flux's single-stream
+    blocks: ``proj_out(cat([attention, mlp], -1))``), else None."""
+    x = linear.args[0]
+    if op_kind(x) != "cat" or cat_dim(x) != tensor_val(x).dim() - 1:
+        return None
+    return tensor_inputs(x)
 
 
 def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]) -> list[MLPSite]:

@@ -31,13 +31,14 @@ _FUNCTION_KINDS = {
     "linear": [torch._C._nn.linear, F.linear],
     "sdpa": [torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention],
     "hybrid_attention": [hybrid_attention],
-    "norm": [F.layer_norm, F.rms_norm],
+    "norm": [F.layer_norm, F.rms_norm, torch.layer_norm, torch.rms_norm],
     "softmax": [F.softmax, torch.softmax, F.log_softmax, torch.log_softmax],
     "reduce": [torch.sum, torch.mean, torch.amax],
     "view": [torch.reshape, torch.flatten, torch.unflatten, torch.squeeze, torch.unsqueeze],
     "transpose": [torch.transpose, torch.swapaxes, torch.t],
     "permute": [torch.permute],
     "split": [torch.chunk, torch.split],
+    "unbind": [torch.unbind],
     "cat": [torch.cat, torch.concat],
     "stack": [torch.stack],
     "getitem": [operator.getitem],
@@ -61,12 +62,13 @@ _METHOD_KINDS = {
     "transpose": ["transpose", "swapaxes", "t"],
     "permute": ["permute"],
     "split": ["chunk", "split", "split_with_sizes"],
+    "unbind": ["unbind"],
     "repeat_interleave": ["repeat_interleave"],
 }
 _METHODS = {m: kind for kind, ms in _METHOD_KINDS.items() for m in ms}
 
 POINTWISE = {"add", "sub", "mul", "div", "neg", "unary", "cast", "where", "logical"}
-LAYOUT = {"view", "expand", "transpose", "permute", "split", "getitem", "cat", "stack"}
+LAYOUT = {"view", "expand", "transpose", "permute", "split", "unbind", "getitem", "cat", "stack"}
 ACTIVATIONS = {F.gelu, F.silu, F.relu, F.tanh, F.sigmoid, torch._C._nn.gelu, torch._C._nn.silu,
                torch.relu, torch.tanh, torch.sigmoid, "relu", "tanh", "sigmoid"}
 

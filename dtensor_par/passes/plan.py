@@ -12,23 +12,38 @@ import torch.fx as fx
 from ..placements import InterleavedShard, Placement, Replicate, Shard
 from .context import ParallelContext, at_node
 from .coverage import measure_coverage
-from .detect import AttentionSite, module_name, weight_param
+from .detect import TO_ATTENTION, AttentionSite, concatenated_features, find_producers, module_name, weight_param
 from .patterns import op_kind, target_name, tensor_val
-from .rules import RULES, NodeSharding, RuleEnv, check_divisible, moved, replicate_all, split_dim, tensor_inputs
+from .rules import (RULES, NodeSharding, RuleEnv, cat_dim, check_divisible, moved, per_dim, replicate_all, split_dim,
+                    tensor_inputs)
 
 R = Replicate()
 
 
 def fused_parts(linear: fx.Node) -> tuple[int, ...] | None:
-    """Part sizes when the linear's output is only consumed by one chunk/split of its last dim."""
+    """Part sizes when the linear's output is only cut along its last dim into parts: by one
+    chunk/split, or by slices that tile it (``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ...)."""
     users = list(linear.users)
-    if len(users) != 1 or op_kind(users[0]) != "split":
-        return None
-    split = users[0]
     out_dim = tensor_val(linear).dim() - 1
-    if split.args[0] is not linear or split_dim(split) != out_dim:
+    if len(users) == 1 and op_kind(users[0]) == "split":
+        split = users[0]
+        if split.args[0] is not linear or split_dim(split) != out_dim:
+            return None
+        return tuple(t.shape[out_dim] for t in split.meta["val"])
+    ranges = set()
+    for user in users:
+        entries = per_dim(user.args[1], out_dim + 1) if op_kind(user) == "getitem" else None
+        if entries is None or any(e != slice(None) for e in entries[:-1]) or not isinstance(entries[-1], slice):
+            return None
+        start, stop, step = entries[-1].indices(tensor_val(linear).shape[-1])
+        if step != 1:
+            return None
+        ranges.add((start, stop))
+    ranges = sorted(ranges)
+    tiles = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    if len(ranges) < 2 or not tiles or ranges[0][0] != 0 or ranges[-1][1] != tensor_val(linear).shape[-1]:
         return None
-    return tuple(t.shape[out_dim] for t in split.meta["val"])
+    return tuple(stop - start for start, stop in ranges)
 
 
 def colwise_placement(linear: fx.Node, tp: int) -> Placement | None:
@@ -72,12 +87,18 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
             return None
         placements[linear] = p
     for linear in site.rowwise:
-        in_features = tensor_val(linear.args[0]).shape[-1]
-        if in_features % tp:
-            ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {in_features} input features, not divisible by "
-                     f"tp={tp}; the site stays replicated")
+        parts = tuple(tensor_val(x).shape[-1] for x in concatenated_features(linear) or ())
+        in_features = parts or (tensor_val(linear.args[0]).shape[-1],)
+        if any(f % tp for f in in_features):
+            ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {list(in_features)} input features, not divisible "
+                     f"by tp={tp}; the site stays replicated")
             return None
-        placements[linear] = Shard(1)
+        if parts and ctx.config.parallelized and len(set(parts)) > 1:
+            ctx.warn(f"{site.name}: {module_name(linear, ctx)} reads features concatenated from parts {list(parts)}, "
+                     f"whose interleaved shard no DTensor placement describes; under parallelize the site stays "
+                     f"replicated")
+            return None
+        placements[linear] = InterleavedShard(1, parts) if parts else Shard(1)
     return placements
 
 
@@ -116,12 +137,29 @@ def mask_only_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return only
 
 
+def sequence_lengths(site: AttentionSite, ctx: ParallelContext) -> set[int]:
+    """The length of the sequence an attention runs over, and of each part of it when it is
+    a joint sequence concatenated from several (text and image tokens)."""
+    length = tensor_val(site.core.args[0]).shape[-2]
+    lengths = {length}
+    for node in find_producers(site.core.args[0], TO_ATTENTION, ctx)[1]:
+        if op_kind(node) == "cat" and tensor_val(node).shape[cat_dim(node)] == length:
+            lengths.update(tensor_val(i).shape[cat_dim(node)] for i in tensor_inputs(node))
+    return lengths
+
+
+def _sequence_shaped(val) -> bool:
+    """``[batch, seq, ...]`` activations, or ``[batch, seq]`` token ids or positions (integers:
+    a float ``[batch, features]`` input, a pooled embedding, is no sequence)."""
+    return val.dim() >= 3 or (val.dim() == 2 and not val.is_floating_point())
+
+
 def sequence_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, Placement]:
-    """Graph inputs sharded along the sequence over cp: those whose dim 1 has the length of
-    the sequence hybrid attention runs over (the runtime slices them, no communication),
-    except inputs that only build attention masks."""
-    lengths = {tensor_val(s.core.args[0]).shape[-2] for s in ctx.sites
-               if isinstance(s, AttentionSite) and op_kind(s.core) == "hybrid_attention"}
+    """Graph inputs sharded along the sequence over cp: sequence-shaped ones whose dim 1 has
+    the length of the sequence hybrid attention runs over, or of a part of a joint one (the
+    runtime slices them, no communication), except inputs that only build attention masks."""
+    lengths = set().union(*(sequence_lengths(s, ctx) for s in ctx.sites
+                            if isinstance(s, AttentionSite) and op_kind(s.core) == "hybrid_attention"))
     if not lengths:
         ctx.warn(f"no attention runs sequence-parallel: mesh dims 'ring' x 'ulysses' = {ctx.mesh.size('cp')} "
                  "shard nothing")
@@ -130,7 +168,7 @@ def sequence_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[
     for node in gm.graph.nodes:
         val = tensor_val(node)
         if node.op == "placeholder" and node.name not in ctx.params and node not in masks and val is not None \
-                and val.dim() >= 2 and val.shape[1] in lengths:
+                and _sequence_shaped(val) and val.shape[1] in lengths:
             placements[node.name] = Shard(1)
     return placements
 

@@ -256,8 +256,39 @@ def getitem_rule(node, ins, cur, env):
     if isinstance(p, Partial) or p == R:
         return NodeSharding(p, (p,))
     if p.dim not in kept:
-        return replicate_all(node, ins, cur, f"indexing into the sharded dim {p.dim}")
+        parts = sliced_parts(node, p)
+        if parts is None:
+            return replicate_all(node, ins, cur, f"indexing into the sharded dim {p.dim}")
+        out_dim = p.dim - sum(1 for e in per_dim(node.args[1], tensor_val(source).dim())[:p.dim] if isinstance(e, int))
+        return NodeSharding(Shard(out_dim) if len(parts) == 1 else InterleavedShard(out_dim, parts), (p,))
     return NodeSharding(moved(p, kept[p.dim]), (p,))
+
+
+def per_dim(index, ndim: int) -> list | None:
+    """One entry per input dim (Ellipsis spelled out), or None when the index adds dims."""
+    entries = list(index if isinstance(index, tuple) else (index,))
+    if any(e is None for e in entries):
+        return None
+    if Ellipsis in entries:
+        at = entries.index(Ellipsis)
+        entries[at:at + 1] = [slice(None)] * (ndim - len(entries) + 1)
+    return entries + [slice(None)] * (ndim - len(entries))
+
+
+def sliced_parts(node: fx.Node, p: Placement) -> tuple[int, ...] | None:
+    """The parts an index keeps when it slices whole parts off an InterleavedShard dim
+    (``qkv[..., :q_size]`` of a fused projection; ``x[:, text_len:]`` of a joint sequence)."""
+    entries = per_dim(node.args[1], tensor_val(node.args[0]).dim())
+    if not isinstance(p, InterleavedShard) or entries is None:
+        return None
+    e = entries[p.dim]
+    if not isinstance(e, slice) or not all(isinstance(v, (int, type(None))) for v in (e.start, e.stop, e.step)):
+        return None
+    start, stop, step = e.indices(sum(p.parts))
+    bounds = [sum(p.parts[:i]) for i in range(len(p.parts) + 1)]
+    if step != 1 or start not in bounds or stop not in bounds or start >= stop:
+        return None
+    return p.parts[bounds.index(start):bounds.index(stop)]
 
 
 def split_dim(node: fx.Node) -> int:
@@ -277,11 +308,26 @@ def split_rule(node, ins, cur, env):
     return replicate_all(node, ins, cur, f"split {list(sizes)} of the sharded dim {dim}")
 
 
+def unbind_rule(node, ins, cur, env):
+    p, pieces = cur[0], node.meta["val"]
+    dim = _norm_dim(arg(node, 1, "dim", 0), tensor_val(ins[0]).dim())
+    if shard_dim(p) is None:
+        return NodeSharding(tuple(p for _ in pieces), (p,))
+    if p.dim == dim:
+        return replicate_all(node, ins, cur, f"unbind of the sharded dim {dim}")
+    out = moved(p, p.dim - 1) if p.dim > dim else p
+    return NodeSharding(tuple(out for _ in pieces), (p,))
+
+
+def cat_dim(node: fx.Node) -> int:
+    return _norm_dim(arg(node, 1, "dim", 0), tensor_val(node).dim())
+
+
 def cat_rule(node, ins, cur, env):
     """Empty inputs (an empty kv cache: ``cat([torch.tensor([]), k])``) add nothing and stay
     as they are; the others must share one placement, sharded off the concatenated dim."""
     stack = op_kind(node) == "stack"
-    dim = _norm_dim(arg(node, 1, "dim", 0), tensor_val(node).dim())
+    dim = cat_dim(node)
     empty = [not stack and tensor_val(i).numel() == 0 for i in ins]
     real = [(i, p) for i, p, e in zip(ins, cur, empty) if not e]
     as_given = lambda required: tuple(p if e else required for p, e in zip(cur, empty))  # noqa: E731
@@ -295,9 +341,14 @@ def cat_rule(node, ins, cur, env):
     if len(real) == 1:  # nothing but empties beside it: the concatenation is the tensor itself
         return NodeSharding(p, as_given(p))
     out_dim = p.dim + 1 if stack and p.dim >= dim else p.dim
-    if isinstance(p, InterleavedShard) or (not stack and p.dim == dim):
-        return replicate_all(node, ins, cur, f"concatenation along the sharded dim {dim}")
-    return NodeSharding(Shard(out_dim), as_given(p))
+    if not stack and p.dim == dim:
+        if any(q != Shard(dim) for q in resolved):
+            return replicate_all(node, ins, cur, f"concatenation along the sharded dim {dim}")
+        # Each rank concatenates its piece of every input: its piece of every part (a joint
+        # text + image sequence, an attention output beside an MLP branch).
+        return NodeSharding(InterleavedShard(dim, tuple(tensor_val(i).shape[dim] for i, _ in real)),
+                            as_given(Shard(dim)))
+    return NodeSharding(moved(p, out_dim), as_given(p))
 
 
 # --- contractions ---------------------------------------------------------------------
@@ -311,7 +362,7 @@ def linear_rule(node, ins, cur, env):
     if shard_dim(w_p) == 1:  # rowwise: this rank's input features, partial sums out
         if has_bias:
             raise AssertionError(f"{node.name}: rowwise linear must have its bias split off by rewrite_pass")
-        return NodeSharding(Partial(), (Shard(ndim - 1), w_p))
+        return NodeSharding(Partial(), (moved(w_p, ndim - 1), w_p))
     if isinstance(x_p, Partial) and not has_bias:
         return NodeSharding(Partial(), (x_p, R))
     x_p = _resolve_partial(ins[:1], [x_p], env)[0]
@@ -373,10 +424,21 @@ def sdpa_rule(node, ins, cur, env):
 
 def hybrid_attention_rule(node, ins, cur, env):
     """Heads split on tp as for SDPA; on cp q, k, v and the output are sequence shards and a
-    mask is whole (each ring block takes its rows and columns)."""
+    mask is whole (each ring block takes its rows and columns).
+
+    A joint sequence (text and image tokens, each sharded on its own and concatenated per
+    rank) stays as it is when nothing depends on token order (no mask, not causal): every
+    rank then holds its slice of each part, and attention over a permuted sequence is the
+    same attention, permuted alike.
+    """
     if env.dim != "cp":
         return sdpa_rule(node, ins, cur, env)
-    seq = Shard(tensor_val(ins[0]).dim() - 2)
+    seq_dim = tensor_val(ins[0]).dim() - 2
+    joint = cur[0]
+    if (isinstance(joint, InterleavedShard) and joint.dim == seq_dim and cur[1] == joint and cur[2] == joint
+            and len(ins) == 3 and not node.kwargs.get("is_causal")):
+        return NodeSharding(joint, (joint, joint, joint))
+    seq = Shard(seq_dim)
     return NodeSharding(seq, (seq, seq, seq) + (R,) * (len(ins) - 3))
 
 
@@ -424,7 +486,7 @@ def embedding_rule(node, ins, cur, env):
 RULES: dict[str, Callable[..., NodeSharding]] = {
     **{k: pointwise_rule for k in ("add", "sub", "mul", "div", "neg", "unary", "cast", "where", "logical")},
     "view": view_rule, "expand": expand_rule, "repeat_interleave": repeat_interleave_rule, "transpose": permute_rule, "permute": permute_rule,
-    "getitem": getitem_rule, "split": split_rule, "cat": cat_rule, "stack": cat_rule,
+    "getitem": getitem_rule, "split": split_rule, "unbind": unbind_rule, "cat": cat_rule, "stack": cat_rule,
     "linear": linear_rule, "matmul": matmul_rule, "sdpa": sdpa_rule, "hybrid_attention": hybrid_attention_rule,
     "norm": norm_rule, "softmax": softmax_rule, "reduce": reduce_rule, "embedding": embedding_rule,
 }
@@ -434,6 +496,8 @@ def _fits(p: Placement, val: torch.Tensor, env: RuleEnv) -> bool:
     d = shard_dim(p)
     if d is None or (env.dim == "cp" and isinstance(p, Shard)):
         return True  # cp pads a sequence that does not divide
+    if env.dim == "cp":  # the parts of a joint sequence: each laid out unpadded
+        return not any(env.padded(part) for part in p.parts)
     return all(part % env.size == 0 for part in parts_of(p, val.shape[d]))
 
 
