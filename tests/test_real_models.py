@@ -70,3 +70,27 @@ def test_real_models_match_one_device(sizes):
         for name, metrics in result.items():
             assert metrics["forward"] <= FORWARD_ATOL and metrics.get("grad", 0.0) <= GRAD_RTOL, (name, metrics)
             assert ("grad" in metrics) == (name in BACKWARD)
+
+
+def decorated_llama(rank: int, world: int) -> dict:
+    """``parallel(tp=2)(LlamaForCausalLM)``: a third-party class, loaded with a full state dict
+    before its first call, called with keywords as transformers models are."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    reference, args, kwargs = real_models.llama()
+    model = dtensor_par.parallel(tp=2, inner_backend="eager")(LlamaForCausalLM)(reference.config)
+    model.load_state_dict(reference.state_dict())
+    out = model(input_ids=args[0], **kwargs)[0]
+    expected = reference(input_ids=args[0], **kwargs)[0]
+    loss_of(out).backward()
+    loss_of(expected).backward()
+    q = model.model.layers[0].self_attn.q_proj.weight
+    return {"forward": (out - expected).abs().max().item(), "local_rows": q.to_local().shape[0],
+            "grad": max(max_rel(p.grad.full_tensor(), r.grad) for p, r in zip(model.parameters(), reference.parameters()))}
+
+
+def test_parallel_decorator_on_transformers_llama():
+    for result in run_ranks(2, decorated_llama):
+        assert result["forward"] <= FORWARD_ATOL and result["grad"] <= GRAD_RTOL, result
+        assert result["local_rows"] == 32, result
