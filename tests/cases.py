@@ -34,6 +34,8 @@ CASES = {
     "uneven_seq_30_masked": (lambda: models.MaskedAttention("additive"), lambda: [(torch.randn(2, 30, 32), _keep(30))]),
     "uneven_seq_30_bidirectional": (lambda: models.MaskedAttention(None), lambda: [(torch.randn(2, 30, 32),)]),
     "uneven_seq_30_pooling": (models.SequencePooling, lambda: [(torch.randn(2, 30, 32),)]),
+    "conv1d": (models.Conv1DBlock, lambda: [(torch.randn(2, 16, 32),)]),
+    "joint_attention": (models.JointBlock, lambda: [(torch.randn(2, 16, 32), torch.randn(2, 8, 32))]),
 }
 
 

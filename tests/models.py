@@ -216,3 +216,59 @@ class SequenceGram(nn.Module):
     def forward(self, x):
         x = self.block(x)
         return x.transpose(1, 2) @ x
+
+
+class Conv1DBlock(nn.Module):
+    """GPT-2's Conv1D: ``addmm(bias, x.view(-1, k), weight).view(...)`` with weights ``[in, out]``."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.c_attn_w, self.c_attn_b = nn.Parameter(torch.randn(hidden, 3 * hidden) / 8), nn.Parameter(torch.zeros(3 * hidden))
+        self.c_proj_w, self.c_proj_b = nn.Parameter(torch.randn(hidden, hidden) / 8), nn.Parameter(torch.zeros(hidden))
+
+    @staticmethod
+    def conv1d(x, weight, bias):
+        return torch.addmm(bias, x.view(-1, x.size(-1)), weight).view(x.size()[:-1] + (weight.shape[1],))
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.conv1d(x, self.c_attn_w, self.c_attn_b).split(h, dim=2)
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+        return x + self.conv1d(a, self.c_proj_w, self.c_proj_b)
+
+
+class JointBlock(nn.Module):
+    """MMDiT joint attention: text and image tokens projected apart, attended together,
+    split back; then a single-stream block whose MLP runs beside attention and shares its
+    out projection (Flux), and a fused qkv sliced by index with unequal parts (Phi-3, GQA)."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4, kv_heads: int = 2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.img_qkv, self.txt_qkv = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, 3 * hidden)
+        self.img_out, self.txt_out = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim)
+        self.proj_mlp = nn.Linear(hidden, 2 * hidden)
+        self.proj_out = nn.Linear(3 * hidden, hidden)
+
+    def heads_of(self, t, n):
+        return t.unflatten(-1, (n, self.head_dim)).transpose(1, 2)
+
+    def forward(self, img, txt):
+        text = txt.shape[1]
+        iq, ik, iv = self.img_qkv(img).chunk(3, dim=-1)
+        tq, tk, tv = self.txt_qkv(txt).chunk(3, dim=-1)
+        q, k, v = (self.heads_of(torch.cat([t, i], dim=1), self.heads) for t, i in ((tq, iq), (tk, ik), (tv, iv)))
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        t_out, i_out = a.split([text, a.shape[1] - text], dim=1)
+        x = torch.cat([txt + self.txt_out(t_out), img + self.img_out(i_out)], dim=1)
+        qkv = self.qkv(x)
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q = self.heads_of(qkv[..., :q_size], self.heads)
+        k = self.heads_of(qkv[..., q_size:q_size + kv_size], self.kv_heads)
+        v = self.heads_of(qkv[..., q_size + kv_size:], self.kv_heads)
+        a = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2).flatten(2)
+        x = x + self.proj_out(torch.cat([a, F.gelu(self.proj_mlp(x))], dim=-1))
+        return x[:, text:]

@@ -94,3 +94,27 @@ def test_parallel_decorator_on_transformers_llama():
     for result in run_ranks(2, decorated_llama):
         assert result["forward"] <= FORWARD_ATOL and result["grad"] <= GRAD_RTOL, result
         assert result["local_rows"] == 32, result
+
+
+def test_llama_causal_mask_at_4096_tokens_on_ring_4_holds_no_square_tensor():
+    """transformers builds a [B, 1, S, S] mask under Dynamo; it is recognized as causal, so no
+    rank holds an S x S tensor: attention runs as is_causal (zigzag balanced)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dtensor_par.backend import parallelize_graph
+    from dtensor_par.mesh import MeshInfo
+    from dtensor_par.passes.capture import capture_graphs
+    from dtensor_par.passes.context import ParallelConfig
+
+    seq = 4096
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq)
+    with torch.device("meta"):
+        model, ids = LlamaForCausalLM(config), torch.randint(0, 128, (1, seq))
+    (gm, inputs), = capture_graphs(model, ids, use_cache=False)
+    config = ParallelConfig(MeshInfo.for_planning({"ring": 4}, "cuda"))
+    local, ctx = parallelize_graph(gm, inputs, config)
+    attention = [n for n in local.graph.nodes if n.target is dtensor_par.ops.attention.hybrid_attention]
+    assert attention and all(n.kwargs["is_causal"] and n.kwargs["attn_mask"] is None for n in attention)
+    shapes = [n.meta.get("dtensor_par_shape", ()) for n in local.graph.nodes]
+    assert not any(shape[-2:] == (seq, seq) for shape in shapes), [s for s in shapes if s[-2:] == (seq, seq)]

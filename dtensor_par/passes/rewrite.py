@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
+from ..logs import logger
 from ..ops.attention import hybrid_attention
 from ..placements import is_padded, shard_length
 from .capture import with_val
@@ -106,15 +108,81 @@ def _sequence_lengths(site: AttentionSite, q, k, mesh, ctx: ParallelContext) -> 
     return {"kv_len": kv_len} if is_padded(kv_len, cp, per_rank) else {}
 
 
+def _constant_ancestors(node: fx.Node) -> list[fx.Node] | None:
+    """The nodes ``node`` is computed from, in graph order, when no graph input is among them."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        if n.op not in ("call_function", "call_method"):
+            return None
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return [n for n in node.graph.nodes if n in seen]
+
+
+def _off_meta(a):
+    return torch.device("cpu") if isinstance(a, torch.device) and a.type == "meta" else a
+
+
+def _evaluate(nodes: list[fx.Node]) -> torch.Tensor:
+    """Run a constant subgraph now, on the device its constants name (the CPU for a model
+    planned on the meta device)."""
+    env: dict[fx.Node, object] = {}
+    for n in nodes:
+        args, kwargs = fx.node.map_aggregate(fx.node.map_arg((n.args, n.kwargs), env.__getitem__), _off_meta)
+        env[n] = n.target(*args, **kwargs) if n.op == "call_function" else getattr(args[0], n.target)(*args[1:], **kwargs)
+    return env[nodes[-1]]
+
+
+def is_causal_mask(mask: fx.Node, q_len: int, kv_len: int) -> bool:
+    """Whether an attention mask built from positions alone is exactly the causal one.
+
+    transformers builds a ``[B, 1, S, S]`` mask from aranges while Dynamo traces instead of
+    passing ``is_causal``. Such a mask depends on no input: it is evaluated here, once, and
+    compared with the causal pattern, so recognizing it is exact, never a guess.
+    """
+    nodes = _constant_ancestors(mask)
+    if nodes is None or q_len != kv_len:
+        return False
+    value = _evaluate(nodes)
+    if value.dtype != torch.bool:
+        hidden = torch.isneginf(value) | (value == torch.finfo(value.dtype).min)
+        if not bool((hidden | (value == 0)).all()):
+            return False  # an additive bias, not only a mask
+        value = ~hidden
+    causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=value.device).tril()
+    return value.shape[-2:] == causal.shape and bool((value == causal).all())
+
+
+def _erase_unused(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Erase ``node`` and then every input it leaves without users (a dead mask subgraph)."""
+    stack, erased = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in erased or n.users or n.op not in ("call_function", "call_method"):
+            continue
+        inputs = n.all_input_nodes
+        gm.graph.erase_node(n)
+        erased.add(n)
+        stack.extend(inputs)
+
+
 def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> None:
     """Replace the site's SDPA call by ``hybrid_attention`` over the cp mesh dims."""
     mesh, core = ctx.mesh, site.core
     sdpa = sdpa_arguments(core)
-    mask = sdpa["attn_mask"]
+    mask = original_mask = sdpa["attn_mask"]
     if sdpa["dropout_p"] or tensor_val(sdpa["query"]).dim() != 4 or (mask is not None and mask.meta["requires_grad"]):
         ctx.warn(f"{site.name} ({core.name}): attention with dropout, a mask that needs a gradient or no batch dim "
                  f"runs on the gathered sequence (mesh dims 'ring' x 'ulysses' = {mesh.size('cp')})")
         return
+    q_len, kv_len = tensor_val(sdpa["query"]).shape[-2], tensor_val(sdpa["key"]).shape[-2]
+    if mask is not None and not sdpa["is_causal"] and is_causal_mask(mask, q_len, kv_len):
+        logger.info("%s (%s): its attention mask is the causal one: runs as is_causal, without the mask",
+                    site.name, core.name)
+        sdpa["attn_mask"], sdpa["is_causal"], mask = None, True, None
     tp, ulysses = mesh.size("tp"), mesh.size("ulysses")
     kv_heads = tensor_val(sdpa["key"]).shape[-3]
     kv_heads = kv_heads // tp if kv_heads % tp == 0 else kv_heads
@@ -138,6 +206,8 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
     core.replace_all_uses_with(hybrid)
     gm.graph.erase_node(core)
     site.core = hybrid
+    if original_mask is not None and mask is None:
+        _erase_unused(gm, original_mask)
 
 
 def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:

@@ -185,9 +185,12 @@ def expand_rule(node, ins, cur, env):
 def repeat_interleave_rule(node, ins, cur, env):
     """Each element repeated in place: the shard of the repeated tensor is the repeated shard."""
     p, dim = cur[0], arg(node, 2, "dim")
-    if isinstance(p, InterleavedShard) or len(ins) != 1 or dim is None:
-        return replicate_all(node, ins, cur, "repeat_interleave of an interleaved or flattened tensor")
-    if shard_dim(p) == _norm_dim(dim, tensor_val(ins[0]).dim()) and env.padded(tensor_val(ins[0]).shape[p.dim]):
+    if len(ins) != 1 or dim is None:
+        return replicate_all(node, ins, cur, "repeat_interleave of a flattened tensor or with tensor repeats")
+    repeated = shard_dim(p) == _norm_dim(dim, tensor_val(ins[0]).dim())
+    if repeated and isinstance(p, InterleavedShard):
+        return replicate_all(node, ins, cur, "repeat_interleave along an interleaved dim")
+    if repeated and env.padded(tensor_val(ins[0]).shape[p.dim]):
         return replicate_all(node, ins, cur, "repeat_interleave along the padded sequence dim")
     return NodeSharding(p, (p,))
 

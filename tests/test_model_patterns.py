@@ -1,0 +1,77 @@
+"""Structures real models emit, planned on their own without hardware: Conv1D linears, joint
+(text + image) attention, an MLP beside attention, fused projections sliced by index, masks
+built from positions. Their numerics run in tests/test_cp_gloo.py."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+import dtensor_par
+from dtensor_par.passes.rewrite import is_causal_mask
+from tests import models
+
+
+def _explain(model, inputs, **mesh):
+    report = dtensor_par.explain(model, inputs, **mesh)
+    (graph,) = report.graphs
+    return graph
+
+
+def test_conv1d_is_a_linear_with_a_transposed_weight():
+    graph = _explain(models.Conv1DBlock(), (torch.randn(2, 16, 32),), tp=2, ring=2)
+    assert graph.placements == ["attention0: c_attn_w=IS(1,[32, 32, 32]), c_proj_w=S(0)"], graph.placements
+    assert graph.coverage.fallback_gathers == [] and graph.coverage.sharded_linear_flops == graph.coverage.linear_flops
+
+
+def test_joint_attention_single_stream_mlp_and_sliced_fused_qkv_stay_split():
+    inputs = (torch.randn(2, 16, 32), torch.randn(2, 8, 32))
+    for mesh in ({"tp": 2, "ulysses": 2}, {"tp": 2, "ring": 2}, {"tp": 2, "ring": 2, "ulysses": 2}):
+        graph = _explain(models.JointBlock(), inputs, **mesh)
+        assert graph.coverage.fallback_gathers == [], (mesh, graph.coverage.fallback_gathers)
+        assert graph.coverage.parallel_sites == len(graph.sites) == 2, graph.sites
+    assert any("proj_mlp.weight=S(0)" in p and "proj_out.weight=IS(1,[32, 64])" in p for p in graph.placements)
+    assert any("qkv.weight=IS(0,[32, 16, 16])" in p for p in graph.placements)
+
+
+def test_a_model_without_any_parallel_site_is_reported():
+    odd_mlp = torch.nn.Sequential(torch.nn.Linear(32, 18), torch.nn.GELU(), torch.nn.Linear(18, 32))
+    graph = _explain(odd_mlp, (torch.randn(2, 8, 32),), tp=4)
+    assert graph.coverage.parallel_sites == 0
+    assert any("none of the 1 attention and MLP sites runs parallel" in w for w in graph.warnings)
+
+
+def _mask_node(build) -> fx.Node:
+    """The node computing ``build()`` in the graph Dynamo captures around it."""
+    graphs = []
+
+    def keep(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: (x, build()), backend=keep)(torch.ones(1))
+    output = next(n for n in graphs[0].graph.nodes if n.op == "output")
+    return output.args[0][-1]
+
+
+def test_masks_built_from_positions_are_recognized_only_when_causal():
+    def causal():
+        i = torch.arange(6)
+        return (i[None, :] <= i[:, None])[None, None].expand(2, 1, 6, 6)
+
+    def window():
+        i = torch.arange(6)
+        return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 3)
+
+    def additive():
+        i = torch.arange(6)
+        return torch.zeros(6, 6).masked_fill(i[None, :] > i[:, None], float("-inf"))
+
+    def biased():
+        i = torch.arange(6)
+        return (i[None, :] - i[:, None]).float().clamp(max=0)
+
+    assert is_causal_mask(_mask_node(causal), 6, 6) and is_causal_mask(_mask_node(additive), 6, 6)
+    assert not is_causal_mask(_mask_node(window), 6, 6) and not is_causal_mask(_mask_node(biased), 6, 6)
+    assert not is_causal_mask(_mask_node(causal), 6, 5)
