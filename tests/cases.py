@@ -36,6 +36,7 @@ CASES = {
     "uneven_seq_30_pooling": (models.SequencePooling, lambda: [(torch.randn(2, 30, 32),)]),
     "conv1d": (models.Conv1DBlock, lambda: [(torch.randn(2, 16, 32),)]),
     "joint_attention": (models.JointBlock, lambda: [(torch.randn(2, 16, 32), torch.randn(2, 8, 32))]),
+    "complex_rope_pad": (models.ComplexRoPEAttention, lambda: [(torch.randn(2, 16, 32),)]),
 }
 
 

@@ -272,3 +272,25 @@ class JointBlock(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2).flatten(2)
         x = x + self.proj_out(torch.cat([a, F.gelu(self.proj_mlp(x))], dim=-1))
         return x[:, text:]
+
+
+class ComplexRoPEAttention(nn.Module):
+    """RoPE through ``view_as_complex``/``view_as_real`` (Llama's original spelling), an
+    ``F.pad`` of the head dim and a ``zeros_like`` buffer."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.qkv, self.out = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, self.heads, self.head_dim) for t in self.qkv(x).chunk(3, dim=-1))
+        angles = torch.outer(torch.arange(s, dtype=torch.float32), torch.arange(self.head_dim // 2) / self.head_dim)
+        freqs = torch.polar(torch.ones_like(angles), angles)[None, :, None]
+        q, k = (torch.view_as_real(torch.view_as_complex(t.reshape(b, s, self.heads, -1, 2)) * freqs).flatten(3)
+                for t in (q, k))
+        q, k, v = (F.pad(t, (0, 8)).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)[..., :self.head_dim]
+        a = a + torch.zeros_like(a)
+        return x + self.out(a.transpose(1, 2).reshape(b, s, -1))

@@ -75,3 +75,10 @@ def test_masks_built_from_positions_are_recognized_only_when_causal():
     assert is_causal_mask(_mask_node(causal), 6, 6) and is_causal_mask(_mask_node(additive), 6, 6)
     assert not is_causal_mask(_mask_node(window), 6, 6) and not is_causal_mask(_mask_node(biased), 6, 6)
     assert not is_causal_mask(_mask_node(causal), 6, 5)
+
+
+def test_complex_rope_pad_and_like_ops_stay_split():
+    for mesh in ({"tp": 2, "ulysses": 2}, {"tp": 2, "ring": 2}):
+        graph = _explain(models.ComplexRoPEAttention(), (torch.randn(2, 16, 32),), **mesh)
+        assert graph.coverage.fallback_gathers == [], (mesh, graph.coverage.fallback_gathers)
+        assert graph.coverage.parallel_sites == 1

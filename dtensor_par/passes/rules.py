@@ -223,6 +223,26 @@ def _whole(e: slice, size: int) -> bool:
     return e.indices(size) == (0, size, 1)
 
 
+def complex_rule(node, ins, cur, env):
+    """``view_as_complex`` folds the last dim (the real/imaginary pair), ``view_as_real``
+    unfolds it: a shard of any other dim stays where it is."""
+    p = _resolve_partial(ins, cur, env)[0]
+    if shard_dim(p) is not None and p.dim == tensor_val(ins[0]).dim() - 1:
+        return replicate_all(node, ins, [p], "view_as_complex of the sharded last dim")
+    return NodeSharding(p, (p,))
+
+
+def pad_rule(node, ins, cur, env):
+    """``F.pad`` pads trailing dims: a shard of an unpadded dim stays where it is."""
+    p = _resolve_partial(ins, cur, env)[0]
+    widths = arg(node, 1, "pad")
+    ndim = tensor_val(ins[0]).dim()
+    padded = {ndim - 1 - i // 2 for i, w in enumerate(widths) if w}
+    if shard_dim(p) is not None and p.dim in padded:
+        return replicate_all(node, ins, [p], f"padding of the sharded dim {p.dim}")
+    return NodeSharding(p, (p,))
+
+
 def _index_map(index, shape: tuple[int, ...]) -> dict[int, int] | None:
     """Input dim -> output dim for the dims a basic index keeps whole; None if not basic."""
     ndim = len(shape)
@@ -492,6 +512,7 @@ RULES: dict[str, Callable[..., NodeSharding]] = {
     "getitem": getitem_rule, "split": split_rule, "unbind": unbind_rule, "cat": cat_rule, "stack": cat_rule,
     "linear": linear_rule, "matmul": matmul_rule, "sdpa": sdpa_rule, "hybrid_attention": hybrid_attention_rule,
     "norm": norm_rule, "softmax": softmax_rule, "reduce": reduce_rule, "embedding": embedding_rule,
+    "complex": complex_rule, "pad": pad_rule,
 }
 
 
