@@ -43,8 +43,7 @@ class _LocalShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        full = gather_param_grad(grad, ctx.placement, ctx.dim.group_name, ctx.dim.size)
-        return full, None, None, None
+        return gather_param_grad(grad, ctx.placement, ctx.dim), None, None, None
 
 
 def local_param(param: torch.nn.Parameter, placement: Placement, dim: MeshDim) -> torch.Tensor:
@@ -61,8 +60,7 @@ def local_value(full: torch.Tensor, placements: dict[str, Placement], mesh: Mesh
     for name, p in placements.items():
         d = shard_dim(p)
         if d is not None:
-            dim = mesh.dims[name]
-            full = shard_local(full, d, interleaved_parts(p), dim.group_name, dim.rank, dim.size)
+            full = shard_local(full, d, interleaved_parts(p), mesh.dims[name])
     return full
 
 

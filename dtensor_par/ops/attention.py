@@ -21,18 +21,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .collectives import all_to_all
+from ..mesh import MeshDim
+from .collectives import FUNCTIONAL, all_to_all
 from .ring import as_4d, ring_attention, zigzag_indices
 
 HEADS, SEQ = -3, -2
 
 
-def _seq_to_heads(tensors: list[torch.Tensor], group: str, size: int) -> list[torch.Tensor]:
+def _seq_to_heads(tensors: list[torch.Tensor], ulysses: MeshDim, comm: str) -> list[torch.Tensor]:
     """One all-to-all for tensors of one shape (packed), else one each."""
     if all(t.shape == tensors[0].shape for t in tensors):
-        packed = all_to_all(torch.stack(tensors), SEQ % 5, HEADS % 5, group, size)
+        packed = all_to_all(torch.stack(tensors), SEQ % 5, HEADS % 5, ulysses, comm=comm)
         return list(packed.unbind(0))
-    return [all_to_all(t, SEQ % 4, HEADS % 4, group, size) for t in tensors]
+    return [all_to_all(t, SEQ % 4, HEADS % 4, ulysses, comm=comm) for t in tensors]
 
 
 def _mask_for_rank(mask: torch.Tensor, heads: int, padded_heads: int, ulysses_rank: int, ulysses_size: int,
@@ -54,16 +55,17 @@ def _mask_for_rank(mask: torch.Tensor, heads: int, padded_heads: int, ulysses_ra
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
                      is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-                     ulysses_group: str | None = None, ulysses_rank: int = 0, ulysses_size: int = 1,
-                     ring_group: str | None = None, ring_rank: int = 0, ring_size: int = 1,
-                     kv_len: int | None = None) -> torch.Tensor:
+                     ulysses: MeshDim, ring: MeshDim, kv_len: int | None = None,
+                     comm: str = FUNCTIONAL) -> torch.Tensor:
     """This rank's sequence shard of ``scaled_dot_product_attention(q, k, v, attn_mask)`` over
     the full sequence, forward and backward.
 
     ``attn_mask`` is whole (every query and key position, any broadcastable shape, heads
     sharded only by tp). ``kv_len``: the real key length when an uneven sequence was padded
-    at its end to split evenly; the padded keys are masked.
+    at its end to split evenly; the padded keys are masked. ``ulysses``, ``ring``: the layouts
+    of the two mesh dims; ``comm``: the lowering of their collectives (``ops.comm``).
     """
+    ulysses_size, ring_size = ulysses.size, ring.size
     heads = q.shape[HEADS]
     padded = heads
     if ulysses_size > 1:
@@ -73,15 +75,15 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_
                 enable_gqa = False
             padded = -(-heads // ulysses_size) * ulysses_size
             q, k, v = (F.pad(t, (0, 0, 0, 0, 0, padded - heads)) for t in (q, k, v))
-        q, k, v = _seq_to_heads([q, k, v], ulysses_group, ulysses_size)
+        q, k, v = _seq_to_heads([q, k, v], ulysses, comm)
     if attn_mask is not None:
         block = q.shape[SEQ]  # this ring rank's block of (padded) query positions
-        rows = (zigzag_indices(block * ring_size, ring_size, ring_rank) if ring_size > 1
+        rows = (zigzag_indices(block * ring_size, ring_size, ring.rank) if ring_size > 1
                 else torch.arange(block))
-        attn_mask = _mask_for_rank(attn_mask, heads, padded, ulysses_rank, ulysses_size, rows)
-    out = ring_attention(q, k, v, group_name=ring_group, rank=ring_rank, size=ring_size, attn_mask=attn_mask,
+        attn_mask = _mask_for_rank(attn_mask, heads, padded, ulysses.rank, ulysses_size, rows)
+    out = ring_attention(q, k, v, ring=ring, comm=comm, attn_mask=attn_mask,
                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, zigzag=ring_size > 1,
                          kv_len=kv_len)
     if ulysses_size > 1:
-        out = all_to_all(out, HEADS % 4, SEQ % 4, ulysses_group, ulysses_size)
+        out = all_to_all(out, HEADS % 4, SEQ % 4, ulysses, comm=comm)
     return out[:, :heads] if padded != heads else out

@@ -66,23 +66,20 @@ class _Inserter:
 def redistribute(insert: _Inserter, x: fx.Node, src: Placement, dst: Placement) -> fx.Node:
     """Insert the op that turns ``x`` from ``src`` into ``dst`` placement (before the cursor)."""
     dim = insert.dim
-    group, rank, size = dim.group_name, dim.rank, dim.size
     if isinstance(src, Partial):
         if dst == R:
-            return insert(C.all_reduce, (x, group), src, dst)
+            return insert(C.all_reduce, (x, dim), src, dst)
         if isinstance(dst, Shard):
-            return insert(C.reduce_scatter, (x, dst.dim, group, size), src, dst)
+            return insert(C.reduce_scatter, (x, dst.dim, dim), src, dst)
     elif src == R:
-        return insert(C.shard_local, (x, dst.dim, interleaved_parts(dst), group, rank, size), src, dst)
+        return insert(C.shard_local, (x, dst.dim, interleaved_parts(dst), dim), src, dst)
     elif dst == R:
-        return insert(C.all_gather, (x, src.dim, interleaved_parts(src), group, rank, size), src, dst,
-                      **insert.padded_length(src))
+        return insert(C.all_gather, (x, src.dim, interleaved_parts(src), dim), src, dst, **insert.padded_length(src))
     elif isinstance(src, Shard) and isinstance(dst, Shard):
-        return insert(C.all_to_all, (x, src.dim, dst.dim, group, size), src, dst, **insert.padded_length(src))
+        return insert(C.all_to_all, (x, src.dim, dst.dim, dim), src, dst, **insert.padded_length(src))
     else:
-        full = insert(C.all_gather, (x, src.dim, interleaved_parts(src), group, rank, size), src, R,
-                      **insert.padded_length(src))
-        return insert(C.shard_local, (full, dst.dim, interleaved_parts(dst), group, rank, size), R, dst)
+        full = insert(C.all_gather, (x, src.dim, interleaved_parts(src), dim), src, R, **insert.padded_length(src))
+        return insert(C.shard_local, (full, dst.dim, interleaved_parts(dst), dim), R, dst)
     raise ValueError(f"localize: no redistribution from {src} to {dst} for {x.name}")
 
 
@@ -127,12 +124,12 @@ def _edge(insert: _Inserter, cached, x: fx.Node, src: Placement, dst: Placement,
     dim = insert.dim
     if partial_grad and shard_dim(src) is not None:
         return cached((x, dim.name, "gather_partial_grad"), lambda: insert(
-            C.all_gather_partial_grad, (x, src.dim, interleaved_parts(src), dim.group_name, dim.size), src, R,
+            C.all_gather_partial_grad, (x, src.dim, interleaved_parts(src), dim), src, R,
             **insert.padded_length(src)))
     if src != dst:
         x = cached((x, dim.name, dst), lambda: redistribute(insert, x, src, dst))
     if partial_grad:
-        x = cached((x, dim.name, "grad_all_reduce"), lambda: insert(C.grad_all_reduce, (x, dim.group_name), R, R))
+        x = cached((x, dim.name, "grad_all_reduce"), lambda: insert(C.grad_all_reduce, (x, dim), R, R))
     return x
 
 

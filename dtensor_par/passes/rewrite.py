@@ -130,11 +130,8 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
         ctx.warn(f"{site.name} ({core.name}): {heads} query / {kv_heads} kv heads per tp rank (tp={tp}) do not "
                  f"divide by mesh dim 'ulysses' of size {ulysses}; padded to {padded} heads "
                  f"({padded - heads} zero heads computed per {heads})")
-    ring = mesh.dims["ring"]
     kwargs = {"attn_mask": mask, "is_causal": sdpa["is_causal"], "scale": sdpa["scale"],
-              "enable_gqa": sdpa["enable_gqa"], "ulysses_group": mesh.dims["ulysses"].group_name,
-              "ulysses_rank": mesh.dims["ulysses"].rank, "ulysses_size": ulysses, "ring_group": ring.group_name,
-              "ring_rank": ring.rank, "ring_size": ring.size,
+              "enable_gqa": sdpa["enable_gqa"], "ulysses": mesh.dims["ulysses"], "ring": mesh.dims["ring"],
               **_sequence_lengths(site, tensor_val(sdpa["query"]), tensor_val(sdpa["key"]), mesh, ctx)}
     with gm.graph.inserting_before(core):
         hybrid = gm.graph.call_function(hybrid_attention, (sdpa["query"], sdpa["key"], sdpa["value"]), kwargs)

@@ -1,0 +1,91 @@
+"""How a collective reaches the network: the few primitives every redistribution, ring
+rotation and Ulysses exchange is built from, in chunk order (by the coordinate along the
+mesh dim that holds each chunk, never by global rank).
+
+``FUNCTIONAL`` issues torch's functional collectives over this rank's process group (NCCL,
+gloo, TorchNeuron's ``neuron`` backend). A process group orders its ranks by global rank, so
+pieces are put into and taken out of that order; a mesh whose ranks do not increase along a
+dim makes the two differ.
+
+Tensors that go to or come from every rank of a group are stacked on a new leading dim, one
+entry per chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..mesh import MeshDim
+
+_c10d = torch.ops._c10d_functional
+
+
+def _group_order(dim: MeshDim) -> list[int]:
+    """The chunk each group rank holds: process groups rank their members by global rank."""
+    return [dim.ranks.index(r) for r in sorted(dim.ranks)]
+
+
+def _to_group_order(stacked: torch.Tensor, dim: MeshDim) -> torch.Tensor:
+    order = _group_order(dim)
+    return stacked if order == sorted(order) else torch.stack([stacked[c] for c in order])
+
+
+def _to_chunk_order(stacked: torch.Tensor, dim: MeshDim) -> torch.Tensor:
+    order = _group_order(dim)
+    if order == sorted(order):
+        return stacked
+    by_chunk = [None] * dim.size
+    for piece, chunk in zip(stacked.unbind(0), order):
+        by_chunk[chunk] = piece
+    return torch.stack(by_chunk)
+
+
+class Functional:
+    """torch's functional collectives over ``dim.group_name``."""
+
+    @staticmethod
+    def all_reduce(x: torch.Tensor, dim: MeshDim) -> torch.Tensor:
+        return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", dim.group_name))
+
+    @staticmethod
+    def all_gather(x: torch.Tensor, dim: MeshDim) -> torch.Tensor:
+        """``[size, *x.shape]``: every rank's ``x``, by chunk."""
+        out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous().unsqueeze(0), dim.size, dim.group_name))
+        return _to_chunk_order(out, dim)
+
+    @staticmethod
+    def reduce_scatter(stacked: torch.Tensor, dim: MeshDim) -> torch.Tensor:
+        """The sum over ranks of ``stacked[c]``, ``c`` this rank's chunk."""
+        send = _to_group_order(stacked, dim).contiguous()
+        return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(send, "sum", dim.size, dim.group_name))[0]
+
+    @staticmethod
+    def all_to_all(stacked: torch.Tensor, dim: MeshDim) -> torch.Tensor:
+        """Sends ``stacked[c]`` to the holder of chunk ``c``; returns what each chunk's holder sent here."""
+        send = _to_group_order(stacked, dim).contiguous()
+        split = [send.shape[1]] * dim.size
+        received = _c10d.all_to_all_single(send.flatten(0, 1), split, split, dim.group_name)
+        return _to_chunk_order(_c10d.wait_tensor(received).view(send.shape), dim)
+
+    @staticmethod
+    def start_rotation(x: torch.Tensor, dim: MeshDim) -> torch.Tensor:
+        """Start sending ``x`` to the next rank of the ring (by coordinate) and receiving the
+        previous one's; ``finish_rotation`` waits for it. One ``all_to_all_single`` whose only
+        non-empty split goes to the next rank."""
+        group_rank = sorted(dim.ranks).index
+        rows = x.shape[0]
+        send, receive = [0] * dim.size, [0] * dim.size
+        send[group_rank(dim.ranks[(dim.rank + 1) % dim.size])] = rows
+        receive[group_rank(dim.ranks[(dim.rank - 1) % dim.size])] = rows
+        return _c10d.all_to_all_single(x.contiguous(), receive, send, dim.group_name)
+
+    @staticmethod
+    def finish_rotation(x: torch.Tensor) -> torch.Tensor:
+        return _c10d.wait_tensor(x)
+
+
+LOWERINGS = {"functional": Functional}
+
+
+def lowering(name: str):
+    return LOWERINGS[name]
