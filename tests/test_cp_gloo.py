@@ -44,18 +44,3 @@ def test_tp_ring_ulysses_at_world_8_in_a_non_default_order():
     _check(run_ranks(8, run_cases, ["gpt_fused_qkv", "uneven_seq_30_masked"], {}, 1, None, False, None,
                      {"tp": 2, "ring": 2, "ulysses": 2}, ("tp", "ulysses", "ring")))
 
-
-def _permuted_meshes(rank: int, world: int) -> dict:
-    """The rank at each coordinate of a 2 x 2 mesh is not its row-major index, so coordinates
-    and process-group ranks (by global rank) differ along both dims."""
-    ranks = [[3, 1], [0, 2]]
-    return {"ring, tp": run_cases(rank, world, ["gpt_fused_qkv", "unshardable_op"], {}, 1, mesh_ranks=(ranks, ("ring", "tp"))),
-            "ulysses, tp": run_cases(rank, world, ["llama_gqa_rope"], {}, 1, mesh_ranks=(ranks, ("ulysses", "tp")))}
-
-
-def test_permuted_rank_order_takes_shards_by_mesh_coordinate():
-    """Shards, gathers, ring rotations and the zigzag layout follow each rank's coordinate."""
-    for rank_result in run_ranks(4, _permuted_meshes):
-        for mesh, results in rank_result.items():
-            _check([results])
-            assert set(results) == ({"gpt_fused_qkv", "unshardable_op"} if mesh == "ring, tp" else {"llama_gqa_rope"})

@@ -21,7 +21,7 @@ from tests import factories, models
 from tests.conftest import _init_fake
 
 PASS_FILES = ["0_dynamo.py", "1_capture.py", "2_detect.py", "3_rewrite.py", "4_plan.py", "5_localize.py",
-              "6_lowered.py", "collectives.md", "mesh.svg", "plan.json", "sites.txt"]
+              "6_lower.py", "7_aten.py", "collectives.md", "mesh.svg", "plan.json", "sites.txt"]
 
 
 def _compile_and_run(tmp_path, world: int, **options) -> None:
@@ -63,7 +63,7 @@ mlp0: mlp up=['fc'] down=['fc_out'] activations=['gelu']
 | backward | all_reduce | tp | 8 | 8192 | 1 | mlp0.colwise |
 | forward | all_reduce | tp | 8 | 8192 | 1 | mlp0.rowwise |
 """)
-        lowered = read("6_lowered.py")
+        lowered = read("7_aten.py")
         assert lowered.count("torch.ops._c10d_functional.all_reduce.default") == 2
         assert lowered.count("torch.ops._c10d_functional.wait_tensor.default") == 2
         self.assertExpectedInline(read("4_plan.py"), """\
@@ -107,9 +107,11 @@ add_1 = _operator.add(x, add_2)  # [2, 16, 64]  tp: R <- (R, R)
 return (add_1,)  # tp: - <- (R)
 """)
         plan = json.loads(read("plan.json"))
-        assert sorted(plan) == ["collectives", "mesh", "nodes", "parameter_state", "parameters", "sites", "version",
-                                "warnings", "world_size"]
-        assert plan["version"] == 2 and plan["parameter_state"].startswith("full (model not parallelized)")
+        assert sorted(plan) == ["collectives", "collectives_lowering", "mesh", "nodes", "parameter_state", "parameters",
+                                "replica_group_sets", "sites", "version", "warnings", "world_size"]
+        assert plan["collectives_lowering"] == "functional"
+        assert plan["replica_group_sets"] == {"tp groups": [list(range(8))]}
+        assert plan["version"] == 3 and plan["parameter_state"].startswith("full (model not parallelized)")
         assert plan["mesh"] == {"tp": 8, "ring": 1, "ulysses": 1} and plan["world_size"] == 8
         assert {p["name"]: p["placement"]["tp"] for p in plan["parameters"]}["qkv.weight"] == "IS(0,[64, 64, 64])"
         ET.fromstring(read("mesh.svg"))

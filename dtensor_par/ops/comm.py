@@ -2,16 +2,26 @@
 rotation and Ulysses exchange is built from, in chunk order (by the coordinate along the
 mesh dim that holds each chunk, never by global rank).
 
-``FUNCTIONAL`` issues torch's functional collectives over this rank's process group (NCCL,
+``Functional`` issues torch's functional collectives over this rank's process group (NCCL,
 gloo, TorchNeuron's ``neuron`` backend). A process group orders its ranks by global rank, so
 pieces are put into and taken out of that order; a mesh whose ranks do not increase along a
 dim makes the two differ.
+
+``Xla`` issues ``torch_xla.core.xla_model`` calls. torch_xla's kernels for the functional
+collectives ignore the group name (a sub-group all-reduce becomes a world all-reduce), so
+each call names the groups itself: ``groups=`` every group of the mesh dim, the same list on
+every rank, each group in coordinate order (xm orders results by position in the group), and
+``pin_layout=False`` (pinned, all_to_all emits a tuple StableHLO conversion rejects and
+all_gather becomes an all_reduce). A ring rotation is one ``collective_permute`` over the
+pairs of every ring group. torch_xla is imported at the first call.
 
 Tensors that go to or come from every rank of a group are stacked on a new leading dim, one
 entry per chunk.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
@@ -84,7 +94,60 @@ class Functional:
         return _c10d.wait_tensor(x)
 
 
-LOWERINGS = {"functional": Functional}
+def replica_groups(dim: MeshDim) -> list[list[int]]:
+    """``groups=`` for an xm collective over ``dim``: every group, by coordinate."""
+    return [list(g) for g in dim.groups]
+
+
+def ring_pairs(dim: MeshDim) -> list[list[int]]:
+    """``collective_permute`` pairs of a rotation over ``dim``: each rank sends to the next of
+    its group, in every group."""
+    return [[g[i], g[(i + 1) % len(g)]] for g in dim.groups for i in range(len(g))]
+
+
+def xla_model():
+    """``torch_xla.core.xla_model``; only the xla lowering needs torch_xla."""
+    try:
+        return importlib.import_module("torch_xla.core.xla_model")
+    except ImportError as e:
+        raise ImportError(
+            "hybrid_parallel: collectives='xla' lowers every collective to torch_xla.core.xla_model calls, but "
+            f"torch_xla cannot be imported ({e}); install the torch_xla stack (torch-neuronx 2.9 and before, from "
+            "AWS's Neuron package repository), or use collectives='functional'") from e
+
+
+class Xla:
+    """torch_xla's xm collectives over every group of ``dim`` at once."""
+
+    @staticmethod
+    def all_reduce(x: torch.Tensor, dim: MeshDim) -> torch.Tensor:
+        xm = xla_model()
+        return xm.all_reduce(xm.REDUCE_SUM, x, groups=replica_groups(dim), pin_layout=False)
+
+    @staticmethod
+    def all_gather(x: torch.Tensor, dim: MeshDim) -> torch.Tensor:
+        return xla_model().all_gather(x.unsqueeze(0), 0, groups=replica_groups(dim), pin_layout=False)
+
+    @staticmethod
+    def reduce_scatter(stacked: torch.Tensor, dim: MeshDim) -> torch.Tensor:
+        xm = xla_model()
+        return xm.reduce_scatter(xm.REDUCE_SUM, stacked, 1.0, 0, dim.size, groups=replica_groups(dim),
+                                 pin_layout=False)[0]
+
+    @staticmethod
+    def all_to_all(stacked: torch.Tensor, dim: MeshDim) -> torch.Tensor:
+        return xla_model().all_to_all(stacked, 0, 0, dim.size, groups=replica_groups(dim), pin_layout=False)
+
+    @staticmethod
+    def start_rotation(x: torch.Tensor, dim: MeshDim) -> torch.Tensor:
+        return xla_model().collective_permute(x, ring_pairs(dim))
+
+    @staticmethod
+    def finish_rotation(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+LOWERINGS = {"functional": Functional, "xla": Xla}
 
 
 def lowering(name: str):

@@ -20,6 +20,9 @@ class ParallelConfig:
     output: str = "full"  # "full": gathered tensors; "local": local shards as DTensors
     dump_dir: str | None = None  # where each pass writes its graph, if set
     parallelized: bool = False  # parameters are DTensor shards (dtensor_par.parallelize), not full tensors
+    collectives: str = "auto"  # the lowering: "auto", "functional" or "xla" (passes.lower)
+    ulysses_impl: str = "all_to_all"  # Ulysses' exchange: "all_to_all" or "all_gather" (ops.attention)
+    replica_group_limit: int = 12  # distinct replica-group sets a Neuron program may use
 
 
 @dataclass
@@ -38,6 +41,8 @@ class ParallelContext:
     param_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> tp placement
     output_placements: list[dict[str, Placement] | None] = field(default_factory=list)  # per output, by dim
     warnings: list[str] = field(default_factory=list)
+    comm: str = "functional"  # the lowering lower_pass picked
+    replica_group_sets: dict[str, tuple] = field(default_factory=dict)  # from lower_pass
 
     @property
     def mesh(self) -> MeshInfo:

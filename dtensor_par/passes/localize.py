@@ -2,9 +2,10 @@
 
 One walk in graph order: where a consumer needs another placement than its producer has,
 insert exactly that redistribution (once per producer and placement); rewrite every shape
-argument from global to local sizes. Parameters arrive as local shards (the runtime slices
-them), so placeholders are left as they are; but a full (not parallelized) parameter has its
-gradient all-gathered by the runtime, and its placeholder records that collective.
+argument from global to local sizes. Inputs and parameters arrive as local shards (the runtime
+slices them), so placeholders are left as they are; but the gradient of a sliced input or of
+a full (not parallelized) parameter is all-gathered by the runtime, and its placeholder
+records that collective.
 """
 
 from __future__ import annotations
@@ -133,22 +134,29 @@ def _edge(insert: _Inserter, cached, x: fx.Node, src: Placement, dst: Placement,
     return x
 
 
-def record_param_grad_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
-    """Without ``parallelize`` every rank holds full parameters: the runtime hands the graph
-    this rank's piece of each sharded one and all-gathers its gradient back to full size."""
-    tp = ctx.mesh.dims["tp"]
+def record_runtime_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
+    """The runtime hands the graph this rank's piece of each sharded input and gathers the
+    gradient back whole: on each mesh dim it is sharded over for a (sequence-sharded) input;
+    on tp for a full parameter (without ``parallelize`` every rank holds parameters whole)."""
     for node in gm.graph.nodes:
-        p = ctx.param_placements.get(node.name)
-        if node.op == "placeholder" and shard_dim(p) is not None and node.meta["requires_grad"]:
-            val = tensor_val(node)
-            nbytes = math.prod(local_shape(val.shape, p, tp.size)) * val.element_size()
-            node.meta["dtensor_par_comm"] = [Communication(None, "all_gather", "tp", tp.size, 0, nbytes,
-                                                           "parameter gradient")]
+        if node.op != "placeholder" or not node.meta["requires_grad"]:
+            continue
+        if node.name in ctx.params:
+            p = ctx.param_placements.get(node.name)
+            placements = {"tp": p} if shard_dim(p) is not None and not ctx.config.parallelized else {}
+            site = "parameter gradient"
+        else:
+            placements = {d: s.out for d, s in node.meta["dtensor_par"].items() if shard_dim(s.out) is not None}
+            site = "input gradient"
+        val = tensor_val(node)
+        nbytes = math.prod(local_shape_on(val.shape, placements, ctx.mesh)) * val.element_size()
+        comms = [Communication(None, "all_gather", d, ctx.mesh.size(d), 0, nbytes, site) for d in placements]
+        if comms:
+            node.meta["dtensor_par_comm"] = comms
 
 
 def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    if not ctx.config.parallelized:
-        record_param_grad_gathers(gm, ctx)
+    record_runtime_gathers(gm, ctx)
     dims = ctx.mesh.plan_dims
     graph = gm.graph
     cache: dict = {}  # one redistribution per producer, mesh dim and target placement
