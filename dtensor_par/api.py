@@ -28,7 +28,8 @@ def resolve_backend(inner_backend: str | Callable) -> Callable:
 
 def check_options(info: MeshInfo, sequence_parallel: bool, collectives: str = "auto",
                   ulysses_impl: str = "all_to_all") -> None:
-    for name, value, allowed in (("collectives", collectives, COLLECTIVES), ("ulysses_impl", ulysses_impl, ULYSSES_IMPLS)):
+    for name, value, allowed in (("collectives", collectives, COLLECTIVES),
+                                 ("ulysses_impl", ulysses_impl, ULYSSES_IMPLS)):
         if value not in allowed:
             raise ValueError(f"hybrid_parallel: {name} must be one of {allowed}, got {value!r}")
     if sequence_parallel and info.size("cp") > 1:

@@ -20,13 +20,14 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .mesh import MESH_DIMS
+from .ops.comm import FUNCTIONAL
 from .passes.context import ParallelContext
 from .passes.detect import AttentionSite, module_name, weight_name
 from .passes.localize import communications, local_shape_on
 from .passes.patterns import target_name
 from .placements import Replicate, describe, local_shape
 
-PLAN_VERSION = 3  # 2: parameter_state; bytes_per_rank is what the rank holds. 3: collectives_lowering, replica_group_sets
+PLAN_VERSION = 3  # 2: parameter_state, bytes_per_rank is what the rank holds; 3: lowering, replica-group sets
 
 
 def _format_arg(a) -> str:
@@ -250,7 +251,7 @@ class GraphDump:
         if name == "plan":
             self.nodes = planned_nodes(gm)
         if name == "lower":
-            if ctx.comm == "functional":
+            if ctx.comm == FUNCTIONAL:
                 self._write("7_aten.py", aten_code(gm, ctx))
             plan = plan_dict(self.nodes, gm, ctx)
             self._write("plan.json", json.dumps(plan, indent=1, sort_keys=True) + "\n")

@@ -198,7 +198,8 @@ class MeshInfo:
         order = tuple(order) if order is not None else default_order(device_type)
         sizes = {**{n: 1 for n in MESH_DIMS}, **sizes}
         ranks = torch.arange(math.prod(sizes.values())).reshape([sizes[n] for n in order])
-        return MeshInfo.build(device_type, ranks, order, 0, lambda name, groups, i: name if len(groups[i]) > 1 else None)
+        return MeshInfo.build(device_type, ranks, order, 0,
+                              lambda name, groups, i: name if len(groups[i]) > 1 else None)
 
 
 def _group_name(mesh: DeviceMesh, name: str, groups: tuple[tuple[int, ...], ...], index: int) -> str | None:

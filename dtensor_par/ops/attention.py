@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ..mesh import MeshDim
-from .collectives import FUNCTIONAL, all_gather_partial_grad, all_to_all
+from .collectives import all_gather_partial_grad, all_to_all
+from .comm import FUNCTIONAL
 from .ring import as_4d, ring_attention, zigzag_indices
 
 HEADS, SEQ = -3, -2

@@ -33,10 +33,8 @@ import torch
 
 from ..mesh import MeshDim
 from ..placements import InterleavedShard, Placement, Shard, interleaved_parts, local_chunk, shard_length
-from .comm import lowering
+from .comm import FUNCTIONAL, LOWERINGS
 from .ring import zigzag_indices
-
-FUNCTIONAL = "functional"
 
 
 def _placement(dim: int, parts: tuple[int, ...] | None) -> Placement:
@@ -112,25 +110,25 @@ def _assemble(by_chunk: torch.Tensor, dim: int, parts: tuple[int, ...] | None, m
 
 def _gather(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, mesh_dim: MeshDim, length: int | None,
             comm: str) -> torch.Tensor:
-    return _assemble(lowering(comm).all_gather(x, mesh_dim), dim, parts, mesh_dim, length)
+    return _assemble(LOWERINGS[comm].all_gather(x, mesh_dim), dim, parts, mesh_dim, length)
 
 
 def _reduce_scatter(x: torch.Tensor, p: Placement, mesh_dim: MeshDim, comm: str, *, edge: bool = True) -> torch.Tensor:
     """Sum over ranks, keeping this rank's piece under placement ``p``."""
-    return lowering(comm).reduce_scatter(_pieces(x, p, mesh_dim, edge=edge), mesh_dim)
+    return LOWERINGS[comm].reduce_scatter(_pieces(x, p, mesh_dim, edge=edge), mesh_dim)
 
 
 def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, mesh_dim: MeshDim, length: int | None, comm: str,
                 *, edge: bool = True) -> torch.Tensor:
     """Local shard of ``src_dim`` (global ``length`` if padded) -> local shard of ``dst_dim``."""
-    received = lowering(comm).all_to_all(_pieces(x, Shard(dst_dim), mesh_dim, edge=edge), mesh_dim)
+    received = LOWERINGS[comm].all_to_all(_pieces(x, Shard(dst_dim), mesh_dim, edge=edge), mesh_dim)
     return _assemble(received, src_dim, None, mesh_dim, length)
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh_dim, comm):
-        return lowering(comm).all_reduce(x, mesh_dim)
+        return LOWERINGS[comm].all_reduce(x, mesh_dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -146,7 +144,7 @@ class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         mesh_dim, comm = ctx.args
-        return lowering(comm).all_reduce(grad, mesh_dim), None, None
+        return LOWERINGS[comm].all_reduce(grad, mesh_dim), None, None
 
 
 class _AllGather(torch.autograd.Function):

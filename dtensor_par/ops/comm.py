@@ -147,8 +147,5 @@ class Xla:
         return x
 
 
-LOWERINGS = {"functional": Functional, "xla": Xla}
-
-
-def lowering(name: str):
-    return LOWERINGS[name]
+FUNCTIONAL = "functional"
+LOWERINGS = {FUNCTIONAL: Functional, "xla": Xla}

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..mesh import MeshDim
-from .comm import lowering
+from .comm import FUNCTIONAL, LOWERINGS
 
 aten = torch.ops.aten
 
@@ -247,7 +247,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                   kv_len: int | None, overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (q's dtype) and global log-sum-exp (float32) of this rank's query rows.
     ``overlap=False`` waits for each rotation before computing (for benchmarks)."""
-    rank, size, net = ring.rank, ring.size, lowering(comm)
+    rank, size, net = ring.rank, ring.size, LOWERINGS[comm]
     groups = q.shape[1] // k.shape[1]
     kv = torch.stack([k, v])
     out = lse = None
@@ -279,7 +279,7 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                    kv_len: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq stays here; each key/value block's gradient accumulator follows the block around
     the ring (one step behind it) and its last rotation delivers it to the block's owner."""
-    rank, size, net = ring.rank, ring.size, lowering(comm)
+    rank, size, net = ring.rank, ring.size, LOWERINGS[comm]
     groups = q.shape[1] // k.shape[1]
     if mask is not None:
         # A row the mask hides entirely has output 0 and no gradient; 0 keeps its kernel finite.
@@ -378,7 +378,7 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: MeshDim,
                    attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
                    enable_gqa: bool = False, zigzag: bool = False, kv_len: int | None = None,
-                   overlap: bool = True, comm: str = "functional") -> torch.Tensor:
+                   overlap: bool = True, comm: str = FUNCTIONAL) -> torch.Tensor:
     """This rank's rows of ``F.scaled_dot_product_attention`` over the full sequences, in
     forward and backward. ``overlap=False`` serializes communication and compute in the
     forward (only to measure what overlap saves).

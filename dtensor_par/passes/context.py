@@ -8,6 +8,7 @@ import torch
 
 from ..logs import logger
 from ..mesh import MeshInfo
+from ..ops.comm import FUNCTIONAL
 from ..placements import Placement
 
 
@@ -41,7 +42,7 @@ class ParallelContext:
     param_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> tp placement
     output_placements: list[dict[str, Placement] | None] = field(default_factory=list)  # per output, by dim
     warnings: list[str] = field(default_factory=list)
-    comm: str = "functional"  # the lowering lower_pass picked
+    comm: str = FUNCTIONAL  # the lowering lower_pass picked
     replica_group_sets: dict[str, tuple] = field(default_factory=dict)  # from lower_pass
 
     @property

@@ -24,18 +24,18 @@ import torch
 import torch.fx as fx
 
 from ..mesh import SPANS, MeshDim, MeshInfo
-from ..ops.comm import ring_pairs, xla_model
+from ..ops.comm import FUNCTIONAL, LOWERINGS, ring_pairs, xla_model
 from .context import ParallelContext
 from .localize import Communication, communications
 
-COLLECTIVES = ("auto", "functional", "xla")
+COLLECTIVES = ("auto", *LOWERINGS)
 
 
 def resolve_collectives(choice: str, device_types: set[str]) -> str:
     """The lowering ``choice`` means for inputs on ``device_types``."""
     if choice != "auto":
         return choice
-    return "xla" if "xla" in device_types else "functional"
+    return "xla" if "xla" in device_types else FUNCTIONAL
 
 
 def _groups_text(groups) -> str:
@@ -116,7 +116,7 @@ def lower_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         xla_model()  # fail at plan time, not at the first collective
     ctx.replica_group_sets = check_lowering([c for _, c in communications(gm)], ctx.mesh, ctx.comm,
                                             ctx.config.replica_group_limit)
-    if ctx.comm != "functional":
+    if ctx.comm != FUNCTIONAL:
         for node in gm.graph.nodes:
             if node.op == "call_function" and "dtensor_par_comm" in node.meta:
                 node.update_kwarg("comm", ctx.comm)
