@@ -7,7 +7,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import dtensor_par
-from dtensor_par.mesh import MeshInfo
+from dtensor_par.backend import parallelize_graph
+from dtensor_par.mesh import MeshDim, MeshInfo
+from dtensor_par.ops import collectives as C
+from dtensor_par.passes.capture import capture_graphs
+from dtensor_par.passes.context import ParallelConfig
 from tests import models
 
 
@@ -39,3 +43,25 @@ def test_coordinates_come_from_the_mesh_not_the_global_rank(fake_world):
     assert (tp.rank, tp.groups, tp.ranks) == (0, ((3, 1), (0, 2)), (0, 2))
     assert (ring.rank, ring.groups, ring.ranks) == (1, ((3, 0), (1, 2)), (3, 0))
     assert (cp.rank, cp.groups, cp.zigzag) == (1, ring.groups, 2)
+
+
+def test_every_collective_node_states_its_layout(fake_world):
+    """tp2 x ring2 x ulysses2, a masked sequence of 30 laid out as 32: each collective node
+    takes the MeshDim of each mesh dim it communicates over (groups, this rank's coordinate,
+    zigzag), and a gather of the padded sequence its real length: the graph alone says what
+    every collective does."""
+    fake_world(8)
+    info = MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2, ring=2, ulysses=2))
+    keep = torch.ones(2, 30, dtype=torch.bool)
+    (g, inputs), = capture_graphs(models.MaskedAttention("additive"), torch.randn(2, 30, 32), keep)
+    gm, _ = parallelize_graph(g, inputs, ParallelConfig(info))
+    seen = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "dtensor_par_comm" in node.meta:
+            dims = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, MeshDim)]
+            assert {d.name for d in dims} == {c.mesh_dim for c in node.meta["dtensor_par_comm"]}, node.name
+            assert all(d == info.dims[d.name] for d in dims), node.name
+            seen |= {d.name for d in dims}
+    assert seen == {"tp", "cp", "ring", "ulysses"} and info.dims["cp"].zigzag == 2
+    gather, = [n for n in gm.graph.nodes if n.target is C.all_gather]
+    assert gather.args[3].name == "cp" and gather.kwargs == {"length": 30}
