@@ -90,10 +90,10 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
     for name, size in sizes.items():
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"explain: mesh dim {name!r} must be a positive int, got {size!r}")
+    if order is not None and sorted(order) != sorted(MESH_DIMS):
+        raise ValueError(f"explain: order must name each of {MESH_DIMS} once, got {tuple(order)}")
     info = MeshInfo.for_planning(sizes, device_type, order)
     check_options(info, sequence_parallel, collectives, ulysses_impl)
-    if sorted(info.order) != sorted(MESH_DIMS):
-        raise ValueError(f"explain: order must name each of {MESH_DIMS} once, got {info.order}")
     if parallelized is None:
         parallelized = sharded_state(model) is not None
     config = ParallelConfig(info, sequence_parallel=sequence_parallel, parallelized=parallelized,
