@@ -91,7 +91,11 @@ def parallel(tp: int = 1, ring: int = 1, ulysses: int = 1, *, mesh: DeviceMesh |
         if compiled is None:
             if not meshes:
                 meshes.append(init_mesh(tp, ring, ulysses))
-            parallelize(self, meshes[0], args, example_kwargs=kwargs, **plan_options)
+            self.__dict__["_dtensor_par_compiled"] = functools.partial(nn.Module.__call__, self)  # while planning
+            try:
+                parallelize(self, meshes[0], args, example_kwargs=kwargs, **plan_options)
+            finally:
+                del self.__dict__["_dtensor_par_compiled"]
             compiled = torch.compile(functools.partial(nn.Module.__call__, self),
                                      backend=hybrid_parallel(meshes[0], **options))
             self.__dict__["_dtensor_par_compiled"] = compiled
