@@ -252,7 +252,7 @@ class GraphDump:
             self.nodes = planned_nodes(gm)
         if name == "lower":
             if ctx.comm == FUNCTIONAL:
-                self._write("7_aten.py", aten_code(gm, ctx))
+                self._write(f"{self.step + 1}_aten.py", aten_code(gm, ctx))
             plan = plan_dict(self.nodes, gm, ctx)
             self._write("plan.json", json.dumps(plan, indent=1, sort_keys=True) + "\n")
             self._write("collectives.md", collectives_markdown(plan["collectives"]))
