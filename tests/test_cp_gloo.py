@@ -43,4 +43,3 @@ def test_tp_ring_ulysses_at_world_8_in_a_non_default_order():
     case has a per-head mask split by tp, then ulysses, over a padded sequence."""
     _check(run_ranks(8, run_cases, ["gpt_fused_qkv", "uneven_seq_30_masked"], {}, 1, None, False, None,
                      {"tp": 2, "ring": 2, "ulysses": 2}, ("tp", "ulysses", "ring")))
-
