@@ -12,7 +12,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
+from dtensor_par.mesh import MeshInfo
 from dtensor_par.ops.ring import ring_attention
 from tests.harness import run_ranks
 
@@ -20,15 +22,14 @@ from tests.harness import run_ranks
 def _time(rank, world, seq, heads, head_dim):
     torch.manual_seed(rank)
     q, k, v = (torch.randn(1, heads, seq // world, head_dim) for _ in range(3))
-    group = dist.group.WORLD.group_name
+    ring = MeshInfo.from_mesh(init_device_mesh("cpu", (world,), mesh_dim_names=("ring",))).dims["ring"]
     results = {}
     for overlap in (True, False, True, False):  # interleaved, so drift hits both alike
         times = []
         for _ in range(10):
             dist.barrier()
             start = time.perf_counter()
-            ring_attention(q, k, v, group_name=group, rank=rank, size=world, is_causal=True, zigzag=True,
-                           overlap=overlap)
+            ring_attention(q, k, v, ring=ring, is_causal=True, zigzag=True, overlap=overlap)
             times.append(time.perf_counter() - start)
         results.setdefault(str(overlap), []).extend(times)
     return {k: statistics.median(v) for k, v in results.items()}

@@ -12,8 +12,10 @@ from torch._dynamo.backends.registry import lookup_backend
 from torch.distributed.device_mesh import DeviceMesh
 
 from .mesh import MeshInfo, init_mesh
+from .ops.attention import ULYSSES_IMPLS
 from .passes.capture import record_module_names
 from .passes.context import ParallelConfig
+from .passes.lower import COLLECTIVES
 from .runtime import ParallelRuntime
 from .sharded import parallelize
 
@@ -24,7 +26,12 @@ def resolve_backend(inner_backend: str | Callable) -> Callable:
     return inner_backend if callable(inner_backend) else lookup_backend(inner_backend)
 
 
-def check_options(info: MeshInfo, sequence_parallel: bool) -> None:
+def check_options(info: MeshInfo, sequence_parallel: bool, collectives: str = "auto",
+                  ulysses_impl: str = "all_to_all") -> None:
+    for name, value, allowed in (("collectives", collectives, COLLECTIVES),
+                                 ("ulysses_impl", ulysses_impl, ULYSSES_IMPLS)):
+        if value not in allowed:
+            raise ValueError(f"hybrid_parallel: {name} must be one of {allowed}, got {value!r}")
     if sequence_parallel and info.size("cp") > 1:
         raise NotImplementedError(
             f"hybrid_parallel: sequence_parallel=True with context parallelism (ring={info.size('ring')}, "
@@ -32,7 +39,8 @@ def check_options(info: MeshInfo, sequence_parallel: bool) -> None:
 
 
 def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "inductor", dump_dir: str | None = None,
-                    output: str = "full", sequence_parallel: bool = False) -> Callable:
+                    output: str = "full", sequence_parallel: bool = False, collectives: str = "auto",
+                    ulysses_impl: str = "all_to_all", replica_group_limit: int = 12) -> Callable:
     """A ``torch.compile`` backend that runs the model tensor- and context-parallel over ``mesh``.
 
     Heads are sharded over tp; with ``ring`` or ``ulysses`` > 1, activations are sharded along
@@ -40,13 +48,19 @@ def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "induct
     ``output="full"`` returns full tensors on every rank; ``"local"`` returns local shards as
     DTensors. ``sequence_parallel`` shards norms, residuals and pointwise ops between sites
     along the sequence over tp (Megatron-SP): reduce-scatter + all-gather instead of all-reduce.
+    ``collectives``: how collectives are lowered (``passes.lower``): ``"functional"`` (NCCL, gloo,
+    TorchNeuron), ``"xla"`` (torch_xla's xm calls with full replica groups) or ``"auto"``.
+    ``ulysses_impl="all_gather"``: Ulysses without all-to-all, for stacks whose all-to-all does
+    not compile. ``replica_group_limit``: distinct replica-group sets a Neuron program may use.
     """
     dump_dir = dump_dir or os.environ.get("DTENSOR_PAR_DUMP")
     if output not in OUTPUT_MODES:
         raise ValueError(f"hybrid_parallel: output must be one of {OUTPUT_MODES}, got {output!r}")
     info = MeshInfo.from_mesh(mesh)
-    check_options(info, sequence_parallel)
-    config = ParallelConfig(info, sequence_parallel=sequence_parallel, output=output, dump_dir=dump_dir)
+    check_options(info, sequence_parallel, collectives, ulysses_impl)
+    config = ParallelConfig(info, sequence_parallel=sequence_parallel, output=output, dump_dir=dump_dir,
+                            collectives=collectives, ulysses_impl=ulysses_impl,
+                            replica_group_limit=replica_group_limit)
     inner = resolve_backend(inner_backend)
 
     def backend(gm, example_inputs):

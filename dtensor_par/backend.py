@@ -14,10 +14,11 @@ from .passes.capture import capture_pass
 from .passes.context import USER_ERRORS, ParallelConfig, ParallelContext, PlanningError
 from .passes.detect import detect_pass
 from .passes.localize import communications, localize_pass
+from .passes.lower import lower_pass
 from .passes.plan import plan_pass
 from .passes.rewrite import rewrite_pass
 
-PASSES = (capture_pass, canonicalize_pass, detect_pass, rewrite_pass, plan_pass, localize_pass)
+PASSES = (capture_pass, canonicalize_pass, detect_pass, rewrite_pass, plan_pass, localize_pass, lower_pass)
 PLANNING_PASSES = PASSES[:PASSES.index(plan_pass) + 1]  # enough for every node's placement
 
 

@@ -1,10 +1,10 @@
 """Graph dumps: what each pass made of a graph, the collectives, the plan as JSON, the mesh.
 
 A dump folder holds, for one compiled graph: ``0_dynamo.py`` (the graph as Dynamo captured
-it), one file per pass (``1_capture.py`` ... ``6_localize.py``, the graph the inner backend
-compiles), ``7_lowered.py`` (its forward traced to aten ops on fake tensors: the functional
-collectives gloo and NCCL run, as they are), ``sites.txt``, ``collectives.md``, ``plan.json``
-and ``mesh.svg``.
+it), one file per pass (``1_capture.py`` ... ``7_lower.py``, the graph the inner backend
+compiles), ``8_aten.py`` (with the functional lowering, its forward traced to aten ops on
+fake tensors: the functional collectives gloo and NCCL run, as they are), ``sites.txt``,
+``collectives.md``, ``plan.json`` and ``mesh.svg``.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .mesh import MESH_DIMS
+from .ops.comm import FUNCTIONAL
 from .passes.context import ParallelContext
 from .passes.detect import AttentionSite, module_name, weight_name
 from .passes.localize import communications, local_shape_on
 from .passes.patterns import target_name
 from .placements import Replicate, describe, local_shape
 
-PLAN_VERSION = 2  # 2: parameter_state, coverage; bytes_per_rank is what the rank holds
+PLAN_VERSION = 3  # 2: parameter_state, coverage, bytes_per_rank is what the rank holds; 3: lowering, replica-group sets
 
 
 def _format_arg(a) -> str:
@@ -150,6 +151,8 @@ def plan_dict(nodes: list[dict], local_gm: fx.GraphModule, ctx: ParallelContext)
         "parameters": parameter_rows(ctx),
         "nodes": nodes,
         "collectives": collective_rows(local_gm),
+        "collectives_lowering": ctx.comm,
+        "replica_group_sets": {what: [list(g) for g in groups] for what, groups in ctx.replica_group_sets.items()},
         "warnings": list(ctx.warnings),
         "coverage": ctx.coverage.as_dict(),
     }
@@ -211,7 +214,7 @@ def site_placement_lines(ctx: ParallelContext) -> list[str]:
     return lines
 
 
-def lowered_code(gm: fx.GraphModule, ctx: ParallelContext) -> str:
+def aten_code(gm: fx.GraphModule, ctx: ParallelContext) -> str:
     """The local graph's forward at aten level, traced on fake tensors (nothing is sent)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = []
@@ -248,8 +251,9 @@ class GraphDump:
             self._write("sites.txt", sites_text(ctx))
         if name == "plan":
             self.nodes = planned_nodes(gm)
-        if name == "localize":
-            self._write(f"{self.step + 1}_lowered.py", lowered_code(gm, ctx))
+        if name == "lower":
+            if ctx.comm == FUNCTIONAL:
+                self._write(f"{self.step + 1}_aten.py", aten_code(gm, ctx))
             plan = plan_dict(self.nodes, gm, ctx)
             self._write("plan.json", json.dumps(plan, indent=1, sort_keys=True) + "\n")
             self._write("collectives.md", collectives_markdown(plan["collectives"]))

@@ -26,6 +26,8 @@ class GraphReport:
     warnings: list[str]
     plan_seconds: float  # the passes alone, without Dynamo's capture
     coverage: Coverage  # what runs split: linear FLOPs, parameters, fallback gathers
+    lowering: str  # how the collectives are lowered: "functional" or "xla"
+    replica_group_sets: int  # distinct replica-group sets the program uses (a Neuron limit)
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Report:
             out.append("  collectives (direction op mesh-dim[group] bytes-per-rank x count, site):")
             out += [f"    {c['direction']:8} {c['op']:14} {c['mesh_dims']}[{c['group_size']}] "
                     f"{c['bytes_per_rank']:>12,} B x {c['count']}  {c['site']}" for c in g.collectives]
+            out.append(f"  replica-group sets: {g.replica_group_sets} ({g.lowering})")
             if g.coverage.fallback_gathers:
                 out.append("  fallback gathers (correct, but not parallel):")
                 out += [f"    {f}" for f in g.coverage.fallback_gathers]
@@ -77,7 +80,8 @@ class Report:
 
 def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int = 1, device_type: str = "cuda",
             order: tuple[str, ...] | None = None, sequence_parallel: bool = False,
-            dump_dir: str | None = None, parallelized: bool | None = None,
+            dump_dir: str | None = None, parallelized: bool | None = None, collectives: str = "auto",
+            ulysses_impl: str = "all_to_all", replica_group_limit: int = 12,
             example_kwargs: dict | None = None) -> Report:
     """Plan ``model(*example_inputs, **example_kwargs)`` for the given mesh as rank 0 would, without hardware.
 
@@ -85,18 +89,22 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
     planned at its real size. Capturing resets Dynamo's caches (see ``capture_graphs``).
     ``parallelized``: report parameters held as by ``parallelize`` (DTensor pieces, no
     gradient gathers) or as by ``hybrid_parallel`` alone (full); default: as the model is.
+    ``collectives``, ``ulysses_impl``, ``replica_group_limit``: as for ``hybrid_parallel``; with
+    ``device_type="neuron"`` or ``collectives="xla"`` the plan is checked as Neuron needs it.
     """
     sizes = {"tp": tp, "ring": ring, "ulysses": ulysses}
     for name, size in sizes.items():
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"explain: mesh dim {name!r} must be a positive int, got {size!r}")
+    if order is not None and sorted(order) != sorted(MESH_DIMS):
+        raise ValueError(f"explain: order must name each of {MESH_DIMS} once, got {tuple(order)}")
     info = MeshInfo.for_planning(sizes, device_type, order)
-    check_options(info, sequence_parallel)
-    if sorted(info.order) != sorted(MESH_DIMS):
-        raise ValueError(f"explain: order must name each of {MESH_DIMS} once, got {info.order}")
+    check_options(info, sequence_parallel, collectives, ulysses_impl)
     if parallelized is None:
         parallelized = sharded_state(model) is not None
-    config = ParallelConfig(info, sequence_parallel=sequence_parallel, parallelized=parallelized)
+    config = ParallelConfig(info, sequence_parallel=sequence_parallel, parallelized=parallelized,
+                            collectives=collectives, ulysses_impl=ulysses_impl,
+                            replica_group_limit=replica_group_limit)
     report = Report(sizes, info.order, device_type, state_line(parallelized))
     for i, (gm, inputs) in enumerate(capture_graphs(model, *example_inputs, **(example_kwargs or {}))):
         dump = GraphDump(os.path.join(dump_dir, f"graph{i}"), info.order) if dump_dir else None
@@ -104,5 +112,6 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
         local_gm, ctx = parallelize_graph(gm, inputs, config, dump=dump)
         report.graphs.append(GraphReport(sites_text(ctx).splitlines(), site_placement_lines(ctx),
                                          parameter_rows(ctx), collective_rows(local_gm), list(ctx.warnings),
-                                         time.perf_counter() - start, ctx.coverage))
+                                         time.perf_counter() - start, ctx.coverage, ctx.comm,
+                                         len(ctx.replica_group_sets)))
     return report

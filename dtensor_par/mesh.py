@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import weakref
 from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,33 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 MESH_DIMS = ("tp", "ring", "ulysses")
 PLAN_DIMS = ("tp", "cp")
 """The dims the planner shards over: tp (heads, features) and cp = ring x ulysses (sequence)."""
-
-
-_CHUNK_OF_GROUP_RANK: dict[str, tuple[int, ...]] = {}
-
-
-def register_chunk_order(group: str, chunks: list[int]) -> None:
-    """Declare that group rank g holds chunk ``chunks[g]`` of a tensor sharded over the group.
-
-    Process groups order their ranks by global rank; the flattened (ring, ulysses) group,
-    whose shards follow ring-major order, declares that order here, and the collectives
-    send and assemble chunks by it.
-    """
-    if list(chunks) != sorted(chunks):
-        _CHUNK_OF_GROUP_RANK[group] = tuple(chunks)
-
-
-def chunk_order(group: str, size: int):
-    """The chunk each rank of ``group`` holds, by group rank."""
-    return _CHUNK_OF_GROUP_RANK.get(group, range(size))
-
-
-_ZIGZAG_RING: dict[str, int] = {}
-
-
-def zigzag_ring(group: str) -> int | None:
-    """The ring size when tensors sharded over ``group`` use the zigzag layout, else None."""
-    return _ZIGZAG_RING.get(group)
+SPANS = {"tp": ("tp",), "ring": ("ring",), "ulysses": ("ulysses",), "cp": ("ring", "ulysses")}
+"""The mesh dims each dim of MeshInfo flattens, the last fastest: cp is ring-major."""
 
 
 def default_device_type() -> str:
@@ -99,20 +77,50 @@ def init_mesh(tp: int = 1, ring: int = 1, ulysses: int = 1, *, device_type: str 
     return init_device_mesh(device_type, tuple(sizes[n] for n in order), mesh_dim_names=order)
 
 
-@dataclass(frozen=True)
-class MeshDim:
-    """One named mesh dim as this rank sees it."""
+
+
+def partition(ranks: torch.Tensor, names: Sequence[str], spans: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """Every group of the mesh dims ``spans`` flattened (the last fastest): the global ranks
+    whose other coordinates agree, each group in coordinate order. ``ranks`` holds the global
+    rank at each mesh coordinate, its dims named ``names``; a dim it lacks has size 1."""
+    inner = [names.index(d) for d in spans if d in names]
+    outer = [i for i in range(len(names)) if i not in inner]
+    size = math.prod(ranks.shape[i] for i in inner)
+    return tuple(tuple(g) for g in ranks.permute(outer + inner).reshape(-1, size).tolist())
+
+
+class MeshDim(NamedTuple):
+    """One dim of the mesh as this rank sees it, with every layout fact a collective over it needs.
+
+    Localize hands it to each collective it inserts, so the local graph states what each
+    collective does and a lowering can rewrite it from the graph alone. Plain values only:
+    FX prints it as code.
+    """
 
     name: str
     size: int
-    rank: int  # this rank's coordinate along the dim
-    group_name: str | None  # None when size == 1: no collective is ever issued
-    chunks_per_rank: int = 1  # a dim sharded here is cut into size * chunks_per_rank equal chunks (2: zigzag)
+    rank: int  # this rank's coordinate along the dim: the chunk it holds of a tensor sharded here
+    group_name: str | None  # this rank's process group, for functional collectives; None for size 1
+    groups: tuple[tuple[int, ...], ...]  # every group of the dim, each its global ranks in coordinate order
+    group: int  # which of ``groups`` holds this rank
+    zigzag: int = 0  # ring size when a sequence sharded here is in the zigzag layout (two chunks a rank)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """This rank's group: the global rank that holds each chunk."""
+        return self.groups[self.group]
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return 2 if self.zigzag else 1
+
+
+_MESH_INFO: dict[int, MeshInfo] = {}  # id(mesh) -> its MeshInfo (and cp process groups), dropped with the mesh
 
 
 @dataclass(frozen=True)
 class MeshInfo:
-    """The mesh as the passes need it: sizes, this rank's coordinates and group names.
+    """The mesh as the passes need it: sizes, this rank's coordinates, groups and their names.
 
     ``dims`` holds "tp", "ring", "ulysses" and "cp": ring x ulysses flattened ring-major
     (cp rank = ring rank * ulysses + ulysses rank, whatever the mesh order), so the sequence
@@ -159,49 +167,45 @@ class MeshInfo:
         return tuple(n for n in MESH_DIMS if n not in names) + tuple(names)
 
     @staticmethod
+    def build(device_type: str, ranks: torch.Tensor, names: tuple[str, ...], me: int,
+              group_name: Callable[[str, tuple[tuple[int, ...], ...], int], str | None]) -> MeshInfo:
+        """The view of global rank ``me`` of the mesh ``ranks`` (dims ``names``); ``group_name(dim,
+        groups, index)`` names the process group of ``groups[index]``."""
+        dims: dict[str, MeshDim] = {}
+        for name, spans in SPANS.items():
+            groups = partition(ranks, names, spans)
+            index = next(i for i, g in enumerate(groups) if me in g)
+            ring = dims["ring"].size if name == "cp" else 1  # zigzag: load-balanced causal attention (ops.ring)
+            dims[name] = MeshDim(name, len(groups[index]), groups[index].index(me), group_name(name, groups, index),
+                                 groups, index, zigzag=ring if ring > 1 else 0)
+        return MeshInfo(device_type, dims, MeshInfo.full_order(names))
+
+    @staticmethod
     def from_mesh(mesh: DeviceMesh) -> MeshInfo:
-        MeshInfo.check_names(mesh)
-        names = mesh.mesh_dim_names
-        coords = mesh.get_coordinate()
-        dims = {}
-        for name in MESH_DIMS:
-            if name not in names:
-                dims[name] = MeshDim(name, 1, 0, None)
-                continue
-            i = names.index(name)
-            size = mesh.shape[i]
-            group = mesh.get_group(name).group_name if size > 1 else None
-            dims[name] = MeshDim(name, size, coords[i], group)
-        dims["cp"] = _cp_dim(mesh, dims)
-        return MeshInfo(mesh.device_type, dims, MeshInfo.full_order(names))
+        """Built once per mesh, with the cp process groups, and reused by every ``hybrid_parallel``
+        call and recompile over it."""
+        key = id(mesh)
+        if key not in _MESH_INFO:
+            MeshInfo.check_names(mesh)
+            _MESH_INFO[key] = MeshInfo.build(mesh.device_type, mesh.mesh, tuple(mesh.mesh_dim_names),
+                                             dist.get_rank(), functools.partial(_group_name, mesh))
+            weakref.finalize(mesh, _MESH_INFO.pop, key, None)
+        return _MESH_INFO[key]
 
     @staticmethod
     def for_planning(sizes: dict[str, int], device_type: str, order: tuple[str, ...] | None = None) -> MeshInfo:
         """A mesh seen from rank 0 without any process group: enough to plan at any size."""
         order = tuple(order) if order is not None else default_order(device_type)
         sizes = {**{n: 1 for n in MESH_DIMS}, **sizes}
-        sizes["cp"] = sizes["ring"] * sizes["ulysses"]
-        dims = {n: MeshDim(n, sizes[n], 0, n if sizes[n] > 1 else None) for n in MESH_DIMS}
-        dims["cp"] = MeshDim("cp", sizes["cp"], 0, "cp" if sizes["cp"] > 1 else None, 2 if sizes["ring"] > 1 else 1)
-        return MeshInfo(device_type, dims, order)
+        ranks = torch.arange(math.prod(sizes.values())).reshape([sizes[n] for n in order])
+        return MeshInfo.build(device_type, ranks, order, 0,
+                              lambda name, groups, i: name if len(groups[i]) > 1 else None)
 
 
-def _cp_dim(mesh: DeviceMesh, dims: dict[str, MeshDim]) -> MeshDim:
-    """A process group per tp index over its ring x ulysses ranks, ordered ring-major."""
-    ring, ulysses = dims["ring"], dims["ulysses"]
-    size = ring.size * ulysses.size
-    if size == 1:
-        return MeshDim("cp", 1, 0, None)
-    names = list(mesh.mesh_dim_names)
-    ranks = mesh.mesh.reshape(mesh.shape)
-    present = [n for n in ("tp", "ring", "ulysses") if n in names]
-    ranks = ranks.permute([names.index(n) for n in present]).reshape(-1, size)  # one row per tp index: ring-major, ulysses fastest
-    mine = None
-    for row in ranks.tolist():
-        group = dist.new_group(row)  # every rank creates every group, in the same order
-        if dist.get_rank() in row:
-            mine = group
-            register_chunk_order(group.group_name, [row.index(r) for r in sorted(row)])
-            if ring.size > 1:  # load-balanced causal attention: see ops.collectives._sequence_index
-                _ZIGZAG_RING[group.group_name] = ring.size
-    return MeshDim("cp", size, ring.rank * ulysses.size + ulysses.rank, mine.group_name, 2 if ring.size > 1 else 1)
+def _group_name(mesh: DeviceMesh, name: str, groups: tuple[tuple[int, ...], ...], index: int) -> str | None:
+    """The mesh's own process group for a mesh dim; for cp, one new group per ring x ulysses group."""
+    if len(groups[index]) == 1:
+        return None
+    if name != "cp":
+        return mesh.get_group(name).group_name
+    return [dist.new_group(list(g)) for g in groups][index].group_name  # every rank creates every group, in order

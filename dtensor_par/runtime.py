@@ -37,32 +37,31 @@ class _LocalShard(torch.autograd.Function):
     """Hands the graph a full parameter's local piece; sends the full gradient back to it."""
 
     @staticmethod
-    def forward(ctx, param, local, placement, dim):
-        ctx.placement, ctx.dim = placement, dim
+    def forward(ctx, param, local, placement, dim, comm):
+        ctx.args = (placement, dim, comm)
         return local.view_as(local)
 
     @staticmethod
     def backward(ctx, grad):
-        full = gather_param_grad(grad, ctx.placement, ctx.dim.group_name, ctx.dim.size)
-        return full, None, None, None
+        return gather_param_grad(grad, *ctx.args), None, None, None, None
 
 
-def local_param(param: torch.nn.Parameter, placement: Placement, dim: MeshDim) -> torch.Tensor:
+def local_param(param: torch.nn.Parameter, placement: Placement, dim: MeshDim, comm: str) -> torch.Tensor:
     """This rank's piece of a full parameter, sliced at every call: a stale piece cannot be
-    served, whatever changed the parameter (``.data`` writes and replacements included)."""
+    served, whatever changed the parameter (``.data`` writes and replacements included).
+    ``comm``: the lowering of the gradient's gather."""
     local = local_chunk(param.detach(), placement, dim.rank, dim.size)
     if param.requires_grad and torch.is_grad_enabled():
-        return _LocalShard.apply(param, local, placement, dim)
+        return _LocalShard.apply(param, local, placement, dim, comm)
     return local
 
 
-def local_value(full: torch.Tensor, placements: dict[str, Placement], mesh: MeshInfo) -> torch.Tensor:
+def local_value(full: torch.Tensor, placements: dict[str, Placement], mesh: MeshInfo, comm: str) -> torch.Tensor:
     """This rank's piece of a full (replicated) input; its gradient is gathered back whole."""
     for name, p in placements.items():
         d = shard_dim(p)
         if d is not None:
-            dim = mesh.dims[name]
-            full = shard_local(full, d, interleaved_parts(p), dim.group_name, dim.rank, dim.size)
+            full = shard_local(full, d, interleaved_parts(p), mesh.dims[name], comm)
     return full
 
 
@@ -73,6 +72,7 @@ class LocalGraph:
     fn: Callable
     input_placements: list[dict[str, Placement]]
     output_placements: list[dict[str, Placement] | None]
+    comm: str  # the lowering of the runtime's own collectives, as the graph's
 
 
 def _signature(args, scalars: list[int]) -> tuple:
@@ -98,22 +98,22 @@ class ParallelRuntime:
     def __call__(self, *args):
         key = _signature(args, self.scalars)
         local_graph = self.graphs.get(key) or self.graphs.setdefault(key, self._build(args))
-        local_args = self._local_args(args, local_graph.input_placements)
+        local_args = self._local_args(args, local_graph.input_placements, local_graph.comm)
         outs = local_graph.fn(*local_args)
         if self.config.output == "local":
             outs = type(outs)(self._as_dtensor(o, p) for o, p in zip(outs, local_graph.output_placements))
         return outs
 
-    def _local_args(self, args, placements: list[dict[str, Placement]]) -> list:
+    def _local_args(self, args, placements: list[dict[str, Placement]], comm: str) -> list:
         local = []
         for a, p in zip(args, placements):
             param = standin_param(a)
             if param is not None:
                 a = param.to_local()
             elif isinstance(a, torch.nn.Parameter) and shard_dim(p.get("tp")) is not None:
-                a = local_param(a, p["tp"], self.config.mesh.dims["tp"])  # parameters are only ever sharded on tp
+                a = local_param(a, p["tp"], self.config.mesh.dims["tp"], comm)  # parameters are only ever sharded on tp
             elif isinstance(a, torch.Tensor):
-                a = local_value(a, p, self.config.mesh)
+                a = local_value(a, p, self.config.mesh, comm)
             local.append(a)
         return local
 
@@ -158,11 +158,11 @@ class ParallelRuntime:
         placeholders = [n for n in local_gm.graph.nodes if n.op == "placeholder"]
         input_placements = [{d: s.out for d, s in n.meta["dtensor_par"].items()} for n in placeholders]
         with torch.no_grad():
-            local = self._local_args(args, input_placements)
+            local = self._local_args(args, input_placements, ctx.comm)
         examples = [x.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else x
                     for x, a in zip(local, args)]
         fn = self.inner_backend(local_gm, examples)
-        return LocalGraph(fn, input_placements, ctx.output_placements)
+        return LocalGraph(fn, input_placements, ctx.output_placements, ctx.comm)
 
     def _as_dtensor(self, out, placements: dict[str, Placement] | None):
         """A local output as a DTensor: tp as planned, the sequence shard on ulysses (the plan

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 import dtensor_par
 from tests import models
@@ -51,9 +52,13 @@ class _Warnings(logging.Handler):
 
 def run_cases(rank: int, world: int, names: list[str], options: dict, steps: int = 2,
               inputs: list | None = None, full_tensor: bool = False, dynamic: bool | None = None,
-              mesh_sizes: dict | None = None, order: tuple | None = None) -> dict:
-    """Compare each named case against one device; return metrics and warnings per case."""
-    mesh = dtensor_par.init_mesh(**(mesh_sizes or {"tp": world}), order=order)
+              mesh_sizes: dict | None = None, order: tuple | None = None, mesh_ranks: tuple | None = None) -> dict:
+    """Compare each named case against one device; return metrics and warnings per case.
+    ``mesh_ranks``: (global ranks by mesh coordinate, dim names) for a mesh of one's own."""
+    if mesh_ranks is not None:
+        mesh = DeviceMesh("cpu", mesh_ranks[0], mesh_dim_names=mesh_ranks[1])
+    else:
+        mesh = dtensor_par.init_mesh(**(mesh_sizes or {"tp": world}), order=order)
     results = {}
     for name in names:
         torch._dynamo.reset()

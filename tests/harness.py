@@ -117,7 +117,7 @@ def aot_graphs(local_gm, ctx, backward: bool = True) -> dict:
     inputs = []
     for node, value in zip(placeholders, ctx.example_inputs):
         placements = {d: s.out for d, s in node.meta["dtensor_par"].items()}
-        local = local_value(value.detach(), placements, ctx.mesh).contiguous()
+        local = local_value(value.detach(), placements, ctx.mesh, ctx.comm).contiguous()
         inputs.append(local.requires_grad_(backward and value.is_floating_point()))
     out = capturing_backend(graphs)(local_gm, inputs)(*inputs)
     if backward:

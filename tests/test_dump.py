@@ -21,7 +21,7 @@ from tests import factories, models
 from tests.conftest import _init_fake
 
 PASS_FILES = ["0_dynamo.py", "1_capture.py", "2_canonicalize.py", "3_detect.py", "4_rewrite.py", "5_plan.py",
-              "6_localize.py", "7_lowered.py", "collectives.md", "mesh.svg", "plan.json", "sites.txt"]
+              "6_localize.py", "7_lower.py", "8_aten.py", "collectives.md", "mesh.svg", "plan.json", "sites.txt"]
 
 
 def _compile_and_run(tmp_path, world: int, **options) -> None:
@@ -63,7 +63,7 @@ mlp0: mlp up=['fc'] down=['fc_out'] activations=['gelu']
 | backward | all_reduce | tp | 8 | 8192 | 1 | mlp0.colwise |
 | forward | all_reduce | tp | 8 | 8192 | 1 | mlp0.rowwise |
 """)
-        lowered = read("7_lowered.py")
+        lowered = read("8_aten.py")
         assert lowered.count("torch.ops._c10d_functional.all_reduce.default") == 2
         assert lowered.count("torch.ops._c10d_functional.wait_tensor.default") == 2
         self.assertExpectedInline(read("5_plan.py"), """\
@@ -107,11 +107,13 @@ add_1 = _operator.add(x, add_2)  # [2, 16, 64]  tp: R <- (R, R)
 return (add_1,)  # tp: - <- (R)
 """)
         plan = json.loads(read("plan.json"))
-        assert sorted(plan) == ["collectives", "coverage", "mesh", "nodes", "parameter_state", "parameters", "sites",
-                                "version", "warnings", "world_size"]
+        assert sorted(plan) == ["collectives", "collectives_lowering", "coverage", "mesh", "nodes", "parameter_state",
+                                "parameters", "replica_group_sets", "sites", "version", "warnings", "world_size"]
         assert plan["coverage"]["fallback_gathers"] == [] and plan["coverage"]["parallel_sites"] == 2
         assert plan["coverage"]["sharded_linear_flops"] == plan["coverage"]["linear_flops"] > 0
-        assert plan["version"] == 2 and plan["parameter_state"].startswith("full (model not parallelized)")
+        assert plan["collectives_lowering"] == "functional"
+        assert plan["replica_group_sets"] == {"tp groups": [list(range(8))]}
+        assert plan["version"] == 3 and plan["parameter_state"].startswith("full (model not parallelized)")
         assert plan["mesh"] == {"tp": 8, "ring": 1, "ulysses": 1} and plan["world_size"] == 8
         assert {p["name"]: p["placement"]["tp"] for p in plan["parameters"]}["qkv.weight"] == "IS(0,[64, 64, 64])"
         ET.fromstring(read("mesh.svg"))

@@ -31,6 +31,8 @@ def test_init_mesh_rejects_bad_order_and_sizes(fake_world):
     fake_world(8)
     with pytest.raises(ValueError, match="order must name each of"):
         dtensor_par.init_mesh(tp=8, order=("tp", "ring", "dp"))
+    with pytest.raises(ValueError, match=r"explain: order must name each of .* got \('tp', 'ring', 'dp'\)"):
+        dtensor_par.explain(models.GPTBlock(), (torch.randn(2, 8, 32),), tp=2, order=("tp", "ring", "dp"))
     with pytest.raises(ValueError, match="'ring' must be a positive int"):
         dtensor_par.init_mesh(tp=8, ring=0)
 

@@ -117,20 +117,17 @@ def test_zigzag_layout_balances_causal_work_across_ring_ranks():
     """16 positions at ring=2 x ulysses=2: ring rank 0 holds chunks 0 and 3 of 4, ring rank 1
     chunks 1 and 2; ulysses splits each ring block. Pieces and assembly are inverse, also
     for a length that needs padding."""
-    from dtensor_par.mesh import _ZIGZAG_RING
     from dtensor_par.ops.collectives import _assemble, _piece
 
-    _ZIGZAG_RING["test-cp"] = 2
-    try:
-        x = torch.arange(16)
-        pieces = [_piece(x, Shard(0), "test-cp", c, 4).tolist() for c in range(4)]
-        assert pieces == [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]]
-        assert _assemble([torch.tensor(p) for p in pieces], 0, None, "test-cp", 4, None).tolist() == list(range(16))
-        # 14 positions are laid out as 16: values padded with copies of the last, gradients
-        # with zeros; assembly cuts the padding off.
-        pieces = [_piece(torch.arange(14), Shard(0), "test-cp", c, 4).tolist() for c in range(4)]
-        assert pieces == [[0, 1, 2, 3], [12, 13, 13, 13], [4, 5, 6, 7], [8, 9, 10, 11]]
-        assert _piece(torch.arange(1, 15), Shard(0), "test-cp", 1, 4, edge=False).tolist() == [13, 14, 0, 0]
-        assert _assemble([torch.tensor(p) for p in pieces], 0, None, "test-cp", 4, 14).tolist() == list(range(14))
-    finally:
-        del _ZIGZAG_RING["test-cp"]
+    cp = MeshInfo.for_planning({"ring": 2, "ulysses": 2}, "cpu").dims["cp"]
+    assert cp.zigzag == 2 and cp.size == 4
+    x = torch.arange(16)
+    pieces = [_piece(x, Shard(0), cp, c).tolist() for c in range(4)]
+    assert pieces == [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert _assemble(torch.tensor(pieces), 0, None, cp, None).tolist() == list(range(16))
+    # 14 positions are laid out as 16: values padded with copies of the last, gradients
+    # with zeros; assembly cuts the padding off.
+    pieces = [_piece(torch.arange(14), Shard(0), cp, c).tolist() for c in range(4)]
+    assert pieces == [[0, 1, 2, 3], [12, 13, 13, 13], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert _piece(torch.arange(1, 15), Shard(0), cp, 1, edge=False).tolist() == [13, 14, 0, 0]
+    assert _assemble(torch.tensor(pieces), 0, None, cp, 14).tolist() == list(range(14))

@@ -9,10 +9,11 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dtensor_par.mesh import MeshDim, MeshInfo
 from dtensor_par.ops.ring import ring_attention, ring_step_flops, zigzag_indices
 from tests.harness import FORWARD_ATOL, GRAD_RTOL, capturing_backend, max_rel, run_ranks
 
@@ -34,6 +35,8 @@ CASES = {
     "padded_causal_zigzag": dict(real=14, zigzag=True, is_causal=True),
     "padded_additive_mask_zigzag_gqa": dict(real=14, zigzag=True, mask="additive", heads=4, kv_heads=2,
                                             enable_gqa=True),
+    # Ring coordinate r is global rank world-1-r: rotations follow coordinates, not group ranks.
+    "causal_zigzag_reversed_ring": dict(is_causal=True, zigzag=True, reversed_ring=True),
 }
 
 _FORWARD_KERNEL = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -86,9 +89,17 @@ def _rank_positions(seq: int, world: int, rank: int, zigzag: bool) -> torch.Tens
     return torch.arange(rank * block, (rank + 1) * block)
 
 
-def _compare(rank: int, world: int, attention, *, heads: int = 2, kv_heads: int = 2, kv_seq: int = SEQ,
+@functools.cache
+def _ring(world: int, reversed_ring: bool) -> MeshDim:
+    """The world as one ring, in rank order or reversed."""
+    ranks = list(range(world))[::-1] if reversed_ring else list(range(world))
+    return MeshInfo.from_mesh(DeviceMesh("cpu", ranks, mesh_dim_names=("ring",))).dims["ring"]
+
+
+def _compare(world: int, attention, *, heads: int = 2, kv_heads: int = 2, kv_seq: int = SEQ,
              is_causal: bool = False, zigzag: bool = False, enable_gqa: bool = False, scale: float | None = None,
-             mask: str | None = None, real: int | None = None, count_ops: bool = True) -> dict:
+             mask: str | None = None, real: int | None = None, reversed_ring: bool = False,
+             count_ops: bool = True) -> dict:
     """Run ``attention`` on this rank's blocks; return its differences to the single-device
     SDPA forward and gradients and, if ``count_ops`` (eager only: torch.compile refuses
     dispatch modes), the kernels and rotations it ran.
@@ -104,14 +115,15 @@ def _compare(rank: int, world: int, attention, *, heads: int = 2, kv_heads: int 
     (reference * weights[:, :, :n]).sum().backward()
     grads = [F.pad(t.grad, (0, 0, 0, length - t.shape[2])) for t, length in zip(full, (SEQ, kv_seq, kv_seq))]
 
-    q_pos = _rank_positions(SEQ, world, rank, zigzag)
-    kv_pos = _rank_positions(kv_seq, world, rank, zigzag)
+    ring = _ring(world, reversed_ring)
+    q_pos = _rank_positions(SEQ, world, ring.rank, zigzag)
+    kv_pos = _rank_positions(kv_seq, world, ring.rank, zigzag)
     real_rows = q_pos < n
     local = [t[:, :, pos].clone().requires_grad_() for t, pos in ((q, q_pos), (k, kv_pos), (v, kv_pos))]
     local_mask = None if full_mask is None else full_mask[..., q_pos.clamp(max=n - 1), :]
     counter = _CountOps()
     with counter if count_ops else contextlib.nullcontext():
-        out = attention(*local, group_name=dist.group.WORLD.group_name, rank=rank, size=world, attn_mask=local_mask,
+        out = attention(*local, ring=ring, attn_mask=local_mask,
                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, zigzag=zigzag, kv_len=real)
         (out * weights[:, :, q_pos] * real_rows.view(-1, 1)).sum().backward()
     result = {"forward_abs": (out - reference[:, :, q_pos.clamp(max=n - 1)])[:, :, real_rows].abs().max().item(),
@@ -126,18 +138,18 @@ def _compiled_case(rank: int, world: int) -> dict:
     into the forward and backward graphs."""
     options = CASES["causal_zigzag_gqa"]
     compiled = torch.compile(ring_attention, backend="aot_eager", fullgraph=True)
-    result = _compare(rank, world, compiled, count_ops=False, **options)
+    result = _compare(world, compiled, count_ops=False, **options)
 
     graphs = {}
     capture = capturing_backend(graphs)
-    _compare(rank, world, torch.compile(ring_attention, backend=capture, fullgraph=True), count_ops=False, **options)
+    _compare(world, torch.compile(ring_attention, backend=capture, fullgraph=True), count_ops=False, **options)
     result["traced_rotations"] = {name: sum(node.target is _ROTATION for node in gm.graph.nodes)
                                   for name, gm in graphs.items()}
     return result
 
 
 def _rank_cases(rank: int, world: int, with_compiled: bool) -> dict:
-    results = {"eager": {name: _compare(rank, world, ring_attention, **options) for name, options in CASES.items()}}
+    results = {"eager": {name: _compare(world, ring_attention, **options) for name, options in CASES.items()}}
     if with_compiled:
         results["compiled"] = _compiled_case(rank, world)
     return results
@@ -216,4 +228,4 @@ def test_zigzag_indices():
 def test_clear_errors(q_shape, kv_shape, options, message):
     q, k = torch.zeros(q_shape), torch.zeros(kv_shape)
     with pytest.raises(ValueError, match=message):
-        ring_attention(q, k, k, group_name="unused", rank=0, size=2, **options)
+        ring_attention(q, k, k, ring=MeshInfo.for_planning({"ring": 2}, "cpu").dims["ring"], **options)

@@ -106,7 +106,7 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_ln1_parameters_weight_ : t
     l_self_modules_fc_out_parameters_weight_ = L_self_modules_fc_out_parameters_weight_
     l_self_modules_fc_out_parameters_bias_ = L_self_modules_fc_out_parameters_bias_
     layer_norm = torch.nn.functional.layer_norm(l_x_, (64,), l_self_modules_ln1_parameters_weight_, l_self_modules_ln1_parameters_bias_, 1e-05);  l_self_modules_ln1_parameters_weight_ = l_self_modules_ln1_parameters_bias_ = None
-    grad_all_reduce = dtensor_par_ops_collectives_grad_all_reduce(layer_norm, '0');  layer_norm = None
+    grad_all_reduce = dtensor_par_ops_collectives_grad_all_reduce(layer_norm, dtensor_par_mesh_MeshDim('tp', 8, 0, '0', ((0, 1, 2, 3, 4, 5, 6, 7),), 0, 0));  layer_norm = None
     linear = torch._C._nn.linear(grad_all_reduce, l_self_modules_qkv_parameters_weight_, l_self_modules_qkv_parameters_bias_);  grad_all_reduce = l_self_modules_qkv_parameters_weight_ = l_self_modules_qkv_parameters_bias_ = None
     chunk = linear.chunk(3, dim = -1);  linear = None
     q = chunk[0]
@@ -122,15 +122,15 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_ln1_parameters_weight_ : t
     transpose_3 = a.transpose(1, 2);  a = None
     reshape_4 = transpose_3.reshape(2, 16, 8);  transpose_3 = None
     linear_1 = torch._C._nn.linear(reshape_4, l_self_modules_proj_parameters_weight_);  reshape_4 = l_self_modules_proj_parameters_weight_ = None
-    all_reduce = dtensor_par_ops_collectives_all_reduce(linear_1, '0');  linear_1 = None
+    all_reduce = dtensor_par_ops_collectives_all_reduce(linear_1, dtensor_par_mesh_MeshDim('tp', 8, 0, '0', ((0, 1, 2, 3, 4, 5, 6, 7),), 0, 0));  linear_1 = None
     add = all_reduce + l_self_modules_proj_parameters_bias_;  all_reduce = l_self_modules_proj_parameters_bias_ = None
     x = l_x_ + add;  l_x_ = add = None
     layer_norm_1 = torch.nn.functional.layer_norm(x, (64,), l_self_modules_ln2_parameters_weight_, l_self_modules_ln2_parameters_bias_, 1e-05);  l_self_modules_ln2_parameters_weight_ = l_self_modules_ln2_parameters_bias_ = None
-    grad_all_reduce_1 = dtensor_par_ops_collectives_grad_all_reduce(layer_norm_1, '0');  layer_norm_1 = None
+    grad_all_reduce_1 = dtensor_par_ops_collectives_grad_all_reduce(layer_norm_1, dtensor_par_mesh_MeshDim('tp', 8, 0, '0', ((0, 1, 2, 3, 4, 5, 6, 7),), 0, 0));  layer_norm_1 = None
     linear_2 = torch._C._nn.linear(grad_all_reduce_1, l_self_modules_fc_parameters_weight_, l_self_modules_fc_parameters_bias_);  grad_all_reduce_1 = l_self_modules_fc_parameters_weight_ = l_self_modules_fc_parameters_bias_ = None
     gelu = torch._C._nn.gelu(linear_2, approximate = 'tanh');  linear_2 = None
     linear_3 = torch._C._nn.linear(gelu, l_self_modules_fc_out_parameters_weight_);  gelu = l_self_modules_fc_out_parameters_weight_ = None
-    all_reduce_1 = dtensor_par_ops_collectives_all_reduce(linear_3, '0');  linear_3 = None
+    all_reduce_1 = dtensor_par_ops_collectives_all_reduce(linear_3, dtensor_par_mesh_MeshDim('tp', 8, 0, '0', ((0, 1, 2, 3, 4, 5, 6, 7),), 0, 0));  linear_3 = None
     add_2 = all_reduce_1 + l_self_modules_fc_out_parameters_bias_;  all_reduce_1 = l_self_modules_fc_out_parameters_bias_ = None
     add_1 = x + add_2;  x = add_2 = None
     return (add_1,)""")

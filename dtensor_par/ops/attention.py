@@ -8,6 +8,13 @@ ring rank, in order) for ``heads / ulysses`` heads. Ring attention over ``ring``
 exact attention of that block against the whole sequence, and a second all-to-all trades
 the heads back. Both all-to-alls' backwards are all-to-alls the other way.
 
+``ulysses_impl="all_gather"`` makes the same trades without all-to-all, for stacks whose
+all-to-all does not compile (torch_xla's on Neuron): q/k/v are all-gathered along the
+sequence and each rank keeps its heads; the output is all-gathered along the heads and each
+rank keeps its sequence shard. A gather used by a rank-local slice has a reduce-scatter as
+its backward (``collectives.all_gather_partial_grad``), so the gradients are exact; each
+gather moves ``ulysses`` times the bytes of an all-to-all.
+
 Heads that do not divide by ``ulysses`` are padded with zero heads (grouped kv heads are
 repeated to the query heads first): a zero head's output is zero and is cut off again, so
 the result is exact at the cost of the padded heads' compute.
@@ -21,18 +28,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .collectives import all_to_all
+from ..mesh import MeshDim
+from .collectives import all_gather_partial_grad, all_to_all
+from .comm import FUNCTIONAL
 from .ring import as_4d, ring_attention, zigzag_indices
 
 HEADS, SEQ = -3, -2
+ULYSSES_IMPLS = ("all_to_all", "all_gather")
 
 
-def _seq_to_heads(tensors: list[torch.Tensor], group: str, size: int) -> list[torch.Tensor]:
-    """One all-to-all for tensors of one shape (packed), else one each."""
+def _trade(x: torch.Tensor, gathered: int, kept: int, ulysses: MeshDim, impl: str, comm: str) -> torch.Tensor:
+    """The shard of dim ``gathered`` (whole over ulysses after this) for one of dim ``kept``."""
+    if impl == "all_to_all":
+        return all_to_all(x, gathered % x.dim(), kept % x.dim(), ulysses, comm=comm)
+    full = all_gather_partial_grad(x, gathered % x.dim(), None, ulysses, comm=comm)
+    n = x.shape[kept] // ulysses.size
+    return full.narrow(kept, ulysses.rank * n, n)
+
+
+def _seq_to_heads(tensors: list[torch.Tensor], ulysses: MeshDim, impl: str, comm: str) -> list[torch.Tensor]:
+    """One exchange for tensors of one shape (packed), else one each."""
     if all(t.shape == tensors[0].shape for t in tensors):
-        packed = all_to_all(torch.stack(tensors), SEQ % 5, HEADS % 5, group, size)
-        return list(packed.unbind(0))
-    return [all_to_all(t, SEQ % 4, HEADS % 4, group, size) for t in tensors]
+        return list(_trade(torch.stack(tensors), SEQ, HEADS, ulysses, impl, comm).unbind(0))
+    return [_trade(t, SEQ, HEADS, ulysses, impl, comm) for t in tensors]
 
 
 def _mask_for_rank(mask: torch.Tensor, heads: int, padded_heads: int, ulysses_rank: int, ulysses_size: int,
@@ -54,16 +72,18 @@ def _mask_for_rank(mask: torch.Tensor, heads: int, padded_heads: int, ulysses_ra
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
                      is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-                     ulysses_group: str | None = None, ulysses_rank: int = 0, ulysses_size: int = 1,
-                     ring_group: str | None = None, ring_rank: int = 0, ring_size: int = 1,
-                     kv_len: int | None = None) -> torch.Tensor:
+                     ulysses: MeshDim, ring: MeshDim, kv_len: int | None = None,
+                     ulysses_impl: str = "all_to_all", comm: str = FUNCTIONAL) -> torch.Tensor:
     """This rank's sequence shard of ``scaled_dot_product_attention(q, k, v, attn_mask)`` over
     the full sequence, forward and backward.
 
     ``attn_mask`` is whole (every query and key position, any broadcastable shape, heads
     sharded only by tp). ``kv_len``: the real key length when an uneven sequence was padded
-    at its end to split evenly; the padded keys are masked.
+    at its end to split evenly; the padded keys are masked. ``ulysses``, ``ring``: the layouts
+    of the two mesh dims; ``ulysses_impl``: one of ULYSSES_IMPLS; ``comm``: the lowering of
+    the collectives (``ops.comm``).
     """
+    ulysses_size, ring_size = ulysses.size, ring.size
     heads = q.shape[HEADS]
     padded = heads
     if ulysses_size > 1:
@@ -73,15 +93,15 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_
                 enable_gqa = False
             padded = -(-heads // ulysses_size) * ulysses_size
             q, k, v = (F.pad(t, (0, 0, 0, 0, 0, padded - heads)) for t in (q, k, v))
-        q, k, v = _seq_to_heads([q, k, v], ulysses_group, ulysses_size)
+        q, k, v = _seq_to_heads([q, k, v], ulysses, ulysses_impl, comm)
     if attn_mask is not None:
         block = q.shape[SEQ]  # this ring rank's block of (padded) query positions
-        rows = (zigzag_indices(block * ring_size, ring_size, ring_rank) if ring_size > 1
+        rows = (zigzag_indices(block * ring_size, ring_size, ring.rank) if ring_size > 1
                 else torch.arange(block))
-        attn_mask = _mask_for_rank(attn_mask, heads, padded, ulysses_rank, ulysses_size, rows)
-    out = ring_attention(q, k, v, group_name=ring_group, rank=ring_rank, size=ring_size, attn_mask=attn_mask,
+        attn_mask = _mask_for_rank(attn_mask, heads, padded, ulysses.rank, ulysses_size, rows)
+    out = ring_attention(q, k, v, ring=ring, comm=comm, attn_mask=attn_mask,
                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, zigzag=ring_size > 1,
                          kv_len=kv_len)
     if ulysses_size > 1:
-        out = all_to_all(out, HEADS % 4, SEQ % 4, ulysses_group, ulysses_size)
+        out = _trade(out, HEADS, SEQ, ulysses, ulysses_impl, comm)
     return out[:, :heads] if padded != heads else out

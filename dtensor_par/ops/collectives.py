@@ -22,42 +22,41 @@ A sequence dim whose length does not divide over cp is padded at the end to equa
 (``_pad``); every gather cuts the padding off again, so an op that mixes along the sequence
 sees exactly the real positions, and attention masks the padded keys.
 
-The forwards are ``torch.ops._c10d_functional`` ops, so a traced graph shows each collective
-and inductor may schedule it. Each public function is what a localized graph calls.
+Each public function is what a localized graph calls; its primitives come from
+``ops.comm``, picked by its ``comm`` argument: with the functional lowering a traced graph
+shows each collective as a ``torch.ops._c10d_functional`` op, which inductor may schedule.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..mesh import chunk_order, zigzag_ring
+from ..mesh import MeshDim
 from ..placements import InterleavedShard, Placement, Shard, interleaved_parts, parts_of, shard_dim, shard_length
+from .comm import FUNCTIONAL, LOWERINGS
 from .ring import zigzag_indices
-
-_c10d = torch.ops._c10d_functional
 
 
 def _placement(dim: int, parts: tuple[int, ...] | None) -> Placement:
     return Shard(dim) if parts is None else InterleavedShard(dim, parts)
 
 
-def _sequence_index(length: int, group: str) -> torch.Tensor | None:
-    """Positions of a dim sharded over ``group`` in shard order, for the zigzag layout.
+def _sequence_index(length: int, mesh_dim: MeshDim) -> torch.Tensor | None:
+    """Positions of a dim sharded over ``mesh_dim`` in shard order, for the zigzag layout.
 
     The dim is cut into 2 * ring chunks; ring rank r holds chunks r and 2 * ring - 1 - r (so
     causal attention costs every ring rank the same), split further among its ulysses ranks.
     None for a contiguous layout.
     """
-    ring = zigzag_ring(group)
-    if ring is None:
+    if not mesh_dim.zigzag:
         return None
-    return torch.cat([zigzag_indices(length, ring, r) for r in range(ring)])
+    return torch.cat([zigzag_indices(length, mesh_dim.zigzag, r) for r in range(mesh_dim.zigzag)])
 
 
-def _laid_out_length(length: int, group: str, size: int) -> int:
-    """The length a dim of ``length`` sharded over ``group`` is laid out with: padded at the end
-    to equal chunks, two per rank in the zigzag layout."""
-    return size * shard_length(length, size, 2 if zigzag_ring(group) else 1)
+def _laid_out_length(length: int, mesh_dim: MeshDim) -> int:
+    """The length a dim of ``length`` sharded over ``mesh_dim`` is laid out with: padded at the
+    end to equal chunks, two per rank in the zigzag layout."""
+    return mesh_dim.size * shard_length(length, mesh_dim.size, mesh_dim.chunks_per_rank)
 
 
 def _pad(x: torch.Tensor, dim: int, length: int, *, edge: bool) -> torch.Tensor:
@@ -75,197 +74,188 @@ def _pad(x: torch.Tensor, dim: int, length: int, *, edge: bool) -> torch.Tensor:
     return torch.cat([x, tail], dim=dim)
 
 
-def _part_piece(x: torch.Tensor, dim: int, group: str, chunk: int, size: int, edge: bool) -> torch.Tensor:
+def _part_piece(x: torch.Tensor, dim: int, mesh_dim: MeshDim, chunk: int, edge: bool) -> torch.Tensor:
     """Chunk ``chunk`` of one sharded run of ``dim``: padded, in the zigzag order if any."""
-    x = _pad(x, dim, _laid_out_length(x.shape[dim], group, size), edge=edge)
-    index = _sequence_index(x.shape[dim], group)
+    x = _pad(x, dim, _laid_out_length(x.shape[dim], mesh_dim), edge=edge)
+    index = _sequence_index(x.shape[dim], mesh_dim)
     if index is None:
-        return x.chunk(size, dim=dim)[chunk]
-    n = x.shape[dim] // size
+        return x.chunk(mesh_dim.size, dim=dim)[chunk]
+    n = x.shape[dim] // mesh_dim.size
     return x.index_select(dim, index[chunk * n:(chunk + 1) * n].to(x.device))
 
 
-def _piece(x: torch.Tensor, p: Placement, group: str, chunk: int, size: int, *, edge: bool = True) -> torch.Tensor:
-    """Chunk ``chunk`` of a full tensor under placement ``p`` over ``group``: its piece of
+def _piece(x: torch.Tensor, p: Placement, mesh_dim: MeshDim, chunk: int, *, edge: bool = True) -> torch.Tensor:
+    """Chunk ``chunk`` of a full tensor under placement ``p`` over ``mesh_dim``: its piece of
     each part of an InterleavedShard, every part laid out as a Shard is."""
     if shard_dim(p) is None:
         return x
     parts = x.split(list(parts_of(p, x.shape[p.dim])), dim=p.dim)
-    pieces = [_part_piece(part, p.dim, group, chunk, size, edge) for part in parts]
+    pieces = [_part_piece(part, p.dim, mesh_dim, chunk, edge) for part in parts]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=p.dim)
 
 
-def _in_order(full: torch.Tensor, dim: int, group: str, length: int | None) -> torch.Tensor:
+def _pieces(x: torch.Tensor, p: Placement, mesh_dim: MeshDim, *, edge: bool = True) -> torch.Tensor:
+    """Every chunk of ``x``, stacked in chunk order."""
+    return torch.stack([_piece(x, p, mesh_dim, c, edge=edge) for c in range(mesh_dim.size)])
+
+
+def _in_order(full: torch.Tensor, dim: int, mesh_dim: MeshDim, length: int | None) -> torch.Tensor:
     """A run of ``dim`` gathered in chunk order, put in sequence order and cut to ``length``."""
-    index = _sequence_index(full.shape[dim], group)
+    index = _sequence_index(full.shape[dim], mesh_dim)
     if index is not None:
         full = full.index_select(dim, torch.argsort(index).to(full.device))
     return full if length is None or length == full.shape[dim] else full.narrow(dim, 0, length)
 
 
-def _assemble(by_chunk: list[torch.Tensor], dim: int, parts: tuple[int, ...] | None, group: str,
-              size: int, length: int | None) -> torch.Tensor:
-    """The full tensor from every chunk, in chunk order, cut to ``length`` if it was padded;
-    an InterleavedShard part by part."""
+def _assemble(by_chunk: torch.Tensor, dim: int, parts: tuple[int, ...] | None, mesh_dim: MeshDim,
+              length: int | None) -> torch.Tensor:
+    """The full tensor from every chunk (stacked in chunk order), cut to ``length`` if it was
+    padded; an InterleavedShard part by part."""
+    by_chunk = by_chunk.unbind(0)
     if parts is None:
-        return _in_order(torch.cat(by_chunk, dim=dim), dim, group, length)
-    local_parts = [_laid_out_length(part, group, size) // size for part in parts]
+        return _in_order(torch.cat(by_chunk, dim=dim), dim, mesh_dim, length)
+    local_parts = [_laid_out_length(part, mesh_dim) // mesh_dim.size for part in parts]
     per_chunk = [c.split(local_parts, dim=dim) for c in by_chunk]
-    return torch.cat([_in_order(torch.cat([per_chunk[c][i] for c in range(size)], dim=dim), dim, group, part)
+    return torch.cat([_in_order(torch.cat([c[i] for c in per_chunk], dim=dim), dim, mesh_dim, part)
                       for i, part in enumerate(parts)], dim=dim)
 
 
-def _by_chunk(pieces, group: str, size: int) -> list[torch.Tensor]:
-    """Pieces received by group rank, reordered by the chunk each group rank holds."""
-    by_chunk = [None] * size
-    for piece, chunk in zip(pieces, chunk_order(group, size)):
-        by_chunk[chunk] = piece
-    return by_chunk
+def _gather(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, mesh_dim: MeshDim, length: int | None,
+            comm: str) -> torch.Tensor:
+    return _assemble(LOWERINGS[comm].all_gather(x, mesh_dim), dim, parts, mesh_dim, length)
 
 
-def _gather(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, group: str, size: int,
-            length: int | None = None) -> torch.Tensor:
-    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), size, group))
-    return _assemble(_by_chunk(out.chunk(size, dim=0), group, size), dim, parts, group, size, length)
-
-
-def _reduce_scatter(x: torch.Tensor, p: Placement, group: str, size: int, *, edge: bool = True) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, p: Placement, mesh_dim: MeshDim, comm: str, *, edge: bool = True) -> torch.Tensor:
     """Sum over ranks, keeping this rank's piece under placement ``p``."""
-    pieces = [_piece(x, p, group, c, size, edge=edge) for c in chunk_order(group, size)]
-    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(torch.cat(pieces, dim=0).contiguous(), "sum", size, group))
+    return LOWERINGS[comm].reduce_scatter(_pieces(x, p, mesh_dim, edge=edge), mesh_dim)
 
 
-def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str, size: int, length: int | None = None,
+def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, mesh_dim: MeshDim, length: int | None, comm: str,
                 *, edge: bool = True) -> torch.Tensor:
     """Local shard of ``src_dim`` (global ``length`` if padded) -> local shard of ``dst_dim``."""
-    pieces = [_piece(x, Shard(dst_dim), group, c, size, edge=edge) for c in chunk_order(group, size)]
-    send = torch.stack(pieces).contiguous()
-    flat = send.flatten(0, 1)
-    split = [flat.shape[0] // size] * size
-    recv = _c10d.wait_tensor(_c10d.all_to_all_single(flat, split, split, group)).view(send.shape)
-    return _assemble(_by_chunk(recv.unbind(0), group, size), src_dim, None, group, size, length)
+    received = LOWERINGS[comm].all_to_all(_pieces(x, Shard(dst_dim), mesh_dim, edge=edge), mesh_dim)
+    return _assemble(received, src_dim, None, mesh_dim, length)
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
+    def forward(ctx, x, mesh_dim, comm):
+        return LOWERINGS[comm].all_reduce(x, mesh_dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, mesh_dim, comm):
+        ctx.args = (mesh_dim, comm)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _c10d.wait_tensor(_c10d.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+        mesh_dim, comm = ctx.args
+        return LOWERINGS[comm].all_reduce(grad, mesh_dim), None, None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, parts, group, rank, size, length):
-        ctx.args, ctx.group = (dim, parts, rank, size), group
-        return _gather(x, dim, parts, group, size, length)
+    def forward(ctx, x, dim, parts, mesh_dim, length, comm):
+        ctx.args = (dim, parts, mesh_dim)
+        return _gather(x, dim, parts, mesh_dim, length, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        dim, parts, rank, size = ctx.args
-        piece = _piece(grad, _placement(dim, parts), ctx.group, rank, size, edge=False)
-        return piece, None, None, None, None, None, None
+        dim, parts, mesh_dim = ctx.args
+        piece = _piece(grad, _placement(dim, parts), mesh_dim, mesh_dim.rank, edge=False)
+        return piece, None, None, None, None, None
 
 
 class _ShardLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, parts, group, rank, size):
-        ctx.args = (dim, parts, group, size, x.shape[dim])
-        return _piece(x, _placement(dim, parts), group, rank, size).contiguous()
+    def forward(ctx, x, dim, parts, mesh_dim, comm):
+        ctx.args = (dim, parts, mesh_dim, x.shape[dim], comm)
+        return _piece(x, _placement(dim, parts), mesh_dim, mesh_dim.rank).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        dim, parts, group, size, length = ctx.args
-        return _gather(grad, dim, parts, group, size, length), None, None, None, None, None
+        return _gather(grad, *ctx.args), None, None, None, None
 
 
 class _AllGatherPartialGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, parts, group, size, length):
-        ctx.args = (dim, parts, group, size)
-        return _gather(x, dim, parts, group, size, length)
+    def forward(ctx, x, dim, parts, mesh_dim, length, comm):
+        ctx.args = (_placement(dim, parts), mesh_dim, comm)
+        return _gather(x, dim, parts, mesh_dim, length, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        dim, parts, group, size = ctx.args
-        return _reduce_scatter(grad, _placement(dim, parts), group, size, edge=False), None, None, None, None, None
+        return _reduce_scatter(grad, *ctx.args, edge=False), None, None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, size):
-        ctx.args = (dim, group, size, x.shape[dim])
-        return _reduce_scatter(x, Shard(dim), group, size)
+    def forward(ctx, x, dim, mesh_dim, comm):
+        ctx.args = (dim, None, mesh_dim, x.shape[dim], comm)
+        return _reduce_scatter(x, Shard(dim), mesh_dim, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        dim, group, size, length = ctx.args
-        return _gather(grad, dim, None, group, size, length), None, None, None
+        return _gather(grad, *ctx.args), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, src_dim, dst_dim, group, size, length):
-        ctx.args = (src_dim, dst_dim, group, size, x.shape[dst_dim])
-        return _all_to_all(x, src_dim, dst_dim, group, size, length)
+    def forward(ctx, x, src_dim, dst_dim, mesh_dim, length, comm):
+        ctx.args = (dst_dim, src_dim, mesh_dim, x.shape[dst_dim], comm)
+        return _all_to_all(x, src_dim, dst_dim, mesh_dim, length, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        src_dim, dst_dim, group, size, dst_length = ctx.args
-        return _all_to_all(grad, dst_dim, src_dim, group, size, dst_length, edge=False), None, None, None, None, None
+        return _all_to_all(grad, *ctx.args, edge=False), None, None, None, None, None
 
 
-def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _AllReduce.apply(x, group)
+# ``mesh_dim``: the layout of the mesh dim communicated over (its groups, this rank's chunk,
+# zigzag); ``length``: the global length of a sharded dim that was padded to lay it out (see
+# _pad), None when it divides evenly; ``comm``: the lowering (``ops.comm.LOWERINGS``), which
+# the lower pass sets.
+
+def all_reduce(x: torch.Tensor, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
+    return _AllReduce.apply(x, mesh_dim, comm)
 
 
-def grad_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _GradAllReduce.apply(x, group)
+def grad_all_reduce(x: torch.Tensor, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
+    return _GradAllReduce.apply(x, mesh_dim, comm)
 
 
-# ``length``: the global length of a sharded dim that was padded to lay it out (see _pad);
-# None when it divides evenly.
-
-def all_gather(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, group: str, rank: int,
-               size: int, length: int | None = None) -> torch.Tensor:
-    return _AllGather.apply(x, dim, parts, group, rank, size, length)
+def all_gather(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, mesh_dim: MeshDim,
+               length: int | None = None, comm: str = FUNCTIONAL) -> torch.Tensor:
+    return _AllGather.apply(x, dim, parts, mesh_dim, length, comm)
 
 
-def all_gather_partial_grad(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, group: str,
-                            size: int, length: int | None = None) -> torch.Tensor:
-    return _AllGatherPartialGrad.apply(x, dim, parts, group, size, length)
+def all_gather_partial_grad(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, mesh_dim: MeshDim,
+                            length: int | None = None, comm: str = FUNCTIONAL) -> torch.Tensor:
+    return _AllGatherPartialGrad.apply(x, dim, parts, mesh_dim, length, comm)
 
 
-def shard_local(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, group: str, rank: int,
-                size: int) -> torch.Tensor:
-    return _ShardLocal.apply(x, dim, parts, group, rank, size)
+def shard_local(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, mesh_dim: MeshDim,
+                comm: str = FUNCTIONAL) -> torch.Tensor:
+    return _ShardLocal.apply(x, dim, parts, mesh_dim, comm)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Tensor:
-    return _ReduceScatter.apply(x, dim, group, size)
+def reduce_scatter(x: torch.Tensor, dim: int, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
+    return _ReduceScatter.apply(x, dim, mesh_dim, comm)
 
 
-def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str, size: int,
-               length: int | None = None) -> torch.Tensor:
-    return _AllToAll.apply(x, src_dim, dst_dim, group, size, length)
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, mesh_dim: MeshDim, length: int | None = None,
+               comm: str = FUNCTIONAL) -> torch.Tensor:
+    return _AllToAll.apply(x, src_dim, dst_dim, mesh_dim, length, comm)
 
 
-def gather_param_grad(grad: torch.Tensor, p: Placement, group: str, size: int) -> torch.Tensor:
+def gather_param_grad(grad: torch.Tensor, p: Placement, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
     """Full gradient of a parameter from every rank's gradient of its local shard."""
-    return _gather(grad, p.dim, interleaved_parts(p), group, size)
+    return _gather(grad, p.dim, interleaved_parts(p), mesh_dim, None, comm)
 
 
 COMMUNICATION = {

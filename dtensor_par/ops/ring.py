@@ -5,10 +5,11 @@ Partial results merge by log-sum-exp (online softmax), so the output equals full
 backward recomputes each block from the saved output and global log-sum-exp; the key/value
 gradients travel the ring with their blocks and arrive back at their owner.
 
-Every rotation is one ``_c10d_functional.all_to_all_single`` whose only non-empty send goes to
-the next rank and whose only non-empty receive comes from the previous one, so Dynamo and
-AOTAutograd trace it like any other op. The next rotation is issued before the current block
-is computed and waited on after it, so communication overlaps compute.
+Every rotation sends this rank's block to the next rank of the ring (by ring coordinate) and
+receives the previous one's, through ``ops.comm``: with the functional lowering one
+``_c10d_functional.all_to_all_single`` whose only non-empty split goes to the next rank, which
+Dynamo and AOTAutograd trace like any other op. The next rotation is issued before the current
+block is computed and waited on after it, so communication overlaps compute.
 
 A mask holds this rank's query rows against every key position; each block takes the
 columns of the keys it holds, and a row that a block's mask hides entirely weighs nothing in
@@ -30,7 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-_c10d = torch.ops._c10d_functional
+from ..mesh import MeshDim
+from .comm import FUNCTIONAL, LOWERINGS
+
 aten = torch.ops.aten
 
 # The CUDA memory-efficient kernel pads its log-sum-exp to this many query rows, and its
@@ -130,17 +133,6 @@ def ring_step_flops(seq_len: int, size: int, rank: int, *, zigzag: bool, is_caus
             pairs = rows * (rows + 1) // 2 if block.is_causal else rows * cols
         per_step.append(4 * batch * heads * head_dim * pairs)
     return per_step
-
-
-def _rotate(x: torch.Tensor, group_name: str, rank: int, size: int) -> torch.Tensor:
-    """Start sending ``x`` to the next rank and receiving the previous rank's; wait on the
-    result with ``wait_tensor``."""
-    rows = x.shape[0]
-    send_splits = [0] * size
-    send_splits[(rank + 1) % size] = rows
-    receive_splits = [0] * size
-    receive_splits[(rank - 1) % size] = rows
-    return _c10d.all_to_all_single(x.contiguous(), receive_splits, send_splits, group_name)
 
 
 def _repeat_kv_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -251,17 +243,18 @@ def _merge_into(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: to
 
 
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
-                  group_name: str, rank: int, size: int, is_causal: bool, scale: float | None, zigzag: bool,
+                  ring: MeshDim, comm: str, is_causal: bool, scale: float | None, zigzag: bool,
                   kv_len: int | None, overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (q's dtype) and global log-sum-exp (float32) of this rank's query rows.
     ``overlap=False`` waits for each rotation before computing (for benchmarks)."""
+    rank, size, net = ring.rank, ring.size, LOWERINGS[comm]
     groups = q.shape[1] // k.shape[1]
     kv = torch.stack([k, v])
     out = lse = None
     for step in range(size):
-        incoming = _rotate(kv, group_name, rank, size) if step + 1 < size else None
+        incoming = net.start_rotation(kv, ring) if step + 1 < size else None
         if incoming is not None and not overlap:
-            incoming = _c10d.wait_tensor(incoming)
+            incoming = net.finish_rotation(incoming)
         source = _source_at(step, rank, size)
         block = _plan_block(rank, source, q.shape[-2], k.shape[-2], is_causal=is_causal, zigzag=zigzag,
                             real_keys=_real_keys(source, size, k.shape[-2], kv_len, zigzag=zigzag))
@@ -276,16 +269,17 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
             else:
                 _merge_into(out, lse, block.q_rows, block_out, block_lse, mask is not None)
         if incoming is not None:
-            kv = _c10d.wait_tensor(incoming)
+            kv = net.finish_rotation(incoming)
     return _consume(out, kv).to(q.dtype), lse
 
 
 def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, *, group_name: str, rank: int,
-                   size: int, is_causal: bool, scale: float | None, zigzag: bool,
+                   mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, *, ring: MeshDim, comm: str,
+                   is_causal: bool, scale: float | None, zigzag: bool,
                    kv_len: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq stays here; each key/value block's gradient accumulator follows the block around
     the ring (one step behind it) and its last rotation delivers it to the block's owner."""
+    rank, size, net = ring.rank, ring.size, LOWERINGS[comm]
     groups = q.shape[1] // k.shape[1]
     if mask is not None:
         # A row the mask hides entirely has output 0 and no gradient; 0 keeps its kernel finite.
@@ -294,7 +288,7 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dq = torch.zeros_like(q, dtype=torch.float32)
     dkv_incoming = None
     for step in range(size):
-        kv_incoming = _rotate(kv, group_name, rank, size) if step + 1 < size else None
+        kv_incoming = net.start_rotation(kv, ring) if step + 1 < size else None
         source = _source_at(step, rank, size)
         block = _plan_block(rank, source, q.shape[-2], k.shape[-2], is_causal=is_causal, zigzag=zigzag,
                             real_keys=_real_keys(source, size, k.shape[-2], kv_len, zigzag=zigzag))
@@ -309,13 +303,13 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         if dkv_incoming is None:
             dkv = torch.zeros_like(kv, dtype=torch.float32)
         else:
-            dkv = _c10d.wait_tensor(dkv_incoming)
+            dkv = net.finish_rotation(dkv_incoming)
         if block is not None:
             dkv[..., cols, :] += torch.stack([dk_block, dv_block])
-        dkv_incoming = _rotate(dkv, group_name, rank, size)
+        dkv_incoming = net.start_rotation(dkv, ring)
         if kv_incoming is not None:
-            kv = _c10d.wait_tensor(kv_incoming)
-    dkv = _c10d.wait_tensor(dkv_incoming)
+            kv = net.finish_rotation(kv_incoming)
+    dkv = net.finish_rotation(dkv_incoming)
     return _consume(dq, kv).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
@@ -324,9 +318,8 @@ class _RingAttention(torch.autograd.Function):
     collectives (which would rebuild every block's attention matrix)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, group_name, rank, size, is_causal, scale, zigzag, kv_len, overlap):
-        options = dict(group_name=group_name, rank=rank, size=size, is_causal=is_causal, scale=scale,
-                       zigzag=zigzag, kv_len=kv_len)
+    def forward(ctx, q, k, v, mask, ring, comm, is_causal, scale, zigzag, kv_len, overlap):
+        options = dict(ring=ring, comm=comm, is_causal=is_causal, scale=scale, zigzag=zigzag, kv_len=kv_len)
         out, lse = _ring_forward(q, k, v, mask, **options, overlap=overlap)
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.options = options
@@ -382,16 +375,18 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group_name: str, rank: int,
-                   size: int, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
-                   scale: float | None = None, enable_gqa: bool = False, zigzag: bool = False,
-                   kv_len: int | None = None, overlap: bool = True) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: MeshDim,
+                   attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
+                   enable_gqa: bool = False, zigzag: bool = False, kv_len: int | None = None,
+                   overlap: bool = True, comm: str = FUNCTIONAL) -> torch.Tensor:
     """This rank's rows of ``F.scaled_dot_product_attention`` over the full sequences, in
     forward and backward. ``overlap=False`` serializes communication and compute in the
     forward (only to measure what overlap saves).
 
+    ``ring``: the ring's layout (its groups and this rank's coordinate ``rank`` of ``size``);
+    ``comm``: the lowering of its rotations (``ops.comm``).
     q: [B, Hq, Sq, D], k and v: [B, Hkv, Skv, D], this rank's sequence block (dim -2) of
-    equal-length blocks, in rank order, or in the zigzag layout (chunks ``rank`` and
+    equal-length blocks, in ring order, or in the zigzag layout (chunks ``rank`` and
     ``2*size-1-rank``) when ``zigzag``. Key/value blocks travel with their own kv heads.
     ``kv_len``: the real key length when the blocks hold an uneven sequence padded at its end
     (the padding is masked). ``attn_mask`` (boolean, True = attend, or additive):
@@ -400,12 +395,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group_n
     """
     if attn_mask is not None:
         attn_mask = as_4d(attn_mask)
-    _check_inputs(q, k, v, attn_mask, rank=rank, size=size, is_causal=is_causal, enable_gqa=enable_gqa,
+    _check_inputs(q, k, v, attn_mask, rank=ring.rank, size=ring.size, is_causal=is_causal, enable_gqa=enable_gqa,
                   zigzag=zigzag, kv_len=kv_len)
-    if size == 1:
+    if ring.size == 1:
         if kv_len is not None:
             k, v = k[..., :kv_len, :], v[..., :kv_len, :]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
     mask = None if attn_mask is None else _additive(attn_mask, q.dtype)
-    return _RingAttention.apply(q, k, v, mask, group_name, rank, size, is_causal, scale, zigzag, kv_len, overlap)
+    return _RingAttention.apply(q, k, v, mask, ring, comm, is_causal, scale, zigzag, kv_len, overlap)

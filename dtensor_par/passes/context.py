@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from ..logs import logger
 from ..mesh import MeshInfo
+from ..ops.comm import FUNCTIONAL
 from ..placements import Placement, describe
 
 if TYPE_CHECKING:
@@ -26,6 +27,9 @@ class ParallelConfig:
     output: str = "full"  # "full": gathered tensors; "local": local shards as DTensors
     dump_dir: str | None = None  # where each pass writes its graph, if set
     parallelized: bool = False  # parameters are DTensor shards (dtensor_par.parallelize), not full tensors
+    collectives: str = "auto"  # the lowering: "auto", "functional" or "xla" (passes.lower)
+    ulysses_impl: str = "all_to_all"  # Ulysses' exchange: "all_to_all" or "all_gather" (ops.attention)
+    replica_group_limit: int = 12  # distinct replica-group sets a Neuron program may use
 
 
 @dataclass
@@ -45,6 +49,8 @@ class ParallelContext:
     output_placements: list[dict[str, Placement] | None] = field(default_factory=list)  # per output, by dim
     warnings: list[str] = field(default_factory=list)
     coverage: Coverage | None = None  # from plan_pass
+    comm: str = FUNCTIONAL  # the lowering lower_pass picked
+    replica_group_sets: dict[str, tuple] = field(default_factory=dict)  # from lower_pass
 
     @property
     def mesh(self) -> MeshInfo:
@@ -60,7 +66,7 @@ class PlanningError(RuntimeError):
     """A pass could not handle one node. Names the node, its op, input shapes and placements."""
 
 
-USER_ERRORS = (ValueError, NotImplementedError, TypeError, PlanningError)
+USER_ERRORS = (ValueError, NotImplementedError, TypeError, ImportError, PlanningError)
 """Errors the passes raise on purpose, each with a message for the user; anything else is a
 defect of ours and becomes a PlanningError naming where it happened."""
 

@@ -2,9 +2,10 @@
 
 One walk in graph order: where a consumer needs another placement than its producer has,
 insert exactly that redistribution (once per producer and placement); rewrite every shape
-argument from global to local sizes. Parameters arrive as local shards (the runtime slices
-them), so placeholders are left as they are; but a full (not parallelized) parameter has its
-gradient all-gathered by the runtime, and its placeholder records that collective.
+argument from global to local sizes. Inputs and parameters arrive as local shards (the runtime
+slices them), so placeholders are left as they are; but the gradient of a sliced input or of
+a full (not parallelized) parameter is all-gathered by the runtime, and its placeholder
+records that collective.
 """
 
 from __future__ import annotations
@@ -68,23 +69,20 @@ class _Inserter:
 def redistribute(insert: _Inserter, x: fx.Node, src: Placement, dst: Placement) -> fx.Node:
     """Insert the op that turns ``x`` from ``src`` into ``dst`` placement (before the cursor)."""
     dim = insert.dim
-    group, rank, size = dim.group_name, dim.rank, dim.size
     if isinstance(src, Partial):
         if dst == R:
-            return insert(C.all_reduce, (x, group), src, dst)
+            return insert(C.all_reduce, (x, dim), src, dst)
         if isinstance(dst, Shard):
-            return insert(C.reduce_scatter, (x, dst.dim, group, size), src, dst)
+            return insert(C.reduce_scatter, (x, dst.dim, dim), src, dst)
     elif src == R:
-        return insert(C.shard_local, (x, dst.dim, interleaved_parts(dst), group, rank, size), src, dst)
+        return insert(C.shard_local, (x, dst.dim, interleaved_parts(dst), dim), src, dst)
     elif dst == R:
-        return insert(C.all_gather, (x, src.dim, interleaved_parts(src), group, rank, size), src, dst,
-                      **insert.padded_length(src))
+        return insert(C.all_gather, (x, src.dim, interleaved_parts(src), dim), src, dst, **insert.padded_length(src))
     elif isinstance(src, Shard) and isinstance(dst, Shard):
-        return insert(C.all_to_all, (x, src.dim, dst.dim, group, size), src, dst, **insert.padded_length(src))
+        return insert(C.all_to_all, (x, src.dim, dst.dim, dim), src, dst, **insert.padded_length(src))
     else:
-        full = insert(C.all_gather, (x, src.dim, interleaved_parts(src), group, rank, size), src, R,
-                      **insert.padded_length(src))
-        return insert(C.shard_local, (full, dst.dim, interleaved_parts(dst), group, rank, size), R, dst)
+        full = insert(C.all_gather, (x, src.dim, interleaved_parts(src), dim), src, R, **insert.padded_length(src))
+        return insert(C.shard_local, (full, dst.dim, interleaved_parts(dst), dim), R, dst)
     raise ValueError(f"localize: no redistribution from {src} to {dst} for {x.name}")
 
 
@@ -143,31 +141,38 @@ def _edge(insert: _Inserter, cached, x: fx.Node, src: Placement, dst: Placement,
     dim = insert.dim
     if partial_grad and shard_dim(src) is not None:
         return cached((x, dim.name, "gather_partial_grad"), lambda: insert(
-            C.all_gather_partial_grad, (x, src.dim, interleaved_parts(src), dim.group_name, dim.size), src, R,
+            C.all_gather_partial_grad, (x, src.dim, interleaved_parts(src), dim), src, R,
             **insert.padded_length(src)))
     if src != dst:
         x = cached((x, dim.name, dst), lambda: redistribute(insert, x, src, dst))
     if partial_grad:
-        x = cached((x, dim.name, "grad_all_reduce"), lambda: insert(C.grad_all_reduce, (x, dim.group_name), R, R))
+        x = cached((x, dim.name, "grad_all_reduce"), lambda: insert(C.grad_all_reduce, (x, dim), R, R))
     return x
 
 
-def record_param_grad_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
-    """Without ``parallelize`` every rank holds full parameters: the runtime hands the graph
-    this rank's piece of each sharded one and all-gathers its gradient back to full size."""
-    tp = ctx.mesh.dims["tp"]
+def record_runtime_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
+    """The runtime hands the graph this rank's piece of each sharded input and gathers the
+    gradient back whole: on each mesh dim it is sharded over for a (sequence-sharded) input;
+    on tp for a full parameter (without ``parallelize`` every rank holds parameters whole)."""
     for node in gm.graph.nodes:
-        p = ctx.param_placements.get(node.name)
-        if node.op == "placeholder" and shard_dim(p) is not None and node.meta["requires_grad"]:
-            val = tensor_val(node)
-            nbytes = math.prod(local_shape(val.shape, p, tp.size)) * val.element_size()
-            node.meta["dtensor_par_comm"] = [Communication(None, "all_gather", "tp", tp.size, 0, nbytes,
-                                                           "parameter gradient")]
+        if node.op != "placeholder" or not node.meta["requires_grad"]:
+            continue
+        if node.name in ctx.params:
+            p = ctx.param_placements.get(node.name)
+            placements = {"tp": p} if shard_dim(p) is not None and not ctx.config.parallelized else {}
+            site = "parameter gradient"
+        else:
+            placements = {d: s.out for d, s in node.meta["dtensor_par"].items() if shard_dim(s.out) is not None}
+            site = "input gradient"
+        val = tensor_val(node)
+        nbytes = math.prod(local_shape_on(val.shape, placements, ctx.mesh)) * val.element_size()
+        comms = [Communication(None, "all_gather", d, ctx.mesh.size(d), 0, nbytes, site) for d in placements]
+        if comms:
+            node.meta["dtensor_par_comm"] = comms
 
 
 def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    if not ctx.config.parallelized:
-        record_param_grad_gathers(gm, ctx)
+    record_runtime_gathers(gm, ctx)
     dims = ctx.mesh.plan_dims
     graph = gm.graph
     cache: dict = {}  # one redistribution per producer, mesh dim and target placement

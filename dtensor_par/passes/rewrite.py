@@ -62,12 +62,13 @@ def expand_gqa_kv(gm: fx.GraphModule, site: AttentionSite, repeat: int) -> None:
     core.args, core.kwargs = (sdpa.pop("query"), sdpa.pop("key"), sdpa.pop("value")), sdpa
 
 
-def hybrid_attention_communication(site: AttentionSite, q, k, mesh) -> list[Communication]:
+def hybrid_attention_communication(site: AttentionSite, q, k, mesh, ulysses_impl: str) -> list[Communication]:
     """The collectives one hybrid attention issues, per rank, forward and backward.
 
     Ulysses: one all-to-all for q/k/v (packed) and one for the output, each mirrored in the
-    backward. Ring: ring-1 kv rotations forward; backward ring-1 kv rotations plus ring fp32
-    dk/dv rotations. Sizes include the zero heads padding adds.
+    backward; or, with ``ulysses_impl="all_gather"``, an all-gather of each whose backward
+    reduce-scatters ``ulysses`` times the bytes. Ring: ring-1 kv rotations forward; backward
+    ring-1 kv rotations plus ring fp32 dk/dv rotations. Sizes include the zero heads padding adds.
     """
     tp, ulysses, ring, cp = (mesh.size(n) for n in ("tp", "ulysses", "ring", "cp"))
     batch, heads, seq, head_dim = q.shape
@@ -79,8 +80,11 @@ def hybrid_attention_communication(site: AttentionSite, q, k, mesh) -> list[Comm
     per_head = batch * local_seq * head_dim * q.element_size()  # one head of a (padded) sequence shard
     comms = []
     if ulysses > 1:
+        gathers = ulysses_impl == "all_gather"
+        forward, backward = ("all_gather", "reduce_scatter") if gathers else ("all_to_all", "all_to_all")
         for nbytes in (per_head * (q_heads + 2 * kv_heads), per_head * q_heads):
-            comms.append(Communication("all_to_all", "all_to_all", "ulysses", ulysses, nbytes, nbytes, site.name))
+            comms.append(Communication(forward, backward, "ulysses", ulysses, nbytes,
+                                       nbytes * ulysses if gathers else nbytes, site.name))
     if ring > 1:
         kv_block = 2 * (kv_heads // ulysses) * per_head * ulysses  # k and v of one ring block
         comms += [Communication("ring_rotate", "ring_rotate", "ring", ring, kv_block, kv_block, site.name)
@@ -192,17 +196,16 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
         ctx.warn(f"{site.name} ({core.name}): {heads} query / {kv_heads} kv heads per tp rank (tp={tp}) do not "
                  f"divide by mesh dim 'ulysses' of size {ulysses}; padded to {padded} heads "
                  f"({padded - heads} zero heads computed per {heads})")
-    ring = mesh.dims["ring"]
     kwargs = {"attn_mask": mask, "is_causal": sdpa["is_causal"], "scale": sdpa["scale"],
-              "enable_gqa": sdpa["enable_gqa"], "ulysses_group": mesh.dims["ulysses"].group_name,
-              "ulysses_rank": mesh.dims["ulysses"].rank, "ulysses_size": ulysses, "ring_group": ring.group_name,
-              "ring_rank": ring.rank, "ring_size": ring.size,
+              "enable_gqa": sdpa["enable_gqa"], "ulysses": mesh.dims["ulysses"], "ring": mesh.dims["ring"],
+              "ulysses_impl": ctx.config.ulysses_impl,
               **_sequence_lengths(site, tensor_val(sdpa["query"]), tensor_val(sdpa["key"]), mesh, ctx)}
     with gm.graph.inserting_before(core):
         hybrid = gm.graph.call_function(hybrid_attention, (sdpa["query"], sdpa["key"], sdpa["value"]), kwargs)
     hybrid.meta.update(core.meta)
     hybrid.meta["dtensor_par_comm"] = hybrid_attention_communication(site, tensor_val(sdpa["query"]),
-                                                                     tensor_val(sdpa["key"]), mesh)
+                                                                     tensor_val(sdpa["key"]), mesh,
+                                                                     ctx.config.ulysses_impl)
     core.replace_all_uses_with(hybrid)
     gm.graph.erase_node(core)
     site.core = hybrid

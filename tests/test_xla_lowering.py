@@ -1,0 +1,300 @@
+"""The lower pass: replica groups, the Neuron checks, and the xla lowering run on CPU against
+``tests.xm_gloo`` (torch_xla's xm collectives on gloo) in place of torch_xla."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections import Counter
+import math
+import sys
+
+import expecttest
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import dtensor_par
+from dtensor_par.backend import parallelize_graph
+from dtensor_par.mesh import MESH_DIMS, SPANS, MeshDim, MeshInfo
+from dtensor_par.ops.comm import ring_pairs
+from dtensor_par.passes.capture import capture_graphs, capture_pass
+from dtensor_par.passes.context import ParallelConfig
+from dtensor_par.passes.detect import detect_pass
+from dtensor_par.passes.localize import localize_pass
+from dtensor_par.passes.lower import (check_circular, check_contiguous, check_partition, lower_pass,
+                                      resolve_collectives)
+from dtensor_par.passes.plan import plan_pass
+from dtensor_par.passes.rewrite import rewrite_pass
+from dtensor_par.runtime import local_value
+from tests import factories, models, xm_gloo
+from tests.cases import run_cases
+from tests.conftest import _init_fake
+from tests.harness import FORWARD_ATOL, GRAD_RTOL, run_ranks
+
+NEURON_ORDER = ("ring", "tp", "ulysses")  # ulysses innermost: contiguous all-to-all groups
+
+
+@pytest.fixture
+def xm(monkeypatch):
+    """``tests.xm_gloo`` as torch_xla.core.xla_model, for this test only."""
+    xm_gloo.install(lambda name, module: monkeypatch.setitem(sys.modules, name, module))
+    xm_gloo.calls.clear()
+    return xm_gloo
+
+
+def _expected_groups(sizes: dict, order: tuple, spans: tuple) -> set:
+    """Groups of ``spans`` from each rank's coordinates (row-major over ``order``), each group
+    in the order of its flattened coordinate (ring-major for cp)."""
+    groups: dict[tuple, dict[int, int]] = {}
+    for rank, coords in enumerate(itertools.product(*(range(sizes[d]) for d in order))):
+        at = dict(zip(order, coords))
+        position = 0
+        for d in spans:
+            position = position * sizes[d] + at[d]
+        groups.setdefault(tuple(at[d] for d in MESH_DIMS if d not in spans), {})[position] = rank
+    return {tuple(g[i] for i in range(len(g))) for g in groups.values()}
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=2), dict(ring=4), dict(tp=2, ulysses=2), dict(tp=2, ring=2),
+                                   dict(ring=2, ulysses=2), dict(tp=2, ring=2, ulysses=2),
+                                   dict(tp=4, ring=2, ulysses=4), dict(tp=8, ring=2, ulysses=4)])
+def test_xla_replica_groups_for_many_meshes_and_orders(sizes):
+    """Every mesh dim's groups, in every order of the mesh dims: the ranks that share the other
+    coordinates, by coordinate; a partition of the world; rotations as rings."""
+    sizes = {**{d: 1 for d in MESH_DIMS}, **sizes}
+    world = math.prod(sizes.values())
+    for order in itertools.permutations(MESH_DIMS):
+        info = MeshInfo.for_planning(sizes, "cpu", order)
+        for name, spans in SPANS.items():
+            dim = info.dims[name]
+            assert set(dim.groups) == _expected_groups(sizes, order, spans), (order, name)
+            assert len(dim.groups) == world // dim.size and 0 in dim.ranks and dim.rank == dim.ranks.index(0)
+            check_partition(dim, world)
+        pairs = ring_pairs(info.dims["ring"])
+        assert len(pairs) == world and {tuple(p) for p in pairs} == {
+            (g[i], g[(i + 1) % len(g)]) for g in info.dims["ring"].groups for i in range(len(g))}
+        if sizes["ring"] > 1:
+            check_circular(pairs, info.dims["ring"])
+
+
+@pytest.mark.parametrize("check, message", [
+    (lambda: check_partition(MeshDim("tp", 2, 0, None, ((0, 1), (2, 3, 4)), 0), 5),
+     r"mesh dim 'tp' has groups of unequal sizes: \[\[0, 1\], \[2, 3, 4\]\] \(world size 5\)"),
+    (lambda: check_partition(MeshDim("tp", 2, 0, None, ((0, 1), (1, 2)), 0), 4),
+     r"mesh dim 'tp' has a rank in two groups: \[\[0, 1\], \[1, 2\]\]"),
+    (lambda: check_partition(MeshDim("cp", 2, 0, None, ((0, 1), (2, 3)), 0), 8),
+     r"mesh dim 'cp' has groups that do not cover the world: \[\[0, 1\], \[2, 3\]\] \(world size 8\)"),
+    (lambda: check_circular([[0, 1], [1, 2]], MeshDim("ring", 3, 0, None, ((0, 1, 2),), 0)),
+     r"collective_permute pairs \[\[0, 1\], \[1, 2\]\] over mesh dim 'ring' \(groups \[\[0, 1, 2\]\]\) do not form "
+     r"rings"),
+    (lambda: check_contiguous(MeshDim("cp", 4, 0, None, ((0, 1, 4, 5), (2, 3, 6, 7)), 0), NEURON_ORDER),
+     r"all-to-all over mesh dim 'cp' needs groups of contiguous ranks on Neuron, but its groups are "
+     r"\[\[0, 1, 4, 5\], \[2, 3, 6, 7\]\] .*order=\('tp', 'ring', 'ulysses'\)\) \(ring x ulysses innermost\)$"),
+])
+def test_xla_and_neuron_checks_name_the_mesh_dim_and_groups(check, message):
+    with pytest.raises(ValueError, match=message):
+        check()
+
+
+def test_neuron_all_to_all_needs_contiguous_ulysses_groups():
+    """On Neuron the plan refuses strided all-to-all groups and names an order that works; the
+    Neuron default order and the all-gather form of Ulysses pass."""
+    model, inputs = factories.gpt()
+    mesh = dict(tp=2, ulysses=2, device_type="neuron")
+    with pytest.raises(ValueError, match=r"mesh dim 'ulysses' .* groups are \[\[0, 2\], \[1, 3\]\] \(mesh order "
+                                         r"\('ring', 'ulysses', 'tp'\)\); build the mesh with init_mesh\(\.\.\., "
+                                         r"order=\('ring', 'tp', 'ulysses'\)\) \(ulysses innermost\) or "
+                                         r"ulysses_impl='all_gather'"):
+        dtensor_par.explain(model, inputs, **mesh, order=("ring", "ulysses", "tp"))
+    assert dtensor_par.explain(model, inputs, **mesh).graphs[0].replica_group_sets == 2  # tp's, ulysses' (= cp's)
+    dtensor_par.explain(model, inputs, **mesh, order=("ring", "ulysses", "tp"), ulysses_impl="all_gather")
+
+
+def test_xla_replica_group_sets_count_and_limit(xm):
+    """tp2 x ring2 x ulysses2: tp, cp and ulysses groups and the ring's permute pairs."""
+    model, inputs = factories.gpt()
+    mesh = dict(tp=2, ring=2, ulysses=2, order=NEURON_ORDER, collectives="xla")
+    report = dtensor_par.explain(model, inputs, **mesh)
+    assert report.graphs[0].replica_group_sets == 4 and "replica-group sets: 4 (xla)" in str(report)
+    with pytest.raises(ValueError, match=r"uses 4 distinct replica-group sets, over the limit of 3 "
+                                         r"\(replica_group_limit.*ring permute pairs: \[\[0, 4\], \[4, 0\]"):
+        dtensor_par.explain(model, inputs, **mesh, replica_group_limit=3)
+
+
+def test_xla_without_torch_xla_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_xla", None)
+    model, inputs = factories.gpt()
+    with pytest.raises(ImportError, match="collectives='xla' lowers every collective to torch_xla.core.xla_model "
+                                          "calls, but torch_xla cannot be imported"):
+        dtensor_par.explain(model, inputs, tp=2, collectives="xla")
+
+
+def test_xla_chosen_by_auto_only_for_xla_tensors(fake_world, xm):
+    assert resolve_collectives("auto", {"cpu"}) == "functional"
+    assert resolve_collectives("auto", {"xla", "cpu"}) == "xla"
+    assert resolve_collectives("functional", {"xla"}) == "functional"
+    fake_world(2)
+    (gm, inputs), = capture_graphs(models.GPTBlock(), torch.randn(2, 8, 32))
+    config = ParallelConfig(MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2)))
+    passes = (capture_pass, detect_pass, rewrite_pass, plan_pass, localize_pass)
+    for device, lowered in (("cpu", None), ("xla", "xla")):
+        local_gm, ctx = parallelize_graph(gm, inputs, config, passes=passes)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            ctx.example_inputs[0] = torch.empty(inputs[0].shape, device=device)  # the input x
+        lower_pass(local_gm, ctx)
+        collectives = [n for n in local_gm.graph.nodes if n.op == "call_function" and "dtensor_par_comm" in n.meta]
+        assert ctx.comm == (lowered or "functional") and len(collectives) == 4
+        assert {n.kwargs.get("comm") for n in collectives} == {lowered}
+
+
+class TestXlaLoweredBlockGolden(expecttest.TestCase):
+    def tearDown(self):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch._dynamo.reset()
+
+    def test_xla_lowered_gpt_block_at_tp2_ring2_ulysses2(self):
+        """The xm calls one block's forward and backward make, on rank 0 of a fake group of 8:
+        every call with groups= every group of its mesh dim, pin_layout=False; the ring rotations
+        as one collective_permute; the input and parameter gradients gathered too."""
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            xm_gloo.install(lambda name, module: monkeypatch.setitem(sys.modules, name, module))
+            _init_fake(8)
+            info = MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2, ring=2, ulysses=2, order=NEURON_ORDER))
+            (g, inputs), = capture_graphs(models.GPTBlock(hidden=64, heads=8, mlp=128), torch.randn(2, 16, 64))
+            gm, ctx = parallelize_graph(g, inputs, ParallelConfig(info, collectives="xla"))
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            local = [local_value(value.detach().requires_grad_(), {d: s.out for d, s in n.meta["dtensor_par"].items()},
+                                 ctx.mesh, ctx.comm) for n, value in zip(placeholders, inputs)]
+            xm_gloo.calls.clear()
+            out, = gm(*local)
+            forward = list(xm_gloo.calls)
+            out.sum().backward()
+        backward = xm_gloo.calls[len(forward):]
+        self.assertExpectedInline("\n".join(["forward:", *forward, "backward:", *backward]), """\
+forward:
+all_to_all [2, 3, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
+collective_permute [2, 2, 2, 8, 8] pairs=[[0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]
+all_to_all [2, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
+all_reduce [2, 4, 64] scale=1.0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
+all_reduce [2, 4, 64] scale=1.0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
+all_gather [1, 2, 4, 64] dim=0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
+backward:
+all_reduce [64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
+all_reduce [64, 64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
+all_reduce [64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
+all_reduce [64, 64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
+all_reduce [2, 4, 64] scale=1.0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
+all_reduce [64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
+all_reduce [64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
+all_reduce [64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
+all_reduce [64, 32] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
+all_to_all [2, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
+collective_permute [2, 2, 2, 8, 8] pairs=[[0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]
+collective_permute [2, 2, 2, 8, 8] pairs=[[0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]
+collective_permute [2, 2, 2, 8, 8] pairs=[[0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]
+all_to_all [2, 3, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
+all_reduce [96] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
+all_reduce [96, 64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
+all_reduce [2, 4, 64] scale=1.0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
+all_reduce [64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
+all_reduce [64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
+all_gather [1, 64, 64] dim=0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
+all_gather [1, 64] dim=0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
+all_gather [1, 64, 64] dim=0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
+all_gather [1, 64, 32] dim=0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
+all_gather [1, 96] dim=0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
+all_gather [1, 96, 64] dim=0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
+all_gather [1, 2, 4, 64] dim=0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False""")
+
+
+def _runs(rank: int, world: int, runs: dict) -> dict:
+    """Each run: (the mesh as run_cases takes it, hybrid_parallel options, cases); which xm
+    functions it called comes back with its metrics."""
+    xm_gloo.install()
+    results = {}
+    for label, (mesh, options, cases) in runs.items():
+        xm_gloo.calls.clear()
+        metrics = run_cases(rank, world, cases, options, 1, **mesh)
+        results[label] = {"metrics": metrics, "xm": sorted({c.split()[0] for c in xm_gloo.calls})}
+    return results
+
+
+XLA = {"collectives": "xla"}
+ALL_GATHER = {"ulysses_impl": "all_gather"}
+PERMUTED = [[3, 1], [0, 2]]  # coordinates and process-group ranks (by global rank) differ along both dims
+RUNS = {
+    4: {"xla tp2 x ulysses2": (dict(mesh_sizes={"tp": 2, "ulysses": 2}, order=NEURON_ORDER), XLA,
+                               ["gpt_fused_qkv"]),
+        "xla tp2 x ring2": (dict(mesh_sizes={"tp": 2, "ring": 2}), XLA, ["gpt_fused_qkv", "uneven_seq_30_masked"]),
+        # Strided ulysses groups (tp innermost): refused for all-to-all, fine for all-gathers; 7 heads per
+        # tp rank padded to 8 for ulysses.
+        "xla all_gather tp2 x ulysses2": (dict(mesh_sizes={"tp": 2, "ulysses": 2}), {**XLA, **ALL_GATHER},
+                                          ["uneven_heads_14"]),
+        "all_gather ring2 x ulysses2": (dict(mesh_sizes={"ring": 2, "ulysses": 2}), ALL_GATHER,
+                                        ["uneven_seq_30_masked"]),
+        "permuted ring, tp": (dict(mesh_ranks=(PERMUTED, ("ring", "tp"))), {}, ["gpt_fused_qkv", "unshardable_op"]),
+        "xla permuted ring, tp": (dict(mesh_ranks=(PERMUTED, ("ring", "tp"))), XLA, ["gpt_fused_qkv"]),
+        "permuted ulysses, tp": (dict(mesh_ranks=(PERMUTED, ("ulysses", "tp"))), {}, ["llama_gqa_rope"])},
+    8: {"xla tp2 x ulysses4": (dict(mesh_sizes={"tp": 2, "ulysses": 4}, order=NEURON_ORDER), XLA,
+                               ["gpt_fused_qkv"]),
+        "xla tp2 x ring4": (dict(mesh_sizes={"tp": 2, "ring": 4}), XLA, ["gpt_fused_qkv"])},
+}
+
+
+@functools.cache
+def _results(world: int) -> dict:
+    """One launch per world size for all of its runs; rank 0's results, every rank checked."""
+    results = run_ranks(world, _runs, RUNS[world])
+    for rank_results in results:
+        for label, result in rank_results.items():
+            assert set(result["metrics"]) == set(RUNS[world][label][2]), label
+            for case, metrics in result["metrics"].items():
+                assert metrics["forward_abs"] <= FORWARD_ATOL, (label, case, metrics)
+                assert metrics["grad_rel"] <= GRAD_RTOL, (label, case, metrics)
+    return results[0]
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_xla_lowering_matches_single_device(world):
+    """tp x ulysses and tp x ring through the xm calls only: forward and every gradient exact."""
+    for label, result in _results(world).items():
+        if label.startswith("xla"):
+            expected = {"all_gather", "all_reduce"} | (
+                {"collective_permute"} if "ring" in label else
+                {"reduce_scatter"} if "all_gather" in label else {"all_to_all"})
+            assert set(result["xm"]) == expected, (label, result["xm"])
+        else:
+            assert result["xm"] == [], label
+
+
+def test_ulysses_all_gather_form_matches_single_device():
+    """Without all-to-all: heads padded for ulysses (over xm calls) and a padded zigzag
+    sequence under a mask (over gloo)."""
+    results = _results(4)
+    assert any("padded to 8 heads" in w for w in
+               results["xla all_gather tp2 x ulysses2"]["metrics"]["uneven_heads_14"]["warnings"])
+    assert "all_to_all" not in results["xla all_gather tp2 x ulysses2"]["xm"]
+
+
+def test_permuted_mesh_takes_shards_by_coordinate():
+    """A user mesh whose rank order is not the default: shards, gathers (tp gathers before an
+    op without a rule), ring rotations and the zigzag layout follow each rank's coordinate,
+    with functional collectives and with xm calls."""
+    results = _results(4)
+    assert any("cumsum" in w for w in results["permuted ring, tp"]["metrics"]["unshardable_op"]["warnings"])
+    assert "collective_permute" in results["xla permuted ring, tp"]["xm"]
+
+
+def test_ulysses_all_gather_form_collectives():
+    """Per attention: two all-gathers over ulysses forward, two reduce-scatters backward, no
+    all-to-all."""
+    model, inputs = factories.gpt()
+    graph, = dtensor_par.explain(model, inputs, tp=2, ulysses=2, ulysses_impl="all_gather").graphs
+    ulysses = Counter()
+    for c in graph.collectives:
+        if c["mesh_dims"] == "ulysses" and c["site"] == "attention0":
+            ulysses[c["direction"], c["op"]] += c["count"]
+    assert ulysses == {("forward", "all_gather"): 2, ("backward", "reduce_scatter"): 2}
