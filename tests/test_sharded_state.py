@@ -125,7 +125,8 @@ def test_training_matches_one_device_holding_one_tp_share(sizes, tmp_path):
     for size in sizes.values():
         world *= size
     checkpoint = str(tmp_path / "checkpoint") if world == 4 else None
-    for result in run_ranks(world, train_against_one_device, sizes, ["gpt", "llama"], checkpoint):
+    names = ["gpt", "llama"] if world == 4 else ["llama"]  # the fused (strided) case once: CI time on 2 cores
+    for result in run_ranks(world, train_against_one_device, sizes, names, checkpoint):
         for name, worst in result.items():
             assert worst["sharded_params"] == 2 * len(SHARDED[name]), (name, worst)
             for key in ("loss", "norm", "param", "full_state_dict", "loaded_full", "dcp_params", "dcp_exp_avg"):
