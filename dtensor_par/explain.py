@@ -69,6 +69,8 @@ class Report:
             out += [f"    {c['direction']:8} {c['op']:14} {c['mesh_dims']}[{c['group_size']}] "
                     f"{c['bytes_per_rank']:>12,} B x {c['count']}  {c['site']}" for c in g.collectives]
             out.append(f"  replica-group sets: {g.replica_group_sets} ({g.lowering})")
+            for site, flops in g.coverage.ring_attention_flops.items():
+                out.append(f"  {site}: attention FLOPs per ring rank {[f'{f:,}' for f in flops]}")
             if g.coverage.fallback_gathers:
                 out.append("  fallback gathers (correct, but not parallel):")
                 out += [f"    {f}" for f in g.coverage.fallback_gathers]

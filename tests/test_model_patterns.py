@@ -82,3 +82,15 @@ def test_complex_rope_pad_and_like_ops_stay_split():
         graph = _explain(models.ComplexRoPEAttention(), (torch.randn(2, 16, 32),), **mesh)
         assert graph.coverage.fallback_gathers == [], (mesh, graph.coverage.fallback_gathers)
         assert graph.coverage.parallel_sites == 1
+
+
+def test_attention_flops_per_ring_rank_are_reported_and_balanced_when_causal():
+    causal = _explain(models.Llama(layers=1), (torch.randint(0, 50, (2, 32)),), ring=4).coverage
+    masked = _explain(models.MaskedAttention("additive"), (torch.randn(2, 32, 32), torch.ones(2, 32, dtype=torch.bool)),
+                      ring=4).coverage
+    (per_rank,), (whole,) = causal.ring_attention_flops.values(), masked.ring_attention_flops.values()
+    assert len(per_rank) == 4 and len(set(per_rank)) == 1  # zigzag: every ring rank does the same work
+    pairs = 32 * 32  # (query, key) pairs of one head; 4 FLOPs per pair and head dim
+    assert sum(whole) == 4 * 2 * 4 * 8 * pairs  # a mask: every block computed whole (batch 2, 4 heads of 8)
+    full = 4 * 2 * 8 * 8 * pairs  # Llama: batch 2, 8 heads of 8
+    assert full / 2 < sum(per_rank) < full  # causal: about half

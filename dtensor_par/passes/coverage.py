@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from ..placements import Replicate
+from ..ops.ring import ring_step_flops
+from ..placements import Replicate, shard_length
 from .context import ParallelContext
 from .detect import AttentionSite, weight_name
 from .patterns import op_kind, tensor_val
@@ -34,6 +35,7 @@ class Coverage:
     sharded_parameters: int = 0
     fallback_gathers: list[str] = field(default_factory=list)  # "node (op) on dim: why"
     parallel_sites: int = 0
+    ring_attention_flops: dict[str, list[int]] = field(default_factory=dict)  # site -> FLOPs per ring rank
 
     @staticmethod
     def share(part: int, whole: int) -> float:
@@ -50,7 +52,8 @@ class Coverage:
                 "block_linear_flops": self.block_linear_flops,
                 "sharded_block_linear_flops": self.sharded_block_linear_flops,
                 "parameters": self.parameters, "sharded_parameters": self.sharded_parameters,
-                "fallback_gathers": list(self.fallback_gathers), "parallel_sites": self.parallel_sites}
+                "fallback_gathers": list(self.fallback_gathers), "parallel_sites": self.parallel_sites,
+                "ring_attention_flops": dict(self.ring_attention_flops)}
 
 
 def _linear_flops(node: fx.Node) -> int:
@@ -90,7 +93,23 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
         cov.parameters += info.tensor.numel()
         cov.sharded_parameters += info.tensor.numel() * (name in ctx.param_placements)
     cov.parallel_sites = sum(_runs_parallel(site, ctx) for site in ctx.sites)
+    if ctx.mesh.size("ring") > 1:
+        cov.ring_attention_flops = {site.name: ring_rank_flops(site, ctx) for site in ctx.sites
+                                    if isinstance(site, AttentionSite) and op_kind(site.core) == "hybrid_attention"}
     return cov
+
+
+def ring_rank_flops(site: AttentionSite, ctx: ParallelContext) -> list[int]:
+    """Attention FLOPs each ring rank spends on one attention, following the ring schedule
+    (zigzag; causal blocks computed in part, masked blocks computed whole)."""
+    batch, heads, seq, head_dim = tensor_val(site.core.args[0]).shape
+    mesh, cp = ctx.mesh, ctx.mesh.dims["cp"]
+    ring = mesh.size("ring")
+    local_heads = -(-heads // (mesh.size("tp") * mesh.size("ulysses")))  # padded heads are computed too
+    laid_out = cp.size * shard_length(seq, cp.size, cp.chunks_per_rank)
+    causal = bool(site.core.kwargs.get("is_causal"))
+    return [sum(ring_step_flops(laid_out, ring, r, zigzag=True, is_causal=causal, batch=batch, heads=local_heads,
+                                head_dim=head_dim)) for r in range(ring)]
 
 
 def _runs_parallel(site, ctx: ParallelContext) -> bool:
