@@ -141,12 +141,12 @@ class ParallelRuntime:
             if param is None:
                 continue
             planned = ctx.param_placements.get(name, Replicate())
-            if param.device_mesh != self.mesh or tuple(param.placements) != dtensor_placements(planned, self.mesh):
+            needed = dtensor_placements(planned, self.mesh)
+            if param.device_mesh != self.mesh or tuple(param.placements) != needed:
                 raise ValueError(
                     f"hybrid_parallel: parameter {info.fqn!r} is a DTensor with placements {param.placements} over "
-                    f"{param.device_mesh}, but this plan needs {dtensor_placements(planned, self.mesh)} "
-                    f"(tp: {describe(planned)}) over {self.mesh}; parallelize the model with the mesh and "
-                    f"options you compile it with")
+                    f"{param.device_mesh}, but this plan needs {needed} (tp: {describe(planned)}) over {self.mesh}; "
+                    f"parallelize the model with the mesh and options you compile it with")
 
     def _build(self, args) -> LocalGraph:
         self._check_devices(args)

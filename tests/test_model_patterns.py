@@ -94,3 +94,11 @@ def test_attention_flops_per_ring_rank_are_reported_and_balanced_when_causal():
     assert sum(whole) == 4 * 2 * 4 * 8 * pairs  # a mask: every block computed whole (batch 2, 4 heads of 8)
     full = 4 * 2 * 8 * 8 * pairs  # Llama: batch 2, 8 heads of 8
     assert full / 2 < sum(per_rank) < full  # causal: about half
+
+
+def test_parts_of_unequal_sizes_stay_replicated_under_parallelize():
+    inputs = (torch.randn(2, 16, 32), torch.randn(2, 8, 32))
+    graph = _explain(models.JointBlock(), inputs, tp=2, parallelized=True)
+    unequal = [w for w in graph.warnings if "no DTensor placement describes" in w]
+    assert any("qkv" in w and "[32, 16, 16]" in w for w in unequal), graph.warnings  # a GQA fused qkv
+    assert graph.coverage.parallel_sites == 1  # the joint attention; the single-stream site stays replicated

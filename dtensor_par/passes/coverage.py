@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..ops.ring import ring_step_flops
 from ..placements import Replicate, shard_length
 from .context import ParallelContext
-from .detect import AttentionSite, weight_name
+from .detect import AttentionSite, weight_name, weight_param
 from .patterns import op_kind, tensor_val
 
 _IN_BLOCK = re.compile(r"\.\d+\.")
@@ -64,11 +64,9 @@ def _linear_flops(node: fx.Node) -> int:
 
 
 def _weight_fqn(node: fx.Node, ctx: ParallelContext) -> str | None:
-    for i in node.all_input_nodes:
-        source = i.args[0] if op_kind(i) == "transpose" and i.args and isinstance(i.args[0], fx.Node) else i
-        if source.name in ctx.params:
-            return ctx.params[source.name].fqn
-    return None
+    """The module path of a linear's (or ``x @ weight``'s) parameter weight, if it has one."""
+    weight, _ = weight_param(node)
+    return ctx.params[weight.name].fqn if isinstance(weight, fx.Node) and weight.name in ctx.params else None
 
 
 def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:

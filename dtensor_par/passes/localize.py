@@ -18,11 +18,11 @@ import torch.fx as fx
 
 from ..mesh import MeshDim, MeshInfo
 from ..ops import collectives as C
-from ..placements import (InterleavedShard, Partial, Placement, Replicate, Shard, interleaved_parts, is_padded,
+from ..placements import (Partial, Placement, Replicate, Shard, interleaved_parts, is_padded,
                           local_shape, shard_dim, shard_length)
 from .context import ParallelContext, at_node
 from .patterns import op_kind, tensor_val
-from .rules import per_dim, sliced_parts, split_dim, tensor_inputs
+from .rules import per_dim, sliced_part_range, split_dim, tensor_inputs
 
 R = Replicate()
 
@@ -116,14 +116,12 @@ def _rewrite_sizes(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
         entries = None
         for name, sharding in plans.items():
             p = sharding.inputs[0] if sharding.inputs else None
-            parts = sliced_parts(node, p) if isinstance(p, InterleavedShard) else None
-            if parts is None:
+            kept_parts = sliced_part_range(node, p)
+            if kept_parts is None:
                 continue
             entries = entries or per_dim(node.args[1], len(node.args[0].meta["val"].shape))
-            start, stop, _ = entries[p.dim].indices(sum(p.parts))
-            bounds = [sum(p.parts[:i]) for i in range(len(p.parts) + 1)]
             local = [shard_length(part, mesh.size(name), mesh.dims[name].chunks_per_rank) for part in p.parts]
-            entries[p.dim] = slice(sum(local[:bounds.index(start)]), sum(local[:bounds.index(stop)]))
+            entries[p.dim] = slice(sum(local[:kept_parts[0]]), sum(local[:kept_parts[1]]))
         if entries is not None:
             node.args = (node.args[0], tuple(entries))
     elif kind == "split" and node.target in ("split", "split_with_sizes", torch.split):

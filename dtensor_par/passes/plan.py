@@ -80,11 +80,6 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
             ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {tensor_val(linear).shape[-1]} output features "
                      f"(parts {fused_parts(linear)}), not divisible by tp={tp}; the site stays replicated")
             return None
-        if ctx.config.parallelized and isinstance(p, InterleavedShard) and len(set(p.parts)) > 1:
-            ctx.warn(f"{site.name}: {module_name(linear, ctx)} is a fused projection of unequal parts "
-                     f"{list(p.parts)}, whose interleaved shard no DTensor placement describes; under "
-                     f"parallelize the site stays replicated")
-            return None
         placements[linear] = p
     for linear in site.rowwise:
         parts = tuple(tensor_val(x).shape[-1] for x in concatenated_features(linear) or ())
@@ -93,12 +88,13 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
             ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {list(in_features)} input features, not divisible "
                      f"by tp={tp}; the site stays replicated")
             return None
-        if parts and ctx.config.parallelized and len(set(parts)) > 1:
-            ctx.warn(f"{site.name}: {module_name(linear, ctx)} reads features concatenated from parts {list(parts)}, "
-                     f"whose interleaved shard no DTensor placement describes; under parallelize the site stays "
+        placements[linear] = InterleavedShard(1, parts) if parts else Shard(1)
+    for linear, p in placements.items():
+        if ctx.config.parallelized and isinstance(p, InterleavedShard) and len(set(p.parts)) > 1:
+            ctx.warn(f"{site.name}: {module_name(linear, ctx)} is sharded part by part with unequal parts "
+                     f"{list(p.parts)}, which no DTensor placement describes; under parallelize the site stays "
                      f"replicated")
             return None
-        placements[linear] = InterleavedShard(1, parts) if parts else Shard(1)
     return placements
 
 

@@ -218,6 +218,11 @@ def permute_rule(node, ins, cur, env):
     return NodeSharding(moved(p, order.index(p.dim)), tuple(cur))
 
 
+def _static_slice(e) -> bool:
+    """A slice whose bounds are Python ints or None (not sizes computed in the graph)."""
+    return isinstance(e, slice) and all(isinstance(v, (int, type(None))) for v in (e.start, e.stop, e.step))
+
+
 def _whole(e: slice, size: int) -> bool:
     """Whether a slice keeps every position of a dim of ``size`` (``x[:, 0:]`` as ``x[:, :]``)."""
     return e.indices(size) == (0, size, 1)
@@ -258,7 +263,7 @@ def _index_map(index, shape: tuple[int, ...]) -> dict[int, int] | None:
         elif isinstance(e, int):
             src += 1
         elif isinstance(e, slice):
-            if all(isinstance(v, (int, type(None))) for v in (e.start, e.stop, e.step)) and _whole(e, shape[src]):
+            if _static_slice(e) and _whole(e, shape[src]):
                 kept[src] = dst
             src += 1; dst += 1
         else:
@@ -279,9 +284,10 @@ def getitem_rule(node, ins, cur, env):
     if isinstance(p, Partial) or p == R:
         return NodeSharding(p, (p,))
     if p.dim not in kept:
-        parts = sliced_parts(node, p)
-        if parts is None:
+        kept_parts = sliced_part_range(node, p)
+        if kept_parts is None:
             return replicate_all(node, ins, cur, f"indexing into the sharded dim {p.dim}")
+        parts = p.parts[kept_parts[0]:kept_parts[1]]
         out_dim = p.dim - sum(1 for e in per_dim(node.args[1], tensor_val(source).dim())[:p.dim] if isinstance(e, int))
         return NodeSharding(Shard(out_dim) if len(parts) == 1 else InterleavedShard(out_dim, parts), (p,))
     return NodeSharding(moved(p, kept[p.dim]), (p,))
@@ -298,20 +304,18 @@ def per_dim(index, ndim: int) -> list | None:
     return entries + [slice(None)] * (ndim - len(entries))
 
 
-def sliced_parts(node: fx.Node, p: Placement) -> tuple[int, ...] | None:
-    """The parts an index keeps when it slices whole parts off an InterleavedShard dim
-    (``qkv[..., :q_size]`` of a fused projection; ``x[:, text_len:]`` of a joint sequence)."""
+def sliced_part_range(node: fx.Node, p: Placement) -> tuple[int, int] | None:
+    """``(first, stop)``: the parts an index keeps, ``p.parts[first:stop]``, when it slices
+    whole parts off an InterleavedShard dim (``qkv[..., :q_size]`` of a fused projection;
+    ``x[:, text_len:]`` of a joint sequence)."""
     entries = per_dim(node.args[1], tensor_val(node.args[0]).dim())
-    if not isinstance(p, InterleavedShard) or entries is None:
+    if not isinstance(p, InterleavedShard) or entries is None or not _static_slice(entries[p.dim]):
         return None
-    e = entries[p.dim]
-    if not isinstance(e, slice) or not all(isinstance(v, (int, type(None))) for v in (e.start, e.stop, e.step)):
-        return None
-    start, stop, step = e.indices(sum(p.parts))
+    start, stop, step = entries[p.dim].indices(sum(p.parts))
     bounds = [sum(p.parts[:i]) for i in range(len(p.parts) + 1)]
     if step != 1 or start not in bounds or stop not in bounds or start >= stop:
         return None
-    return p.parts[bounds.index(start):bounds.index(stop)]
+    return bounds.index(start), bounds.index(stop)
 
 
 def split_dim(node: fx.Node) -> int:
