@@ -22,9 +22,8 @@ from ..logs import logger
 from ..ops.attention import hybrid_attention
 from ..placements import is_padded, shard_length
 from .capture import with_val
-from .context import ParallelContext
+from .context import Communication, ParallelContext
 from .detect import AttentionSite
-from .localize import Communication
 from .patterns import arg, tensor_val
 from .rules.attention import sdpa_arguments
 

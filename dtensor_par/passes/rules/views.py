@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -36,9 +38,13 @@ def view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, size: 
     for gi, gj in _view_groups(src, dst):
         if p.dim not in gi:
             continue
-        if any(src[d] != 1 for d in gi[:gi.index(p.dim)]):
-            return None  # the shard is not the outermost dim of its run
         outer = [d for d in gj if dst[d] != 1]
+        before = [src[d] for d in gi[:gi.index(p.dim)] if src[d] != 1]
+        if before:  # merged into the dims before it: (batch, seq) -> batch * seq, seq sharded
+            if isinstance(p, InterleavedShard) or len(outer) != 1:
+                return None
+            # This rank holds its piece of each batch entry's run: the runs are the parts.
+            return InterleavedShard(outer[0], (math.prod(src[d] for d in gi[gi.index(p.dim):]),) * math.prod(before))
         if not outer:
             return None
         if isinstance(p, InterleavedShard):
@@ -146,8 +152,8 @@ def localize_view(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
 register("view", "views", view_rule, functions=[torch.reshape, torch.flatten, torch.unflatten, torch.squeeze,
                                                  torch.unsqueeze],
          methods=["view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"],
-         local_sizes=localize_view)
-register("expand", "views", expand_rule, methods=["expand", "expand_as"], local_sizes=localize_view)
+         localize=localize_view)
+register("expand", "views", expand_rule, methods=["expand", "expand_as"], localize=localize_view)
 register("transpose", "views", permute_rule, functions=[torch.transpose, torch.swapaxes, torch.t],
          methods=["transpose", "swapaxes", "t"])
 register("permute", "views", permute_rule, functions=[torch.permute], methods=["permute"])
