@@ -27,7 +27,7 @@ def _partial_passes(node: fx.Node, ins: list[fx.Node], cur: list[Placement]) -> 
     kind = op_kind(node)
     partial = [i for i, p in zip(ins, cur) if isinstance(p, Partial)]
     others_replicated = all(p == R for p in cur if not isinstance(p, Partial))
-    if kind in ("neg", "cast"):
+    if kind == "neg":
         return partial == [node.args[0]] and others_replicated
     if kind in ("add", "sub"):
         operands = node.args[:2]
@@ -61,6 +61,22 @@ def pointwise_rule(node, ins, cur, env):
     return NodeSharding(target, tuple(expected))
 
 
+def cast_rule(node, ins, cur, env):
+    """``x.to(...)``, ``x.type_as(other)``, ``x.float()``: the values are ``x``'s, placed as
+    ``x`` is (partial sums too, while they stay floating point); a tensor argument lends only
+    its dtype and stays as it is."""
+    p = cur[0]
+    if isinstance(p, Partial) and not tensor_val(node).is_floating_point():
+        p = resolve_partial(ins[:1], cur[:1], env)[0]
+    return NodeSharding(p, (p,) + tuple(cur[1:]))
+
+
+def new_tensor_rule(node, ins, cur, env):
+    """``x.new_zeros(size)`` and kin: a fresh tensor of the given (global) size, whole on every
+    rank; ``x`` lends only its dtype and device, so it stays as it is."""
+    return NodeSharding(R, tuple(cur))
+
+
 _SPELLINGS = {  # kind: (functions, Tensor methods)
     "add": ([operator.add, operator.iadd, torch.add], ["add", "__add__", "__radd__"]),
     "sub": ([operator.sub, operator.isub, torch.sub], ["sub", "__sub__", "__rsub__"]),
@@ -73,7 +89,6 @@ _SPELLINGS = {  # kind: (functions, Tensor methods)
                torch.ones_like, torch.full_like, torch.empty_like],
               ["exp", "tanh", "sigmoid", "rsqrt", "sqrt", "sin", "cos", "pow", "abs", "relu", "clamp", "square",
                "erf"]),
-    "cast": ([], ["contiguous", "clone", "float", "half", "bfloat16", "double", "to", "type_as", "detach"]),
     "where": ([torch.where, torch.masked_fill], ["masked_fill"]),
     "logical": ([operator.and_, operator.or_, operator.xor, operator.invert, operator.lt, operator.le, operator.gt,
                  operator.ge, operator.eq, operator.ne, torch.logical_and, torch.logical_or, torch.logical_not],
@@ -81,3 +96,6 @@ _SPELLINGS = {  # kind: (functions, Tensor methods)
 }
 for _kind, (_functions, _methods) in _SPELLINGS.items():
     register(_kind, "pointwise", pointwise_rule, functions=_functions, methods=_methods)
+register("new_tensor", "pointwise", new_tensor_rule, methods=["new_zeros", "new_ones", "new_full", "new_empty"])
+register("cast", "pointwise", cast_rule, methods=["contiguous", "clone", "float", "half", "bfloat16", "double", "to",
+                                                  "type_as", "detach"])
