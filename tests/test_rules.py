@@ -9,6 +9,7 @@ on the global inputs. A rule that keeps a shard it cannot keep fails here.
 from __future__ import annotations
 
 import itertools
+import operator
 
 import pytest
 import torch
@@ -158,3 +159,27 @@ def test_a_fused_projection_stays_interleaved_through_an_einsum():
     fused = InterleavedShard(0, (4, 8))
     sharding = check_rule(lambda x, w: torch.einsum("bsd,fd->bsf", x, w), [x, w], [R, fused])
     assert sharding.out == InterleavedShard(2, (4, 8))
+
+
+def test_setitem_writes_each_shard_in_place_or_is_refused():
+    """Wan's RoPE writes ``out[..., 0::2] = ...``: the sharded dim is kept whole, so each rank
+    writes its own piece. A write that cuts the sharded dim is refused, never gathered."""
+    def write(out, value):
+        out[..., 0::2] = value
+        return out
+
+    out, value = _t(2, 4, 6), _t(2, 4, 3)
+    graph = fx.Graph()  # (symbolic tracing cannot record an item assignment)
+    target, source = graph.placeholder("out"), graph.placeholder("value")
+    target.meta["val"], source.meta["val"] = out, value
+    op = graph.call_function(operator.setitem, (target, (Ellipsis, slice(0, None, 2)), source))
+    env = RuleEnv("tp", SIZE, {}, False)
+    for p in (Shard(0), Shard(1)):
+        target.meta["dtensor_par"], source.meta["dtensor_par"] = {"tp": NodeSharding(p, ())}, {"tp": NodeSharding(R, ())}
+        sharding = lookup(op).rule(op, [target, source], [p, R], env)
+        assert sharding == NodeSharding(None, (p, p))
+        pieces = [write(local_chunk(out, p, r, SIZE).clone(), local_chunk(value, p, r, SIZE)) for r in range(SIZE)]
+        torch.testing.assert_close(_assembled(pieces, p), write(out.clone(), value), rtol=0, atol=0)
+    target.meta["dtensor_par"] = {"tp": NodeSharding(Shard(2), ())}
+    with pytest.raises(NotImplementedError, match=r"writes in place into out .* S\(2\) on mesh dim 'tp'"):
+        lookup(op).rule(op, [target, source], [Shard(2), R], env)

@@ -172,10 +172,11 @@ def cat_rule(node, ins, cur, env):
         return NodeSharding(p, as_given(p))
     out_dim = p.dim + 1 if stack and p.dim >= dim else p.dim
     if not stack and p.dim == dim:
-        if any(q != Shard(dim) for q in resolved):
+        if any(q not in (Shard(dim), R) for q in resolved):
             return replicate_all(node, ins, cur, f"concatenation along the sharded dim {dim}")
-        # Each rank concatenates its piece of every input: its piece of every part (a joint
-        # text + image sequence, an attention output beside an MLP branch).
+        # Each rank concatenates its piece of every input (a whole one is cut, which sends
+        # nothing): its piece of every part (a joint text + image sequence, an attention
+        # output beside an MLP branch).
         return NodeSharding(InterleavedShard(dim, tuple(tensor_val(i).shape[dim] for i, _ in real)),
                             as_given(Shard(dim)))
     return NodeSharding(moved(p, out_dim), as_given(p))
