@@ -18,7 +18,7 @@ pytest.importorskip("diffusers", reason="the models extra (pip install -e '.[mod
 from tests import real_models  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
-BACKWARD = {"llama", "flux"}
+BACKWARD = {"llama", "flux", "wan", "sd3"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 
 
@@ -60,7 +60,7 @@ def compare_models(rank: int, world: int, sizes: dict, names: list[str]) -> dict
 
 
 @pytest.mark.parametrize("sizes, names", [
-    (MESHES["tp2-ulysses2"], MODELS + ["wan", "sd3"]),  # diffusers' in-graph tokens: forward only, once
+    (MESHES["tp2-ulysses2"], MODELS + ["wan", "sd3"]),  # diffusers with tokens made in the graph: once
     (MESHES["tp2-ring2"], MODELS),
     ({"tp": 2, "ring": 2, "ulysses": 2}, MODELS),
 ], ids=[*MESHES.keys(), "tp2-ring2-ulysses2"])

@@ -9,9 +9,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ...mesh import MeshInfo
-from ...ops import collectives as C
 from ...placements import InterleavedShard, Placement, Shard, local_shape_on, shard_dim
-from ..context import Communication
 from ..patterns import arg, tensor_val
 from .core import R, NodeSharding, moved, norm_dim, replicate_all, resolve_partial
 from .registry import op_kind, register
@@ -152,36 +150,16 @@ def localize_view(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
 
 
 def sequence_start(x: torch.Tensor) -> torch.Tensor:
-    """Where a sequence made inside the graph (a patch embedding's tokens, a table of
-    positions) starts to be sharded over cp. plan inserts it; localize cuts the tensor there
-    (``shard_local``: nothing sent) or drops it."""
+    """Where a sequence made inside the graph (a patch embedding's tokens) starts to be
+    sharded over cp. plan inserts it; it asks for its input cut along the sequence, which
+    localize does as for any other edge (``shard_local``: nothing sent). It stays in the local
+    graph, an identity that shows where the cut is."""
     return x
 
 
 def sequence_start_rule(node, ins, cur, env):
-    p = cur[0]
-    out = Shard(1) if env.dim == "cp" and p == R else p
-    return NodeSharding(out, (p,))
-
-
-def localize_sequence_start(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
-    plan = node.meta["dtensor_par"].get("cp")
-    x = node.args[0]
-    if plan is None or plan.inputs[0] != R or plan.out == R:
-        node.replace_all_uses_with(x)
-        gm.graph.erase_node(node)
-        return
-    cp = mesh.dims["cp"]
-    with gm.graph.inserting_before(node):
-        cut = gm.graph.call_function(C.shard_local, (x, 1, None, cp))
-    cut.meta = node.meta
-    local = local_shape_on(node.meta["dtensor_par_shape"], {d: s.out for d, s in node.meta["dtensor_par"].items()},
-                           mesh)
-    nbytes = math.prod(local) * node.meta["val"].element_size()
-    cut.meta["dtensor_par_comm"] = [Communication(None, "all_gather" if node.meta["requires_grad"] else None, "cp",
-                                                  cp.size, 0, nbytes, None)]
-    node.replace_all_uses_with(cut)
-    gm.graph.erase_node(node)
+    p = Shard(1) if env.dim == "cp" and cur[0] == R else cur[0]
+    return NodeSharding(p, (p,))
 
 
 register("view", "views", view_rule, functions=[torch.reshape, torch.flatten, torch.unflatten, torch.squeeze,
@@ -195,4 +173,4 @@ register("permute", "views", permute_rule, functions=[torch.permute], methods=["
 register("repeat_interleave", "views", repeat_interleave_rule, methods=["repeat_interleave"])
 register("complex", "views", complex_rule, functions=[torch.view_as_complex, torch.view_as_real])
 register("pad", "views", pad_rule, functions=[F.pad, torch._C._nn.pad])
-register("sequence_start", "views", sequence_start_rule, functions=[sequence_start], localize=localize_sequence_start)
+register("sequence_start", "views", sequence_start_rule, functions=[sequence_start])
