@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from ..mesh import MeshDim, MeshInfo
 from ..ops import collectives as C
+from ..ops.dropout import sharded_dropout
 from ..placements import (Partial, Placement, Replicate, Shard, interleaved_parts, is_padded,
                           local_shape, shard_dim, shard_length)
 from .context import ParallelContext, at_node
@@ -133,6 +135,17 @@ def _rewrite_sizes(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
         node.args = (node.args[0], sizes) + tuple(node.args[2:])
 
 
+def _shard_dropout(node: fx.Node, mesh: MeshInfo) -> None:
+    """A dropout of a sharded tensor draws its shard's own mask (``ops.dropout``), not the
+    mask every rank would draw alike; a replicated one stays as it is (the single-device mask)."""
+    if node.op != "call_function" or node.target is not F.dropout:
+        return
+    sharded = tuple(mesh.dims[d] for d, s in node.meta["dtensor_par"].items() if shard_dim(s.out) is not None)
+    if sharded:
+        node.target = sharded_dropout
+        node.kwargs = {**node.kwargs, "dims": sharded}
+
+
 def _edge(insert: _Inserter, cached, x: fx.Node, src: Placement, dst: Placement, partial_grad: bool) -> fx.Node:
     """The ops one input edge needs on one mesh dim; ``partial_grad``: the consumer computes
     rank-locally from a replicated input, so that input's gradient is a per-rank partial."""
@@ -211,6 +224,7 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             node.kwargs = fx.node.map_arg(node.kwargs, localized)
             if node.op != "output":
                 _rewrite_sizes(gm, node, ctx.mesh)
+                _shard_dropout(node, ctx.mesh)
     for node in graph.nodes:
         for key in ("val", "example_value", "tensor_meta"):
             node.meta.pop(key, None)
