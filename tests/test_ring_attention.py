@@ -276,6 +276,12 @@ def test_zigzag_indices():
      r"mask must be \[B\|1, H\|1, 4\|1, 6\|1\].*got \(1, 1, 4, 8\)"),
     ((1, 2, 4, 8), (1, 2, 4, 8), dict(is_causal=True, attn_mask=torch.ones(4, 8, dtype=torch.bool)),
      "a mask or is_causal, not both"),
+    ((1, 2, 4, 8), (1, 2, 4, 8), dict(window=3), "sliding window is causal.*window=3, is_causal=False"),
+    ((1, 2, 4, 8), (1, 2, 4, 8), dict(is_causal=True, window=0), "at least 1 key wide"),
+    ((1, 2, 4, 8), (1, 2, 4, 8), dict(key_padding=torch.ones(1, 8, dtype=torch.bool),
+                                      attn_mask=torch.ones(4, 8, dtype=torch.bool)), "a mask or a key padding"),
+    ((1, 2, 4, 8), (1, 2, 4, 8), dict(is_causal=True, key_padding=torch.ones(1, 6)),
+     r"key padding must be boolean \[B\|1, 8\].*torch.float32 \(1, 6\)"),
 ])
 def test_clear_errors(q_shape, kv_shape, options, message):
     q, k = torch.zeros(q_shape), torch.zeros(kv_shape)

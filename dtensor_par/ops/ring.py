@@ -156,7 +156,7 @@ def _window_block(rank: int, source: int, size: int, q_block: int, kv_real: int,
     return _Block(q_rows, kv_rows, False, positional=True)
 
 
-def block_positions(rank: int, size: int, block_len: int, *, zigzag: bool) -> torch.Tensor:
+def _block_positions(rank: int, size: int, block_len: int, *, zigzag: bool) -> torch.Tensor:
     """Global positions of ``rank``'s block, in local order."""
     return (zigzag_indices(block_len * size, size, rank) if zigzag
             else torch.arange(rank * block_len, (rank + 1) * block_len))
@@ -171,8 +171,8 @@ def _positional_mask(block: _Block, key_padding: torch.Tensor | None, *, rank: i
     (``block.is_causal``) applies on top of it."""
     if not block.positional and key_padding is None:
         return None
-    rows = block_positions(rank, size, block_len, zigzag=zigzag)[block.q_rows].to(device)
-    cols = block_positions(source, size, block_len, zigzag=zigzag)[block.kv_rows].to(device)
+    rows = _block_positions(rank, size, block_len, zigzag=zigzag)[block.q_rows].to(device)
+    cols = _block_positions(source, size, block_len, zigzag=zigzag)[block.kv_rows].to(device)
     if not block.positional:
         rows = rows[:1]  # key padding alone: one row broadcasts to all
     return _additive(_visible(rows, cols, causal=block.positional, window=window, key_padding=key_padding), dtype)
