@@ -109,8 +109,7 @@ def _local_graph(config, seq: int, ring: int, **kwargs):
     with torch.device("meta"):
         model, ids = AutoModel.from_config(config), torch.randint(0, 128, (2, seq))
     (gm, inputs), = capture_graphs(model, ids, use_cache=False, **kwargs)
-    local, _ = parallelize_graph(gm, inputs, ParallelConfig(MeshInfo.for_planning({"ring": ring}, "cuda")))
-    return local
+    return parallelize_graph(gm, inputs, ParallelConfig(MeshInfo.for_planning({"ring": ring}, "cuda")))
 
 
 def _right_padded(seq: int) -> dict:
@@ -132,7 +131,7 @@ def test_masks_from_positions_hold_no_square_tensor_on_ring_4(model, seq, padded
     sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq)
     config = LlamaConfig(**sizes) if model == "llama" else MistralConfig(**sizes, sliding_window=window)
-    local = _local_graph(config, seq, 4, **(_right_padded(seq) if padded else {}))
+    local, ctx = _local_graph(config, seq, 4, **(_right_padded(seq) if padded else {}))
     attention = [n for n in local.graph.nodes if n.target is dtensor_par.ops.attention.hybrid_attention]
     assert attention and all(n.kwargs["is_causal"] and n.kwargs["attn_mask"] is None for n in attention)
     assert all(n.kwargs.get("window") == window for n in attention)
@@ -144,3 +143,12 @@ def test_masks_from_positions_hold_no_square_tensor_on_ring_4(model, seq, padded
             assert key_padding.meta["dtensor_par"]["cp"].out == dtensor_par.placements.Replicate()
     shapes = [n.meta.get("dtensor_par_shape", ()) for n in local.graph.nodes]
     assert not any(shape[-2:] == (seq, seq) for shape in shapes), [s for s in shapes if s[-2:] == (seq, seq)]
+    # explain's FLOPs per ring rank: causal halves the work (zigzag: alike on every rank); a
+    # window skips blocks and cuts boxes, yet covers every pair it leaves visible.
+    (flops,) = ctx.coverage.ring_attention_flops.values()
+    per_pair = 4 * 2 * 8 * 8  # batch 2, 8 heads of 8
+    if window is None:
+        assert len(set(flops)) == 1 and per_pair * seq * (seq + 1) // 2 <= sum(flops) < 0.55 * per_pair * seq * seq
+    else:
+        visible = sum(min(i + 1, window) for i in range(seq))
+        assert per_pair * visible <= sum(flops) < 0.7 * per_pair * seq * (seq + 1) // 2, flops
