@@ -258,6 +258,31 @@ def test_window_flops_skip_blocks_outside_the_window_and_cover_every_visible_pai
     assert ring_step_flops(seq, size, 0, zigzag=True, is_causal=True, window=window) == [4 * 136, 0, 0, 4 * 25]
 
 
+@pytest.mark.parametrize("window, key_padding, real, tile", [
+    (3, False, None, 5), (4, True, 14, 5), (None, True, None, 6), (5, True, 14, 512)])
+def test_a_ring_of_one_runs_windows_and_key_padding_by_query_tiles(window, key_padding, real, tile):
+    """Ulysses alone (a ring of one): query tiles, each with the keys its window reaches; a
+    padded sequence's extra query rows see the last real row's keys."""
+    from dtensor_par.ops.ring import _tiled_attention
+
+    q, k, v, weights = (t.requires_grad_() for t in _full_inputs(2, 2, SEQ))
+    n = real or SEQ
+    keep = _keep(n) if key_padding else None
+    reference = F.scaled_dot_product_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n],
+                                               attn_mask=_positional_mask(n, window, keep))
+    expected = torch.autograd.grad((reference * weights[:, :, :n]).sum(), (q, k, v))
+    if tile == 512:
+        one = MeshInfo.for_planning({}, "cpu").dims["ring"]
+        out = ring_attention(q, k, v, ring=one, is_causal=True, window=window, key_padding=keep, kv_len=real)
+    else:
+        out = _tiled_attention(q, k[:, :, :n], v[:, :, :n], is_causal=True, window=window, key_padding=keep,
+                               scale=None, enable_gqa=False, tile=tile)
+    assert out.shape == q.shape and (out[:, :, :n] - reference).abs().max() <= FORWARD_ATOL
+    grads = torch.autograd.grad((out[:, :, :n] * weights[:, :, :n]).sum(), (q, k, v))
+    for got, want in zip(grads, expected):
+        assert max_rel(got, want) <= GRAD_RTOL
+
+
 def test_zigzag_indices():
     assert zigzag_indices(16, 4, 1).tolist() == [2, 3, 12, 13]
     held = torch.cat([zigzag_indices(16, 4, r) for r in range(4)])

@@ -501,6 +501,28 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
+def _tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, window: int | None,
+                     key_padding: torch.Tensor | None, scale: float | None, enable_gqa: bool,
+                     tile: int = 512) -> torch.Tensor:
+    """SDPA of whole sequences (a ring of one) under a causal window and/or a key padding,
+    without a mask of the sequence: each tile of ``tile`` query rows attends, in one call, to
+    the keys its (causal) window reaches, with the mask of that tile alone. A padded query
+    row (past the real keys) takes the last real row's keys, so none is left without a key."""
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    out = []
+    for start in range(0, q_len, tile):
+        stop = min(start + tile, q_len)
+        first, last = min(start, kv_len - 1), min(stop - 1, kv_len - 1)
+        lo = max(0, first - window + 1) if window is not None else 0
+        hi = last + 1 if is_causal else kv_len
+        rows = torch.arange(start, stop, device=q.device).clamp(max=kv_len - 1)
+        cols = torch.arange(lo, hi, device=q.device)
+        mask = _visible(rows, cols, causal=is_causal, window=window, key_padding=key_padding)
+        out.append(F.scaled_dot_product_attention(q[..., start:stop, :], k[..., lo:hi, :], v[..., lo:hi, :],
+                                                  attn_mask=mask, scale=scale, enable_gqa=enable_gqa))
+    return torch.cat(out, dim=-2)
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: MeshDim,
                    attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
                    enable_gqa: bool = False, zigzag: bool = False, kv_len: int | None = None,
@@ -530,10 +552,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
     if ring.size == 1:
         if kv_len is not None:
             k, v = k[..., :kv_len, :], v[..., :kv_len, :]
-        if window is not None or key_padding is not None:  # one block: its mask is the whole sequence's
-            rows, cols = (torch.arange(n, device=q.device) for n in (q.shape[-2], k.shape[-2]))
-            attn_mask = _visible(rows, cols, causal=is_causal, window=window, key_padding=key_padding)
-            is_causal = False
+        if window is not None or key_padding is not None:
+            return _tiled_attention(q, k, v, is_causal=is_causal, window=window, key_padding=key_padding,
+                                    scale=scale, enable_gqa=enable_gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
     mask = None if attn_mask is None else _additive(attn_mask, q.dtype)
