@@ -109,7 +109,8 @@ def _causal_block(rank: int, source: int, q_block: int, kv_block: int, *, is_cau
     return _Block(slice(half, q_block), slice(0, kv_block), False)
 
 
-def _spans(rank: int, size: int, block_len: int, *, zigzag: bool, count: int | None = None) -> list[tuple[int, int, int]]:
+def _spans(rank: int, size: int, block_len: int, *, zigzag: bool,
+           count: int | None = None) -> list[tuple[int, int, int]]:
     """``(local start, global start, length)`` of each contiguous run of global positions in
     ``rank``'s block, cut to its first ``count`` rows."""
     if zigzag:
