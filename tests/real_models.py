@@ -43,6 +43,14 @@ def mistral():
     return MistralModel(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def mistral_padded():
+    """A sliding window and a right-padded batch: the mask transformers builds ANDs both."""
+    model, args, kwargs = mistral()
+    attention_mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    attention_mask[1, -5:] = 0
+    return model, args, {**kwargs, "attention_mask": attention_mask}
+
+
 def flux():
     """Joint (text + image) attention blocks and single-stream blocks."""
     from diffusers import FluxTransformer2DModel
@@ -90,5 +98,5 @@ def sd3():
     return model, (), kwargs
 
 
-FACTORIES = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "flux": flux, "phi3": phi3, "wan": wan,
-             "sd3": sd3}
+FACTORIES = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
+             "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3}

@@ -125,13 +125,13 @@ def assign_weight_placements(ctx: ParallelContext) -> None:
 
 
 def mask_only_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose every use ends in an attention mask. Hybrid attention takes its mask whole
-    and every rank holds the graph inputs whole, so these stay whole on cp: no gather of a
-    [B, H, S, S] mask built from a [B, S] key-padding input."""
+    """Nodes whose every use ends in an attention mask or key padding. Hybrid attention takes
+    them whole and every rank holds the graph inputs whole, so these stay whole on cp: no
+    gather of a [B, H, S, S] mask built from a [B, S] key-padding input."""
     only: set[fx.Node] = set()
     for node in reversed(gm.graph.nodes):
-        if node.users and all(u in only or (op_kind(u) == "hybrid_attention" and u.kwargs.get("attn_mask") is node
-                                            and node not in u.args) for u in node.users):
+        if node.users and all(u in only or (op_kind(u) == "hybrid_attention" and node not in u.args and node in (
+                u.kwargs.get("attn_mask"), u.kwargs.get("key_padding"))) for u in node.users):
             only.add(node)
     return only
 

@@ -9,6 +9,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ...mesh import MeshInfo
+from ...ops.dropout import sharded_dropout
 from ...placements import Partial, Placement, shard_dim
 from .core import R, NodeSharding, moved, resolve_partial
 from .registry import op_kind, register
@@ -77,6 +79,15 @@ def new_tensor_rule(node, ins, cur, env):
     return NodeSharding(R, tuple(cur))
 
 
+def localize_dropout(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """A dropout of a sharded tensor draws its shard's own mask (``ops.dropout``), not the
+    mask every rank would draw alike; a replicated one stays as it is (the single-device mask)."""
+    sharded = tuple(mesh.dims[d] for d, s in node.meta["dtensor_par"].items() if shard_dim(s.out) is not None)
+    if sharded:
+        node.target = sharded_dropout
+        node.kwargs = {**node.kwargs, "dims": sharded}
+
+
 _SPELLINGS = {  # kind: (functions, Tensor methods)
     "add": ([operator.add, operator.iadd, torch.add], ["add", "__add__", "__radd__"]),
     "sub": ([operator.sub, operator.isub, torch.sub], ["sub", "__sub__", "__rsub__"]),
@@ -85,7 +96,7 @@ _SPELLINGS = {  # kind: (functions, Tensor methods)
     "neg": ([operator.neg, torch.neg], ["neg"]),
     "unary": ([torch.exp, torch.tanh, torch.sigmoid, torch.rsqrt, torch.sqrt, torch.sin, torch.cos, torch.erf,
                torch.abs, torch.relu, torch.clamp, torch.pow, operator.pow, torch.square, F.gelu, F.silu, F.relu,
-               F.tanh, F.sigmoid, F.dropout, torch._C._nn.gelu, torch._C._nn.silu, torch.zeros_like,
+               F.tanh, F.sigmoid, torch._C._nn.gelu, torch._C._nn.silu, torch.zeros_like,
                torch.ones_like, torch.full_like, torch.empty_like],
               ["exp", "tanh", "sigmoid", "rsqrt", "sqrt", "sin", "cos", "pow", "abs", "relu", "clamp", "square",
                "erf"]),
@@ -99,3 +110,5 @@ for _kind, (_functions, _methods) in _SPELLINGS.items():
 register("new_tensor", "pointwise", new_tensor_rule, methods=["new_zeros", "new_ones", "new_full", "new_empty"])
 register("cast", "pointwise", cast_rule, methods=["contiguous", "clone", "float", "half", "bfloat16", "double", "to",
                                                   "type_as", "detach"])
+
+register("dropout", "pointwise", pointwise_rule, functions=[F.dropout], localize=localize_dropout)
