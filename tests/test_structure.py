@@ -51,11 +51,20 @@ def test_sequence_parallel_reduce_scatter_and_all_gather(fake_world):
     assert traced["forward"] == Counter(reduce_scatter_tensor=2 * layers, all_gather_into_tensor=2 * layers)
     # Backward: each gather that feeds a colwise linear reduce-scatters (the output gather
     # only slices); each reduce-scatter all-gathers, plus block 1's slice of its input.
-    # All-reduces: grads of the sequence-sharded norms' weight and bias (2 * (2 * layers - 1)),
-    # of the rowwise biases (2 * layers), and of block 1's replicated attention input (1).
+    # All-reduces: grads of the sequence-sharded norms' weight and bias (2 * (2 * layers - 1))
+    # and of the rowwise biases (2 * layers), all in one flat bucket; and of block 1's
+    # replicated attention input (1), which backward needs at once.
     norms_on_shards = 2 * layers - 1
     assert traced["backward"] == Counter(reduce_scatter_tensor=2 * layers - 1, all_gather_into_tensor=2 * layers + 1,
-                                         all_reduce=2 * norms_on_shards + 2 * layers + 1)
+                                         all_reduce=1 + 1)
+    buckets = [n for n in gm.graph.nodes if n.target is C.grad_all_reduce_bucket]
+    assert [len(n.args[0]) for n in buckets] == [2 * norms_on_shards + 2 * layers]
+    # Buckets of at most 1 KiB (these gradients are 256 bytes each): four inputs per bucket.
+    gm, ctx = plan_graph(model, [torch.randn(2, 16, 64)], tp=8, sequence_parallel=True, grad_bucket_mb=2**-10)
+    buckets = [n for n in gm.graph.nodes if n.target is C.grad_all_reduce_bucket]
+    assert [len(n.args[0]) for n in buckets] == [4, 4, 4, 4]
+    assert aot_graphs(gm, ctx)["backward"] is not None
+    assert traced_collectives(gm, ctx)["backward"]["all_reduce"] == 4 + 1
 
 
 def test_megatron_weight_placements(fake_world):
