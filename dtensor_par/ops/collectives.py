@@ -176,7 +176,9 @@ class _GradAllReduceBucket(torch.autograd.Function):
         mesh_dim, comm = ctx.args
         flat = LOWERINGS[comm].all_reduce(torch.cat([g.reshape(-1) for g in grads]), mesh_dim)
         pieces = flat.split([g.numel() for g in grads])
-        return None, None, *(piece.view_as(g) for piece, g in zip(pieces, grads))
+        # Each gradient gets its own storage (a copy): a view would keep the whole bucket
+        # alive for as long as any one gradient is held.
+        return None, None, *(piece.view_as(g).clone() for piece, g in zip(pieces, grads))
 
 
 class _AllGather(torch.autograd.Function):
