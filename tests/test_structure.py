@@ -255,7 +255,7 @@ def test_parameter_gradients_reduced_in_buckets_over_cp(fake_world):
     reduces = [n for n in backward.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
     bucket_reduces = [n for n in reduces if n.args[0].target is torch.ops.aten.cat.default]
     assert len(bucket_reduces) == 3
-    for issue in bucket_reduces:
+    for issue in bucket_reduces[:-1]:  # the last bucket holds the first layer's parameters: little is left
         wait, = (u for u in issue.users if u.target is WAIT)
         between = [n for n in backward.graph.nodes if order[issue] < order[n] < order[wait]]
-        assert any(n.target is torch.ops.aten.mm.default for n in between), issue.name  # backward computes meanwhile
+        assert any(n.target is torch.ops.aten.mm.default for n in between), (issue.name, [str(n.target) for n in between])
