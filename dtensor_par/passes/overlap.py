@@ -4,9 +4,9 @@ AOTAutograd traces a collective's wait right after its issue, where autograd ran
 gradient bucket's all-reduce (``ops.collectives.grad_all_reduce_bucket``) is read only by
 the gradients backward returns, so waiting at once would stall backward on the network.
 ``sink_waits`` moves each wait, with the views and copies taken of its result (a bucket's
-gradients), to just before the first other op that reads them: the all-reduce is in flight while the rest of backward computes,
-and waited before backward ends. Nothing else moves; a wait whose result is read at once
-stays where it is.
+gradients), to just before the first other op that reads them: the all-reduce is in flight
+while the rest of backward computes, and waited before backward ends. Nothing else moves;
+a wait whose result is read at once stays where it is.
 
 Used on the backward graph of the ``"aot_eager"`` inner backend (``overlapped_aot_eager``).
 Inductor schedules waits itself (its ``reorder_for_compute_comm_overlap`` passes).
