@@ -13,7 +13,7 @@ import time
 import torch
 
 from dtensor_par import explain
-from tests.models import Llama
+from benchmarks.models import Llama
 
 
 def main():

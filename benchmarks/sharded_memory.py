@@ -18,7 +18,7 @@ import json
 import torch
 
 from dtensor_par import explain
-from tests.models import Llama
+from benchmarks.models import Llama
 
 TPS = (2, 4, 8)
 STATE_COPIES = 4  # parameters, gradients, AdamW exp_avg, AdamW exp_avg_sq

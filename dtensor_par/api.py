@@ -16,6 +16,7 @@ from .ops.attention import ULYSSES_IMPLS
 from .passes.capture import record_module_names
 from .passes.context import ParallelConfig
 from .passes.lower import COLLECTIVES
+from .passes.overlap import overlapped_aot_eager
 from .runtime import ParallelRuntime
 from .sharded import parallelize
 
@@ -23,6 +24,10 @@ OUTPUT_MODES = ("full", "local")
 
 
 def resolve_backend(inner_backend: str | Callable) -> Callable:
+    """The inner backend by name; ``"aot_eager"`` overlaps backward's gradient reductions
+    (``passes.overlap``)."""
+    if inner_backend == "aot_eager":
+        return overlapped_aot_eager
     return inner_backend if callable(inner_backend) else lookup_backend(inner_backend)
 
 
@@ -40,7 +45,8 @@ def check_options(info: MeshInfo, sequence_parallel: bool, collectives: str = "a
 
 def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "inductor", dump_dir: str | None = None,
                     output: str = "full", sequence_parallel: bool = False, collectives: str = "auto",
-                    ulysses_impl: str = "all_to_all", replica_group_limit: int = 12) -> Callable:
+                    ulysses_impl: str = "all_to_all", replica_group_limit: int = 12,
+                    grad_bucket_mb: float = 25.0) -> Callable:
     """A ``torch.compile`` backend that runs the model tensor- and context-parallel over ``mesh``.
 
     Heads are sharded over tp; with ``ring`` or ``ulysses`` > 1, activations are sharded along
@@ -52,6 +58,9 @@ def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "induct
     TorchNeuron), ``"xla"`` (torch_xla's xm calls with full replica groups) or ``"auto"``.
     ``ulysses_impl="all_gather"``: Ulysses without all-to-all, for stacks whose all-to-all does
     not compile. ``replica_group_limit``: distinct replica-group sets a Neuron program may use.
+    ``grad_bucket_mb``: the partial gradients of parameters (replicated over a mesh dim, used
+    rank-locally) are all-reduced in flat buckets of this size, each issued in backward as soon
+    as its last gradient exists.
     """
     dump_dir = dump_dir or os.environ.get("DTENSOR_PAR_DUMP")
     if output not in OUTPUT_MODES:
@@ -60,7 +69,7 @@ def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "induct
     check_options(info, sequence_parallel, collectives, ulysses_impl)
     config = ParallelConfig(info, sequence_parallel=sequence_parallel, output=output, dump_dir=dump_dir,
                             collectives=collectives, ulysses_impl=ulysses_impl,
-                            replica_group_limit=replica_group_limit)
+                            replica_group_limit=replica_group_limit, grad_bucket_mb=grad_bucket_mb)
     inner = resolve_backend(inner_backend)
 
     def backend(gm, example_inputs):

@@ -84,14 +84,14 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
             order: tuple[str, ...] | None = None, sequence_parallel: bool = False,
             dump_dir: str | None = None, parallelized: bool | None = None, collectives: str = "auto",
             ulysses_impl: str = "all_to_all", replica_group_limit: int = 12,
-            example_kwargs: dict | None = None) -> Report:
+            example_kwargs: dict | None = None, grad_bucket_mb: float = 25.0) -> Report:
     """Plan ``model(*example_inputs, **example_kwargs)`` for the given mesh as rank 0 would, without hardware.
 
     The model may live on the ``meta`` device, so a model too large for this machine can be
     planned at its real size. Capturing resets Dynamo's caches (see ``capture_graphs``).
     ``parallelized``: report parameters held as by ``parallelize`` (DTensor pieces, no
     gradient gathers) or as by ``hybrid_parallel`` alone (full); default: as the model is.
-    ``collectives``, ``ulysses_impl``, ``replica_group_limit``: as for ``hybrid_parallel``; with
+    ``collectives``, ``ulysses_impl``, ``replica_group_limit``, ``grad_bucket_mb``: as for ``hybrid_parallel``; with
     ``device_type="neuron"`` or ``collectives="xla"`` the plan is checked as Neuron needs it.
     """
     sizes = {"tp": tp, "ring": ring, "ulysses": ulysses}
@@ -106,7 +106,7 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
         parallelized = sharded_state(model) is not None
     config = ParallelConfig(info, sequence_parallel=sequence_parallel, parallelized=parallelized,
                             collectives=collectives, ulysses_impl=ulysses_impl,
-                            replica_group_limit=replica_group_limit)
+                            replica_group_limit=replica_group_limit, grad_bucket_mb=grad_bucket_mb)
     report = Report(sizes, info.order, device_type, state_line(parallelized))
     for i, (gm, inputs) in enumerate(capture_graphs(model, *example_inputs, **(example_kwargs or {}))):
         dump = GraphDump(os.path.join(dump_dir, f"graph{i}"), info.order) if dump_dir else None

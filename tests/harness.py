@@ -3,50 +3,13 @@
 from __future__ import annotations
 
 import copy
-import json
-import os
-import sys
-import tempfile
-import traceback
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from benchmarks.common import aot_graphs, capturing_backend, run_ranks  # noqa: F401  (shared with the benchmarks)
 
 FORWARD_ATOL = 1e-5
 GRAD_RTOL = 1e-4
-
-
-def _entry(rank: int, world: int, store: str, out_dir: str, fn, args) -> None:
-    """One rank. It ends with ``os._exit`` once its result is written and the group torn down:
-    C++ destructors of gloo threads at interpreter exit can abort a process whose work is done."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
-        dist.destroy_process_group()
-        code = 0
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def run_ranks(world: int, fn, *args) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), tmp, fn, args), nprocs=world,
-                           join=True, start_method="spawn")
-        results = []
-        for r in range(world):
-            with open(os.path.join(tmp, f"rank{r}.json")) as f:
-                results.append(json.load(f))
-        return results
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -91,35 +54,3 @@ def compare(model: torch.nn.Module, inputs_seq: list, compiled_fn, steps: int = 
     assert worst["forward_abs"] <= FORWARD_ATOL, worst
     assert worst["grad_rel"] <= GRAD_RTOL, worst
     return worst
-
-
-def capturing_backend(graphs: dict):
-    """An AOTAutograd backend that keeps the forward and backward graphs it compiles in ``graphs``."""
-    from torch._dynamo.backends.common import aot_autograd
-
-    def keep(name):
-        def compiler(graph, _):
-            graphs[name] = graph
-            return graph
-        return compiler
-
-    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
-
-
-def aot_graphs(local_gm, ctx, backward: bool = True) -> dict:
-    """The forward (and backward) graphs AOTAutograd traces from a localized graph, run on
-    this rank's pieces of the example inputs (on a fake process group nothing is sent)."""
-    from dtensor_par.runtime import local_value
-
-    graphs = {}
-
-    placeholders = [n for n in local_gm.graph.nodes if n.op == "placeholder"]
-    inputs = []
-    for node, value in zip(placeholders, ctx.example_inputs):
-        placements = {d: s.out for d, s in node.meta["dtensor_par"].items()}
-        local = local_value(value.detach(), placements, ctx.mesh, ctx.comm).contiguous()
-        inputs.append(local.requires_grad_(backward and value.is_floating_point()))
-    out = capturing_backend(graphs)(local_gm, inputs)(*inputs)
-    if backward:
-        out[0].sum().backward()
-    return graphs

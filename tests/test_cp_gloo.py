@@ -45,3 +45,10 @@ def test_tp_ring_ulysses_at_world_8_in_a_non_default_order():
     case has a per-head mask split by tp, then ulysses, over a padded sequence."""
     _check(run_ranks(8, run_cases, ["gpt_fused_qkv", "uneven_seq_30_masked"], {}, 1, None, False, None,
                      {"tp": 2, "ring": 2, "ulysses": 2}, ("tp", "ulysses", "ring")))
+
+
+def test_small_gradient_buckets_at_world_2():
+    """Parameter gradients in many small buckets (1 KiB), each waited for late in backward
+    (aot_eager's backward through passes.overlap.sink_waits): still exact."""
+    _check(run_ranks(2, run_cases, ["llama_gqa_rope"], {"grad_bucket_mb": 2**-10}, 2, None, False, None,
+                     {"ulysses": 2}))

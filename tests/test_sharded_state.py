@@ -15,6 +15,7 @@ import torch.nn as nn
 
 import dtensor_par
 from tests import models
+from benchmarks.common import executed_collectives
 from tests.harness import loss_of, max_rel, run_ranks
 
 PARAM_RTOL = 1e-5
@@ -140,16 +141,6 @@ _FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor
                "ring_rotate": "all_to_all_single"}
 
 
-def _executed_collectives(step) -> Counter:
-    """The functional collectives that ``step()`` runs, by op, as the profiler records them
-    (a dispatch mode would make Dynamo run the model eagerly)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        step()
-    names = [e.name.removeprefix("_c10d_functional::") for e in profile.events()
-             if e.name.startswith("_c10d_functional::")]
-    return Counter(n for n in names if n != "wait_tensor")
-
-
 def count_collectives(rank: int, world: int, dump_dir: str):
     """One training step's executed collectives against the dumped table, for a parallelized
     model and for one that is not (whose table lists the parameter-gradient gathers)."""
@@ -164,7 +155,7 @@ def count_collectives(rank: int, world: int, dump_dir: str):
         compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager",
                                                                             dump_dir=folder))
         loss_of(compiled(x)).backward()  # compiles
-        ran = _executed_collectives(lambda: loss_of(compiled(x)).backward())
+        ran = Counter(name for name, _ in executed_collectives(lambda: loss_of(compiled(x)).backward()))
         table = Counter()
         for plan in glob.glob(os.path.join(folder, f"ring0_ulysses{rank // 2}_tp{rank % 2}", "*", "plan.json")):
             with open(plan) as f:

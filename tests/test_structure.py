@@ -8,6 +8,7 @@ import expecttest
 import torch
 import torch.distributed as dist
 
+import dtensor_par
 from dtensor_par.ops import collectives as C
 from dtensor_par.passes.localize import collectives_in
 from dtensor_par.placements import InterleavedShard, Replicate, Shard
@@ -51,11 +52,20 @@ def test_sequence_parallel_reduce_scatter_and_all_gather(fake_world):
     assert traced["forward"] == Counter(reduce_scatter_tensor=2 * layers, all_gather_into_tensor=2 * layers)
     # Backward: each gather that feeds a colwise linear reduce-scatters (the output gather
     # only slices); each reduce-scatter all-gathers, plus block 1's slice of its input.
-    # All-reduces: grads of the sequence-sharded norms' weight and bias (2 * (2 * layers - 1)),
-    # of the rowwise biases (2 * layers), and of block 1's replicated attention input (1).
+    # All-reduces: grads of the sequence-sharded norms' weight and bias (2 * (2 * layers - 1))
+    # and of the rowwise biases (2 * layers), all in one flat bucket; and of block 1's
+    # replicated attention input (1), which backward needs at once.
     norms_on_shards = 2 * layers - 1
     assert traced["backward"] == Counter(reduce_scatter_tensor=2 * layers - 1, all_gather_into_tensor=2 * layers + 1,
-                                         all_reduce=2 * norms_on_shards + 2 * layers + 1)
+                                         all_reduce=1 + 1)
+    buckets = [n for n in gm.graph.nodes if n.target is C.grad_all_reduce_bucket]
+    assert [len(n.args[0]) for n in buckets] == [2 * norms_on_shards + 2 * layers]
+    # Buckets of at most 1 KiB (these gradients are 256 bytes each): four inputs per bucket.
+    gm, ctx = plan_graph(model, [torch.randn(2, 16, 64)], tp=8, sequence_parallel=True, grad_bucket_mb=2**-10)
+    buckets = [n for n in gm.graph.nodes if n.target is C.grad_all_reduce_bucket]
+    assert [len(n.args[0]) for n in buckets] == [4, 4, 4, 4]
+    assert aot_graphs(gm, ctx)["backward"] is not None
+    assert traced_collectives(gm, ctx)["backward"]["all_reduce"] == 4 + 1
 
 
 def test_megatron_weight_placements(fake_world):
@@ -212,3 +222,40 @@ def test_contraction_over_the_sequence_sums_shards_unless_padded(fake_world):
         counts = Counter(kind for node, kind in collectives_in(gm) if node in around)
         assert counts == Counter({k: v for k, v in (("all_gather", 2 * gathers), ("all_reduce", reduces)) if v}), seq
         assert any("contraction over the padded sequence dim" in w for w in ctx.warnings) == bool(gathers)
+
+
+def test_parameter_gradients_reduced_in_buckets_over_cp(fake_world):
+    """At tp2 x ulysses2 every parameter is replicated over cp and used rank-locally: its
+    gradient is a per-rank partial. They are reduced in flat buckets, issued where autograd
+    produces their last gradient; sink_waits then waits for each just before its first reader."""
+    from dtensor_par.backend import parallelize_graph
+    from dtensor_par.mesh import MeshInfo
+    from dtensor_par.passes.capture import capture_graphs
+    from dtensor_par.passes.context import ParallelConfig
+    from dtensor_par.passes.overlap import WAIT, sink_waits
+
+    fake_world(4)
+    layers = 2
+    mesh = MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2, ulysses=2))
+    model = models.GPT(layers=layers, hidden=64, heads=8, mlp=128)
+    (gm, inputs), = capture_graphs(model, torch.randn(2, 16, 64))
+    params = len(list(model.parameters()))
+    local_gm, ctx = parallelize_graph(gm, inputs, ParallelConfig(mesh))
+    buckets = [n for n in local_gm.graph.nodes if n.target is C.grad_all_reduce_bucket]
+    assert [len(n.args[0]) for n in buckets] == [params]
+    assert not any(n.target is C.grad_all_reduce and n.args[0].op == "placeholder" for n in local_gm.graph.nodes)
+    # Backward: the tp all-reduces of the colwise inputs' gradients (2 per block), and 1 bucket.
+    assert traced_collectives(local_gm, ctx)["backward"]["all_reduce"] == 2 * layers + 1
+
+    local_gm, ctx = parallelize_graph(gm, inputs, ParallelConfig(mesh, grad_bucket_mb=0.05))
+    buckets = [n for n in local_gm.graph.nodes if n.target is C.grad_all_reduce_bucket]
+    assert len(buckets) == 3 and sum(len(n.args[0]) for n in buckets) == params
+    backward = sink_waits(aot_graphs(local_gm, ctx)["backward"])
+    order = {n: i for i, n in enumerate(backward.graph.nodes)}
+    reduces = [n for n in backward.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
+    bucket_reduces = [n for n in reduces if n.args[0].target is torch.ops.aten.cat.default]
+    assert len(bucket_reduces) == 3
+    for issue in bucket_reduces[:-1]:  # the last bucket holds the first layer's parameters: little is left
+        wait, = (u for u in issue.users if u.target is WAIT)
+        between = [n for n in backward.graph.nodes if order[issue] < order[n] < order[wait]]
+        assert any(n.target is torch.ops.aten.mm.default for n in between), (issue.name, [str(n.target) for n in between])

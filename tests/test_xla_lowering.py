@@ -158,7 +158,8 @@ class TestXlaLoweredBlockGolden(expecttest.TestCase):
     def test_xla_lowered_gpt_block_at_tp2_ring2_ulysses2(self):
         """The xm calls one block's forward and backward make, on rank 0 of a fake group of 8:
         every call with groups= every group of its mesh dim, pin_layout=False; the ring rotations
-        as one collective_permute; the input and parameter gradients gathered too."""
+        as one collective_permute; the input and parameter gradients gathered too; the
+        parameters' partial gradients reduced over cp in one flat bucket."""
         with pytest.MonkeyPatch.context() as monkeypatch:
             xm_gloo.install(lambda name, module: monkeypatch.setitem(sys.modules, name, module))
             _init_fake(8)
@@ -182,25 +183,14 @@ all_reduce [2, 4, 64] scale=1.0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layo
 all_reduce [2, 4, 64] scale=1.0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
 all_gather [1, 2, 4, 64] dim=0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
 backward:
-all_reduce [64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
-all_reduce [64, 64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
-all_reduce [64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
-all_reduce [64, 64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
 all_reduce [2, 4, 64] scale=1.0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
-all_reduce [64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
-all_reduce [64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
-all_reduce [64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
-all_reduce [64, 32] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
 all_to_all [2, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
 collective_permute [2, 2, 2, 8, 8] pairs=[[0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]
 collective_permute [2, 2, 2, 8, 8] pairs=[[0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]
 collective_permute [2, 2, 2, 8, 8] pairs=[[0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]
 all_to_all [2, 3, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
-all_reduce [96] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
-all_reduce [96, 64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
 all_reduce [2, 4, 64] scale=1.0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
-all_reduce [64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
-all_reduce [64] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
+all_reduce [16928] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
 all_gather [1, 64, 64] dim=0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
 all_gather [1, 64] dim=0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
 all_gather [1, 64, 64] dim=0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False

@@ -16,6 +16,9 @@ shard_local             Replicate -> Shard     all_gather
 all_to_all              Shard(a) -> Shard(b)   all_to_all back
 grad_all_reduce         Replicate used by a    all_reduce (the gradient
 (identity)              rank-local computation is a per-rank partial)
+grad_all_reduce_bucket  as grad_all_reduce,    one all_reduce of the
+(identity)              for several inputs     gradients, flattened into
+                                               one bucket
 ======================  =====================  ==========================
 
 A sequence dim whose length does not divide over cp is padded at the end to equal chunks
@@ -159,6 +162,25 @@ class _GradAllReduce(torch.autograd.Function):
         return LOWERINGS[comm].all_reduce(grad, mesh_dim), None, None
 
 
+class _GradAllReduceBucket(torch.autograd.Function):
+    """Many grad_all_reduces as one: its backward runs once every gradient of the bucket is
+    produced, and reduces them all in one flat all_reduce."""
+
+    @staticmethod
+    def forward(ctx, mesh_dim, comm, *xs):
+        ctx.args = (mesh_dim, comm)
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        mesh_dim, comm = ctx.args
+        flat = LOWERINGS[comm].all_reduce(torch.cat([g.reshape(-1) for g in grads]), mesh_dim)
+        pieces = flat.split([g.numel() for g in grads])
+        # Each gradient gets its own storage (a copy): a view would keep the whole bucket
+        # alive for as long as any one gradient is held.
+        return None, None, *(piece.view_as(g).clone() for piece, g in zip(pieces, grads))
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, parts, mesh_dim, length, comm):
@@ -229,6 +251,10 @@ def grad_all_reduce(x: torch.Tensor, mesh_dim: MeshDim, comm: str = FUNCTIONAL) 
     return _GradAllReduce.apply(x, mesh_dim, comm)
 
 
+def grad_all_reduce_bucket(xs: list[torch.Tensor], mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> tuple:
+    return _GradAllReduceBucket.apply(mesh_dim, comm, *xs)
+
+
 def all_gather(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, mesh_dim: MeshDim,
                length: int | None = None, comm: str = FUNCTIONAL) -> torch.Tensor:
     return _AllGather.apply(x, dim, parts, mesh_dim, length, comm)
@@ -266,5 +292,6 @@ COMMUNICATION = {
     shard_local: (None, "all_gather"),
     all_to_all: ("all_to_all", "all_to_all"),
     grad_all_reduce: (None, "all_reduce"),
+    grad_all_reduce_bucket: (None, "all_reduce"),
 }
 """The collective each function a localized graph calls issues in (forward, backward)."""

@@ -30,6 +30,7 @@ class ParallelConfig:
     collectives: str = "auto"  # the lowering: "auto", "functional" or "xla" (passes.lower)
     ulysses_impl: str = "all_to_all"  # Ulysses' exchange: "all_to_all" or "all_gather" (ops.attention)
     replica_group_limit: int = 12  # distinct replica-group sets a Neuron program may use
+    grad_bucket_mb: float = 25.0  # size of the flat buckets that inputs' partial gradients are reduced in
 
 
 @dataclass

@@ -6,11 +6,17 @@ argument from global to local sizes. Inputs and parameters arrive as local shard
 slices them), so placeholders are left as they are; but the gradient of a sliced input or of
 a full (not parallelized) parameter is all-gathered by the runtime, and its placeholder
 records that collective.
+
+The partial gradients of graph inputs (parameters, mostly: replicated over cp, used by
+rank-local computations) are reduced in flat buckets of ``grad_bucket_mb``, one all-reduce
+each, rather than one per input (``bucket_input_grad_reductions``).
 """
 
 from __future__ import annotations
 
 import math
+import operator
+
 import torch.fx as fx
 
 from ..mesh import MeshDim
@@ -111,6 +117,54 @@ def record_runtime_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
             node.meta["dtensor_par_comm"] = comms
 
 
+def _bucket_sizes(reductions: list[fx.Node], limit: int) -> list[list[fx.Node]]:
+    """``reductions`` cut in order into runs of at most ``limit`` bytes (an input larger
+    than ``limit`` gets a bucket of its own)."""
+    buckets, size = [], limit
+    for node in reductions:
+        nbytes = node.meta["dtensor_par_comm"][0].backward_bytes
+        if size + nbytes > limit:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(node)
+        size += nbytes
+    return buckets
+
+
+def bucket_input_grad_reductions(gm: fx.GraphModule, ctx: ParallelContext) -> None:
+    """Replace the ``grad_all_reduce`` of each graph input by flat buckets.
+
+    Backward produces gradients roughly in the reverse order of their use in forward, so
+    inputs are bucketed by their last use, latest first: a bucket's all-reduce runs as soon
+    as its last gradient exists, while backward still computes the earlier layers. Each
+    bucket op sits just before the first use of its inputs, so that autograd, which runs the
+    latest-created ready node first, runs its backward as soon as it is ready. Buckets are
+    per mesh dim and dtype. An input partial on two mesh dims keeps the second dim's
+    reduction per input.
+    """
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    groups: dict[tuple, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if n.target is C.grad_all_reduce and n.args[0].op == "placeholder":
+            groups.setdefault((n.args[1], tensor_val(n.args[0]).dtype), []).append(n)
+    limit = int(ctx.config.grad_bucket_mb * 2**20)
+    for (dim, _), nodes in groups.items():
+        nodes.sort(key=lambda n: -max(order[u] for u in n.users))
+        for bucket in _bucket_sizes(nodes, limit):
+            first_use = min((u for n in bucket for u in n.users), key=order.__getitem__)
+            with graph.inserting_before(first_use):
+                op = graph.call_function(C.grad_all_reduce_bucket, ([n.args[0] for n in bucket], dim))
+                nbytes = sum(n.meta["dtensor_par_comm"][0].backward_bytes for n in bucket)
+                op.meta["dtensor_par_comm"] = [Communication(
+                    None, "all_reduce", dim.name, dim.size, 0, nbytes, f"gradient bucket of {len(bucket)} inputs")]
+                for i, n in enumerate(bucket):
+                    piece = graph.call_function(operator.getitem, (op, i))
+                    piece.meta = {k: v for k, v in n.meta.items() if k != "dtensor_par_comm"}
+                    n.replace_all_uses_with(piece)
+                    graph.erase_node(n)
+
+
 def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     record_runtime_gathers(gm, ctx)
     dims = ctx.mesh.plan_dims
@@ -154,6 +208,7 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             kind = lookup(node)
             if kind is not None and kind.localize is not None:
                 kind.localize(gm, node, ctx.mesh)
+    bucket_input_grad_reductions(gm, ctx)
     for node in graph.nodes:
         for key in ("val", "example_value", "tensor_meta"):
             node.meta.pop(key, None)
