@@ -20,6 +20,7 @@ from ..mesh import MeshDim, MeshInfo
 from ..ops import collectives as C
 from ..placements import (Partial, Placement, Replicate, Shard, interleaved_parts, is_padded,
                           local_shape, shard_dim, shard_length)
+from ..symbolic import is_symbolic, materialize_sizes
 from .context import ParallelContext, at_node
 from .patterns import op_kind, tensor_val
 from .rules import per_dim, sliced_part_range, split_dim, tensor_inputs
@@ -211,6 +212,9 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             node.kwargs = fx.node.map_arg(node.kwargs, localized)
             if node.op != "output":
                 _rewrite_sizes(gm, node, ctx.mesh)
+    if ctx.specialization is not None:
+        materialize_sizes(gm, {v.node.expr: n for n in graph.nodes if n.op == "placeholder"
+                               for v in [n.meta.get("val")] if is_symbolic(v)})
     for node in graph.nodes:
         for key in ("val", "example_value", "tensor_meta"):
             node.meta.pop(key, None)

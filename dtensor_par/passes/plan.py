@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..placements import InterleavedShard, Placement, Replicate, Shard
+from ..symbolic import same_size
 from .context import ParallelContext, at_node
 from .coverage import measure_coverage
 from .detect import TO_ATTENTION, AttentionSite, concatenated_features, find_producers, module_name, weight_param
@@ -133,14 +134,14 @@ def mask_only_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return only
 
 
-def sequence_lengths(site: AttentionSite, ctx: ParallelContext) -> set[int]:
+def sequence_lengths(site: AttentionSite, ctx: ParallelContext) -> list[int]:
     """The length of the sequence an attention runs over, and of each part of it when it is
     a joint sequence concatenated from several (text and image tokens)."""
     length = tensor_val(site.core.args[0]).shape[-2]
-    lengths = {length}
+    lengths = [length]
     for node in find_producers(site.core.args[0], TO_ATTENTION, ctx)[1]:
-        if op_kind(node) == "cat" and tensor_val(node).shape[cat_dim(node)] == length:
-            lengths.update(tensor_val(i).shape[cat_dim(node)] for i in tensor_inputs(node))
+        if op_kind(node) == "cat" and same_size(tensor_val(node).shape[cat_dim(node)], length):
+            lengths += [tensor_val(i).shape[cat_dim(node)] for i in tensor_inputs(node)]
     return lengths
 
 
@@ -154,8 +155,8 @@ def sequence_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[
     """Graph inputs sharded along the sequence over cp: sequence-shaped ones whose dim 1 has
     the length of the sequence hybrid attention runs over, or of a part of a joint one (the
     runtime slices them, no communication), except inputs that only build attention masks."""
-    lengths = set().union(*(sequence_lengths(s, ctx) for s in ctx.sites
-                            if isinstance(s, AttentionSite) and op_kind(s.core) == "hybrid_attention"))
+    lengths = [n for s in ctx.sites if isinstance(s, AttentionSite) and op_kind(s.core) == "hybrid_attention"
+               for n in sequence_lengths(s, ctx)]
     if not lengths:
         ctx.warn(f"no attention runs sequence-parallel: mesh dims 'ring' x 'ulysses' = {ctx.mesh.size('cp')} "
                  "shard nothing")
@@ -164,7 +165,7 @@ def sequence_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[
     for node in gm.graph.nodes:
         val = tensor_val(node)
         if node.op == "placeholder" and node.name not in ctx.params and node not in masks and val is not None \
-                and _sequence_shaped(val) and val.shape[1] in lengths:
+                and _sequence_shaped(val) and any(same_size(val.shape[1], n) for n in lengths):
             placements[node.name] = Shard(1)
     return placements
 
