@@ -91,7 +91,7 @@ class Specialization:
         """The first guard ``args`` break, in the names of the user's sizes, and its origin."""
         values = symbol_values(self.global_inputs, args)
         for guard, origin in zip(self.shape_env.guards, self.origins):
-            expr = guard.expr.xreplace(self.shape_env.replacements)
+            expr = guard.expr
             if not bool(expr.xreplace(values)):
                 return f"{_named(expr, self.names)} (from {origin}) is false for {_named_values(values, self.names)}"
         return "a size relation Dynamo's guards assumed"  # duck-sized dims that differ now

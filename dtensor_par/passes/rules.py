@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard, is_padded, parts_of, shard_dim
+from ..symbolic import is_symbolic
 from .patterns import arg, op_kind, tensor_val
 
 R = Replicate()
@@ -224,7 +225,10 @@ def _static_slice(e) -> bool:
 
 
 def _whole(e: slice, size: int) -> bool:
-    """Whether a slice keeps every position of a dim of ``size`` (``x[:, 0:]`` as ``x[:, :]``)."""
+    """Whether a slice keeps every position of a dim of ``size`` (``x[:, 0:]`` as ``x[:, :]``);
+    of a symbolic size, only when it does for every value (asking would pin the plan to one)."""
+    if is_symbolic(size):
+        return e.start in (None, 0) and e.stop is None and e.step in (None, 1)
     return e.indices(size) == (0, size, 1)
 
 
