@@ -26,7 +26,7 @@ from .dump import GraphDump
 from .logs import logger
 from .mesh import MeshDim, MeshInfo
 from .ops.collectives import gather_param_grad, shard_local
-from .passes.capture import scalar_inputs
+from .passes.capture import SYMBOLIC, scalar_inputs
 from .passes.context import ParallelConfig, ParallelContext
 from .placements import Placement, describe, interleaved_parts, local_chunk, shard_dim
 from .sharded import dtensor_placements, standin_param
@@ -112,7 +112,7 @@ class ParallelRuntime:
         self.gm, self.config, self.mesh, self.inner_backend = gm, config, mesh, inner_backend
         self.graphs: list[LocalGraph] = []  # most recently used last
         self.scalars = scalar_inputs(gm)
-        self.symbolic = SymbolicInputs(gm)
+        self.symbolic = gm.meta[SYMBOLIC]
         self.input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         self.id = next(_runtime_ids)
         self.plans = 0

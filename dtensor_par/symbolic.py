@@ -96,6 +96,10 @@ class Specialization:
                 return f"{_named(expr, self.names)} (from {origin}) is false for {_named_values(values, self.names)}"
         return "a size relation Dynamo's guards assumed"  # duck-sized dims that differ now
 
+    def named(self, size) -> str:
+        """A size in the names of the user's sizes (``L['x'].size(1)``)."""
+        return _named(size.node.expr, self.names) if isinstance(size, torch.SymInt) else str(size)
+
     def specialized(self) -> list[str]:
         """Each guard that pins a symbol to a set of values, with its origin (for ``explain``)."""
         return [f"{_named(g.expr, self.names)} (from {o})" for g, o in zip(self.shape_env.guards, self.origins)

@@ -10,17 +10,19 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from ..symbolic import is_symbolic, recording_guards
+from ..symbolic import SymbolicInputs, is_symbolic, recording_guards
 from .context import ParallelContext, ParamInfo
 
 _SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)(?:'\])?\['([^']+)'\]")
 
 
 FQNS = "dtensor_par_fqns"
+SYMBOLIC = "dtensor_par_symbolic"
 
 
 def record_module_names(gm: fx.GraphModule) -> fx.GraphModule:
-    """Keep each placeholder's module path in ``gm.meta`` while Dynamo's sources are there.
+    """Keep each placeholder's module path in ``gm.meta`` while Dynamo's sources are there,
+    and which input sizes are symbolic (``symbolic.SymbolicInputs``, from its example values).
 
     ``L['self']._modules['attn']._parameters['weight']`` -> ``attn.weight`` (also when Dynamo
     spells the first step ``L['self'].__dict__['_modules']['attn']``). Dynamo drops the
@@ -33,6 +35,7 @@ def record_module_names(gm: fx.GraphModule) -> fx.GraphModule:
         if node.op == "placeholder" and parts:
             names[node.name] = ".".join(parts)
     gm.meta.setdefault(FQNS, names)
+    gm.meta.setdefault(SYMBOLIC, SymbolicInputs(gm))
     return gm
 
 

@@ -20,7 +20,7 @@ from ..mesh import MeshDim, MeshInfo
 from ..ops import collectives as C
 from ..placements import (Partial, Placement, Replicate, Shard, interleaved_parts, is_padded,
                           local_shape, shard_dim, shard_length)
-from ..symbolic import is_symbolic, materialize_sizes
+from ..symbolic import hint, is_symbolic, materialize_sizes
 from .context import ParallelContext, at_node
 from .patterns import op_kind, tensor_val
 from .rules import per_dim, sliced_part_range, split_dim, tensor_inputs
@@ -50,7 +50,8 @@ class _Inserter:
         self.requires_grad = requires_grad  # without a gradient, no backward collective runs
 
     def nbytes(self, p: Placement) -> int:
-        return math.prod(local_shape(self.shape, p, self.dim.size, self.dim.chunks_per_rank)) * self.element_size
+        """At the planned sizes, when they are symbolic."""
+        return hint(math.prod(local_shape(self.shape, p, self.dim.size, self.dim.chunks_per_rank)) * self.element_size)
 
     def padded_length(self, p: Placement) -> dict:
         """``{"length": n}`` when the dim ``p`` shards, of global length n, is laid out padded."""
@@ -164,7 +165,7 @@ def record_runtime_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
             placements = {d: s.out for d, s in node.meta["dtensor_par"].items() if shard_dim(s.out) is not None}
             site = "input gradient"
         val = tensor_val(node)
-        nbytes = math.prod(local_shape_on(val.shape, placements, ctx.mesh)) * val.element_size()
+        nbytes = hint(math.prod(local_shape_on(val.shape, placements, ctx.mesh)) * val.element_size())
         comms = [Communication(None, "all_gather", d, ctx.mesh.size(d), 0, nbytes, site) for d in placements]
         if comms:
             node.meta["dtensor_par_comm"] = comms

@@ -21,6 +21,7 @@ import torch.fx as fx
 from ..logs import logger
 from ..ops.attention import hybrid_attention
 from ..placements import is_padded, shard_length
+from ..symbolic import hint, is_symbolic
 from .capture import with_val
 from .context import ParallelContext
 from .detect import AttentionSite
@@ -77,7 +78,7 @@ def hybrid_attention_communication(site: AttentionSite, q, k, mesh, ulysses_impl
     if q_heads % ulysses or kv_heads % ulysses:
         q_heads = kv_heads = -(-q_heads // ulysses) * ulysses
     local_seq = shard_length(seq, cp, mesh.dims["cp"].chunks_per_rank)
-    per_head = batch * local_seq * head_dim * q.element_size()  # one head of a (padded) sequence shard
+    per_head = hint(batch * local_seq * head_dim * q.element_size())  # one head of a (padded) sequence shard
     comms = []
     if ulysses > 1:
         gathers = ulysses_impl == "all_gather"
@@ -104,7 +105,11 @@ def _sequence_lengths(site: AttentionSite, q, k, mesh, ctx: ParallelContext) -> 
             f"hybrid_parallel: attention {site.core.name!r} has sequence length {q_len} (keys {kv_len}), "
             f"shorter than mesh dims 'ring' x 'ulysses' = {mesh.size('ring')} x {mesh.size('ulysses')} = {cp}: "
             f"some ranks would hold only padding; use smaller 'ring' or 'ulysses' dims")
-    if is_padded(q_len, cp, per_rank) or is_padded(kv_len, cp, per_rank):
+    if is_symbolic(q_len) or is_symbolic(kv_len):
+        ctx.warn(f"{site.name} ({site.core.name}): sequence length {ctx.specialization.named(q_len)} is symbolic: it is padded at the end to "
+                 f"a multiple of {cp * per_rank} chunks (ring={mesh.size('ring')}, ulysses={mesh.size('ulysses')}), "
+                 f"by nothing where it divides, so one plan serves every length")
+    elif is_padded(q_len, cp, per_rank) or is_padded(kv_len, cp, per_rank):
         keys = f" (keys {kv_len})" if kv_len != q_len else ""
         ctx.warn(f"{site.name} ({site.core.name}): sequence length {q_len}{keys} does not divide into "
                  f"{cp * per_rank} equal chunks (ring={mesh.size('ring')}, ulysses={mesh.size('ulysses')}); padded at "
