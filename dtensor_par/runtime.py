@@ -27,7 +27,7 @@ from .logs import logger
 from .mesh import MeshDim, MeshInfo
 from .ops.collectives import gather_param_grad, shard_local
 from .passes.capture import SYMBOLIC, scalar_inputs
-from .passes.context import ParallelConfig, ParallelContext
+from .passes.context import ParallelConfig, ParallelContext, PlanningError
 from .placements import Placement, describe, interleaved_parts, local_chunk, shard_dim
 from .sharded import dtensor_placements, standin_param
 from .symbolic import NotSymbolic, Specialization, SymbolicInputs
@@ -205,25 +205,29 @@ class ParallelRuntime:
 
     def _build(self, args, key: tuple) -> LocalGraph:
         self._check_devices(args)
+        if self.symbolic.symbolic:
+            try:
+                return self._compile(args, key, self.symbolic.specialization(args))
+            except (NotSymbolic, PlanningError) as e:
+                logger.warning("hybrid_parallel: graph %d cannot be planned on symbolic sizes, so it is planned for "
+                               "each size it meets: %s", self.id, e)
+                self.symbolic = SymbolicInputs.static()
+                key = self._key(args)
+        return self._compile(args, key, None)
+
+    def _compile(self, args, key: tuple, spec: Specialization | None) -> LocalGraph:
+        """Plan and compile for ``args``; with ``spec``, on its symbolic sizes."""
         config = self.config
         if any(standin_param(a) is not None for a in args):
             config = dataclasses.replace(config, parallelized=True)
-        spec, examples = None, args
-        if self.symbolic.symbolic:
-            try:
-                spec = self.symbolic.specialization(args)
-                local_gm, ctx = parallelize_graph(self.gm, args, config, dump=self._dump(), specialization=spec)
-            except NotSymbolic as e:
-                logger.warning("hybrid_parallel: graph %d is planned for each size it meets: %s", self.id, e)
-                self.symbolic = SymbolicInputs.static()
-                return self._build(args, self._key(args))
-            examples = [a if isinstance(a, torch.nn.Parameter) or standin_param(a) is not None else x
-                        for a, x in zip(args, spec.global_inputs)]  # parameters are sliced as at run time
-        else:
-            local_gm, ctx = parallelize_graph(self.gm, args, config, dump=self._dump())
+        local_gm, ctx = parallelize_graph(self.gm, args, config, dump=self._dump(), specialization=spec)
         self._check_sharded_params(ctx, args)
         placeholders = [n for n in local_gm.graph.nodes if n.op == "placeholder"]
         input_placements = [{d: s.out for d, s in n.meta["dtensor_par"].items()} for n in placeholders]
+        examples = args
+        if spec is not None:  # the inner backend compiles for the symbolic sizes; parameters are sliced as at run time
+            examples = [a if isinstance(a, torch.nn.Parameter) or standin_param(a) is not None else x
+                        for a, x in zip(args, spec.global_inputs)]
         with torch.no_grad(), (spec.fake_mode if spec else contextlib.nullcontext()):
             local = self._local_args(examples, input_placements, ctx.comm)
         if spec is not None:

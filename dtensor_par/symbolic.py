@@ -51,8 +51,8 @@ def same_size(a, b) -> bool:
     return a == b
 
 
-class NotSymbolic(Exception):
-    """This graph cannot be planned on its symbols; it is specialized per size instead."""
+class NotSymbolic(NotImplementedError):
+    """This graph cannot be planned on its symbols; it is planned per size instead."""
 
 
 @dataclass
