@@ -128,6 +128,6 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
         report.graphs.append(GraphReport(sites_text(ctx).splitlines(), site_placement_lines(ctx),
                                          parameter_rows(ctx), collective_rows(local_gm), list(ctx.warnings),
                                          time.perf_counter() - start, ctx.coverage, ctx.comm,
-                                         len(ctx.replica_group_sets), list(spec.names.values()) if spec else [],
+                                         len(ctx.replica_group_sets), spec.symbolic_names() if spec else [],
                                          spec.specialized() if spec else []))
     return report

@@ -137,9 +137,11 @@ class ParallelRuntime:
                            self.id, self.config.cache_limit, dropped.key)
         self.graphs.append(self._build(args, key))
         self.plans += 1
+        spec = self.graphs[-1].specialization
+        sizes = spec.symbolic_names() if spec else []
         logger.info("hybrid_parallel: planned graph %d (plan %d, %s)%s", self.id, self.plans,
-                    "symbolic in " + ", ".join(self.symbolic.names.values()) if self.graphs[-1].specialization
-                    else "static sizes", f", triggered by: {reason}" if reason else "")
+                    f"symbolic in {', '.join(sizes)}" if sizes else "static sizes",
+                    f", triggered by: {reason}" if reason else "")
         return self.graphs[-1]
 
     def _reason(self, key: tuple, args) -> str | None:

@@ -63,6 +63,7 @@ class Specialization:
     fake_mode: FakeTensorMode
     global_inputs: list  # the fake inputs the plan was made on (guards are checked against them)
     names: dict  # our symbol -> the user's name for it (``x.size(1)``)
+    positions: dict  # our symbol -> (input index, dim, or None for a SymInt input) it is read from
     origins: list[str] = field(default_factory=list)  # one per guard of shape_env.guards
     code: str | None = None
 
@@ -89,12 +90,17 @@ class Specialization:
 
     def failed(self, args) -> str:
         """The first guard ``args`` break, in the names of the user's sizes, and its origin."""
-        values = symbol_values(self.global_inputs, args)
+        values = {sym: int(args[i]) if d is None else args[i].shape[d] for sym, (i, d) in self.positions.items()}
         for guard, origin in zip(self.shape_env.guards, self.origins):
             expr = guard.expr
             if not bool(expr.xreplace(values)):
                 return f"{_named(expr, self.names)} (from {origin}) is false for {_named_values(values, self.names)}"
         return "a size relation Dynamo's guards assumed"  # duck-sized dims that differ now
+
+    def symbolic_names(self) -> list[str]:
+        """The sizes the plan serves every value of: those no guard pinned to one."""
+        pinned = {sym for sym, value in self.shape_env.replacements.items() if not value.free_symbols}
+        return [name for sym, name in self.names.items() if sym not in pinned]
 
     def named(self, size) -> str:
         """A size in the names of the user's sizes (``L['x'].size(1)``)."""
@@ -114,21 +120,6 @@ def _named_values(values: dict, names: dict) -> str:
     return ", ".join(f"{names.get(s, s)}={v}" for s, v in values.items())
 
 
-def symbol_values(global_inputs: list, args) -> dict:
-    """Each symbol's value in ``args``, read where it first occurs in ``global_inputs``."""
-    values = {}
-    for x, a in zip(global_inputs, args):
-        if isinstance(x, torch.SymInt):
-            sym = _symbol(x)
-            if sym is not None:
-                values.setdefault(sym, int(a))
-        elif isinstance(x, torch.Tensor):
-            for s, n in zip(x.shape, a.shape):
-                if _symbol(s) is not None:
-                    values.setdefault(_symbol(s), n)
-    return values
-
-
 class SymbolicInputs:
     """Which of a captured graph's inputs Dynamo made symbolic, read at capture time (Dynamo
     drops ``example_value`` later), and how to make fake inputs of the same symbols."""
@@ -136,6 +127,7 @@ class SymbolicInputs:
     def __init__(self, gm: fx.GraphModule):
         self.inputs = []  # per placeholder: "symint", a tuple of (dynamo symbol or None) per dim, or None
         self.names: dict[sympy.Symbol, str] = {}  # dynamo symbol -> a name the user knows (``x.size(1)``)
+        self.unsupported: str | None = None  # why these inputs cannot be planned on their symbols
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for node in placeholders:
             value = node.meta.get("example_value")
@@ -153,12 +145,17 @@ class SymbolicInputs:
                     if s is not None:
                         self.names[s] = f"{source}.size({d})"  # a tensor's name wins over the SymInt's
                 if any(is_symbolic(s) and _symbol(s) is None for s in value.shape):
-                    self.inputs[-1] = "expression"
+                    self.unsupported = f"a size of {source} is an expression, not a symbol: {list(value.shape)}"
             else:
                 self.inputs.append(None)
         self.placeholder_symbols = [_symbol(n.meta["example_value"]) if kind == "symint" else None
                                     for n, kind in zip(placeholders, self.inputs)]
         self.symints = {s for s in self.placeholder_symbols if s is not None}
+        missing = [name for s, name in self.names.items() if s not in self.symints]
+        if missing:
+            self.unsupported = f"sizes {missing} reach the graph without a SymInt input"
+        if any(kind == "symint" and s is None for kind, s in zip(self.inputs, self.placeholder_symbols)):
+            self.unsupported = "a SymInt input is an expression, not a symbol"
 
     @property
     def symbolic(self) -> bool:
@@ -185,48 +182,44 @@ class SymbolicInputs:
         """Inputs planned for each size they take."""
         self = cls.__new__(cls)
         self.inputs, self.names, self.placeholder_symbols, self.symints = [], {}, [], set()
+        self.unsupported = None
         return self
 
     def specialization(self, args) -> Specialization:
         """Fake inputs with one fresh symbol of our ShapeEnv per Dynamo symbol, in the
         Specialization that collects the guards a plan on them makes."""
-        if "expression" in self.inputs or any(s not in self.symints for s in self.names):
-            missing = [self.names[s] for s in self.names if s not in self.symints]
-            raise NotSymbolic(f"sizes {missing} reach the graph without a SymInt input" if missing
-                              else "an input size is an expression, not a symbol")
+        if self.unsupported:
+            raise NotSymbolic(self.unsupported)
         shape_env = ShapeEnv()
         mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
-        ours, names = {}, {}
+        ours, names, positions = {}, {}, {}
 
-        def symint(dynamo_sym, hint: int):
+        def symint(dynamo_sym, value: int, position: tuple):
             if dynamo_sym not in ours:
                 source = ConstantSource(f"dtensor_par_s{len(ours)}")
-                expr = shape_env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
-                ours[dynamo_sym] = shape_env.create_symintnode(expr, hint=hint, source=source)
-                if _symbol(ours[dynamo_sym]) is not None:
-                    names[_symbol(ours[dynamo_sym])] = self.names[dynamo_sym]
+                expr = shape_env.create_symbol(value, source, dynamic_dim=DimDynamic.DYNAMIC)
+                ours[dynamo_sym] = shape_env.create_symintnode(expr, hint=value, source=source)
+                names[expr], positions[expr] = self.names[dynamo_sym], position
             return ours[dynamo_sym]
 
-        for kind, a in zip(self.inputs, args):  # tensor sizes first: they name the symbols
+        for i, (kind, a) in enumerate(zip(self.inputs, args)):  # tensor sizes first: they name the symbols
             if isinstance(kind, tuple) and isinstance(a, torch.Tensor):
-                for s, n in zip(kind, a.shape):
+                for d, (s, n) in enumerate(zip(kind, a.shape)):
                     if s is not None:
-                        symint(s, n)
+                        symint(s, n, (i, d))
         fakes = []
-        for kind, a, sym in zip(self.inputs, args, self.placeholder_symbols):
+        for i, (kind, a, sym) in enumerate(zip(self.inputs, args, self.placeholder_symbols)):
             if kind == "symint":
-                if sym is None:
-                    raise NotSymbolic("a SymInt input is an expression, not a symbol")
-                fakes.append(symint(sym, int(a)))
+                fakes.append(symint(sym, int(a), (i, None)))
             elif isinstance(kind, tuple) and isinstance(a, torch.Tensor) and any(s is not None for s in kind):
                 if not a.is_contiguous():
                     raise NotSymbolic("a symbolic input is not contiguous")
-                sizes = [symint(s, n) if s is not None else n for s, n in zip(kind, a.shape)]
+                sizes = [symint(s, n, (i, d)) if s is not None else n for d, (s, n) in enumerate(zip(kind, a.shape))]
                 with mode:
                     fakes.append(torch.empty(sizes, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad))
             else:
                 fakes.append(a)
-        spec = Specialization(mode, fakes, names)
+        spec = Specialization(mode, fakes, names, positions)
         spec.global_inputs = spec.static_fakes(fakes)
         return spec
 

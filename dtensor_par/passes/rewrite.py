@@ -21,7 +21,7 @@ import torch.fx as fx
 from ..logs import logger
 from ..ops.attention import hybrid_attention
 from ..placements import is_padded, shard_length
-from ..symbolic import hint, is_symbolic
+from ..symbolic import guards_at, hint, is_symbolic
 from .capture import with_val
 from .context import ParallelContext
 from .detect import AttentionSite
@@ -131,7 +131,11 @@ def _constant_ancestors(node: fx.Node) -> list[fx.Node] | None:
     return [n for n in node.graph.nodes if n in seen]
 
 
-def _off_meta(a):
+def _concrete(a):
+    """An argument the subgraph can run on now: the CPU for the meta device; a symbolic size
+    at its value, which pins the plan to that value (a guard, reported by ``explain``)."""
+    if isinstance(a, torch.SymInt):
+        return int(a)
     return torch.device("cpu") if isinstance(a, torch.device) and a.type == "meta" else a
 
 
@@ -140,7 +144,7 @@ def _evaluate(nodes: list[fx.Node]) -> torch.Tensor:
     planned on the meta device)."""
     env: dict[fx.Node, object] = {}
     for n in nodes:
-        args, kwargs = fx.node.map_aggregate(fx.node.map_arg((n.args, n.kwargs), env.__getitem__), _off_meta)
+        args, kwargs = fx.node.map_aggregate(fx.node.map_arg((n.args, n.kwargs), env.__getitem__), _concrete)
         env[n] = n.target(*args, **kwargs) if n.op == "call_function" else getattr(args[0], n.target)(*args[1:], **kwargs)
     return env[nodes[-1]]
 
@@ -155,14 +159,15 @@ def is_causal_mask(mask: fx.Node, q_len: int, kv_len: int) -> bool:
     nodes = _constant_ancestors(mask)
     if nodes is None or q_len != kv_len:
         return False
-    value = _evaluate(nodes)
+    with guards_at(f"rewrite at {mask.name} (a mask built from positions, evaluated for one length)"):
+        value = _evaluate(nodes)
     if value.dtype != torch.bool:
         hidden = torch.isneginf(value) | (value == torch.finfo(value.dtype).min)
         if not bool((hidden | (value == 0)).all()):
             return False  # an additive bias, not only a mask
         value = ~hidden
-    causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=value.device).tril()
-    return value.shape[-2:] == causal.shape and bool((value == causal).all())
+    causal = torch.ones(value.shape[-2:], dtype=torch.bool, device=value.device).tril()
+    return value.shape[-2] == value.shape[-1] and bool((value == causal).all())
 
 
 def _erase_unused(gm: fx.GraphModule, node: fx.Node) -> None:
