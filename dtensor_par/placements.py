@@ -10,13 +10,18 @@ gathers it, with the parts put back in order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+if TYPE_CHECKING:
+    from .mesh import MeshInfo
+
 __all__ = ["Partial", "Replicate", "Shard", "InterleavedShard", "Placement",
-           "shard_dim", "interleaved_parts", "parts_of", "shard_length", "is_padded", "local_shape", "local_chunk", "describe"]
+           "shard_dim", "interleaved_parts", "parts_of", "shard_length", "is_padded", "local_shape", "local_shape_on",
+           "local_chunk", "describe"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,14 @@ def local_shape(shape: torch.Size | tuple[int, ...], p: Placement, size: int,
     if d is None:
         return shape
     return shape[:d] + (shard_length(shape[d], size, chunks_per_rank),) + shape[d + 1:]
+
+
+def local_shape_on(shape, placements: dict[str, Placement], mesh: MeshInfo) -> tuple[int, ...]:
+    """A global shape cut by the placement on every planned dim (``{"tp": ..., "cp": ...}``)."""
+    shape = tuple(shape)
+    for name, p in placements.items():
+        shape = local_shape(shape, p, mesh.size(name), mesh.dims[name].chunks_per_rank)
+    return shape
 
 
 def local_chunk(full: torch.Tensor, p: Placement, rank: int, size: int) -> torch.Tensor:

@@ -15,7 +15,8 @@ from dtensor_par.passes.context import ParallelConfig
 from dtensor_par.passes.capture import capture_pass
 from dtensor_par.passes.detect import AttentionSite, MLPSite, detect_pass
 from dtensor_par.passes.rewrite import gqa_repeat, rewrite_pass
-from dtensor_par.passes.rules import _index_map, view_target
+from dtensor_par.passes.rules.indexing import _index_map
+from dtensor_par.passes.rules.views import view_target
 from dtensor_par.placements import InterleavedShard, Replicate, Shard, local_chunk
 from tests import models
 from tests.conftest import plan_graph

@@ -187,28 +187,29 @@ def test_every_collective_a_step_runs_is_in_the_table(tmp_path):
 
 def full_parameters_stay_fresh(rank: int, world: int):
     """Without parallelize the runtime slices full parameters at every call: in-place changes
-    through ``.data``, ``.data =`` and a replaced parameter are all seen."""
+    through ``.data``, ``.data =`` and a replaced parameter are all seen (a stale piece would be
+    off by the whole change; random weights make outputs large, so the error is relative)."""
     mesh = dtensor_par.init_mesh(tp=2)
     model, x = _model("gpt")
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager"))
-    diffs = [(compiled(x) - reference(x)).abs().max().item()]
+    diffs = [max_rel(compiled(x), reference(x))]
     for m in (model, reference):
         m.blocks[0].fc.weight.data.add_(0.5)
-    diffs.append((compiled(x) - reference(x)).abs().max().item())
+    diffs.append(max_rel(compiled(x), reference(x)))
     new = torch.randn_like(model.blocks[0].proj.weight)
     model.blocks[0].proj.weight.data, reference.blocks[0].proj.weight.data = new.clone(), new.clone()
-    diffs.append((compiled(x) - reference(x)).abs().max().item())
+    diffs.append(max_rel(compiled(x), reference(x)))
     new = torch.randn_like(model.blocks[1].qkv.weight)
     model.blocks[1].qkv.weight = nn.Parameter(new.clone())
     reference.blocks[1].qkv.weight = nn.Parameter(new.clone())
-    diffs.append((compiled(x) - reference(x)).abs().max().item())
+    diffs.append(max_rel(compiled(x), reference(x)))
     return diffs
 
 
 def test_full_parameters_changed_in_any_way_are_seen():
     for diffs in run_ranks(2, full_parameters_stay_fresh):
-        assert max(diffs) <= 1e-5, diffs
+        assert max(diffs) <= 1e-6, diffs
 
 
 # --- bad input, planned on a fake process group (nothing is sent) ----------------------------

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from .capture import with_val
 from .context import ParallelContext
-from .patterns import op_kind, tensor_val
+from .patterns import tensor_val
+from .rules.registry import op_kind
 
 
 def _flattened_source(view: fx.Node) -> fx.Node | None:

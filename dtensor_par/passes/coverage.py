@@ -21,7 +21,8 @@ from ..placements import Replicate, shard_length
 from ..symbolic import hint
 from .context import ParallelContext
 from .detect import AttentionSite, weight_name, weight_param
-from .patterns import op_kind, tensor_val
+from .patterns import tensor_val
+from .rules.registry import op_kind
 
 _IN_BLOCK = re.compile(r"\.\d+\.")
 

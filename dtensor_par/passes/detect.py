@@ -7,15 +7,19 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from .context import ParallelContext
-from .rules import cat_dim, tensor_inputs
-from .patterns import LAYOUT, POINTWISE, is_activation, is_linear, op_kind, sdpa_arguments, tensor_val
+from .patterns import tensor_val
+from .rules.attention import sdpa_arguments
+from .rules.core import tensor_inputs
+from .rules.indexing import cat_dim
+from .rules.pointwise import is_activation
+from .rules.registry import kinds_in, op_kind
 
 # Ops allowed between a projection and the attention call: head reshapes, RoPE, QK-norm.
-TO_ATTENTION = POINTWISE | LAYOUT | {"norm"}
-# Ops allowed between attention output and its out projection.
-_FROM_ATTENTION = LAYOUT | {"cast"}
+TO_ATTENTION = kinds_in("pointwise", "views", "indexing") | {"norm"}
+# Ops allowed between attention output and its out projection: head merges, output gates.
+_FROM_ATTENTION = kinds_in("pointwise", "views", "indexing")
 # Ops allowed inside an MLP between up/gate and down projections.
-_INSIDE_MLP = POINTWISE | {"split", "getitem"}
+_INSIDE_MLP = kinds_in("pointwise") | {"split", "getitem"}
 
 
 @dataclass
@@ -87,7 +91,7 @@ def find_producers(start: fx.Node, through: set[str], ctx: ParallelContext) -> t
         if node in seen:
             continue
         seen.add(node)
-        if is_linear(node):
+        if op_kind(node) == "linear":
             if _has_param_weight(node, ctx):
                 linears.append(node)
             continue
@@ -105,7 +109,7 @@ def find_consumers(start: fx.Node, through: set[str], ctx: ParallelContext) -> l
         if node in seen:
             continue
         seen.add(node)
-        if is_linear(node):
+        if op_kind(node) == "linear":
             if _has_param_weight(node, ctx):
                 linears.append(node)
         elif op_kind(node) in through:
@@ -160,7 +164,7 @@ def concatenated_features(linear: fx.Node) -> list[fx.Node] | None:
 def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]) -> list[MLPSite]:
     sites = []
     for node in gm.graph.nodes:
-        if not is_linear(node) or node in taken or not _has_param_weight(node, ctx):
+        if not op_kind(node) == "linear" or node in taken or not _has_param_weight(node, ctx):
             continue
         ups, walked = find_producers(node.args[0], _INSIDE_MLP, ctx)
         activations = [n for n in walked if is_activation(n)]

@@ -13,17 +13,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
-from ..mesh import MeshDim, MeshInfo
+from ..mesh import MeshDim
 from ..ops import collectives as C
-from ..placements import (Partial, Placement, Replicate, Shard, interleaved_parts, is_padded,
-                          local_shape, shard_dim, shard_length)
+from ..placements import (Partial, Placement, Replicate, Shard, interleaved_parts, is_padded, local_shape,
+                          local_shape_on, shard_dim)
 from ..symbolic import hint, is_symbolic, materialize_sizes
 from .context import ParallelContext, at_node
-from .patterns import op_kind, tensor_val
-from .rules import per_dim, sliced_part_range, split_dim, tensor_inputs
+from .patterns import tensor_val
+from .rules.core import tensor_inputs
+from .rules.registry import lookup
 
 R = Replicate()
 
@@ -90,49 +90,6 @@ def redistribute(insert: _Inserter, x: fx.Node, src: Placement, dst: Placement) 
 
 def _outputs(p) -> tuple:
     return p if isinstance(p, tuple) else (p,)
-
-
-def local_shape_on(shape, placements: dict[str, Placement], mesh: MeshInfo) -> tuple[int, ...]:
-    """A global shape cut by the placement on every planned dim."""
-    shape = tuple(shape)
-    for name, p in placements.items():
-        shape = local_shape(shape, p, mesh.size(name), mesh.dims[name].chunks_per_rank)
-    return shape
-
-
-def _rewrite_sizes(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
-    """Give a view/expand/split the local sizes of its output."""
-    kind = op_kind(node)
-    plans = node.meta["dtensor_par"]
-    if kind in ("view", "expand"):
-        if all(shard_dim(s.out) is None and shard_dim(s.inputs[0]) is None for s in plans.values()):
-            return
-        local = local_shape_on(node.meta["dtensor_par_shape"], {d: s.out for d, s in plans.items()}, mesh)
-        method = "expand" if kind == "expand" else "reshape"
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_method(method, (node.args[0], *local))
-        new.meta = node.meta
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
-    elif kind == "getitem" and isinstance(node.args[1], (tuple, slice)):
-        entries = None
-        for name, sharding in plans.items():
-            p = sharding.inputs[0] if sharding.inputs else None
-            kept_parts = sliced_part_range(node, p)
-            if kept_parts is None:
-                continue
-            entries = entries or per_dim(node.args[1], len(node.args[0].meta["val"].shape))
-            local = [shard_length(part, mesh.size(name), mesh.dims[name].chunks_per_rank) for part in p.parts]
-            entries[p.dim] = slice(sum(local[:kept_parts[0]]), sum(local[:kept_parts[1]]))
-        if entries is not None:
-            node.args = (node.args[0], tuple(entries))
-    elif kind == "split" and node.target in ("split", "split_with_sizes", torch.split):
-        sizes = node.args[1]
-        for name, sharding in plans.items():
-            if shard_dim(sharding.inputs[0]) == split_dim(node):
-                n = mesh.size(name)
-                sizes = sizes // n if isinstance(sizes, int) else [s // n for s in sizes]
-        node.args = (node.args[0], sizes) + tuple(node.args[2:])
 
 
 def _edge(insert: _Inserter, cached, x: fx.Node, src: Placement, dst: Placement, partial_grad: bool) -> fx.Node:
@@ -211,8 +168,9 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         with at_node("localize", node):
             node.args = fx.node.map_arg(node.args, localized)
             node.kwargs = fx.node.map_arg(node.kwargs, localized)
-            if node.op != "output":
-                _rewrite_sizes(gm, node, ctx.mesh)
+            kind = lookup(node)
+            if kind is not None and kind.local_sizes is not None:
+                kind.local_sizes(gm, node, ctx.mesh)
     if ctx.specialization is not None:
         materialize_sizes(gm, {v.node.expr: n for n in graph.nodes if n.op == "placeholder"
                                for v in [n.meta.get("val")] if is_symbolic(v)})

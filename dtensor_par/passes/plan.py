@@ -14,9 +14,10 @@ from ..symbolic import same_size
 from .context import ParallelContext, at_node
 from .coverage import measure_coverage
 from .detect import TO_ATTENTION, AttentionSite, concatenated_features, find_producers, module_name, weight_param
-from .patterns import op_kind, target_name, tensor_val
-from .rules import (RULES, NodeSharding, RuleEnv, cat_dim, check_divisible, moved, per_dim, replicate_all, split_dim,
-                    tensor_inputs)
+from .patterns import target_name, tensor_val
+from .rules.core import NodeSharding, RuleEnv, check_divisible, moved, replicate_all, tensor_inputs
+from .rules.indexing import cat_dim, per_dim, split_dim
+from .rules.registry import lookup, op_kind
 
 R = Replicate()
 
@@ -198,10 +199,10 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding
         if keep:
             _check_local_outputs(ins, cur, env)
         return NodeSharding(None, tuple(p if keep and isinstance(p, (Shard, Replicate)) else R for p in cur))
-    rule = RULES.get(op_kind(node))
-    if rule is None:
+    kind = lookup(node)
+    if kind is None:
         return replicate_all(node, ins, cur, f"no sharding rule for {target_name(node)}")
-    sharding = rule(node, ins, cur, env)
+    sharding = kind.rule(node, ins, cur, env)
     problem = check_divisible(node, ins, sharding, env)
     if problem:
         return replicate_all(node, ins, cur, problem)

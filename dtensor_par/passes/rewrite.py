@@ -26,7 +26,8 @@ from .capture import with_val
 from .context import ParallelContext
 from .detect import AttentionSite
 from .localize import Communication
-from .patterns import arg, sdpa_arguments, tensor_val
+from .patterns import arg, tensor_val
+from .rules.attention import sdpa_arguments
 
 
 def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:

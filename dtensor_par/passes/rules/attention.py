@@ -1,0 +1,64 @@
+"""Attention: SDPA shards over batch or heads; hybrid attention also over the sequence (cp)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ...ops.attention import hybrid_attention
+from ...placements import InterleavedShard, Shard
+from ..patterns import tensor_val
+from .core import R, NodeSharding, replicate_all, resolve_partial
+from .registry import register
+
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def sdpa_arguments(core: fx.Node) -> dict:
+    """Every argument of a scaled_dot_product_attention call by name, positional or keyword."""
+    names = ["query", "key", "value", *_SDPA_DEFAULTS]
+    return {**_SDPA_DEFAULTS, **dict(zip(names, core.args)), **core.kwargs}
+
+
+def sdpa_rule(node, ins, cur, env):
+    """Attention is independent per batch entry and per head: shard either, gather the rest."""
+    cur = resolve_partial(ins, cur, env)
+    q_val = tensor_val(ins[0])
+    nd = q_val.dim()
+    batch_like = set(range(nd - 2))
+    chosen = next((p for p in cur[:3] if isinstance(p, Shard) and p.dim in batch_like), None)
+    if chosen is None:
+        return replicate_all(node, ins, cur, "attention sharded along the sequence or head dim")
+    expected = []
+    for i in ins:
+        val = tensor_val(i)
+        d = chosen.dim - (nd - val.dim())
+        broadcast = d < 0 or val.shape[d] == 1
+        expected.append(R if broadcast else Shard(d))
+    return NodeSharding(chosen, tuple(expected))
+
+
+def hybrid_attention_rule(node, ins, cur, env):
+    """Heads split on tp as for SDPA; on cp q, k, v and the output are sequence shards and a
+    mask is whole (each ring block takes its rows and columns).
+
+    A joint sequence (text and image tokens, each sharded on its own and concatenated per
+    rank) stays as it is when nothing depends on token order (no mask, not causal): every
+    rank then holds its slice of each part, and attention over a permuted sequence is the
+    same attention, permuted alike.
+    """
+    if env.dim != "cp":
+        return sdpa_rule(node, ins, cur, env)
+    seq_dim = tensor_val(ins[0]).dim() - 2
+    joint = cur[0]
+    if (isinstance(joint, InterleavedShard) and joint.dim == seq_dim and cur[1] == joint and cur[2] == joint
+            and len(ins) == 3 and not node.kwargs.get("is_causal")):
+        return NodeSharding(joint, (joint, joint, joint))
+    seq = Shard(seq_dim)
+    return NodeSharding(seq, (seq, seq, seq) + (R,) * (len(ins) - 3))
+
+
+register("sdpa", "attention", sdpa_rule,
+         functions=[torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention])
+register("hybrid_attention", "attention", hybrid_attention_rule, functions=[hybrid_attention])

@@ -1,0 +1,94 @@
+"""What every rule shares: the planned placement of a node, the rule's view of the mesh dim,
+and the fallback that gathers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ...placements import InterleavedShard, Partial, Placement, Replicate, Shard, is_padded, parts_of, shard_dim
+from ..patterns import tensor_val
+
+R = Replicate()
+
+
+@dataclass(frozen=True)
+class NodeSharding:
+    """Planned placements of one node on one mesh dim (``node.meta["dtensor_par"][dim]``)."""
+
+    out: Placement | tuple[Placement, ...] | None  # a tuple for ops returning several tensors
+    inputs: tuple[Placement, ...]  # required placement of each tensor input (``tensor_inputs`` order)
+    note: str | None = None  # why the node was gathered, if it was
+
+
+@dataclass
+class RuleEnv:
+    dim: str  # the mesh dim planned: "tp" or "cp"
+    size: int
+    input_placements: dict[str, Placement]  # placeholder name -> placement (others Replicate)
+    sequence_parallel: bool
+    chunks_per_rank: int = 1  # 2 for cp's zigzag layout
+
+    def padded(self, length: int) -> bool:
+        """Whether a dim of this length is laid out padded when sharded here. Only cp pads (an
+        uneven sequence); ``check_divisible`` refuses uneven tp shards."""
+        return is_padded(length, self.size, self.chunks_per_rank)
+
+    def out_of(self, node: fx.Node):
+        return node.meta["dtensor_par"][self.dim].out
+
+    def reduce_target(self, node: fx.Node) -> Placement:
+        """Where a Partial goes when an op cannot take it: Replicate, or the sequence shard
+        (the dim before the hidden dim) under Megatron sequence parallelism."""
+        val = tensor_val(node)
+        if self.sequence_parallel and val.dim() >= 2 and val.shape[-2] % self.size == 0:
+            return Shard(val.dim() - 2)
+        return R
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    found = []
+    fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) if tensor_val(n) is not None else None)
+    return found
+
+
+def moved(p: Placement, dim: int) -> Placement:
+    """The same kind of shard (parts included) along another dim."""
+    return InterleavedShard(dim, p.parts) if isinstance(p, InterleavedShard) else Shard(dim)
+
+
+def norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def replicate_all(node: fx.Node, ins: list[fx.Node], cur: list[Placement], why: str | None = None) -> NodeSharding:
+    out = tuple(R for _ in node.meta["val"]) if isinstance(node.meta.get("val"), (tuple, list)) else R
+    gathered = any(p != R for p in cur)
+    return NodeSharding(out, tuple(R for _ in ins), (why or "no sharding rule") if gathered else None)
+
+
+def resolve_partial(ins, cur, env: RuleEnv) -> list[Placement]:
+    return [env.reduce_target(i) if isinstance(p, Partial) else p for i, p in zip(ins, cur)]
+
+
+def _fits(p: Placement, val: torch.Tensor, env: RuleEnv) -> bool:
+    d = shard_dim(p)
+    if d is None or (env.dim == "cp" and isinstance(p, Shard)):
+        return True  # cp pads a sequence that does not divide
+    if env.dim == "cp":  # the parts of a joint sequence: each laid out unpadded
+        return not any(env.padded(part) for part in p.parts)
+    return all(part % env.size == 0 for part in parts_of(p, val.shape[d]))
+
+
+def check_divisible(node: fx.Node, ins: list[fx.Node], sharding: NodeSharding, env: RuleEnv) -> str | None:
+    """Why a planned placement cannot be laid out evenly, if it cannot."""
+    outs = sharding.out if isinstance(sharding.out, tuple) else (sharding.out,)
+    vals = node.meta["val"] if isinstance(node.meta.get("val"), (tuple, list)) else (node.meta.get("val"),)
+    for p, val in list(zip(outs, vals)) + list(zip(sharding.inputs, (tensor_val(i) for i in ins))):
+        if isinstance(val, torch.Tensor) and shard_dim(p) is not None and shard_dim(p) >= val.dim():
+            return f"{p} of a tensor of shape {list(val.shape)} names no dim of it"
+        if isinstance(val, torch.Tensor) and not _fits(p, val, env):
+            return f"{p} of a tensor of shape {list(val.shape)} does not divide by {env.size}"
+    return None

@@ -1,0 +1,208 @@
+"""Ops that select or join pieces of tensors: indexing, split, unbind, cat, stack, embedding.
+
+A fused projection's output cut back into its parts, or a joint sequence cut back into
+text and image, keeps each part sharded: the slice bounds become this rank's part bounds.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ...mesh import MeshInfo
+from ...placements import InterleavedShard, Partial, Placement, Shard, shard_dim, shard_length
+from ...symbolic import is_symbolic
+from ..patterns import arg, tensor_val
+from .core import R, NodeSharding, moved, norm_dim, replicate_all, resolve_partial
+from .registry import op_kind, register
+
+
+def _static_slice(e) -> bool:
+    """A slice whose bounds are Python ints or None (not sizes computed in the graph)."""
+    return isinstance(e, slice) and all(isinstance(v, (int, type(None))) for v in (e.start, e.stop, e.step))
+
+
+def _whole(e: slice, size: int) -> bool:
+    """Whether a slice keeps every position of a dim of ``size`` (``x[:, 0:]`` as ``x[:, :]``);
+    of a symbolic size, only when it does for every value (asking would pin the plan to one)."""
+    if is_symbolic(size):
+        return e.start in (None, 0) and e.stop is None and e.step in (None, 1)
+    return e.indices(size) == (0, size, 1)
+
+
+def _index_map(index, shape: tuple[int, ...]) -> dict[int, int] | None:
+    """Input dim -> output dim for the dims a basic index keeps whole; None if not basic."""
+    ndim = len(shape)
+    entries = index if isinstance(index, tuple) else (index,)
+    consumed = sum(1 for e in entries if e is not None and e is not Ellipsis)
+    kept, src, dst = {}, 0, 0
+    for e in entries:
+        if e is None:
+            dst += 1
+        elif e is Ellipsis:
+            for _ in range(ndim - consumed):
+                kept[src] = dst; src += 1; dst += 1
+        elif isinstance(e, int):
+            src += 1
+        elif isinstance(e, slice):
+            if _static_slice(e) and _whole(e, shape[src]):
+                kept[src] = dst
+            src += 1; dst += 1
+        else:
+            return None
+    for s in range(src, ndim):
+        kept[s] = dst; dst += 1
+    return kept
+
+
+def getitem_rule(node, ins, cur, env):
+    source = node.args[0]
+    if isinstance(source.meta.get("val"), (tuple, list)):
+        return NodeSharding(env.out_of(source)[node.args[1]], ())
+    kept = _index_map(node.args[1], tuple(tensor_val(source).shape))
+    if kept is None or len(ins) != 1:
+        return replicate_all(node, ins, cur, "advanced indexing")
+    p = cur[0]
+    if isinstance(p, Partial) or p == R:
+        return NodeSharding(p, (p,))
+    if p.dim not in kept:
+        kept_parts = sliced_part_range(node, p)
+        if kept_parts is None:
+            return replicate_all(node, ins, cur, f"indexing into the sharded dim {p.dim}")
+        parts = p.parts[kept_parts[0]:kept_parts[1]]
+        out_dim = p.dim - sum(1 for e in per_dim(node.args[1], tensor_val(source).dim())[:p.dim] if isinstance(e, int))
+        return NodeSharding(Shard(out_dim) if len(parts) == 1 else InterleavedShard(out_dim, parts), (p,))
+    return NodeSharding(moved(p, kept[p.dim]), (p,))
+
+
+def per_dim(index, ndim: int) -> list | None:
+    """One entry per input dim (Ellipsis spelled out), or None when the index adds dims."""
+    entries = list(index if isinstance(index, tuple) else (index,))
+    if any(e is None for e in entries):
+        return None
+    if Ellipsis in entries:
+        at = entries.index(Ellipsis)
+        entries[at:at + 1] = [slice(None)] * (ndim - len(entries) + 1)
+    return entries + [slice(None)] * (ndim - len(entries))
+
+
+def sliced_part_range(node: fx.Node, p: Placement) -> tuple[int, int] | None:
+    """``(first, stop)``: the parts an index keeps, ``p.parts[first:stop]``, when it slices
+    whole parts off an InterleavedShard dim (``qkv[..., :q_size]`` of a fused projection;
+    ``x[:, text_len:]`` of a joint sequence)."""
+    entries = per_dim(node.args[1], tensor_val(node.args[0]).dim())
+    if not isinstance(p, InterleavedShard) or entries is None or not _static_slice(entries[p.dim]):
+        return None
+    start, stop, step = entries[p.dim].indices(sum(p.parts))
+    bounds = [sum(p.parts[:i]) for i in range(len(p.parts) + 1)]
+    if step != 1 or start not in bounds or stop not in bounds or start >= stop:
+        return None
+    return bounds.index(start), bounds.index(stop)
+
+
+def split_dim(node: fx.Node) -> int:
+    return norm_dim(arg(node, 2, "dim", 0), tensor_val(node.args[0]).dim())
+
+
+def split_rule(node, ins, cur, env):
+    p, pieces = cur[0], node.meta["val"]
+    if shard_dim(p) is None:
+        return NodeSharding(tuple(p for _ in pieces), (p,))
+    dim = split_dim(node)
+    if p.dim != dim:
+        return NodeSharding(tuple(p for _ in pieces), (p,))
+    sizes = tuple(t.shape[dim] for t in pieces)
+    if isinstance(p, InterleavedShard) and p.parts == sizes:
+        return NodeSharding(tuple(Shard(dim) for _ in pieces), (p,))
+    return replicate_all(node, ins, cur, f"split {list(sizes)} of the sharded dim {dim}")
+
+
+def unbind_rule(node, ins, cur, env):
+    p, pieces = cur[0], node.meta["val"]
+    dim = norm_dim(arg(node, 1, "dim", 0), tensor_val(ins[0]).dim())
+    if shard_dim(p) is None:
+        return NodeSharding(tuple(p for _ in pieces), (p,))
+    if p.dim == dim:
+        return replicate_all(node, ins, cur, f"unbind of the sharded dim {dim}")
+    out = moved(p, p.dim - 1) if p.dim > dim else p
+    return NodeSharding(tuple(out for _ in pieces), (p,))
+
+
+def cat_dim(node: fx.Node) -> int:
+    return norm_dim(arg(node, 1, "dim", 0), tensor_val(node).dim())
+
+
+def cat_rule(node, ins, cur, env):
+    """Empty inputs (an empty kv cache: ``cat([torch.tensor([]), k])``) add nothing and stay
+    as they are; the others must share one placement, sharded off the concatenated dim."""
+    stack = op_kind(node) == "stack"
+    dim = cat_dim(node)
+    empty = [not stack and tensor_val(i).numel() == 0 for i in ins]
+    real = [(i, p) for i, p, e in zip(ins, cur, empty) if not e]
+    as_given = lambda required: tuple(p if e else required for p, e in zip(cur, empty))  # noqa: E731
+    if all(isinstance(p, Partial) for _, p in real):
+        return NodeSharding(Partial(), tuple(cur))
+    resolved = resolve_partial([i for i, _ in real], [p for _, p in real], env)
+    sharded = [p for p in resolved if shard_dim(p) is not None]
+    if not sharded:
+        return NodeSharding(R, as_given(R))
+    p = sharded[0]
+    if len(real) == 1:  # nothing but empties beside it: the concatenation is the tensor itself
+        return NodeSharding(p, as_given(p))
+    out_dim = p.dim + 1 if stack and p.dim >= dim else p.dim
+    if not stack and p.dim == dim:
+        if any(q != Shard(dim) for q in resolved):
+            return replicate_all(node, ins, cur, f"concatenation along the sharded dim {dim}")
+        # Each rank concatenates its piece of every input: its piece of every part (a joint
+        # text + image sequence, an attention output beside an MLP branch).
+        return NodeSharding(InterleavedShard(dim, tuple(tensor_val(i).shape[dim] for i, _ in real)),
+                            as_given(Shard(dim)))
+    return NodeSharding(moved(p, out_dim), as_given(p))
+
+
+def embedding_rule(node, ins, cur, env):
+    ids_p, w_p = cur
+    if w_p != R or isinstance(ids_p, Partial):
+        return replicate_all(node, ins, cur, "sharded embedding table")
+    return NodeSharding(ids_p, (ids_p, R))
+
+
+def localize_getitem(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """A slice of whole parts of an interleaved dim takes this rank's bounds of those parts."""
+    if not isinstance(node.args[1], (tuple, slice)):
+        return
+    entries = None
+    for name, sharding in node.meta["dtensor_par"].items():
+        p = sharding.inputs[0] if sharding.inputs else None
+        kept_parts = sliced_part_range(node, p)
+        if kept_parts is None:
+            continue
+        entries = entries or per_dim(node.args[1], len(node.args[0].meta["val"].shape))
+        local = [shard_length(part, mesh.size(name), mesh.dims[name].chunks_per_rank) for part in p.parts]
+        entries[p.dim] = slice(sum(local[:kept_parts[0]]), sum(local[:kept_parts[1]]))
+    if entries is not None:
+        node.args = (node.args[0], tuple(entries))
+
+
+def localize_split(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """Split sizes along a sharded dim become this rank's sizes (chunk counts stay)."""
+    if node.target not in ("split", "split_with_sizes", torch.split):
+        return
+    sizes = node.args[1]
+    for name, sharding in node.meta["dtensor_par"].items():
+        if shard_dim(sharding.inputs[0]) == split_dim(node):
+            n = mesh.size(name)
+            sizes = sizes // n if isinstance(sizes, int) else [s // n for s in sizes]
+    node.args = (node.args[0], sizes) + tuple(node.args[2:])
+
+
+register("getitem", "indexing", getitem_rule, functions=[operator.getitem], local_sizes=localize_getitem)
+register("split", "indexing", split_rule, functions=[torch.chunk, torch.split],
+         methods=["chunk", "split", "split_with_sizes"], local_sizes=localize_split)
+register("unbind", "indexing", unbind_rule, functions=[torch.unbind], methods=["unbind"])
+register("cat", "indexing", cat_rule, functions=[torch.cat, torch.concat])
+register("stack", "indexing", cat_rule, functions=[torch.stack])
+register("embedding", "indexing", embedding_rule, functions=[F.embedding])

@@ -1,0 +1,68 @@
+"""Contractions: linear (colwise, rowwise, or over a sharded batch or sequence) and matmul."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ...placements import InterleavedShard, Partial, Shard, shard_dim
+from ..patterns import tensor_val
+from .core import R, NodeSharding, moved, replicate_all, resolve_partial
+from .registry import register
+
+
+def linear_rule(node, ins, cur, env):
+    x_p, w_p = cur[0], cur[1]
+    has_bias = len(ins) == 3
+    ndim = tensor_val(node).dim()
+    if shard_dim(w_p) == 0:  # colwise: full input, this rank's output features
+        return NodeSharding(moved(w_p, ndim - 1), (R, w_p) + ((moved(w_p, 0),) if has_bias else ()))
+    if shard_dim(w_p) == 1:  # rowwise: this rank's input features, partial sums out
+        if has_bias:
+            raise AssertionError(f"{node.name}: rowwise linear must have its bias split off by rewrite_pass")
+        return NodeSharding(Partial(), (moved(w_p, ndim - 1), w_p))
+    if isinstance(x_p, Partial) and not has_bias:
+        return NodeSharding(Partial(), (x_p, R))
+    x_p = resolve_partial(ins[:1], [x_p], env)[0]
+    if shard_dim(x_p) is not None and x_p.dim != tensor_val(ins[0]).dim() - 1:
+        return NodeSharding(x_p, (x_p, R) + ((R,) if has_bias else ()))
+    return replicate_all(node, ins, [x_p, w_p] + cur[2:], "linear over the sharded feature dim")
+
+
+def matmul_rule(node, ins, cur, env):
+    a, b = ins
+    if tensor_val(a).dim() < 2 or tensor_val(b).dim() < 2:
+        return replicate_all(node, ins, cur, "matmul of a vector")
+    pa, pb = cur
+    if isinstance(pa, Partial) != isinstance(pb, Partial) and R in (pa, pb):
+        return NodeSharding(Partial(), (pa, pb))
+    pa, pb = resolve_partial(ins, cur, env)
+    nd_out, nd_a, nd_b = tensor_val(node).dim(), tensor_val(a).dim(), tensor_val(b).dim()
+    contracted = tensor_val(a).shape[-1]
+    if env.padded(contracted) and (shard_dim(pa) == nd_a - 1 or shard_dim(pb) == nd_b - 2):
+        return replicate_all(node, ins, [pa, pb], "contraction over the padded sequence dim")
+    if shard_dim(pa) is not None and not isinstance(pa, InterleavedShard):
+        if pa.dim == nd_a - 1:  # contraction dim
+            return NodeSharding(Partial(), (pa, Shard(nd_b - 2)))
+        if pa.dim == nd_a - 2:
+            return NodeSharding(Shard(nd_out - 2), (pa, R))
+        d_out = pa.dim + nd_out - nd_a  # a batch dim: the other operand must match it
+        d_b = d_out - (nd_out - nd_b)
+        pb_need = R if d_b < 0 or tensor_val(b).shape[d_b] == 1 else Shard(d_b)
+        return NodeSharding(Shard(d_out), (pa, pb_need))
+    if shard_dim(pb) is not None and not isinstance(pb, InterleavedShard):
+        if pb.dim == nd_b - 1:
+            return NodeSharding(Shard(nd_out - 1), (R, pb))
+        if pb.dim == nd_b - 2:
+            return NodeSharding(Partial(), (Shard(nd_a - 1), pb))
+        d_out = pb.dim + nd_out - nd_b
+        d_a = d_out - (nd_out - nd_a)
+        pa_need = R if d_a < 0 or tensor_val(a).shape[d_a] == 1 else Shard(d_a)
+        return NodeSharding(Shard(d_out), (pa_need, pb))
+    return replicate_all(node, ins, [pa, pb], "matmul of an interleaved operand")
+
+
+register("linear", "matmul", linear_rule, functions=[torch._C._nn.linear, torch.nn.functional.linear])
+register("matmul", "matmul", matmul_rule, functions=[operator.matmul, torch.matmul, torch.bmm],
+         methods=["matmul", "bmm"])

@@ -1,0 +1,156 @@
+"""Ops that change the shape or order of dims, not the values: a shard follows its dim."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ...mesh import MeshInfo
+from ...placements import InterleavedShard, Placement, Shard, local_shape_on, shard_dim
+from ..patterns import arg, tensor_val
+from .core import NodeSharding, moved, norm_dim, replicate_all, resolve_partial
+from .registry import op_kind, register
+
+
+def _view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of source and destination dims whose sizes have equal products."""
+    groups, i, j = [], 0, 0
+    while i < len(src) and j < len(dst):
+        gi, gj, pi, pj = [i], [j], src[i], dst[j]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj:
+                gi.append(i); pi *= src[i]; i += 1
+            else:
+                gj.append(j); pj *= dst[j]; j += 1
+        groups.append((gi, gj))
+    if groups:  # trailing size-1 dims join the last group
+        groups[-1][0].extend(range(i, len(src)))
+        groups[-1][1].extend(range(j, len(dst)))
+    return groups
+
+
+def view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, size: int) -> Placement | None:
+    """Placement of a view's output given its input's, or None when no shard survives."""
+    for gi, gj in _view_groups(src, dst):
+        if p.dim not in gi:
+            continue
+        if any(src[d] != 1 for d in gi[:gi.index(p.dim)]):
+            return None  # the shard is not the outermost dim of its run
+        outer = [d for d in gj if dst[d] != 1]
+        if not outer:
+            return None
+        if isinstance(p, InterleavedShard):
+            if dst[outer[0]] == src[p.dim]:
+                return InterleavedShard(outer[0], p.parts)
+            if dst[outer[0]] == len(p.parts) and len(set(p.parts)) == 1 and len(outer) > 1:
+                return Shard(outer[1]) if dst[outer[1]] % size == 0 else None
+            return None
+        keeps_length = dst[outer[0]] == src[p.dim]  # the shard's layout is the input's: even or padded
+        return Shard(outer[0]) if keeps_length or dst[outer[0]] % size == 0 else None
+    return None
+
+
+def view_rule(node, ins, cur, env):
+    p = cur[0]
+    if shard_dim(p) is None:
+        return NodeSharding(p, tuple(cur))
+    src, dst = tuple(tensor_val(ins[0]).shape), tuple(tensor_val(node).shape)
+    out = view_target(src, dst, p, env.size)
+    if out is not None and env.padded(src[p.dim]) and dst[out.dim] != src[p.dim]:
+        out = None  # the padding sits at the end of the sharded dim, not of a merged one
+    if out is None:
+        return replicate_all(node, ins, cur, f"view {list(src)} -> {list(dst)} splits the sharded dim {p.dim}")
+    return NodeSharding(out, tuple(cur))
+
+
+def expand_rule(node, ins, cur, env):
+    p = cur[0]
+    if shard_dim(p) is None:
+        return NodeSharding(p, tuple(cur))
+    offset = tensor_val(node).dim() - tensor_val(ins[0]).dim()
+    return NodeSharding(moved(p, p.dim + offset), tuple(cur))
+
+
+def repeat_interleave_rule(node, ins, cur, env):
+    """Each element repeated in place: the shard of the repeated tensor is the repeated shard."""
+    p, dim = cur[0], arg(node, 2, "dim")
+    if len(ins) != 1 or dim is None:
+        return replicate_all(node, ins, cur, "repeat_interleave of a flattened tensor or with tensor repeats")
+    repeated = shard_dim(p) == norm_dim(dim, tensor_val(ins[0]).dim())
+    if repeated and isinstance(p, InterleavedShard):
+        return replicate_all(node, ins, cur, "repeat_interleave along an interleaved dim")
+    if repeated and env.padded(tensor_val(ins[0]).shape[p.dim]):
+        return replicate_all(node, ins, cur, "repeat_interleave along the padded sequence dim")
+    return NodeSharding(p, (p,))
+
+
+def _dim_order(node: fx.Node, ndim: int) -> list[int]:
+    """Output dim i comes from input dim order[i]."""
+    if op_kind(node) == "transpose":
+        if node.target in ("t", torch.t):
+            return list(reversed(range(ndim)))
+        a, b = (norm_dim(d, ndim) for d in (arg(node, 1, "dim0"), arg(node, 2, "dim1")))
+        order = list(range(ndim))
+        order[a], order[b] = order[b], order[a]
+        return order
+    dims = node.args[1:] if len(node.args) > 2 or isinstance(node.args[1], int) else node.args[1]
+    if not dims:
+        dims = node.kwargs["dims"]
+    return [norm_dim(d, ndim) for d in dims]
+
+
+def permute_rule(node, ins, cur, env):
+    p = cur[0]
+    if shard_dim(p) is None:
+        return NodeSharding(p, tuple(cur))
+    order = _dim_order(node, tensor_val(ins[0]).dim())
+    return NodeSharding(moved(p, order.index(p.dim)), tuple(cur))
+
+
+def complex_rule(node, ins, cur, env):
+    """``view_as_complex`` folds the last dim (the real/imaginary pair), ``view_as_real``
+    unfolds it: a shard of any other dim stays where it is."""
+    p = resolve_partial(ins, cur, env)[0]
+    if shard_dim(p) is not None and p.dim == tensor_val(ins[0]).dim() - 1:
+        return replicate_all(node, ins, [p], "view_as_complex of the sharded last dim")
+    return NodeSharding(p, (p,))
+
+
+def pad_rule(node, ins, cur, env):
+    """``F.pad`` pads trailing dims: a shard of an unpadded dim stays where it is."""
+    p = resolve_partial(ins, cur, env)[0]
+    widths = arg(node, 1, "pad")
+    ndim = tensor_val(ins[0]).dim()
+    padded = {ndim - 1 - i // 2 for i, w in enumerate(widths) if w}
+    if shard_dim(p) is not None and p.dim in padded:
+        return replicate_all(node, ins, [p], f"padding of the sharded dim {p.dim}")
+    return NodeSharding(p, (p,))
+
+
+def localize_view(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """A view or expand of a sharded tensor takes this rank's sizes of its output."""
+    plans = node.meta["dtensor_par"]
+    if all(shard_dim(s.out) is None and shard_dim(s.inputs[0]) is None for s in plans.values()):
+        return
+    local = local_shape_on(node.meta["dtensor_par_shape"], {d: s.out for d, s in plans.items()}, mesh)
+    method = "expand" if op_kind(node) == "expand" else "reshape"
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_method(method, (node.args[0], *local))
+    new.meta = node.meta
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
+register("view", "views", view_rule, functions=[torch.reshape, torch.flatten, torch.unflatten, torch.squeeze,
+                                                 torch.unsqueeze],
+         methods=["view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"],
+         local_sizes=localize_view)
+register("expand", "views", expand_rule, methods=["expand", "expand_as"], local_sizes=localize_view)
+register("transpose", "views", permute_rule, functions=[torch.transpose, torch.swapaxes, torch.t],
+         methods=["transpose", "swapaxes", "t"])
+register("permute", "views", permute_rule, functions=[torch.permute], methods=["permute"])
+register("repeat_interleave", "views", repeat_interleave_rule, methods=["repeat_interleave"])
+register("complex", "views", complex_rule, functions=[torch.view_as_complex, torch.view_as_real])
+register("pad", "views", pad_rule, functions=[F.pad, torch._C._nn.pad])
