@@ -363,14 +363,14 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                              f"{block_len} x {size}")
 
 
-def _hide_padded_keys(mask: torch.Tensor | None, kv_len: torch.SymInt, laid_out: int,
-                      is_causal: bool) -> torch.Tensor | None:
+def _hide_padded_keys(mask: torch.Tensor | None, kv_len: torch.SymInt, laid_out: int, is_causal: bool,
+                      device: torch.device) -> torch.Tensor | None:
     """A symbolic ``kv_len`` (one graph for every length) as a mask, not a branch on how much
     of each block is padding: causal attention needs none (the padded keys follow every real
     query); otherwise the mask, over all ``laid_out`` key positions, hides those past ``kv_len``."""
     if is_causal:
         return mask
-    positions = torch.arange(laid_out, device=mask.device if mask is not None else None)
+    positions = torch.arange(laid_out, device=device)
     real = positions < kv_len
     if mask is None:
         return real.view(1, 1, 1, laid_out)
@@ -414,7 +414,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
     if attn_mask is not None:
         attn_mask = as_4d(attn_mask)
     if isinstance(kv_len, torch.SymInt):
-        attn_mask, kv_len = _hide_padded_keys(attn_mask, kv_len, k.shape[-2] * ring.size, is_causal), None
+        attn_mask, kv_len = _hide_padded_keys(attn_mask, kv_len, k.shape[-2] * ring.size, is_causal, k.device), None
     _check_inputs(q, k, v, attn_mask, rank=ring.rank, size=ring.size, is_causal=is_causal, enable_gqa=enable_gqa,
                   zigzag=zigzag, kv_len=kv_len)
     if ring.size == 1:
