@@ -38,6 +38,8 @@ CASES = {
     "conv1d": (models.Conv1DBlock, lambda: [(torch.randn(2, 16, 32),)]),
     "joint_attention": (models.JointBlock, lambda: [(torch.randn(2, 16, 32), torch.randn(2, 8, 32))]),
     "complex_rope_pad": (models.ComplexRoPEAttention, lambda: [(torch.randn(2, 16, 32),)]),
+    "qk_norm_across_heads": (models.CrossHeadQKNorm, lambda: [(torch.randn(2, 16, 32),)]),
+    "flatten_tokens": (models.TokenMLP, lambda: [(torch.randn(2, 16, 32),)]),
 }
 
 

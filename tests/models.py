@@ -294,3 +294,39 @@ class ComplexRoPEAttention(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)[..., :self.head_dim]
         a = a + torch.zeros_like(a)
         return x + self.out(a.transpose(1, 2).reshape(b, s, -1))
+
+
+class CrossHeadQKNorm(nn.Module):
+    """Wan's attention: q and k normalized over every head's features at once (an rms_norm
+    and a layer_norm over the whole hidden dim) before the heads are split; the output
+    projection written as an einsum."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.norm_q, self.norm_k = nn.LayerNorm(hidden), nn.RMSNorm(hidden, eps=1e-6)  # a bias on every key shifts no score: on q
+        self.out = nn.Parameter(torch.randn(hidden, hidden) / hidden ** 0.5)
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(2, (self.heads, -1)).transpose(1, 2)
+                   for t in (self.norm_q(self.q(x)), self.norm_k(self.k(x)), self.v(x)))
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        return x + torch.einsum("bsd,od->bso", a, self.out)
+
+
+class TokenMLP(nn.Module):
+    """Attention, then an MLP over tokens flattened with the batch (``x.view(-1, hidden)``, as
+    MoE layers and Conv1D do), then a ``baddbmm`` mixing."""
+
+    def __init__(self, hidden: int = 32, mlp: int = 64):
+        super().__init__()
+        self.attention = CrossHeadQKNorm(hidden)
+        self.up, self.down = nn.Linear(hidden, mlp), nn.Linear(mlp, hidden)
+        self.mix, self.shift = nn.Parameter(torch.randn(hidden, hidden) / hidden), nn.Parameter(torch.randn(hidden))
+
+    def forward(self, x):
+        x = self.attention(x)
+        b, s, d = x.shape
+        y = self.down(F.gelu(self.up(x.reshape(-1, d)))).view(b, s, d)
+        return x + torch.baddbmm(self.shift, y, self.mix.expand(b, d, d), alpha=0.5)

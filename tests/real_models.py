@@ -43,6 +43,14 @@ def mistral():
     return MistralModel(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def mistral_padded():
+    """A sliding window and a right-padded batch: the mask transformers builds ANDs both."""
+    model, args, kwargs = mistral()
+    attention_mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    attention_mask[1, -5:] = 0
+    return model, args, {**kwargs, "attention_mask": attention_mask}
+
+
 def flux():
     """Joint (text + image) attention blocks and single-stream blocks."""
     from diffusers import FluxTransformer2DModel
@@ -66,4 +74,29 @@ def phi3():
     return Phi3Model(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
-FACTORIES = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "flux": flux, "phi3": phi3}
+def wan():
+    """Video tokens made inside the graph (a 3-D patch embedding), q and k normalized across
+    every head at once (``rms_norm_across_heads``), RoPE written through ``setitem``."""
+    from diffusers import WanTransformer3DModel
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4,
+                                  out_channels=4, text_dim=16, freq_dim=16, ffn_dim=64, num_layers=1,
+                                  rope_max_seq_len=32)
+    kwargs = {"hidden_states": torch.randn(1, 4, 2, 8, 12), "timestep": torch.tensor([1]),
+              "encoder_hidden_states": torch.randn(1, 8, 16), "return_dict": False}
+    return model, (), kwargs
+
+
+def sd3():
+    """Joint attention whose image tokens are made inside the graph (patch embedding) and whose
+    text tokens come in as an input."""
+    from diffusers import SD3Transformer2DModel
+    model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+                                  num_attention_heads=4, joint_attention_dim=16, caption_projection_dim=32,
+                                  pooled_projection_dim=16, out_channels=4, pos_embed_max_size=16)
+    kwargs = {"hidden_states": torch.randn(1, 4, 8, 8), "encoder_hidden_states": torch.randn(1, 8, 16),
+              "pooled_projections": torch.randn(1, 16), "timestep": torch.tensor([1]), "return_dict": False}
+    return model, (), kwargs
+
+
+FACTORIES = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
+             "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3}

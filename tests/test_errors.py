@@ -119,3 +119,19 @@ def test_user_mesh_with_a_subset_of_dim_names(fake_world):
     compiled = torch.compile(models.GPTBlock(hidden=64, heads=8, mlp=128), backend=dtensor_par.hybrid_parallel(
         init_device_mesh("cpu", (8,), mesh_dim_names=("tp",)), inner_backend="eager"))
     assert compiled(torch.randn(2, 8, 64)).shape == (2, 8, 64)
+
+
+class _InPlaceMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        h.cumsum_(-1)  # no rule: its input would be gathered, and the write lost
+        return self.down(h)
+
+
+def test_in_place_op_without_a_rule_on_a_shard_is_refused(planned):
+    with pytest.raises(NotImplementedError, match=r"cumsum_ \(Tensor.cumsum_\) writes in place into .* mesh dim 'tp'"):
+        planned(_InPlaceMLP(), [torch.randn(2, 4, 16)], tp=4)

@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 import dtensor_par
-from dtensor_par.passes.rewrite import is_causal_mask
+from dtensor_par.passes.rewrite import PositionalMask, positional_mask
 from tests import models
 
 
@@ -55,7 +55,23 @@ def _mask_node(build) -> fx.Node:
     return output.args[0][-1]
 
 
-def test_masks_built_from_positions_are_recognized_only_when_causal():
+def _mask_graph(build, keep: torch.Tensor) -> fx.Node:
+    """The mask node ``build(keep)`` makes in the graph Dynamo captures, ``keep`` a graph input."""
+    graphs = []
+
+    def capture(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda k: build(k), backend=capture)(keep)
+    for node in graphs[0].graph.nodes:  # the values capture_pass gives every node
+        node.meta["val"] = node.meta.get("example_value")
+    output = next(n for n in graphs[0].graph.nodes if n.op == "output")
+    return output.args[0][0]
+
+
+def test_masks_built_from_positions_are_recognized_exactly():
     def causal():
         i = torch.arange(6)
         return (i[None, :] <= i[:, None])[None, None].expand(2, 1, 6, 6)
@@ -72,9 +88,48 @@ def test_masks_built_from_positions_are_recognized_only_when_causal():
         i = torch.arange(6)
         return (i[None, :] - i[:, None]).float().clamp(max=0)
 
-    assert is_causal_mask(_mask_node(causal), 6, 6) and is_causal_mask(_mask_node(additive), 6, 6)
-    assert not is_causal_mask(_mask_node(window), 6, 6) and not is_causal_mask(_mask_node(biased), 6, 6)
-    assert not is_causal_mask(_mask_node(causal), 6, 5)
+    def bidirectional_window():
+        i = torch.arange(6)
+        return (i[:, None] - i[None, :]).abs() < 3
+
+    assert positional_mask(_mask_node(causal), 6, 6) == positional_mask(_mask_node(additive), 6, 6) == PositionalMask()
+    assert positional_mask(_mask_node(window), 6, 6) == PositionalMask(window=3)
+    for build in (biased, bidirectional_window):
+        assert positional_mask(_mask_node(build), 6, 6) is None, build
+    assert positional_mask(_mask_node(causal), 6, 5) is None
+
+
+def test_masks_with_key_padding_are_recognized_exactly():
+    """transformers' spelling: ``window & keep[batch_indices, kv_indices]``; also ``keep[:, None, None, :]``."""
+    def transformers_style(keep):
+        q, kv, b = torch.arange(6)[None, None, :, None], torch.arange(6)[None, None, None, :], torch.arange(2)
+        positions = (kv <= q) & (kv > q - 3)
+        return (positions & keep[b[:, None, None, None], kv]).expand(2, 1, 6, 6)
+
+    def sliced(keep):
+        i = torch.arange(6)
+        return keep[:, None, None, :] & (i[None, :] <= i[:, None])
+
+    def wrong_columns(keep):  # keys reversed: not the key padding
+        i = torch.arange(6)
+        return (i[None, :] <= i[:, None]) & keep[torch.arange(2)[:, None, None, None], i.flip(0)[None, None, None, :]]
+
+    def by_query(keep):  # a query padding: not exact key padding
+        i = torch.arange(6)
+        return (i[None, :] <= i[:, None]) & keep[:, None, :, None]
+
+    def or_padding(keep):
+        i = torch.arange(6)
+        return (i[None, :] <= i[:, None]) | keep[:, None, None, :]
+
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    found = positional_mask(_mask_graph(transformers_style, keep), 6, 6)
+    assert found.window == 3 and found.key_padding.op == "placeholder", found
+    found = positional_mask(_mask_graph(sliced, keep), 6, 6)
+    assert found.window is None and found.key_padding.op == "placeholder", found
+    for build in (wrong_columns, by_query, or_padding):
+        assert positional_mask(_mask_graph(build, keep), 6, 6) is None, build
+    assert positional_mask(_mask_graph(sliced, keep.long()), 6, 6) is None  # integer & is bitwise
 
 
 def test_complex_rope_pad_and_like_ops_stay_split():

@@ -88,7 +88,10 @@ def test_gqa_repeat_is_the_fewest_that_splits_evenly(heads, kv_heads, divisor, r
 @pytest.mark.parametrize("src, dst, placement, expected", [
     ((2, 8, 64), (2, 8, 8, 8), Shard(2), Shard(2)),           # split features into heads
     ((2, 8, 8, 8), (2, 8, 64), Shard(2), Shard(2)),           # merge heads back
-    ((2, 8, 8, 8), (2, 8, 64), Shard(3), None),               # head_dim shard cannot merge
+    ((2, 8, 8, 8), (2, 8, 64), Shard(3), InterleavedShard(2, (8,) * 8)),  # a head_dim shard: its piece of each head
+    ((2, 8, 64), (16, 64), Shard(1), InterleavedShard(0, (8, 8))),          # (batch, seq) flattened, seq sharded
+    ((16, 64), (2, 8, 64), InterleavedShard(0, (8, 8)), Shard(1)),          # and back
+    ((2, 8, 64), (2, 512), Shard(1), Shard(1)),                             # outermost of its run: contiguous
     ((2, 8, 48), (2, 8, 6, 8), Shard(2), None),               # 6 heads do not divide by 4
     ((2, 8, 96), (2, 8, 3, 4, 8), InterleavedShard(2, (32, 32, 32)), Shard(3)),  # fused qkv view
     ((2, 8, 96), (16, 96), InterleavedShard(2, (32, 32, 32)), InterleavedShard(1, (32, 32, 32))),

@@ -18,12 +18,12 @@ pytest.importorskip("diffusers", reason="the models extra (pip install -e '.[mod
 from tests import real_models  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
-BACKWARD = {"llama", "flux"}
+BACKWARD = {"llama", "flux", "mistral_padded", "wan", "sd3"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 
 
 @pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
-@pytest.mark.parametrize("name", MODELS + ["phi3"])
+@pytest.mark.parametrize("name", MODELS + ["mistral_padded", "phi3", "wan", "sd3"])
 def test_every_block_runs_sharded_without_fallback_gathers(name, mesh):
     torch.manual_seed(0)
     model, args, kwargs = real_models.FACTORIES[name]()
@@ -59,14 +59,17 @@ def compare_models(rank: int, world: int, sizes: dict, names: list[str]) -> dict
     return results
 
 
-@pytest.mark.parametrize("sizes", [*MESHES.values(), {"tp": 2, "ring": 2, "ulysses": 2}],
-                         ids=[*MESHES.keys(), "tp2-ring2-ulysses2"])
-def test_real_models_match_one_device(sizes):
+@pytest.mark.parametrize("sizes, names", [
+    (MESHES["tp2-ulysses2"], MODELS + ["mistral_padded", "wan", "sd3"]),  # diffusers' in-graph tokens: once
+    (MESHES["tp2-ring2"], MODELS + ["mistral_padded"]),  # a window and key padding as ring blocks
+    ({"tp": 2, "ring": 2, "ulysses": 2}, MODELS),
+], ids=[*MESHES.keys(), "tp2-ring2-ulysses2"])
+def test_real_models_match_one_device(sizes, names):
     world = 1
     for size in sizes.values():
         world *= size
-    for result in run_ranks(world, compare_models, sizes, MODELS):
-        assert set(result) == set(MODELS)
+    for result in run_ranks(world, compare_models, sizes, names):
+        assert set(result) == set(names)
         for name, metrics in result.items():
             assert metrics["forward"] <= FORWARD_ATOL and metrics.get("grad", 0.0) <= GRAD_RTOL, (name, metrics)
             assert ("grad" in metrics) == (name in BACKWARD)
@@ -96,25 +99,57 @@ def test_parallel_decorator_on_transformers_llama():
         assert result["local_rows"] == 32, result
 
 
-def test_llama_causal_mask_at_4096_tokens_on_ring_4_holds_no_square_tensor():
-    """transformers builds a [B, 1, S, S] mask under Dynamo; it is recognized as causal, so no
-    rank holds an S x S tensor: attention runs as is_causal (zigzag balanced)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _local_graph(config, seq: int, ring: int, **kwargs):
+    from transformers import AutoModel
 
     from dtensor_par.backend import parallelize_graph
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.passes.capture import capture_graphs
     from dtensor_par.passes.context import ParallelConfig
 
-    seq = 4096
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq)
     with torch.device("meta"):
-        model, ids = LlamaForCausalLM(config), torch.randint(0, 128, (1, seq))
-    (gm, inputs), = capture_graphs(model, ids, use_cache=False)
-    config = ParallelConfig(MeshInfo.for_planning({"ring": 4}, "cuda"))
-    local, ctx = parallelize_graph(gm, inputs, config)
+        model, ids = AutoModel.from_config(config), torch.randint(0, 128, (2, seq))
+    (gm, inputs), = capture_graphs(model, ids, use_cache=False, **kwargs)
+    return parallelize_graph(gm, inputs, ParallelConfig(MeshInfo.for_planning({"ring": ring}, "cuda")))
+
+
+def _right_padded(seq: int) -> dict:
+    attention_mask = torch.ones(2, seq, dtype=torch.long)
+    attention_mask[1, -100:] = 0
+    return {"attention_mask": attention_mask}
+
+
+@pytest.mark.parametrize("model, seq, padded, window", [
+    ("llama", 4096, False, None), ("mistral", 1024, False, 256), ("llama", 1024, True, None),
+    ("mistral", 1024, True, 256)], ids=["llama-causal-4096", "mistral-window-1024", "llama-padded-1024",
+                                        "mistral-window-padded-1024"])
+def test_masks_from_positions_hold_no_square_tensor_on_ring_4(model, seq, padded, window):
+    """transformers builds a [B, 1, S, S] mask under Dynamo (causal, sliding-window, ANDed with
+    the key padding of ``attention_mask``); it is recognized, so no rank holds an S x S tensor:
+    attention runs as is_causal (zigzag balanced) with the window and a [B, S] key padding."""
+    from transformers import LlamaConfig, MistralConfig
+
+    sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq)
+    config = LlamaConfig(**sizes) if model == "llama" else MistralConfig(**sizes, sliding_window=window)
+    local, ctx = _local_graph(config, seq, 4, **(_right_padded(seq) if padded else {}))
     attention = [n for n in local.graph.nodes if n.target is dtensor_par.ops.attention.hybrid_attention]
     assert attention and all(n.kwargs["is_causal"] and n.kwargs["attn_mask"] is None for n in attention)
+    assert all(n.kwargs.get("window") == window for n in attention)
+    for n in attention:
+        key_padding = n.kwargs.get("key_padding")
+        assert (key_padding is not None) == padded
+        if padded:
+            assert key_padding.meta["dtensor_par_shape"] == (2, seq)
+            assert key_padding.meta["dtensor_par"]["cp"].out == dtensor_par.placements.Replicate()
     shapes = [n.meta.get("dtensor_par_shape", ()) for n in local.graph.nodes]
     assert not any(shape[-2:] == (seq, seq) for shape in shapes), [s for s in shapes if s[-2:] == (seq, seq)]
+    # explain's FLOPs per ring rank: causal halves the work (zigzag: alike on every rank); a
+    # window skips blocks and cuts boxes, yet covers every pair it leaves visible.
+    (flops,) = ctx.coverage.ring_attention_flops.values()
+    per_pair = 4 * 2 * 8 * 8  # batch 2, 8 heads of 8
+    if window is None:
+        assert len(set(flops)) == 1 and per_pair * seq * (seq + 1) // 2 <= sum(flops) < 0.55 * per_pair * seq * seq
+    else:
+        visible = sum(min(i + 1, window) for i in range(seq))
+        assert per_pair * visible <= sum(flops) < 0.7 * per_pair * seq * (seq + 1) // 2, flops

@@ -35,6 +35,12 @@ CASES = {
     "padded_causal_zigzag": dict(real=14, zigzag=True, is_causal=True),
     "padded_additive_mask_zigzag_gqa": dict(real=14, zigzag=True, mask="additive", heads=4, kv_heads=2,
                                             enable_gqa=True),
+    # A causal sliding window and key padding, without a mask of the sequence: each block
+    # builds its box's mask from positions; blocks outside the window are skipped.
+    "window_zigzag": dict(is_causal=True, window=3, zigzag=True),
+    "window_contiguous_gqa": dict(is_causal=True, window=5, heads=4, kv_heads=2, enable_gqa=True),
+    "causal_key_padding_zigzag": dict(is_causal=True, key_padding=True, zigzag=True),
+    "padded_window_key_padding_zigzag": dict(real=14, is_causal=True, window=4, key_padding=True, zigzag=True),
     # Ring coordinate r is global rank world-1-r: rotations follow coordinates, not group ranks.
     "causal_zigzag_reversed_ring": dict(is_causal=True, zigzag=True, reversed_ring=True),
 }
@@ -82,6 +88,28 @@ def _mask(kind: str | None, heads: int, length: int) -> torch.Tensor | None:
     return torch.where(keep, -distance * slopes, float("-inf"))
 
 
+def _keep(length: int) -> torch.Tensor:
+    """Key padding: the second sequence's last 3 keys hidden."""
+    keep = torch.ones(BATCH, length, dtype=torch.bool)
+    keep[1, -3:] = False
+    return keep
+
+
+def _positional_mask(length: int, window: int | None, keep: torch.Tensor | None) -> torch.Tensor:
+    """The causal (sliding-window) mask of the whole sequence, with its key padding."""
+    pos = torch.arange(length)
+    distance = pos[:, None] - pos[None, :]
+    visible = (distance >= 0) & (distance < (window or length))
+    return visible if keep is None else visible & keep[:, None, None, :]
+
+
+def _blocks_in_window(seq: int, world: int, rank: int, window: int, zigzag: bool) -> int:
+    """Ring blocks holding a key within the window of one of this rank's queries."""
+    q = _rank_positions(seq, world, rank, zigzag)
+    return sum(bool(((q[:, None] - k[None, :] >= 0) & (q[:, None] - k[None, :] < window)).any())
+               for k in (_rank_positions(seq, world, r, zigzag) for r in range(world)))
+
+
 def _rank_positions(seq: int, world: int, rank: int, zigzag: bool) -> torch.Tensor:
     if zigzag:
         return zigzag_indices(seq, world, rank)
@@ -99,7 +127,7 @@ def _ring(world: int, reversed_ring: bool) -> MeshDim:
 def _compare(world: int, attention, *, heads: int = 2, kv_heads: int = 2, kv_seq: int = SEQ,
              is_causal: bool = False, zigzag: bool = False, enable_gqa: bool = False, scale: float | None = None,
              mask: str | None = None, real: int | None = None, reversed_ring: bool = False,
-             count_ops: bool = True) -> dict:
+             window: int | None = None, key_padding: bool = False, count_ops: bool = True) -> dict:
     """Run ``attention`` on this rank's blocks; return its differences to the single-device
     SDPA forward and gradients and, if ``count_ops`` (eager only: torch.compile refuses
     dispatch modes), the kernels and rotations it ran.
@@ -110,8 +138,11 @@ def _compare(world: int, attention, *, heads: int = 2, kv_heads: int = 2, kv_seq
     n, n_kv = real or SEQ, real or kv_seq
     full = [t[:, :, :length].clone().requires_grad_() for t, length in ((q, n), (k, n_kv), (v, n_kv))]
     full_mask = _mask(mask, heads, n)
-    reference = F.scaled_dot_product_attention(*full, attn_mask=full_mask, is_causal=is_causal, scale=scale,
-                                               enable_gqa=enable_gqa)
+    keep = _keep(n) if key_padding else None
+    positional = window is not None or key_padding
+    reference = F.scaled_dot_product_attention(*full, attn_mask=_positional_mask(n, window, keep) if positional
+                                               else full_mask, is_causal=is_causal and not positional,
+                                               scale=scale, enable_gqa=enable_gqa)
     (reference * weights[:, :, :n]).sum().backward()
     grads = [F.pad(t.grad, (0, 0, 0, length - t.shape[2])) for t, length in zip(full, (SEQ, kv_seq, kv_seq))]
 
@@ -123,8 +154,9 @@ def _compare(world: int, attention, *, heads: int = 2, kv_heads: int = 2, kv_seq
     local_mask = None if full_mask is None else full_mask[..., q_pos.clamp(max=n - 1), :]
     counter = _CountOps()
     with counter if count_ops else contextlib.nullcontext():
-        out = attention(*local, ring=ring, attn_mask=local_mask,
-                        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, zigzag=zigzag, kv_len=real)
+        extra = {"window": window, "key_padding": keep} if positional else {}
+        out = attention(*local, ring=ring, attn_mask=local_mask, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa, zigzag=zigzag, kv_len=real, **extra)
         (out * weights[:, :, q_pos] * real_rows.view(-1, 1)).sum().backward()
     result = {"forward_abs": (out - reference[:, :, q_pos.clamp(max=n - 1)])[:, :, real_rows].abs().max().item(),
               "counts": dict(counter.counts)}
@@ -175,7 +207,10 @@ def test_ring_attention_matches_single_device(world):
         for name, metrics in results["eager"].items():
             _assert_close(rank, name, metrics)
         # Contiguous causal: blocks of later ranks are skipped, not computed masked.
-        computed = {"full": world, "causal": rank + 1, "causal_zigzag": world}
+        computed = {"full": world, "causal": rank + 1, "causal_zigzag": world,
+                    "window_zigzag": _blocks_in_window(SEQ, world, rank, 3, zigzag=True),
+                    "window_contiguous_gqa": _blocks_in_window(SEQ, world, rank, 5, zigzag=False)}
+        assert computed["window_zigzag"] < world or world == 2
         for name, blocks in computed.items():
             assert results["eager"][name]["counts"] == {
                 "aten::_scaled_dot_product_flash_attention_for_cpu": blocks,
@@ -206,6 +241,48 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not():
     assert ring_step_flops(seq, size, 1, zigzag=False, is_causal=False, batch=2, heads=3) == [4 * 2 * 3 * 16] * size
 
 
+def test_window_flops_skip_blocks_outside_the_window_and_cover_every_visible_pair():
+    seq, size, window = 64, 4, 6
+    for zigzag in (True, False):
+        for rank in range(size):
+            steps = ring_step_flops(seq, size, rank, zigzag=zigzag, is_causal=True, window=window)
+            causal = ring_step_flops(seq, size, rank, zigzag=zigzag, is_causal=True)
+            q = _rank_positions(seq, size, rank, zigzag)
+            distance = q[:, None] - torch.cat([_rank_positions(seq, size, r, zigzag) for r in range(size)])[None, :]
+            visible = int(((distance >= 0) & (distance < window)).sum())
+            assert sum(f > 0 for f in steps) == _blocks_in_window(seq, size, rank, window, zigzag), (zigzag, rank)
+            assert 4 * visible <= sum(steps) <= sum(causal), (zigzag, rank, steps, causal)
+    # Zigzag, rank 0 holds positions 0-7 and 56-63: its own block runs causal (16 * 17 / 2
+    # pairs, the window's mask on top); of rank 1's block (8-15, 48-55, at step 3) only keys
+    # 51-55 lie within 6 of queries 56-60 (a 5 x 5 box); rank 3's and 2's blocks are skipped.
+    assert ring_step_flops(seq, size, 0, zigzag=True, is_causal=True, window=window) == [4 * 136, 0, 0, 4 * 25]
+
+
+@pytest.mark.parametrize("window, key_padding, real, tile", [
+    (3, False, None, 5), (4, True, 14, 5), (None, True, None, 6), (5, True, 14, 512)])
+def test_a_ring_of_one_runs_windows_and_key_padding_by_query_tiles(window, key_padding, real, tile):
+    """Ulysses alone (a ring of one): query tiles, each with the keys its window reaches; a
+    padded sequence's extra query rows see the last real row's keys."""
+    from dtensor_par.ops.ring import _tiled_attention
+
+    q, k, v, weights = (t.requires_grad_() for t in _full_inputs(2, 2, SEQ))
+    n = real or SEQ
+    keep = _keep(n) if key_padding else None
+    reference = F.scaled_dot_product_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n],
+                                               attn_mask=_positional_mask(n, window, keep))
+    expected = torch.autograd.grad((reference * weights[:, :, :n]).sum(), (q, k, v))
+    if tile == 512:
+        one = MeshInfo.for_planning({}, "cpu").dims["ring"]
+        out = ring_attention(q, k, v, ring=one, is_causal=True, window=window, key_padding=keep, kv_len=real)
+    else:
+        out = _tiled_attention(q, k[:, :, :n], v[:, :, :n], is_causal=True, window=window, key_padding=keep,
+                               scale=None, enable_gqa=False, tile=tile)
+    assert out.shape == q.shape and (out[:, :, :n] - reference).abs().max() <= FORWARD_ATOL
+    grads = torch.autograd.grad((out[:, :, :n] * weights[:, :, :n]).sum(), (q, k, v))
+    for got, want in zip(grads, expected):
+        assert max_rel(got, want) <= GRAD_RTOL
+
+
 def test_zigzag_indices():
     assert zigzag_indices(16, 4, 1).tolist() == [2, 3, 12, 13]
     held = torch.cat([zigzag_indices(16, 4, r) for r in range(4)])
@@ -224,6 +301,12 @@ def test_zigzag_indices():
      r"mask must be \[B\|1, H\|1, 4\|1, 6\|1\].*got \(1, 1, 4, 8\)"),
     ((1, 2, 4, 8), (1, 2, 4, 8), dict(is_causal=True, attn_mask=torch.ones(4, 8, dtype=torch.bool)),
      "a mask or is_causal, not both"),
+    ((1, 2, 4, 8), (1, 2, 4, 8), dict(window=3), "sliding window is causal.*window=3, is_causal=False"),
+    ((1, 2, 4, 8), (1, 2, 4, 8), dict(is_causal=True, window=0), "at least 1 key wide"),
+    ((1, 2, 4, 8), (1, 2, 4, 8), dict(key_padding=torch.ones(1, 8, dtype=torch.bool),
+                                      attn_mask=torch.ones(4, 8, dtype=torch.bool)), "a mask or a key padding"),
+    ((1, 2, 4, 8), (1, 2, 4, 8), dict(is_causal=True, key_padding=torch.ones(1, 6)),
+     r"key padding must be boolean \[B\|1, 8\].*torch.float32 \(1, 6\)"),
 ])
 def test_clear_errors(q_shape, kv_shape, options, message):
     q, k = torch.zeros(q_shape), torch.zeros(kv_shape)

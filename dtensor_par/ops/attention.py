@@ -72,14 +72,17 @@ def _mask_for_rank(mask: torch.Tensor, heads: int, padded_heads: int, ulysses_ra
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
                      is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-                     ulysses: MeshDim, ring: MeshDim, kv_len: int | None = None,
-                     ulysses_impl: str = "all_to_all", comm: str = FUNCTIONAL) -> torch.Tensor:
+                     ulysses: MeshDim, ring: MeshDim, kv_len: int | None = None, window: int | None = None,
+                     key_padding: torch.Tensor | None = None, ulysses_impl: str = "all_to_all",
+                     comm: str = FUNCTIONAL) -> torch.Tensor:
     """This rank's sequence shard of ``scaled_dot_product_attention(q, k, v, attn_mask)`` over
     the full sequence, forward and backward.
 
     ``attn_mask`` is whole (every query and key position, any broadcastable shape, heads
-    sharded only by tp). ``kv_len``: the real key length when an uneven sequence was padded
-    at its end to split evenly; the padded keys are masked. ``ulysses``, ``ring``: the layouts
+    sharded only by tp). ``window`` (with ``is_causal``) and ``key_padding`` (boolean
+    ``[B, keys]``, whole) stand for a causal sliding-window / key-padding mask without one of
+    the sequence (``ring_attention``). ``kv_len``: the real key length when an uneven sequence
+    was padded at its end to split evenly; the padded keys are masked. ``ulysses``, ``ring``: the layouts
     of the two mesh dims; ``ulysses_impl``: one of ULYSSES_IMPLS; ``comm``: the lowering of
     the collectives (``ops.comm``).
     """
@@ -101,7 +104,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_
         attn_mask = _mask_for_rank(attn_mask, heads, padded, ulysses.rank, ulysses_size, rows)
     out = ring_attention(q, k, v, ring=ring, comm=comm, attn_mask=attn_mask,
                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, zigzag=ring_size > 1,
-                         kv_len=kv_len)
+                         kv_len=kv_len, window=window, key_padding=key_padding)
     if ulysses_size > 1:
         out = _trade(out, HEADS, SEQ, ulysses, ulysses_impl, comm)
     return out[:, :heads] if padded != heads else out

@@ -16,6 +16,12 @@ columns of the keys it holds, and a row that a block's mask hides entirely weigh
 the merge. An uneven sequence padded at its end (``kv_len`` real keys) leaves the padded keys
 out of every block.
 
+A causal sliding window (``window``: query ``p`` sees keys ``p - window < k <= p``, as
+Mistral's) and a key-padding mask (``key_padding``, ``[B, keys]``) need no mask of the
+sequence: each block computes only the box of rows and columns where the window leaves
+something visible (a block outside the window is skipped, forward and backward) and builds
+the mask of that box alone from the global positions (and the key-padding columns it holds).
+
 Layouts (``S`` = full sequence length, ``n`` = ring size):
 
 - contiguous: rank ``r`` holds positions ``[r*S/n, (r+1)*S/n)``. Under a causal mask rank
@@ -52,6 +58,7 @@ class _Block:
     q_rows: slice
     kv_rows: slice
     is_causal: bool
+    positional: bool = False  # the box holds hidden pairs: its mask is built from the global positions
 
 
 def _real_keys(source: int, size: int, block_len: int, kv_len: int | None, *, zigzag: bool) -> int:
@@ -67,10 +74,13 @@ def _real_keys(source: int, size: int, block_len: int, kv_len: int | None, *, zi
 
 
 def _plan_block(rank: int, source: int, q_block: int, kv_block: int, *, is_causal: bool, zigzag: bool,
-                real_keys: int | None = None) -> _Block | None:
+                real_keys: int | None = None, window: int | None = None, size: int = 1) -> _Block | None:
     """What this rank computes against the key/value block of ``source`` (block lengths
-    ``q_block`` and ``kv_block``), whose first ``real_keys`` rows are real; None if causality
-    or padding hides all of it."""
+    ``q_block`` and ``kv_block``), whose first ``real_keys`` rows are real; None if causality,
+    the window or padding hides all of it. ``size``: the ring size (needed with a window)."""
+    if window is not None:
+        return _window_block(rank, source, size, q_block, kv_block if real_keys is None else real_keys,
+                             window=window, zigzag=zigzag)
     block = _causal_block(rank, source, q_block, kv_block, is_causal=is_causal, zigzag=zigzag)
     if block is None or real_keys is None or real_keys >= block.kv_rows.stop:
         return block
@@ -99,6 +109,89 @@ def _causal_block(rank: int, source: int, q_block: int, kv_block: int, *, is_cau
     return _Block(slice(half, q_block), slice(0, kv_block), False)
 
 
+def _spans(rank: int, size: int, block_len: int, *, zigzag: bool,
+           count: int | None = None) -> list[tuple[int, int, int]]:
+    """``(local start, global start, length)`` of each contiguous run of global positions in
+    ``rank``'s block, cut to its first ``count`` rows."""
+    if zigzag:
+        chunk = block_len // 2
+        spans = [(0, rank * chunk, chunk), (chunk, (2 * size - 1 - rank) * chunk, chunk)]
+    else:
+        spans = [(0, rank * block_len, block_len)]
+    count = block_len if count is None else count
+    return [(local, start, min(length, count - local)) for local, start, length in spans if local < count]
+
+
+def _window_block(rank: int, source: int, size: int, q_block: int, kv_real: int, *, window: int,
+                  zigzag: bool) -> _Block | None:
+    """The box of this rank's queries x ``source``'s first ``kv_real`` keys in which the causal
+    window (``p - window < k <= p``) leaves a pair visible; None when it leaves none. This
+    rank's own block runs with the kernel's causal mask (and the window's where it cuts);
+    another block runs plain when the window hides nothing in its box, else with its mask."""
+    q_spans = _spans(rank, size, q_block, zigzag=zigzag)
+    kv_spans = _spans(source, size, q_block, zigzag=zigzag, count=kv_real)
+    rows, cols = [], []
+    for q_local, qa, q_len in q_spans:
+        for k_local, ka, k_len in kv_spans:
+            qb, kb = qa + q_len, ka + k_len
+            row_lo, row_hi = max(qa, ka), min(qb, kb - 1 + window)
+            col_lo, col_hi = max(ka, qa - window + 1), min(kb, qb)
+            if row_lo < row_hi and col_lo < col_hi:
+                rows += [q_local + row_lo - qa, q_local + row_hi - qa]
+                cols += [k_local + col_lo - ka, k_local + col_hi - ka]
+    if not rows:
+        return None
+    q_rows, kv_rows = slice(min(rows), max(rows)), slice(min(cols), max(cols))
+
+    def clipped(spans, box):
+        return [(start + max(box.start, local) - local, start + min(box.stop, local + length) - local)
+                for local, start, length in spans if max(box.start, local) < min(box.stop, local + length)]
+
+    q_ranges, kv_ranges = clipped(q_spans, q_rows), clipped(kv_spans, kv_rows)
+    if source == rank:
+        # Both boxes start at row 0 of the same positions (every query sees itself), so the
+        # kernel's causal mask is the global one; the window's mask only where it cuts.
+        return _Block(q_rows, kv_rows, True, positional=q_ranges[-1][1] - 1 - kv_ranges[0][0] >= window)
+    if all(kb - 1 <= qa and qb - 1 - ka < window for qa, qb in q_ranges for ka, kb in kv_ranges):
+        return _Block(q_rows, kv_rows, False)
+    return _Block(q_rows, kv_rows, False, positional=True)
+
+
+def _block_positions(rank: int, size: int, block_len: int, *, zigzag: bool) -> torch.Tensor:
+    """Global positions of ``rank``'s block, in local order."""
+    return (zigzag_indices(block_len * size, size, rank) if zigzag
+            else torch.arange(rank * block_len, (rank + 1) * block_len))
+
+
+def _positional_mask(block: _Block, key_padding: torch.Tensor | None, *, rank: int, source: int, size: int,
+                     block_len: int, zigzag: bool, window: int | None, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor | None:
+    """The additive mask of one block's box, built from global positions (the causal window)
+    and the key-padding columns of the keys it holds: [B|1, 1, rows|1, columns] of the box,
+    never the sequence's. None when the box needs no mask. The kernel's own causal mask
+    (``block.is_causal``) applies on top of it."""
+    if not block.positional and key_padding is None:
+        return None
+    rows = _block_positions(rank, size, block_len, zigzag=zigzag)[block.q_rows].to(device)
+    cols = _block_positions(source, size, block_len, zigzag=zigzag)[block.kv_rows].to(device)
+    if not block.positional:
+        rows = rows[:1]  # key padding alone: one row broadcasts to all
+    return _additive(_visible(rows, cols, causal=block.positional, window=window, key_padding=key_padding), dtype)
+
+
+def _visible(rows: torch.Tensor, cols: torch.Tensor, *, causal: bool, window: int | None,
+             key_padding: torch.Tensor | None) -> torch.Tensor:
+    """Which (query, key) pairs of these global positions attend: [B|1, 1, rows, cols]."""
+    visible = torch.ones(len(rows), len(cols), dtype=torch.bool, device=cols.device)
+    if causal:
+        distance = rows[:, None] - cols[None, :]
+        visible = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
+    visible = visible[None, None]
+    if key_padding is not None:
+        visible = visible & key_padding.index_select(-1, cols)[:, None, None, :]
+    return visible
+
+
 def _source_at(step: int, rank: int, size: int) -> int:
     """Whose key/value block this rank holds at ring step ``step``."""
     return (rank - step) % size
@@ -115,17 +208,18 @@ def zigzag_indices(seq_len: int, size: int, rank: int) -> torch.Tensor:
 
 
 def ring_step_flops(seq_len: int, size: int, rank: int, *, zigzag: bool, is_causal: bool,
-                    batch: int = 1, heads: int = 1, head_dim: int = 1) -> list[int]:
+                    batch: int = 1, heads: int = 1, head_dim: int = 1, window: int | None = None) -> list[int]:
     """Attention FLOPs this rank spends at each ring step, following the schedule
     ``ring_attention`` runs: 4 FLOPs per (query, key) pair per head dim (two matmuls,
-    QK^T and PV, each a multiply-add), counting only the pairs the kernel computes."""
+    QK^T and PV, each a multiply-add), counting only the pairs the kernel computes (a
+    block's whole box under a mask, a skipped block nothing)."""
     if seq_len % size:
         raise ValueError(f"sequence length {seq_len} does not divide into {size} ring blocks")
     local = seq_len // size
     per_step = []
     for step in range(size):
         block = _plan_block(rank, _source_at(step, rank, size), local, local, is_causal=is_causal,
-                            zigzag=zigzag)
+                            zigzag=zigzag, window=window, size=size)
         pairs = 0
         if block is not None:
             rows = block.q_rows.stop - block.q_rows.start
@@ -172,7 +266,10 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
                                                                       is_causal, scale=scale)
         lse = lse[..., : q.shape[-2]]
     if mask is not None:
-        hidden = mask.isneginf().all(-1)
+        visible = ~mask.isneginf()
+        if is_causal:  # the kernel's causal mask hides the rest
+            visible = visible & torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        hidden = ~visible.any(-1)
         out, lse = out.masked_fill(hidden.unsqueeze(-1), 0.0), lse.masked_fill(hidden, float("-inf"))
     return out, lse
 
@@ -242,46 +339,67 @@ def _merge_into(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: to
     lse[..., rows] = merged
 
 
-def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
-                  ring: MeshDim, comm: str, is_causal: bool, scale: float | None, zigzag: bool,
-                  kv_len: int | None, overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _blocks_at(step: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
+               key_padding: torch.Tensor | None, *, ring: MeshDim, is_causal: bool, zigzag: bool,
+               kv_len: int | None, window: int | None) -> tuple[_Block | None, torch.Tensor | None]:
+    """What this rank computes at ring step ``step``: the block (None: skipped) and its additive
+    mask. The same in forward and backward."""
+    rank, size, block_len = ring.rank, ring.size, k.shape[-2]
+    source = _source_at(step, rank, size)
+    block = _plan_block(rank, source, q.shape[-2], block_len, is_causal=is_causal, zigzag=zigzag,
+                        real_keys=_real_keys(source, size, block_len, kv_len, zigzag=zigzag), window=window,
+                        size=size)
+    if block is None:
+        return None, None
+    if mask is not None:
+        return block, _block_mask(mask, block, source, size, block_len, zigzag=zigzag)
+    box_mask = _positional_mask(block, key_padding, rank=rank, source=source, size=size, block_len=block_len,
+                                zigzag=zigzag, window=window, dtype=q.dtype, device=q.device)
+    return block, box_mask
+
+
+def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  key_padding: torch.Tensor | None, *, ring: MeshDim, comm: str, is_causal: bool,
+                  scale: float | None, zigzag: bool, kv_len: int | None, window: int | None,
+                  overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (q's dtype) and global log-sum-exp (float32) of this rank's query rows.
     ``overlap=False`` waits for each rotation before computing (for benchmarks)."""
-    rank, size, net = ring.rank, ring.size, LOWERINGS[comm]
+    size, net = ring.size, LOWERINGS[comm]
     groups = q.shape[1] // k.shape[1]
+    masked = mask is not None or key_padding is not None or window is not None
     kv = torch.stack([k, v])
     out = lse = None
     for step in range(size):
         incoming = net.start_rotation(kv, ring) if step + 1 < size else None
         if incoming is not None and not overlap:
             incoming = net.finish_rotation(incoming)
-        source = _source_at(step, rank, size)
-        block = _plan_block(rank, source, q.shape[-2], k.shape[-2], is_causal=is_causal, zigzag=zigzag,
-                            real_keys=_real_keys(source, size, k.shape[-2], kv_len, zigzag=zigzag))
+        block, block_mask = _blocks_at(step, q, k, mask, key_padding, ring=ring, is_causal=is_causal,
+                                                      zigzag=zigzag, kv_len=kv_len, window=window)
         if block is not None:
             block_out, block_lse = _block_forward(
-                q[..., block.q_rows, :], kv[0][..., block.kv_rows, :], kv[1][..., block.kv_rows, :],
-                _block_mask(mask, block, source, size, k.shape[-2], zigzag=zigzag),
+                q[..., block.q_rows, :], kv[0][..., block.kv_rows, :], kv[1][..., block.kv_rows, :], block_mask,
                 is_causal=block.is_causal, scale=scale, groups=groups)
-            if out is None:
-                # Step 0 is this rank's own block, which always covers every query row.
+            if out is None and block.q_rows == slice(0, q.shape[-2]):
                 out, lse = block_out.float(), block_lse.float()
             else:
-                _merge_into(out, lse, block.q_rows, block_out, block_lse, mask is not None)
+                if out is None:  # a window over padded keys can leave padded query rows no key
+                    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+                    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+                _merge_into(out, lse, block.q_rows, block_out, block_lse, masked)
         if incoming is not None:
             kv = net.finish_rotation(incoming)
     return _consume(out, kv).to(q.dtype), lse
 
 
 def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, *, ring: MeshDim, comm: str,
-                   is_causal: bool, scale: float | None, zigzag: bool,
-                   kv_len: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   mask: torch.Tensor | None, key_padding: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+                   *, ring: MeshDim, comm: str, is_causal: bool, scale: float | None, zigzag: bool,
+                   kv_len: int | None, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq stays here; each key/value block's gradient accumulator follows the block around
     the ring (one step behind it) and its last rotation delivers it to the block's owner."""
-    rank, size, net = ring.rank, ring.size, LOWERINGS[comm]
+    size, net = ring.size, LOWERINGS[comm]
     groups = q.shape[1] // k.shape[1]
-    if mask is not None:
+    if mask is not None or key_padding is not None or window is not None:
         # A row the mask hides entirely has output 0 and no gradient; 0 keeps its kernel finite.
         lse = lse.masked_fill(lse.isneginf(), 0.0)
     kv = torch.stack([k, v])
@@ -289,15 +407,13 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dkv_incoming = None
     for step in range(size):
         kv_incoming = net.start_rotation(kv, ring) if step + 1 < size else None
-        source = _source_at(step, rank, size)
-        block = _plan_block(rank, source, q.shape[-2], k.shape[-2], is_causal=is_causal, zigzag=zigzag,
-                            real_keys=_real_keys(source, size, k.shape[-2], kv_len, zigzag=zigzag))
+        block, block_mask = _blocks_at(step, q, k, mask, key_padding, ring=ring, is_causal=is_causal,
+                                                      zigzag=zigzag, kv_len=kv_len, window=window)
         if block is not None:
             rows, cols = block.q_rows, block.kv_rows
             dq_block, dk_block, dv_block = _block_backward(
-                grad_out[..., rows, :], q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
-                _block_mask(mask, block, source, size, k.shape[-2], zigzag=zigzag), out[..., rows, :],
-                lse[..., rows], is_causal=block.is_causal, scale=scale, groups=groups)
+                grad_out[..., rows, :], q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block_mask,
+                out[..., rows, :], lse[..., rows], is_causal=block.is_causal, scale=scale, groups=groups)
             dq[..., rows, :] += dq_block
         # Wait for the accumulator only now, so its transfer overlapped this step's compute.
         if dkv_incoming is None:
@@ -318,22 +434,24 @@ class _RingAttention(torch.autograd.Function):
     collectives (which would rebuild every block's attention matrix)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, ring, comm, is_causal, scale, zigzag, kv_len, overlap):
-        options = dict(ring=ring, comm=comm, is_causal=is_causal, scale=scale, zigzag=zigzag, kv_len=kv_len)
-        out, lse = _ring_forward(q, k, v, mask, **options, overlap=overlap)
-        ctx.save_for_backward(q, k, v, mask, out, lse)
+    def forward(ctx, q, k, v, mask, key_padding, ring, comm, is_causal, scale, zigzag, kv_len, window, overlap):
+        options = dict(ring=ring, comm=comm, is_causal=is_causal, scale=scale, zigzag=zigzag, kv_len=kv_len,
+                       window=window)
+        out, lse = _ring_forward(q, k, v, mask, key_padding, **options, overlap=overlap)
+        ctx.save_for_backward(q, k, v, mask, key_padding, out, lse)
         ctx.options = options
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(grad_out, q, k, v, mask, out, lse, **ctx.options)
-        return (dq, dk, dv) + (None,) * 9
+        q, k, v, mask, key_padding, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(grad_out, q, k, v, mask, key_padding, out, lse, **ctx.options)
+        return (dq, dk, dv) + (None,) * 10
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, rank: int,
-                  size: int, is_causal: bool, enable_gqa: bool, zigzag: bool, kv_len: int | None) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  key_padding: torch.Tensor | None, *, rank: int, size: int, is_causal: bool, enable_gqa: bool,
+                  zigzag: bool, kv_len: int | None, window: int | None) -> None:
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside a ring of size {size}")
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
@@ -350,12 +468,21 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                          f"got {q_len} and {block_len}")
     if is_causal and mask is not None:
         raise ValueError("ring attention takes a mask or is_causal, not both (as SDPA)")
-    if zigzag and (is_causal or kv_len is not None or mask is not None) and block_len % 2:
+    if window is not None and (not is_causal or not isinstance(window, int) or window < 1):
+        raise ValueError(f"a sliding window is causal and at least 1 key wide; got window={window!r}, "
+                         f"is_causal={is_causal}")
+    if key_padding is not None and mask is not None:
+        raise ValueError("ring attention takes a mask or a key padding, not both")
+    if zigzag and (is_causal or kv_len is not None or mask is not None or key_padding is not None) and block_len % 2:
         raise ValueError(f"zigzag needs an even local block length (two chunks); got {block_len}")
     keys = block_len * size if kv_len is None else kv_len
     if mask is not None and (mask.dim() != 4 or mask.shape[-2] not in (1, q_len) or mask.shape[-1] not in (1, keys)):
         raise ValueError(f"the mask must be [B|1, H|1, {q_len}|1, {keys}|1] (this rank's query rows, every "
                          f"key position); got {tuple(mask.shape)}")
+    if key_padding is not None and (key_padding.dim() != 2 or key_padding.dtype != torch.bool
+                                    or key_padding.shape[0] not in (1, q.shape[0]) or key_padding.shape[1] != keys):
+        raise ValueError(f"the key padding must be boolean [B|1, {keys}] (True = attend); got "
+                         f"{key_padding.dtype} {tuple(key_padding.shape)}")
     if kv_len is not None:
         empty = [r for r in range(size) if _real_keys(r, size, block_len, kv_len, zigzag=zigzag) == 0]
         if kv_len > block_len * size or empty:
@@ -393,9 +520,32 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
+def _tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, window: int | None,
+                     key_padding: torch.Tensor | None, scale: float | None, enable_gqa: bool,
+                     tile: int = 512) -> torch.Tensor:
+    """SDPA of whole sequences (a ring of one) under a causal window and/or a key padding,
+    without a mask of the sequence: each tile of ``tile`` query rows attends, in one call, to
+    the keys its (causal) window reaches, with the mask of that tile alone. A padded query
+    row (past the real keys) takes the last real row's keys, so none is left without a key."""
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    out = []
+    for start in range(0, q_len, tile):
+        stop = min(start + tile, q_len)
+        first, last = min(start, kv_len - 1), min(stop - 1, kv_len - 1)
+        lo = max(0, first - window + 1) if window is not None else 0
+        hi = last + 1 if is_causal else kv_len
+        rows = torch.arange(start, stop, device=q.device).clamp(max=kv_len - 1)
+        cols = torch.arange(lo, hi, device=q.device)
+        mask = _visible(rows, cols, causal=is_causal, window=window, key_padding=key_padding)
+        out.append(F.scaled_dot_product_attention(q[..., start:stop, :], k[..., lo:hi, :], v[..., lo:hi, :],
+                                                  attn_mask=mask, scale=scale, enable_gqa=enable_gqa))
+    return torch.cat(out, dim=-2)
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: MeshDim,
                    attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
                    enable_gqa: bool = False, zigzag: bool = False, kv_len: int | None = None,
+                   window: int | None = None, key_padding: torch.Tensor | None = None,
                    overlap: bool = True, comm: str = FUNCTIONAL) -> torch.Tensor:
     """This rank's rows of ``F.scaled_dot_product_attention`` over the full sequences, in
     forward and backward. ``overlap=False`` serializes communication and compute in the
@@ -409,18 +559,25 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
     ``kv_len``: the real key length when the blocks hold an uneven sequence padded at its end
     (the padding is masked). ``attn_mask`` (boolean, True = attend, or additive):
     [B|1, H|1, Sq|1, keys|1], this rank's query rows against every real key position in
-    global order; each block takes its columns.
+    global order; each block takes its columns. ``window`` (with ``is_causal``): query ``p``
+    sees only keys ``p - window < k <= p``. ``key_padding``: boolean [B|1, keys] (True =
+    attend), every real key position in global order; it combines with ``is_causal`` and
+    ``window``, which need no mask of the sequence.
     """
     if attn_mask is not None:
         attn_mask = as_4d(attn_mask)
-    if isinstance(kv_len, torch.SymInt):
+    if isinstance(kv_len, torch.SymInt):  # only without a window or key padding: those pin the length
         attn_mask, kv_len = _hide_padded_keys(attn_mask, kv_len, k.shape[-2] * ring.size, is_causal, k.device), None
-    _check_inputs(q, k, v, attn_mask, rank=ring.rank, size=ring.size, is_causal=is_causal, enable_gqa=enable_gqa,
-                  zigzag=zigzag, kv_len=kv_len)
+    _check_inputs(q, k, v, attn_mask, key_padding, rank=ring.rank, size=ring.size, is_causal=is_causal,
+                  enable_gqa=enable_gqa, zigzag=zigzag, kv_len=kv_len, window=window)
     if ring.size == 1:
         if kv_len is not None:
             k, v = k[..., :kv_len, :], v[..., :kv_len, :]
+        if window is not None or key_padding is not None:
+            return _tiled_attention(q, k, v, is_causal=is_causal, window=window, key_padding=key_padding,
+                                    scale=scale, enable_gqa=enable_gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
     mask = None if attn_mask is None else _additive(attn_mask, q.dtype)
-    return _RingAttention.apply(q, k, v, mask, ring, comm, is_causal, scale, zigzag, kv_len, overlap)
+    return _RingAttention.apply(q, k, v, mask, key_padding, ring, comm, is_causal, scale, zigzag, kv_len, window,
+                                overlap)

@@ -4,9 +4,13 @@
   weight stored ``[in, out]``) becomes ``linear(x, weight.t(), bias)``: the batch and
   sequence dims are never flattened together, so a sequence sharded over cp stays sharded,
   and the projection is found and sharded like any other (its weight transposed).
+- Any other ``addmm``/``baddbmm`` (function or method) becomes
+  ``beta * input + alpha * (a @ b)``: a matmul and an add, which have rules.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -53,9 +57,32 @@ def conv1d_linear(gm: fx.GraphModule, addmm: fx.Node) -> bool:
     return True
 
 
+_ADD_PRODUCT = {torch.addmm, torch.baddbmm, "addmm", "baddbmm"}
+
+
+def add_product_as_matmul(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Rewrite ``addmm(input, a, b, beta=, alpha=)`` (or ``baddbmm``) into a matmul and an add."""
+    (x, a, b), beta, alpha = node.args[:3], node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+    graph = gm.graph
+
+    def call(fn, args, value):
+        return with_val(graph.call_function(fn, args), value)
+
+    with graph.inserting_before(node):
+        product = call(torch.matmul, (a, b), tensor_val(a) @ tensor_val(b))
+        if alpha != 1:
+            product = call(operator.mul, (product, alpha), tensor_val(product) * alpha)
+        if beta != 0:
+            scaled = x if beta == 1 else call(operator.mul, (x, beta), tensor_val(x) * beta)
+            product = call(operator.add, (scaled, product), tensor_val(node))
+    node.replace_all_uses_with(product)
+    graph.erase_node(node)
+
+
 def canonicalize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is torch.addmm:
-            conv1d_linear(gm, node)
+        if node.op in ("call_function", "call_method") and node.target in _ADD_PRODUCT:
+            if not (node.target is torch.addmm and conv1d_linear(gm, node)):
+                add_product_as_matmul(gm, node)
     gm.recompile()
     return gm

@@ -12,6 +12,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..symbolic import SymbolicInputs, is_symbolic, recording_guards
 from .context import ParallelContext, ParamInfo
+from .patterns import writes_in_place
 
 _SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)(?:'\])?\['([^']+)'\]")
 
@@ -109,7 +110,7 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         node.replace_all_uses_with(value if is_symbolic(value) else int(value))
         if node.op != "placeholder":
             gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or writes_in_place(n))
     _mark_requires_grad(gm, ctx.example_inputs)
     gm.recompile()
     return gm

@@ -67,6 +67,19 @@ class ParallelContext:
             logger.warning(message)
 
 
+@dataclass(frozen=True)
+class Communication:
+    """What one inserted op communicates, for dumps and reports."""
+
+    forward: str | None  # collective issued in the forward, if any
+    backward: str | None  # collective its backward issues, if any
+    mesh_dim: str
+    group_size: int
+    forward_bytes: int  # bytes this rank puts into the forward collective
+    backward_bytes: int  # bytes of the gradient this rank puts into the backward collective
+    site: str | None  # the site whose plan needs it
+
+
 class PlanningError(RuntimeError):
     """A pass could not handle one node. Names the node, its op, input shapes and placements."""
 

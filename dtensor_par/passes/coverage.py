@@ -101,15 +101,16 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
 
 def ring_rank_flops(site: AttentionSite, ctx: ParallelContext) -> list[int]:
     """Attention FLOPs each ring rank spends on one attention, following the ring schedule
-    (zigzag; causal blocks computed in part, masked blocks computed whole)."""
+    (zigzag; causal blocks computed in part, masked blocks computed whole, blocks outside a
+    sliding window skipped and the rest computed over their box)."""
     batch, heads, seq, head_dim = (hint(n) for n in tensor_val(site.core.args[0]).shape)
     mesh, cp = ctx.mesh, ctx.mesh.dims["cp"]
     ring = mesh.size("ring")
     local_heads = -(-heads // (mesh.size("tp") * mesh.size("ulysses")))  # padded heads are computed too
     laid_out = cp.size * shard_length(seq, cp.size, cp.chunks_per_rank)
-    causal = bool(site.core.kwargs.get("is_causal"))
+    causal, window = bool(site.core.kwargs.get("is_causal")), site.core.kwargs.get("window")
     return [sum(ring_step_flops(laid_out, ring, r, zigzag=True, is_causal=causal, batch=batch, heads=local_heads,
-                                head_dim=head_dim)) for r in range(ring)]
+                                head_dim=head_dim, window=window)) for r in range(ring)]
 
 
 def _runs_parallel(site, ctx: ParallelContext) -> bool:

@@ -11,8 +11,6 @@ records that collective.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch.fx as fx
 
 from ..mesh import MeshDim
@@ -20,25 +18,12 @@ from ..ops import collectives as C
 from ..placements import (Partial, Placement, Replicate, Shard, interleaved_parts, is_padded, local_shape,
                           local_shape_on, shard_dim)
 from ..symbolic import hint, is_symbolic, materialize_sizes
-from .context import ParallelContext, at_node
+from .context import Communication, ParallelContext, at_node
 from .patterns import tensor_val
 from .rules.core import tensor_inputs
 from .rules.registry import lookup
 
 R = Replicate()
-
-
-@dataclass(frozen=True)
-class Communication:
-    """What one inserted op communicates, for dumps and reports."""
-
-    forward: str | None  # collective issued in the forward, if any
-    backward: str | None  # collective its backward issues, if any
-    mesh_dim: str
-    group_size: int
-    forward_bytes: int  # bytes this rank puts into the forward collective
-    backward_bytes: int  # bytes of the gradient this rank puts into the backward collective
-    site: str | None  # the site whose plan needs it
 
 
 class _Inserter:
@@ -169,8 +154,8 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             node.args = fx.node.map_arg(node.args, localized)
             node.kwargs = fx.node.map_arg(node.kwargs, localized)
             kind = lookup(node)
-            if kind is not None and kind.local_sizes is not None:
-                kind.local_sizes(gm, node, ctx.mesh)
+            if kind is not None and kind.localize is not None:
+                kind.localize(gm, node, ctx.mesh)
     if ctx.specialization is not None:
         materialize_sizes(gm, {v.node.expr: n for n in graph.nodes if n.op == "placeholder"
                                for v in [n.meta.get("val")] if is_symbolic(v)})

@@ -25,8 +25,8 @@ import torch.fx as fx
 
 from ..mesh import SPANS, MeshDim, MeshInfo
 from ..ops.comm import FUNCTIONAL, LOWERINGS, ring_pairs, xla_model
-from .context import ParallelContext
-from .localize import Communication, communications
+from .context import Communication, ParallelContext
+from .localize import communications
 
 COLLECTIVES = ("auto", *LOWERINGS)
 

@@ -18,6 +18,12 @@ def target_name(node: fx.Node) -> str:
     return str(node.target)
 
 
+def writes_in_place(node: fx.Node) -> bool:
+    """``x.add_(y)``, ``x.copy_(y)``: Tensor methods named with a trailing underscore. FX's
+    dead-code elimination thinks every method pure; these are not."""
+    return node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_")
+
+
 def tensor_val(node) -> torch.Tensor | None:
     value = node.meta.get("val") if isinstance(node, fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None

@@ -11,13 +11,15 @@ import torch.fx as fx
 
 from ..placements import InterleavedShard, Placement, Replicate, Shard
 from ..symbolic import same_size
+from .capture import with_val
 from .context import ParallelContext, at_node
 from .coverage import measure_coverage
 from .detect import TO_ATTENTION, AttentionSite, concatenated_features, find_producers, module_name, weight_param
-from .patterns import target_name, tensor_val
+from .patterns import target_name, tensor_val, writes_in_place
 from .rules.core import NodeSharding, RuleEnv, check_divisible, moved, replicate_all, tensor_inputs
 from .rules.indexing import cat_dim, per_dim, split_dim
 from .rules.registry import lookup, op_kind
+from .rules.views import sequence_start
 
 R = Replicate()
 
@@ -124,13 +126,13 @@ def assign_weight_placements(ctx: ParallelContext) -> None:
 
 
 def mask_only_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose every use ends in an attention mask. Hybrid attention takes its mask whole
-    and every rank holds the graph inputs whole, so these stay whole on cp: no gather of a
-    [B, H, S, S] mask built from a [B, S] key-padding input."""
+    """Nodes whose every use ends in an attention mask or key padding. Hybrid attention takes
+    them whole and every rank holds the graph inputs whole, so these stay whole on cp: no
+    gather of a [B, H, S, S] mask built from a [B, S] key-padding input."""
     only: set[fx.Node] = set()
     for node in reversed(gm.graph.nodes):
-        if node.users and all(u in only or (op_kind(u) == "hybrid_attention" and u.kwargs.get("attn_mask") is node
-                                            and node not in u.args) for u in node.users):
+        if node.users and all(u in only or (op_kind(u) == "hybrid_attention" and node not in u.args and node in (
+                u.kwargs.get("attn_mask"), u.kwargs.get("key_padding"))) for u in node.users):
             only.add(node)
     return only
 
@@ -164,11 +166,33 @@ def sequence_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[
         return {}
     placements, masks = {}, mask_only_nodes(gm)
     for node in gm.graph.nodes:
-        val = tensor_val(node)
-        if node.op == "placeholder" and node.name not in ctx.params and node not in masks and val is not None \
-                and _sequence_shaped(val) and any(same_size(val.shape[1], n) for n in lengths):
+        if node.op == "placeholder" and node.name not in ctx.params and node not in masks \
+                and _is_sequence(tensor_val(node), lengths):
             placements[node.name] = Shard(1)
+    mark_sequence_starts(gm, lengths, masks)
     return placements
+
+
+def _is_sequence(val, lengths: list[int]) -> bool:
+    return val is not None and _sequence_shaped(val) and any(same_size(val.shape[1], n) for n in lengths)
+
+
+def mark_sequence_starts(gm: fx.GraphModule, lengths: list[int], masks: set[fx.Node]) -> None:
+    """Activations made inside the graph (a patch embedding's tokens, transposed out of a conv)
+    are cut over cp where they are made, as an input sequence is, so the ops after them run on
+    shards too, not only the attention: a ``sequence_start`` after each floating-point
+    sequence-shaped node none of whose inputs is one. Positions stay whole: masks are built
+    from them. A node whose dim 1 has the length of another of its dims too (hidden size =
+    tokens) is ambiguous and left to the attention."""
+    for node in list(gm.graph.nodes):
+        val = tensor_val(node)
+        if node.op not in ("call_function", "call_method") or node in masks or op_kind(node) == "hybrid_attention" \
+                or not _is_sequence(val, lengths) or not val.is_floating_point() or any(same_size(val.shape[1], n) for n in val.shape[2:]) \
+                or any(_is_sequence(tensor_val(i), lengths) for i in node.all_input_nodes):
+            continue
+        with gm.graph.inserting_after(node):
+            start = with_val(gm.graph.call_function(sequence_start, (node,)), tensor_val(node))
+        node.replace_all_uses_with(start, delete_user_cb=lambda user: user is not start)
 
 
 def _check_local_outputs(outputs: list[fx.Node], placements: list[Placement], env: RuleEnv) -> None:
@@ -200,6 +224,11 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding
             _check_local_outputs(ins, cur, env)
         return NodeSharding(None, tuple(p if keep and isinstance(p, (Shard, Replicate)) else R for p in cur))
     kind = lookup(node)
+    if kind is None and writes_in_place(node) and any(p != R for p in cur):
+        raise NotImplementedError(
+            f"hybrid_parallel: {node.name} ({target_name(node)}) writes in place into {ins[0].name}, which is "
+            f"{cur[0]} on mesh dim {env.dim!r}; it has no sharding rule, and a write into a gathered copy would be "
+            f"lost: write it out of place")
     if kind is None:
         return replicate_all(node, ins, cur, f"no sharding rule for {target_name(node)}")
     sharding = kind.rule(node, ins, cur, env)

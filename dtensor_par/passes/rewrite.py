@@ -7,13 +7,17 @@
   the kv heads of its own query heads; otherwise kv travels with its own heads.
 - With context parallelism, each attention call becomes ``hybrid_attention`` (Ulysses
   all-to-all, ring attention, all-to-all back) over sequence shards, with its mask, and with
-  the padded keys of an uneven sequence masked. Attention with dropout or a mask that needs
+  the padded keys of an uneven sequence masked. A mask built from positions (causal, a causal
+  sliding window, either ANDed with a ``[B, S]`` key padding) runs as ``is_causal`` with its
+  ``window`` and ``key_padding``, without the ``S x S`` mask. Attention with dropout or a mask that needs
   a gradient stays as it is and runs on the gathered sequence, with a warning.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -23,9 +27,8 @@ from ..ops.attention import hybrid_attention
 from ..placements import is_padded, shard_length
 from ..symbolic import guards_at, hint, is_symbolic
 from .capture import with_val
-from .context import ParallelContext
+from .context import Communication, ParallelContext
 from .detect import AttentionSite
-from .localize import Communication
 from .patterns import arg, tensor_val
 from .rules.attention import sdpa_arguments
 
@@ -107,9 +110,9 @@ def _sequence_lengths(site: AttentionSite, q, k, mesh, ctx: ParallelContext) -> 
             f"shorter than mesh dims 'ring' x 'ulysses' = {mesh.size('ring')} x {mesh.size('ulysses')} = {cp}: "
             f"some ranks would hold only padding; use smaller 'ring' or 'ulysses' dims")
     if is_symbolic(q_len) or is_symbolic(kv_len):
-        ctx.warn(f"{site.name} ({site.core.name}): sequence length {ctx.specialization.named(q_len)} is symbolic: it is padded at the end to "
-                 f"a multiple of {cp * per_rank} chunks (ring={mesh.size('ring')}, ulysses={mesh.size('ulysses')}), "
-                 f"by nothing where it divides, so one plan serves every length")
+        ctx.warn(f"{site.name} ({site.core.name}): sequence length {ctx.specialization.named(q_len)} is symbolic: it is "
+                 f"padded at the end to a multiple of {cp * per_rank} chunks (ring={mesh.size('ring')}, "
+                 f"ulysses={mesh.size('ulysses')}), by nothing where it divides, so one plan serves every length")
     elif is_padded(q_len, cp, per_rank) or is_padded(kv_len, cp, per_rank):
         keys = f" (keys {kv_len})" if kv_len != q_len else ""
         ctx.warn(f"{site.name} ({site.core.name}): sequence length {q_len}{keys} does not divide into "
@@ -150,25 +153,118 @@ def _evaluate(nodes: list[fx.Node]) -> torch.Tensor:
     return env[nodes[-1]]
 
 
-def is_causal_mask(mask: fx.Node, q_len: int, kv_len: int) -> bool:
-    """Whether an attention mask built from positions alone is exactly the causal one.
+@dataclass(frozen=True)
+class PositionalMask:
+    """An attention mask found to be exactly causal, within a sliding ``window`` (query ``p``
+    sees keys ``p - window < k <= p``) if one, and with a boolean ``[B, keys]`` key padding if
+    one (the node holding it)."""
 
-    transformers builds a ``[B, 1, S, S]`` mask from aranges while Dynamo traces instead of
-    passing ``is_causal``. Such a mask depends on no input: it is evaluated here, once, and
-    compared with the causal pattern, so recognizing it is exact, never a guess.
-    """
-    nodes = _constant_ancestors(mask)
-    if nodes is None or q_len != kv_len:
-        return False
-    with guards_at(f"rewrite at {mask.name} (a mask built from positions, evaluated for one length)"):
-        value = _evaluate(nodes)
+    window: int | None = None
+    key_padding: fx.Node | None = None
+
+
+def _causal_window(value: torch.Tensor, q_len: int, kv_len: int) -> PositionalMask | None:
+    """The causal (sliding-window) pattern a constant mask is exactly, if it is one: the same
+    [q_len, kv_len] pattern for every batch entry and head."""
+    q_len, kv_len = int(q_len), int(kv_len)  # symbolic ones are pinned already: the mask was evaluated at one length
     if value.dtype != torch.bool:
         hidden = torch.isneginf(value) | (value == torch.finfo(value.dtype).min)
         if not bool((hidden | (value == 0)).all()):
-            return False  # an additive bias, not only a mask
+            return None  # an additive bias, not only a mask
         value = ~hidden
-    causal = torch.ones(value.shape[-2:], dtype=torch.bool, device=value.device).tril()
-    return value.shape[-2] == value.shape[-1] and bool((value == causal).all())
+    if q_len != kv_len or value.dim() < 2 or value.shape[-2:] != (q_len, kv_len):
+        return None
+    pattern = value.reshape(-1, q_len, kv_len)
+    if not bool((pattern == pattern[:1]).all()):
+        return None
+    pattern = pattern[0]
+    position = torch.arange(q_len, device=pattern.device)
+    distance = position[:, None] - position[None, :]
+    window = int(pattern[:, 0].sum())  # under a window of w, key 0 is seen by queries 0..w-1
+    if window < 1:
+        return None
+    if bool((pattern == (distance >= 0)).all()):
+        return PositionalMask()
+    if bool((pattern == ((distance >= 0) & (distance < window))).all()):
+        return PositionalMask(window=window)
+    return None
+
+
+_AND = {operator.and_, torch.logical_and, torch.bitwise_and, "__and__", "logical_and", "bitwise_and"}
+
+
+def _skip_device_moves(node):
+    """The node a ``.to(device)`` (no dtype change) or ``expand`` (SDPA broadcasts masks anyway) reads."""
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in ("to", "expand") \
+            and tensor_val(node) is not None and tensor_val(node.args[0]) is not None \
+            and tensor_val(node).dtype == tensor_val(node.args[0]).dtype \
+            and (node.target == "expand" or all(isinstance(a, (torch.device, str)) for a in node.args[1:])
+                 and set(node.kwargs) <= {"device"}):
+        node = node.args[0]
+    return node
+
+
+def _and_leaves(node: fx.Node) -> list[fx.Node]:
+    """The operands of a tree of boolean ``&``, device moves and broadcasts skipped."""
+    node = _skip_device_moves(node)
+    if node.op in ("call_function", "call_method") and node.target in _AND and len(node.args) == 2 \
+            and not node.kwargs and all(tensor_val(a) is not None and tensor_val(a).dtype == torch.bool
+                                        for a in (node, *node.args)):
+        return [leaf for a in node.args for leaf in _and_leaves(a)]
+    return [node]
+
+
+def _key_padding_of(leaf: fx.Node, kv_len: int) -> fx.Node | None:
+    """``K`` when ``leaf`` is exactly ``K[:, None, None, :]`` for a boolean ``[B, kv_len]`` K:
+    indexed by constant ``(arange(B)[:, None, None, None], arange(kv_len)[None, None, None, :])``
+    (how transformers spells it) or by ``(:, None, None, :)``."""
+    if leaf.op != "call_function" or leaf.target is not operator.getitem:
+        return None
+    keys, index = leaf.args
+    val = tensor_val(keys)
+    if val is None or val.dtype != torch.bool or val.dim() != 2 or val.shape[1] != kv_len:
+        return None
+    if index == (slice(None), None, None, slice(None)):
+        return keys
+    if not (isinstance(index, tuple) and len(index) == 2 and all(isinstance(i, fx.Node) for i in index)):
+        return None
+    ancestors = [_constant_ancestors(i) for i in index]
+    if None in ancestors:
+        return None
+    try:
+        rows, cols = torch.broadcast_tensors(*(_evaluate(nodes) for nodes in ancestors))
+    except RuntimeError:
+        return None
+    batch = val.shape[0]
+    if rows.shape != (batch, 1, 1, kv_len) or rows.dtype not in (torch.int64, torch.int32):
+        return None
+    expected_rows = torch.arange(batch, device=rows.device).view(batch, 1, 1, 1).expand_as(rows)
+    expected_cols = torch.arange(kv_len, device=cols.device).view(1, 1, 1, kv_len).expand_as(cols)
+    return keys if bool((rows == expected_rows).all() and (cols == expected_cols).all()) else None
+
+
+def positional_mask(mask: fx.Node, q_len: int, kv_len: int) -> PositionalMask | None:
+    """What an attention mask built from positions (and a key padding) is, if it is exactly
+    causal or a causal sliding window, alone or ANDed with ``K[:, None, None, :]`` of a
+    boolean ``[B, keys]`` K.
+
+    transformers builds a ``[B, 1, S, S]`` mask from aranges while Dynamo traces instead of
+    passing ``is_causal``. The part that depends on no input is evaluated here, once, and
+    compared with the causal and window patterns; the part that depends on an input must be
+    the key-padding indexing above. Recognition is exact, never a guess.
+    """
+    nodes = _constant_ancestors(mask)
+    if nodes is not None:
+        return _causal_window(_evaluate(nodes), q_len, kv_len)
+    leaves = _and_leaves(mask)
+    constant = [leaf for leaf in leaves if _constant_ancestors(leaf) is not None]
+    padding = [_key_padding_of(leaf, kv_len) for leaf in leaves if leaf not in constant]
+    if len(padding) != 1 or padding[0] is None or not constant:
+        return None
+    value = functools.reduce(operator.and_, torch.broadcast_tensors(*(_evaluate(_constant_ancestors(leaf))
+                                                                      for leaf in constant)))
+    found = _causal_window(value, q_len, kv_len)
+    return None if found is None else PositionalMask(found.window, padding[0])
 
 
 def _erase_unused(gm: fx.GraphModule, node: fx.Node) -> None:
@@ -194,9 +290,18 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
                  f"runs on the gathered sequence (mesh dims 'ring' x 'ulysses' = {mesh.size('cp')})")
         return
     q_len, kv_len = tensor_val(sdpa["query"]).shape[-2], tensor_val(sdpa["key"]).shape[-2]
-    if mask is not None and not sdpa["is_causal"] and is_causal_mask(mask, q_len, kv_len):
-        logger.info("%s (%s): its attention mask is the causal one: runs as is_causal, without the mask",
-                    site.name, core.name)
+    structure = None
+    if mask is not None and not sdpa["is_causal"]:
+        with guards_at(f"rewrite at {mask.name} (a mask built from positions, evaluated at one length)"):
+            structure = positional_mask(mask, q_len, kv_len)
+    positional = {}
+    if structure is not None:
+        positional = {name: value for name, value in (("window", structure.window),
+                                                      ("key_padding", structure.key_padding)) if value is not None}
+        window = f" within a window of {structure.window} keys" if structure.window else ""
+        padding = f", with the key padding {structure.key_padding.name}" if structure.key_padding else ""
+        logger.info("%s (%s): its attention mask is causal%s%s: runs as is_causal%s, without the mask",
+                    site.name, core.name, window, padding, "".join(f" and {name}" for name in positional))
         sdpa["attn_mask"], sdpa["is_causal"], mask = None, True, None
     tp, ulysses = mesh.size("tp"), mesh.size("ulysses")
     kv_heads = tensor_val(sdpa["key"]).shape[-3]
@@ -209,7 +314,7 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
                  f"({padded - heads} zero heads computed per {heads})")
     kwargs = {"attn_mask": mask, "is_causal": sdpa["is_causal"], "scale": sdpa["scale"],
               "enable_gqa": sdpa["enable_gqa"], "ulysses": mesh.dims["ulysses"], "ring": mesh.dims["ring"],
-              "ulysses_impl": ctx.config.ulysses_impl,
+              "ulysses_impl": ctx.config.ulysses_impl, **positional,
               **_sequence_lengths(site, tensor_val(sdpa["query"]), tensor_val(sdpa["key"]), mesh, ctx)}
     with gm.graph.inserting_before(core):
         hybrid = gm.graph.call_function(hybrid_attention, (sdpa["query"], sdpa["key"], sdpa["value"]), kwargs)

@@ -78,6 +78,28 @@ def getitem_rule(node, ins, cur, env):
     return NodeSharding(moved(p, kept[p.dim]), (p,))
 
 
+def setitem_rule(node, ins, cur, env):
+    """``target[index] = value`` writes into ``target`` in place, so ``target`` must stay as it
+    is (a write into a gathered copy would be lost): the index must keep its sharded dim whole,
+    and the value then comes sharded alike. Anything else is refused, never gathered."""
+    target, index, value = node.args
+    p = env.out_of(target)
+    if p == R:
+        return NodeSharding(None, tuple(R for _ in ins))
+    kept = _index_map(index, tuple(tensor_val(target).shape))
+    if isinstance(p, Partial) or kept is None or p.dim not in kept or ins[0] is not target or len(ins) > 2:
+        raise NotImplementedError(
+            f"hybrid_parallel: {node.name} writes in place into {target.name} {list(tensor_val(target).shape)}, "
+            f"which is {p} on mesh dim {env.dim!r}, at index {index}: a write that does not keep the sharded dim "
+            f"whole cannot run on shards; write it out of place (torch.cat, torch.where)")
+    if len(ins) == 1:
+        return NodeSharding(None, (p,))
+    written = tensor_val(target)[index]
+    d = kept[p.dim] - (written.dim() - tensor_val(value).dim())
+    broadcast = d < 0 or tensor_val(value).shape[d] == 1 != written.shape[kept[p.dim]]
+    return NodeSharding(None, (p, R if broadcast else moved(p, d)))
+
+
 def per_dim(index, ndim: int) -> list | None:
     """One entry per input dim (Ellipsis spelled out), or None when the index adds dims."""
     entries = list(index if isinstance(index, tuple) else (index,))
@@ -154,10 +176,11 @@ def cat_rule(node, ins, cur, env):
         return NodeSharding(p, as_given(p))
     out_dim = p.dim + 1 if stack and p.dim >= dim else p.dim
     if not stack and p.dim == dim:
-        if any(q != Shard(dim) for q in resolved):
+        if any(q not in (Shard(dim), R) for q in resolved):
             return replicate_all(node, ins, cur, f"concatenation along the sharded dim {dim}")
-        # Each rank concatenates its piece of every input: its piece of every part (a joint
-        # text + image sequence, an attention output beside an MLP branch).
+        # Each rank concatenates its piece of every input (a whole one is cut, which sends
+        # nothing): its piece of every part (a joint text + image sequence, an attention
+        # output beside an MLP branch).
         return NodeSharding(InterleavedShard(dim, tuple(tensor_val(i).shape[dim] for i, _ in real)),
                             as_given(Shard(dim)))
     return NodeSharding(moved(p, out_dim), as_given(p))
@@ -199,9 +222,10 @@ def localize_split(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     node.args = (node.args[0], sizes) + tuple(node.args[2:])
 
 
-register("getitem", "indexing", getitem_rule, functions=[operator.getitem], local_sizes=localize_getitem)
+register("getitem", "indexing", getitem_rule, functions=[operator.getitem], localize=localize_getitem)
+register("setitem", "indexing", setitem_rule, functions=[operator.setitem])
 register("split", "indexing", split_rule, functions=[torch.chunk, torch.split],
-         methods=["chunk", "split", "split_with_sizes"], local_sizes=localize_split)
+         methods=["chunk", "split", "split_with_sizes"], localize=localize_split)
 register("unbind", "indexing", unbind_rule, functions=[torch.unbind], methods=["unbind"])
 register("cat", "indexing", cat_rule, functions=[torch.cat, torch.concat])
 register("stack", "indexing", cat_rule, functions=[torch.stack])

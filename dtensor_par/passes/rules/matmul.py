@@ -1,4 +1,4 @@
-"""Contractions: linear (colwise, rowwise, or over a sharded batch or sequence) and matmul."""
+"""Contractions: linear (colwise, rowwise, or over a sharded batch or sequence), matmul, einsum."""
 
 from __future__ import annotations
 
@@ -63,6 +63,45 @@ def matmul_rule(node, ins, cur, env):
     return replicate_all(node, ins, [pa, pb], "matmul of an interleaved operand")
 
 
+def _einsum_subscripts(node) -> tuple[list[str], str] | None:
+    """``(["bhsd", "bhtd"], "bhst")`` for an explicit equation without ``...`` or repeated
+    letters in one operand; None otherwise."""
+    equation = node.args[0].replace(" ", "")
+    if "->" not in equation or "." in equation:
+        return None
+    inputs, output = equation.split("->")
+    operands = inputs.split(",")
+    if any(len(set(s)) != len(s) for s in operands):
+        return None
+    return operands, output
+
+
+def einsum_rule(node, ins, cur, env):
+    """The letter of the first sharded operand's sharded dim stays sharded in every operand
+    that has it (size-1 broadcast dims stay whole): in the output if it is kept there, else the
+    contraction gives partial sums. Linear in each operand, so one Partial operand stays Partial."""
+    subscripts = _einsum_subscripts(node)
+    if subscripts is None or len(subscripts[0]) != len(ins):
+        return replicate_all(node, ins, cur, "einsum with '...', a repeated index or an implicit output")
+    operands, output = subscripts
+    if sum(isinstance(p, Partial) for p in cur) == 1 and all(p == R for p in cur if not isinstance(p, Partial)):
+        return NodeSharding(Partial(), tuple(cur))
+    cur = resolve_partial(ins, cur, env)
+    sharded = next(((i, s, p) for i, s, p in zip(ins, operands, cur) if shard_dim(p) is not None), None)
+    if sharded is None:
+        return NodeSharding(R, tuple(cur))
+    node_in, subscript, p = sharded
+    letter = subscript[p.dim]
+    length = tensor_val(node_in).shape[p.dim]
+    if letter not in output and (isinstance(p, InterleavedShard) or env.padded(length)):
+        return replicate_all(node, ins, cur, "einsum contracting an interleaved or padded dim")
+    required = tuple(moved(p, s.index(letter)) if letter in s and tensor_val(i).shape[s.index(letter)] == length
+                     else R for i, s in zip(ins, operands))
+    out = moved(p, output.index(letter)) if letter in output else Partial()
+    return NodeSharding(out, required)
+
+
 register("linear", "matmul", linear_rule, functions=[torch._C._nn.linear, torch.nn.functional.linear])
 register("matmul", "matmul", matmul_rule, functions=[operator.matmul, torch.matmul, torch.bmm],
          methods=["matmul", "bmm"])
+register("einsum", "matmul", einsum_rule, functions=[torch.einsum])

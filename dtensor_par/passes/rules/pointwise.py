@@ -9,6 +9,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ...mesh import MeshInfo
+from ...ops.dropout import sharded_dropout
 from ...placements import Partial, Placement, shard_dim
 from .core import R, NodeSharding, moved, resolve_partial
 from .registry import op_kind, register
@@ -27,7 +29,7 @@ def _partial_passes(node: fx.Node, ins: list[fx.Node], cur: list[Placement]) -> 
     kind = op_kind(node)
     partial = [i for i, p in zip(ins, cur) if isinstance(p, Partial)]
     others_replicated = all(p == R for p in cur if not isinstance(p, Partial))
-    if kind in ("neg", "cast"):
+    if kind == "neg":
         return partial == [node.args[0]] and others_replicated
     if kind in ("add", "sub"):
         operands = node.args[:2]
@@ -61,6 +63,31 @@ def pointwise_rule(node, ins, cur, env):
     return NodeSharding(target, tuple(expected))
 
 
+def cast_rule(node, ins, cur, env):
+    """``x.to(...)``, ``x.type_as(other)``, ``x.float()``: the values are ``x``'s, placed as
+    ``x`` is (partial sums too, while they stay floating point); a tensor argument lends only
+    its dtype and stays as it is."""
+    p = cur[0]
+    if isinstance(p, Partial) and not tensor_val(node).is_floating_point():
+        p = resolve_partial(ins[:1], cur[:1], env)[0]
+    return NodeSharding(p, (p,) + tuple(cur[1:]))
+
+
+def new_tensor_rule(node, ins, cur, env):
+    """``x.new_zeros(size)`` and kin: a fresh tensor of the given (global) size, whole on every
+    rank; ``x`` lends only its dtype and device, so it stays as it is."""
+    return NodeSharding(R, tuple(cur))
+
+
+def localize_dropout(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """A dropout of a sharded tensor draws its shard's own mask (``ops.dropout``), not the
+    mask every rank would draw alike; a replicated one stays as it is (the single-device mask)."""
+    sharded = tuple(mesh.dims[d] for d, s in node.meta["dtensor_par"].items() if shard_dim(s.out) is not None)
+    if sharded:
+        node.target = sharded_dropout
+        node.kwargs = {**node.kwargs, "dims": sharded}
+
+
 _SPELLINGS = {  # kind: (functions, Tensor methods)
     "add": ([operator.add, operator.iadd, torch.add], ["add", "__add__", "__radd__"]),
     "sub": ([operator.sub, operator.isub, torch.sub], ["sub", "__sub__", "__rsub__"]),
@@ -69,11 +96,10 @@ _SPELLINGS = {  # kind: (functions, Tensor methods)
     "neg": ([operator.neg, torch.neg], ["neg"]),
     "unary": ([torch.exp, torch.tanh, torch.sigmoid, torch.rsqrt, torch.sqrt, torch.sin, torch.cos, torch.erf,
                torch.abs, torch.relu, torch.clamp, torch.pow, operator.pow, torch.square, F.gelu, F.silu, F.relu,
-               F.tanh, F.sigmoid, F.dropout, torch._C._nn.gelu, torch._C._nn.silu, torch.zeros_like,
+               F.tanh, F.sigmoid, torch._C._nn.gelu, torch._C._nn.silu, torch.zeros_like,
                torch.ones_like, torch.full_like, torch.empty_like],
               ["exp", "tanh", "sigmoid", "rsqrt", "sqrt", "sin", "cos", "pow", "abs", "relu", "clamp", "square",
                "erf"]),
-    "cast": ([], ["contiguous", "clone", "float", "half", "bfloat16", "double", "to", "type_as", "detach"]),
     "where": ([torch.where, torch.masked_fill], ["masked_fill"]),
     "logical": ([operator.and_, operator.or_, operator.xor, operator.invert, operator.lt, operator.le, operator.gt,
                  operator.ge, operator.eq, operator.ne, torch.logical_and, torch.logical_or, torch.logical_not],
@@ -81,3 +107,8 @@ _SPELLINGS = {  # kind: (functions, Tensor methods)
 }
 for _kind, (_functions, _methods) in _SPELLINGS.items():
     register(_kind, "pointwise", pointwise_rule, functions=_functions, methods=_methods)
+register("new_tensor", "pointwise", new_tensor_rule, methods=["new_zeros", "new_ones", "new_full", "new_empty"])
+register("cast", "pointwise", cast_rule, methods=["contiguous", "clone", "float", "half", "bfloat16", "double", "to",
+                                                  "type_as", "detach"])
+
+register("dropout", "pointwise", pointwise_rule, functions=[F.dropout], localize=localize_dropout)

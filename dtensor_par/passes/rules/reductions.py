@@ -1,23 +1,62 @@
-"""Normalizations, softmax and reductions: a shard survives when its dim is not reduced."""
+"""Normalizations, softmax and reductions: a shard survives when its dim is not reduced, or\nwhen the statistics of a norm are all-reduced instead."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
-from ...placements import Partial, shard_dim
+from ...mesh import MeshInfo
+from ...ops.norm import sharded_norm
+from ...placements import Partial, local_shape_on, shard_dim
+from ..context import Communication
 from ..patterns import arg, tensor_val
 from .core import R, NodeSharding, moved, norm_dim, replicate_all, resolve_partial
 from .registry import register
 
 
+def _normalized_ndim(node: fx.Node) -> int:
+    shape = arg(node, 1, "normalized_shape")
+    return 1 if isinstance(shape, int) else len(shape)
+
+
 def norm_rule(node, ins, cur, env):
+    """A shard of a batch or sequence dim stays. A tp shard of the normalized features stays
+    too (a cross-head qk-norm): ``localize_norm`` all-reduces the statistics instead."""
     cur = resolve_partial(ins, cur, env)
     x_p, ndim = cur[0], tensor_val(ins[0]).dim()
-    normalized = len(arg(node, 1, "normalized_shape"))
-    if shard_dim(x_p) is not None and x_p.dim < ndim - normalized:
+    first = ndim - _normalized_ndim(node)
+    if shard_dim(x_p) is not None and x_p.dim < first:
         return NodeSharding(x_p, (x_p,) + tuple(R for _ in ins[1:]))
-    return replicate_all(node, ins, cur, "normalization over the sharded dim")
+    if shard_dim(x_p) is not None and env.dim == "tp":
+        return NodeSharding(x_p, (x_p,) + tuple(moved(x_p, x_p.dim - first) for _ in ins[1:]))
+    return replicate_all(node, ins, cur, "normalization over the sequence sharded on cp")
+
+
+def localize_norm(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """A norm over features sharded on tp becomes ``sharded_norm``: statistics all-reduced."""
+    ndim, normalized = len(node.meta["dtensor_par_shape"]), _normalized_ndim(node)
+    plans = node.meta["dtensor_par"]
+    across = [name for name, s in plans.items() if shard_dim(s.inputs[0]) is not None and s.inputs[0].dim >= ndim - normalized]
+    if not across:
+        return
+    mesh_dim = mesh.dims[across[0]]
+    rms = node.target in (F.rms_norm, torch.rms_norm)
+    eps = arg(node, 3 if rms else 4, "eps", None if rms else 1e-5)
+    weight, bias = arg(node, 2, "weight"), None if rms else arg(node, 3, "bias")
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(sharded_norm, (node.args[0], normalized, weight, bias, eps),
+                                     {"rms": rms, "mesh_dim": mesh_dim})
+    new.meta = node.meta
+    local = local_shape_on(node.meta["dtensor_par_shape"], {d: s.out for d, s in plans.items()}, mesh)
+    nbytes = math.prod(local[:ndim - normalized]) * 4 * (1 if rms else 2)  # fp32 sums per token
+    backward = "all_reduce" if node.meta["requires_grad"] else None
+    new.meta["dtensor_par_comm"] = [Communication("all_reduce", backward, mesh_dim.name, mesh_dim.size, nbytes,
+                                                  nbytes, node.meta.get("dtensor_par_site"))]
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
 
 
 def softmax_rule(node, ins, cur, env):
@@ -43,7 +82,8 @@ def reduce_rule(node, ins, cur, env):
     return NodeSharding(moved(p, out_dim), (p,))
 
 
-register("norm", "reductions", norm_rule, functions=[F.layer_norm, F.rms_norm, torch.layer_norm, torch.rms_norm])
+register("norm", "reductions", norm_rule, functions=[F.layer_norm, F.rms_norm, torch.layer_norm, torch.rms_norm],
+         localize=localize_norm)
 register("softmax", "reductions", softmax_rule, functions=[F.softmax, torch.softmax, F.log_softmax,
                                                            torch.log_softmax],
          methods=["softmax", "log_softmax"])

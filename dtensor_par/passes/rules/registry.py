@@ -3,8 +3,9 @@
 Dynamo keeps the user's spelling (``x.view``, ``torch.reshape``, ``operator.add``,
 ``torch._C._nn.linear``). Each family module of this package (``pointwise``, ``views``,
 ``indexing``, ``matmul``, ``reductions``, ``attention``) registers, for each kind of op, its
-spellings, its placement rule and, when the op takes sizes as arguments, how localize turns
-them into local sizes: adding an op is one ``register`` call in its family's module.
+spellings, its placement rule and, when the op needs it, how localize rewrites it for one
+rank (size arguments into local sizes; an op over a sharded dim into its distributed form):
+adding an op is one ``register`` call in its family's module.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from .core import NodeSharding, RuleEnv
 
 Rule = Callable[[fx.Node, list, list, "RuleEnv"], "NodeSharding"]
-LocalSizes = Callable[[fx.GraphModule, fx.Node, "MeshInfo"], None]
+Localize = Callable[[fx.GraphModule, fx.Node, "MeshInfo"], None]
 
 FAMILIES = ("pointwise", "views", "indexing", "matmul", "reductions", "attention")
 
@@ -31,7 +32,7 @@ class OpKind:
     name: str
     family: str
     rule: Rule  # (node, tensor inputs, their placements, env) -> NodeSharding on one mesh dim
-    local_sizes: LocalSizes | None  # rewrites the node's size arguments for this rank's shapes
+    localize: Localize | None  # rewrites the node for this rank: local sizes, or a distributed form
 
 
 _KINDS: dict[str, OpKind] = {}
@@ -40,13 +41,13 @@ _BY_METHOD: dict[str, OpKind] = {}
 
 
 def register(name: str, family: str, rule: Rule, *, functions=(), methods=(),
-             local_sizes: LocalSizes | None = None) -> None:
+             localize: Localize | None = None) -> None:
     """Declare an op kind: ``functions`` are ``call_function`` targets, ``methods`` Tensor
     method names (aliases, such as ``F.linear`` and ``torch._C._nn.linear``, may repeat). A
     spelling claimed by two kinds is a bug of the registry, refused here."""
     if family not in FAMILIES or name in _KINDS:
         raise ValueError(f"op registry: {name!r} of family {family!r} is registered twice or names no family")
-    kind = _KINDS[name] = OpKind(name, family, rule, local_sizes)
+    kind = _KINDS[name] = OpKind(name, family, rule, localize)
     for table, spellings in ((_BY_FUNCTION, functions), (_BY_METHOD, methods)):
         for spelling in spellings:
             if spelling in table and table[spelling].name != name:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -9,7 +11,7 @@ import torch.nn.functional as F
 from ...mesh import MeshInfo
 from ...placements import InterleavedShard, Placement, Shard, local_shape_on, shard_dim
 from ..patterns import arg, tensor_val
-from .core import NodeSharding, moved, norm_dim, replicate_all, resolve_partial
+from .core import R, NodeSharding, moved, norm_dim, replicate_all, resolve_partial
 from .registry import op_kind, register
 
 
@@ -36,9 +38,13 @@ def view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, size: 
     for gi, gj in _view_groups(src, dst):
         if p.dim not in gi:
             continue
-        if any(src[d] != 1 for d in gi[:gi.index(p.dim)]):
-            return None  # the shard is not the outermost dim of its run
         outer = [d for d in gj if dst[d] != 1]
+        before = [src[d] for d in gi[:gi.index(p.dim)] if src[d] != 1]
+        if before:  # merged into the dims before it: (batch, seq) -> batch * seq, seq sharded
+            if isinstance(p, InterleavedShard) or len(outer) != 1:
+                return None
+            # This rank holds its piece of each batch entry's run: the runs are the parts.
+            return InterleavedShard(outer[0], (math.prod(src[d] for d in gi[gi.index(p.dim):]),) * math.prod(before))
         if not outer:
             return None
         if isinstance(p, InterleavedShard):
@@ -143,14 +149,28 @@ def localize_view(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     gm.graph.erase_node(node)
 
 
+def sequence_start(x: torch.Tensor) -> torch.Tensor:
+    """Where a sequence made inside the graph (a patch embedding's tokens) starts to be
+    sharded over cp. plan inserts it; it asks for its input cut along the sequence, which
+    localize does as for any other edge (``shard_local``: nothing sent). It stays in the local
+    graph, an identity that shows where the cut is."""
+    return x
+
+
+def sequence_start_rule(node, ins, cur, env):
+    p = Shard(1) if env.dim == "cp" and cur[0] == R else cur[0]
+    return NodeSharding(p, (p,))
+
+
 register("view", "views", view_rule, functions=[torch.reshape, torch.flatten, torch.unflatten, torch.squeeze,
                                                  torch.unsqueeze],
          methods=["view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"],
-         local_sizes=localize_view)
-register("expand", "views", expand_rule, methods=["expand", "expand_as"], local_sizes=localize_view)
+         localize=localize_view)
+register("expand", "views", expand_rule, methods=["expand", "expand_as"], localize=localize_view)
 register("transpose", "views", permute_rule, functions=[torch.transpose, torch.swapaxes, torch.t],
          methods=["transpose", "swapaxes", "t"])
 register("permute", "views", permute_rule, functions=[torch.permute], methods=["permute"])
 register("repeat_interleave", "views", repeat_interleave_rule, methods=["repeat_interleave"])
 register("complex", "views", complex_rule, functions=[torch.view_as_complex, torch.view_as_real])
 register("pad", "views", pad_rule, functions=[F.pad, torch._C._nn.pad])
+register("sequence_start", "views", sequence_start_rule, functions=[sequence_start])

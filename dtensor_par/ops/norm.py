@@ -1,0 +1,41 @@
+"""layer_norm and rms_norm over features sharded across ranks (a cross-head qk-norm on tp).
+
+Each rank sums over its own features; only those sums, one or two fp32 numbers per token,
+are all-reduced, never the activation. The sums are used rank-locally, so their gradient is
+summed over ranks as well.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..mesh import MeshDim
+from .collectives import all_reduce, grad_all_reduce
+from .comm import FUNCTIONAL
+
+
+def _total(local_sum: torch.Tensor, mesh_dim: MeshDim, comm: str) -> torch.Tensor:
+    return grad_all_reduce(all_reduce(local_sum, mesh_dim, comm), mesh_dim, comm)
+
+
+def sharded_norm(x: torch.Tensor, normalized_ndim: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 eps: float | None, *, rms: bool, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
+    """The norm of ``x`` over its last ``normalized_ndim`` dims, of which this rank holds a
+    shard (``weight`` and ``bias`` sharded alike). rms_norm's default ``eps`` is the dtype's."""
+    dims = tuple(range(-normalized_ndim, 0))
+    count = math.prod(x.shape[-normalized_ndim:]) * mesh_dim.size
+    xf = x.float()
+    if rms:
+        eps = torch.finfo(x.dtype).eps if eps is None else eps
+        mean_square = _total(xf.square().sum(dims, keepdim=True), mesh_dim, comm) / count
+        y = xf * torch.rsqrt(mean_square + eps)
+    else:
+        centered = xf - _total(xf.sum(dims, keepdim=True), mesh_dim, comm) / count
+        variance = _total(centered.square().sum(dims, keepdim=True), mesh_dim, comm) / count
+        y = centered * torch.rsqrt(variance + eps)
+    y = y.to(x.dtype)
+    if weight is not None:
+        y = y * weight
+    return y if bias is None else y + bias

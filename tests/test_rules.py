@@ -1,0 +1,185 @@
+"""Each op family's rule alone, on every placement its inputs can arrive with.
+
+No process group: ranks are simulated. Each rank's inputs are cut from the global ones as
+the rule requires them (a Partial input as random per-rank summands), the op runs on them,
+and the rank outputs, put together as the rule's output placement says, must equal the op
+on the global inputs. A rule that keeps a shard it cannot keep fails here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from dtensor_par.passes.rules.core import NodeSharding, RuleEnv, tensor_inputs
+from dtensor_par.passes.rules.registry import lookup
+from dtensor_par.placements import InterleavedShard, Partial, Replicate, Shard, local_chunk, parts_of, shard_dim
+
+SIZE = 2
+R = Replicate()
+
+
+def _traced(fn, inputs) -> tuple[fx.GraphModule, fx.Node]:
+    """The graph of ``fn`` with every node's value in ``meta["val"]``, and its one op node."""
+    gm = fx.symbolic_trace(fn)
+    values = iter(inputs)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["val"] = next(values)
+        elif node.op != "output":
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+            node.meta["val"] = (node.target(*args, **kwargs) if node.op == "call_function"
+                                else getattr(args[0], node.target)(*args[1:], **kwargs))
+    (op,) = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    return gm, op
+
+
+def _pieces(x: torch.Tensor, p, generator: torch.Generator) -> list[torch.Tensor]:
+    """Each rank's value of ``x`` under placement ``p``."""
+    if isinstance(p, Partial):
+        summands = [torch.randn(x.shape, generator=generator, dtype=x.dtype) for _ in range(SIZE - 1)]
+        return summands + [x - sum(summands)]
+    return [local_chunk(x, p, r, SIZE) for r in range(SIZE)]
+
+
+def _assembled(outs: list[torch.Tensor], p) -> torch.Tensor:
+    """The global value of per-rank outputs under placement ``p``."""
+    if isinstance(p, Partial):
+        return sum(outs)
+    if shard_dim(p) is None:
+        for out in outs[1:]:
+            torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
+        return outs[0]
+    local_parts = [o.split([part // SIZE for part in parts_of(p, o.shape[p.dim] * SIZE)], dim=p.dim) for o in outs]
+    return torch.cat([torch.cat([parts[i] for parts in local_parts], dim=p.dim)
+                      for i in range(len(local_parts[0]))], dim=p.dim)
+
+
+def check_rule(fn, inputs: list, placements: list) -> NodeSharding:
+    """Plan ``fn``'s op for inputs arriving with ``placements``; assert the plan is exact."""
+    gm, op = _traced(fn, inputs)
+    given = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], placements))
+    for node, p in given.items():
+        node.meta["dtensor_par"] = {"tp": NodeSharding(p, ())}
+    ins = tensor_inputs(op)
+    sharding = lookup(op).rule(op, ins, [given[i] for i in ins], RuleEnv("tp", SIZE, {}, False))
+    generator = torch.Generator().manual_seed(0)
+    pieces = {}
+    for i, need in zip(ins, sharding.inputs):
+        if isinstance(need, Partial):
+            assert isinstance(given[i], Partial), f"{op.name}: the rule asks {i.name} for partial sums it lacks"
+        pieces[i] = _pieces(i.meta["val"], need, generator)
+    outs = []
+    for r in range(SIZE):
+        args, kwargs = fx.node.map_arg((op.args, op.kwargs), lambda n: pieces[n][r])
+        outs.append(op.target(*args, **kwargs) if op.op == "call_function"
+                    else getattr(args[0], op.target)(*args[1:], **kwargs))
+    torch.testing.assert_close(_assembled(outs, sharding.out), op.meta["val"], rtol=1e-12, atol=1e-12)
+    return sharding
+
+
+def every_placement(x: torch.Tensor, partial: bool = True) -> list:
+    partial = partial and x.is_floating_point()
+    return [R] + ([Partial()] if partial else []) + [Shard(d) for d in range(x.dim()) if x.shape[d] % SIZE == 0]
+
+
+def _t(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def _check_all(fn, inputs, partial: bool = True) -> list[NodeSharding]:
+    return [check_rule(fn, inputs, list(ps))
+            for ps in itertools.product(*(every_placement(x, partial) for x in inputs))]
+
+
+OPS = {
+    "add_broadcast": (lambda x, y: x + y, [_t(2, 4, 6), _t(6)]),
+    "mul": (lambda x, y: torch.mul(x, y), [_t(2, 4, 6), _t(2, 4, 6)]),
+    "where": (lambda c, x, y: torch.where(c, x, y), [_t(2, 4) > 0, _t(2, 4), _t(4)]),
+    "matmul": (lambda a, b: torch.matmul(a, b), [_t(2, 4, 6), _t(6, 8)]),
+    "bmm": (lambda a, b: torch.bmm(a, b), [_t(2, 4, 6), _t(2, 6, 8)]),
+    "linear": (lambda x, w: F.linear(x, w), [_t(2, 4, 6), _t(8, 6)]),
+    "einsum_scores": (lambda q, k: torch.einsum("bhsd,bhtd->bhst", q, k), [_t(2, 2, 4, 6), _t(2, 2, 4, 6)]),
+    "einsum_project": (lambda x, w: torch.einsum("bsd,fd->bsf", x, w), [_t(2, 4, 6), _t(8, 6)]),
+    "einsum_vector": (lambda x, v: torch.einsum("bsh,h->bs", x, v), [_t(2, 4, 6), _t(6)]),
+    "einsum_broadcast": (lambda x, y: torch.einsum("bsd,bsd->bs", x, y), [_t(2, 4, 6), _t(1, 4, 6)]),
+    # Features of odd width: a tp shard of the normalized features runs as ops.norm.sharded_norm,
+    # which all-reduces (tests/test_cp_gloo.py, case qk_norm_across_heads).
+    "layer_norm": (lambda x, w: F.layer_norm(x, (5,), w), [_t(2, 4, 5), _t(5)]),
+    "rms_norm": (lambda x: torch.rms_norm(x, [5]), [_t(2, 4, 5)]),
+    "softmax": (lambda x: torch.softmax(x, -1), [_t(2, 4, 6)]),
+    "sum": (lambda x: x.sum(1), [_t(2, 4, 6)]),
+    "mean_keepdim": (lambda x: x.mean(-1, keepdim=True), [_t(2, 4, 6)]),
+    "cat": (lambda x, y: torch.cat([x, y], 1), [_t(2, 4, 6), _t(2, 2, 6)]),
+    "cat_empty": (lambda e, x: torch.cat([e, x], 1), [_t(0), _t(2, 4, 6)]),
+    "stack": (lambda x, y: torch.stack([x, y], 1), [_t(2, 4), _t(2, 4)]),
+    "transpose": (lambda x: x.transpose(1, 2), [_t(2, 4, 6)]),
+    "t": (lambda x: x.t(), [_t(4, 6)]),
+    "complex": (lambda x: torch.view_as_complex(x), [_t(2, 4, 2)]),
+    "pad": (lambda x: F.pad(x, (0, 2)), [_t(2, 4, 6)]),
+    "embedding": (lambda ids, w: F.embedding(ids, w), [torch.randint(0, 10, (2, 4)), _t(10, 6)]),
+}
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_every_placement_is_exact(name):
+    fn, inputs = OPS[name]
+    shardings = _check_all(fn, inputs, partial=name != "embedding")
+    assert any(shard_dim(s.out) is not None or isinstance(s.out, Partial) for s in shardings), name
+
+
+def test_a_new_tensor_is_whole_and_leaves_its_source_as_it_is():
+    x = _t(2, 4, 6)
+    for p in every_placement(x):
+        assert check_rule(lambda x: x.new_zeros(4, 6), [x], [p]) == NodeSharding(R, (p,))
+
+
+def test_einsum_keeps_shards_and_contracts_to_partial_sums():
+    q, k = _t(2, 2, 4, 6), _t(2, 2, 4, 6)
+    scores = lambda q, k: torch.einsum("bhsd,bhtd->bhst", q, k)  # noqa: E731
+    assert check_rule(scores, [q, k], [Shard(1), R]) == NodeSharding(Shard(1), (Shard(1), Shard(1)))  # heads
+    assert check_rule(scores, [q, k], [Shard(3), Shard(3)]) == NodeSharding(Partial(), (Shard(3), Shard(3)))
+    assert check_rule(scores, [q, k], [Partial(), R]).out == Partial()
+
+
+def test_norm_keeps_shards_of_the_dims_it_does_not_normalize():
+    x = _t(2, 4, 6)
+    assert check_rule(lambda x: F.layer_norm(x, (6,)), [x], [Shard(1)]).out == Shard(1)
+    over_features = check_rule(lambda x: F.layer_norm(x, (4, 6)), [x], [Shard(0)])
+    assert over_features.out == Shard(0) and over_features.note is None
+
+
+def test_a_fused_projection_stays_interleaved_through_an_einsum():
+    x, w = _t(2, 4, 6), _t(12, 6)
+    fused = InterleavedShard(0, (4, 8))
+    sharding = check_rule(lambda x, w: torch.einsum("bsd,fd->bsf", x, w), [x, w], [R, fused])
+    assert sharding.out == InterleavedShard(2, (4, 8))
+
+
+def test_setitem_writes_each_shard_in_place_or_is_refused():
+    """Wan's RoPE writes ``out[..., 0::2] = ...``: the sharded dim is kept whole, so each rank
+    writes its own piece. A write that cuts the sharded dim is refused, never gathered."""
+    def write(out, value):
+        out[..., 0::2] = value
+        return out
+
+    out, value = _t(2, 4, 6), _t(2, 4, 3)
+    graph = fx.Graph()  # (symbolic tracing cannot record an item assignment)
+    target, source = graph.placeholder("out"), graph.placeholder("value")
+    target.meta["val"], source.meta["val"] = out, value
+    op = graph.call_function(operator.setitem, (target, (Ellipsis, slice(0, None, 2)), source))
+    env = RuleEnv("tp", SIZE, {}, False)
+    for p in (Shard(0), Shard(1)):
+        target.meta["dtensor_par"], source.meta["dtensor_par"] = {"tp": NodeSharding(p, ())}, {"tp": NodeSharding(R, ())}
+        sharding = lookup(op).rule(op, [target, source], [p, R], env)
+        assert sharding == NodeSharding(None, (p, p))
+        pieces = [write(local_chunk(out, p, r, SIZE).clone(), local_chunk(value, p, r, SIZE)) for r in range(SIZE)]
+        torch.testing.assert_close(_assembled(pieces, p), write(out.clone(), value), rtol=0, atol=0)
+    target.meta["dtensor_par"] = {"tp": NodeSharding(Shard(2), ())}
+    with pytest.raises(NotImplementedError, match=r"writes in place into out .* S\(2\) on mesh dim 'tp'"):
+        lookup(op).rule(op, [target, source], [Shard(2), R], env)
