@@ -157,3 +157,25 @@ def test_parts_of_unequal_sizes_stay_replicated_under_parallelize():
     unequal = [w for w in graph.warnings if "no DTensor placement describes" in w]
     assert any("qkv" in w and "[32, 16, 16]" in w for w in unequal), graph.warnings  # a GQA fused qkv
     assert graph.coverage.parallel_sites == 1  # the joint attention; the single-stream site stays replicated
+
+
+class _NarrowedQKV(torch.nn.Module):
+    """A fused GQA projection cut by ``narrow`` into parts of unequal sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(32, 64), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(x)
+        q, k, v = qkv.narrow(-1, 0, 32), qkv.narrow(-1, 32, 16), qkv.narrow(2, 48, 16)
+        q, k, v = (t.view(b, s, -1, 8).transpose(1, 2) for t in (q, k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return self.out(a.transpose(1, 2).reshape(b, s, 32))
+
+
+def test_a_fused_projection_cut_by_narrow_is_cut_part_by_part():
+    graph = _explain(_NarrowedQKV(), (torch.randn(2, 8, 32),), tp=2)
+    assert graph.placements == ["attention0: qkv.weight=IS(0,[32, 16, 16]), out.weight=S(1)"], graph.placements
+    assert graph.coverage.fallback_gathers == []

@@ -6,6 +6,8 @@
   and the projection is found and sharded like any other (its weight transposed).
 - Any other ``addmm``/``baddbmm`` (function or method) becomes
   ``beta * input + alpha * (a @ b)``: a matmul and an add, which have rules.
+- ``x.narrow(dim, start, length)`` becomes the slice ``x[..., start:start + length, ...]``, so
+  a fused projection cut by ``narrow`` is cut part by part as by indexing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 
 from .capture import with_val
 from .context import ParallelContext
-from .patterns import tensor_val
+from .patterns import arg, tensor_val
 from .rules.registry import op_kind
 
 
@@ -79,8 +81,22 @@ def add_product_as_matmul(gm: fx.GraphModule, node: fx.Node) -> None:
     graph.erase_node(node)
 
 
+def narrow_as_slice(gm: fx.GraphModule, node: fx.Node) -> None:
+    x, dim, start, length = (arg(node, i, name) for i, name in enumerate(("input", "dim", "start", "length")))
+    if not all(isinstance(v, int) for v in (dim, start, length)):
+        return  # bounds computed in the graph: left to the fallback
+    dim = dim % tensor_val(x).dim()
+    index = (slice(None),) * dim + (slice(start, start + length),)
+    with gm.graph.inserting_before(node):
+        sliced = with_val(gm.graph.call_function(operator.getitem, (x, index)), tensor_val(node))
+    node.replace_all_uses_with(sliced)
+    gm.graph.erase_node(node)
+
+
 def canonicalize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
+        if node.op in ("call_function", "call_method") and node.target in (torch.narrow, "narrow"):
+            narrow_as_slice(gm, node)
         if node.op in ("call_function", "call_method") and node.target in _ADD_PRODUCT:
             if not (node.target is torch.addmm and conv1d_linear(gm, node)):
                 add_product_as_matmul(gm, node)
