@@ -46,7 +46,7 @@ def check_options(info: MeshInfo, sequence_parallel: bool, collectives: str = "a
 def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "inductor", dump_dir: str | None = None,
                     output: str = "full", sequence_parallel: bool = False, collectives: str = "auto",
                     ulysses_impl: str = "all_to_all", replica_group_limit: int = 12,
-                    grad_bucket_mb: float = 25.0) -> Callable:
+                    grad_bucket_mb: float = 25.0, cache_limit: int = 8) -> Callable:
     """A ``torch.compile`` backend that runs the model tensor- and context-parallel over ``mesh``.
 
     Heads are sharded over tp; with ``ring`` or ``ulysses`` > 1, activations are sharded along
@@ -61,15 +61,24 @@ def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "induct
     ``grad_bucket_mb``: the partial gradients of parameters (replicated over a mesh dim, used
     rank-locally) are all-reduced in flat buckets of this size, each issued in backward as soon
     as its last gradient exists.
+
+    Sizes Dynamo made symbolic (``dynamic=True``, ``mark_dynamic``, or its automatic dynamic
+    shapes at the second size) are planned and compiled once, for every size; ``dynamic=False``
+    or ``mark_static`` keep a plan per size. ``cache_limit``: plans kept per captured graph
+    (sizes or dtypes a plan does not serve), least recently used dropped beyond it; each new
+    plan is logged at INFO with what triggered it (``dtensor_par.set_verbosity("info")``).
     """
     dump_dir = dump_dir or os.environ.get("DTENSOR_PAR_DUMP")
     if output not in OUTPUT_MODES:
         raise ValueError(f"hybrid_parallel: output must be one of {OUTPUT_MODES}, got {output!r}")
+    if not isinstance(cache_limit, int) or cache_limit < 1:
+        raise ValueError(f"hybrid_parallel: cache_limit must be a positive int, got {cache_limit!r}")
     info = MeshInfo.from_mesh(mesh)
     check_options(info, sequence_parallel, collectives, ulysses_impl)
     config = ParallelConfig(info, sequence_parallel=sequence_parallel, output=output, dump_dir=dump_dir,
                             collectives=collectives, ulysses_impl=ulysses_impl,
-                            replica_group_limit=replica_group_limit, grad_bucket_mb=grad_bucket_mb)
+                            replica_group_limit=replica_group_limit, grad_bucket_mb=grad_bucket_mb,
+                            cache_limit=cache_limit)
     inner = resolve_backend(inner_backend)
 
     def backend(gm, example_inputs):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch.fx as fx
 
 from .dump import GraphDump
 from .logs import logger
+from .symbolic import Specialization, recording_guards
 
 from .passes.canonicalize import canonicalize_pass
 from .passes.capture import capture_pass
@@ -33,9 +35,12 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def parallelize_graph(gm: fx.GraphModule, example_inputs: list, config: ParallelConfig,
-                      passes=PASSES, dump: GraphDump | None = None) -> tuple[fx.GraphModule, ParallelContext]:
-    """Run ``passes`` in order on a copy of ``gm`` for concrete ``example_inputs``."""
-    ctx = ParallelContext(config, list(example_inputs))
+                      passes=PASSES, dump: GraphDump | None = None,
+                      specialization: Specialization | None = None) -> tuple[fx.GraphModule, ParallelContext]:
+    """Run ``passes`` in order on a copy of ``gm`` for concrete ``example_inputs``; with a
+    ``specialization`` (``symbolic.SymbolicInputs.fake_inputs``), on its symbolic sizes."""
+    ctx = ParallelContext(config, list(example_inputs), specialization=specialization,
+                          fake_inputs=specialization.global_inputs if specialization else None)
     if dump is not None:
         dump.captured(gm)
     gm = copy_graph_module(gm)
@@ -43,7 +48,10 @@ def parallelize_graph(gm: fx.GraphModule, example_inputs: list, config: Parallel
     for run in passes:
         t0 = time.perf_counter()
         try:
-            gm = run(gm, ctx)
+            with recording_guards(specialization, run.__name__), warnings.catch_warnings():
+                # symbolic sizes sit in arguments until localize turns them into nodes (materialize_sizes)
+                warnings.filterwarnings("ignore", "Raw SymInt value", UserWarning)
+                gm = run(gm, ctx)
         except USER_ERRORS:
             raise
         except Exception as e:

@@ -8,13 +8,14 @@ import time
 from dataclasses import dataclass, field
 
 from .api import check_options
-from .passes.capture import capture_graphs
+from .passes.capture import SYMBOLIC, capture_graphs
 from .backend import parallelize_graph
 from .dump import GraphDump, collective_rows, mesh_svg, parameter_rows, site_placement_lines, sites_text, state_line
 from .mesh import MESH_DIMS, MeshInfo
 from .passes.context import ParallelConfig
 from .passes.coverage import Coverage
 from .sharded import sharded_state
+from .symbolic import hint
 
 
 @dataclass
@@ -28,6 +29,8 @@ class GraphReport:
     coverage: Coverage  # what runs split: linear FLOPs, parameters, fallback gathers
     lowering: str  # how the collectives are lowered: "functional" or "xla"
     replica_group_sets: int  # distinct replica-group sets the program uses (a Neuron limit)
+    symbolic: list[str] = field(default_factory=list)  # the sizes the plan is symbolic in; empty: static
+    specialized: list[str] = field(default_factory=list)  # conditions the plan put on them, and the op that did
 
 
 @dataclass
@@ -69,6 +72,11 @@ class Report:
             out += [f"    {c['direction']:8} {c['op']:14} {c['mesh_dims']}[{c['group_size']}] "
                     f"{c['bytes_per_rank']:>12,} B x {c['count']}  {c['site']}" for c in g.collectives]
             out.append(f"  replica-group sets: {g.replica_group_sets} ({g.lowering})")
+            out.append(f"  sizes: symbolic in {', '.join(g.symbolic)} (one plan for every size; bytes at these sizes)"
+                       if g.symbolic else "  sizes: static (planned for these sizes only)")
+            if g.specialized:
+                out.append("  specialized on (a size outside these conditions is planned again):")
+                out += [f"    {s}" for s in g.specialized]
             for site, flops in g.coverage.ring_attention_flops.items():
                 out.append(f"  {site}: attention FLOPs per ring rank {[f'{f:,}' for f in flops]}")
             if g.coverage.fallback_gathers:
@@ -84,7 +92,8 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
             order: tuple[str, ...] | None = None, sequence_parallel: bool = False,
             dump_dir: str | None = None, parallelized: bool | None = None, collectives: str = "auto",
             ulysses_impl: str = "all_to_all", replica_group_limit: int = 12,
-            example_kwargs: dict | None = None, grad_bucket_mb: float = 25.0) -> Report:
+            example_kwargs: dict | None = None, grad_bucket_mb: float = 25.0,
+            dynamic: bool | None = None) -> Report:
     """Plan ``model(*example_inputs, **example_kwargs)`` for the given mesh as rank 0 would, without hardware.
 
     The model may live on the ``meta`` device, so a model too large for this machine can be
@@ -93,6 +102,8 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
     gradient gathers) or as by ``hybrid_parallel`` alone (full); default: as the model is.
     ``collectives``, ``ulysses_impl``, ``replica_group_limit``, ``grad_bucket_mb``: as for ``hybrid_parallel``; with
     ``device_type="neuron"`` or ``collectives="xla"`` the plan is checked as Neuron needs it.
+    ``dynamic=True``: capture with symbolic sizes (as ``torch.compile(dynamic=True)``) and
+    plan on them, reporting the sizes the plan is symbolic in and any op that specialized it.
     """
     sizes = {"tp": tp, "ring": ring, "ulysses": ulysses}
     for name, size in sizes.items():
@@ -108,12 +119,16 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
                             collectives=collectives, ulysses_impl=ulysses_impl,
                             replica_group_limit=replica_group_limit, grad_bucket_mb=grad_bucket_mb)
     report = Report(sizes, info.order, device_type, state_line(parallelized))
-    for i, (gm, inputs) in enumerate(capture_graphs(model, *example_inputs, **(example_kwargs or {}))):
+    captured = capture_graphs(model, *example_inputs, dynamic=dynamic, **(example_kwargs or {}))
+    for i, (gm, inputs) in enumerate(captured):
         dump = GraphDump(os.path.join(dump_dir, f"graph{i}"), info.order) if dump_dir else None
         start = time.perf_counter()
-        local_gm, ctx = parallelize_graph(gm, inputs, config, dump=dump)
+        inputs = [hint(a) for a in inputs]  # Dynamo's SymInt inputs, at these sizes
+        spec = gm.meta[SYMBOLIC].specialization(inputs) if gm.meta[SYMBOLIC].symbolic else None
+        local_gm, ctx = parallelize_graph(gm, inputs, config, dump=dump, specialization=spec)
         report.graphs.append(GraphReport(sites_text(ctx).splitlines(), site_placement_lines(ctx),
                                          parameter_rows(ctx), collective_rows(local_gm), list(ctx.warnings),
                                          time.perf_counter() - start, ctx.coverage, ctx.comm,
-                                         len(ctx.replica_group_sets)))
+                                         len(ctx.replica_group_sets), spec.symbolic_names() if spec else [],
+                                         spec.specialized() if spec else []))
     return report

@@ -59,8 +59,11 @@ def shard_length(length: int, size: int, chunks_per_rank: int = 1) -> int:
     return -(-length // chunks) * chunks_per_rank
 
 
-def is_padded(length: int, size: int, chunks_per_rank: int = 1) -> bool:
-    """Whether ``shard_length`` pads a dim of this length."""
+def is_padded(length: int | torch.SymInt, size: int, chunks_per_rank: int = 1) -> bool:
+    """Whether ``shard_length`` pads a dim of this length: always for a symbolic length,
+    since padding by zero is exact and a plan must serve every length its symbol takes."""
+    if isinstance(length, torch.SymInt) and length.node.expr.free_symbols:
+        return True
     return length % (size * chunks_per_rank) != 0
 
 

@@ -9,6 +9,7 @@ all-gathers each sharded parameter's gradient back to full size in backward.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -22,15 +23,18 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .backend import parallelize_graph
 from .dump import GraphDump
+from .logs import logger
 from .mesh import MeshDim, MeshInfo
 from .ops.collectives import gather_param_grad, shard_local
-from .passes.capture import scalar_inputs
-from .passes.context import ParallelConfig, ParallelContext
+from .passes.capture import SYMBOLIC, scalar_inputs
+from .passes.context import ParallelConfig, ParallelContext, PlanningError
 from .placements import Placement, describe, interleaved_parts, local_chunk, shard_dim
 from .sharded import dtensor_placements, standin_param
+from .symbolic import NotSymbolic, Specialization, SymbolicInputs
 
 
 _graph_ids = itertools.count()  # names dump folders: one per planned graph and input signature
+_runtime_ids = itertools.count()  # names captured graphs in log lines
 
 
 class _LocalShard(torch.autograd.Function):
@@ -73,6 +77,11 @@ class LocalGraph:
     input_placements: list[dict[str, Placement]]
     output_placements: list[dict[str, Placement] | None]
     comm: str  # the lowering of the runtime's own collectives, as the graph's
+    key: tuple = ()  # the input signature it serves (symbolic sizes left out)
+    specialization: Specialization | None = None  # a symbolic plan's guards; None: static sizes
+
+    def serves(self, key: tuple, args) -> bool:
+        return key == self.key and (self.specialization is None or self.specialization.holds(args))
 
 
 def _signature(args, scalars: list[int]) -> tuple:
@@ -82,22 +91,70 @@ def _signature(args, scalars: list[int]) -> tuple:
     return key + tuple(args[i].item() for i in scalars)
 
 
+def _changes(old: tuple, new: tuple, names: list[str]) -> str:
+    """The inputs whose part of the signature differs, as Dynamo's recompile reasons read."""
+    changed = [f"{name}: {a} -> {b}" for name, a, b in zip(names, old, new) if a != b]
+    return "; ".join(changed) or "lifted scalar values"
+
+
 class ParallelRuntime:
     """The callable the backend hands Dynamo, one per captured graph.
 
-    Planning happens at the first call of each input signature with concrete inputs, so a
-    graph Dynamo captured with symbolic sizes is specialized to each size it meets.
+    Planning happens at the first call with concrete inputs. A graph Dynamo captured with
+    symbolic sizes is planned and compiled once on its symbols (``symbolic.py``), again only for
+    sizes that break that plan's guards; a static graph once per input signature. At most
+    ``config.cache_limit`` plans are kept (least recently used dropped, with a warning); each
+    new one is logged with what triggered it.
     """
 
     def __init__(self, gm: fx.GraphModule, config: ParallelConfig, mesh: DeviceMesh,
                  inner_backend: Callable):
         self.gm, self.config, self.mesh, self.inner_backend = gm, config, mesh, inner_backend
-        self.graphs: dict[tuple, LocalGraph] = {}
+        self.graphs: list[LocalGraph] = []  # most recently used last
         self.scalars = scalar_inputs(gm)
+        self.symbolic = gm.meta[SYMBOLIC]
+        self.input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        self.id = next(_runtime_ids)
+        self.plans = 0
+
+    def _key(self, args) -> tuple:
+        if self.symbolic.symbolic:
+            return self.symbolic.static_key(args) + tuple(args[i].item() for i in self.scalars)
+        return _signature(args, self.scalars)
+
+    def _lookup(self, args) -> LocalGraph:
+        key = self._key(args)
+        for i in range(len(self.graphs) - 1, -1, -1):
+            if self.graphs[i].serves(key, args):
+                if i != len(self.graphs) - 1:
+                    self.graphs.append(self.graphs.pop(i))
+                return self.graphs[-1]
+        reason = self._reason(key, args)
+        if len(self.graphs) >= self.config.cache_limit:
+            dropped = self.graphs.pop(0)
+            logger.warning("hybrid_parallel: graph %d reached cache_limit=%d plans; dropping the least recently "
+                           "used (signature %s). Mark the varying sizes dynamic, or raise cache_limit",
+                           self.id, self.config.cache_limit, dropped.key)
+        self.graphs.append(self._build(args, key))
+        self.plans += 1
+        spec = self.graphs[-1].specialization
+        sizes = spec.symbolic_names() if spec else []
+        logger.info("hybrid_parallel: planned graph %d (plan %d, %s)%s", self.id, self.plans,
+                    f"symbolic in {', '.join(sizes)}" if sizes else "static sizes",
+                    f", triggered by: {reason}" if reason else "")
+        return self.graphs[-1]
+
+    def _reason(self, key: tuple, args) -> str | None:
+        """Why no kept plan serves these inputs (None for the first plan)."""
+        if not self.graphs:
+            return None
+        same = [g for g in self.graphs if g.key == key and g.specialization is not None]
+        if same:
+            return "guard failed: " + same[-1].specialization.failed(args)
+        return _changes(self.graphs[-1].key, key, self.input_names + ["scalar"] * len(self.scalars))
 
     def __call__(self, *args):
-        key = _signature(args, self.scalars)
-        local_graph = self.graphs.get(key) or self.graphs.setdefault(key, self._build(args))
+        local_graph = self._lookup(args)
         local_args = self._local_args(args, local_graph.input_placements, local_graph.comm)
         outs = local_graph.fn(*local_args)
         if self.config.output == "local":
@@ -148,21 +205,41 @@ class ParallelRuntime:
                     f"{param.device_mesh}, but this plan needs {needed} (tp: {describe(planned)}) over {self.mesh}; "
                     f"parallelize the model with the mesh and options you compile it with")
 
-    def _build(self, args) -> LocalGraph:
+    def _build(self, args, key: tuple) -> LocalGraph:
         self._check_devices(args)
+        if self.symbolic.symbolic:
+            try:
+                return self._compile(args, key, self.symbolic.specialization(args))
+            except (NotSymbolic, PlanningError) as e:
+                logger.warning("hybrid_parallel: graph %d cannot be planned on symbolic sizes, so it is planned for "
+                               "each size it meets: %s", self.id, e)
+                self.symbolic = SymbolicInputs.static()
+                key = self._key(args)
+        return self._compile(args, key, None)
+
+    def _compile(self, args, key: tuple, spec: Specialization | None) -> LocalGraph:
+        """Plan and compile for ``args``; with ``spec``, on its symbolic sizes."""
         config = self.config
         if any(standin_param(a) is not None for a in args):
             config = dataclasses.replace(config, parallelized=True)
-        local_gm, ctx = parallelize_graph(self.gm, args, config, dump=self._dump())
+        local_gm, ctx = parallelize_graph(self.gm, args, config, dump=self._dump(), specialization=spec)
         self._check_sharded_params(ctx, args)
         placeholders = [n for n in local_gm.graph.nodes if n.op == "placeholder"]
         input_placements = [{d: s.out for d, s in n.meta["dtensor_par"].items()} for n in placeholders]
-        with torch.no_grad():
-            local = self._local_args(args, input_placements, ctx.comm)
+        examples = args
+        if spec is not None:  # the inner backend compiles for the symbolic sizes; parameters are sliced as at run time
+            examples = [a if isinstance(a, torch.nn.Parameter) or standin_param(a) is not None else x
+                        for a, x in zip(args, spec.global_inputs)]
+        with torch.no_grad(), (spec.fake_mode if spec else contextlib.nullcontext()):
+            local = self._local_args(examples, input_placements, ctx.comm)
+        if spec is not None:
+            local = spec.static_fakes(local)
         examples = [x.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else x
                     for x, a in zip(local, args)]
         fn = self.inner_backend(local_gm, examples)
-        return LocalGraph(fn, input_placements, ctx.output_placements, ctx.comm)
+        if spec is not None:
+            spec.seal()
+        return LocalGraph(fn, input_placements, ctx.output_placements, ctx.comm, key, spec)
 
     def _as_dtensor(self, out, placements: dict[str, Placement] | None):
         """A local output as a DTensor: tp as planned, the sequence shard on ulysses (the plan

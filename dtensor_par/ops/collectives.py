@@ -33,6 +33,7 @@ shows each collective as a ``torch.ops._c10d_functional`` op, which inductor may
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..mesh import MeshDim
 from ..placements import InterleavedShard, Placement, Shard, interleaved_parts, parts_of, shard_dim, shard_length
@@ -70,20 +71,33 @@ def _pad(x: torch.Tensor, dim: int, length: int, *, edge: bool) -> torch.Tensor:
     spread through 0 * NaN. Gradients are padded with zeros: padding never reaches a result.
     """
     extra = length - x.shape[dim]
-    if extra == 0:
+    if statically_known_true(extra == 0):
         return x
+    if isinstance(extra, torch.SymInt):  # padded by 0 or more for different lengths: no branch on which
+        return _pad_symbolic(x, dim, length, edge=edge)
     last = x.narrow(dim, x.shape[dim] - 1, 1)
     tail = (last if edge else torch.zeros_like(last)).expand(*x.shape[:dim], extra, *x.shape[dim + 1:])
     return torch.cat([x, tail], dim=dim)
+
+
+def _pad_symbolic(x: torch.Tensor, dim: int, length: torch.SymInt, *, edge: bool) -> torch.Tensor:
+    """``_pad`` for a symbolic length, one graph for every amount of padding: gather each
+    position, the last one repeated (edge), or with zeros past the end."""
+    positions = torch.arange(length, device=x.device)
+    padded = x.index_select(dim, positions.clamp(max=x.shape[dim] - 1))
+    if edge:
+        return padded
+    real = (positions < x.shape[dim]).view([-1 if d == dim else 1 for d in range(x.dim())])
+    return torch.where(real, padded, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _part_piece(x: torch.Tensor, dim: int, mesh_dim: MeshDim, chunk: int, edge: bool) -> torch.Tensor:
     """Chunk ``chunk`` of one sharded run of ``dim``: padded, in the zigzag order if any."""
     x = _pad(x, dim, _laid_out_length(x.shape[dim], mesh_dim), edge=edge)
     index = _sequence_index(x.shape[dim], mesh_dim)
-    if index is None:
-        return x.chunk(mesh_dim.size, dim=dim)[chunk]
     n = x.shape[dim] // mesh_dim.size
+    if index is None:
+        return x.narrow(dim, chunk * n, n)
     return x.index_select(dim, index[chunk * n:(chunk + 1) * n].to(x.device))
 
 
@@ -107,7 +121,11 @@ def _in_order(full: torch.Tensor, dim: int, mesh_dim: MeshDim, length: int | Non
     index = _sequence_index(full.shape[dim], mesh_dim)
     if index is not None:
         full = full.index_select(dim, torch.argsort(index).to(full.device))
-    return full if length is None or length == full.shape[dim] else full.narrow(dim, 0, length)
+    if length is None or statically_known_true(length == full.shape[dim]):
+        return full
+    if isinstance(length, torch.SymInt):  # a narrow would branch on whether it cuts anything
+        return full.index_select(dim, torch.arange(length, device=full.device))
+    return full.narrow(dim, 0, length)
 
 
 def _assemble(by_chunk: torch.Tensor, dim: int, parts: tuple[int, ...] | None, mesh_dim: MeshDim,

@@ -490,6 +490,24 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                              f"{block_len} x {size}")
 
 
+def _hide_padded_keys(mask: torch.Tensor | None, kv_len: torch.SymInt, laid_out: int, is_causal: bool,
+                      device: torch.device) -> torch.Tensor | None:
+    """A symbolic ``kv_len`` (one graph for every length) as a mask, not a branch on how much
+    of each block is padding: causal attention needs none (the padded keys follow every real
+    query); otherwise the mask, over all ``laid_out`` key positions, hides those past ``kv_len``."""
+    if is_causal:
+        return mask
+    positions = torch.arange(laid_out, device=device)
+    real = positions < kv_len
+    if mask is None:
+        return real.view(1, 1, 1, laid_out)
+    if mask.shape[-1] != 1:
+        mask = mask.index_select(-1, positions.clamp(max=kv_len - 1))
+    if mask.dtype == torch.bool:
+        return mask & real
+    return mask.masked_fill(~real, float("-inf"))
+
+
 def as_4d(mask: torch.Tensor) -> torch.Tensor:
     """A mask with its broadcast dims made explicit: [B|1, H|1, Sq|1, Skv|1], as SDPA aligns it."""
     return mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
@@ -548,6 +566,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
     """
     if attn_mask is not None:
         attn_mask = as_4d(attn_mask)
+    if isinstance(kv_len, torch.SymInt):  # only without a window or key padding: those pin the length
+        attn_mask, kv_len = _hide_padded_keys(attn_mask, kv_len, k.shape[-2] * ring.size, is_causal, k.device), None
     _check_inputs(q, k, v, attn_mask, key_padding, rank=ring.rank, size=ring.size, is_causal=is_causal,
                   enable_gqa=enable_gqa, zigzag=zigzag, kv_len=kv_len, window=window)
     if ring.size == 1:

@@ -6,9 +6,11 @@ import re
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from ..symbolic import SymbolicInputs, is_symbolic, recording_guards
 from .context import ParallelContext, ParamInfo
 from .patterns import writes_in_place
 
@@ -16,10 +18,12 @@ _SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)(?:'\])?\['([^']+)'\]
 
 
 FQNS = "dtensor_par_fqns"
+SYMBOLIC = "dtensor_par_symbolic"
 
 
 def record_module_names(gm: fx.GraphModule) -> fx.GraphModule:
-    """Keep each placeholder's module path in ``gm.meta`` while Dynamo's sources are there.
+    """Keep each placeholder's module path in ``gm.meta`` while Dynamo's sources are there,
+    and which input sizes are symbolic (``symbolic.SymbolicInputs``, from its example values).
 
     ``L['self']._modules['attn']._parameters['weight']`` -> ``attn.weight`` (also when Dynamo
     spells the first step ``L['self'].__dict__['_modules']['attn']``). Dynamo drops the
@@ -32,6 +36,7 @@ def record_module_names(gm: fx.GraphModule) -> fx.GraphModule:
         if node.op == "placeholder" and parts:
             names[node.name] = ".".join(parts)
     gm.meta.setdefault(FQNS, names)
+    gm.meta.setdefault(SYMBOLIC, SymbolicInputs(gm))
     return gm
 
 
@@ -69,9 +74,10 @@ def scalar_inputs(gm: fx.GraphModule) -> list[int]:
 def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Record parameters, then specialize the graph to the concrete example inputs.
 
-    Scalars read with ``.item()`` become constants. Every node gets ``meta["val"]``: a fake tensor with static sizes. Integer-valued nodes
-    (sizes of dynamic graphs) are replaced by their values, so later passes see only the
-    global static sizes that Dynamo writes into static graphs.
+    Scalars read with ``.item()`` become constants. Every node gets ``meta["val"]``: a fake
+    tensor with static sizes, or, planning symbolically (``ctx.fake_inputs``), sizes in the
+    symbols. Integer-valued nodes (sizes of dynamic graphs) are replaced by their values (ints,
+    or SymInts that localize turns back into nodes), so later passes see global sizes only.
     """
     names = gm.meta.get(FQNS, {})
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -87,23 +93,39 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             item.replace_all_uses_with(ctx.example_inputs[i].item())
             gm.graph.erase_node(item)
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_inputs = [mode.from_tensor(v, static_shapes=True) if isinstance(v, torch.Tensor) else v
-                   for v in ctx.example_inputs]
-    with mode:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+    if ctx.fake_inputs is not None:
+        fake_inputs = ctx.fake_inputs
+        mode = detect_fake_mode([x for x in fake_inputs if isinstance(x, torch.Tensor)])
+    else:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake_inputs = [mode.from_tensor(v, static_shapes=True) if isinstance(v, torch.Tensor) else v
+                       for v in ctx.example_inputs]
+    with mode, recording_guards(ctx.specialization, "capture"):
+        _GuardedProp(gm, mode, ctx.specialization).propagate_dont_convert_inputs(*fake_inputs)
 
     for node in list(gm.graph.nodes):
         value = node.meta.get("val")
         if node.op == "output" or not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
             continue
-        node.replace_all_uses_with(int(value))
+        node.replace_all_uses_with(value if is_symbolic(value) else int(value))
         if node.op != "placeholder":
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or writes_in_place(n))
     _mark_requires_grad(gm, ctx.example_inputs)
     gm.recompile()
     return gm
+
+
+class _GuardedProp(FakeTensorProp):
+    """Fake propagation that attributes each guard it adds to the op that needed it."""
+
+    def __init__(self, gm, mode, spec):
+        super().__init__(gm, mode)
+        self.spec = spec
+
+    def run_node(self, n):
+        with recording_guards(self.spec, f"{n.name} ({n.target if isinstance(n.target, str) else n.target.__name__})"):
+            return super().run_node(n)
 
 
 def with_val(node: fx.Node, value) -> fx.Node:

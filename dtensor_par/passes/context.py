@@ -13,8 +13,10 @@ from ..logs import logger
 from ..mesh import MeshInfo
 from ..ops.comm import FUNCTIONAL
 from ..placements import Placement, describe
+from ..symbolic import guards_at
 
 if TYPE_CHECKING:
+    from ..symbolic import Specialization
     from .coverage import Coverage
 
 
@@ -31,6 +33,7 @@ class ParallelConfig:
     ulysses_impl: str = "all_to_all"  # Ulysses' exchange: "all_to_all" or "all_gather" (ops.attention)
     replica_group_limit: int = 12  # distinct replica-group sets a Neuron program may use
     grad_bucket_mb: float = 25.0  # size of the flat buckets that inputs' partial gradients are reduced in
+    cache_limit: int = 8  # plans (specializations) one captured graph keeps (runtime.ParallelRuntime)
 
 
 @dataclass
@@ -52,6 +55,8 @@ class ParallelContext:
     coverage: Coverage | None = None  # from plan_pass
     comm: str = FUNCTIONAL  # the lowering lower_pass picked
     replica_group_sets: dict[str, tuple] = field(default_factory=dict)  # from lower_pass
+    specialization: Specialization | None = None  # a symbolic plan's guards (symbolic.py); None: static sizes
+    fake_inputs: list | None = None  # the inputs a symbolic plan is made on: sizes are symbols
 
     @property
     def mesh(self) -> MeshInfo:
@@ -97,7 +102,8 @@ def _described(node: fx.Node) -> str:
 def at_node(pass_name: str, node: fx.Node):
     """Turn an internal exception raised while a pass handles ``node`` into a PlanningError."""
     try:
-        yield
+        with guards_at(f"{pass_name} at {node.name}"):
+            yield
     except USER_ERRORS:
         raise
     except Exception as e:

@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from ..ops.ring import ring_step_flops
 from ..placements import Replicate, shard_length
+from ..symbolic import hint
 from .context import ParallelContext
 from .detect import AttentionSite, weight_name, weight_param
 from .patterns import tensor_val
@@ -61,7 +62,7 @@ def _linear_flops(node: fx.Node) -> int:
     """2 x output elements x contracted length, for a linear or matmul node."""
     out = tensor_val(node)
     contracted = tensor_val(node.args[0]).shape[-1]
-    return 2 * math.prod(out.shape) * contracted
+    return hint(2 * math.prod(out.shape) * contracted)  # at the planned sizes, if symbolic
 
 
 def _weight_fqn(node: fx.Node, ctx: ParallelContext) -> str | None:
@@ -102,7 +103,7 @@ def ring_rank_flops(site: AttentionSite, ctx: ParallelContext) -> list[int]:
     """Attention FLOPs each ring rank spends on one attention, following the ring schedule
     (zigzag; causal blocks computed in part, masked blocks computed whole, blocks outside a
     sliding window skipped and the rest computed over their box)."""
-    batch, heads, seq, head_dim = tensor_val(site.core.args[0]).shape
+    batch, heads, seq, head_dim = (hint(n) for n in tensor_val(site.core.args[0]).shape)
     mesh, cp = ctx.mesh, ctx.mesh.dims["cp"]
     ring = mesh.size("ring")
     local_heads = -(-heads // (mesh.size("tp") * mesh.size("ulysses")))  # padded heads are computed too

@@ -23,6 +23,7 @@ from ..mesh import MeshDim
 from ..ops import collectives as C
 from ..placements import (Partial, Placement, Replicate, Shard, interleaved_parts, is_padded, local_shape,
                           local_shape_on, shard_dim)
+from ..symbolic import hint, is_symbolic, materialize_sizes
 from .context import Communication, ParallelContext, at_node
 from .patterns import tensor_val
 from .rules.core import tensor_inputs
@@ -40,7 +41,8 @@ class _Inserter:
         self.requires_grad = requires_grad  # without a gradient, no backward collective runs
 
     def nbytes(self, p: Placement) -> int:
-        return math.prod(local_shape(self.shape, p, self.dim.size, self.dim.chunks_per_rank)) * self.element_size
+        """At the planned sizes, when they are symbolic."""
+        return hint(math.prod(local_shape(self.shape, p, self.dim.size, self.dim.chunks_per_rank)) * self.element_size)
 
     def padded_length(self, p: Placement) -> dict:
         """``{"length": n}`` when the dim ``p`` shards, of global length n, is laid out padded."""
@@ -111,7 +113,7 @@ def record_runtime_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
             placements = {d: s.out for d, s in node.meta["dtensor_par"].items() if shard_dim(s.out) is not None}
             site = "input gradient"
         val = tensor_val(node)
-        nbytes = math.prod(local_shape_on(val.shape, placements, ctx.mesh)) * val.element_size()
+        nbytes = hint(math.prod(local_shape_on(val.shape, placements, ctx.mesh)) * val.element_size())
         comms = [Communication(None, "all_gather", d, ctx.mesh.size(d), 0, nbytes, site) for d in placements]
         if comms:
             node.meta["dtensor_par_comm"] = comms
@@ -208,6 +210,9 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             kind = lookup(node)
             if kind is not None and kind.localize is not None:
                 kind.localize(gm, node, ctx.mesh)
+    if ctx.specialization is not None:
+        materialize_sizes(gm, {v.node.expr: n for n in graph.nodes if n.op == "placeholder"
+                               for v in [n.meta.get("val")] if is_symbolic(v)})
     bucket_input_grad_reductions(gm, ctx)
     for node in graph.nodes:
         for key in ("val", "example_value", "tensor_meta"):

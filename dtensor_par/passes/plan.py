@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..placements import InterleavedShard, Placement, Replicate, Shard
+from ..symbolic import same_size
 from .capture import with_val
 from .context import ParallelContext, at_node
 from .coverage import measure_coverage
@@ -136,14 +137,14 @@ def mask_only_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return only
 
 
-def sequence_lengths(site: AttentionSite, ctx: ParallelContext) -> set[int]:
+def sequence_lengths(site: AttentionSite, ctx: ParallelContext) -> list[int]:
     """The length of the sequence an attention runs over, and of each part of it when it is
     a joint sequence concatenated from several (text and image tokens)."""
     length = tensor_val(site.core.args[0]).shape[-2]
-    lengths = {length}
+    lengths = [length]
     for node in find_producers(site.core.args[0], TO_ATTENTION, ctx)[1]:
-        if op_kind(node) == "cat" and tensor_val(node).shape[cat_dim(node)] == length:
-            lengths.update(tensor_val(i).shape[cat_dim(node)] for i in tensor_inputs(node))
+        if op_kind(node) == "cat" and same_size(tensor_val(node).shape[cat_dim(node)], length):
+            lengths += [tensor_val(i).shape[cat_dim(node)] for i in tensor_inputs(node)]
     return lengths
 
 
@@ -157,8 +158,8 @@ def sequence_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[
     """Graph inputs sharded along the sequence over cp: sequence-shaped ones whose dim 1 has
     the length of the sequence hybrid attention runs over, or of a part of a joint one (the
     runtime slices them, no communication), except inputs that only build attention masks."""
-    lengths = set().union(*(sequence_lengths(s, ctx) for s in ctx.sites
-                            if isinstance(s, AttentionSite) and op_kind(s.core) == "hybrid_attention"))
+    lengths = [n for s in ctx.sites if isinstance(s, AttentionSite) and op_kind(s.core) == "hybrid_attention"
+               for n in sequence_lengths(s, ctx)]
     if not lengths:
         ctx.warn(f"no attention runs sequence-parallel: mesh dims 'ring' x 'ulysses' = {ctx.mesh.size('cp')} "
                  "shard nothing")
@@ -172,11 +173,11 @@ def sequence_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[
     return placements
 
 
-def _is_sequence(val, lengths: set[int]) -> bool:
-    return val is not None and _sequence_shaped(val) and val.shape[1] in lengths
+def _is_sequence(val, lengths: list[int]) -> bool:
+    return val is not None and _sequence_shaped(val) and any(same_size(val.shape[1], n) for n in lengths)
 
 
-def mark_sequence_starts(gm: fx.GraphModule, lengths: set[int], masks: set[fx.Node]) -> None:
+def mark_sequence_starts(gm: fx.GraphModule, lengths: list[int], masks: set[fx.Node]) -> None:
     """Activations made inside the graph (a patch embedding's tokens, transposed out of a conv)
     are cut over cp where they are made, as an input sequence is, so the ops after them run on
     shards too, not only the attention: a ``sequence_start`` after each floating-point
@@ -186,7 +187,7 @@ def mark_sequence_starts(gm: fx.GraphModule, lengths: set[int], masks: set[fx.No
     for node in list(gm.graph.nodes):
         val = tensor_val(node)
         if node.op not in ("call_function", "call_method") or node in masks or op_kind(node) == "hybrid_attention" \
-                or not _is_sequence(val, lengths) or not val.is_floating_point() or val.shape[1] in val.shape[2:] \
+                or not _is_sequence(val, lengths) or not val.is_floating_point() or any(same_size(val.shape[1], n) for n in val.shape[2:]) \
                 or any(_is_sequence(tensor_val(i), lengths) for i in node.all_input_nodes):
             continue
         with gm.graph.inserting_after(node):

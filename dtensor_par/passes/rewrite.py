@@ -25,6 +25,7 @@ import torch.fx as fx
 from ..logs import logger
 from ..ops.attention import hybrid_attention
 from ..placements import is_padded, shard_length
+from ..symbolic import guards_at, hint, is_symbolic
 from .capture import with_val
 from .context import Communication, ParallelContext
 from .detect import AttentionSite
@@ -81,7 +82,7 @@ def hybrid_attention_communication(site: AttentionSite, q, k, mesh, ulysses_impl
     if q_heads % ulysses or kv_heads % ulysses:
         q_heads = kv_heads = -(-q_heads // ulysses) * ulysses
     local_seq = shard_length(seq, cp, mesh.dims["cp"].chunks_per_rank)
-    per_head = batch * local_seq * head_dim * q.element_size()  # one head of a (padded) sequence shard
+    per_head = hint(batch * local_seq * head_dim * q.element_size())  # one head of a (padded) sequence shard
     comms = []
     if ulysses > 1:
         gathers = ulysses_impl == "all_gather"
@@ -108,7 +109,11 @@ def _sequence_lengths(site: AttentionSite, q, k, mesh, ctx: ParallelContext) -> 
             f"hybrid_parallel: attention {site.core.name!r} has sequence length {q_len} (keys {kv_len}), "
             f"shorter than mesh dims 'ring' x 'ulysses' = {mesh.size('ring')} x {mesh.size('ulysses')} = {cp}: "
             f"some ranks would hold only padding; use smaller 'ring' or 'ulysses' dims")
-    if is_padded(q_len, cp, per_rank) or is_padded(kv_len, cp, per_rank):
+    if is_symbolic(q_len) or is_symbolic(kv_len):
+        ctx.warn(f"{site.name} ({site.core.name}): sequence length {ctx.specialization.named(q_len)} is symbolic: it is "
+                 f"padded at the end to a multiple of {cp * per_rank} chunks (ring={mesh.size('ring')}, "
+                 f"ulysses={mesh.size('ulysses')}), by nothing where it divides, so one plan serves every length")
+    elif is_padded(q_len, cp, per_rank) or is_padded(kv_len, cp, per_rank):
         keys = f" (keys {kv_len})" if kv_len != q_len else ""
         ctx.warn(f"{site.name} ({site.core.name}): sequence length {q_len}{keys} does not divide into "
                  f"{cp * per_rank} equal chunks (ring={mesh.size('ring')}, ulysses={mesh.size('ulysses')}); padded at "
@@ -130,7 +135,11 @@ def _constant_ancestors(node: fx.Node) -> list[fx.Node] | None:
     return [n for n in node.graph.nodes if n in seen]
 
 
-def _off_meta(a):
+def _concrete(a):
+    """An argument the subgraph can run on now: the CPU for the meta device; a symbolic size
+    at its value, which pins the plan to that value (a guard, reported by ``explain``)."""
+    if isinstance(a, torch.SymInt):
+        return int(a)
     return torch.device("cpu") if isinstance(a, torch.device) and a.type == "meta" else a
 
 
@@ -139,7 +148,7 @@ def _evaluate(nodes: list[fx.Node]) -> torch.Tensor:
     planned on the meta device)."""
     env: dict[fx.Node, object] = {}
     for n in nodes:
-        args, kwargs = fx.node.map_aggregate(fx.node.map_arg((n.args, n.kwargs), env.__getitem__), _off_meta)
+        args, kwargs = fx.node.map_aggregate(fx.node.map_arg((n.args, n.kwargs), env.__getitem__), _concrete)
         env[n] = n.target(*args, **kwargs) if n.op == "call_function" else getattr(args[0], n.target)(*args[1:], **kwargs)
     return env[nodes[-1]]
 
@@ -157,6 +166,7 @@ class PositionalMask:
 def _causal_window(value: torch.Tensor, q_len: int, kv_len: int) -> PositionalMask | None:
     """The causal (sliding-window) pattern a constant mask is exactly, if it is one: the same
     [q_len, kv_len] pattern for every batch entry and head."""
+    q_len, kv_len = int(q_len), int(kv_len)  # symbolic ones are pinned already: the mask was evaluated at one length
     if value.dtype != torch.bool:
         hidden = torch.isneginf(value) | (value == torch.finfo(value.dtype).min)
         if not bool((hidden | (value == 0)).all()):
@@ -280,7 +290,10 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
                  f"runs on the gathered sequence (mesh dims 'ring' x 'ulysses' = {mesh.size('cp')})")
         return
     q_len, kv_len = tensor_val(sdpa["query"]).shape[-2], tensor_val(sdpa["key"]).shape[-2]
-    structure = positional_mask(mask, q_len, kv_len) if mask is not None and not sdpa["is_causal"] else None
+    structure = None
+    if mask is not None and not sdpa["is_causal"]:
+        with guards_at(f"rewrite at {mask.name} (a mask built from positions, evaluated at one length)"):
+            structure = positional_mask(mask, q_len, kv_len)
     positional = {}
     if structure is not None:
         positional = {name: value for name, value in (("window", structure.window),

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ...mesh import MeshInfo
 from ...placements import InterleavedShard, Partial, Placement, Shard, shard_dim, shard_length
+from ...symbolic import is_symbolic
 from ..patterns import arg, tensor_val
 from .core import R, NodeSharding, moved, norm_dim, replicate_all, resolve_partial
 from .registry import op_kind, register
@@ -25,7 +26,10 @@ def _static_slice(e) -> bool:
 
 
 def _whole(e: slice, size: int) -> bool:
-    """Whether a slice keeps every position of a dim of ``size`` (``x[:, 0:]`` as ``x[:, :]``)."""
+    """Whether a slice keeps every position of a dim of ``size`` (``x[:, 0:]`` as ``x[:, :]``);
+    of a symbolic size, only when it does for every value (asking would pin the plan to one)."""
+    if is_symbolic(size):
+        return e.start in (None, 0) and e.stop is None and e.step in (None, 1)
     return e.indices(size) == (0, size, 1)
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ...mesh import MeshInfo
 from ...ops.norm import sharded_norm
 from ...placements import Partial, local_shape_on, shard_dim
+from ...symbolic import hint
 from ..context import Communication
 from ..patterns import arg, tensor_val
 from .core import R, NodeSharding, moved, norm_dim, replicate_all, resolve_partial
@@ -51,7 +52,7 @@ def localize_norm(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
                                      {"rms": rms, "mesh_dim": mesh_dim})
     new.meta = node.meta
     local = local_shape_on(node.meta["dtensor_par_shape"], {d: s.out for d, s in plans.items()}, mesh)
-    nbytes = math.prod(local[:ndim - normalized]) * 4 * (1 if rms else 2)  # fp32 sums per token
+    nbytes = hint(math.prod(local[:ndim - normalized])) * 4 * (1 if rms else 2)  # fp32 sums per token
     backward = "all_reduce" if node.meta["requires_grad"] else None
     new.meta["dtensor_par_comm"] = [Communication("all_reduce", backward, mesh_dim.name, mesh_dim.size, nbytes,
                                                   nbytes, node.meta.get("dtensor_par_site"))]
