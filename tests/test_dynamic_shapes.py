@@ -181,13 +181,22 @@ def forward(self, s77 : torch.SymInt, s27 : torch.SymInt, L_x_ : torch.Tensor, L
     mul = -1 * s27
     floordiv_3 = mul // 2;  mul = None
     mul_1 = -1 * floordiv_3;  floordiv_3 = None
-    grad_all_reduce = dtensor_par_ops_collectives_grad_all_reduce(l_self_modules_ln1_parameters_weight_, dtensor_par_mesh_MeshDim('cp', 2, 0, '9', ((0, 2), (1, 3)), 0, 0));  l_self_modules_ln1_parameters_weight_ = None
-    grad_all_reduce_1 = dtensor_par_ops_collectives_grad_all_reduce(l_self_modules_ln1_parameters_bias_, dtensor_par_mesh_MeshDim('cp', 2, 0, '9', ((0, 2), (1, 3)), 0, 0));  l_self_modules_ln1_parameters_bias_ = None
-    layer_norm = torch.nn.functional.layer_norm(l_x_, (16,), grad_all_reduce, grad_all_reduce_1, 1e-05);  grad_all_reduce = grad_all_reduce_1 = None
+    grad_all_reduce_bucket = dtensor_par_ops_collectives_grad_all_reduce_bucket([l_self_modules_fc_out_parameters_bias_, l_self_modules_fc_out_parameters_weight_, l_self_modules_fc_parameters_weight_, l_self_modules_fc_parameters_bias_, l_self_modules_ln2_parameters_weight_, l_self_modules_ln2_parameters_bias_, l_self_modules_proj_parameters_bias_, l_self_modules_proj_parameters_weight_, l_self_modules_qkv_parameters_weight_, l_self_modules_qkv_parameters_bias_, l_self_modules_ln1_parameters_weight_, l_self_modules_ln1_parameters_bias_], dtensor_par_mesh_MeshDim('cp', 2, 0, '9', ((0, 2), (1, 3)), 0, 0));  l_self_modules_fc_out_parameters_bias_ = l_self_modules_fc_out_parameters_weight_ = l_self_modules_fc_parameters_weight_ = l_self_modules_fc_parameters_bias_ = l_self_modules_ln2_parameters_weight_ = l_self_modules_ln2_parameters_bias_ = l_self_modules_proj_parameters_bias_ = l_self_modules_proj_parameters_weight_ = l_self_modules_qkv_parameters_weight_ = l_self_modules_qkv_parameters_bias_ = l_self_modules_ln1_parameters_weight_ = l_self_modules_ln1_parameters_bias_ = None
+    getitem = grad_all_reduce_bucket[0]
+    getitem_3 = grad_all_reduce_bucket[1]
+    getitem_4 = grad_all_reduce_bucket[2]
+    getitem_5 = grad_all_reduce_bucket[3]
+    getitem_6 = grad_all_reduce_bucket[4]
+    getitem_7 = grad_all_reduce_bucket[5]
+    getitem_8 = grad_all_reduce_bucket[6]
+    getitem_9 = grad_all_reduce_bucket[7]
+    getitem_10 = grad_all_reduce_bucket[8]
+    getitem_11 = grad_all_reduce_bucket[9]
+    getitem_12 = grad_all_reduce_bucket[10]
+    getitem_13 = grad_all_reduce_bucket[11];  grad_all_reduce_bucket = None
+    layer_norm = torch.nn.functional.layer_norm(l_x_, (16,), getitem_12, getitem_13, 1e-05);  getitem_12 = getitem_13 = None
     grad_all_reduce_2 = dtensor_par_ops_collectives_grad_all_reduce(layer_norm, dtensor_par_mesh_MeshDim('tp', 2, 0, '7', ((0, 1), (2, 3)), 0, 0));  layer_norm = None
-    grad_all_reduce_3 = dtensor_par_ops_collectives_grad_all_reduce(l_self_modules_qkv_parameters_weight_, dtensor_par_mesh_MeshDim('cp', 2, 0, '9', ((0, 2), (1, 3)), 0, 0));  l_self_modules_qkv_parameters_weight_ = None
-    grad_all_reduce_4 = dtensor_par_ops_collectives_grad_all_reduce(l_self_modules_qkv_parameters_bias_, dtensor_par_mesh_MeshDim('cp', 2, 0, '9', ((0, 2), (1, 3)), 0, 0));  l_self_modules_qkv_parameters_bias_ = None
-    linear = torch._C._nn.linear(grad_all_reduce_2, grad_all_reduce_3, grad_all_reduce_4);  grad_all_reduce_2 = grad_all_reduce_3 = grad_all_reduce_4 = None
+    linear = torch._C._nn.linear(grad_all_reduce_2, getitem_10, getitem_11);  grad_all_reduce_2 = getitem_10 = getitem_11 = None
     chunk = linear.chunk(3, dim = -1);  linear = None
     q = chunk[0]
     sequence_start = dtensor_par_passes_rules_views_sequence_start(q);  q = None
@@ -205,25 +214,17 @@ def forward(self, s77 : torch.SymInt, s27 : torch.SymInt, L_x_ : torch.Tensor, L
     transpose_3 = hybrid_attention.transpose(1, 2);  hybrid_attention = None
     sequence_start_3 = dtensor_par_passes_rules_views_sequence_start(transpose_3);  transpose_3 = None
     reshape_4 = sequence_start_3.reshape(s77, mul_1, 8);  sequence_start_3 = s77 = mul_1 = None
-    grad_all_reduce_5 = dtensor_par_ops_collectives_grad_all_reduce(l_self_modules_proj_parameters_weight_, dtensor_par_mesh_MeshDim('cp', 2, 0, '9', ((0, 2), (1, 3)), 0, 0));  l_self_modules_proj_parameters_weight_ = None
-    linear_1 = torch._C._nn.linear(reshape_4, grad_all_reduce_5);  reshape_4 = grad_all_reduce_5 = None
+    linear_1 = torch._C._nn.linear(reshape_4, getitem_9);  reshape_4 = getitem_9 = None
     all_reduce = dtensor_par_ops_collectives_all_reduce(linear_1, dtensor_par_mesh_MeshDim('tp', 2, 0, '7', ((0, 1), (2, 3)), 0, 0));  linear_1 = None
-    grad_all_reduce_6 = dtensor_par_ops_collectives_grad_all_reduce(l_self_modules_proj_parameters_bias_, dtensor_par_mesh_MeshDim('cp', 2, 0, '9', ((0, 2), (1, 3)), 0, 0));  l_self_modules_proj_parameters_bias_ = None
-    add = all_reduce + grad_all_reduce_6;  all_reduce = grad_all_reduce_6 = None
+    add = all_reduce + getitem_8;  all_reduce = getitem_8 = None
     x = l_x_ + add;  l_x_ = add = None
-    grad_all_reduce_7 = dtensor_par_ops_collectives_grad_all_reduce(l_self_modules_ln2_parameters_weight_, dtensor_par_mesh_MeshDim('cp', 2, 0, '9', ((0, 2), (1, 3)), 0, 0));  l_self_modules_ln2_parameters_weight_ = None
-    grad_all_reduce_8 = dtensor_par_ops_collectives_grad_all_reduce(l_self_modules_ln2_parameters_bias_, dtensor_par_mesh_MeshDim('cp', 2, 0, '9', ((0, 2), (1, 3)), 0, 0));  l_self_modules_ln2_parameters_bias_ = None
-    layer_norm_1 = torch.nn.functional.layer_norm(x, (16,), grad_all_reduce_7, grad_all_reduce_8, 1e-05);  grad_all_reduce_7 = grad_all_reduce_8 = None
+    layer_norm_1 = torch.nn.functional.layer_norm(x, (16,), getitem_6, getitem_7, 1e-05);  getitem_6 = getitem_7 = None
     grad_all_reduce_9 = dtensor_par_ops_collectives_grad_all_reduce(layer_norm_1, dtensor_par_mesh_MeshDim('tp', 2, 0, '7', ((0, 1), (2, 3)), 0, 0));  layer_norm_1 = None
-    grad_all_reduce_10 = dtensor_par_ops_collectives_grad_all_reduce(l_self_modules_fc_parameters_weight_, dtensor_par_mesh_MeshDim('cp', 2, 0, '9', ((0, 2), (1, 3)), 0, 0));  l_self_modules_fc_parameters_weight_ = None
-    grad_all_reduce_11 = dtensor_par_ops_collectives_grad_all_reduce(l_self_modules_fc_parameters_bias_, dtensor_par_mesh_MeshDim('cp', 2, 0, '9', ((0, 2), (1, 3)), 0, 0));  l_self_modules_fc_parameters_bias_ = None
-    linear_2 = torch._C._nn.linear(grad_all_reduce_9, grad_all_reduce_10, grad_all_reduce_11);  grad_all_reduce_9 = grad_all_reduce_10 = grad_all_reduce_11 = None
+    linear_2 = torch._C._nn.linear(grad_all_reduce_9, getitem_4, getitem_5);  grad_all_reduce_9 = getitem_4 = getitem_5 = None
     gelu = torch._C._nn.gelu(linear_2, approximate = 'tanh');  linear_2 = None
-    grad_all_reduce_12 = dtensor_par_ops_collectives_grad_all_reduce(l_self_modules_fc_out_parameters_weight_, dtensor_par_mesh_MeshDim('cp', 2, 0, '9', ((0, 2), (1, 3)), 0, 0));  l_self_modules_fc_out_parameters_weight_ = None
-    linear_3 = torch._C._nn.linear(gelu, grad_all_reduce_12);  gelu = grad_all_reduce_12 = None
+    linear_3 = torch._C._nn.linear(gelu, getitem_3);  gelu = getitem_3 = None
     all_reduce_1 = dtensor_par_ops_collectives_all_reduce(linear_3, dtensor_par_mesh_MeshDim('tp', 2, 0, '7', ((0, 1), (2, 3)), 0, 0));  linear_3 = None
-    grad_all_reduce_13 = dtensor_par_ops_collectives_grad_all_reduce(l_self_modules_fc_out_parameters_bias_, dtensor_par_mesh_MeshDim('cp', 2, 0, '9', ((0, 2), (1, 3)), 0, 0));  l_self_modules_fc_out_parameters_bias_ = None
-    add_2 = all_reduce_1 + grad_all_reduce_13;  all_reduce_1 = grad_all_reduce_13 = None
+    add_2 = all_reduce_1 + getitem;  all_reduce_1 = getitem = None
     add_1 = x + add_2;  x = add_2 = None
     all_gather = dtensor_par_ops_collectives_all_gather(add_1, 1, None, dtensor_par_mesh_MeshDim('cp', 2, 0, '9', ((0, 2), (1, 3)), 0, 0), length = s27);  add_1 = s27 = None
     return (all_gather,)""")
