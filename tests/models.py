@@ -305,7 +305,8 @@ class CrossHeadQKNorm(nn.Module):
         super().__init__()
         self.heads = heads
         self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
-        self.norm_q, self.norm_k = nn.LayerNorm(hidden), nn.RMSNorm(hidden, eps=1e-6)  # a bias on every key shifts no score: on q
+        # The layer_norm (with a bias) on q: a bias added to every key would shift no score, its gradient zero.
+        self.norm_q, self.norm_k = nn.LayerNorm(hidden), nn.RMSNorm(hidden, eps=1e-6)
         self.out = nn.Parameter(torch.randn(hidden, hidden) / hidden ** 0.5)
 
     def forward(self, x):

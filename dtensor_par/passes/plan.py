@@ -184,12 +184,16 @@ def mark_sequence_starts(gm: fx.GraphModule, lengths: list[int], masks: set[fx.N
     sequence-shaped node none of whose inputs is one. Positions stay whole: masks are built
     from them. A node whose dim 1 has the length of another of its dims too (hidden size =
     tokens) is ambiguous and left to the attention."""
-    for node in list(gm.graph.nodes):
+    def starts_sequence(node: fx.Node) -> bool:
         val = tensor_val(node)
-        if node.op not in ("call_function", "call_method") or node in masks or op_kind(node) == "hybrid_attention" \
-                or not _is_sequence(val, lengths) or not val.is_floating_point() or any(same_size(val.shape[1], n) for n in val.shape[2:]) \
-                or any(_is_sequence(tensor_val(i), lengths) for i in node.all_input_nodes):
-            continue
+        if node.op not in ("call_function", "call_method") or node in masks or op_kind(node) == "hybrid_attention":
+            return False
+        if not _is_sequence(val, lengths) or not val.is_floating_point():
+            return False
+        ambiguous = any(same_size(val.shape[1], n) for n in val.shape[2:])
+        return not ambiguous and not any(_is_sequence(tensor_val(i), lengths) for i in node.all_input_nodes)
+
+    for node in [n for n in gm.graph.nodes if starts_sequence(n)]:
         with gm.graph.inserting_after(node):
             start = with_val(gm.graph.call_function(sequence_start, (node,)), tensor_val(node))
         node.replace_all_uses_with(start, delete_user_cb=lambda user: user is not start)
@@ -226,9 +230,9 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding
     kind = lookup(node)
     if kind is None and writes_in_place(node) and any(p != R for p in cur):
         raise NotImplementedError(
-            f"hybrid_parallel: {node.name} ({target_name(node)}) writes in place into {ins[0].name}, which is "
-            f"{cur[0]} on mesh dim {env.dim!r}; it has no sharding rule, and a write into a gathered copy would be "
-            f"lost: write it out of place")
+            f"hybrid_parallel: {node.name} ({target_name(node)}) writes in place into {ins[0].name}; its inputs are "
+            f"{', '.join(f'{i.name} {p}' for i, p in zip(ins, cur))} on mesh dim {env.dim!r}; it has no sharding rule, "
+            f"and a write into a gathered copy would be lost: write it out of place")
     if kind is None:
         return replicate_all(node, ins, cur, f"no sharding rule for {target_name(node)}")
     sharding = kind.rule(node, ins, cur, env)

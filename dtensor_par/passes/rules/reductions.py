@@ -1,4 +1,5 @@
-"""Normalizations, softmax and reductions: a shard survives when its dim is not reduced, or\nwhen the statistics of a norm are all-reduced instead."""
+"""Normalizations, softmax and reductions: a shard survives when its dim is not reduced, or
+when the statistics of a norm are all-reduced instead."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def localize_norm(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     """A norm over features sharded on tp becomes ``sharded_norm``: statistics all-reduced."""
     ndim, normalized = len(node.meta["dtensor_par_shape"]), _normalized_ndim(node)
     plans = node.meta["dtensor_par"]
-    across = [name for name, s in plans.items() if shard_dim(s.inputs[0]) is not None and s.inputs[0].dim >= ndim - normalized]
+    across = [name for name, s in plans.items()
+              if shard_dim(s.inputs[0]) is not None and s.inputs[0].dim >= ndim - normalized]
     if not across:
         return
     mesh_dim = mesh.dims[across[0]]
