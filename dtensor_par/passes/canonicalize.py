@@ -8,6 +8,11 @@
   ``beta * input + alpha * (a @ b)``: a matmul and an add, which have rules.
 - ``x.narrow(dim, start, length)`` becomes the slice ``x[..., start:start + length, ...]``, so
   a fused projection cut by ``narrow`` is cut part by part as by indexing.
+- Attention on key/value heads repeated to the query heads (transformers' ``repeat_kv``:
+  ``k[:, :, None].expand(b, kv, rep, s, d).reshape(b, kv * rep, s, d)``, or
+  ``k.repeat_interleave(rep, dim=1)``) becomes attention on the kv heads with
+  ``enable_gqa=True``, which reads query head i against kv head i // rep: the same result,
+  and Ulysses and the ring then send each kv head once, not ``rep`` times.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .capture import with_val
+from ..symbolic import is_symbolic, same_size
+from .capture import erase_unused, with_val
 from .context import ParallelContext
 from .patterns import arg, tensor_val
+from .rules.attention import sdpa_arguments
 from .rules.registry import op_kind
 
 
@@ -93,6 +100,75 @@ def narrow_as_slice(gm: fx.GraphModule, node: fx.Node) -> None:
     gm.graph.erase_node(node)
 
 
+def _with_new_dim_after_heads(node: fx.Node) -> fx.Node | None:
+    """``x`` when ``node`` is a 4-d ``x`` with a size-1 dim inserted after its heads
+    (``x[:, :, None]``, ``x.unsqueeze(2)``): a reshape (any view kind) or an index of only
+    ``None``, ``:`` and ``...``, so every element stays where it was."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if op_kind(node) == "getitem":
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if not all(i is None or i is Ellipsis or i == slice(None) for i in index):
+            return None
+    elif op_kind(node) != "view":
+        return None
+    x, out = tensor_val(node.args[0]), tensor_val(node)
+    if x is None or out is None or x.dim() != 4 or not same_size(tuple(out.shape), (*x.shape[:2], 1, *x.shape[2:])):
+        return None
+    return node.args[0]
+
+
+def _repeated_heads(node) -> tuple[fx.Node, int] | None:
+    """``(x, rep)`` when ``node`` is the 4-d ``x`` with each head (dim -3) repeated ``rep``
+    times in a row, as ``enable_gqa`` reads them: ``x.repeat_interleave(rep, dim=1)``, or
+    ``x[:, :, None].expand(b, kv, rep, s, d)`` reshaped to ``(b, kv * rep, s, d)``.
+
+    Any reshape of ``(b, kv, rep, s, d)`` to ``(b, kv * rep, s, d)`` merges exactly
+    ``(kv, rep)``, so the shapes decide. Heads or a factor in symbols are left alone.
+    """
+    if not isinstance(node, fx.Node) or tensor_val(node) is None:
+        return None
+    if node.op in ("call_function", "call_method") and node.target in (torch.repeat_interleave, "repeat_interleave"):
+        x, rep, dim = (arg(node, i, name) for i, name in enumerate(("input", "repeats", "dim")))
+        if not isinstance(x, fx.Node) or not isinstance(rep, int) or dim not in (1, -3):
+            return None
+    elif op_kind(node) == "view" and isinstance(node.args[0], fx.Node) and op_kind(node.args[0]) == "expand":
+        expanded = tensor_val(node.args[0])
+        x = _with_new_dim_after_heads(node.args[0].args[0])
+        if x is None or expanded is None:
+            return None
+        rep, source = expanded.shape[2], tensor_val(x).shape
+        if not same_size(tuple(expanded.shape), (*source[:2], rep, *source[2:])):
+            return None
+    else:
+        return None
+    source = tensor_val(x)
+    if source is None or source.dim() != 4 or is_symbolic(source.shape[1]) or is_symbolic(rep) or rep < 1:
+        return None
+    b, heads, s, d = source.shape
+    return (x, int(rep)) if same_size(tuple(tensor_val(node).shape), (b, heads * rep, s, d)) else None
+
+
+def grouped_kv_attention(gm: fx.GraphModule, sdpa_node: fx.Node) -> None:
+    """Give an attention call that reads kv heads repeated to its query heads the kv heads
+    themselves and ``enable_gqa=True``; the repeats go when nothing else reads them.
+    Left as it is when ``enable_gqa`` is set already, or key and value are not both repeats
+    by the same factor of the query heads."""
+    sdpa = sdpa_arguments(sdpa_node)
+    query = tensor_val(sdpa["query"])
+    if sdpa["enable_gqa"] or query is None or query.dim() != 4:
+        return
+    key, value = _repeated_heads(sdpa["key"]), _repeated_heads(sdpa["value"])
+    if key is None or value is None or key[1] != value[1] or key[1] == 1 \
+            or not same_size(query.shape[-3], tensor_val(key[0]).shape[-3] * key[1]):
+        return
+    repeats = (sdpa["key"], sdpa["value"])
+    sdpa["key"], sdpa["value"], sdpa["enable_gqa"] = key[0], value[0], True
+    sdpa_node.args, sdpa_node.kwargs = (sdpa.pop("query"), sdpa.pop("key"), sdpa.pop("value")), sdpa
+    for repeat in dict.fromkeys(repeats):
+        erase_unused(gm, repeat)
+
+
 def canonicalize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op in ("call_function", "call_method") and node.target in (torch.narrow, "narrow"):
@@ -100,5 +176,7 @@ def canonicalize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModul
         if node.op in ("call_function", "call_method") and node.target in _ADD_PRODUCT:
             if not (node.target is torch.addmm and conv1d_linear(gm, node)):
                 add_product_as_matmul(gm, node)
+        if op_kind(node) == "sdpa":
+            grouped_kv_attention(gm, node)
     gm.recompile()
     return gm

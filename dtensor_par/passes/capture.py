@@ -135,6 +135,21 @@ def with_val(node: fx.Node, value) -> fx.Node:
     return node
 
 
+def erase_unused(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Erase ``node`` if nothing reads it, then every input it leaves without readers (a dead
+    mask subgraph, a repeat-kv no attention reads any more)."""
+    stack, erased = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in erased or n.users or n.op not in ("call_function", "call_method") or n.is_impure() \
+                or writes_in_place(n):
+            continue
+        inputs = n.all_input_nodes
+        gm.graph.erase_node(n)
+        erased.add(n)
+        stack.extend(inputs)
+
+
 def _mark_requires_grad(gm: fx.GraphModule, example_inputs: list) -> None:
     """``meta["requires_grad"]``: whether autograd will want the node's gradient.
 

@@ -26,7 +26,7 @@ from ..logs import logger
 from ..ops.attention import hybrid_attention
 from ..placements import is_padded, shard_length
 from ..symbolic import guards_at, hint, is_symbolic
-from .capture import with_val
+from .capture import erase_unused, with_val
 from .context import Communication, ParallelContext
 from .detect import AttentionSite
 from .patterns import arg, tensor_val
@@ -267,19 +267,6 @@ def positional_mask(mask: fx.Node, q_len: int, kv_len: int) -> PositionalMask | 
     return None if found is None else PositionalMask(found.window, padding[0])
 
 
-def _erase_unused(gm: fx.GraphModule, node: fx.Node) -> None:
-    """Erase ``node`` and then every input it leaves without users (a dead mask subgraph)."""
-    stack, erased = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in erased or n.users or n.op not in ("call_function", "call_method"):
-            continue
-        inputs = n.all_input_nodes
-        gm.graph.erase_node(n)
-        erased.add(n)
-        stack.extend(inputs)
-
-
 def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> None:
     """Replace the site's SDPA call by ``hybrid_attention`` over the cp mesh dims."""
     mesh, core = ctx.mesh, site.core
@@ -326,7 +313,7 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
     gm.graph.erase_node(core)
     site.core = hybrid
     if original_mask is not None and mask is None:
-        _erase_unused(gm, original_mask)
+        erase_unused(gm, original_mask)
 
 
 def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
