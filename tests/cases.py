@@ -21,7 +21,10 @@ def _keep(seq: int) -> torch.Tensor:
 CASES = {
     "gpt_fused_qkv": (lambda: models.GPT(layers=2), lambda: [(torch.randn(2, 8, 32),)]),
     "llama_gqa_rope": (lambda: models.Llama(layers=2), lambda: [(torch.randint(0, 50, (2, 8)),)]),
-    "llama_enable_gqa": (lambda: models.Llama(layers=1, enable_gqa=True), lambda: [(torch.randint(0, 50, (2, 8)),)]),
+    "llama_enable_gqa": (lambda: models.Llama(layers=1, gqa="enable_gqa"), lambda: [(torch.randint(0, 50, (2, 8)),)]),
+    # kv heads repeated by repeat_interleave (llama_gqa_rope: by transformers' repeat_kv) run as enable_gqa
+    "llama_repeat_interleave_kv4": (lambda: models.Llama(layers=1, kv_heads=4, gqa="repeat_interleave"),
+                                    lambda: [(torch.randint(0, 50, (2, 8)),)]),
     "graph_break": (models.GraphBreakModel, lambda: [(torch.randn(2, 8, 32),)]),
     "odd_mlp_width": (models.OddMLPBlock, lambda: [(torch.randn(2, 8, 32),)]),
     "unshardable_op": (models.CumsumMLP, lambda: [(torch.randn(2, 4, 16),)]),

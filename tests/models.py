@@ -56,13 +56,14 @@ def rotate_half(x):
 
 
 class LlamaBlock(nn.Module):
-    """RMSNorm, RoPE, GQA (repeat-kv pattern or ``enable_gqa``), causal attention, SwiGLU."""
+    """RMSNorm, RoPE, GQA, causal attention, SwiGLU. ``gqa``: how kv heads meet the query
+    heads: ``"repeat_kv"`` (transformers' expand + reshape), ``"repeat_interleave"`` or
+    ``"enable_gqa"`` (SDPA's own grouping, nothing repeated)."""
 
-    def __init__(self, hidden: int = 64, heads: int = 8, kv_heads: int = 2, mlp: int = 96,
-                 enable_gqa: bool = False):
+    def __init__(self, hidden: int = 64, heads: int = 8, kv_heads: int = 2, mlp: int = 96, gqa: str = "repeat_kv"):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
-        self.enable_gqa = enable_gqa
+        self.gqa = gqa
         self.input_norm, self.post_norm = RMSNorm(hidden), RMSNorm(hidden)
         self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
@@ -77,6 +78,8 @@ class LlamaBlock(nn.Module):
     def _repeat_kv(self, t):
         b, n, s, d = t.shape
         rep = self.heads // self.kv_heads
+        if self.gqa == "repeat_interleave":
+            return t.repeat_interleave(rep, dim=1)
         return t[:, :, None, :, :].expand(b, n, rep, s, d).reshape(b, n * rep, s, d)
 
     def forward(self, x):
@@ -90,7 +93,7 @@ class LlamaBlock(nn.Module):
         v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if self.enable_gqa:
+        if self.gqa == "enable_gqa":
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             a = F.scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), is_causal=True)

@@ -18,8 +18,11 @@ def _check(results: list[dict]) -> dict:
 @pytest.mark.parametrize("sizes, cases", [
     ({"tp": 2, "ring": 2}, ["gpt_fused_qkv", "llama_gqa_rope", "additive_mask", "conv1d", "joint_attention",
                             "flatten_tokens"]),
-    ({"tp": 2, "ulysses": 2}, ["llama_enable_gqa", "uneven_heads_14", "bool_mask", "conv1d", "joint_attention",
-                               "complex_rope_pad", "qk_norm_across_heads", "flatten_tokens"]),
+    # Repeated kv heads run as enable_gqa: 4 kv heads split over tp x ulysses as they are; 2
+    # (llama_gqa_rope) are each repeated twice first, the fewest that split.
+    ({"tp": 2, "ulysses": 2}, ["llama_enable_gqa", "llama_repeat_interleave_kv4", "llama_gqa_rope",
+                               "uneven_heads_14", "bool_mask", "conv1d", "joint_attention", "complex_rope_pad",
+                               "qk_norm_across_heads", "flatten_tokens"]),
     # Sequence length 30 in 8 chunks (zigzag over ring=2, split by ulysses=2): padded to 32.
     ({"ring": 2, "ulysses": 2}, ["keyword_sdpa_scale", "uneven_seq_30", "uneven_seq_30_masked",
                                  "uneven_seq_30_bidirectional", "uneven_seq_30_pooling"]),

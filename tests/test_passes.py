@@ -6,12 +6,14 @@ import operator
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import dtensor_par
 from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.backend import parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.passes.context import ParallelConfig
+from dtensor_par.passes.canonicalize import canonicalize_pass
 from dtensor_par.passes.capture import capture_pass
 from dtensor_par.passes.detect import AttentionSite, MLPSite, detect_pass
 from dtensor_par.passes.rewrite import gqa_repeat, rewrite_pass
@@ -69,13 +71,62 @@ def test_rewrite_splits_rowwise_bias_and_expands_gqa_kv(fake_world):
         assert len(linear.args) == 2 and not linear.kwargs
         (add,) = linear.users
         assert add.target is operator.add and add.args[1].op == "placeholder"
-    model = models.Llama(layers=1, enable_gqa=True)
+    model = models.Llama(layers=1, gqa="enable_gqa")
     gm, ctx = plan_graph(model, [torch.randint(0, 50, (2, 8))], tp=4, passes=(capture_pass, detect_pass, rewrite_pass))
     core = ctx.sites[0].core
     # 2 kv heads for 8 query heads at tp=4: each kv head repeated twice (4 kv heads, one per
     # rank, each serving that rank's 2 query heads), not four times.
     assert core.kwargs["enable_gqa"] is True
     assert [(a.target, a.args[1]) for a in core.args[1:3]] == [("repeat_interleave", 2)] * 2
+
+
+def _interleaved(t):
+    return t.repeat_interleave(2, dim=1)
+
+
+# Each spelling: (k, v) of 4 heads -> the key and value the attention of 8 query heads reads.
+REPEATED_KV = {
+    "repeat_kv": lambda k, v: [t[:, :, None, :, :].expand(2, 4, 2, 6, 4).reshape(2, 8, 6, 4) for t in (k, v)],
+    "unsqueeze_flatten": lambda k, v: [t.unsqueeze(2).expand(-1, -1, 2, -1, -1).flatten(1, 2) for t in (k, v)],
+    "repeat_interleave": lambda k, v: [_interleaved(k), _interleaved(v)],
+    "torch.repeat_interleave": lambda k, v: [torch.repeat_interleave(t, 2, dim=-3) for t in (k, v)],
+    "read_elsewhere": lambda k, v: [_interleaved(k), _interleaved(v)],  # the key's repeat is read again
+    "tiled": lambda k, v: [t[:, None].expand(2, 2, 4, 6, 4).reshape(2, 8, 6, 4) for t in (k, v)],  # head i % 4
+    "enable_gqa_set": lambda k, v: [_interleaved(k), _interleaved(v)],
+    "different_factors": lambda k, v: [_interleaved(k), v[:, :2].repeat_interleave(4, dim=1)],
+    "value_not_repeated": lambda k, v: [_interleaved(k), torch.cat([v, v], dim=1)],
+}
+LEFT_AS_IS = {"tiled", "enable_gqa_set", "different_factors", "value_not_repeated"}
+
+
+class RepeatedKV(torch.nn.Module):
+    """Attention of 8 query heads on 4 kv heads, repeated as ``REPEATED_KV[spelling]`` does."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+
+    def forward(self, q, k, v):
+        key, value = REPEATED_KV[self.spelling](k, v)
+        out = F.scaled_dot_product_attention(q, key, value, enable_gqa=self.spelling == "enable_gqa_set")
+        return out + key.mean() if self.spelling == "read_elsewhere" else out
+
+
+@pytest.mark.parametrize("spelling", REPEATED_KV)
+def test_canonicalize_turns_repeated_kv_heads_into_enable_gqa(fake_world, spelling):
+    inputs = [torch.randn(2, 8, 6, 4), torch.randn(2, 4, 6, 4), torch.randn(2, 4, 6, 4)]
+    model = RepeatedKV(spelling)
+    gm, ctx = plan_graph(model, inputs, tp=1, passes=(capture_pass, canonicalize_pass))
+    (core,) = [n for n in gm.graph.nodes if n.target is torch._C._nn.scaled_dot_product_attention]
+    key, value = core.args[1:3]
+    repeats = [n for n in gm.graph.nodes if n.target in ("expand", "repeat_interleave", torch.repeat_interleave)]
+    if spelling not in LEFT_AS_IS:
+        assert key.op == value.op == "placeholder" and core.kwargs["enable_gqa"] is True, core.format_node()
+        assert len(repeats) == (1 if spelling == "read_elsewhere" else 0), repeats
+    else:
+        captured, _ = plan_graph(model, inputs, tp=1, passes=(capture_pass,))
+        assert gm.code == captured.code
+    torch.testing.assert_close(gm(*ctx.example_inputs)[0], model(*inputs), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("heads, kv_heads, divisor, repeat", [

@@ -20,6 +20,9 @@ from tests import real_models  # noqa: E402
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "flux", "mistral_padded", "wan", "sd3"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
+# transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
+# the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
+KV_HEADS = {"llama": 4, "qwen2": 2, "mistral": 4, "mistral_padded": 4}
 
 
 @pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
@@ -33,6 +36,9 @@ def test_every_block_runs_sharded_without_fallback_gathers(name, mesh):
         assert cov.fallback_gathers == [], cov.fallback_gathers
         assert cov.sharded_block_linear_flops >= 0.95 * cov.block_linear_flops > 0, cov.summary()
         assert cov.parallel_sites == len(graph.sites), cov.summary()
+        if name in KV_HEADS:
+            attention = [site for site in graph.sites if site.startswith("attention")]
+            assert attention and all(f"8 heads, {KV_HEADS[name]} kv heads" in site for site in attention), attention
 
 
 def compare_models(rank: int, world: int, sizes: dict, names: list[str]) -> dict:
