@@ -131,6 +131,19 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+class WithLoss(nn.Module):
+    """``model`` and the benchmark's loss (mean square of its output) in one module, as a
+    training script compiles them: the loss is reduced where the output lies, and no rank
+    needs the whole output."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x).square().mean()
+
+
 def tp_anchor(model: nn.Module, mesh) -> nn.Module:
     """``model`` (same weights) with ``TP_HAND_EDITS`` applied, through ``parallelize_module``
     with Megatron's colwise (q/k/v, up/gate) and rowwise (out/down) plan over ``mesh``."""

@@ -44,11 +44,12 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import dtensor_par
 from benchmarks import gpu, overlap
 from benchmarks.common import executed_collectives, run_ranks
-from benchmarks.models import DiT, Llama, TP_HAND_EDITS, tp_anchor
+from benchmarks.models import DiT, Llama, TP_HAND_EDITS, WithLoss, tp_anchor
 
 FULL = {"dit": {"layers": 2, "dim": 256, "heads": 8, "mlp": 1024},
         "llama": {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 4, "mlp": 768, "vocab": 512}}
@@ -67,19 +68,15 @@ def build(name: str, sizes: dict, seq: int):
     return Llama(**sizes), torch.randint(0, sizes["vocab"], (1, seq))
 
 
-def loss_of(out: torch.Tensor) -> torch.Tensor:
-    return out.square().mean()
-
-
-def train_step(model, opt, x) -> None:
+def train_step(fn, opt, x) -> None:
     opt.zero_grad(set_to_none=True)
-    loss_of(model(x)).backward()
+    fn(x).backward()
     opt.step()
 
 
-def forward(model, x) -> None:
+def forward(fn, x) -> None:
     with torch.no_grad():
-        model(x)
+        fn(x)
 
 
 def timed(fn) -> float:
@@ -125,7 +122,7 @@ def memory(model, fn, opt, x) -> dict:
 
     opt.zero_grad(set_to_none=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_of(fn(x))
+        loss = fn(x)
     loss.backward()
     opt.step()
     params = list(model.parameters())
@@ -136,25 +133,29 @@ def memory(model, fn, opt, x) -> dict:
 
 def context_parallel_variant(model, mesh, x):
     """torch's ``context_parallel`` (eager) over a 1-D mesh: a fresh copy of ``x`` is sharded
-    along the sequence in place at each call; attention runs as torch's ring attention."""
+    along the sequence in place at each call; attention runs as torch's ring attention; the
+    loss is the mean over ranks of each rank's mean (equal shards)."""
+    from torch.distributed.nn.functional import all_reduce
     from torch.distributed.tensor.experimental import context_parallel
 
     def call(_):
         shard = x.clone()
         with context_parallel(mesh, buffers=[shard], buffer_seq_dims=[1]):
-            return model(shard)
+            local = model(shard).square().mean()
+        return all_reduce(local, group=mesh.get_group()) / mesh.size()
 
     return call
 
 
 def _variants(name, sizes, seq, mesh_sizes, mesh, inner):
-    """(model, callable, note) per variant, all from the same weights; ``inner``: the
-    backend that compiles ours, the one-device model and the tp anchor."""
+    """(model, loss callable, note) per variant, all from the same weights; ``inner``: the
+    backend that compiles ours, the one-device model and the tp anchor. Each compiles the
+    model with its loss (``WithLoss``), as a training script does."""
     model, x = build(name, sizes, seq)
-    one = copy.deepcopy(model)
+    one = WithLoss(copy.deepcopy(model))
     out = {"one_device": (one, torch.compile(one, backend=inner), f"torch.compile(backend={inner!r})")}
     if set(mesh_sizes) == {"tp"}:
-        anchor = tp_anchor(model, mesh["tp"])
+        anchor = WithLoss(tp_anchor(model, mesh["tp"]))
         out["torch"] = (anchor, torch.compile(anchor, backend=inner),
                         f"parallelize_module (colwise q/k/v/up/gate, rowwise out/down), torch.compile(backend={inner!r})")
     elif set(mesh_sizes) == {"ring"}:
@@ -162,19 +163,26 @@ def _variants(name, sizes, seq, mesh_sizes, mesh, inner):
         out["torch"] = (anchor, context_parallel_variant(anchor, mesh["ring"], x),
                         "context_parallel (eager; compiled: not tried, its tracing took over 12 minutes in "
                         "issue 11's measurement)")
-    dtensor_par.parallelize(model, mesh, (x,))
-    out["ours"] = (model, torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=inner)),
+    ours = WithLoss(model)
+    dtensor_par.parallelize(ours, mesh, (x,))
+    out["ours"] = (ours, torch.compile(ours, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=inner)),
                    f"dtensor_par.parallelize + hybrid_parallel(inner_backend={inner!r})")
     return out, x
+
+
+def adamw(model) -> torch.optim.AdamW:
+    """AdamW as torch picks it on GPU: foreach (each op over every parameter at once) where the
+    parameters are of one tensor type. The tp anchor's mix DTensors and plain tensors, which
+    foreach refuses, so its AdamW loops over them (CPU's default for every variant)."""
+    params = list(model.parameters())
+    return torch.optim.AdamW(params, foreach=len({isinstance(p, DTensor) for p in params}) == 1)
 
 
 def measure_config(world, name, sizes, seq, mesh_sizes, reps, inner) -> dict:
     torch._dynamo.reset()
     mesh = dtensor_par.init_mesh(**mesh_sizes)
     variants, x = _variants(name, sizes, seq, mesh_sizes, mesh, inner)
-    # AdamW's default on CPU (a loop over parameters): the tp anchor's parameters mix DTensors
-    # and plain tensors, which its foreach kernels refuse.
-    opts = {v: torch.optim.AdamW(m.parameters()) for v, (m, _, _) in variants.items()}
+    opts = {v: adamw(m) for v, (m, _, _) in variants.items()}
     result = {"model": name, "mesh": mesh_sizes, "world": world, "seq": seq, "notes": {}, "failed": {},
               "first_step_s": {}, "ms": {}, "memory": {}, "collectives": {}}
     fns = {v: fn for v, (_, fn, _) in variants.items()}
@@ -191,7 +199,7 @@ def measure_config(world, name, sizes, seq, mesh_sizes, reps, inner) -> dict:
         try:
             result["first_step_s"][v] = timed(lambda: train_step(fns[v], opts[v], x))
             with torch.no_grad():
-                losses[v] = loss_of(fns[v](x)).item()
+                losses[v] = fns[v](x).item()
         except Exception as e:  # noqa: BLE001  recorded in the table, never hidden
             result["failed"][f"{v} training step"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
             if v != "torch":
@@ -229,7 +237,7 @@ def measure_config(world, name, sizes, seq, mesh_sizes, reps, inner) -> dict:
             phases["forward"] = executed_collectives(lambda: forward(fns[v], x))
         if v in steps:
             holder = {}
-            train = executed_collectives(lambda: holder.setdefault("loss", loss_of(fns[v](x))))
+            train = executed_collectives(lambda: holder.setdefault("loss", fns[v](x)))
             phases["train_forward"] = train
             phases["backward"] = executed_collectives(lambda: holder["loss"].backward())
         result["collectives"][v] = {p: _by_op(c) for p, c in phases.items()}
@@ -262,8 +270,7 @@ def analytic_bytes(name: str, sizes: dict, seq: int, mesh: dict, param_bytes: in
     ulysses: q/k/v (kv with the model's kv heads) in and the output back, forward and
     backward; ring: ring - 1 kv-block rotations forward, and backward ring - 1 transfers of
     the blocks' partial dk, dv (the kv blocks kept from forward); cp: every parameter's local
-    gradient reduced once. The full output every rank gets (an all-gather over cp) is above
-    it."""
+    gradient reduced once, and the loss's partial sums (one float) combined."""
     tp, ring, ulysses = (mesh.get(d, 1) for d in ("tp", "ring", "ulysses"))
     cp = ring * ulysses
     layers, dim = sizes["layers"], sizes.get("dim", sizes.get("hidden"))
@@ -283,6 +290,7 @@ def analytic_bytes(name: str, sizes: dict, seq: int, mesh: dict, param_bytes: in
         forward += layers * (ring - 1) * kv_block
         backward += layers * (ring - 1) * kv_block
     gradients = param_bytes if cp > 1 else 0
+    forward += 4 if cp > 1 else 0
     return {"forward": forward, "backward": backward + gradients, "gradient_reductions": gradients}
 
 
@@ -317,14 +325,11 @@ def _ratio(a, b) -> str:
 
 
 def _above(r: dict) -> str:
-    """Bytes above the analytic minimum, forward and backward; the output gather apart."""
+    """Bytes above the analytic minimum, forward and backward."""
     c, a = r["collectives"].get("ours", {}), r["analytic_bytes"]
-    gather = c.get("train_forward", {}).get("all_gather_into_tensor", {}).get("bytes", 0)
-    forward = _sum(c.get("train_forward"))[1] - a["forward"] - gather
-    backward = _sum(c.get("backward"))[1] - a["backward"]
-    parts = [f"output gather (output='full') {_mib(gather)} MiB" if gather else "",
-             f"forward other {_mib(forward)} MiB" if forward else "", f"backward {_mib(backward)} MiB" if backward else ""]
-    return ", ".join(p for p in parts if p)
+    excess = {"forward": _sum(c.get("train_forward"))[1] - a["forward"],
+              "backward": _sum(c.get("backward"))[1] - a["backward"]}
+    return ", ".join(f"{phase} {_mib(n)} MiB" for phase, n in excess.items() if n)
 
 
 def tables(results: list[dict]) -> str:
@@ -354,8 +359,8 @@ def tables(results: list[dict]) -> str:
                    f"| {_ratio(fb, a['forward'])} | {bc} | {_mib(bb)} | {_mib(a['backward'])} "
                    f"| {_ratio(bb, a['backward'])} | {g['buckets']} ({g['per_parameter']}) "
                    f"| {ops(c.get('train_forward'))} | {ops(c.get('backward'))} |")
-    out.append("\nAbove the minimum: " + "; ".join(
-        f"{r['model']} {_mesh_text(r['mesh'])}: {_above(r)}" for r in ok if _above(r)))
+    out.append("\nAbove the minimum: " + ("; ".join(
+        f"{r['model']} {_mesh_text(r['mesh'])}: {_above(r)}" for r in ok if _above(r)) or "nothing"))
     out += ["", "Compile overhead (first training step, compile included) and memory per rank (MiB):",
             "| model | mesh | first step ours s | first step plain torch.compile s | ratio | our passes s (share) "
             "| ours: params / grads / AdamW / saved activations | torch | one device |",

@@ -23,11 +23,27 @@ from .sharded import parallelize
 OUTPUT_MODES = ("full", "local")
 
 
+INDUCTOR_OVERLAP = {"reorder_for_compute_comm_overlap": True,
+                    "reorder_for_compute_comm_overlap_passes": ["raise_comms", "sink_waits"]}
+"""Inductor's own form of ``passes.overlap``: each collective issued as early as its inputs
+allow, each wait at its first reader."""
+
+
+def _overlapped_inductor(gm: torch.fx.GraphModule, example_inputs):
+    """Inductor with ``INDUCTOR_OVERLAP``, unless its comm/compute reordering is configured."""
+    from torch._inductor.compile_fx import compile_fx
+
+    configured = torch._inductor.config.reorder_for_compute_comm_overlap
+    return compile_fx(gm, example_inputs, config_patches=None if configured else INDUCTOR_OVERLAP)
+
+
 def resolve_backend(inner_backend: str | Callable) -> Callable:
-    """The inner backend by name; ``"aot_eager"`` overlaps backward's gradient reductions
-    (``passes.overlap``)."""
+    """The inner backend by name; ``"aot_eager"`` and ``"inductor"`` issue each collective as
+    early as its inputs allow and wait for it at its first reader (``passes.overlap``)."""
     if inner_backend == "aot_eager":
         return overlapped_aot_eager
+    if inner_backend == "inductor":
+        return _overlapped_inductor
     return inner_backend if callable(inner_backend) else lookup_backend(inner_backend)
 
 
@@ -60,7 +76,11 @@ def hybrid_parallel(mesh: DeviceMesh, *, inner_backend: str | Callable = "induct
     not compile. ``replica_group_limit``: distinct replica-group sets a Neuron program may use.
     ``grad_bucket_mb``: the partial gradients of parameters (replicated over a mesh dim, used
     rank-locally) are all-reduced in flat buckets of this size, each issued in backward as soon
-    as its last gradient exists.
+    as its last gradient exists. ``inner_backend``: what compiles each rank's graph; with
+    ``"inductor"`` and ``"aot_eager"`` each collective is issued as early as its inputs allow
+    and waited for at its first reader, so it overlaps the compute that does not need it
+    (``passes.overlap``; with inductor, its ``raise_comms`` and ``sink_waits`` passes unless
+    ``torch._inductor.config.reorder_for_compute_comm_overlap`` is set).
 
     Sizes Dynamo made symbolic (``dynamic=True``, ``mark_dynamic``, or its automatic dynamic
     shapes at the second size) are planned and compiled once, for every size; ``dynamic=False``

@@ -147,8 +147,8 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_ln1_parameters_weight_ : t
 
 
 def test_hybrid_attention_collectives_per_attention(fake_world):
-    """tp=2 x ring=2 x ulysses=2: per attention, forward one all-to-all for q/k/v (packed),
-    one for the output and ring-1 kv rotations; the backward mirrors both all-to-alls."""
+    """tp=2 x ring=2 x ulysses=2: per attention, forward one all-to-all for q, one for k/v
+    (packed), one for the output and ring-1 kv rotations; the backward mirrors the all-to-alls."""
     import dtensor_par
     from dtensor_par.passes.capture import capture_graphs
     from dtensor_par.backend import parallelize_graph
@@ -168,9 +168,9 @@ def test_hybrid_attention_collectives_per_attention(fake_world):
         return sum(1 for n in graph.graph.nodes if n.target == torch.ops._c10d_functional.all_to_all_single.default
                    and n.args[3] == group)
 
-    assert all_to_alls(graphs["forward"], "ulysses") == 2 * layers
+    assert all_to_alls(graphs["forward"], "ulysses") == 3 * layers
     assert all_to_alls(graphs["forward"], "ring") == (ring - 1) * layers
-    assert all_to_alls(graphs["backward"], "ulysses") == 2 * layers
+    assert all_to_alls(graphs["backward"], "ulysses") == 3 * layers
     assert all_to_alls(graphs["backward"], "ring") == (2 * ring - 1) * layers
 
 
@@ -193,7 +193,7 @@ def test_mask_stays_whole_and_an_uneven_sequence_is_padded(fake_world):
     gm, ctx = parallelize_graph(g, inputs, ParallelConfig(info))
     inputs = {n.name: n.meta["dtensor_par"]["cp"].out for n in gm.graph.nodes if n.op == "placeholder"}
     assert inputs["l_x_"] == Shard(1) and inputs["l_keep_"] == Replicate()
-    assert forward_collectives(gm) == Counter(all_to_all=2, ring_rotate=1, all_gather=1)
+    assert forward_collectives(gm) == Counter(all_to_all=3, ring_rotate=1, all_gather=1)
     gather, = [n for n in gm.graph.nodes if n.target is C.all_gather]
     assert gather.kwargs == {"length": 30}
     hybrid, = [n for n in gm.graph.nodes if n.target is hybrid_attention]
@@ -259,3 +259,58 @@ def test_parameter_gradients_reduced_in_buckets_over_cp(fake_world):
         wait, = (u for u in issue.users if u.target is WAIT)
         between = [n for n in backward.graph.nodes if order[issue] < order[n] < order[wait]]
         assert any(n.target is torch.ops.aten.mm.default for n in between), (issue.name, [str(n.target) for n in between])
+
+
+def test_forward_issues_q_exchange_before_the_kv_projections(fake_world):
+    """Ulysses exchanges q alone; overlap_pass issues it as soon as q exists, so the k and v
+    projections run while it is in flight (as traced, it waits at once, after them)."""
+    from dtensor_par.backend import parallelize_graph
+    from dtensor_par.mesh import MeshInfo
+    from dtensor_par.passes.capture import capture_graphs
+    from dtensor_par.passes.context import ParallelConfig
+    from dtensor_par.passes.overlap import WAIT, overlap_pass
+
+    fake_world(2)
+    mesh = MeshInfo.from_mesh(dtensor_par.init_mesh(ulysses=2))
+    model = models.LlamaBlock(hidden=64, heads=8, kv_heads=2, enable_gqa=True)
+    (gm, inputs), = capture_graphs(model, torch.randn(2, 16, 64))
+    local_gm, ctx = parallelize_graph(gm, inputs, ParallelConfig(mesh))
+    assert ctx.sites[0].core.meta["dtensor_par_comm"][0].forward_bytes == 2 * 8 * 8 * 8 * 4  # q: 8 heads of 8 rows
+
+    def compute_during_each_exchange(forward):
+        order = {n: i for i, n in enumerate(forward.graph.nodes)}
+        exchanges = [n for n in forward.graph.nodes if n.target is torch.ops._c10d_functional.all_to_all_single.default]
+        result = []
+        for issue in exchanges:
+            wait, = (u for u in issue.users if u.target is WAIT)
+            result.append([n.target for n in forward.graph.nodes if order[issue] < order[n] < order[wait]
+                           and n.target is torch.ops.aten.mm.default])
+        return result
+
+    traced = aot_graphs(local_gm, ctx)["forward"]
+    assert compute_during_each_exchange(traced) == [[], [], []]  # q; k and v packed; the output
+    during = compute_during_each_exchange(overlap_pass(traced))
+    assert len(during[0]) == 2 and during[1:] == [[], []]  # the k and v projections run during q's
+
+
+def test_overlap_pass_alone_raises_issues_and_sinks_waits_keeping_random_order():
+    """The issue moves ahead of the compute it does not need, its wait to its first reader;
+    the two random draws stay in their order (the first draw is not needed by anything
+    before the reduction, the second reads the matmul)."""
+    from dtensor_par.passes.overlap import overlap_pass
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    first_draw = graph.call_function(aten.rand_like.default, (x,))
+    product = graph.call_function(aten.mm.default, (x, x))
+    second_draw = graph.call_function(aten.rand_like.default, (product,))
+    issue = graph.call_function(c10d.all_reduce.default, (x, "sum", "0"))
+    wait = graph.call_function(c10d.wait_tensor.default, (issue,))
+    with_second = graph.call_function(aten.add.Tensor, (product, second_draw))
+    total = graph.call_function(aten.add.Tensor, (with_second, first_draw))
+    result = graph.call_function(aten.add.Tensor, (total, wait))
+    graph.output(result)
+    gm = overlap_pass(torch.fx.GraphModule(torch.nn.Module(), graph))
+    expected = [x, issue, first_draw, product, second_draw, with_second, total, wait, result]
+    assert [n.name for n in gm.graph.nodes][:-1] == [n.name for n in expected]

@@ -46,11 +46,16 @@ def _trade(x: torch.Tensor, gathered: int, kept: int, ulysses: MeshDim, impl: st
     return full.narrow(kept, ulysses.rank * n, n)
 
 
-def _seq_to_heads(tensors: list[torch.Tensor], ulysses: MeshDim, impl: str, comm: str) -> list[torch.Tensor]:
-    """One exchange for tensors of one shape (packed), else one each."""
-    if all(t.shape == tensors[0].shape for t in tensors):
-        return list(_trade(torch.stack(tensors), SEQ, HEADS, ulysses, impl, comm).unbind(0))
-    return [_trade(t, SEQ, HEADS, ulysses, impl, comm) for t in tensors]
+def _seq_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses: MeshDim, impl: str,
+                  comm: str) -> list[torch.Tensor]:
+    """q's exchange alone, issued first, then k and v packed in one (one each when grouped kv
+    heads make their shapes differ). q's exchange depends on q only, so a scheduler that issues
+    collectives as early as their inputs allow (``passes.overlap``, inductor's ``raise_comms``)
+    can send it while k and v are still being projected."""
+    q = _trade(q, SEQ, HEADS, ulysses, impl, comm)
+    if k.shape == v.shape:
+        return [q, *_trade(torch.stack([k, v]), SEQ, HEADS, ulysses, impl, comm).unbind(0)]
+    return [q, _trade(k, SEQ, HEADS, ulysses, impl, comm), _trade(v, SEQ, HEADS, ulysses, impl, comm)]
 
 
 def _mask_for_rank(mask: torch.Tensor, heads: int, padded_heads: int, ulysses_rank: int, ulysses_size: int,
@@ -96,7 +101,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_
                 enable_gqa = False
             padded = -(-heads // ulysses_size) * ulysses_size
             q, k, v = (F.pad(t, (0, 0, 0, 0, 0, padded - heads)) for t in (q, k, v))
-        q, k, v = _seq_to_heads([q, k, v], ulysses, ulysses_impl, comm)
+        q, k, v = _seq_to_heads(q, k, v, ulysses, ulysses_impl, comm)
     if attn_mask is not None:
         block = q.shape[SEQ]  # this ring rank's block of (padded) query positions
         rows = (zigzag_indices(block * ring_size, ring_size, ring.rank) if ring_size > 1

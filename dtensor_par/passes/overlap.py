@@ -1,15 +1,21 @@
 """overlap: let the collectives of an AOTAutograd graph run while it computes.
 
-AOTAutograd traces a collective's wait right after its issue, where autograd ran it. A
-gradient bucket's all-reduce (``ops.collectives.grad_all_reduce_bucket``) is read only by
-the gradients backward returns, so waiting at once would stall backward on the network.
-``sink_waits`` moves each wait, with the views and copies taken of its result (a bucket's
-gradients), to just before the first other op that reads them: the all-reduce is in flight
-while the rest of backward computes, and waited before backward ends. Nothing else moves;
-a wait whose result is read at once stays where it is.
+AOTAutograd traces a collective where the program called it and its wait right after, so the
+network and the compute take turns. Two passes, the policy of inductor's ``raise_comms`` and
+``sink_waits`` on the FX graph:
 
-Used on the backward graph of the ``"aot_eager"`` inner backend (``overlapped_aot_eager``).
-Inductor schedules waits itself (its ``reorder_for_compute_comm_overlap`` passes).
+- ``raise_issues`` issues each collective as soon as its inputs exist: it moves the issue, with
+  only the nodes it needs, ahead of everything else that does not feed it, collectives kept in
+  their order (every rank issues the same sequence). Ulysses exchanges q alone
+  (``ops.attention``), so q's all-to-all then runs while k and v are projected; in backward,
+  a gradient bucket's all-reduce is issued as soon as its last gradient exists.
+- ``sink_waits`` moves each wait, with the views and copies taken of its result, to just
+  before the first other op that reads them.
+
+Random ops keep their order among themselves (which numbers one draws depends on how many
+were drawn before), and so do ops with side effects. Used on both graphs of the ``"aot_eager"`` inner backend
+(``overlapped_aot_eager``); with inductor, ``hybrid_parallel`` turns on inductor's own
+passes instead (``api.INDUCTOR_OVERLAP``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,56 @@ def _followers(wait: fx.Node) -> list[fx.Node]:
     return sorted(group, key=order.__getitem__)
 
 
+def _is_issue(node: fx.Node) -> bool:
+    return (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "_c10d_functional"
+            and node.target is not WAIT)
+
+
+def _keeps_its_place(node: fx.Node) -> bool:
+    """A node whose order among its kind matters: it draws random numbers (which numbers
+    depends on how many were drawn before) or has side effects."""
+    seeded = isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
+    return node.op == "call_function" and (seeded or node.is_impure())
+
+
+def raise_issues(gm: fx.GraphModule) -> fx.GraphModule:
+    """Move each collective's issue, and the nodes it needs, ahead of every node it does not
+    need. Collectives keep their order, and so do random and side-effecting ops among
+    themselves (each is placed after the one before it)."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    ordered = [n for n in nodes if _keeps_its_place(n)]
+    after = dict(zip(ordered[1:], ordered))
+    order: list[fx.Node] = []
+    placed: set[fx.Node] = set()
+
+    def place(node: fx.Node) -> None:
+        """``node`` after its not yet placed inputs (depth first, inputs in graph order)."""
+        stack = [(node, False)]
+        while stack:
+            n, inputs_placed = stack.pop()
+            if n in placed:
+                continue
+            if inputs_placed:
+                placed.add(n)
+                order.append(n)
+                continue
+            stack.append((n, True))
+            needs = n.all_input_nodes + ([after[n]] if n in after else [])
+            stack += [(i, False) for i in sorted(needs, key=position.__getitem__, reverse=True) if i not in placed]
+
+    for n in [n for n in nodes if _is_issue(n)] + nodes:
+        place(n)
+    output = next(n for n in reversed(nodes) if n.op == "output")
+    for n in order:
+        if n.op != "placeholder" and n is not output:
+            output.prepend(n)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
 def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
     """Move each collective's wait (and the views and copies of its result) to just before
     its first other reader."""
@@ -54,11 +110,15 @@ def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def overlap_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    return sink_waits(raise_issues(gm))
+
+
 def overlapped_aot_eager(gm: fx.GraphModule, example_inputs):
-    """torch's ``aot_eager`` with ``sink_waits`` run on its backward graph."""
+    """torch's ``aot_eager`` with ``overlap_pass`` run on its forward and backward graphs."""
     from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
-    def backward_compiler(bw: fx.GraphModule, inputs):
-        return boxed_nop(sink_waits(bw), inputs)
+    def compiler(graph: fx.GraphModule, inputs):
+        return boxed_nop(overlap_pass(graph), inputs)
 
-    return aot_eager(gm, example_inputs, bw_compiler=backward_compiler)
+    return aot_eager(gm, example_inputs, fw_compiler=compiler, bw_compiler=compiler)

@@ -67,12 +67,13 @@ def expand_gqa_kv(gm: fx.GraphModule, site: AttentionSite, repeat: int) -> None:
     core.args, core.kwargs = (sdpa.pop("query"), sdpa.pop("key"), sdpa.pop("value")), sdpa
 
 
-def hybrid_attention_communication(site: AttentionSite, q, k, mesh, ulysses_impl: str) -> list[Communication]:
+def hybrid_attention_communication(site: AttentionSite, q, k, v, mesh, ulysses_impl: str) -> list[Communication]:
     """The collectives one hybrid attention issues, per rank, forward and backward.
 
-    Ulysses: one all-to-all for q/k/v (packed) and one for the output, each mirrored in the
-    backward; or, with ``ulysses_impl="all_gather"``, an all-gather of each whose backward
-    reduce-scatters ``ulysses`` times the bytes. Ring: ring-1 kv rotations forward; backward
+    Ulysses: one all-to-all for q, one for k and v (packed; one each when their shapes differ)
+    and one for the output, each mirrored in the backward; or, with
+    ``ulysses_impl="all_gather"``, an all-gather of each whose backward reduce-scatters
+    ``ulysses`` times the bytes. Ring: ring-1 kv rotations forward; backward
     ring-1 kv rotations plus ring fp32 dk/dv rotations. Sizes include the zero heads padding adds.
     """
     tp, ulysses, ring, cp = (mesh.size(n) for n in ("tp", "ulysses", "ring", "cp"))
@@ -87,7 +88,8 @@ def hybrid_attention_communication(site: AttentionSite, q, k, mesh, ulysses_impl
     if ulysses > 1:
         gathers = ulysses_impl == "all_gather"
         forward, backward = ("all_gather", "reduce_scatter") if gathers else ("all_to_all", "all_to_all")
-        for nbytes in (per_head * (q_heads + 2 * kv_heads), per_head * q_heads):
+        exchanges = [q_heads, 2 * kv_heads, q_heads] if k.shape == v.shape else [q_heads, kv_heads, kv_heads, q_heads]
+        for nbytes in (per_head * n for n in exchanges):
             comms.append(Communication(forward, backward, "ulysses", ulysses, nbytes,
                                        nbytes * ulysses if gathers else nbytes, site.name))
     if ring > 1:
@@ -306,9 +308,8 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
     with gm.graph.inserting_before(core):
         hybrid = gm.graph.call_function(hybrid_attention, (sdpa["query"], sdpa["key"], sdpa["value"]), kwargs)
     hybrid.meta.update(core.meta)
-    hybrid.meta["dtensor_par_comm"] = hybrid_attention_communication(site, tensor_val(sdpa["query"]),
-                                                                     tensor_val(sdpa["key"]), mesh,
-                                                                     ctx.config.ulysses_impl)
+    hybrid.meta["dtensor_par_comm"] = hybrid_attention_communication(
+        site, *(tensor_val(sdpa[name]) for name in ("query", "key", "value")), mesh, ctx.config.ulysses_impl)
     core.replace_all_uses_with(hybrid)
     gm.graph.erase_node(core)
     site.core = hybrid
