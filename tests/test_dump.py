@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import dtensor_par
+from benchmarks import models as benchmark_models
 from tests import factories, models
 from tests.conftest import _init_fake
 
@@ -174,6 +175,26 @@ def test_explain_56_heads_at_64_ranks_tp8_ulysses4_ring2():
                  if c["site"] == "attention0" and c["op"] == "all_to_all" and c["direction"] == "forward"]
     assert sorted(exchanges) == sorted([8 * 32 * 64 * 4, 2 * 8 * 32 * 64 * 4, 8 * 32 * 64 * 4])
     assert "ring=2 x ulysses=4 x tp=8 (64 ranks" in str(report)
+
+
+def test_explain_counts_repeated_kv_heads_once_in_the_ulysses_exchange(tmp_path):
+    """The benchmark Llama repeats its 4 kv heads to 8 before attention; canonicalize makes
+    that ``enable_gqa``, so the Ulysses exchange carries 8 query and 4 + 4 kv heads (q alone,
+    k/v packed), the graph holds no repeat, and the report says so."""
+    torch.manual_seed(0)
+    model = benchmark_models.Llama(vocab=64, layers=1, hidden=64, heads=8, kv_heads=4, mlp=96)
+    report = dtensor_par.explain(model, (torch.randint(0, 64, (1, 32)),), ulysses=2, device_type="cpu",
+                                 dump_dir=str(tmp_path))
+    (graph,) = report.graphs
+    per_head = 1 * 16 * 8 * 4  # batch x (sequence 32 / ulysses 2) x head_dim x fp32
+    exchanges = [c["bytes_per_rank"] for c in graph.collectives if c["direction"] == "forward"
+                 and c["mesh_dims"] == "ulysses" for _ in range(c["count"])]
+    assert sorted(exchanges) == [per_head * 8, per_head * 2 * 4, per_head * 8]  # q, k/v, the output back
+    assert "attention0: attention hybrid_attention, 8 heads, 4 kv heads" in graph.sites[0]
+    rewritten = (tmp_path / "graph0" / "4_rewrite.py").read_text()
+    (attention,) = [line for line in rewritten.splitlines() if "hybrid_attention(" in line]
+    assert "enable_gqa=True" in attention
+    assert "expand(" not in rewritten and "repeat_interleave" not in rewritten and "reshape(" in rewritten
 
 
 def _cli(*args):

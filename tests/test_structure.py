@@ -272,7 +272,7 @@ def test_forward_issues_q_exchange_before_the_kv_projections(fake_world):
 
     fake_world(2)
     mesh = MeshInfo.from_mesh(dtensor_par.init_mesh(ulysses=2))
-    model = models.LlamaBlock(hidden=64, heads=8, kv_heads=2, enable_gqa=True)
+    model = models.LlamaBlock(hidden=64, heads=8, kv_heads=2, gqa="enable_gqa")
     (gm, inputs), = capture_graphs(model, torch.randn(2, 16, 64))
     local_gm, ctx = parallelize_graph(gm, inputs, ParallelConfig(mesh))
     assert ctx.sites[0].core.meta["dtensor_par_comm"][0].forward_bytes == 2 * 8 * 8 * 8 * 4  # q: 8 heads of 8 rows
