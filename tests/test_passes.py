@@ -112,20 +112,28 @@ class RepeatedKV(torch.nn.Module):
         return out + key.mean() if self.spelling == "read_elsewhere" else out
 
 
+def _passes_on(model, inputs, passes, **sizes):
+    """``model``'s graph after ``passes``, planned for a mesh of ``sizes`` (no process group)."""
+    (gm, example_inputs), = capture_graphs(model, *inputs)
+    return parallelize_graph(gm, example_inputs, ParallelConfig(MeshInfo.for_planning(sizes, "cpu")), passes=passes)
+
+
 @pytest.mark.parametrize("spelling", REPEATED_KV)
-def test_canonicalize_turns_repeated_kv_heads_into_enable_gqa(fake_world, spelling):
+def test_canonicalize_turns_repeated_kv_heads_into_enable_gqa(spelling):
     inputs = [torch.randn(2, 8, 6, 4), torch.randn(2, 4, 6, 4), torch.randn(2, 4, 6, 4)]
     model = RepeatedKV(spelling)
-    gm, ctx = plan_graph(model, inputs, tp=1, passes=(capture_pass, canonicalize_pass))
-    (core,) = [n for n in gm.graph.nodes if n.target is torch._C._nn.scaled_dot_product_attention]
-    key, value = core.args[1:3]
-    repeats = [n for n in gm.graph.nodes if n.target in ("expand", "repeat_interleave", torch.repeat_interleave)]
-    if spelling not in LEFT_AS_IS:
-        assert key.op == value.op == "placeholder" and core.kwargs["enable_gqa"] is True, core.format_node()
-        assert len(repeats) == (1 if spelling == "read_elsewhere" else 0), repeats
-    else:
-        captured, _ = plan_graph(model, inputs, tp=1, passes=(capture_pass,))
+    captured, _ = _passes_on(model, inputs, (capture_pass,))
+    gm, ctx = _passes_on(model, inputs, (capture_pass, canonicalize_pass), ulysses=2)
+    # Without cp (nothing to send) every spelling is left as it is.
+    assert _passes_on(model, inputs, (capture_pass, canonicalize_pass), tp=2)[0].code == captured.code
+    if spelling in LEFT_AS_IS:
         assert gm.code == captured.code
+    else:
+        (core,) = [n for n in gm.graph.nodes if n.target is torch._C._nn.scaled_dot_product_attention]
+        key, value = core.args[1:3]
+        assert key.op == value.op == "placeholder" and core.kwargs["enable_gqa"] is True, core.format_node()
+        repeats = [n for n in gm.graph.nodes if n.target in ("expand", "repeat_interleave", torch.repeat_interleave)]
+        assert len(repeats) == (1 if spelling == "read_elsewhere" else 0), repeats
     torch.testing.assert_close(gm(*ctx.example_inputs)[0], model(*inputs), atol=1e-6, rtol=1e-6)
 
 

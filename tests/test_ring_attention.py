@@ -276,7 +276,7 @@ def test_a_ring_of_one_runs_windows_and_key_padding_by_query_tiles(window, key_p
         out = ring_attention(q, k, v, ring=one, is_causal=True, window=window, key_padding=keep, kv_len=real)
     else:
         out = _tiled_attention(q, k[:, :, :n], v[:, :, :n], is_causal=True, window=window, key_padding=keep,
-                               scale=None, enable_gqa=False, tile=tile)
+                               scale=None, tile=tile)
     assert out.shape == q.shape and (out[:, :, :n] - reference).abs().max() <= FORWARD_ATOL
     grads = torch.autograd.grad((out[:, :, :n] * weights[:, :, :n]).sum(), (q, k, v))
     for got, want in zip(grads, expected):

@@ -521,8 +521,7 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, window: int | None,
-                     key_padding: torch.Tensor | None, scale: float | None, enable_gqa: bool,
-                     tile: int = 512) -> torch.Tensor:
+                     key_padding: torch.Tensor | None, scale: float | None, tile: int = 512) -> torch.Tensor:
     """SDPA of whole sequences (a ring of one) under a causal window and/or a key padding,
     without a mask of the sequence: each tile of ``tile`` query rows attends, in one call, to
     the keys its (causal) window reaches, with the mask of that tile alone. A padded query
@@ -538,7 +537,7 @@ def _tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_ca
         cols = torch.arange(lo, hi, device=q.device)
         mask = _visible(rows, cols, causal=is_causal, window=window, key_padding=key_padding)
         out.append(F.scaled_dot_product_attention(q[..., start:stop, :], k[..., lo:hi, :], v[..., lo:hi, :],
-                                                  attn_mask=mask, scale=scale, enable_gqa=enable_gqa))
+                                                  attn_mask=mask, scale=scale))
     return torch.cat(out, dim=-2)
 
 
@@ -573,11 +572,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
     if ring.size == 1:
         if kv_len is not None:
             k, v = k[..., :kv_len, :], v[..., :kv_len, :]
+        # kv heads repeated here, after the exchange, as each ring block does: with grouped kv,
+        # CUDA's SDPA has only its flash kernel (half precision, no mask), else the math one.
+        groups = q.shape[1] // k.shape[1]
+        k, v = _repeat_kv_heads(k, groups), _repeat_kv_heads(v, groups)
         if window is not None or key_padding is not None:
-            return _tiled_attention(q, k, v, is_causal=is_causal, window=window, key_padding=key_padding,
-                                    scale=scale, enable_gqa=enable_gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                              enable_gqa=enable_gqa)
+            return _tiled_attention(q, k, v, is_causal=is_causal, window=window, key_padding=key_padding, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
     mask = None if attn_mask is None else _additive(attn_mask, q.dtype)
     return _RingAttention.apply(q, k, v, mask, key_padding, ring, comm, is_causal, scale, zigzag, kv_len, window,
                                 overlap)

@@ -8,11 +8,13 @@
   ``beta * input + alpha * (a @ b)``: a matmul and an add, which have rules.
 - ``x.narrow(dim, start, length)`` becomes the slice ``x[..., start:start + length, ...]``, so
   a fused projection cut by ``narrow`` is cut part by part as by indexing.
-- Attention on key/value heads repeated to the query heads (transformers' ``repeat_kv``:
-  ``k[:, :, None].expand(b, kv, rep, s, d).reshape(b, kv * rep, s, d)``, or
-  ``k.repeat_interleave(rep, dim=1)``) becomes attention on the kv heads with
+- With context parallelism, attention on key/value heads repeated to the query heads
+  (transformers' ``repeat_kv``: ``k[:, :, None].expand(b, kv, rep, s, d).reshape(b, kv * rep,
+  s, d)``, or ``k.repeat_interleave(rep, dim=1)``) becomes attention on the kv heads with
   ``enable_gqa=True``, which reads query head i against kv head i // rep: the same result,
-  and Ulysses and the ring then send each kv head once, not ``rep`` times.
+  and Ulysses and the ring then send each kv head once, not ``rep`` times (hybrid attention
+  repeats them after the exchange, for the kernels). Without cp nothing would be saved, and
+  CUDA's SDPA takes grouped kv only in its flash kernel (half precision, no mask).
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ def canonicalize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModul
         if node.op in ("call_function", "call_method") and node.target in _ADD_PRODUCT:
             if not (node.target is torch.addmm and conv1d_linear(gm, node)):
                 add_product_as_matmul(gm, node)
-        if op_kind(node) == "sdpa":
+        if op_kind(node) == "sdpa" and ctx.mesh.size("cp") > 1:
             grouped_kv_attention(gm, node)
     gm.recompile()
     return gm
