@@ -411,7 +411,6 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         lse = lse.masked_fill(lse.isneginf(), 0.0)
     kv = torch.stack([k, v])
     dq = torch.zeros_like(q, dtype=torch.float32)
-    dkv_incoming = None
     for step in range(size):
         kv_incoming = net.start_rotation(kv, ring) if step + 1 < size else None
         block, block_mask = _blocks_at(step, q, k, mask, key_padding, ring=ring, is_causal=is_causal,
