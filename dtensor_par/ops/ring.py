@@ -2,8 +2,9 @@
 around the ring, so no rank ever holds the full sequence.
 
 Partial results merge by log-sum-exp (online softmax), so the output equals full SDPA. The
-backward recomputes each block from the saved output and global log-sum-exp; the key/value
-gradients travel the ring with their blocks and arrive back at their owner.
+backward recomputes each block from the saved output and global log-sum-exp; each key/value
+block's gradient is the sum of every rank's share: the other ranks' shares follow the block
+around the ring and arrive at its owner in ``ring - 1`` rotations.
 
 Every rotation sends this rank's block to the next rank of the ring (by ring coordinate) and
 receives the previous one's, through ``ops.comm``: with the functional lowering one
@@ -395,8 +396,14 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                    mask: torch.Tensor | None, key_padding: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
                    *, ring: MeshDim, comm: str, is_causal: bool, scale: float | None, zigzag: bool,
                    kv_len: int | None, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq stays here; each key/value block's gradient accumulator follows the block around
-    the ring (one step behind it) and its last rotation delivers it to the block's owner."""
+    """dq stays here, and so does this rank's share of its own key/value gradient (step 0).
+
+    The other ranks' shares travel in one fp32 accumulator per block: block ``r - 1``'s
+    starts on rank ``r`` at step 1, each later holder adds its share and sends it on, and the
+    send at step ``ring - 1`` lands at the block's owner, which adds it to its own share.
+    ``ring - 1`` dk/dv rotations, the fewest that bring every share home. Every rank issues
+    the same rotations in the same order, whatever its mask skips.
+    """
     size, net = ring.size, LOWERINGS[comm]
     groups = q.shape[1] // k.shape[1]
     if mask is not None or key_padding is not None or window is not None:
@@ -404,7 +411,6 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         lse = lse.masked_fill(lse.isneginf(), 0.0)
     kv = torch.stack([k, v])
     dq = torch.zeros_like(q, dtype=torch.float32)
-    dkv_incoming = None
     for step in range(size):
         kv_incoming = net.start_rotation(kv, ring) if step + 1 < size else None
         block, block_mask = _blocks_at(step, q, k, mask, key_padding, ring=ring, is_causal=is_causal,
@@ -415,17 +421,19 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                 grad_out[..., rows, :], q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block_mask,
                 out[..., rows, :], lse[..., rows], is_causal=block.is_causal, scale=scale, groups=groups)
             dq[..., rows, :] += dq_block
-        # Wait for the accumulator only now, so its transfer overlapped this step's compute.
-        if dkv_incoming is None:
+        if step < 2:  # step 0: this rank's own share; step 1: block (rank - 1)'s accumulator starts here
             dkv = torch.zeros_like(kv, dtype=torch.float32)
-        else:
+        else:  # waited only now, so its transfer overlapped this step's compute
             dkv = net.finish_rotation(dkv_incoming)
         if block is not None:
             dkv[..., cols, :] += torch.stack([dk_block, dv_block])
-        dkv_incoming = net.start_rotation(dkv, ring)
+        if step == 0:
+            dkv_own = dkv
+        else:
+            dkv_incoming = net.start_rotation(dkv, ring)
         if kv_incoming is not None:
             kv = net.finish_rotation(kv_incoming)
-    dkv = net.finish_rotation(dkv_incoming)
+    dkv = dkv_own + net.finish_rotation(dkv_incoming)
     return _consume(dq, kv).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
