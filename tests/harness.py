@@ -11,6 +11,11 @@ from benchmarks.common import aot_graphs, capturing_backend, run_ranks  # noqa: 
 FORWARD_ATOL = 1e-5
 GRAD_RTOL = 1e-4
 
+FUNCTIONAL_OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
+                  "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single",
+                  "ring_rotate": "all_to_all_single"}
+"""The functional collective each op of a report (explain, plan.json) runs as."""
+
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()

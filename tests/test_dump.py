@@ -18,8 +18,10 @@ import torch.distributed as dist
 
 import dtensor_par
 from benchmarks import models as benchmark_models
+from benchmarks.common import executed_collectives
 from tests import factories, models
 from tests.conftest import _init_fake
+from tests.harness import FUNCTIONAL_OPS
 
 PASS_FILES = ["0_dynamo.py", "1_capture.py", "2_canonicalize.py", "3_detect.py", "4_rewrite.py", "5_plan.py",
               "6_localize.py", "7_lower.py", "8_aten.py", "collectives.md", "mesh.svg", "plan.json", "sites.txt"]
@@ -175,6 +177,34 @@ def test_explain_56_heads_at_64_ranks_tp8_ulysses4_ring2():
                  if c["site"] == "attention0" and c["op"] == "all_to_all" and c["direction"] == "forward"]
     assert sorted(exchanges) == sorted([8 * 32 * 64 * 4, 2 * 8 * 32 * 64 * 4, 8 * 32 * 64 * 4])
     assert "ring=2 x ulysses=4 x tp=8 (64 ranks" in str(report)
+
+
+@pytest.mark.parametrize("ring", [2, 4])
+def test_ring_step_runs_what_explain_reports(ring, fake_world):
+    """A training step at ring 2 and 4, under eager and aot_eager alike, runs, collective by
+    collective and byte by byte, what explain reports: forward ring - 1 kv rotations, whose
+    blocks the backward reuses; backward ring - 1 rotations of the fp32 dk/dv accumulators
+    (each rank keeps its share of its own block's gradient). bf16 activations tell the kv
+    blocks from the fp32 accumulators."""
+    fake_world(ring)
+    model = models.GPTBlock(hidden=32, heads=4, mlp=64).to(torch.bfloat16)
+    x = torch.randn(2, 16, 32, dtype=torch.bfloat16)
+    reported = {"forward": Counter(), "backward": Counter()}
+    for row in dtensor_par.explain(model, (x,), ring=ring, device_type="cpu").graphs[0].collectives:
+        reported[row["direction"]][FUNCTIONAL_OPS[row["op"]], row["bytes_per_rank"]] += row["count"]
+    kv_block = 2 * 2 * 4 * (16 // ring) * 8 * 2  # k and v: batch 2, 4 heads, 16 / ring positions of 8, bf16
+    assert reported["forward"]["all_to_all_single", kv_block] == ring - 1
+    assert reported["backward"]["all_to_all_single", 2 * kv_block] == ring - 1  # fp32 dk, dv
+    assert reported["backward"]["all_to_all_single", kv_block] == 0
+    mesh = dtensor_par.init_mesh(ring=ring)
+    for inner in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=inner))
+        compiled(x).sum().backward()  # compiles
+        loss = {}
+        ran = {"forward": Counter(executed_collectives(lambda: loss.setdefault("step", compiled(x).sum())))}
+        ran["backward"] = Counter(executed_collectives(loss["step"].backward))
+        assert ran == reported, inner
 
 
 def test_explain_counts_repeated_kv_heads_once_in_the_ulysses_exchange(tmp_path):

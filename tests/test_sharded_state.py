@@ -16,7 +16,7 @@ import torch.nn as nn
 import dtensor_par
 from tests import models
 from benchmarks.common import executed_collectives
-from tests.harness import loss_of, max_rel, run_ranks
+from tests.harness import FUNCTIONAL_OPS, loss_of, max_rel, run_ranks
 
 PARAM_RTOL = 1e-5
 
@@ -136,11 +136,6 @@ def test_training_matches_one_device_holding_one_tp_share(sizes, tmp_path):
             assert "dcp_params" in result["llama"]
 
 
-_FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
-               "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single",
-               "ring_rotate": "all_to_all_single"}
-
-
 def count_collectives(rank: int, world: int, dump_dir: str):
     """One training step's executed collectives against the dumped table, for a parallelized
     model and for one that is not (whose table lists the parameter-gradient gathers)."""
@@ -160,7 +155,7 @@ def count_collectives(rank: int, world: int, dump_dir: str):
         for plan in glob.glob(os.path.join(folder, f"ring0_ulysses{rank // 2}_tp{rank % 2}", "*", "plan.json")):
             with open(plan) as f:
                 for row in json.load(f)["collectives"]:
-                    table[_FUNCTIONAL[row["op"]]] += row["count"]
+                    table[FUNCTIONAL_OPS[row["op"]]] += row["count"]
         gathers = sum(row["count"] for plan in glob.glob(os.path.join(folder, "*", "*", "plan.json"))
                       for row in json.load(open(plan))["collectives"] if row["site"] == "parameter gradient")
         results[str(parallelized)] = {"ran": dict(ran), "table": dict(table), "param_grad_gathers": gathers}

@@ -148,7 +148,8 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_ln1_parameters_weight_ : t
 
 def test_hybrid_attention_collectives_per_attention(fake_world):
     """tp=2 x ring=2 x ulysses=2: per attention, forward one all-to-all for q, one for k/v
-    (packed), one for the output and ring-1 kv rotations; the backward mirrors the all-to-alls."""
+    (packed), one for the output and ring-1 kv rotations; the backward mirrors the all-to-alls,
+    reuses the kv blocks and rotates the dk/dv accumulators ring-1 times."""
     import dtensor_par
     from dtensor_par.passes.capture import capture_graphs
     from dtensor_par.backend import parallelize_graph
@@ -171,7 +172,7 @@ def test_hybrid_attention_collectives_per_attention(fake_world):
     assert all_to_alls(graphs["forward"], "ulysses") == 3 * layers
     assert all_to_alls(graphs["forward"], "ring") == (ring - 1) * layers
     assert all_to_alls(graphs["backward"], "ulysses") == 3 * layers
-    assert all_to_alls(graphs["backward"], "ring") == (2 * ring - 1) * layers
+    assert all_to_alls(graphs["backward"], "ring") == (ring - 1) * layers  # dk/dv
 
 
 def test_mask_stays_whole_and_an_uneven_sequence_is_padded(fake_world):

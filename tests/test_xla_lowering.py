@@ -176,7 +176,8 @@ class TestXlaLoweredBlockGolden(expecttest.TestCase):
         backward = xm_gloo.calls[len(forward):]
         self.assertExpectedInline("\n".join(["forward:", *forward, "backward:", *backward]), """\
 forward:
-all_to_all [2, 3, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
+all_to_all [2, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
+all_to_all [2, 2, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
 collective_permute [2, 2, 2, 8, 8] pairs=[[0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]
 all_to_all [2, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
 all_reduce [2, 4, 64] scale=1.0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
@@ -186,9 +187,8 @@ backward:
 all_reduce [2, 4, 64] scale=1.0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
 all_to_all [2, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
 collective_permute [2, 2, 2, 8, 8] pairs=[[0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]
-collective_permute [2, 2, 2, 8, 8] pairs=[[0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]
-collective_permute [2, 2, 2, 8, 8] pairs=[[0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]
-all_to_all [2, 3, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
+all_to_all [2, 2, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
+all_to_all [2, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
 all_reduce [2, 4, 64] scale=1.0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
 all_reduce [16928] scale=1.0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False
 all_gather [1, 64, 64] dim=0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
@@ -279,12 +279,12 @@ def test_permuted_mesh_takes_shards_by_coordinate():
 
 
 def test_ulysses_all_gather_form_collectives():
-    """Per attention: two all-gathers over ulysses forward, two reduce-scatters backward, no
-    all-to-all."""
+    """Per attention: three all-gathers over ulysses forward (q, k/v, the output), three
+    reduce-scatters backward, no all-to-all."""
     model, inputs = factories.gpt()
     graph, = dtensor_par.explain(model, inputs, tp=2, ulysses=2, ulysses_impl="all_gather").graphs
     ulysses = Counter()
     for c in graph.collectives:
         if c["mesh_dims"] == "ulysses" and c["site"] == "attention0":
             ulysses[c["direction"], c["op"]] += c["count"]
-    assert ulysses == {("forward", "all_gather"): 2, ("backward", "reduce_scatter"): 2}
+    assert ulysses == {("forward", "all_gather"): 3, ("backward", "reduce_scatter"): 3}

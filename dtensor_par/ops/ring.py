@@ -2,8 +2,12 @@
 around the ring, so no rank ever holds the full sequence.
 
 Partial results merge by log-sum-exp (online softmax), so the output equals full SDPA. The
-backward recomputes each block from the saved output and global log-sum-exp; the key/value
-gradients travel the ring with their blocks and arrive back at their owner.
+backward recomputes each block from the saved output and global log-sum-exp, on the key/value
+blocks the forward received (kept for it: ``ring - 1`` blocks, the memory of the keys and
+values of the whole sequence but one block, traded for sending them again); each key/value
+block's gradient is the sum of every rank's share: the other ranks' shares follow the block
+around the ring and arrive at its owner in ``ring - 1`` rotations. AOTAutograd would keep the
+blocks anyway: it merges a backward rotation with the forward's identical one (CSE).
 
 Every rotation sends this rank's block to the next rank of the ring (by ring coordinate) and
 receives the previous one's, through ``ops.comm``: with the functional lowering one
@@ -361,13 +365,15 @@ def _blocks_at(step: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor |
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   key_padding: torch.Tensor | None, *, ring: MeshDim, comm: str, is_causal: bool,
                   scale: float | None, zigzag: bool, kv_len: int | None, window: int | None,
-                  overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output (q's dtype) and global log-sum-exp (float32) of this rank's query rows.
-    ``overlap=False`` waits for each rotation before computing (for benchmarks)."""
+                  overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Output (q's dtype) and global log-sum-exp (float32) of this rank's query rows, and the
+    stacked key/value block of each step (the backward's). ``overlap=False`` waits for each
+    rotation before computing (for benchmarks)."""
     size, net = ring.size, LOWERINGS[comm]
     groups = q.shape[1] // k.shape[1]
     masked = mask is not None or key_padding is not None or window is not None
     kv = torch.stack([k, v])
+    blocks = [kv]
     out = lse = None
     for step in range(size):
         incoming = net.start_rotation(kv, ring) if step + 1 < size else None
@@ -388,26 +394,31 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                 _merge_into(out, lse, block.q_rows, block_out, block_lse, masked)
         if incoming is not None:
             kv = net.finish_rotation(incoming)
-    return _consume(out, kv).to(q.dtype), lse
+            blocks.append(kv)
+    return _consume(out, kv).to(q.dtype), lse, blocks
 
 
-def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.Tensor],
                    mask: torch.Tensor | None, key_padding: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
                    *, ring: MeshDim, comm: str, is_causal: bool, scale: float | None, zigzag: bool,
                    kv_len: int | None, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq stays here; each key/value block's gradient accumulator follows the block around
-    the ring (one step behind it) and its last rotation delivers it to the block's owner."""
-    size, net = ring.size, LOWERINGS[comm]
-    groups = q.shape[1] // k.shape[1]
+    """dq stays here, and so does this rank's share of its own key/value gradient (step 0).
+    ``blocks``: the stacked key/value block of each step, as the forward received them.
+
+    The other ranks' shares travel in one fp32 accumulator per block: block ``r - 1``'s
+    starts on rank ``r`` at step 1, each later holder adds its share and sends it on, and the
+    send at step ``ring - 1`` lands at the block's owner, which adds it to its own share.
+    ``ring - 1`` dk/dv rotations, the fewest that bring every share home. Every rank issues
+    the same rotations in the same order, whatever its mask skips.
+    """
+    net = LOWERINGS[comm]
+    groups = q.shape[1] // blocks[0].shape[2]
     if mask is not None or key_padding is not None or window is not None:
         # A row the mask hides entirely has output 0 and no gradient; 0 keeps its kernel finite.
         lse = lse.masked_fill(lse.isneginf(), 0.0)
-    kv = torch.stack([k, v])
     dq = torch.zeros_like(q, dtype=torch.float32)
-    dkv_incoming = None
-    for step in range(size):
-        kv_incoming = net.start_rotation(kv, ring) if step + 1 < size else None
-        block, block_mask = _blocks_at(step, q, k, mask, key_padding, ring=ring, is_causal=is_causal,
+    for step, kv in enumerate(blocks):
+        block, block_mask = _blocks_at(step, q, kv[0], mask, key_padding, ring=ring, is_causal=is_causal,
                                                       zigzag=zigzag, kv_len=kv_len, window=window)
         if block is not None:
             rows, cols = block.q_rows, block.kv_rows
@@ -415,18 +426,18 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                 grad_out[..., rows, :], q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block_mask,
                 out[..., rows, :], lse[..., rows], is_causal=block.is_causal, scale=scale, groups=groups)
             dq[..., rows, :] += dq_block
-        # Wait for the accumulator only now, so its transfer overlapped this step's compute.
-        if dkv_incoming is None:
+        if step < 2:  # step 0: this rank's own share; step 1: block (rank - 1)'s accumulator starts here
             dkv = torch.zeros_like(kv, dtype=torch.float32)
-        else:
+        else:  # waited only now, so its transfer overlapped this step's compute
             dkv = net.finish_rotation(dkv_incoming)
         if block is not None:
             dkv[..., cols, :] += torch.stack([dk_block, dv_block])
-        dkv_incoming = net.start_rotation(dkv, ring)
-        if kv_incoming is not None:
-            kv = net.finish_rotation(kv_incoming)
-    dkv = net.finish_rotation(dkv_incoming)
-    return _consume(dq, kv).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        if step == 0:
+            dkv_own = dkv
+        else:
+            dkv_incoming = net.start_rotation(dkv, ring)
+    dkv = dkv_own + net.finish_rotation(dkv_incoming)
+    return dq.to(q.dtype), dkv[0].to(blocks[0].dtype), dkv[1].to(blocks[0].dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -437,15 +448,15 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, key_padding, ring, comm, is_causal, scale, zigzag, kv_len, window, overlap):
         options = dict(ring=ring, comm=comm, is_causal=is_causal, scale=scale, zigzag=zigzag, kv_len=kv_len,
                        window=window)
-        out, lse = _ring_forward(q, k, v, mask, key_padding, **options, overlap=overlap)
-        ctx.save_for_backward(q, k, v, mask, key_padding, out, lse)
+        out, lse, blocks = _ring_forward(q, k, v, mask, key_padding, **options, overlap=overlap)
+        ctx.save_for_backward(q, mask, key_padding, out, lse, *blocks)
         ctx.options = options
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, mask, key_padding, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(grad_out, q, k, v, mask, key_padding, out, lse, **ctx.options)
+        q, mask, key_padding, out, lse, *blocks = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(grad_out, q, blocks, mask, key_padding, out, lse, **ctx.options)
         return (dq, dk, dv) + (None,) * 10
 
 

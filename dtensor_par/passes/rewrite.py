@@ -73,8 +73,9 @@ def hybrid_attention_communication(site: AttentionSite, q, k, v, mesh, ulysses_i
     Ulysses: one all-to-all for q, one for k and v (packed; one each when their shapes differ)
     and one for the output, each mirrored in the backward; or, with
     ``ulysses_impl="all_gather"``, an all-gather of each whose backward reduce-scatters
-    ``ulysses`` times the bytes. Ring: ring-1 kv rotations forward; backward
-    ring-1 kv rotations plus ring fp32 dk/dv rotations. Sizes include the zero heads padding adds.
+    ``ulysses`` times the bytes. Ring: ring-1 kv rotations forward, whose blocks the backward
+    reuses; backward ring-1 fp32 dk/dv rotations (each rank keeps its share of its own block's
+    gradient). Sizes include the zero heads padding adds.
     """
     tp, ulysses, ring, cp = (mesh.size(n) for n in ("tp", "ulysses", "ring", "cp"))
     batch, heads, seq, head_dim = q.shape
@@ -94,10 +95,10 @@ def hybrid_attention_communication(site: AttentionSite, q, k, v, mesh, ulysses_i
                                        nbytes * ulysses if gathers else nbytes, site.name))
     if ring > 1:
         kv_block = 2 * (kv_heads // ulysses) * per_head * ulysses  # k and v of one ring block
-        comms += [Communication("ring_rotate", "ring_rotate", "ring", ring, kv_block, kv_block, site.name)
-                  for _ in range(ring - 1)]
+        comms += [Communication("ring_rotate", None, "ring", ring, kv_block, 0, site.name) for _ in range(ring - 1)]
         fp32_block = kv_block * 4 // q.element_size()
-        comms += [Communication(None, "ring_rotate", "ring", ring, 0, fp32_block, site.name) for _ in range(ring)]
+        comms += [Communication(None, "ring_rotate", "ring", ring, 0, fp32_block, site.name)
+                  for _ in range(ring - 1)]
     return comms
 
 
