@@ -207,14 +207,15 @@ def test_ring_step_runs_what_explain_reports(ring, fake_world):
         assert ran == reported, inner
 
 
-def test_explain_counts_repeated_kv_heads_once_in_the_ulysses_exchange(tmp_path):
+def test_explain_counts_repeated_kv_heads_once_in_the_ulysses_exchange(tmp_path, fake_world):
     """The benchmark Llama repeats its 4 kv heads to 8 before attention; canonicalize makes
     that ``enable_gqa``, so the Ulysses exchange carries 8 query and 4 + 4 kv heads (q alone,
-    k/v packed), the graph holds no repeat, and the report says so."""
+    k/v packed), the graph holds no repeat, the report says so, and a training step runs,
+    collective by collective and byte by byte, what it says."""
     torch.manual_seed(0)
     model = benchmark_models.Llama(vocab=64, layers=1, hidden=64, heads=8, kv_heads=4, mlp=96)
-    report = dtensor_par.explain(model, (torch.randint(0, 64, (1, 32)),), ulysses=2, device_type="cpu",
-                                 dump_dir=str(tmp_path))
+    ids = torch.randint(0, 64, (1, 32))
+    report = dtensor_par.explain(model, (ids,), ulysses=2, device_type="cpu", dump_dir=str(tmp_path))
     (graph,) = report.graphs
     per_head = 1 * 16 * 8 * 4  # batch x (sequence 32 / ulysses 2) x head_dim x fp32
     exchanges = [c["bytes_per_rank"] for c in graph.collectives if c["direction"] == "forward"
@@ -225,6 +226,17 @@ def test_explain_counts_repeated_kv_heads_once_in_the_ulysses_exchange(tmp_path)
     (attention,) = [line for line in rewritten.splitlines() if "hybrid_attention(" in line]
     assert "enable_gqa=True" in attention
     assert "expand(" not in rewritten and "repeat_interleave" not in rewritten and "reshape(" in rewritten
+    reported = {"forward": Counter(), "backward": Counter()}
+    for row in graph.collectives:
+        reported[row["direction"]][FUNCTIONAL_OPS[row["op"]], row["bytes_per_rank"]] += row["count"]
+    fake_world(2)
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(ulysses=2),
+                                                                        inner_backend="aot_eager"))
+    compiled(ids).sum().backward()  # compiles
+    loss = {}
+    ran = {"forward": Counter(executed_collectives(lambda: loss.setdefault("step", compiled(ids).sum())))}
+    ran["backward"] = Counter(executed_collectives(loss["step"].backward))
+    assert ran == reported
 
 
 def _cli(*args):
