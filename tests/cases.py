@@ -38,6 +38,7 @@ CASES = {
     "uneven_seq_30_masked": (lambda: models.MaskedAttention("additive"), lambda: [(torch.randn(2, 30, 32), _keep(30))]),
     "uneven_seq_30_bidirectional": (lambda: models.MaskedAttention(None), lambda: [(torch.randn(2, 30, 32),)]),
     "uneven_seq_30_pooling": (models.SequencePooling, lambda: [(torch.randn(2, 30, 32),)]),
+    "mean_loss": (models.MeanLoss, lambda: [(torch.randn(2, 16, 32),)]),
     "conv1d": (models.Conv1DBlock, lambda: [(torch.randn(2, 16, 32),)]),
     "joint_attention": (models.JointBlock, lambda: [(torch.randn(2, 16, 32), torch.randn(2, 8, 32))]),
     "complex_rope_pad": (models.ComplexRoPEAttention, lambda: [(torch.randn(2, 16, 32),)]),

@@ -152,6 +152,19 @@ class CumsumMLP(nn.Module):
         return self.down(h + torch.cumsum(h, dim=1))
 
 
+class MeanLoss(nn.Module):
+    """A block and its loss in one graph: a mean over the sequence and a mean over
+    everything, each partial sums of the sequence shards, reduced once."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.block = GPTBlock(hidden=hidden)
+
+    def forward(self, x):
+        h = self.block(x)
+        return (h * h.mean(dim=1, keepdim=True)).mean()
+
+
 class SequencePooling(nn.Module):
     """Ops that mix along the sequence after attention: a depthwise convolution over it, a
     cumulative sum, a mean over it and the last token."""

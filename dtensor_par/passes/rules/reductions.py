@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ...mesh import MeshInfo
 from ...ops.norm import sharded_norm
-from ...placements import Partial, local_shape_on, shard_dim
+from ...placements import Partial, local_shape_on, parts_of, shard_dim
 from ...symbolic import hint
 from ..context import Communication
 from ..patterns import arg, tensor_val
@@ -70,19 +70,52 @@ def softmax_rule(node, ins, cur, env):
     return replicate_all(node, ins, cur, "softmax over the sharded dim")
 
 
-def reduce_rule(node, ins, cur, env):
-    p, ndim = cur[0], tensor_val(ins[0]).dim()
+_LINEAR = ("sum", "mean", torch.sum, torch.mean)
+"""Reductions that are sums: of partial sums, or of shards (a mean is a sum scaled)."""
+
+
+def _reduced_dims(node: fx.Node, ndim: int) -> set[int]:
     dims = arg(node, 1, "dim")
-    reduced = set(range(ndim)) if dims is None else {norm_dim(d, ndim) for d in
-                                                     (dims if isinstance(dims, (tuple, list)) else [dims])}
-    keepdim = arg(node, 2, "keepdim", False)
-    if isinstance(p, Partial) and node.target in ("sum", "mean", torch.sum, torch.mean):
+    return set(range(ndim)) if dims is None else {norm_dim(d, ndim) for d in
+                                                  (dims if isinstance(dims, (tuple, list)) else [dims])}
+
+
+def reduce_rule(node, ins, cur, env):
+    """A shard of a dim kept stays. A sum or mean over a sharded dim gives partial sums,
+    unless the dim is padded (an uneven sequence: the padding would count)."""
+    p, val = cur[0], tensor_val(ins[0])
+    reduced = _reduced_dims(node, val.dim())
+    if isinstance(p, Partial) and node.target in _LINEAR:
         return NodeSharding(p, (p,))
     p = resolve_partial(ins, cur, env)[0]
+    if shard_dim(p) is not None and p.dim in reduced and node.target in _LINEAR and not any(
+            env.dim == "cp" and env.padded(part) for part in parts_of(p, val.shape[p.dim])):
+        return NodeSharding(Partial(), (p,))
     if shard_dim(p) is None or p.dim in reduced:
         return replicate_all(node, ins, [p], "reduction over the sharded dim")
+    keepdim = arg(node, 2, "keepdim", False)
     out_dim = p.dim if keepdim else p.dim - sum(1 for d in reduced if d < p.dim)
     return NodeSharding(moved(p, out_dim), (p,))
+
+
+def mean_of_shards(x: torch.Tensor, dim, keepdim: bool, dtype: torch.dtype | None, ranks: int) -> torch.Tensor:
+    """This rank's share of a mean over a dim whose equal shards ``ranks`` ranks hold: its own
+    mean over ``ranks``, so the shares sum to the mean."""
+    mean = x.mean(dtype=dtype) if dim is None else x.mean(dim, keepdim=keepdim, dtype=dtype)
+    return mean / ranks
+
+
+def localize_mean(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """A mean planned as partial sums of shards becomes ``mean_of_shards``."""
+    if node.target not in ("mean", torch.mean):
+        return
+    ranks = math.prod(mesh.dims[d].size for d, s in node.meta["dtensor_par"].items()
+                      if isinstance(s.out, Partial) and not isinstance(s.inputs[0], Partial))
+    if ranks > 1:
+        node.op, node.target = "call_function", mean_of_shards
+        node.args = tuple(arg(node, i, name, default) for i, (name, default) in
+                          enumerate((("input", None), ("dim", None), ("keepdim", False), ("dtype", None))))
+        node.kwargs = {"ranks": ranks}
 
 
 register("norm", "reductions", norm_rule, functions=[F.layer_norm, F.rms_norm, torch.layer_norm, torch.rms_norm],
@@ -91,4 +124,4 @@ register("softmax", "reductions", softmax_rule, functions=[F.softmax, torch.soft
                                                            torch.log_softmax],
          methods=["softmax", "log_softmax"])
 register("reduce", "reductions", reduce_rule, functions=[torch.sum, torch.mean, torch.amax],
-         methods=["sum", "mean", "amax"])
+         methods=["sum", "mean", "amax"], localize=localize_mean)
