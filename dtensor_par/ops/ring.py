@@ -417,6 +417,7 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.T
         # A row the mask hides entirely has output 0 and no gradient; 0 keeps its kernel finite.
         lse = lse.masked_fill(lse.isneginf(), 0.0)
     dq = torch.zeros_like(q, dtype=torch.float32)
+    dkv_incoming = None  # the accumulator on its way here, from step 2 on
     for step, kv in enumerate(blocks):
         block, block_mask = _blocks_at(step, q, kv[0], mask, key_padding, ring=ring, is_causal=is_causal,
                                                       zigzag=zigzag, kv_len=kv_len, window=window)
@@ -426,7 +427,7 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.T
                 grad_out[..., rows, :], q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block_mask,
                 out[..., rows, :], lse[..., rows], is_causal=block.is_causal, scale=scale, groups=groups)
             dq[..., rows, :] += dq_block
-        if step < 2:  # step 0: this rank's own share; step 1: block (rank - 1)'s accumulator starts here
+        if dkv_incoming is None:  # step 0: this rank's own share; step 1: block (rank - 1)'s accumulator starts here
             dkv = torch.zeros_like(kv, dtype=torch.float32)
         else:  # waited only now, so its transfer overlapped this step's compute
             dkv = net.finish_rotation(dkv_incoming)
