@@ -70,8 +70,8 @@ def generated_code(mesh_sizes: dict, reorder: bool, seq: int) -> str:
 def report(quick: bool = False) -> dict:
     if quick:
         return {"text": "skipped in --quick (each inductor compile takes tens of seconds on CPU)", "rows": []}
-    rows, lines = [], ["| mesh | collective | compute kernels between issue and wait: as called | with raise_comms + sink_waits |",
-                       "| --- | --- | --- | --- |"]
+    rows, lines = [], ["| mesh | collective | compute kernels between issue and wait: as called "
+                       "| with raise_comms + sink_waits |", "| --- | --- | --- | --- |"]
     for mesh_sizes in ({"tp": 2}, {"ulysses": 2}):
         try:
             as_called, overlapped = (schedule(generated_code(mesh_sizes, r, 64)) for r in (False, True))
