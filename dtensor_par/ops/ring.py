@@ -365,15 +365,17 @@ def _blocks_at(step: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor |
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   key_padding: torch.Tensor | None, *, ring: MeshDim, comm: str, is_causal: bool,
                   scale: float | None, zigzag: bool, kv_len: int | None, window: int | None,
-                  overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Output (q's dtype) and global log-sum-exp (float32) of this rank's query rows, and the
-    stacked key/value block of each step (the backward's). ``overlap=False`` waits for each
-    rotation before computing (for benchmarks)."""
+                  overlap: bool = True, keep_blocks: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Output (q's dtype) and global log-sum-exp (float32) of this rank's query rows, and, with
+    ``keep_blocks``, the stacked key/value block of each step (the backward's; without, each
+    block is freed once computed). ``overlap=False`` waits for each rotation before computing
+    (for benchmarks)."""
     size, net = ring.size, LOWERINGS[comm]
     groups = q.shape[1] // k.shape[1]
     masked = mask is not None or key_padding is not None or window is not None
     kv = torch.stack([k, v])
-    blocks = [kv]
+    blocks = [kv] if keep_blocks else []
     out = lse = None
     for step in range(size):
         incoming = net.start_rotation(kv, ring) if step + 1 < size else None
@@ -394,7 +396,8 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                 _merge_into(out, lse, block.q_rows, block_out, block_lse, masked)
         if incoming is not None:
             kv = net.finish_rotation(incoming)
-            blocks.append(kv)
+            if keep_blocks:
+                blocks.append(kv)
     return _consume(out, kv).to(q.dtype), lse, blocks
 
 
@@ -446,10 +449,12 @@ class _RingAttention(torch.autograd.Function):
     collectives (which would rebuild every block's attention matrix)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, key_padding, ring, comm, is_causal, scale, zigzag, kv_len, window, overlap):
+    def forward(ctx, q, k, v, mask, key_padding, ring, comm, is_causal, scale, zigzag, kv_len, window, overlap,
+                keep_blocks):
         options = dict(ring=ring, comm=comm, is_causal=is_causal, scale=scale, zigzag=zigzag, kv_len=kv_len,
                        window=window)
-        out, lse, blocks = _ring_forward(q, k, v, mask, key_padding, **options, overlap=overlap)
+        out, lse, blocks = _ring_forward(q, k, v, mask, key_padding, **options, overlap=overlap,
+                                         keep_blocks=keep_blocks)
         ctx.save_for_backward(q, mask, key_padding, out, lse, *blocks)
         ctx.options = options
         return out
@@ -458,7 +463,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, mask, key_padding, out, lse, *blocks = ctx.saved_tensors
         dq, dk, dv = _ring_backward(grad_out, q, blocks, mask, key_padding, out, lse, **ctx.options)
-        return (dq, dk, dv) + (None,) * 10
+        return (dq, dk, dv) + (None,) * 11
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -592,5 +597,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
             return _tiled_attention(q, k, v, is_causal=is_causal, window=window, key_padding=key_padding, scale=scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
     mask = None if attn_mask is None else _additive(attn_mask, q.dtype)
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return _RingAttention.apply(q, k, v, mask, key_padding, ring, comm, is_causal, scale, zigzag, kv_len, window,
-                                overlap)
+                                overlap, backward)
