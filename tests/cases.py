@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import dtensor_par
 from tests import models
-from tests.harness import compare
+from tests.harness import compare, logged
 
 def _keep(seq: int) -> torch.Tensor:
     """Key padding: the second sequence of the batch ends in 5 padding positions."""
@@ -47,15 +47,6 @@ CASES = {
 }
 
 
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def run_cases(rank: int, world: int, names: list[str], options: dict, steps: int = 2,
               inputs: list | None = None, full_tensor: bool = False, dynamic: bool | None = None,
               mesh_sizes: dict | None = None, order: tuple | None = None, mesh_ranks: tuple | None = None) -> dict:
@@ -77,11 +68,7 @@ def run_cases(rank: int, world: int, names: list[str], options: dict, steps: int
             compiled = torch.compile(m, backend=backend, dynamic=dynamic)
             return (lambda *a: compiled(*a).full_tensor()) if full_tensor else compiled
 
-        handler = _Warnings()
-        logging.getLogger("dtensor_par").addHandler(handler)
-        try:
+        with logged(logging.WARNING) as warnings:
             metrics = compare(model, inputs or make_inputs(), compiled_fn, steps=steps)
-        finally:
-            logging.getLogger("dtensor_par").removeHandler(handler)
-        results[name] = {**metrics, "warnings": handler.messages}
+        results[name] = {**metrics, "warnings": warnings}
     return results

@@ -18,7 +18,7 @@ from dtensor_par.passes.context import ParallelConfig
 from dtensor_par.symbolic import hint
 from tests import models
 from tests.conftest import _init_fake
-from tests.harness import FORWARD_ATOL, GRAD_RTOL, compare, run_ranks
+from tests.harness import FORWARD_ATOL, GRAD_RTOL, compare, logged, run_ranks
 
 # Five lengths at two batch sizes: 13, 18 and 30 are padded over every mesh below (cp = 2, or
 # 4 and 8 chunks in the zigzag layout), 16 and 24 are not.
@@ -48,15 +48,6 @@ def _counting(compiles: list):
     return inner
 
 
-class _Log(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def _run_modes(rank: int, world: int, names: list[str]) -> dict:
     results = {}
     for name in names:
@@ -67,18 +58,12 @@ def _run_modes(rank: int, world: int, names: list[str]) -> dict:
         compiles = []
         backend = dtensor_par.hybrid_parallel(mesh, inner_backend=_counting(compiles))
         inputs = [_inputs(name, b, s) for b, s in SIZES]
-        log = _Log()
-        logging.getLogger("dtensor_par").addHandler(log)
-        logging.getLogger("dtensor_par").setLevel(logging.INFO)
-        try:
+        with logged(logging.INFO) as messages:
             metrics = compare(make_model(), inputs, lambda m: torch.compile(m, backend=backend, dynamic=True),
                               steps=1)
-        finally:
-            logging.getLogger("dtensor_par").removeHandler(log)
-            logging.getLogger("dtensor_par").setLevel(logging.WARNING)
         symbolic = [c for c in compiles if any(isinstance(x, torch.SymInt) for x in c)]
         results[name] = {**metrics, "compiles": len(compiles), "symbolic_compiles": len(symbolic),
-                         "plans": [m for m in log.messages if "hybrid_parallel: planned graph" in m]}
+                         "plans": [m for m in messages if "hybrid_parallel: planned graph" in m]}
 
     # dynamic=False keeps today's behaviour: Dynamo specializes, and each size is planned for itself.
     mesh = dtensor_par.init_mesh(tp=world)
