@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Placement as DTensorPlacement
@@ -91,6 +92,16 @@ def standin_param(value) -> nn.Parameter | None:
     return getattr(value, _STANDIN_OF, None) if isinstance(value, nn.Parameter) else None
 
 
+def _in_compiled_call() -> bool:
+    """Whether a ``torch.compile`` region is running (the check torch's own ``set_stance`` makes):
+    the swap hooks run eagerly, skipped by Dynamo, so ``is_compiling`` is False in them."""
+    callback = get_eval_frame_callback()
+    return callback is not None and callback is not False
+
+
+# Skipped by Dynamo (only these frames: the forward they surround is compiled as before): a
+# traced hook costs a Dynamo trace of its loop over every parameter, twice per first call.
+@torch.compiler.disable(recursive=False)
 def _swap_in(module: nn.Module, args) -> None:
     slots = getattr(module, _STATE).slots
     for slot in slots:
@@ -98,7 +109,7 @@ def _swap_in(module: nn.Module, args) -> None:
             raise RuntimeError(
                 f"parameter {slot.fqn!r} of parallelized {type(module).__name__} was replaced; change it in place "
                 f"(copy_, torch.distributed.checkpoint.state_dict.set_model_state_dict)")
-    if not torch.compiler.is_compiling():
+    if not _in_compiled_call():
         raise RuntimeError(
             f"{type(module).__name__} was parallelized (its parameters are DTensor shards): call it through "
             f"torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh)), or build it with the "
@@ -107,6 +118,7 @@ def _swap_in(module: nn.Module, args) -> None:
         slot.module._parameters[slot.name] = slot.standin
 
 
+@torch.compiler.disable(recursive=False)
 def _swap_out(module: nn.Module, args, output) -> None:
     for slot in getattr(module, _STATE).slots:
         slot.module._parameters[slot.name] = slot.param
