@@ -193,10 +193,10 @@ class _GradAllReduceBucket(torch.autograd.Function):
     def backward(ctx, *grads):
         mesh_dim, comm = ctx.args
         flat = LOWERINGS[comm].all_reduce(torch.cat([g.reshape(-1) for g in grads]), mesh_dim)
-        pieces = flat.split([g.numel() for g in grads])
-        # Each gradient gets its own storage (a copy): a view would keep the whole bucket
-        # alive for as long as any one gradient is held.
-        return None, None, *(piece.view_as(g).clone() for piece, g in zip(pieces, grads))
+        # Each gradient gets its own storage (split copies, one op): a view would keep the
+        # whole bucket alive for as long as any one gradient is held.
+        pieces = torch.split_with_sizes_copy(flat, [g.numel() for g in grads])
+        return None, None, *(piece.view(g.shape) for piece, g in zip(pieces, grads))
 
 
 class _AllGather(torch.autograd.Function):

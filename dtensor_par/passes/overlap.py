@@ -27,9 +27,10 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 WAIT = torch.ops._c10d_functional.wait_tensor.default
-FOLLOWERS = {operator.getitem, aten.clone.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default,
-         aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.as_strided.default,
-         aten.t.default, aten.permute.default, aten.squeeze.dim, aten.unsqueeze.default}
+FOLLOWERS = {operator.getitem, aten.clone.default, aten.view.default, aten._unsafe_view.default,
+             aten.reshape.default, aten.alias.default, aten.split.Tensor, aten.split_with_sizes.default,
+             aten.split_with_sizes_copy.default, aten.slice.Tensor, aten.as_strided.default, aten.t.default,
+             aten.permute.default, aten.squeeze.dim, aten.unsqueeze.default}
 """Ops that only view or copy their input: moved along with the wait whose result they read."""
 
 
