@@ -236,7 +236,12 @@ class ParallelRuntime:
             local = spec.static_fakes(local)
         examples = [x.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else x
                     for x, a in zip(local, args)]
-        fn = self.inner_backend(local_gm, examples)
+        # Compiled at the first call, outside Dynamo: the backend gets the tracing context Dynamo
+        # gives one. Without it, dead-code elimination keeps random-tagged ops (SDPA is one)
+        # whose results nobody reads: AOTAutograd's default partitioner then copied the ring's
+        # forward attention kernels into the backward, where they ran for nothing.
+        with torch._guards.tracing(torch._guards.TracingContext(spec.fake_mode if spec else None)):
+            fn = self.inner_backend(local_gm, examples)
         if spec is not None:
             spec.seal()
         return LocalGraph(fn, input_placements, ctx.output_placements, ctx.comm, key, spec)

@@ -12,9 +12,10 @@ import dtensor_par
 from dtensor_par.ops import collectives as C
 from dtensor_par.passes.localize import collectives_in
 from dtensor_par.placements import InterleavedShard, Replicate, Shard
+from benchmarks import models as benchmark_models
 from tests import models
 from tests.conftest import plan_graph
-from tests.harness import aot_graphs
+from tests.harness import aot_graphs, capturing_backend
 
 
 def forward_collectives(gm) -> Counter:
@@ -173,6 +174,25 @@ def test_hybrid_attention_collectives_per_attention(fake_world):
     assert all_to_alls(graphs["forward"], "ring") == (ring - 1) * layers
     assert all_to_alls(graphs["backward"], "ulysses") == 3 * layers
     assert all_to_alls(graphs["backward"], "ring") == (ring - 1) * layers  # dk/dv
+
+
+def test_ring_backward_runs_no_forward_attention_kernel(fake_world):
+    """The runtime compiles its graph at the first call, outside Dynamo, under the tracing
+    context Dynamo gives a backend. Without it, dead-code elimination kept random-tagged ops,
+    and AOTAutograd's default partitioner (an ``aot_autograd`` backend's unless it names
+    another) copied every forward block's attention kernel, whose results only the forward
+    merge reads, into the backward, where it ran for nothing."""
+    fake_world(2)
+    model = benchmark_models.DiTBlock(dim=32, heads=4, mlp=64)  # not causal: two blocks merged per rank
+    x = torch.randn(2, 16, 32)
+    graphs = {}
+    backend = dtensor_par.hybrid_parallel(dtensor_par.init_mesh(ring=2), inner_backend=capturing_backend(graphs))
+    torch.compile(model, backend=backend)(x).sum().backward()
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    sdpa_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    kernels = {name: Counter(n.target for n in gm.graph.nodes if n.target in (sdpa, sdpa_backward))
+               for name, gm in graphs.items()}
+    assert kernels == {"forward": {sdpa: 2}, "backward": {sdpa_backward: 2}}, kernels
 
 
 def test_mask_stays_whole_and_an_uneven_sequence_is_padded(fake_world):
