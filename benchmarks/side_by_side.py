@@ -1,6 +1,6 @@
 """Ours against what a user would write by hand, side by side, in one run.
 
-    python -m benchmarks [--quick] [--reps 5] [--json benchmarks.json]   (from the repo root)
+    python -m benchmarks [--quick] [--reps 5] [--compile-reps 3] [--json benchmarks.json]   (from the repo root)
 
 (``__main__.py`` calls ``main`` here: spawned ranks import what they run from a module.)
 
@@ -19,8 +19,9 @@ weights and input everywhere:
   lies above it by op.
 - gradient reductions: buckets against one reduction per parameter (``explain``, fake group).
 - compile overhead: first call (forward and backward, compiles included; the optimizer's
-  first step apart) with our backend against plain ``torch.compile``
-  with the same inner backend, and the share of our passes in it (``dtensor_par`` debug log).
+  first step apart) with our backend against plain ``torch.compile`` with the same inner
+  backend: each compiled afresh, slowest rank, median of ``--compile-reps`` alternated; and
+  the share of our passes in it (``dtensor_par`` debug log).
 - memory per rank: parameters, gradients and AdamW state (bytes of the local pieces), and
   activations saved for backward (measured with saved-tensor hooks: distinct storages).
 - forward overlap under inductor (``overlap.py``) and a GPU section (``gpu.py``), skipped on
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import gc
 import json
 import logging
 import os
@@ -153,8 +155,7 @@ def _variants(name, sizes, seq, mesh_sizes, mesh, inner):
     backend that compiles ours, the one-device model and the tp anchor. Each compiles the
     model with its loss (``WithLoss``), as a training script does."""
     model, x = build(name, sizes, seq)
-    one = WithLoss(copy.deepcopy(model))
-    out = {"one_device": (one, torch.compile(one, backend=inner), f"torch.compile(backend={inner!r})")}
+    out = {"one_device": (*one_device(model, inner), f"torch.compile(backend={inner!r})")}
     if set(mesh_sizes) == {"tp"}:
         anchor = WithLoss(tp_anchor(model, mesh["tp"]))
         out["torch"] = (anchor, torch.compile(anchor, backend=inner),
@@ -164,11 +165,55 @@ def _variants(name, sizes, seq, mesh_sizes, mesh, inner):
         out["torch"] = (anchor, context_parallel_variant(anchor, mesh["ring"], x),
                         "context_parallel (eager; compiled: not tried, its tracing took over 12 minutes in "
                         "issue 11's measurement)")
-    ours = WithLoss(model)
-    dtensor_par.parallelize(ours, mesh, (x,))
-    out["ours"] = (ours, torch.compile(ours, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=inner)),
-                   f"dtensor_par.parallelize + hybrid_parallel(inner_backend={inner!r})")
+    out["ours"] = (*ours(model, mesh, x, inner), f"dtensor_par.parallelize + hybrid_parallel(inner_backend={inner!r})")
     return out, x
+
+
+def one_device(model, inner):
+    """A copy of ``model`` with its loss, and its ``torch.compile`` form."""
+    one = WithLoss(copy.deepcopy(model))
+    return one, torch.compile(one, backend=inner)
+
+
+def ours(model, mesh, x, inner):
+    """``model`` (parallelized in place) with its loss, and its form compiled with our backend."""
+    parallel = WithLoss(model)
+    dtensor_par.parallelize(parallel, mesh, (x,))
+    return parallel, torch.compile(parallel, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=inner))
+
+
+def slowest(seconds: float) -> float:
+    """The largest of every rank's ``seconds``: a parallel call is done when its last rank is."""
+    t = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def first_call_seconds(name, sizes, seq, mesh, inner, reps) -> tuple[dict, dict]:
+    """Compile overhead: the first forward and backward of a model compiled afresh (Dynamo's
+    caches reset, garbage collected), on the slowest rank, median of ``reps`` alternated
+    between one device and ours (a second compile in a process runs slower than the first,
+    so order would favour whichever came first); and our passes' mean time per compile (ms)."""
+    model, x = build(name, sizes, seq)
+    makers = {"one_device": lambda: one_device(model, inner),
+              "ours": lambda: ours(copy.deepcopy(model), mesh, x, inner)}
+    logger = logging.getLogger("dtensor_par")
+    passes, level = PassTimes(), logger.level
+    times = defaultdict(list)
+    for _ in range(reps):
+        for v, make in makers.items():
+            torch._dynamo.reset()
+            _, fn = make()
+            gc.collect()
+            logger.addHandler(passes)
+            logger.setLevel(logging.DEBUG)
+            try:
+                times[v].append(slowest(timed(lambda: fn(x).backward())))
+            finally:
+                logger.removeHandler(passes)
+                logger.setLevel(level)
+    return ({v: statistics.median(t) for v, t in times.items()},
+            {k: ms / reps for k, ms in passes.ms.items()})
 
 
 def adamw(model) -> torch.optim.AdamW:
@@ -179,26 +224,23 @@ def adamw(model) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, foreach=len({isinstance(p, DTensor) for p in params}) == 1)
 
 
-def measure_config(world, name, sizes, seq, mesh_sizes, reps, inner) -> dict:
-    torch._dynamo.reset()
+def measure_config(world, name, sizes, seq, mesh_sizes, reps, compile_reps, inner) -> dict:
     mesh = dtensor_par.init_mesh(**mesh_sizes)
-    variants, x = _variants(name, sizes, seq, mesh_sizes, mesh, inner)
-    opts = {v: adamw(m) for v, (m, _, _) in variants.items()}
     result = {"model": name, "mesh": mesh_sizes, "world": world, "seq": seq, "notes": {}, "failed": {},
               "first_call_s": {}, "ms": {}, "memory": {}, "collectives": {}}
+    result["first_call_s"], result["pass_ms"] = first_call_seconds(name, sizes, seq, mesh, inner, compile_reps)
+
+    torch._dynamo.reset()
+    variants, x = _variants(name, sizes, seq, mesh_sizes, mesh, inner)
+    opts = {v: adamw(m) for v, (m, _, _) in variants.items()}
     fns = {v: fn for v, (_, fn, _) in variants.items()}
     result["notes"] = {v: note for v, (_, _, note) in variants.items()}
-
-    logger = logging.getLogger("dtensor_par")
-    passes, level = PassTimes(), logger.level
-    logger.addHandler(passes)
-    logger.setLevel(logging.DEBUG)
     losses = {}
     for v in ("one_device", "ours", "torch"):  # first call: compiles
         if v not in fns:
             continue
         try:
-            result["first_call_s"][v] = timed(lambda: fns[v](x).backward())
+            fns[v](x).backward()
             opts[v].zero_grad(set_to_none=True)
             with torch.no_grad():
                 losses[v] = fns[v](x).item()
@@ -206,9 +248,6 @@ def measure_config(world, name, sizes, seq, mesh_sizes, reps, inner) -> dict:
             result["failed"][f"{v} training step"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
             if v != "torch":
                 raise
-    logger.removeHandler(passes)
-    logger.setLevel(level)
-    result["pass_ms"] = dict(passes.ms)
     result["losses_after_one_step"] = losses
 
     steps = [v for v in fns if f"{v} training step" not in result["failed"]]
@@ -254,11 +293,11 @@ def _by_op(calls: list[tuple[str, int]]) -> dict:
     return dict(out)
 
 
-def run_world(rank, world, configs, shapes, seq, reps, inner) -> list:
+def run_world(rank, world, configs, shapes, seq, reps, compile_reps, inner) -> list:
     results = []
     for name, mesh_sizes in configs:
         try:
-            results.append(measure_config(world, name, shapes[name], seq, mesh_sizes, reps, inner))
+            results.append(measure_config(world, name, shapes[name], seq, mesh_sizes, reps, compile_reps, inner))
         except Exception as e:  # noqa: BLE001  one broken configuration does not hide the others
             traceback.print_exc()
             results.append({"model": name, "mesh": mesh_sizes, "world": world, "seq": seq,
@@ -387,17 +426,20 @@ def main():
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: one tiny configuration at world 2, 2 reps, inner backend eager")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per variant (at least 5)")
+    parser.add_argument("--compile-reps", type=int, default=3,
+                        help="fresh compiles per variant for the compile overhead (median)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 1024, quick 64)")
     parser.add_argument("--json", default="benchmarks.json", help="where to write the measurements")
     args = parser.parse_args()
     shapes, configs = (QUICK, QUICK_CONFIGS) if args.quick else (FULL, CONFIGS)
     reps = 2 if args.quick else max(args.reps, 5)
+    compile_reps = 1 if args.quick else max(args.compile_reps, 1)
     seq = args.seq or (64 if args.quick else 1024)
     inner = "eager" if args.quick else "aot_eager"
     start = time.perf_counter()
     results = []
     for world, world_configs in configs.items():
-        results += run_ranks(world, run_world, world_configs, shapes, seq, reps, inner)[0]  # rank 0's numbers
+        results += run_ranks(world, run_world, world_configs, shapes, seq, reps, compile_reps, inner)[0]  # rank 0's numbers
     for r in results:
         if "error" in r:
             continue
@@ -408,7 +450,8 @@ def main():
     gpu_report = gpu.report(quick=args.quick)
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, {platform.system()}",
-            "torch": torch.__version__, "ranks": "gloo on CPU, 1 thread each", "reps": reps, "seq": seq,
+            "torch": torch.__version__, "ranks": "gloo on CPU, 1 thread each", "reps": reps,
+            "compile_reps": compile_reps, "seq": seq,
             "inner_backend": inner,
             "models": {k: v for k, v in shapes.items()}, "tp_hand_edits": TP_HAND_EDITS,
             "goals": ["TP step <= 0.9x parallelize_module", "CP forward <= 0.9x context_parallel",
@@ -417,7 +460,8 @@ def main():
             "seconds": None}
     text = tables(results)
     print(f"# python -m benchmarks{' --quick' if args.quick else ''}: {info['date']}, {info['machine']}, "
-          f"torch {info['torch']}, {info['ranks']}, medians of {reps}, seq {seq}, inner backend {inner}\n")
+          f"torch {info['torch']}, {info['ranks']}, medians of {reps} (compile overhead: of {compile_reps}), seq {seq}, "
+          f"inner backend {inner}\n")
     print(text)
     print("\nHand edits parallelize_module needs (kept in benchmarks/models.py):")
     for model, edits in TP_HAND_EDITS.items():
