@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
+from torch._dynamo.eval_frame import skip_code
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Placement as DTensorPlacement
@@ -93,15 +94,14 @@ def standin_param(value) -> nn.Parameter | None:
 
 
 def _in_compiled_call() -> bool:
-    """Whether a ``torch.compile`` region is running (the check torch's own ``set_stance`` makes):
-    the swap hooks run eagerly, skipped by Dynamo, so ``is_compiling`` is False in them."""
+    """Whether the swap hooks run under ``torch.compile``: traced into a caller's graph, or run
+    eagerly as their own frames by a compiled module (the check torch's ``set_stance`` makes)."""
+    if torch.compiler.is_compiling():
+        return True
     callback = get_eval_frame_callback()
     return callback is not None and callback is not False
 
 
-# Skipped by Dynamo (only these frames: the forward they surround is compiled as before): a
-# traced hook costs a Dynamo trace of its loop over every parameter, twice per first call.
-@torch.compiler.disable(recursive=False)
 def _swap_in(module: nn.Module, args) -> None:
     slots = getattr(module, _STATE).slots
     for slot in slots:
@@ -118,10 +118,17 @@ def _swap_in(module: nn.Module, args) -> None:
         slot.module._parameters[slot.name] = slot.standin
 
 
-@torch.compiler.disable(recursive=False)
 def _swap_out(module: nn.Module, args, output) -> None:
     for slot in getattr(module, _STATE).slots:
         slot.module._parameters[slot.name] = slot.param
+
+
+# ``torch.compile(model)`` calls the hooks as frames of their own, each of which Dynamo would
+# compile (a trace of the loop over every parameter, twice per first call): they run eagerly
+# instead. A caller that is traced (the ``parallel`` decorator, an outer compiled function)
+# still inlines them into its graph, with no graph break; ``torch.compiler.disable`` would break.
+for _hook in (_swap_in, _swap_out, _in_compiled_call):
+    skip_code(_hook.__code__)
 
 
 def sharded_state(model: nn.Module) -> ShardedState | None:

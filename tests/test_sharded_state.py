@@ -232,6 +232,24 @@ def test_replaced_parallelized_parameter_is_refused(fake_world):
         compiled(x)
 
 
+def test_swap_hooks_cost_no_frame_and_no_graph_break(fake_world):
+    """The hooks that put stand-ins in the DTensor parameters' place: ``torch.compile(model)``
+    calls them as frames of their own, which run eagerly (Dynamo traces the forward alone); a
+    traced caller (an outer compiled function, the decorator's) inlines them, with no break."""
+    from torch._dynamo.utils import counters
+
+    fake_world(2)
+    mesh = dtensor_par.init_mesh(tp=2)
+    backend = dtensor_par.hybrid_parallel(mesh, inner_backend="eager")
+    model, x = _model("gpt")
+    dtensor_par.parallelize(model, mesh, (x,))
+    for name, fn in (("module", model), ("outer function", lambda x: model(x).sum())):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(fn, backend=backend)(x)
+        assert counters["frames"]["ok"] == 1 and not counters["graph_break"], (name, counters)
+
+
 def test_meta_model_materializes_only_local_pieces(fake_world):
     fake_world(4)
     mesh = dtensor_par.init_mesh(tp=4)
