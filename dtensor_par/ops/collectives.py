@@ -106,9 +106,11 @@ def _piece(x: torch.Tensor, p: Placement, mesh_dim: MeshDim, chunk: int, *, edge
     each part of an InterleavedShard, every part laid out as a Shard is."""
     if shard_dim(p) is None:
         return x
-    parts = x.split(list(parts_of(p, x.shape[p.dim])), dim=p.dim)
-    pieces = [_part_piece(part, p.dim, mesh_dim, chunk, edge) for part in parts]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=p.dim)
+    sizes = list(parts_of(p, x.shape[p.dim]))
+    if len(sizes) == 1:  # a plain Shard: no split (each op here is one more for AOTAutograd to trace)
+        return _part_piece(x, p.dim, mesh_dim, chunk, edge)
+    pieces = [_part_piece(part, p.dim, mesh_dim, chunk, edge) for part in x.split(sizes, dim=p.dim)]
+    return torch.cat(pieces, dim=p.dim)
 
 
 def _pieces(x: torch.Tensor, p: Placement, mesh_dim: MeshDim, *, edge: bool = True) -> torch.Tensor:
