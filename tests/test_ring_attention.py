@@ -226,6 +226,45 @@ def test_ring_attention_traces_under_aot_eager():
         assert results["compiled"]["traced_rotations"] == {"forward": 1, "backward": 1}
 
 
+_CUDA_KERNELS = {torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                 torch.ops.aten._scaled_dot_product_efficient_attention_backward.default}
+
+
+class _KernelNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _CUDA_KERNELS or func in (_FORWARD_KERNEL, _BACKWARD_KERNEL):
+            self.names[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("options", [dict(), dict(is_causal=True, zigzag=True), dict(mask=True),
+                                     dict(is_causal=True, enable_gqa=True), dict(is_causal=True, window=3)],
+                         ids=["full", "causal_zigzag", "mask", "causal_gqa", "window"])
+def test_cuda_kernel_path_runs_on_meta_tensors(options, fake_world):
+    """The path a GPU takes (the efficient-attention kernel, its log-sum-exp padded to 32 rows,
+    its backward, the additive bias) on meta tensors, which have shapes and dtypes but no
+    values: forward and backward run the CUDA kernels, none of the CPU ones, and give each
+    input's gradient its shape and dtype. Only the interfaces are checked here; the numbers
+    need a GPU (``python -m benchmarks.gpu``). 40 query rows per rank: not a multiple of 32."""
+    fake_world(2)
+    ring = MeshInfo.from_mesh(DeviceMesh("cpu", [0, 1], mesh_dim_names=("ring",))).dims["ring"]
+    kv_heads = 2 if options.get("enable_gqa") else 4
+    q, k, v = (torch.randn(1, h, 40, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+               for h in (4, kv_heads, kv_heads))
+    if options.pop("mask", False):
+        options["attn_mask"] = torch.ones(1, 1, 40, 80, dtype=torch.bool, device="meta")
+    with _KernelNames() as kernels:
+        out = ring_attention(q, k, v, ring=ring, **options)
+        out.sum().backward()
+    assert set(kernels.names) == {op.name() for op in _CUDA_KERNELS}, kernels.names
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert [(t.grad.shape, t.grad.dtype) for t in (q, k, v)] == [(t.shape, t.dtype) for t in (q, k, v)]
+
+
 def test_zigzag_balances_causal_work_and_contiguous_does_not():
     seq, size, head_dim = 16, 4, 8
     # Local blocks of 4 tokens (zigzag: two chunks of 2). Own block: causal 4*5/2 = 10 pairs;
