@@ -61,9 +61,10 @@ def capturing_backend(graphs: dict):
 
 
 def aot_graphs(local_gm, ctx, backward: bool = True) -> dict:
-    """The forward (and backward) graphs AOTAutograd traces from a localized graph, run on
-    this rank's pieces of the example inputs (on a fake process group nothing is sent)."""
-    from dtensor_par.runtime import local_value
+    """The forward (and backward) graphs AOTAutograd traces from a localized graph, compiled as
+    the runtime compiles it and run on this rank's pieces of the example inputs (on a fake
+    process group nothing is sent)."""
+    from dtensor_par.runtime import compile_local, local_value
 
     graphs = {}
 
@@ -73,7 +74,7 @@ def aot_graphs(local_gm, ctx, backward: bool = True) -> dict:
         placements = {d: s.out for d, s in node.meta["dtensor_par"].items()}
         local = local_value(value.detach(), placements, ctx.mesh, ctx.comm).contiguous()
         inputs.append(local.requires_grad_(backward and value.is_floating_point()))
-    out = capturing_backend(graphs)(local_gm, inputs)(*inputs)
+    out = compile_local(capturing_backend(graphs), local_gm, inputs)(*inputs)
     if backward:
         out[0].sum().backward()
     return graphs

@@ -69,6 +69,15 @@ def local_value(full: torch.Tensor, placements: dict[str, Placement], mesh: Mesh
     return full
 
 
+def compile_local(backend: Callable, gm: fx.GraphModule, examples: list, fake_mode=None) -> Callable:
+    """``backend(gm, examples)`` under the tracing context Dynamo gives a backend: the runtime
+    compiles at the first call, outside Dynamo. Without it, dead-code elimination keeps
+    random-tagged ops (SDPA is one) whose results nobody reads, and AOTAutograd's default
+    partitioner copied the ring's forward attention kernels into the backward."""
+    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+        return backend(gm, examples)
+
+
 @dataclass
 class LocalGraph:
     """One specialization: the compiled per-rank graph and its input/output placements."""
@@ -236,12 +245,7 @@ class ParallelRuntime:
             local = spec.static_fakes(local)
         examples = [x.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else x
                     for x, a in zip(local, args)]
-        # Compiled at the first call, outside Dynamo: the backend gets the tracing context Dynamo
-        # gives one. Without it, dead-code elimination keeps random-tagged ops (SDPA is one)
-        # whose results nobody reads: AOTAutograd's default partitioner then copied the ring's
-        # forward attention kernels into the backward, where they ran for nothing.
-        with torch._guards.tracing(torch._guards.TracingContext(spec.fake_mode if spec else None)):
-            fn = self.inner_backend(local_gm, examples)
+        fn = compile_local(self.inner_backend, local_gm, examples, spec.fake_mode if spec else None)
         if spec is not None:
             spec.seal()
         return LocalGraph(fn, input_placements, ctx.output_placements, ctx.comm, key, spec)
