@@ -5,7 +5,7 @@
 - Ring step attention against one SDPA call at equal FLOPs, one GPU: the keys split into
   ``ring`` blocks, each block's attention with its log-sum-exp through the kernel the ring
   uses on CUDA (``ops.ring._block_forward``: the efficient-attention kernel), merged by
-  log-sum-exp (``ops.ring._merge_into``), against ``F.scaled_dot_product_attention`` over all
+  log-sum-exp (``ops.ring._merge``), against ``F.scaled_dot_product_attention`` over all
   keys (flash or efficient, as torch picks). Same q, k, v; the ratio is what splitting costs.
 - Training step at world 1: ``parallelize`` + ``hybrid_parallel(inner_backend="inductor")``
   on a one-rank mesh against ``torch.compile`` (inductor) of the same model: our overhead
@@ -42,7 +42,7 @@ def cuda_ms(fn, reps: int) -> float:
 
 
 def ring_steps_vs_sdpa(seq: int, heads: int, head_dim: int, ring: int, reps: int) -> dict:
-    from dtensor_par.ops.ring import _block_forward, _merge_into
+    from dtensor_par.ops.ring import _block_forward, _merge
 
     q, k, v = (torch.randn(1, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     k_blocks, v_blocks = k.chunk(ring, dim=-2), v.chunk(ring, dim=-2)
@@ -52,7 +52,7 @@ def ring_steps_vs_sdpa(seq: int, heads: int, head_dim: int, ring: int, reps: int
         lse = torch.full(q.shape[:-1], float("-inf"), device="cuda")
         for kb, vb in zip(k_blocks, v_blocks):
             block_out, block_lse = _block_forward(q, kb, vb, None, is_causal=False, scale=None, groups=1)
-            _merge_into(out, lse, slice(None), block_out.float(), block_lse, False)
+            out, lse = _merge(out, lse, slice(0, seq), block_out.float(), block_lse, False)
         return out
 
     reference = F.scaled_dot_product_attention(q, k, v).float()

@@ -332,15 +332,36 @@ def _consume(result: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
     return result + received[..., :0, :].sum()
 
 
-def _merge_into(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
-                block_lse: torch.Tensor, masked: bool) -> None:
-    """Fold one block's output into the running output of ``rows`` (online softmax)."""
+def _every_row(rows: slice, length: int) -> bool:
+    return rows == slice(0, length)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor,
+           masked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running output and log-sum-exp with one block's output folded into ``rows`` (online
+    softmax): new tensors when the block holds every row, else ``out`` and ``lse`` written in
+    place (an in-place write is traced as a copy more)."""
     merged = torch.logaddexp(lse[..., rows], block_lse)
     # Under a mask a row may have met no visible key yet: -inf on both sides, weights 0.
     reference = merged.masked_fill(merged.isneginf(), 0.0) if masked else merged
-    out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - reference).unsqueeze(-1)
-                         + block_out * torch.exp(block_lse - reference).unsqueeze(-1))
+    folded = (out[..., rows, :] * torch.exp(lse[..., rows] - reference).unsqueeze(-1)
+              + block_out * torch.exp(block_lse - reference).unsqueeze(-1))
+    if _every_row(rows, out.shape[-2]):
+        return folded, merged
+    out[..., rows, :] = folded
     lse[..., rows] = merged
+    return out, lse
+
+
+def _add_rows(total: torch.Tensor | None, rows: slice, part: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``total`` (fp32, of ``shape``; zeros if None) with ``part`` added to ``rows`` of dim -2:
+    out of place when ``part`` holds every row."""
+    if _every_row(rows, shape[-2]):
+        return part.float() if total is None else total + part
+    if total is None:
+        total = torch.zeros(shape, dtype=torch.float32, device=part.device)
+    total[..., rows, :] += part
+    return total
 
 
 def _blocks_at(step: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
@@ -387,13 +408,13 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
             block_out, block_lse = _block_forward(
                 q[..., block.q_rows, :], kv[0][..., block.kv_rows, :], kv[1][..., block.kv_rows, :], block_mask,
                 is_causal=block.is_causal, scale=scale, groups=groups)
-            if out is None and block.q_rows == slice(0, q.shape[-2]):
+            if out is None and _every_row(block.q_rows, q.shape[-2]):
                 out, lse = block_out.float(), block_lse.float()
             else:
                 if out is None:  # a window over padded keys can leave padded query rows no key
                     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
                     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-                _merge_into(out, lse, block.q_rows, block_out, block_lse, masked)
+                out, lse = _merge(out, lse, block.q_rows, block_out, block_lse, masked)
         if incoming is not None:
             kv = net.finish_rotation(incoming)
             if keep_blocks:
@@ -419,7 +440,7 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.T
     if mask is not None or key_padding is not None or window is not None:
         # A row the mask hides entirely has output 0 and no gradient; 0 keeps its kernel finite.
         lse = lse.masked_fill(lse.isneginf(), 0.0)
-    dq = torch.zeros_like(q, dtype=torch.float32)
+    dq = None
     dkv_incoming = None  # the accumulator on its way here, from step 2 on
     for step, kv in enumerate(blocks):
         block, block_mask = _blocks_at(step, q, kv[0], mask, key_padding, ring=ring, is_causal=is_causal,
@@ -429,18 +450,21 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.T
             dq_block, dk_block, dv_block = _block_backward(
                 grad_out[..., rows, :], q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block_mask,
                 out[..., rows, :], lse[..., rows], is_causal=block.is_causal, scale=scale, groups=groups)
-            dq[..., rows, :] += dq_block
-        if dkv_incoming is None:  # step 0: this rank's own share; step 1: block (rank - 1)'s accumulator starts here
-            dkv = torch.zeros_like(kv, dtype=torch.float32)
-        else:  # waited only now, so its transfer overlapped this step's compute
-            dkv = net.finish_rotation(dkv_incoming)
+            dq = _add_rows(dq, rows, dq_block, q.shape)
+        # step 0: this rank's own share; step 1: block (rank - 1)'s accumulator starts here;
+        # later: waited only now, so its transfer overlapped this step's compute
+        dkv = None if dkv_incoming is None else net.finish_rotation(dkv_incoming)
         if block is not None:
-            dkv[..., cols, :] += torch.stack([dk_block, dv_block])
+            dkv = _add_rows(dkv, cols, torch.stack([dk_block, dv_block]), kv.shape)
+        if dkv is None:
+            dkv = torch.zeros_like(kv, dtype=torch.float32)
         if step == 0:
             dkv_own = dkv
         else:
             dkv_incoming = net.start_rotation(dkv, ring)
     dkv = dkv_own + net.finish_rotation(dkv_incoming)
+    if dq is None:  # every block skipped (only padding here)
+        dq = torch.zeros_like(q, dtype=torch.float32)
     return dq.to(q.dtype), dkv[0].to(blocks[0].dtype), dkv[1].to(blocks[0].dtype)
 
 
