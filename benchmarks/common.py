@@ -1,9 +1,11 @@
 """What the benchmarks and the tests share: gloo ranks in processes, the graphs AOTAutograd
-traces from a localized graph."""
+traces from a localized graph, dtensor_par's log records."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import sys
@@ -13,6 +15,23 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+@contextlib.contextmanager
+def logged(level: int):
+    """The records dtensor_par logs at ``level`` or above while the block runs."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level)
+    handler.emit = records.append
+    logger = logging.getLogger("dtensor_par")
+    before = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(before)
 
 
 def _entry(rank: int, world: int, store: str, out_dir: str, fn, args) -> None:

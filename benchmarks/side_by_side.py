@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 
 import dtensor_par
 from benchmarks import gpu, overlap
-from benchmarks.common import executed_collectives, run_ranks
+from benchmarks.common import executed_collectives, logged, run_ranks
 from benchmarks.models import DiT, Llama, TP_HAND_EDITS, WithLoss, tp_anchor
 
 FULL = {"dit": {"layers": 2, "dim": 256, "heads": 8, "mlp": 1024},
@@ -90,16 +90,13 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-class PassTimes(logging.Handler):
-    """Collects the per-pass times ``backend.py`` logs at debug level."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.ms = defaultdict(float)
-
-    def emit(self, record):
+def pass_ms(records: list[logging.LogRecord]) -> dict[str, float]:
+    """Milliseconds per pass, summed, from the times ``backend.py`` logs at debug level."""
+    ms = defaultdict(float)
+    for record in records:
         if record.msg == "%s: %.1f ms":
-            self.ms[record.args[0]] += record.args[1]
+            ms[record.args[0]] += record.args[1]
+    return ms
 
 
 def local_bytes(tensors) -> int:
@@ -197,23 +194,17 @@ def first_call_seconds(name, sizes, seq, mesh, inner, reps) -> tuple[dict, dict]
     model, x = build(name, sizes, seq)
     makers = {"one_device": lambda: one_device(model, inner),
               "ours": lambda: ours(copy.deepcopy(model), mesh, x, inner)}
-    logger = logging.getLogger("dtensor_par")
-    passes, level = PassTimes(), logger.level
-    times = defaultdict(list)
+    times, records = defaultdict(list), []
     for _ in range(reps):
         for v, make in makers.items():
             torch._dynamo.reset()
             _, fn = make()
             gc.collect()
-            logger.addHandler(passes)
-            logger.setLevel(logging.DEBUG)
-            try:
+            with logged(logging.DEBUG) as logs:  # the passes the first call runs, not parallelize's planning
                 times[v].append(slowest(timed(lambda: fn(x).backward())))
-            finally:
-                logger.removeHandler(passes)
-                logger.setLevel(level)
+            records += logs
     return ({v: statistics.median(t) for v, t in times.items()},
-            {k: ms / reps for k, ms in passes.ms.items()})
+            {k: ms / reps for k, ms in pass_ms(records).items()})
 
 
 def adamw(model) -> torch.optim.AdamW:

@@ -68,7 +68,7 @@ def run_cases(rank: int, world: int, names: list[str], options: dict, steps: int
             compiled = torch.compile(m, backend=backend, dynamic=dynamic)
             return (lambda *a: compiled(*a).full_tensor()) if full_tensor else compiled
 
-        with logged(logging.WARNING) as warnings:
+        with logged(logging.WARNING) as records:
             metrics = compare(model, inputs or make_inputs(), compiled_fn, steps=steps)
-        results[name] = {**metrics, "warnings": warnings}
+        results[name] = {**metrics, "warnings": [r.getMessage() for r in records]}
     return results

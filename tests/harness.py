@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import logging
 
 import torch
 
-from benchmarks.common import aot_graphs, capturing_backend, run_ranks  # noqa: F401  (shared with the benchmarks)
+from benchmarks.common import aot_graphs, capturing_backend, logged, run_ranks  # noqa: F401  (shared with the benchmarks)
 
 FORWARD_ATOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -17,23 +15,6 @@ FUNCTIONAL_OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_ten
                   "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single",
                   "ring_rotate": "all_to_all_single"}
 """The functional collective each op of a report (explain, plan.json) runs as."""
-
-
-@contextlib.contextmanager
-def logged(level: int):
-    """The messages dtensor_par logs at ``level`` or above while the block runs."""
-    messages: list[str] = []
-    handler = logging.Handler(level)
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("dtensor_par")
-    before = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(level)
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(before)
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -58,10 +58,11 @@ def _run_modes(rank: int, world: int, names: list[str]) -> dict:
         compiles = []
         backend = dtensor_par.hybrid_parallel(mesh, inner_backend=_counting(compiles))
         inputs = [_inputs(name, b, s) for b, s in SIZES]
-        with logged(logging.INFO) as messages:
+        with logged(logging.INFO) as records:
             metrics = compare(make_model(), inputs, lambda m: torch.compile(m, backend=backend, dynamic=True),
                               steps=1)
         symbolic = [c for c in compiles if any(isinstance(x, torch.SymInt) for x in c)]
+        messages = [r.getMessage() for r in records]
         results[name] = {**metrics, "compiles": len(compiles), "symbolic_compiles": len(symbolic),
                          "plans": [m for m in messages if "hybrid_parallel: planned graph" in m]}
 
