@@ -309,7 +309,7 @@ def _block_mask(mask: torch.Tensor | None, block: _Block, source: int, size: int
     if mask is None:
         return None
     if mask.shape[-2] > 1:
-        mask = mask[..., block.q_rows, :]
+        mask = _part(mask, block.q_rows)
     if mask.shape[-1] == 1:
         return mask
     count = block.kv_rows.stop
@@ -336,15 +336,22 @@ def _every_row(rows: slice, length: int) -> bool:
     return rows == slice(0, length)
 
 
+def _part(x: torch.Tensor, rows: slice, dim: int = -2) -> torch.Tensor:
+    """``rows`` of ``x`` along ``dim``; ``x`` itself when they are all of it (a full slice is
+    traced as one more op)."""
+    return x if _every_row(rows, x.shape[dim]) else x.narrow(dim, rows.start, rows.stop - rows.start)
+
+
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor,
            masked: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The running output and log-sum-exp with one block's output folded into ``rows`` (online
     softmax): new tensors when the block holds every row, else ``out`` and ``lse`` written in
     place (an in-place write is traced as a copy more)."""
-    merged = torch.logaddexp(lse[..., rows], block_lse)
+    lse_rows = _part(lse, rows, -1)
+    merged = torch.logaddexp(lse_rows, block_lse)
     # Under a mask a row may have met no visible key yet: -inf on both sides, weights 0.
     reference = merged.masked_fill(merged.isneginf(), 0.0) if masked else merged
-    folded = (out[..., rows, :] * torch.exp(lse[..., rows] - reference).unsqueeze(-1)
+    folded = (_part(out, rows) * torch.exp(lse_rows - reference).unsqueeze(-1)
               + block_out * torch.exp(block_lse - reference).unsqueeze(-1))
     if _every_row(rows, out.shape[-2]):
         return folded, merged
@@ -406,7 +413,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                                                       zigzag=zigzag, kv_len=kv_len, window=window)
         if block is not None:
             block_out, block_lse = _block_forward(
-                q[..., block.q_rows, :], kv[0][..., block.kv_rows, :], kv[1][..., block.kv_rows, :], block_mask,
+                _part(q, block.q_rows), _part(kv[0], block.kv_rows), _part(kv[1], block.kv_rows), block_mask,
                 is_causal=block.is_causal, scale=scale, groups=groups)
             if out is None and _every_row(block.q_rows, q.shape[-2]):
                 out, lse = block_out.float(), block_lse.float()
@@ -448,8 +455,8 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.T
         if block is not None:
             rows, cols = block.q_rows, block.kv_rows
             dq_block, dk_block, dv_block = _block_backward(
-                grad_out[..., rows, :], q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block_mask,
-                out[..., rows, :], lse[..., rows], is_causal=block.is_causal, scale=scale, groups=groups)
+                _part(grad_out, rows), _part(q, rows), _part(kv[0], cols), _part(kv[1], cols), block_mask,
+                _part(out, rows), _part(lse, rows, -1), is_causal=block.is_causal, scale=scale, groups=groups)
             dq = _add_rows(dq, rows, dq_block, q.shape)
         # step 0: this rank's own share; step 1: block (rank - 1)'s accumulator starts here;
         # later: waited only now, so its transfer overlapped this step's compute
