@@ -274,7 +274,7 @@ def test_parameter_gradients_reduced_in_buckets_over_cp(fake_world):
     backward = sink_waits(aot_graphs(local_gm, ctx)["backward"])
     order = {n: i for i, n in enumerate(backward.graph.nodes)}
     reduces = [n for n in backward.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
-    bucket_reduces = [n for n in reduces if n.args[0].target is torch.ops.aten.cat.default]
+    bucket_reduces = [n for n in reduces if n.args[0].target is torch.ops.dtensor_par.flatten_cat.default]
     assert len(bucket_reduces) == 3
     for issue in bucket_reduces[:-1]:  # the last bucket holds the first layer's parameters: little is left
         wait, = (u for u in issue.users if u.target is WAIT)

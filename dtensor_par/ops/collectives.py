@@ -32,6 +32,8 @@ shows each collective as a ``torch.ops._c10d_functional`` op, which inductor may
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -194,11 +196,42 @@ class _GradAllReduceBucket(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         mesh_dim, comm = ctx.args
-        flat = LOWERINGS[comm].all_reduce(torch.cat([g.reshape(-1) for g in grads]), mesh_dim)
-        # Each gradient gets its own storage (split copies, one op): a view would keep the
-        # whole bucket alive for as long as any one gradient is held.
-        pieces = torch.split_with_sizes_copy(flat, [g.numel() for g in grads])
-        return None, None, *(piece.view(g.shape) for piece, g in zip(pieces, grads))
+        flat = LOWERINGS[comm].all_reduce(flatten_cat(grads), mesh_dim)
+        return None, None, *unflatten_copy(flat, [size for g in grads for size in g.shape], [g.dim() for g in grads])
+
+
+# A bucket's flatten and unflatten are one op each, where a reshape, a split piece and a view
+# per gradient would cost AOTAutograd a traced op each (a third of a ring graph's nodes).
+
+@torch.library.custom_op("dtensor_par::flatten_cat", mutates_args=())
+def flatten_cat(xs: list[torch.Tensor]) -> torch.Tensor:
+    """``xs`` flattened and concatenated into one new 1-D tensor."""
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
+@flatten_cat.register_fake
+def _(xs):
+    return xs[0].new_empty(sum(x.numel() for x in xs))
+
+
+def _shapes(sizes: list[int], ndims: list[int]) -> list[list[int]]:
+    """The shapes ``unflatten_copy`` is given flat: ``ndims[i]`` sizes each, in order."""
+    ends = [sum(ndims[:i + 1]) for i in range(len(ndims))]
+    return [sizes[end - n:end] for end, n in zip(ends, ndims)]
+
+
+@torch.library.custom_op("dtensor_par::unflatten_copy", mutates_args=())
+def unflatten_copy(flat: torch.Tensor, sizes: list[int], ndims: list[int]) -> list[torch.Tensor]:
+    """``flat`` cut into consecutive pieces of the given shapes (``_shapes``), each in its own
+    storage: a view would keep the whole bucket alive while any one gradient is held."""
+    shapes = _shapes(sizes, ndims)
+    pieces = torch.split_with_sizes_copy(flat, [math.prod(shape) for shape in shapes])
+    return [piece.view(shape) for piece, shape in zip(pieces, shapes)]
+
+
+@unflatten_copy.register_fake
+def _(flat, sizes, ndims):
+    return [flat.new_empty(shape) for shape in _shapes(sizes, ndims)]
 
 
 class _AllGather(torch.autograd.Function):
