@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.distributed.tensor import DTensor, Replicate
 
 from .backend import parallelize_graph
@@ -70,11 +71,17 @@ def local_value(full: torch.Tensor, placements: dict[str, Placement], mesh: Mesh
 
 
 def compile_local(backend: Callable, gm: fx.GraphModule, examples: list, fake_mode=None) -> Callable:
-    """``backend(gm, examples)`` under the tracing context Dynamo gives a backend: the runtime
-    compiles at the first call, outside Dynamo. Without it, dead-code elimination keeps
-    random-tagged ops (SDPA is one) whose results nobody reads, and AOTAutograd's default
-    partitioner copied the ring's forward attention kernels into the backward."""
-    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+    """``backend(gm, examples)`` under the context Dynamo gives a backend: the runtime compiles
+    at the first call, outside Dynamo.
+
+    - Its tracing context: without it, dead-code elimination keeps random-tagged ops (SDPA is
+      one) whose results nobody reads, and AOTAutograd's default partitioner copied the ring's
+      forward attention kernels into the backward.
+    - Lazy graph modules: the graphs AOTAutograd builds generate their Python code when first
+      called, not each time one is built or edited (a tenth of the first call's time).
+    """
+    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)), \
+            _use_lazy_graph_module(torch._dynamo.config.use_lazy_graph_module):
         return backend(gm, examples)
 
 
