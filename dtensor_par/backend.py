@@ -6,6 +6,7 @@ import time
 import warnings
 
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .dump import GraphDump
 from .logs import logger
@@ -25,11 +26,13 @@ PLANNING_PASSES = PASSES[:PASSES.index(plan_pass) + 1]  # enough for every node'
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy whose graph the passes may mutate; node meta is copied shallowly."""
+    """A copy whose graph the passes may mutate; node meta is copied shallowly. It is a lazy
+    graph module, as Dynamo makes them: each pass's ``recompile`` only marks its code stale,
+    and the code is generated once, when the graph is first called or printed."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    copy = fx.GraphModule(gm, graph)
+    copy = _LazyGraphModule(gm, graph)
     copy.meta.update(gm.meta)
     return copy
 
