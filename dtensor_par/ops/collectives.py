@@ -136,9 +136,10 @@ def _assemble(by_chunk: torch.Tensor, dim: int, parts: tuple[int, ...] | None, m
               length: int | None) -> torch.Tensor:
     """The full tensor from every chunk (stacked in chunk order), cut to ``length`` if it was
     padded; an InterleavedShard part by part."""
+    if parts is None:  # chunk c's rows follow chunk c - 1's: one copy, not a cat of every chunk
+        dim %= by_chunk.dim() - 1
+        return _in_order(by_chunk.movedim(0, dim).flatten(dim, dim + 1), dim, mesh_dim, length)
     by_chunk = by_chunk.unbind(0)
-    if parts is None:
-        return _in_order(torch.cat(by_chunk, dim=dim), dim, mesh_dim, length)
     local_parts = [_laid_out_length(part, mesh_dim) // mesh_dim.size for part in parts]
     per_chunk = [c.split(local_parts, dim=dim) for c in by_chunk]
     return torch.cat([_in_order(torch.cat([c[i] for c in per_chunk], dim=dim), dim, mesh_dim, part)

@@ -73,9 +73,9 @@ class Functional:
     def all_to_all(stacked: torch.Tensor, dim: MeshDim) -> torch.Tensor:
         """Sends ``stacked[c]`` to the holder of chunk ``c``; returns what each chunk's holder sent here."""
         send = _to_group_order(stacked, dim).contiguous()
-        split = [send.shape[1]] * dim.size
-        received = _c10d.all_to_all_single(send.flatten(0, 1), split, split, dim.group_name)
-        return _to_chunk_order(_c10d.wait_tensor(received).view(send.shape), dim)
+        split = [1] * dim.size  # one entry of the stacked dim each
+        received = _c10d.all_to_all_single(send, split, split, dim.group_name)
+        return _to_chunk_order(_c10d.wait_tensor(received), dim)
 
     @staticmethod
     def start_rotation(x: torch.Tensor, dim: MeshDim) -> torch.Tensor:
