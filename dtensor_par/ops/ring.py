@@ -426,7 +426,8 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
             kv = net.finish_rotation(incoming)
             if keep_blocks:
                 blocks.append(kv)
-    return _consume(out, kv).to(q.dtype), lse, blocks
+    read_last = block is not None  # else the rotation that brought it must still be kept
+    return (out if read_last else _consume(out, kv)).to(q.dtype), lse, blocks
 
 
 def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.Tensor],
