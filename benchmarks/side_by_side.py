@@ -1,6 +1,6 @@
 """Ours against what a user would write by hand, side by side, in one run.
 
-    python -m benchmarks [--quick] [--reps 5] [--compile-reps 3] [--json benchmarks.json]   (from the repo root)
+    python -m benchmarks [--quick] [--reps 5] [--compile-reps 4] [--json benchmarks.json]   (from the repo root)
 
 (``__main__.py`` calls ``main`` here: spawned ranks import what they run from a module.)
 
@@ -20,7 +20,8 @@ weights and input everywhere:
 - gradient reductions: buckets against one reduction per parameter (``explain``, fake group).
 - compile overhead: first call (forward and backward, compiles included; the optimizer's
   first step apart) with our backend against plain ``torch.compile`` with the same inner
-  backend: each compiled afresh, slowest rank, median of ``--compile-reps`` alternated; and
+  backend: each compiled afresh, slowest rank, median of ``--compile-reps`` alternated (each
+  variant in turn first); and
   the share of our passes in it (``dtensor_par`` debug log).
 - memory per rank: parameters, gradients and AdamW state (bytes of the local pieces), and
   activations saved for backward (measured with saved-tensor hooks: distinct storages).
@@ -189,14 +190,15 @@ def slowest(seconds: float) -> float:
 def first_call_seconds(name, sizes, seq, mesh, inner, reps) -> tuple[dict, dict]:
     """Compile overhead: the first forward and backward of a model compiled afresh (Dynamo's
     caches reset, garbage collected), on the slowest rank, median of ``reps`` alternated
-    between one device and ours (a second compile in a process runs slower than the first,
-    so order would favour whichever came first); and our passes' mean time per compile (ms)."""
+    between one device and ours, each in turn first (one device, ours, ours, one device...:
+    a compile's time depends on what the process compiled before it); and our passes' mean
+    time per compile (ms)."""
     model, x = build(name, sizes, seq)
     makers = {"one_device": lambda: one_device(model, inner),
               "ours": lambda: ours(copy.deepcopy(model), mesh, x, inner)}
     times, records = defaultdict(list), []
-    for _ in range(reps):
-        for v, make in makers.items():
+    for rep in range(reps):
+        for v, make in list(makers.items())[::1 if rep % 2 == 0 else -1]:
             torch._dynamo.reset()
             _, fn = make()
             gc.collect()
@@ -417,7 +419,7 @@ def main():
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: one tiny configuration at world 2, 2 reps, inner backend eager")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per variant (at least 5)")
-    parser.add_argument("--compile-reps", type=int, default=3,
+    parser.add_argument("--compile-reps", type=int, default=4,
                         help="fresh compiles per variant for the compile overhead (median)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 1024, quick 64)")
     parser.add_argument("--json", default="benchmarks.json", help="where to write the measurements")
