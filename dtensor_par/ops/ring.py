@@ -346,13 +346,16 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.T
            masked: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The running output and log-sum-exp with one block's output folded into ``rows`` (online
     softmax): new tensors when the block holds every row, else ``out`` and ``lse`` written in
-    place (an in-place write is traced as a copy more)."""
+    place (an in-place write is traced as a copy more).
+
+    The block's share of the merged softmax mass is ``exp(block_lse - merged)``, which is
+    ``sigmoid(block_lse - lse)``: one interpolation folds it in."""
     lse_rows = _part(lse, rows, -1)
     merged = torch.logaddexp(lse_rows, block_lse)
-    # Under a mask a row may have met no visible key yet: -inf on both sides, weights 0.
-    reference = merged.masked_fill(merged.isneginf(), 0.0) if masked else merged
-    folded = (_part(out, rows) * torch.exp(lse_rows - reference).unsqueeze(-1)
-              + block_out * torch.exp(block_lse - reference).unsqueeze(-1))
+    share = torch.sigmoid(block_lse - lse_rows)
+    if masked:  # a row may have met no visible key yet: -inf on both sides, and its output stays 0
+        share = share.nan_to_num(0.0)
+    folded = torch.lerp(_part(out, rows), block_out.to(out.dtype), share.unsqueeze(-1))
     if _every_row(rows, out.shape[-2]):
         return folded, merged
     out[..., rows, :] = folded
