@@ -26,13 +26,13 @@ import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from ..ops import collectives  # noqa: F401  (registers dtensor_par::unflatten_copy)
+from ..ops.collectives import unflatten_copy
 
 aten = torch.ops.aten
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 FOLLOWERS = {operator.getitem, aten.clone.default, aten.view.default, aten._unsafe_view.default,
              aten.reshape.default, aten.alias.default, aten.split.Tensor, aten.split_with_sizes.default,
-             torch.ops.dtensor_par.unflatten_copy.default, aten.slice.Tensor, aten.as_strided.default,
+             unflatten_copy._opoverload, aten.slice.Tensor, aten.as_strided.default,
              aten.t.default, aten.permute.default, aten.squeeze.dim, aten.unsqueeze.default}
 """Ops that only view or copy their input: moved along with the wait whose result they read."""
 
