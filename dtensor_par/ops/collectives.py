@@ -32,6 +32,7 @@ shows each collective as a ``torch.ops._c10d_functional`` op, which inductor may
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -217,8 +218,7 @@ def _(xs):
 
 def _shapes(sizes: list[int], ndims: list[int]) -> list[list[int]]:
     """The shapes ``unflatten_copy`` is given flat: ``ndims[i]`` sizes each, in order."""
-    ends = [sum(ndims[:i + 1]) for i in range(len(ndims))]
-    return [sizes[end - n:end] for end, n in zip(ends, ndims)]
+    return [sizes[end - n:end] for end, n in zip(itertools.accumulate(ndims), ndims)]
 
 
 @torch.library.custom_op("dtensor_par::unflatten_copy", mutates_args=())
