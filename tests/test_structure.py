@@ -282,6 +282,18 @@ def test_parameter_gradients_reduced_in_buckets_over_cp(fake_world):
         assert any(n.target is torch.ops.aten.mm.default for n in between), (issue.name, [str(n.target) for n in between])
 
 
+
+def test_bucket_flatten_and_unflatten_ops_round_trip():
+    """The bucket's two custom ops: every shape (a scalar too) comes back in its own storage,
+    and their schemas and fake kernels pass torch.library's checks."""
+    grads = [torch.randn(3, 4), torch.randn(()), torch.randn(5)]
+    flat = C.flatten_cat(grads)
+    pieces = C.unflatten_copy(flat, [3, 4, 5], [2, 0, 1])
+    assert all(torch.equal(p, g) for p, g in zip(pieces, grads))
+    assert len({p.untyped_storage().data_ptr() for p in pieces} | {flat.untyped_storage().data_ptr()}) == 4
+    torch.library.opcheck(C.flatten_cat, (grads,))
+    torch.library.opcheck(C.unflatten_copy, (flat, [3, 4, 5], [2, 0, 1]))
+
 def test_forward_issues_q_exchange_before_the_kv_projections(fake_world):
     """Ulysses exchanges q alone; overlap_pass issues it as soon as q exists, so the k and v
     projections run while it is in flight (as traced, it waits at once, after them)."""
