@@ -285,7 +285,10 @@ def test_parameter_gradients_reduced_in_buckets_over_cp(fake_world):
 
 def test_bucket_flatten_and_unflatten_ops_round_trip():
     """The bucket's two custom ops: every shape (a scalar too) comes back in its own storage,
-    and their schemas and fake kernels pass torch.library's checks."""
+    and their schemas and fake kernels pass torch.library's checks. Only CPU and CUDA graphs
+    get them; elsewhere the bucket is flattened and split with aten ops."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     grads = [torch.randn(3, 4), torch.randn(()), torch.randn(5)]
     flat = C.flatten_cat(grads)
     pieces = C.unflatten_copy(flat, [3, 4, 5], [2, 0, 1])
@@ -293,6 +296,14 @@ def test_bucket_flatten_and_unflatten_ops_round_trip():
     assert len({p.untyped_storage().data_ptr() for p in pieces} | {flat.untyped_storage().data_ptr()}) == 4
     torch.library.opcheck(C.flatten_cat, (grads,))
     torch.library.opcheck(C.unflatten_copy, (flat, [3, 4, 5], [2, 0, 1]))
+
+    def traced_ops(device: str) -> set[str]:
+        xs = [g.to(device) for g in grads]
+        gm = make_fx(lambda *xs: C._unflatten(C._flatten(list(xs)), [x.shape for x in xs]))(*xs)
+        return {n.target.namespace for n in gm.graph.nodes if n.op == "call_function" and hasattr(n.target, "namespace")}
+
+    assert traced_ops("cpu") == {"dtensor_par"}
+    assert traced_ops("meta") == {"aten"}  # as on a device whose compiler knows aten ops only (Neuron, XLA)
 
 def test_forward_issues_q_exchange_before_the_kv_projections(fake_world):
     """Ulysses exchanges q alone; overlap_pass issues it as soon as q exists, so the k and v

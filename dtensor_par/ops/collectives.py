@@ -198,17 +198,32 @@ class _GradAllReduceBucket(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         mesh_dim, comm = ctx.args
-        flat = LOWERINGS[comm].all_reduce(flatten_cat(grads), mesh_dim)
-        return None, None, *unflatten_copy(flat, [size for g in grads for size in g.shape], [g.dim() for g in grads])
+        flat = LOWERINGS[comm].all_reduce(_flatten(grads), mesh_dim)
+        return None, None, *_unflatten(flat, [g.shape for g in grads])
 
 
-# A bucket's flatten and unflatten are one op each, where a reshape, a split piece and a view
-# per gradient would cost AOTAutograd a traced op each (a third of a ring graph's nodes).
+def _cat_flat(xs: list[torch.Tensor]) -> torch.Tensor:
+    """``xs`` flattened and concatenated into one new 1-D tensor."""
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
+def _split_copies(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    """``flat`` cut into consecutive pieces of ``shapes``, each in its own storage: a view would
+    keep the whole bucket alive while any one gradient is held."""
+    pieces = torch.split_with_sizes_copy(flat, [math.prod(shape) for shape in shapes])
+    return [piece.view(shape) for piece, shape in zip(pieces, shapes)]
+
+
+# The same two steps as one custom op each, where a reshape, a split piece and a view per
+# gradient would each cost AOTAutograd a traced op (a third of a ring graph's nodes). Only the
+# compilers that run custom ops get them (aot_eager and inductor, on CPU and CUDA); Neuron's
+# StableHLO lowering and XLA know aten ops only.
+OPAQUE_DEVICES = ("cpu", "cuda")
+
 
 @torch.library.custom_op("dtensor_par::flatten_cat", mutates_args=())
 def flatten_cat(xs: list[torch.Tensor]) -> torch.Tensor:
-    """``xs`` flattened and concatenated into one new 1-D tensor."""
-    return torch.cat([x.reshape(-1) for x in xs])
+    return _cat_flat(xs)
 
 
 @flatten_cat.register_fake
@@ -223,16 +238,22 @@ def _shapes(sizes: list[int], ndims: list[int]) -> list[list[int]]:
 
 @torch.library.custom_op("dtensor_par::unflatten_copy", mutates_args=())
 def unflatten_copy(flat: torch.Tensor, sizes: list[int], ndims: list[int]) -> list[torch.Tensor]:
-    """``flat`` cut into consecutive pieces of the given shapes (``_shapes``), each in its own
-    storage: a view would keep the whole bucket alive while any one gradient is held."""
-    shapes = _shapes(sizes, ndims)
-    pieces = torch.split_with_sizes_copy(flat, [math.prod(shape) for shape in shapes])
-    return [piece.view(shape) for piece, shape in zip(pieces, shapes)]
+    return _split_copies(flat, _shapes(sizes, ndims))
 
 
 @unflatten_copy.register_fake
 def _(flat, sizes, ndims):
     return [flat.new_empty(shape) for shape in _shapes(sizes, ndims)]
+
+
+def _flatten(xs: list[torch.Tensor]) -> torch.Tensor:
+    return flatten_cat(xs) if xs[0].device.type in OPAQUE_DEVICES else _cat_flat(xs)
+
+
+def _unflatten(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    if flat.device.type not in OPAQUE_DEVICES:
+        return _split_copies(flat, shapes)
+    return unflatten_copy(flat, [size for shape in shapes for size in shape], [len(shape) for shape in shapes])
 
 
 class _AllGather(torch.autograd.Function):
