@@ -19,8 +19,8 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.distributed.tensor import DTensor, Replicate
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from .backend import parallelize_graph
 from .dump import GraphDump
