@@ -21,8 +21,7 @@ weights and input everywhere:
 - compile overhead: first call (forward and backward, compiles included; the optimizer's
   first step apart) with our backend against plain ``torch.compile`` with the same inner
   backend: each compiled afresh, slowest rank, median of ``--compile-reps`` alternated (each
-  variant in turn first); and
-  the share of our passes in it (``dtensor_par`` debug log).
+  variant in turn first); and the share of our passes in it (``dtensor_par`` debug log).
 - memory per rank: parameters, gradients and AdamW state (bytes of the local pieces), and
   activations saved for backward (measured with saved-tensor hooks: distinct storages).
 - forward overlap under inductor (``overlap.py``) and a GPU section (``gpu.py``), skipped on

@@ -282,7 +282,6 @@ def test_parameter_gradients_reduced_in_buckets_over_cp(fake_world):
         assert any(n.target is torch.ops.aten.mm.default for n in between), (issue.name, [str(n.target) for n in between])
 
 
-
 def test_bucket_flatten_and_unflatten_ops_round_trip():
     """The bucket's two custom ops: every shape (a scalar too) comes back in its own storage,
     and their schemas and fake kernels pass torch.library's checks. Only CPU and CUDA graphs
@@ -304,6 +303,7 @@ def test_bucket_flatten_and_unflatten_ops_round_trip():
 
     assert traced_ops("cpu") == {"dtensor_par"}
     assert traced_ops("meta") == {"aten"}  # as on a device whose compiler knows aten ops only (Neuron, XLA)
+
 
 def test_forward_issues_q_exchange_before_the_kv_projections(fake_world):
     """Ulysses exchanges q alone; overlap_pass issues it as soon as q exists, so the k and v

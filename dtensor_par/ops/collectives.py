@@ -251,9 +251,9 @@ def _flatten(xs: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _unflatten(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
-    if flat.device.type not in OPAQUE_DEVICES:
-        return _split_copies(flat, shapes)
-    return unflatten_copy(flat, [size for shape in shapes for size in shape], [len(shape) for shape in shapes])
+    if flat.device.type in OPAQUE_DEVICES:
+        return unflatten_copy(flat, [size for shape in shapes for size in shape], [len(shape) for shape in shapes])
+    return _split_copies(flat, shapes)
 
 
 class _AllGather(torch.autograd.Function):
