@@ -358,3 +358,35 @@ def test_overlap_pass_alone_raises_issues_and_sinks_waits_keeping_random_order()
     gm = overlap_pass(torch.fx.GraphModule(torch.nn.Module(), graph))
     expected = [x, issue, first_draw, product, second_draw, with_second, total, wait, result]
     assert [n.name for n in gm.graph.nodes][:-1] == [n.name for n in expected]
+
+
+def test_reinplace_all_reduces_alone_only_where_nothing_else_reads_the_input():
+    """A matmul read only through a view is reduced in place; a graph input, a matmul read
+    twice, and one an ``_unsafe_view`` (a view its schema does not declare) shares with
+    another reader keep the copying all_reduce."""
+    from dtensor_par.passes.overlap import reinplace_all_reduces
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4, 4)
+
+    def all_reduce(t):
+        issue = graph.call_function(c10d.all_reduce.default, (t, "sum", "0"))
+        return issue, graph.call_function(c10d.wait_tensor.default, (issue,))
+
+    def node(op, *args):
+        n = graph.call_function(op, args)
+        n.meta["val"] = op(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
+        return n
+
+    only_reader, _ = all_reduce(node(aten.view.default, node(aten.mm.default, x, x), [16]))
+    of_input, _ = all_reduce(x)
+    read_twice = node(aten.mm.default, x, x)
+    of_read_twice, _ = all_reduce(read_twice)
+    shared = node(aten.mm.default, x, x)
+    of_unsafe_view, _ = all_reduce(node(aten._unsafe_view.default, shared, [16]))
+    graph.output((read_twice, shared))
+    gm = reinplace_all_reduces(torch.fx.GraphModule(torch.nn.Module(), graph))
+    assert only_reader.target is c10d.all_reduce_.default
+    assert [n.target for n in (of_input, of_read_twice, of_unsafe_view)] == [c10d.all_reduce.default] * 3
