@@ -387,6 +387,6 @@ def test_reinplace_all_reduces_alone_only_where_nothing_else_reads_the_input():
     shared = node(aten.mm.default, x, x)
     of_unsafe_view, _ = all_reduce(node(aten._unsafe_view.default, shared, [16]))
     graph.output((read_twice, shared))
-    gm = reinplace_all_reduces(torch.fx.GraphModule(torch.nn.Module(), graph))
+    reinplace_all_reduces(torch.fx.GraphModule(torch.nn.Module(), graph))
     assert only_reader.target is c10d.all_reduce_.default
     assert [n.target for n in (of_input, of_read_twice, of_unsafe_view)] == [c10d.all_reduce.default] * 3
