@@ -67,8 +67,11 @@ def run_ranks(world: int, fn, *args) -> list:
 
 
 def capturing_backend(graphs: dict):
-    """An AOTAutograd backend that keeps the forward and backward graphs it compiles in ``graphs``."""
+    """An AOTAutograd backend that keeps the forward and backward graphs it compiles in
+    ``graphs``: those ``aot_eager`` and inductor get (their partitioner; torch's default one
+    leaves dead recomputation in backward, see README)."""
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     def keep(name):
         def compiler(graph, _):
@@ -76,7 +79,8 @@ def capturing_backend(graphs: dict):
             return graph
         return compiler
 
-    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                        partition_fn=min_cut_rematerialization_partition)
 
 
 def aot_graphs(local_gm, ctx, backward: bool = True) -> dict:
