@@ -106,7 +106,8 @@ def aot_graphs(local_gm, ctx, backward: bool = True) -> dict:
 def executed_collectives(step) -> list[tuple[str, int]]:
     """The functional collectives ``step()`` runs, in order, as the profiler records them
     (a dispatch mode would make Dynamo run the model eagerly): each op's name and the bytes
-    of the tensor this rank puts into it. Waits are left out."""
+    of the tensor this rank puts into it. Waits are left out; an in-place ``all_reduce_``
+    (``passes.overlap.reinplace_all_reduces``) is the same collective, named ``all_reduce``."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
         step()
     ran = []
@@ -114,6 +115,7 @@ def executed_collectives(step) -> list[tuple[str, int]]:
         name = e.name.removeprefix("_c10d_functional::")
         if name == e.name or name == "wait_tensor":
             continue
+        name = name.removesuffix("_")
         shape, dtype = e.input_shapes[0], e.input_dtypes[0]
         itemsize = torch.empty((), dtype=_PROFILER_DTYPES.get(dtype, torch.float32)).element_size()
         ran.append((name, math.prod(shape) * itemsize))
