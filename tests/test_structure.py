@@ -364,8 +364,9 @@ def test_overlap_pass_alone_raises_issues_and_sinks_waits_keeping_random_order()
 
 def test_reinplace_all_reduces_alone_only_where_nothing_else_reads_the_input():
     """A matmul read only through a view is reduced in place; a graph input, a matmul read
-    twice, and one an ``_unsafe_view`` (a view its schema does not declare) shares with
-    another reader keep the copying all_reduce."""
+    twice, one an ``_unsafe_view`` shares with another reader, and an exchange's result
+    (a wait returns its input's storage) read twice keep the copying all_reduce. Neither
+    ``_unsafe_view`` nor ``wait_tensor`` declares the alias in its schema."""
     from dtensor_par.passes.overlap import reinplace_all_reduces
 
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
@@ -388,7 +389,11 @@ def test_reinplace_all_reduces_alone_only_where_nothing_else_reads_the_input():
     of_read_twice, _ = all_reduce(read_twice)
     shared = node(aten.mm.default, x, x)
     of_unsafe_view, _ = all_reduce(node(aten._unsafe_view.default, shared, [16]))
-    graph.output((read_twice, shared))
+    exchanged = graph.call_function(c10d.all_to_all_single.default, (node(aten.mm.default, x, x), [1], [1], "0"))
+    exchanged.meta["val"] = torch.empty(4, 4)
+    of_exchanged, _ = all_reduce(node(c10d.wait_tensor.default, exchanged))
+    graph.output((read_twice, shared, exchanged))
     reinplace_all_reduces(torch.fx.GraphModule(torch.nn.Module(), graph))
     assert only_reader.target is c10d.all_reduce_.default
-    assert [n.target for n in (of_input, of_read_twice, of_unsafe_view)] == [c10d.all_reduce.default] * 3
+    kept = (of_input, of_read_twice, of_unsafe_view, of_exchanged)
+    assert [n.target for n in kept] == [c10d.all_reduce.default] * 4

@@ -118,15 +118,18 @@ def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+UNDECLARED_VIEWS = {aten._unsafe_view.default, WAIT}
+"""Ops whose output is their first input's storage though their schemas do not say so."""
+
+
 def _read_only_here(node: fx.Node) -> bool:
     """``node``'s storage is new to this graph and read by its single user alone: ``node``
-    and the views it is taken through each have one user, down to the op that made it.
-    (``_unsafe_view`` views its input though its schema does not say so.)"""
+    and the views it is taken through each have one user, down to the op that made it."""
     while True:
         if (node.op != "call_function" or len(node.users) != 1 or not isinstance(node.target, torch._ops.OpOverload)
                 or node.target._schema.is_mutable or len(node.target._schema.returns) != 1):
             return False
-        if node.target is aten._unsafe_view.default:
+        if node.target in UNDECLARED_VIEWS:
             node = node.args[0]
             continue
         schema = node.target._schema
