@@ -126,13 +126,14 @@ def _read_only_here(node: fx.Node) -> bool:
     """``node``'s storage is new to this graph and read by its single user alone: ``node``
     and the views it is taken through each have one user, down to the op that made it."""
     while True:
-        if (node.op != "call_function" or len(node.users) != 1 or not isinstance(node.target, torch._ops.OpOverload)
-                or node.target._schema.is_mutable or len(node.target._schema.returns) != 1):
+        if node.op != "call_function" or len(node.users) != 1 or not isinstance(node.target, torch._ops.OpOverload):
+            return False
+        schema = node.target._schema
+        if schema.is_mutable or len(schema.returns) != 1:
             return False
         if node.target in UNDECLARED_VIEWS:
             node = node.args[0]
             continue
-        schema = node.target._schema
         alias = schema.returns[0].alias_info
         if alias is None:
             return True
