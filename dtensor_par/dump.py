@@ -24,7 +24,7 @@ from .ops.comm import FUNCTIONAL
 from .passes.context import ParallelContext
 from .passes.detect import AttentionSite, module_name, weight_name
 from .passes.localize import communications, local_shape_on
-from .passes.patterns import target_name
+from .passes.nodes import target_name
 from .placements import Replicate, describe, local_shape
 
 PLAN_VERSION = 3  # 2: parameter_state, coverage, bytes_per_rank is what the rank holds; 3: lowering, replica-group sets

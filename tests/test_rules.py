@@ -17,7 +17,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from dtensor_par.passes.rules.core import NodeSharding, RuleEnv, tensor_inputs
+from dtensor_par.passes.nodes import tensor_inputs
+from dtensor_par.passes.rules.core import NodeSharding, RuleEnv
 from dtensor_par.passes.rules.reductions import localize_mean
 from dtensor_par.passes.rules.registry import lookup
 from dtensor_par.placements import InterleavedShard, Partial, Replicate, Shard, local_chunk, parts_of, shard_dim

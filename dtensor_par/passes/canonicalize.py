@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..symbolic import is_symbolic, same_size
 from .capture import erase_unused, with_val
 from .context import ParallelContext
-from .patterns import arg, tensor_val
+from .nodes import arg, tensor_val
 from .rules.attention import sdpa_arguments
 from .rules.registry import op_kind
 

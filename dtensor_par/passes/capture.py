@@ -12,7 +12,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..symbolic import SymbolicInputs, is_symbolic, recording_guards
 from .context import ParallelContext, ParamInfo
-from .patterns import writes_in_place
+from .nodes import writes_in_place
 
 _SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)(?:'\])?\['([^']+)'\]")
 

@@ -20,8 +20,8 @@ from ..ops.ring import ring_step_flops
 from ..placements import Replicate, shard_length
 from ..symbolic import hint
 from .context import ParallelContext
-from .detect import AttentionSite, weight_name, weight_param
-from .patterns import tensor_val
+from .detect import AttentionSite, weight_name
+from .nodes import tensor_val, weight_param
 from .rules.registry import op_kind
 
 _IN_BLOCK = re.compile(r"\.\d+\.")

@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from .context import ParallelContext
-from .patterns import tensor_val
+from .nodes import tensor_inputs, tensor_val, weight_param
 from .rules.attention import sdpa_arguments
-from .rules.core import tensor_inputs
 from .rules.indexing import cat_dim
 from .rules.pointwise import is_activation
 from .rules.registry import kinds_in, op_kind
@@ -57,15 +56,6 @@ class MLPSite:
     @property
     def rowwise(self) -> list[fx.Node]:
         return [self.down]
-
-
-def weight_param(linear: fx.Node) -> tuple[fx.Node, bool]:
-    """The tensor a linear's weight is read from, and whether it is stored transposed
-    (``[in, out]``, read through ``t()``: GPT-2's Conv1D after canonicalize)."""
-    weight = linear.args[1]
-    if isinstance(weight, fx.Node) and op_kind(weight) == "transpose" and weight.target == "t":
-        return weight.args[0], True
-    return weight, False
 
 
 def _has_param_weight(linear: fx.Node, ctx: ParallelContext) -> bool:

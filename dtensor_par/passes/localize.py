@@ -25,8 +25,7 @@ from ..placements import (Partial, Placement, Replicate, Shard, interleaved_part
                           local_shape_on, shard_dim)
 from ..symbolic import hint, is_symbolic, materialize_sizes
 from .context import Communication, ParallelContext, at_node
-from .patterns import tensor_val
-from .rules.core import tensor_inputs
+from .nodes import tensor_inputs, tensor_val
 from .rules.registry import lookup
 
 R = Replicate()

@@ -14,9 +14,9 @@ from ..symbolic import same_size
 from .capture import with_val
 from .context import ParallelContext, at_node
 from .coverage import measure_coverage
-from .detect import TO_ATTENTION, AttentionSite, concatenated_features, find_producers, module_name, weight_param
-from .patterns import target_name, tensor_val, writes_in_place
-from .rules.core import NodeSharding, RuleEnv, check_divisible, moved, replicate_all, tensor_inputs
+from .detect import TO_ATTENTION, AttentionSite, concatenated_features, find_producers, module_name
+from .nodes import target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
+from .rules.core import NodeSharding, RuleEnv, check_divisible, moved, replicate_all
 from .rules.indexing import cat_dim, per_dim, split_dim
 from .rules.registry import lookup, op_kind
 from .rules.views import sequence_start

@@ -29,7 +29,7 @@ from ..symbolic import guards_at, hint, is_symbolic
 from .capture import erase_unused, with_val
 from .context import Communication, ParallelContext
 from .detect import AttentionSite
-from .patterns import arg, tensor_val
+from .nodes import arg, tensor_val
 from .rules.attention import sdpa_arguments
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ...ops.attention import hybrid_attention
 from ...placements import InterleavedShard, Shard
-from ..patterns import tensor_val
+from ..nodes import tensor_val
 from .core import R, NodeSharding, replicate_all, resolve_partial
 from .registry import register
 

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from ...placements import InterleavedShard, Partial, Placement, Replicate, Shard, is_padded, parts_of, shard_dim
-from ..patterns import tensor_val
+from ..nodes import tensor_val
 
 R = Replicate()
 
@@ -46,12 +46,6 @@ class RuleEnv:
         if self.sequence_parallel and val.dim() >= 2 and val.shape[-2] % self.size == 0:
             return Shard(val.dim() - 2)
         return R
-
-
-def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    found = []
-    fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) if tensor_val(n) is not None else None)
-    return found
 
 
 def moved(p: Placement, dim: int) -> Placement:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ...mesh import MeshInfo
 from ...placements import InterleavedShard, Partial, Placement, Shard, shard_dim, shard_length
 from ...symbolic import is_symbolic
-from ..patterns import arg, tensor_val
+from ..nodes import arg, tensor_val
 from .core import R, NodeSharding, moved, norm_dim, replicate_all, resolve_partial
 from .registry import op_kind, register
 

@@ -7,7 +7,7 @@ import operator
 import torch
 
 from ...placements import InterleavedShard, Partial, Shard, shard_dim
-from ..patterns import tensor_val
+from ..nodes import tensor_val
 from .core import R, NodeSharding, moved, replicate_all, resolve_partial
 from .registry import register
 

@@ -14,7 +14,7 @@ from ...ops.dropout import sharded_dropout
 from ...placements import Partial, Placement, shard_dim
 from .core import R, NodeSharding, moved, resolve_partial
 from .registry import op_kind, register
-from ..patterns import tensor_val
+from ..nodes import tensor_val
 
 ACTIVATIONS = {F.gelu, F.silu, F.relu, F.tanh, F.sigmoid, torch._C._nn.gelu, torch._C._nn.silu,
                torch.relu, torch.tanh, torch.sigmoid, "relu", "tanh", "sigmoid"}

@@ -14,7 +14,7 @@ from ...ops.norm import sharded_norm
 from ...placements import Partial, local_shape_on, parts_of, shard_dim
 from ...symbolic import hint
 from ..context import Communication
-from ..patterns import arg, tensor_val
+from ..nodes import arg, tensor_val
 from .core import R, NodeSharding, moved, norm_dim, replicate_all, resolve_partial
 from .registry import register
 

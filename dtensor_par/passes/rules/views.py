@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ...mesh import MeshInfo
 from ...placements import InterleavedShard, Placement, Shard, local_shape_on, shard_dim
-from ..patterns import arg, tensor_val
+from ..nodes import arg, tensor_val
 from .core import R, NodeSharding, moved, norm_dim, replicate_all, resolve_partial
 from .registry import op_kind, register
 

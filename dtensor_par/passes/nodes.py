@@ -1,5 +1,6 @@
-"""Reading a Dynamo torch-IR node: its value, its arguments, the op as a user spells it.
-What an op *is* (its kind and rule) is the op registry's: ``passes.rules.registry``."""
+"""Reading a Dynamo torch-IR node: its value, its arguments, its tensor inputs, a linear's
+weight, the op as a user spells it. What an op *is* (its kind and rule) is the op registry's:
+``passes.rules.registry``; what the passes learned about a node is in ``passes.meta``."""
 
 from __future__ import annotations
 
@@ -34,3 +35,19 @@ def arg(node: fx.Node, index: int, name: str, default=None):
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes among a node's arguments whose values are tensors, in argument order."""
+    found = []
+    fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) if tensor_val(n) is not None else None)
+    return found
+
+
+def weight_param(linear: fx.Node) -> tuple[fx.Node, bool]:
+    """The tensor a linear's weight is read from, and whether it is stored transposed
+    (``[in, out]``, read through ``t()``: GPT-2's Conv1D after canonicalize)."""
+    weight = linear.args[1]
+    if isinstance(weight, fx.Node) and weight.op == "call_method" and weight.target == "t":
+        return weight.args[0], True
+    return weight, False
