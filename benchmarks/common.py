@@ -87,6 +87,7 @@ def aot_graphs(local_gm, ctx, backward: bool = True) -> dict:
     """The forward (and backward) graphs AOTAutograd traces from a localized graph, compiled as
     the runtime compiles it and run on this rank's pieces of the example inputs (on a fake
     process group nothing is sent)."""
+    from dtensor_par.passes.meta import placements
     from dtensor_par.runtime import compile_local, local_value
 
     graphs = {}
@@ -94,8 +95,7 @@ def aot_graphs(local_gm, ctx, backward: bool = True) -> dict:
     placeholders = [n for n in local_gm.graph.nodes if n.op == "placeholder"]
     inputs = []
     for node, value in zip(placeholders, ctx.example_inputs):
-        placements = {d: s.out for d, s in node.meta["dtensor_par"].items()}
-        local = local_value(value.detach(), placements, ctx.mesh, ctx.comm).contiguous()
+        local = local_value(value.detach(), placements(node), ctx.mesh, ctx.comm).contiguous()
         inputs.append(local.requires_grad_(backward and value.is_floating_point()))
     out = compile_local(capturing_backend(graphs), local_gm, inputs)(*inputs)
     if backward:

@@ -16,7 +16,7 @@ from .passes.canonicalize import canonicalize_pass
 from .passes.capture import capture_pass
 from .passes.context import USER_ERRORS, ParallelConfig, ParallelContext, PlanningError
 from .passes.detect import detect_pass
-from .passes.localize import communications, localize_pass
+from .passes.localize import graph_communications, localize_pass
 from .passes.lower import lower_pass
 from .passes.plan import plan_pass
 from .passes.rewrite import rewrite_pass
@@ -64,7 +64,7 @@ def parallelize_graph(gm: fx.GraphModule, example_inputs: list, config: Parallel
         if dump is not None:
             dump.after(run.__name__, gm, ctx)
     logger.info("planned a graph of %d nodes: %d sites, %d ops that communicate, %s, %d warnings, %.1f ms",
-                len(gm.graph.nodes), len(ctx.sites), len(communications(gm)),
+                len(gm.graph.nodes), len(ctx.sites), len(graph_communications(gm)),
                 ctx.coverage.summary() if ctx.coverage else "not planned", len(ctx.warnings),
                 1e3 * (time.perf_counter() - start))
     return gm, ctx

@@ -22,10 +22,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .mesh import MESH_DIMS
 from .ops.comm import FUNCTIONAL
 from .passes.context import ParallelContext
-from .passes.detect import AttentionSite, module_name, weight_name
-from .passes.localize import communications, local_shape_on
+from .passes.detect import AttentionSite, module_name
+from .passes.localize import graph_communications
+from .passes.meta import communications, global_shape, param_fqn, placements, shardings, site_role, weight_name
 from .passes.nodes import target_name
-from .placements import Replicate, describe, local_shape
+from .placements import Replicate, describe, local_shape, local_shape_on
 
 PLAN_VERSION = 3  # 2: parameter_state, coverage, bytes_per_rank is what the rank holds; 3: lowering, replica-group sets
 
@@ -51,16 +52,17 @@ def node_line(node: fx.Node) -> str:
         code = f"{node.name} = {_format_arg(node.args[0])}.{node.target}({', '.join(parts)})"
     else:
         code = f"{node.name} = {target_name(node)}({', '.join(parts)})"
-    notes = [node.meta["dtensor_par_fqn"]] if "dtensor_par_fqn" in node.meta else []
-    if "dtensor_par_shape" in node.meta:
-        notes.append(str(list(node.meta["dtensor_par_shape"])))
-    for dim, sharding in node.meta.get("dtensor_par", {}).items():
+    fqn, shape = param_fqn(node), global_shape(node)
+    notes = [fqn] if fqn is not None else []
+    if shape is not None:
+        notes.append(str(list(shape)))
+    for dim, sharding in shardings(node).items():
         ins = f" <- {describe(sharding.inputs)}" if sharding.inputs else ""
         notes.append(f"{dim}: {describe(sharding.out)}{ins}")
-    for c in node.meta.get("dtensor_par_comm", ()):
+    for c in communications(node):
         notes.append(f"comm fwd={c.forward} bwd={c.backward} over {c.mesh_dim}[{c.group_size}]")
-    if node.meta.get("dtensor_par_site"):
-        notes.append(node.meta["dtensor_par_site"])
+    if site_role(node):
+        notes.append(site_role(node))
     return code + (f"  # {'  '.join(notes)}" if notes else "")
 
 
@@ -86,7 +88,7 @@ def sites_text(ctx: ParallelContext) -> str:
 def collective_rows(gm: fx.GraphModule) -> list[dict]:
     """Collectives of a localized graph grouped by (direction, op, dim, size, bytes, site)."""
     counts = Counter()
-    for _, c in communications(gm):
+    for _, c in graph_communications(gm):
         for direction, op, nbytes in (("forward", c.forward, c.forward_bytes),
                                       ("backward", c.backward, c.backward_bytes)):
             if op:
@@ -133,10 +135,10 @@ def planned_nodes(gm: fx.GraphModule) -> list[dict]:
     nodes = []
     for n in gm.graph.nodes:
         nodes.append({"name": n.name, "op": n.op, "target": target_name(n),
-                      "shape": list(n.meta["dtensor_par_shape"]) if "dtensor_par_shape" in n.meta else None,
+                      "shape": list(global_shape(n)) if global_shape(n) is not None else None,
                       "placement": {dim: {"out": describe(s.out), "inputs": describe(s.inputs)}
-                                    for dim, s in n.meta["dtensor_par"].items()},
-                      "site": n.meta.get("dtensor_par_site")})
+                                    for dim, s in shardings(n).items()},
+                      "site": site_role(n)})
     return nodes
 
 
@@ -220,8 +222,7 @@ def aten_code(gm: fx.GraphModule, ctx: ParallelContext) -> str:
     inputs = []
     for node, value in zip(placeholders, ctx.example_inputs):
         if isinstance(value, torch.Tensor):
-            placements = {d: s.out for d, s in node.meta["dtensor_par"].items()}
-            value = torch.empty(local_shape_on(value.shape, placements, ctx.mesh), dtype=value.dtype)
+            value = torch.empty(local_shape_on(value.shape, placements(node), ctx.mesh), dtype=value.dtype)
         inputs.append(value)
     with torch.no_grad():
         return make_fx(gm, tracing_mode="fake")(*inputs).code

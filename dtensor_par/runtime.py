@@ -27,8 +27,9 @@ from .dump import GraphDump
 from .logs import logger
 from .mesh import MeshDim, MeshInfo
 from .ops.collectives import gather_param_grad, shard_local
-from .passes.capture import SYMBOLIC, scalar_inputs
+from .passes.capture import scalar_inputs
 from .passes.context import ParallelConfig, ParallelContext, PlanningError
+from .passes import meta
 from .placements import Placement, describe, interleaved_parts, local_chunk, shard_dim
 from .sharded import dtensor_placements, standin_param
 from .symbolic import NotSymbolic, Specialization, SymbolicInputs
@@ -128,7 +129,7 @@ class ParallelRuntime:
         self.gm, self.config, self.mesh, self.inner_backend = gm, config, mesh, inner_backend
         self.graphs: list[LocalGraph] = []  # most recently used last
         self.scalars = scalar_inputs(gm)
-        self.symbolic = gm.meta[SYMBOLIC]
+        self.symbolic = meta.symbolic_inputs(gm)
         self.input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         self.id = next(_runtime_ids)
         self.plans = 0
@@ -241,7 +242,7 @@ class ParallelRuntime:
         local_gm, ctx = parallelize_graph(self.gm, args, config, dump=self._dump(), specialization=spec)
         self._check_sharded_params(ctx, args)
         placeholders = [n for n in local_gm.graph.nodes if n.op == "placeholder"]
-        input_placements = [{d: s.out for d, s in n.meta["dtensor_par"].items()} for n in placeholders]
+        input_placements = [meta.placements(n) for n in placeholders]
         examples = args
         if spec is not None:  # the inner backend compiles for the symbolic sizes; parameters are sliced as at run time
             examples = [a if isinstance(a, torch.nn.Parameter) or standin_param(a) is not None else x

@@ -13,8 +13,9 @@ import dtensor_par
 from dtensor_par.backend import parallelize_graph
 from dtensor_par.explain import explain
 from dtensor_par.mesh import MeshInfo
-from dtensor_par.passes.capture import SYMBOLIC, capture_graphs
+from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.passes.context import ParallelConfig
+from dtensor_par.passes.meta import symbolic_inputs
 from dtensor_par.symbolic import hint
 from tests import models
 from tests.conftest import _init_fake
@@ -100,7 +101,7 @@ def _plan_symbolic(model, inputs, **sizes):
     mesh = dtensor_par.init_mesh(**sizes)
     (gm, example_inputs), = capture_graphs(model, *inputs, dynamic=True)
     example_inputs = [hint(a) for a in example_inputs]
-    spec = gm.meta[SYMBOLIC].specialization(example_inputs)
+    spec = symbolic_inputs(gm).specialization(example_inputs)
     return parallelize_graph(gm, example_inputs, ParallelConfig(MeshInfo.from_mesh(mesh)), specialization=spec)
 
 

@@ -12,6 +12,7 @@ from dtensor_par.mesh import MeshDim, MeshInfo
 from dtensor_par.ops import collectives as C
 from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.passes.context import ParallelConfig
+from dtensor_par.passes.meta import communications
 from tests import models
 
 
@@ -57,9 +58,9 @@ def test_every_collective_node_states_its_layout(fake_world):
     gm, _ = parallelize_graph(g, inputs, ParallelConfig(info))
     seen = set()
     for node in gm.graph.nodes:
-        if node.op == "call_function" and "dtensor_par_comm" in node.meta:
+        if node.op == "call_function" and communications(node):
             dims = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, MeshDim)]
-            assert {d.name for d in dims} == {c.mesh_dim for c in node.meta["dtensor_par_comm"]}, node.name
+            assert {d.name for d in dims} == {c.mesh_dim for c in communications(node)}, node.name
             assert all(d == info.dims[d.name] for d in dims), node.name
             seen |= {d.name for d in dims}
     assert seen == {"tp", "cp", "ring", "ulysses"} and info.dims["cp"].zigzag == 2

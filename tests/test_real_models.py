@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dtensor_par
+from dtensor_par.passes.meta import global_shape, placements
 from tests.harness import FORWARD_ATOL, GRAD_RTOL, loss_of, max_rel, run_ranks
 
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
@@ -146,9 +147,9 @@ def test_masks_from_positions_hold_no_square_tensor_on_ring_4(model, seq, padded
         key_padding = n.kwargs.get("key_padding")
         assert (key_padding is not None) == padded
         if padded:
-            assert key_padding.meta["dtensor_par_shape"] == (2, seq)
-            assert key_padding.meta["dtensor_par"]["cp"].out == dtensor_par.placements.Replicate()
-    shapes = [n.meta.get("dtensor_par_shape", ()) for n in local.graph.nodes]
+            assert global_shape(key_padding) == (2, seq)
+            assert placements(key_padding)["cp"] == dtensor_par.placements.Replicate()
+    shapes = [global_shape(n) or () for n in local.graph.nodes]
     assert not any(shape[-2:] == (seq, seq) for shape in shapes), [s for s in shapes if s[-2:] == (seq, seq)]
     # explain's FLOPs per ring rank: causal halves the work (zigzag: alike on every rank); a
     # window skips blocks and cuts boxes, yet covers every pair it leaves visible.

@@ -17,8 +17,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from dtensor_par.passes.meta import NodeSharding, set_sharding
 from dtensor_par.passes.nodes import tensor_inputs
-from dtensor_par.passes.rules.core import NodeSharding, RuleEnv
+from dtensor_par.passes.rules.core import RuleEnv
 from dtensor_par.passes.rules.reductions import localize_mean
 from dtensor_par.passes.rules.registry import lookup
 from dtensor_par.placements import InterleavedShard, Partial, Replicate, Shard, local_chunk, parts_of, shard_dim
@@ -68,12 +69,12 @@ def check_rule(fn, inputs: list, placements: list) -> NodeSharding:
     gm, op = _traced(fn, inputs)
     given = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], placements))
     for node, p in given.items():
-        node.meta["dtensor_par"] = {"tp": NodeSharding(p, ())}
+        set_sharding(node, "tp", NodeSharding(p, ()))
     ins = tensor_inputs(op)
     kind = lookup(op)
     sharding = kind.rule(op, ins, [given[i] for i in ins], RuleEnv("tp", SIZE, {}, False))
     if kind.localize is localize_mean:  # the one hook that changes what a rank computes, and sends nothing
-        op.meta["dtensor_par"] = {"tp": sharding}
+        set_sharding(op, "tp", sharding)
         localize_mean(gm, op, SimpleNamespace(dims={"tp": SimpleNamespace(size=SIZE)}))
     generator = torch.Generator().manual_seed(0)
     pieces = {}
@@ -184,11 +185,12 @@ def test_setitem_writes_each_shard_in_place_or_is_refused():
     op = graph.call_function(operator.setitem, (target, (Ellipsis, slice(0, None, 2)), source))
     env = RuleEnv("tp", SIZE, {}, False)
     for p in (Shard(0), Shard(1)):
-        target.meta["dtensor_par"], source.meta["dtensor_par"] = {"tp": NodeSharding(p, ())}, {"tp": NodeSharding(R, ())}
+        set_sharding(target, "tp", NodeSharding(p, ()))
+        set_sharding(source, "tp", NodeSharding(R, ()))
         sharding = lookup(op).rule(op, [target, source], [p, R], env)
         assert sharding == NodeSharding(None, (p, p))
         pieces = [write(local_chunk(out, p, r, SIZE).clone(), local_chunk(value, p, r, SIZE)) for r in range(SIZE)]
         torch.testing.assert_close(_assembled(pieces, p), write(out.clone(), value), rtol=0, atol=0)
-    target.meta["dtensor_par"] = {"tp": NodeSharding(Shard(2), ())}
+    set_sharding(target, "tp", NodeSharding(Shard(2), ()))
     with pytest.raises(NotImplementedError, match=r"writes in place into out .* S\(2\) on mesh dim 'tp'"):
         lookup(op).rule(op, [target, source], [Shard(2), R], env)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import dtensor_par
 from dtensor_par.ops import collectives as C
 from dtensor_par.passes.localize import collectives_in
+from dtensor_par.passes.meta import communications, placements
 from dtensor_par.placements import InterleavedShard, Replicate, Shard
 from benchmarks import models as benchmark_models
 from tests import models
@@ -214,7 +215,7 @@ def test_mask_stays_whole_and_an_uneven_sequence_is_padded(fake_world):
     keep = torch.ones(2, 30, dtype=torch.bool)
     (g, inputs), = capture_graphs(models.MaskedAttention("additive"), torch.randn(2, 30, 32), keep)
     gm, ctx = parallelize_graph(g, inputs, ParallelConfig(info))
-    inputs = {n.name: n.meta["dtensor_par"]["cp"].out for n in gm.graph.nodes if n.op == "placeholder"}
+    inputs = {n.name: placements(n)["cp"] for n in gm.graph.nodes if n.op == "placeholder"}
     assert inputs["l_x_"] == Shard(1) and inputs["l_keep_"] == Replicate()
     assert forward_collectives(gm) == Counter(all_to_all=3, ring_rotate=1, all_gather=1)
     gather, = [n for n in gm.graph.nodes if n.target is C.all_gather]
@@ -321,7 +322,7 @@ def test_forward_issues_q_exchange_before_the_kv_projections(fake_world):
     model = models.LlamaBlock(hidden=64, heads=8, kv_heads=2, gqa="enable_gqa")
     (gm, inputs), = capture_graphs(model, torch.randn(2, 16, 64))
     local_gm, ctx = parallelize_graph(gm, inputs, ParallelConfig(mesh))
-    assert ctx.sites[0].core.meta["dtensor_par_comm"][0].forward_bytes == 2 * 8 * 8 * 8 * 4  # q: 8 heads of 8 rows
+    assert communications(ctx.sites[0].core)[0].forward_bytes == 2 * 8 * 8 * 8 * 4  # q: 8 heads of 8 rows
 
     def compute_during_each_exchange(forward):
         order = {n: i for i, n in enumerate(forward.graph.nodes)}

@@ -25,6 +25,7 @@ from dtensor_par.passes.detect import detect_pass
 from dtensor_par.passes.localize import localize_pass
 from dtensor_par.passes.lower import (check_circular, check_contiguous, check_partition, lower_pass,
                                       resolve_collectives)
+from dtensor_par.passes.meta import communications, placements
 from dtensor_par.passes.plan import plan_pass
 from dtensor_par.passes.rewrite import rewrite_pass
 from dtensor_par.runtime import local_value
@@ -144,7 +145,7 @@ def test_xla_chosen_by_auto_only_for_xla_tensors(fake_world, xm):
         with FakeTensorMode(allow_non_fake_inputs=True):
             ctx.example_inputs[0] = torch.empty(inputs[0].shape, device=device)  # the input x
         lower_pass(local_gm, ctx)
-        collectives = [n for n in local_gm.graph.nodes if n.op == "call_function" and "dtensor_par_comm" in n.meta]
+        collectives = [n for n in local_gm.graph.nodes if n.op == "call_function" and communications(n)]
         assert ctx.comm == (lowered or "functional") and len(collectives) == 4
         assert {n.kwargs.get("comm") for n in collectives} == {lowered}
 
@@ -167,8 +168,8 @@ class TestXlaLoweredBlockGolden(expecttest.TestCase):
             (g, inputs), = capture_graphs(models.GPTBlock(hidden=64, heads=8, mlp=128), torch.randn(2, 16, 64))
             gm, ctx = parallelize_graph(g, inputs, ParallelConfig(info, collectives="xla"))
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-            local = [local_value(value.detach().requires_grad_(), {d: s.out for d, s in n.meta["dtensor_par"].items()},
-                                 ctx.mesh, ctx.comm) for n, value in zip(placeholders, inputs)]
+            local = [local_value(value.detach().requires_grad_(), placements(n), ctx.mesh, ctx.comm)
+                     for n, value in zip(placeholders, inputs)]
             xm_gloo.calls.clear()
             out, = gm(*local)
             forward = list(xm_gloo.calls)

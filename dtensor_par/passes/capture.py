@@ -12,18 +12,16 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..symbolic import SymbolicInputs, is_symbolic, recording_guards
 from .context import ParallelContext, ParamInfo
+from .meta import SYMBOLIC  # noqa: F401  (explain.py reads gm.meta[SYMBOLIC] from here; the rest: meta.symbolic_inputs)
+from .meta import module_paths, record_capture, set_param_fqn
 from .nodes import writes_in_place
 
 _SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)(?:'\])?\['([^']+)'\]")
 
 
-FQNS = "dtensor_par_fqns"
-SYMBOLIC = "dtensor_par_symbolic"
-
-
 def record_module_names(gm: fx.GraphModule) -> fx.GraphModule:
-    """Keep each placeholder's module path in ``gm.meta`` while Dynamo's sources are there,
-    and which input sizes are symbolic (``symbolic.SymbolicInputs``, from its example values).
+    """Keep each placeholder's module path while Dynamo's sources are there, and which input
+    sizes are symbolic (``symbolic.SymbolicInputs``, from its example values): ``meta.record_capture``.
 
     ``L['self']._modules['attn']._parameters['weight']`` -> ``attn.weight`` (also when Dynamo
     spells the first step ``L['self'].__dict__['_modules']['attn']``). Dynamo drops the
@@ -35,8 +33,7 @@ def record_module_names(gm: fx.GraphModule) -> fx.GraphModule:
         parts = _SOURCE_PART.findall(grapharg.source.name) if grapharg is not None else []
         if node.op == "placeholder" and parts:
             names[node.name] = ".".join(parts)
-    gm.meta.setdefault(FQNS, names)
-    gm.meta.setdefault(SYMBOLIC, SymbolicInputs(gm))
+    record_capture(gm, names, SymbolicInputs(gm))
     return gm
 
 
@@ -79,14 +76,14 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     symbols. Integer-valued nodes (sizes of dynamic graphs) are replaced by their values (ints,
     or SymInts that localize turns back into nodes), so later passes see global sizes only.
     """
-    names = gm.meta.get(FQNS, {})
+    names = module_paths(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(ctx.example_inputs):
         raise ValueError(f"capture: graph has {len(placeholders)} inputs, got {len(ctx.example_inputs)}")
     for i, (node, value) in enumerate(zip(placeholders, ctx.example_inputs)):
         if isinstance(value, torch.nn.Parameter):
             ctx.params[node.name] = ParamInfo(names.get(node.name, node.target), i, value)
-            node.meta["dtensor_par_fqn"] = ctx.params[node.name].fqn
+            set_param_fqn(node, ctx.params[node.name].fqn)
 
     for i in scalar_inputs(gm):
         for item in list(placeholders[i].users):

@@ -14,6 +14,7 @@ from ..mesh import MeshInfo
 from ..ops.comm import FUNCTIONAL
 from ..placements import Placement, describe
 from ..symbolic import guards_at
+from .meta import placements
 
 if TYPE_CHECKING:
     from ..symbolic import Specialization
@@ -68,19 +69,6 @@ class ParallelContext:
             logger.warning(message)
 
 
-@dataclass(frozen=True)
-class Communication:
-    """What one inserted op communicates, for dumps and reports."""
-
-    forward: str | None  # collective issued in the forward, if any
-    backward: str | None  # collective its backward issues, if any
-    mesh_dim: str
-    group_size: int
-    forward_bytes: int  # bytes this rank puts into the forward collective
-    backward_bytes: int  # bytes of the gradient this rank puts into the backward collective
-    site: str | None  # the site whose plan needs it
-
-
 class PlanningError(RuntimeError):
     """A pass could not handle one node. Names the node, its op, input shapes and placements."""
 
@@ -94,8 +82,8 @@ def _described(node: fx.Node) -> str:
     """``name [shape] (tp: S(0), cp: R)``: a node's value and its planned placements."""
     value = node.meta.get("val")
     shape = str(list(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
-    placements = ", ".join(f"{d}: {describe(s.out)}" for d, s in node.meta.get("dtensor_par", {}).items())
-    return f"{node.name} {shape}" + (f" ({placements})" if placements else "")
+    planned = ", ".join(f"{d}: {describe(p)}" for d, p in placements(node).items())
+    return f"{node.name} {shape}" + (f" ({planned})" if planned else "")
 
 
 @contextlib.contextmanager

@@ -20,7 +20,8 @@ from ..ops.ring import ring_step_flops
 from ..placements import Replicate, shard_length
 from ..symbolic import hint
 from .context import ParallelContext
-from .detect import AttentionSite, weight_name
+from .detect import AttentionSite
+from .meta import shardings, weight_name
 from .nodes import tensor_val, weight_param
 from .rules.registry import op_kind
 
@@ -75,7 +76,7 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
     """The coverage of a planned graph (after ``plan_pass``)."""
     cov = Coverage()
     for node in gm.graph.nodes:
-        plans = node.meta.get("dtensor_par", {})
+        plans = shardings(node)
         for dim, sharding in plans.items():
             if sharding.note:
                 cov.fallback_gathers.append(f"{node.name} on {dim!r}: {sharding.note}")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from .context import ParallelContext
+from .meta import set_site_role, set_weight_name, weight_name
 from .nodes import tensor_inputs, tensor_val, weight_param
 from .rules.attention import sdpa_arguments
 from .rules.indexing import cat_dim
@@ -61,11 +62,6 @@ class MLPSite:
 def _has_param_weight(linear: fx.Node, ctx: ParallelContext) -> bool:
     weight, _ = weight_param(linear)
     return isinstance(weight, fx.Node) and weight.name in ctx.params
-
-
-def weight_name(linear: fx.Node) -> str:
-    """The placeholder of a site linear's weight (kept in meta: localize rewires the args)."""
-    return linear.meta["dtensor_par_weight"]
 
 
 def module_name(linear: fx.Node, ctx: ParallelContext) -> str:
@@ -166,7 +162,8 @@ def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]
 
 
 def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    """Record sites in ``ctx.sites`` and tag their nodes with ``meta["dtensor_par_site"]``."""
+    """Record sites in ``ctx.sites``; tag their nodes with their site role and each site
+    linear with its weight's name (``meta.site_role``, ``meta.weight_name``)."""
     attention = find_attention_sites(gm, ctx)
     taken = {n for site in attention for n in site.colwise + site.rowwise}
     ctx.sites = attention + find_mlp_sites(gm, ctx, taken)
@@ -175,7 +172,7 @@ def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         roles.update({"colwise": site.colwise, "rowwise": site.rowwise})
         for role, nodes in roles.items():
             for n in nodes:
-                n.meta["dtensor_par_site"] = f"{site.name}.{role}"
+                set_site_role(n, f"{site.name}.{role}")
         for linear in site.colwise + site.rowwise:
-            linear.meta["dtensor_par_weight"] = weight_param(linear)[0].name
+            set_weight_name(linear, weight_param(linear)[0].name)
     return gm

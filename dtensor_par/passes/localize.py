@@ -24,7 +24,9 @@ from ..ops import collectives as C
 from ..placements import (Partial, Placement, Replicate, Shard, interleaved_parts, is_padded, local_shape,
                           local_shape_on, shard_dim)
 from ..symbolic import hint, is_symbolic, materialize_sizes
-from .context import Communication, ParallelContext, at_node
+from .context import ParallelContext, at_node
+from .meta import (Communication, clear_communications, communications, placements, set_communications, shardings,
+                   site_role)
 from .nodes import tensor_inputs, tensor_val
 from .rules.registry import lookup
 
@@ -53,8 +55,8 @@ class _Inserter:
         node.meta["val"] = args[0].meta.get("val")  # the global value: a redistribution keeps it
         forward, backward = C.COMMUNICATION[fn]
         backward = backward if self.requires_grad else None
-        node.meta["dtensor_par_comm"] = [Communication(
-            forward, backward, self.dim.name, self.dim.size, self.nbytes(src), self.nbytes(dst), self.site)]
+        set_communications(node, [Communication(
+            forward, backward, self.dim.name, self.dim.size, self.nbytes(src), self.nbytes(dst), self.site)])
         return node
 
 
@@ -106,16 +108,16 @@ def record_runtime_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
             continue
         if node.name in ctx.params:
             p = ctx.param_placements.get(node.name)
-            placements = {"tp": p} if shard_dim(p) is not None and not ctx.config.parallelized else {}
+            sharded = {"tp": p} if shard_dim(p) is not None and not ctx.config.parallelized else {}
             site = "parameter gradient"
         else:
-            placements = {d: s.out for d, s in node.meta["dtensor_par"].items() if shard_dim(s.out) is not None}
+            sharded = {d: p for d, p in placements(node).items() if shard_dim(p) is not None}
             site = "input gradient"
         val = tensor_val(node)
-        nbytes = hint(math.prod(local_shape_on(val.shape, placements, ctx.mesh)) * val.element_size())
-        comms = [Communication(None, "all_gather", d, ctx.mesh.size(d), 0, nbytes, site) for d in placements]
+        nbytes = hint(math.prod(local_shape_on(val.shape, sharded, ctx.mesh)) * val.element_size())
+        comms = [Communication(None, "all_gather", d, ctx.mesh.size(d), 0, nbytes, site) for d in sharded]
         if comms:
-            node.meta["dtensor_par_comm"] = comms
+            set_communications(node, comms)
 
 
 def _bucket_sizes(reductions: list[fx.Node], limit: int) -> list[list[fx.Node]]:
@@ -123,7 +125,7 @@ def _bucket_sizes(reductions: list[fx.Node], limit: int) -> list[list[fx.Node]]:
     than ``limit`` gets a bucket of its own)."""
     buckets, size = [], limit
     for node in reductions:
-        nbytes = node.meta["dtensor_par_comm"][0].backward_bytes
+        nbytes = communications(node)[0].backward_bytes
         if size + nbytes > limit:
             buckets.append([])
             size = 0
@@ -156,12 +158,13 @@ def bucket_input_grad_reductions(gm: fx.GraphModule, ctx: ParallelContext) -> No
             first_use = min((u for n in bucket for u in n.users), key=order.__getitem__)
             with graph.inserting_before(first_use):
                 op = graph.call_function(C.grad_all_reduce_bucket, ([n.args[0] for n in bucket], dim))
-                nbytes = sum(n.meta["dtensor_par_comm"][0].backward_bytes for n in bucket)
-                op.meta["dtensor_par_comm"] = [Communication(
-                    None, "all_reduce", dim.name, dim.size, 0, nbytes, f"gradient bucket of {len(bucket)} inputs")]
+                nbytes = sum(communications(n)[0].backward_bytes for n in bucket)
+                set_communications(op, [Communication(
+                    None, "all_reduce", dim.name, dim.size, 0, nbytes, f"gradient bucket of {len(bucket)} inputs")])
                 for i, n in enumerate(bucket):
                     piece = graph.call_function(operator.getitem, (op, i))
-                    piece.meta = {k: v for k, v in n.meta.items() if k != "dtensor_par_comm"}
+                    piece.meta = dict(n.meta)
+                    clear_communications(piece)
                     n.replace_all_uses_with(piece)
                     graph.erase_node(n)
 
@@ -178,7 +181,7 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         return cache[key]
 
     for node in list(graph.nodes):
-        plans = node.meta.get("dtensor_par")
+        plans = shardings(node)
         ins = tensor_inputs(node)
         if not plans or not ins:
             continue
@@ -188,8 +191,8 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             if tensor_val(arg) is None:
                 return arg
             i = next(position)
-            site = node.meta.get("dtensor_par_site") or arg.meta.get("dtensor_par_site")
-            current = {d.name: arg.meta["dtensor_par"][d.name].out for d in dims}
+            site = site_role(node) or site_role(arg)
+            current = {d.name: shardings(arg)[d.name].out for d in dims}
             val, new = tensor_val(arg), arg
             for dim in dims:
                 src, dst = current[dim.name], plans[dim.name].inputs[i]
@@ -221,11 +224,11 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     return gm
 
 
-def communications(gm: fx.GraphModule) -> list[tuple[fx.Node, Communication]]:
+def graph_communications(gm: fx.GraphModule) -> list[tuple[fx.Node, Communication]]:
     """Every collective of a localized graph, forward or backward, with the op issuing it."""
-    return [(n, c) for n in gm.graph.nodes for c in n.meta.get("dtensor_par_comm", ())]
+    return [(n, c) for n in gm.graph.nodes for c in communications(n)]
 
 
 def collectives_in(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
     """Every forward collective of a localized graph, with its kind."""
-    return [(n, c.forward) for n, c in communications(gm) if c.forward]
+    return [(n, c.forward) for n, c in graph_communications(gm) if c.forward]

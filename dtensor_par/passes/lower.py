@@ -25,8 +25,9 @@ import torch.fx as fx
 
 from ..mesh import SPANS, MeshDim, MeshInfo
 from ..ops.comm import FUNCTIONAL, LOWERINGS, ring_pairs, xla_model
-from .context import Communication, ParallelContext
-from .localize import communications
+from .context import ParallelContext
+from .localize import graph_communications
+from .meta import Communication, communications
 
 COLLECTIVES = ("auto", *LOWERINGS)
 
@@ -114,11 +115,11 @@ def lower_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     ctx.comm = resolve_collectives(ctx.config.collectives, devices)
     if ctx.comm == "xla":
         xla_model()  # fail at plan time, not at the first collective
-    ctx.replica_group_sets = check_lowering([c for _, c in communications(gm)], ctx.mesh, ctx.comm,
+    ctx.replica_group_sets = check_lowering([c for _, c in graph_communications(gm)], ctx.mesh, ctx.comm,
                                             ctx.config.replica_group_limit)
     if ctx.comm != FUNCTIONAL:
         for node in gm.graph.nodes:
-            if node.op == "call_function" and "dtensor_par_comm" in node.meta:
+            if node.op == "call_function" and communications(node):
                 node.update_kwarg("comm", ctx.comm)
     gm.recompile()
     return gm

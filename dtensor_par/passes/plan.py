@@ -15,8 +15,9 @@ from .capture import with_val
 from .context import ParallelContext, at_node
 from .coverage import measure_coverage
 from .detect import TO_ATTENTION, AttentionSite, concatenated_features, find_producers, module_name
+from .meta import NodeSharding, set_global_shape, set_sharding, shardings
 from .nodes import target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
-from .rules.core import NodeSharding, RuleEnv, check_divisible, moved, replicate_all
+from .rules.core import RuleEnv, check_divisible, moved, replicate_all
 from .rules.indexing import cat_dim, per_dim, split_dim
 from .rules.registry import lookup, op_kind
 from .rules.views import sequence_start
@@ -243,20 +244,19 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding
 
 
 def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    """Annotate every node with ``meta["dtensor_par"]``: a NodeSharding per planned mesh dim."""
+    """Annotate every node with its NodeSharding on each planned mesh dim (``meta.shardings``)."""
     if ctx.mesh.size("tp") > 1:
         assign_weight_placements(ctx)
     seeds = {"tp": ctx.param_placements, "cp": sequence_input_placements(gm, ctx) if ctx.mesh.size("cp") > 1 else {}}
     for node in gm.graph.nodes:
-        node.meta["dtensor_par"] = {}
         if tensor_val(node) is not None:
-            node.meta["dtensor_par_shape"] = tuple(tensor_val(node).shape)
+            set_global_shape(node, tuple(tensor_val(node).shape))
     for dim in ctx.mesh.plan_dims:
         env = RuleEnv(dim.name, dim.size, seeds[dim.name], ctx.config.sequence_parallel, dim.chunks_per_rank)
         for node in gm.graph.nodes:
             with at_node("plan", node):
                 sharding = plan_node(node, env, ctx)
-            node.meta["dtensor_par"][dim.name] = sharding
+            set_sharding(node, dim.name, sharding)
             if sharding.note:
                 ctx.warn(f"{node.name} ({target_name(node)}): inputs gathered on mesh dim {dim.name!r}: "
                          f"{sharding.note}")
@@ -264,7 +264,7 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     tensors = [i for i, o in enumerate(output.args[0]) if tensor_val(o) is not None]
     ctx.output_placements = [None] * len(output.args[0])
     for k, i in enumerate(tensors):
-        ctx.output_placements[i] = {d: s.inputs[k] for d, s in output.meta["dtensor_par"].items()}
+        ctx.output_placements[i] = {d: s.inputs[k] for d, s in shardings(output).items()}
     ctx.coverage = measure_coverage(gm, ctx)
     if ctx.mesh.plan_dims and ctx.sites and not ctx.coverage.parallel_sites:
         ctx.warn(f"none of the {len(ctx.sites)} attention and MLP sites runs parallel: every rank computes the whole "

@@ -27,8 +27,9 @@ from ..ops.attention import hybrid_attention
 from ..placements import is_padded, shard_length
 from ..symbolic import guards_at, hint, is_symbolic
 from .capture import erase_unused, with_val
-from .context import Communication, ParallelContext
+from .context import ParallelContext
 from .detect import AttentionSite
+from .meta import Communication, set_communications, set_site_role, site_role
 from .nodes import arg, tensor_val
 from .rules.attention import sdpa_arguments
 
@@ -44,7 +45,7 @@ def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:
     linear.args = linear.args[:2]
     linear.kwargs = {}
     with_val(add, linear.meta["val"])
-    add.meta["dtensor_par_site"] = linear.meta.get("dtensor_par_site")
+    set_site_role(add, site_role(linear))
 
 
 def gqa_repeat(heads: int, kv_heads: int, divisor: int) -> int:
@@ -309,8 +310,8 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
     with gm.graph.inserting_before(core):
         hybrid = gm.graph.call_function(hybrid_attention, (sdpa["query"], sdpa["key"], sdpa["value"]), kwargs)
     hybrid.meta.update(core.meta)
-    hybrid.meta["dtensor_par_comm"] = hybrid_attention_communication(
-        site, *(tensor_val(sdpa[name]) for name in ("query", "key", "value")), mesh, ctx.config.ulysses_impl)
+    set_communications(hybrid, hybrid_attention_communication(
+        site, *(tensor_val(sdpa[name]) for name in ("query", "key", "value")), mesh, ctx.config.ulysses_impl))
     core.replace_all_uses_with(hybrid)
     gm.graph.erase_node(core)
     site.core = hybrid

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from ...ops.attention import hybrid_attention
 from ...placements import InterleavedShard, Shard
+from ..meta import NodeSharding
 from ..nodes import tensor_val
-from .core import R, NodeSharding, replicate_all, resolve_partial
+from .core import R, replicate_all, resolve_partial
 from .registry import register
 
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}

@@ -1,5 +1,5 @@
-"""What every rule shares: the planned placement of a node, the rule's view of the mesh dim,
-and the fallback that gathers."""
+"""What every rule shares: the rule's view of the mesh dim and the fallback that gathers. A
+rule returns a ``meta.NodeSharding``, the node's planned placements on that mesh dim."""
 
 from __future__ import annotations
 
@@ -9,18 +9,10 @@ import torch
 import torch.fx as fx
 
 from ...placements import InterleavedShard, Partial, Placement, Replicate, Shard, is_padded, parts_of, shard_dim
+from ..meta import NodeSharding, shardings
 from ..nodes import tensor_val
 
 R = Replicate()
-
-
-@dataclass(frozen=True)
-class NodeSharding:
-    """Planned placements of one node on one mesh dim (``node.meta["dtensor_par"][dim]``)."""
-
-    out: Placement | tuple[Placement, ...] | None  # a tuple for ops returning several tensors
-    inputs: tuple[Placement, ...]  # required placement of each tensor input (``tensor_inputs`` order)
-    note: str | None = None  # why the node was gathered, if it was
 
 
 @dataclass
@@ -37,7 +29,7 @@ class RuleEnv:
         return is_padded(length, self.size, self.chunks_per_rank)
 
     def out_of(self, node: fx.Node):
-        return node.meta["dtensor_par"][self.dim].out
+        return shardings(node)[self.dim].out
 
     def reduce_target(self, node: fx.Node) -> Placement:
         """Where a Partial goes when an op cannot take it: Replicate, or the sequence shard

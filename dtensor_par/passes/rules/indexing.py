@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from ...mesh import MeshInfo
 from ...placements import InterleavedShard, Partial, Placement, Shard, shard_dim, shard_length
 from ...symbolic import is_symbolic
+from ..meta import NodeSharding, shardings
 from ..nodes import arg, tensor_val
-from .core import R, NodeSharding, moved, norm_dim, replicate_all, resolve_partial
+from .core import R, moved, norm_dim, replicate_all, resolve_partial
 from .registry import op_kind, register
 
 
@@ -198,7 +199,7 @@ def localize_getitem(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     if not isinstance(node.args[1], (tuple, slice)):
         return
     entries = None
-    for name, sharding in node.meta["dtensor_par"].items():
+    for name, sharding in shardings(node).items():
         p = sharding.inputs[0] if sharding.inputs else None
         kept_parts = sliced_part_range(node, p)
         if kept_parts is None:
@@ -215,7 +216,7 @@ def localize_split(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     if node.target not in ("split", "split_with_sizes", torch.split):
         return
     sizes = node.args[1]
-    for name, sharding in node.meta["dtensor_par"].items():
+    for name, sharding in shardings(node).items():
         if shard_dim(sharding.inputs[0]) == split_dim(node):
             n = mesh.size(name)
             sizes = sizes // n if isinstance(sizes, int) else [s // n for s in sizes]

@@ -7,8 +7,9 @@ import operator
 import torch
 
 from ...placements import InterleavedShard, Partial, Shard, shard_dim
+from ..meta import NodeSharding
 from ..nodes import tensor_val
-from .core import R, NodeSharding, moved, replicate_all, resolve_partial
+from .core import R, moved, replicate_all, resolve_partial
 from .registry import register
 
 

@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from ...mesh import MeshInfo
 from ...ops.dropout import sharded_dropout
 from ...placements import Partial, Placement, shard_dim
-from .core import R, NodeSharding, moved, resolve_partial
-from .registry import op_kind, register
+from ..meta import NodeSharding, placements
 from ..nodes import tensor_val
+from .core import R, moved, resolve_partial
+from .registry import op_kind, register
 
 ACTIVATIONS = {F.gelu, F.silu, F.relu, F.tanh, F.sigmoid, torch._C._nn.gelu, torch._C._nn.silu,
                torch.relu, torch.tanh, torch.sigmoid, "relu", "tanh", "sigmoid"}
@@ -82,7 +83,7 @@ def new_tensor_rule(node, ins, cur, env):
 def localize_dropout(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     """A dropout of a sharded tensor draws its shard's own mask (``ops.dropout``), not the
     mask every rank would draw alike; a replicated one stays as it is (the single-device mask)."""
-    sharded = tuple(mesh.dims[d] for d, s in node.meta["dtensor_par"].items() if shard_dim(s.out) is not None)
+    sharded = tuple(mesh.dims[d] for d, p in placements(node).items() if shard_dim(p) is not None)
     if sharded:
         node.target = sharded_dropout
         node.kwargs = {**node.kwargs, "dims": sharded}

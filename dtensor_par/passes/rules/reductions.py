@@ -11,11 +11,12 @@ import torch.nn.functional as F
 
 from ...mesh import MeshInfo
 from ...ops.norm import sharded_norm
-from ...placements import Partial, local_shape_on, parts_of, shard_dim
+from ...placements import Partial, parts_of, shard_dim
 from ...symbolic import hint
-from ..context import Communication
+from ..meta import (Communication, NodeSharding, global_shape, planned_local_shape, set_communications, shardings,
+                    site_role)
 from ..nodes import arg, tensor_val
-from .core import R, NodeSharding, moved, norm_dim, replicate_all, resolve_partial
+from .core import R, moved, norm_dim, replicate_all, resolve_partial
 from .registry import register
 
 
@@ -39,9 +40,8 @@ def norm_rule(node, ins, cur, env):
 
 def localize_norm(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     """A norm over features sharded on tp becomes ``sharded_norm``: statistics all-reduced."""
-    ndim, normalized = len(node.meta["dtensor_par_shape"]), _normalized_ndim(node)
-    plans = node.meta["dtensor_par"]
-    across = [name for name, s in plans.items()
+    ndim, normalized = len(global_shape(node)), _normalized_ndim(node)
+    across = [name for name, s in shardings(node).items()
               if shard_dim(s.inputs[0]) is not None and s.inputs[0].dim >= ndim - normalized]
     if not across:
         return
@@ -53,11 +53,11 @@ def localize_norm(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
         new = gm.graph.call_function(sharded_norm, (node.args[0], normalized, weight, bias, eps),
                                      {"rms": rms, "mesh_dim": mesh_dim})
     new.meta = node.meta
-    local = local_shape_on(node.meta["dtensor_par_shape"], {d: s.out for d, s in plans.items()}, mesh)
+    local = planned_local_shape(node, mesh)
     nbytes = hint(math.prod(local[:ndim - normalized])) * 4 * (1 if rms else 2)  # fp32 sums per token
     backward = "all_reduce" if node.meta["requires_grad"] else None
-    new.meta["dtensor_par_comm"] = [Communication("all_reduce", backward, mesh_dim.name, mesh_dim.size, nbytes,
-                                                  nbytes, node.meta.get("dtensor_par_site"))]
+    set_communications(new, [Communication("all_reduce", backward, mesh_dim.name, mesh_dim.size, nbytes, nbytes,
+                                           site_role(node))])
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
 
@@ -109,7 +109,7 @@ def localize_mean(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     """A mean planned as partial sums of shards becomes ``mean_of_shards``."""
     if node.target not in ("mean", torch.mean):
         return
-    ranks = math.prod(mesh.dims[d].size for d, s in node.meta["dtensor_par"].items()
+    ranks = math.prod(mesh.dims[d].size for d, s in shardings(node).items()
                       if isinstance(s.out, Partial) and not isinstance(s.inputs[0], Partial))
     if ranks > 1:
         node.op, node.target = "call_function", mean_of_shards

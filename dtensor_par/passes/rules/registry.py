@@ -17,7 +17,8 @@ import torch.fx as fx
 
 if TYPE_CHECKING:
     from ...mesh import MeshInfo
-    from .core import NodeSharding, RuleEnv
+    from ..meta import NodeSharding
+    from .core import RuleEnv
 
 Rule = Callable[[fx.Node, list, list, "RuleEnv"], "NodeSharding"]
 Localize = Callable[[fx.GraphModule, fx.Node, "MeshInfo"], None]

@@ -9,9 +9,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ...mesh import MeshInfo
-from ...placements import InterleavedShard, Placement, Shard, local_shape_on, shard_dim
+from ...placements import InterleavedShard, Placement, Shard, shard_dim
+from ..meta import NodeSharding, planned_local_shape, shardings
 from ..nodes import arg, tensor_val
-from .core import R, NodeSharding, moved, norm_dim, replicate_all, resolve_partial
+from .core import R, moved, norm_dim, replicate_all, resolve_partial
 from .registry import op_kind, register
 
 
@@ -137,10 +138,9 @@ def pad_rule(node, ins, cur, env):
 
 def localize_view(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     """A view or expand of a sharded tensor takes this rank's sizes of its output."""
-    plans = node.meta["dtensor_par"]
-    if all(shard_dim(s.out) is None and shard_dim(s.inputs[0]) is None for s in plans.values()):
+    if all(shard_dim(s.out) is None and shard_dim(s.inputs[0]) is None for s in shardings(node).values()):
         return
-    local = local_shape_on(node.meta["dtensor_par_shape"], {d: s.out for d, s in plans.items()}, mesh)
+    local = planned_local_shape(node, mesh)
     method = "expand" if op_kind(node) == "expand" else "reshape"
     with gm.graph.inserting_before(node):
         new = gm.graph.call_method(method, (node.args[0], *local))

@@ -1,0 +1,146 @@
+"""The annotations the passes leave on nodes and graphs: one accessor per key.
+
+FX gives every node (and the graph module) a ``meta`` dict that survives graph copies and
+rewrites; the passes keep what they learn there. Each key is spelled in this module only:
+every pass, report and test reads and writes it through the functions below, whose
+docstrings say which pass writes it and what it holds. A node without an annotation reads
+as empty (no placements, no communication, no site).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch.fx as fx
+
+from ..placements import Placement, local_shape_on
+
+if TYPE_CHECKING:
+    from ..mesh import MeshInfo
+    from ..symbolic import SymbolicInputs
+
+_SHARDINGS = "dtensor_par"
+_GLOBAL_SHAPE = "dtensor_par_shape"
+_COMMUNICATIONS = "dtensor_par_comm"
+_SITE_ROLE = "dtensor_par_site"
+_PARAM_FQN = "dtensor_par_fqn"
+_WEIGHT_NAME = "dtensor_par_weight"
+_MODULE_PATHS = "dtensor_par_fqns"  # on the graph module
+SYMBOLIC = "dtensor_par_symbolic"  # on the graph module
+
+
+@dataclass(frozen=True)
+class NodeSharding:
+    """Planned placements of one node on one mesh dim."""
+
+    out: Placement | tuple[Placement, ...] | None  # a tuple for ops returning several tensors
+    inputs: tuple[Placement, ...]  # required placement of each tensor input (``tensor_inputs`` order)
+    note: str | None = None  # why the node was gathered, if it was
+
+
+@dataclass(frozen=True)
+class Communication:
+    """What one inserted op communicates, for dumps and reports."""
+
+    forward: str | None  # collective issued in the forward, if any
+    backward: str | None  # collective its backward issues, if any
+    mesh_dim: str
+    group_size: int
+    forward_bytes: int  # bytes this rank puts into the forward collective
+    backward_bytes: int  # bytes of the gradient this rank puts into the backward collective
+    site: str | None  # the site whose plan needs it
+
+
+def shardings(node: fx.Node) -> dict[str, NodeSharding]:
+    """Mesh dim name -> the node's NodeSharding there; written by ``plan_pass`` for every node
+    of the global graph (empty before planning, and for the nodes localize inserts)."""
+    return node.meta.get(_SHARDINGS, {})
+
+
+def set_sharding(node: fx.Node, dim: str, sharding: NodeSharding) -> None:
+    """Plan ``node`` on mesh dim ``dim`` (a fresh dict: a copied graph's nodes share meta values)."""
+    node.meta[_SHARDINGS] = {**shardings(node), dim: sharding}
+
+
+def placements(node: fx.Node) -> dict[str, Placement]:
+    """Mesh dim name -> the placement the plan gives the node's value (``shardings``' ``out``)."""
+    return {dim: s.out for dim, s in shardings(node).items()}
+
+
+def global_shape(node: fx.Node) -> tuple | None:
+    """The global shape of a tensor node, kept by ``plan_pass``: localize drops the values."""
+    return node.meta.get(_GLOBAL_SHAPE)
+
+
+def set_global_shape(node: fx.Node, shape: tuple) -> None:
+    node.meta[_GLOBAL_SHAPE] = shape
+
+
+def planned_local_shape(node: fx.Node, mesh: MeshInfo) -> tuple:
+    """This rank's shape of a planned tensor node."""
+    return local_shape_on(global_shape(node), placements(node), mesh)
+
+
+def communications(node: fx.Node) -> list[Communication]:
+    """What the node communicates, forward and backward: set on the ops that issue collectives
+    (``localize_pass``, the rules' localize rewrites, ``rewrite_pass`` for hybrid attention) and
+    on the placeholders whose gradient the runtime gathers; empty on every other node."""
+    return node.meta.get(_COMMUNICATIONS, [])
+
+
+def set_communications(node: fx.Node, comms: list[Communication]) -> None:
+    node.meta[_COMMUNICATIONS] = comms
+
+
+def clear_communications(node: fx.Node) -> None:
+    """Drop the node's communications (a node made from one that communicates, but does not)."""
+    node.meta.pop(_COMMUNICATIONS, None)
+
+
+def site_role(node: fx.Node) -> str | None:
+    """``attention0.colwise``: the site and role of a node that belongs to one, set by
+    ``detect_pass`` (and by ``rewrite_pass`` on the bias add it splits off a rowwise linear)."""
+    return node.meta.get(_SITE_ROLE)
+
+
+def set_site_role(node: fx.Node, role: str | None) -> None:
+    node.meta[_SITE_ROLE] = role
+
+
+def param_fqn(node: fx.Node) -> str | None:
+    """The module path of the parameter a placeholder holds (``blocks.0.q_proj.weight``), set by
+    ``capture_pass``; None on other nodes."""
+    return node.meta.get(_PARAM_FQN)
+
+
+def set_param_fqn(node: fx.Node, fqn: str) -> None:
+    node.meta[_PARAM_FQN] = fqn
+
+
+def weight_name(linear: fx.Node) -> str:
+    """The placeholder name of a site linear's weight, set by ``detect_pass`` (kept here:
+    localize rewires the linear's arguments)."""
+    return linear.meta[_WEIGHT_NAME]
+
+
+def set_weight_name(linear: fx.Node, name: str) -> None:
+    linear.meta[_WEIGHT_NAME] = name
+
+
+def module_paths(gm: fx.GraphModule) -> dict[str, str]:
+    """Placeholder name -> module path (``attn.weight``), read off Dynamo's sources when the
+    graph is captured (``capture.record_module_names``); Dynamo drops the sources later."""
+    return gm.meta.get(_MODULE_PATHS, {})
+
+
+def symbolic_inputs(gm: fx.GraphModule) -> SymbolicInputs:
+    """Which inputs Dynamo made symbolic, recorded when the graph is captured
+    (``capture.record_module_names``)."""
+    return gm.meta[SYMBOLIC]
+
+
+def record_capture(gm: fx.GraphModule, paths: dict[str, str], symbolic: SymbolicInputs) -> None:
+    """Keep what capture read off Dynamo's graph; a graph recorded once keeps its first record."""
+    gm.meta.setdefault(_MODULE_PATHS, paths)
+    gm.meta.setdefault(SYMBOLIC, symbolic)
