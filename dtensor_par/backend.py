@@ -15,13 +15,16 @@ from .symbolic import Specialization, recording_guards
 from .passes.canonicalize import canonicalize_pass
 from .passes.capture import capture_pass
 from .passes.context import USER_ERRORS, ParallelConfig, ParallelContext, PlanningError
+from .passes.coverage import record_coverage
 from .passes.detect import detect_pass
 from .passes.localize import graph_communications, localize_pass
 from .passes.lower import lower_pass
 from .passes.plan import plan_pass
 from .passes.rewrite import rewrite_pass
+from .passes.sequence import sequence_pass
 
-PASSES = (capture_pass, canonicalize_pass, detect_pass, rewrite_pass, plan_pass, localize_pass, lower_pass)
+PASSES = (capture_pass, canonicalize_pass, detect_pass, rewrite_pass, sequence_pass, plan_pass, localize_pass,
+          lower_pass)
 PLANNING_PASSES = PASSES[:PASSES.index(plan_pass) + 1]  # enough for every node's placement
 
 
@@ -37,6 +40,24 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return copy
 
 
+def _step(step, gm: fx.GraphModule, ctx: ParallelContext):
+    """``step(gm, ctx)``, timed, its guards attributed to it; an internal error becomes a
+    PlanningError naming the step."""
+    t0 = time.perf_counter()
+    try:
+        with recording_guards(ctx.specialization, step.__name__), warnings.catch_warnings():
+            # symbolic sizes sit in arguments until localize turns them into nodes (materialize_sizes)
+            warnings.filterwarnings("ignore", "Raw SymInt value", UserWarning)
+            result = step(gm, ctx)
+    except USER_ERRORS:
+        raise
+    except Exception as e:
+        raise PlanningError(f"{step.__name__}: {type(e).__name__}: {e}. This is a dtensor_par bug: please report "
+                            f"it with this message, or set DTENSOR_PAR_DUMP=DIR to see the graph") from e
+    logger.debug("%s: %.1f ms", step.__name__, 1e3 * (time.perf_counter() - t0))
+    return result
+
+
 def parallelize_graph(gm: fx.GraphModule, example_inputs: list, config: ParallelConfig,
                       passes=PASSES, dump: GraphDump | None = None,
                       specialization: Specialization | None = None) -> tuple[fx.GraphModule, ParallelContext]:
@@ -49,18 +70,9 @@ def parallelize_graph(gm: fx.GraphModule, example_inputs: list, config: Parallel
     gm = copy_graph_module(gm)
     start = time.perf_counter()
     for run in passes:
-        t0 = time.perf_counter()
-        try:
-            with recording_guards(specialization, run.__name__), warnings.catch_warnings():
-                # symbolic sizes sit in arguments until localize turns them into nodes (materialize_sizes)
-                warnings.filterwarnings("ignore", "Raw SymInt value", UserWarning)
-                gm = run(gm, ctx)
-        except USER_ERRORS:
-            raise
-        except Exception as e:
-            raise PlanningError(f"{run.__name__}: {type(e).__name__}: {e}. This is a dtensor_par bug: please report "
-                                f"it with this message, or set DTENSOR_PAR_DUMP=DIR to see the graph") from e
-        logger.debug("%s: %.1f ms", run.__name__, 1e3 * (time.perf_counter() - t0))
+        gm = _step(run, gm, ctx)
+        if run is plan_pass:  # once, on the planned global graph
+            _step(record_coverage, gm, ctx)
         if dump is not None:
             dump.after(run.__name__, gm, ctx)
     logger.info("planned a graph of %d nodes: %d sites, %d ops that communicate, %s, %d warnings, %.1f ms",

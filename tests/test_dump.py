@@ -23,8 +23,9 @@ from tests import factories, models
 from tests.conftest import _init_fake
 from tests.harness import FUNCTIONAL_OPS
 
-PASS_FILES = ["0_dynamo.py", "1_capture.py", "2_canonicalize.py", "3_detect.py", "4_rewrite.py", "5_plan.py",
-              "6_localize.py", "7_lower.py", "8_aten.py", "collectives.md", "mesh.svg", "plan.json", "sites.txt"]
+PASS_FILES = ["0_dynamo.py", "1_capture.py", "2_canonicalize.py", "3_detect.py", "4_rewrite.py", "5_sequence.py",
+              "6_plan.py", "7_localize.py", "8_lower.py", "9_aten.py", "collectives.md", "mesh.svg", "plan.json",
+              "sites.txt"]
 
 
 def _compile_and_run(tmp_path, world: int, **options) -> None:
@@ -66,10 +67,10 @@ mlp0: mlp up=['fc'] down=['fc_out'] activations=['gelu']
 | backward | all_reduce | tp | 8 | 8192 | 1 | mlp0.colwise |
 | forward | all_reduce | tp | 8 | 8192 | 1 | mlp0.rowwise |
 """)
-        lowered = read("8_aten.py")
+        lowered = read("9_aten.py")
         assert lowered.count("torch.ops._c10d_functional.all_reduce.default") == 2
         assert lowered.count("torch.ops._c10d_functional.wait_tensor.default") == 2
-        self.assertExpectedInline(read("5_plan.py"), """\
+        self.assertExpectedInline(read("6_plan.py"), """\
 l_x_ = input('L_x_')  # [2, 16, 64]  tp: R
 l_self_modules_ln1_parameters_weight_ = input('L_self_modules_ln1_parameters_weight_')  # ln1.weight  [64]  tp: R
 l_self_modules_ln1_parameters_bias_ = input('L_self_modules_ln1_parameters_bias_')  # ln1.bias  [64]  tp: R

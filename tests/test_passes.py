@@ -17,6 +17,8 @@ from dtensor_par.passes.canonicalize import canonicalize_pass
 from dtensor_par.passes.capture import capture_pass
 from dtensor_par.passes.detect import AttentionSite, MLPSite, detect_pass
 from dtensor_par.passes.rewrite import gqa_repeat, rewrite_pass
+from dtensor_par.passes.rules.views import sequence_start
+from dtensor_par.passes.sequence import sequence_pass
 from dtensor_par.passes.rules.indexing import _index_map
 from dtensor_par.passes.rules.views import view_target
 from dtensor_par.placements import InterleavedShard, Replicate, Shard, local_chunk
@@ -116,6 +118,33 @@ def _passes_on(model, inputs, passes, **sizes):
     """``model``'s graph after ``passes``, planned for a mesh of ``sizes`` (no process group)."""
     (gm, example_inputs), = capture_graphs(model, *inputs)
     return parallelize_graph(gm, example_inputs, ParallelConfig(MeshInfo.for_planning(sizes, "cpu")), passes=passes)
+
+
+class PatchTokens(torch.nn.Module):
+    """Tokens made inside the graph: a patch embedding's [B, C, H, W] transposed to [B, S, C]."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.block = torch.nn.Conv2d(4, 32, 2, stride=2), models.GPTBlock()
+
+    def forward(self, pixels, positions):
+        return self.block(self.embed(pixels).flatten(2).transpose(1, 2) + positions)
+
+
+SEQUENCE_PASSES = (capture_pass, detect_pass, rewrite_pass, sequence_pass)
+
+
+def test_sequence_pass_shards_sequence_inputs_and_cuts_sequences_made_inside():
+    keep = torch.ones(2, 16, dtype=torch.bool)
+    _, ctx = _passes_on(models.MaskedAttention("additive"), [torch.randn(2, 16, 32), keep], SEQUENCE_PASSES, ring=2)
+    assert ctx.sequence_placements == {"l_x_": Shard(1)}  # keep only builds the mask: it stays whole
+    gm, ctx = _passes_on(PatchTokens(), [torch.randn(2, 4, 8, 8), torch.randn(16, 32)], SEQUENCE_PASSES, ulysses=2)
+    assert ctx.sequence_placements == {}  # no input has the sequence's shape: 4 x 4 patches are made inside
+    tokens = next(n for n in gm.graph.nodes if n.target == "transpose")  # [2, 16, 32], out of the patches
+    (start,) = tokens.users
+    assert start.target is sequence_start and [u.target for u in start.users] == [operator.add]
+    _, ctx = _passes_on(models.GPTBlock(), [torch.randn(2, 16, 32)], SEQUENCE_PASSES, tp=2)
+    assert ctx.sequence_placements == {}  # without cp it does nothing
 
 
 @pytest.mark.parametrize("spelling", REPEATED_KV)

@@ -18,7 +18,6 @@ from .meta import placements
 
 if TYPE_CHECKING:
     from ..symbolic import Specialization
-    from .coverage import Coverage
 
 
 @dataclass
@@ -51,9 +50,10 @@ class ParallelContext:
     params: dict[str, ParamInfo] = field(default_factory=dict)  # placeholder name -> parameter
     sites: list = field(default_factory=list)  # AttentionSite | MLPSite, from detect
     param_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> tp placement
+    sequence_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> cp, from sequence
     output_placements: list[dict[str, Placement] | None] = field(default_factory=list)  # per output, by dim
     warnings: list[str] = field(default_factory=list)
-    coverage: Coverage | None = None  # from plan_pass
+    coverage: Coverage | None = None  # measured once planned (coverage.record_coverage)
     comm: str = FUNCTIONAL  # the lowering lower_pass picked
     replica_group_sets: dict[str, tuple] = field(default_factory=dict)  # from lower_pass
     specialization: Specialization | None = None  # a symbolic plan's guards (symbolic.py); None: static sizes
@@ -67,6 +67,39 @@ class ParallelContext:
         if message not in self.warnings:
             self.warnings.append(message)
             logger.warning(message)
+
+
+@dataclass
+class Coverage:
+    """How much of a planned graph runs split; ``passes.coverage`` measures it."""
+
+    linear_flops: int = 0
+    sharded_linear_flops: int = 0  # sharded on every planned mesh dim
+    block_linear_flops: int = 0
+    sharded_block_linear_flops: int = 0
+    parameters: int = 0  # elements
+    sharded_parameters: int = 0
+    fallback_gathers: list[str] = field(default_factory=list)  # "node (op) on dim: why"
+    parallel_sites: int = 0
+    ring_attention_flops: dict[str, list[int]] = field(default_factory=dict)  # site -> FLOPs per ring rank
+
+    @staticmethod
+    def share(part: int, whole: int) -> float:
+        return part / whole if whole else 1.0
+
+    def summary(self) -> str:
+        return (f"linear FLOPs sharded {self.share(self.sharded_linear_flops, self.linear_flops):.1%} "
+                f"(in blocks {self.share(self.sharded_block_linear_flops, self.block_linear_flops):.1%}), "
+                f"parameters sharded {self.share(self.sharded_parameters, self.parameters):.1%}, "
+                f"{len(self.fallback_gathers)} fallback gathers")
+
+    def as_dict(self) -> dict:
+        return {"linear_flops": self.linear_flops, "sharded_linear_flops": self.sharded_linear_flops,
+                "block_linear_flops": self.block_linear_flops,
+                "sharded_block_linear_flops": self.sharded_block_linear_flops,
+                "parameters": self.parameters, "sharded_parameters": self.sharded_parameters,
+                "fallback_gathers": list(self.fallback_gathers), "parallel_sites": self.parallel_sites,
+                "ring_attention_flops": dict(self.ring_attention_flops)}
 
 
 class PlanningError(RuntimeError):

@@ -12,51 +12,19 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
 
 import torch.fx as fx
 
 from ..ops.ring import ring_step_flops
 from ..placements import Replicate, shard_length
 from ..symbolic import hint
-from .context import ParallelContext
+from .context import Coverage, ParallelContext
 from .detect import AttentionSite
 from .meta import shardings, weight_name
 from .nodes import tensor_val, weight_param
 from .rules.registry import op_kind
 
 _IN_BLOCK = re.compile(r"\.\d+\.")
-
-
-@dataclass
-class Coverage:
-    linear_flops: int = 0
-    sharded_linear_flops: int = 0  # sharded on every planned mesh dim
-    block_linear_flops: int = 0
-    sharded_block_linear_flops: int = 0
-    parameters: int = 0  # elements
-    sharded_parameters: int = 0
-    fallback_gathers: list[str] = field(default_factory=list)  # "node (op) on dim: why"
-    parallel_sites: int = 0
-    ring_attention_flops: dict[str, list[int]] = field(default_factory=dict)  # site -> FLOPs per ring rank
-
-    @staticmethod
-    def share(part: int, whole: int) -> float:
-        return part / whole if whole else 1.0
-
-    def summary(self) -> str:
-        return (f"linear FLOPs sharded {self.share(self.sharded_linear_flops, self.linear_flops):.1%} "
-                f"(in blocks {self.share(self.sharded_block_linear_flops, self.block_linear_flops):.1%}), "
-                f"parameters sharded {self.share(self.sharded_parameters, self.parameters):.1%}, "
-                f"{len(self.fallback_gathers)} fallback gathers")
-
-    def as_dict(self) -> dict:
-        return {"linear_flops": self.linear_flops, "sharded_linear_flops": self.sharded_linear_flops,
-                "block_linear_flops": self.block_linear_flops,
-                "sharded_block_linear_flops": self.sharded_block_linear_flops,
-                "parameters": self.parameters, "sharded_parameters": self.sharded_parameters,
-                "fallback_gathers": list(self.fallback_gathers), "parallel_sites": self.parallel_sites,
-                "ring_attention_flops": dict(self.ring_attention_flops)}
 
 
 def _linear_flops(node: fx.Node) -> int:
@@ -70,6 +38,15 @@ def _weight_fqn(node: fx.Node, ctx: ParallelContext) -> str | None:
     """The module path of a linear's (or ``x @ weight``'s) parameter weight, if it has one."""
     weight, _ = weight_param(node)
     return ctx.params[weight.name].fqn if isinstance(weight, fx.Node) and weight.name in ctx.params else None
+
+
+def record_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> None:
+    """Measure ``ctx.coverage`` once the graph is planned (before localize drops the values it
+    reads), and warn when no site runs parallel."""
+    ctx.coverage = measure_coverage(gm, ctx)
+    if ctx.mesh.plan_dims and ctx.sites and not ctx.coverage.parallel_sites:
+        ctx.warn(f"none of the {len(ctx.sites)} attention and MLP sites runs parallel: every rank computes the whole "
+                 f"model (see the warnings above for why)")
 
 
 def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:

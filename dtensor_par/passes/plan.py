@@ -1,8 +1,8 @@
-"""plan: give every node a placement on the tp mesh dim.
+"""plan: give every node a placement on each planned mesh dim (tp, cp).
 
-Sites decide the weights (Megatron: q/k/v, up and gate colwise; out and down rowwise); the
-rule table then carries placements through every node in graph order, so the plan covers
-the whole graph, not just the sites.
+Sites decide the tp weights (Megatron: q/k/v, up and gate colwise; out and down rowwise), and
+``sequence_pass`` the cp inputs; the rule table then carries placements through every node in
+graph order, so the plan covers the whole graph, not just the sites.
 """
 
 from __future__ import annotations
@@ -10,17 +10,13 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..placements import InterleavedShard, Placement, Replicate, Shard
-from ..symbolic import same_size
-from .capture import with_val
 from .context import ParallelContext, at_node
-from .coverage import measure_coverage
-from .detect import TO_ATTENTION, AttentionSite, concatenated_features, find_producers, module_name
+from .detect import AttentionSite, concatenated_features, module_name
 from .meta import NodeSharding, set_global_shape, set_sharding, shardings
 from .nodes import target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.core import RuleEnv, check_divisible, moved, replicate_all
-from .rules.indexing import cat_dim, per_dim, split_dim
+from .rules.indexing import per_dim, split_dim
 from .rules.registry import lookup, op_kind
-from .rules.views import sequence_start
 
 R = Replicate()
 
@@ -126,80 +122,6 @@ def assign_weight_placements(ctx: ParallelContext) -> None:
     ctx.param_placements = chosen
 
 
-def mask_only_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose every use ends in an attention mask or key padding. Hybrid attention takes
-    them whole and every rank holds the graph inputs whole, so these stay whole on cp: no
-    gather of a [B, H, S, S] mask built from a [B, S] key-padding input."""
-    only: set[fx.Node] = set()
-    for node in reversed(gm.graph.nodes):
-        if node.users and all(u in only or (op_kind(u) == "hybrid_attention" and node not in u.args and node in (
-                u.kwargs.get("attn_mask"), u.kwargs.get("key_padding"))) for u in node.users):
-            only.add(node)
-    return only
-
-
-def sequence_lengths(site: AttentionSite, ctx: ParallelContext) -> list[int]:
-    """The length of the sequence an attention runs over, and of each part of it when it is
-    a joint sequence concatenated from several (text and image tokens)."""
-    length = tensor_val(site.core.args[0]).shape[-2]
-    lengths = [length]
-    for node in find_producers(site.core.args[0], TO_ATTENTION, ctx)[1]:
-        if op_kind(node) == "cat" and same_size(tensor_val(node).shape[cat_dim(node)], length):
-            lengths += [tensor_val(i).shape[cat_dim(node)] for i in tensor_inputs(node)]
-    return lengths
-
-
-def _sequence_shaped(val) -> bool:
-    """``[batch, seq, ...]`` activations, or ``[batch, seq]`` token ids or positions (integers:
-    a float ``[batch, features]`` input, a pooled embedding, is no sequence)."""
-    return val.dim() >= 3 or (val.dim() == 2 and not val.is_floating_point())
-
-
-def sequence_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, Placement]:
-    """Graph inputs sharded along the sequence over cp: sequence-shaped ones whose dim 1 has
-    the length of the sequence hybrid attention runs over, or of a part of a joint one (the
-    runtime slices them, no communication), except inputs that only build attention masks."""
-    lengths = [n for s in ctx.sites if isinstance(s, AttentionSite) and op_kind(s.core) == "hybrid_attention"
-               for n in sequence_lengths(s, ctx)]
-    if not lengths:
-        ctx.warn(f"no attention runs sequence-parallel: mesh dims 'ring' x 'ulysses' = {ctx.mesh.size('cp')} "
-                 "shard nothing")
-        return {}
-    placements, masks = {}, mask_only_nodes(gm)
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.name not in ctx.params and node not in masks \
-                and _is_sequence(tensor_val(node), lengths):
-            placements[node.name] = Shard(1)
-    mark_sequence_starts(gm, lengths, masks)
-    return placements
-
-
-def _is_sequence(val, lengths: list[int]) -> bool:
-    return val is not None and _sequence_shaped(val) and any(same_size(val.shape[1], n) for n in lengths)
-
-
-def mark_sequence_starts(gm: fx.GraphModule, lengths: list[int], masks: set[fx.Node]) -> None:
-    """Activations made inside the graph (a patch embedding's tokens, transposed out of a conv)
-    are cut over cp where they are made, as an input sequence is, so the ops after them run on
-    shards too, not only the attention: a ``sequence_start`` after each floating-point
-    sequence-shaped node none of whose inputs is one. Positions stay whole: masks are built
-    from them. A node whose dim 1 has the length of another of its dims too (hidden size =
-    tokens) is ambiguous and left to the attention."""
-    def starts_sequence(node: fx.Node) -> bool:
-        val = tensor_val(node)
-        if node.op not in ("call_function", "call_method") or node in masks or op_kind(node) == "hybrid_attention":
-            return False
-        if not _is_sequence(val, lengths) or not val.is_floating_point():
-            return False
-        ambiguous = any(same_size(val.shape[1], n) for n in val.shape[2:])
-        return not ambiguous and not any(_is_sequence(tensor_val(i), lengths) for i in node.all_input_nodes)
-
-    for node in [n for n in gm.graph.nodes if starts_sequence(n)]:
-        with gm.graph.inserting_after(node):
-            start = with_val(gm.graph.call_function(sequence_start, (node,)), tensor_val(node))
-        node.replace_all_uses_with(start, delete_user_cb=lambda user: user is not start)
-
-
 def _check_local_outputs(outputs: list[fx.Node], placements: list[Placement], env: RuleEnv) -> None:
     """A DTensor shard is one contiguous, unpadded range: refuse sequence shards that are not."""
     for node, p in zip(outputs, placements):
@@ -247,7 +169,7 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Annotate every node with its NodeSharding on each planned mesh dim (``meta.shardings``)."""
     if ctx.mesh.size("tp") > 1:
         assign_weight_placements(ctx)
-    seeds = {"tp": ctx.param_placements, "cp": sequence_input_placements(gm, ctx) if ctx.mesh.size("cp") > 1 else {}}
+    seeds = {"tp": ctx.param_placements, "cp": ctx.sequence_placements}
     for node in gm.graph.nodes:
         if tensor_val(node) is not None:
             set_global_shape(node, tuple(tensor_val(node).shape))
@@ -265,8 +187,4 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     ctx.output_placements = [None] * len(output.args[0])
     for k, i in enumerate(tensors):
         ctx.output_placements[i] = {d: s.inputs[k] for d, s in shardings(output).items()}
-    ctx.coverage = measure_coverage(gm, ctx)
-    if ctx.mesh.plan_dims and ctx.sites and not ctx.coverage.parallel_sites:
-        ctx.warn(f"none of the {len(ctx.sites)} attention and MLP sites runs parallel: every rank computes the whole "
-                 f"model (see the warnings above for why)")
     return gm

@@ -151,7 +151,7 @@ def localize_view(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
 
 def sequence_start(x: torch.Tensor) -> torch.Tensor:
     """Where a sequence made inside the graph (a patch embedding's tokens) starts to be
-    sharded over cp. plan inserts it; it asks for its input cut along the sequence, which
+    sharded over cp. sequence_pass inserts it; it asks for its input cut along the sequence, which
     localize does as for any other edge (``shard_local``: nothing sent). It stays in the local
     graph, an identity that shows where the cut is."""
     return x
