@@ -1,0 +1,110 @@
+"""The package's layout, read from its source: imports run downward, without cycles; node
+annotations go through passes/meta.py; passes stay short functions."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "dtensor_par"
+
+# Lowest first: a module may import its own floor and those below, never one above.
+FLOORS = (
+    ("logs", "mesh", "placements", "symbolic"),
+    ("ops",),
+    ("passes.nodes", "passes.meta"),
+    ("passes.rules",),
+    ("passes.context",),
+    ("passes",),  # the passes themselves
+    ("dump", "backend"),
+    ("sharded", "runtime", "api", "explain", "__init__", "__main__"),
+)
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _packages(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports: every import statement (``TYPE_CHECKING`` and
+    function-local ones too), each with the packages whose ``__init__`` it runs on the way."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
+        reached = {t for target in targets for t in (target, *_packages(target)) if t in files}
+        graph[name] = reached - {name} - set(_packages(name))  # its own packages are already running
+    return graph
+
+
+def floor_of(module: str) -> int:
+    name = module.removeprefix("dtensor_par").removeprefix(".") or "__init__"
+    matches = [(len(prefix), i) for i, floor in enumerate(FLOORS) for prefix in floor
+               if name == prefix or name.startswith(prefix + ".")]
+    assert matches, f"{module} is on no floor of FLOORS"
+    return max(matches)[1]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One import path that returns to its start, for each module on a cycle."""
+    found = []
+    for start in graph:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    found.append(path + [start])
+                    stack = []
+                    break
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+    return found
+
+
+def test_imports_form_no_cycle():
+    graph = import_graph()
+    assert "dtensor_par.passes.rules.registry" in graph["dtensor_par.passes.detect"]
+    assert "dtensor_par.passes.rules" in graph["dtensor_par.passes.detect"]  # its __init__ runs too
+    assert cycles(graph) == []
+
+
+def test_imports_point_down_the_floors():
+    upward = [f"{m} -> {t}" for m, targets in import_graph().items() for t in sorted(targets)
+              if floor_of(t) > floor_of(m)]
+    assert upward == []
+
+
+def test_node_annotations_only_through_passes_meta():
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    spelled = re.compile(r"""meta(\[|\.get\(|\.setdefault\(|\.pop\()\s*["']dtensor_par|["']dtensor_par_?\w*["']\s+in\s""")
+    found = [f"{path}:{i}" for path in tracked.stdout.split() if path != "dtensor_par/passes/meta.py"
+             for i, line in enumerate((ROOT / path).read_text().splitlines(), 1) if spelled.search(line)]
+    assert found == []
+
+
+def test_passes_are_short_functions():
+    long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in (PACKAGE / "passes").rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60]
+    assert long == []
