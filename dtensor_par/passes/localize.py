@@ -107,7 +107,7 @@ def record_runtime_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
             continue
         if node.name in ctx.params:
             p = ctx.param_placements.get(node.name)
-            placements = {"tp": p} if shard_dim(p) is not None and not ctx.config.parallelized else {}
+            placements = {"tp": p} if shard_dim(p) is not None and not ctx.feeding.sharded else {}
             site = "parameter gradient"
         else:
             placements = {d: s.out for d, s in node.meta["dtensor_par"].items() if shard_dim(s.out) is not None}
