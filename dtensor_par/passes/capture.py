@@ -43,8 +43,10 @@ def record_module_names(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-class _Captured(Exception):
-    """Raised in place of running a captured graph: planning only needs the graph."""
+class _Captured(BaseException):
+    """Raised in place of running a captured graph: planning only needs the graph. Not an
+    ``Exception``, so a model's own ``except Exception`` (transformers has some) cannot catch it
+    and carry on eagerly."""
 
 
 def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **example_kwargs) -> list[tuple]:
