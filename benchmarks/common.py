@@ -87,8 +87,9 @@ def aot_graphs(local_gm, ctx, backward: bool = True) -> dict:
     """The forward (and backward) graphs AOTAutograd traces from a localized graph, compiled as
     the runtime compiles it and run on this rank's pieces of the example inputs (on a fake
     process group nothing is sent)."""
+    from dtensor_par.params import local_value
     from dtensor_par.passes.meta import placements
-    from dtensor_par.runtime import compile_local, local_value
+    from dtensor_par.runtime import compile_local
 
     graphs = {}
 

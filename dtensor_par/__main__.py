@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import os
 import sys
 
+from .config import ParallelConfig
 from .explain import explain
+from .mesh import MESH_DIMS
 
 
 def load_factory(spec: str):
@@ -33,30 +36,44 @@ def load_factory(spec: str):
     return factory
 
 
+def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per option that changes the plan, and ``--dump-dir``: read from ``ParallelConfig``'s fields."""
+    fields = {f.name: f for f in dataclasses.fields(ParallelConfig)}
+    for f in [*ParallelConfig.plan_options(), fields["dump_dir"]]:
+        flag, default = "--" + f.name.replace("_", "-"), getattr(ParallelConfig(), f.name)
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+        else:
+            shown = f" (default: {default})" if default is not None else ""
+            parser.add_argument(flag, type=type(default) if default is not None else str, default=default,
+                                choices=f.metadata["choices"], help=f.metadata["help"] + shown)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dtensor_par")
     commands = parser.add_subparsers(dest="command", required=True)
     ex = commands.add_parser("explain", help="plan a model at any mesh size and print the plan")
     ex.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (model, example_inputs)")
-    for dim in ("tp", "ring", "ulysses"):
-        ex.add_argument(f"--{dim}", type=int, default=1)
+    for dim in MESH_DIMS:
+        ex.add_argument(f"--{dim}", type=int, default=1, help=f"size of mesh dim {dim!r}")
+    ex.add_argument("--order", help="the mesh dims, comma-separated, the last fastest (default: by device type)")
     ex.add_argument("--device-type", default="cuda")
-    ex.add_argument("--sequence-parallel", action="store_true")
     ex.add_argument("--svg", help="write the mesh picture to this file")
-    ex.add_argument("--dump", help="write the per-pass dump folders here")
-    args = parser.parse_args(argv)
+    add_option_flags(ex)
+    args = vars(parser.parse_args(argv))
 
-    model, example_inputs = load_factory(args.factory)()
+    model, example_inputs = load_factory(args["factory"])()
+    options = {f.name: args[f.name] for f in dataclasses.fields(ParallelConfig) if f.name in args}
+    order = tuple(args["order"].split(",")) if args["order"] else None
     try:
-        report = explain(model, example_inputs, tp=args.tp, ring=args.ring, ulysses=args.ulysses,
-                         device_type=args.device_type, sequence_parallel=args.sequence_parallel,
-                         dump_dir=args.dump)
-    except (ValueError, NotImplementedError) as e:
-        print(f"explain: {e}", file=sys.stderr)
+        report = explain(model, example_inputs, **{d: args[d] for d in MESH_DIMS}, order=order,
+                         device_type=args["device_type"], **options)
+    except (ValueError, NotImplementedError, TypeError) as e:
+        print(e, file=sys.stderr)
         return 2
     print(report)
-    if args.svg:
-        with open(args.svg, "w") as f:
+    if args["svg"]:
+        with open(args["svg"], "w") as f:
             f.write(report.svg())
     return 0
 

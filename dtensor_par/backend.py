@@ -14,7 +14,10 @@ from .symbolic import Specialization, recording_guards
 
 from .passes.canonicalize import canonicalize_pass
 from .passes.capture import capture_pass
-from .passes.context import USER_ERRORS, ParallelConfig, ParallelContext, PlanningError
+from .config import ParallelConfig
+from .mesh import MeshInfo
+from .params import WHOLE, WholeParameters
+from .passes.context import USER_ERRORS, ParallelContext, PlanningError
 from .passes.coverage import record_coverage
 from .passes.detect import detect_pass
 from .passes.localize import graph_communications, localize_pass
@@ -58,12 +61,14 @@ def _step(step, gm: fx.GraphModule, ctx: ParallelContext):
     return result
 
 
-def parallelize_graph(gm: fx.GraphModule, example_inputs: list, config: ParallelConfig,
+def parallelize_graph(gm: fx.GraphModule, example_inputs: list, mesh: MeshInfo,
+                      config: ParallelConfig | None = None, *, feeding: WholeParameters = WHOLE,
                       passes=PASSES, dump: GraphDump | None = None,
                       specialization: Specialization | None = None) -> tuple[fx.GraphModule, ParallelContext]:
-    """Run ``passes`` in order on a copy of ``gm`` for concrete ``example_inputs``; with a
-    ``specialization`` (``symbolic.SymbolicInputs.fake_inputs``), on its symbolic sizes."""
-    ctx = ParallelContext(config, list(example_inputs), specialization=specialization,
+    """Run ``passes`` in order on a copy of ``gm`` for concrete ``example_inputs`` over ``mesh``,
+    the parameters fed as ``feeding`` says; with a ``specialization``
+    (``symbolic.SymbolicInputs.fake_inputs``), on its symbolic sizes."""
+    ctx = ParallelContext(config or ParallelConfig(), mesh, list(example_inputs), feeding, specialization=specialization,
                           fake_inputs=specialization.global_inputs if specialization else None)
     if dump is not None:
         dump.captured(gm)

@@ -105,14 +105,6 @@ def collectives_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def state_line(parallelized: bool) -> str:
-    """Which of the two parameter modes the numbers describe."""
-    if parallelized:
-        return "sharded (dtensor_par.parallelize): each rank holds its DTensor piece of every sharded parameter"
-    return ("full (model not parallelized): each rank holds every parameter whole, computes on its slice and "
-            "all-gathers sharded parameters' gradients; dtensor_par.parallelize holds only the slices")
-
-
 def parameter_rows(ctx: ParallelContext) -> list[dict]:
     """Each parameter: its placement, the local shape the graph computes with and the bytes
     this rank holds (the local piece once parallelized, the whole parameter before)."""
@@ -123,7 +115,7 @@ def parameter_rows(ctx: ParallelContext) -> list[dict]:
         shape = tuple(info.tensor.shape)
         local = local_shape(shape, p, size) if p is not None else shape
         element = info.tensor.element_size()
-        held = local if ctx.config.parallelized else shape
+        held = local if ctx.feeding.sharded else shape
         rows.append({"name": info.fqn, "shape": list(shape), "placement": {"tp": describe(p or Replicate())},
                      "local_shape": list(local), "bytes_per_rank": math.prod(held) * element,
                      "bytes": math.prod(shape) * element})
@@ -148,7 +140,7 @@ def plan_dict(nodes: list[dict], local_gm: fx.GraphModule, ctx: ParallelContext)
         "version": PLAN_VERSION,
         "mesh": {name: ctx.mesh.size(name) for name in MESH_DIMS},
         "world_size": ctx.mesh.world_size,
-        "parameter_state": state_line(ctx.config.parallelized),
+        "parameter_state": ctx.feeding.state,
         "sites": sites_text(ctx).splitlines(),
         "parameters": parameter_rows(ctx),
         "nodes": nodes,

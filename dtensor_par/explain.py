@@ -7,12 +7,13 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .api import check_options
-from .passes.capture import SYMBOLIC, capture_graphs
 from .backend import parallelize_graph
-from .dump import GraphDump, collective_rows, mesh_svg, parameter_rows, site_placement_lines, sites_text, state_line
+from .config import ParallelConfig
+from .dump import GraphDump, collective_rows, mesh_svg, parameter_rows, site_placement_lines, sites_text
 from .mesh import MESH_DIMS, MeshInfo
-from .passes.context import ParallelConfig
+from .params import SHARDED, WHOLE
+from .passes import meta
+from .passes.capture import capture_graphs
 from .passes.coverage import Coverage
 from .sharded import sharded_state
 from .symbolic import hint
@@ -89,22 +90,20 @@ class Report:
 
 
 def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int = 1, device_type: str = "cuda",
-            order: tuple[str, ...] | None = None, sequence_parallel: bool = False,
-            dump_dir: str | None = None, parallelized: bool | None = None, collectives: str = "auto",
-            ulysses_impl: str = "all_to_all", replica_group_limit: int = 12,
-            example_kwargs: dict | None = None, grad_bucket_mb: float = 25.0,
-            dynamic: bool | None = None) -> Report:
+            order: tuple[str, ...] | None = None, parallelized: bool | None = None,
+            example_kwargs: dict | None = None, dynamic: bool | None = None, **options) -> Report:
     """Plan ``model(*example_inputs, **example_kwargs)`` for the given mesh as rank 0 would, without hardware.
 
     The model may live on the ``meta`` device, so a model too large for this machine can be
-    planned at its real size. Capturing resets Dynamo's caches (see ``capture_graphs``).
+    planned at its real size; it is not run (``capture_graphs``). Capturing resets Dynamo's caches.
     ``parallelized``: report parameters held as by ``parallelize`` (DTensor pieces, no
     gradient gathers) or as by ``hybrid_parallel`` alone (full); default: as the model is.
-    ``collectives``, ``ulysses_impl``, ``replica_group_limit``, ``grad_bucket_mb``: as for ``hybrid_parallel``; with
+    ``options``: those of ``hybrid_parallel`` (``config.ParallelConfig``); with
     ``device_type="neuron"`` or ``collectives="xla"`` the plan is checked as Neuron needs it.
     ``dynamic=True``: capture with symbolic sizes (as ``torch.compile(dynamic=True)``) and
     plan on them, reporting the sizes the plan is symbolic in and any op that specialized it.
     """
+    config = ParallelConfig.of("explain", options)
     sizes = {"tp": tp, "ring": ring, "ulysses": ulysses}
     for name, size in sizes.items():
         if not isinstance(size, int) or size < 1:
@@ -112,23 +111,25 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
     if order is not None and sorted(order) != sorted(MESH_DIMS):
         raise ValueError(f"explain: order must name each of {MESH_DIMS} once, got {tuple(order)}")
     info = MeshInfo.for_planning(sizes, device_type, order)
-    check_options(info, sequence_parallel, collectives, ulysses_impl)
+    config.check_mesh(info, "explain")
     if parallelized is None:
         parallelized = sharded_state(model) is not None
-    config = ParallelConfig(info, sequence_parallel=sequence_parallel, parallelized=parallelized,
-                            collectives=collectives, ulysses_impl=ulysses_impl,
-                            replica_group_limit=replica_group_limit, grad_bucket_mb=grad_bucket_mb)
-    report = Report(sizes, info.order, device_type, state_line(parallelized))
+    feeding = SHARDED if parallelized else WHOLE
+    report = Report(sizes, info.order, device_type, feeding.state)
     captured = capture_graphs(model, *example_inputs, dynamic=dynamic, **(example_kwargs or {}))
     for i, (gm, inputs) in enumerate(captured):
-        dump = GraphDump(os.path.join(dump_dir, f"graph{i}"), info.order) if dump_dir else None
-        start = time.perf_counter()
-        inputs = [hint(a) for a in inputs]  # Dynamo's SymInt inputs, at these sizes
-        spec = gm.meta[SYMBOLIC].specialization(inputs) if gm.meta[SYMBOLIC].symbolic else None
-        local_gm, ctx = parallelize_graph(gm, inputs, config, dump=dump, specialization=spec)
-        report.graphs.append(GraphReport(sites_text(ctx).splitlines(), site_placement_lines(ctx),
-                                         parameter_rows(ctx), collective_rows(local_gm), list(ctx.warnings),
-                                         time.perf_counter() - start, ctx.coverage, ctx.comm,
-                                         len(ctx.replica_group_sets), spec.symbolic_names() if spec else [],
-                                         spec.specialized() if spec else []))
+        dump = GraphDump(os.path.join(config.dump_dir, f"graph{i}"), info.order) if config.dump_dir else None
+        report.graphs.append(_graph_report(gm, [hint(a) for a in inputs], info, config, feeding, dump))
     return report
+
+
+def _graph_report(gm, inputs: list, info: MeshInfo, config: ParallelConfig, feeding, dump) -> GraphReport:
+    """Plan one captured graph at the example sizes (Dynamo's SymInt inputs at their hints)."""
+    start = time.perf_counter()
+    symbolic = meta.symbolic_inputs(gm)
+    spec = symbolic.specialization(inputs) if symbolic.symbolic else None
+    local_gm, ctx = parallelize_graph(gm, inputs, info, config, feeding=feeding, dump=dump, specialization=spec)
+    return GraphReport(sites_text(ctx).splitlines(), site_placement_lines(ctx), parameter_rows(ctx),
+                       collective_rows(local_gm), list(ctx.warnings), time.perf_counter() - start, ctx.coverage,
+                       ctx.comm, len(ctx.replica_group_sets), spec.symbolic_names() if spec else [],
+                       spec.specialized() if spec else [])

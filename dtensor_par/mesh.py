@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
@@ -115,7 +114,8 @@ class MeshDim(NamedTuple):
         return 2 if self.zigzag else 1
 
 
-_MESH_INFO: dict[int, MeshInfo] = {}  # id(mesh) -> its MeshInfo (and cp process groups), dropped with the mesh
+_INFO_OF = "_dtensor_par_mesh_info"
+"""The attribute of a DeviceMesh holding its MeshInfo: built once per mesh, dropped with it."""
 
 
 @dataclass(frozen=True)
@@ -144,20 +144,21 @@ class MeshInfo:
         return [self.dims[n] for n in PLAN_DIMS if self.size(n) > 1]
 
     @staticmethod
-    def check_names(mesh: DeviceMesh) -> None:
-        """A user mesh must name its dims from MESH_DIMS and span the whole world."""
+    def check_names(mesh: DeviceMesh, entry: str) -> None:
+        """A user mesh must name its dims from MESH_DIMS and span the whole world; errors name
+        the entry point ``entry`` that was given the mesh."""
         names = mesh.mesh_dim_names
         if names is None:
-            raise ValueError(f"hybrid_parallel: the mesh needs dim names drawn from {MESH_DIMS}")
+            raise ValueError(f"{entry}: the mesh needs dim names drawn from {MESH_DIMS}")
         unknown = [n for n in names if n not in MESH_DIMS]
         if unknown:
             raise ValueError(
-                f"hybrid_parallel: unknown mesh dim names {unknown} (mesh dims {tuple(names)} with "
+                f"{entry}: unknown mesh dim names {unknown} (mesh dims {tuple(names)} with "
                 f"sizes {tuple(mesh.shape)}); allowed names are {MESH_DIMS}"
             )
         if dist.get_world_size() != mesh.size():
             raise ValueError(
-                f"hybrid_parallel: the mesh {dict(zip(names, mesh.shape))} holds {mesh.size()} "
+                f"{entry}: the mesh {dict(zip(names, mesh.shape))} holds {mesh.size()} "
                 f"ranks but the world size is {dist.get_world_size()}"
             )
 
@@ -181,16 +182,16 @@ class MeshInfo:
         return MeshInfo(device_type, dims, MeshInfo.full_order(names))
 
     @staticmethod
-    def from_mesh(mesh: DeviceMesh) -> MeshInfo:
-        """Built once per mesh, with the cp process groups, and reused by every ``hybrid_parallel``
-        call and recompile over it."""
-        key = id(mesh)
-        if key not in _MESH_INFO:
-            MeshInfo.check_names(mesh)
-            _MESH_INFO[key] = MeshInfo.build(mesh.device_type, mesh.mesh, tuple(mesh.mesh_dim_names),
-                                             dist.get_rank(), functools.partial(_group_name, mesh))
-            weakref.finalize(mesh, _MESH_INFO.pop, key, None)
-        return _MESH_INFO[key]
+    def from_mesh(mesh: DeviceMesh, entry: str = "hybrid_parallel") -> MeshInfo:
+        """Built once per mesh, with the cp process groups, and kept on the mesh for every
+        ``hybrid_parallel`` call and recompile over it."""
+        info = getattr(mesh, _INFO_OF, None)
+        if info is None:
+            MeshInfo.check_names(mesh, entry)
+            info = MeshInfo.build(mesh.device_type, mesh.mesh, tuple(mesh.mesh_dim_names), dist.get_rank(),
+                                  functools.partial(_group_name, mesh))
+            setattr(mesh, _INFO_OF, info)
+        return info
 
     @staticmethod
     def for_planning(sizes: dict[str, int], device_type: str, order: tuple[str, ...] | None = None) -> MeshInfo:

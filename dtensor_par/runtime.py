@@ -1,16 +1,14 @@
 """What Dynamo calls: slices inputs and parameters, runs the per-rank graph for each input size.
 
-Parameters come in two modes. A model passed through ``parallelize`` holds DTensor shards:
-Dynamo hands the graph their stand-ins and the runtime feeds ``param.to_local()`` (the
-gradient comes back as a DTensor shard; nothing is gathered). Any other model holds full
-parameters: the runtime slices this rank's piece at every call (a view where it can) and
-all-gathers each sharded parameter's gradient back to full size in backward.
+``hybrid_parallel`` returns a ``ParallelBackend``; Dynamo calls it once per captured graph and
+gets a ``ParallelRuntime``, which plans and compiles at the first call with concrete inputs.
+How parameters reach the graph (whole and sliced per call, or DTensor shards) is the plan's
+``params.WholeParameters`` strategy.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import os
 from dataclasses import dataclass
@@ -18,57 +16,65 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch._dynamo.backends.registry import lookup_backend
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from .backend import parallelize_graph
+from .config import ParallelConfig
 from .dump import GraphDump
 from .logs import logger
-from .mesh import MeshDim, MeshInfo
-from .ops.collectives import gather_param_grad, shard_local
-from .passes.capture import scalar_inputs
-from .passes.context import ParallelConfig, ParallelContext, PlanningError
+from .mesh import MeshInfo
+from .params import WholeParameters, feeding_for, standin_param
 from .passes import meta
-from .placements import Placement, describe, interleaved_parts, local_chunk, shard_dim
-from .sharded import dtensor_placements, standin_param
+from .passes.capture import record_module_names, scalar_inputs
+from .passes.context import PlanningError
+from .passes.overlap import overlapped_aot_eager
+from .placements import Placement
 from .symbolic import NotSymbolic, Specialization, SymbolicInputs
 
-
-_graph_ids = itertools.count()  # names dump folders: one per planned graph and input signature
-_runtime_ids = itertools.count()  # names captured graphs in log lines
-
-
-class _LocalShard(torch.autograd.Function):
-    """Hands the graph a full parameter's local piece; sends the full gradient back to it."""
-
-    @staticmethod
-    def forward(ctx, param, local, placement, dim, comm):
-        ctx.args = (placement, dim, comm)
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_param_grad(grad, *ctx.args), None, None, None, None
+INDUCTOR_OVERLAP = {"reorder_for_compute_comm_overlap": True,
+                    "reorder_for_compute_comm_overlap_passes": ["raise_comms", "sink_waits"]}
+"""Inductor's own form of ``passes.overlap``: each collective issued as early as its inputs
+allow, each wait at its first reader."""
 
 
-def local_param(param: torch.nn.Parameter, placement: Placement, dim: MeshDim, comm: str) -> torch.Tensor:
-    """This rank's piece of a full parameter, sliced at every call: a stale piece cannot be
-    served, whatever changed the parameter (``.data`` writes and replacements included).
-    ``comm``: the lowering of the gradient's gather."""
-    local = local_chunk(param.detach(), placement, dim.rank, dim.size)
-    if param.requires_grad and torch.is_grad_enabled():
-        return _LocalShard.apply(param, local, placement, dim, comm)
-    return local
+def _overlapped_inductor(gm: torch.fx.GraphModule, example_inputs):
+    """Inductor with ``INDUCTOR_OVERLAP``, unless its comm/compute reordering is configured."""
+    from torch._inductor.compile_fx import compile_fx
+
+    configured = torch._inductor.config.reorder_for_compute_comm_overlap
+    return compile_fx(gm, example_inputs, config_patches=None if configured else INDUCTOR_OVERLAP)
 
 
-def local_value(full: torch.Tensor, placements: dict[str, Placement], mesh: MeshInfo, comm: str) -> torch.Tensor:
-    """This rank's piece of a full (replicated) input; its gradient is gathered back whole."""
-    for name, p in placements.items():
-        d = shard_dim(p)
-        if d is not None:
-            full = shard_local(full, d, interleaved_parts(p), mesh.dims[name], comm)
-    return full
+def resolve_backend(inner_backend: str | Callable) -> Callable:
+    """The inner backend by name; ``"aot_eager"`` and ``"inductor"`` issue each collective as
+    early as its inputs allow and wait for it at its first reader (``passes.overlap``)."""
+    if inner_backend == "aot_eager":
+        return overlapped_aot_eager
+    if inner_backend == "inductor":
+        return _overlapped_inductor
+    return inner_backend if callable(inner_backend) else lookup_backend(inner_backend)
+
+
+class ParallelBackend:
+    """What ``hybrid_parallel`` returns: the ``torch.compile`` backend over one mesh and config.
+
+    Dynamo calls it once per captured graph; it numbers the graphs it is handed (log lines)
+    and the plans made for them (dump folders).
+    """
+
+    def __init__(self, mesh: DeviceMesh, config: ParallelConfig):
+        self.mesh, self.config = mesh, config
+        self.info = MeshInfo.from_mesh(mesh, "hybrid_parallel")
+        config.check_mesh(self.info, "hybrid_parallel")
+        self.inner = resolve_backend(config.inner_backend)
+        self.graph_ids = itertools.count()
+        self.plan_ids = itertools.count()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs) -> ParallelRuntime:
+        return ParallelRuntime(record_module_names(gm), self)
 
 
 def compile_local(backend: Callable, gm: fx.GraphModule, examples: list, fake_mode=None) -> Callable:
@@ -94,6 +100,7 @@ class LocalGraph:
     input_placements: list[dict[str, Placement]]
     output_placements: list[dict[str, Placement] | None]
     comm: str  # the lowering of the runtime's own collectives, as the graph's
+    feeding: WholeParameters  # how this plan's parameters reach the graph
     key: tuple = ()  # the input signature it serves (symbolic sizes left out)
     specialization: Specialization | None = None  # a symbolic plan's guards; None: static sizes
 
@@ -124,14 +131,14 @@ class ParallelRuntime:
     new one is logged with what triggered it.
     """
 
-    def __init__(self, gm: fx.GraphModule, config: ParallelConfig, mesh: DeviceMesh,
-                 inner_backend: Callable):
-        self.gm, self.config, self.mesh, self.inner_backend = gm, config, mesh, inner_backend
+    def __init__(self, gm: fx.GraphModule, backend: ParallelBackend):
+        self.gm, self.backend = gm, backend
+        self.config, self.mesh, self.info = backend.config, backend.mesh, backend.info
         self.graphs: list[LocalGraph] = []  # most recently used last
         self.scalars = scalar_inputs(gm)
         self.symbolic = meta.symbolic_inputs(gm)
         self.input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        self.id = next(_runtime_ids)
+        self.id = next(backend.graph_ids)
         self.plans = 0
 
     def _key(self, args) -> tuple:
@@ -172,55 +179,30 @@ class ParallelRuntime:
 
     def __call__(self, *args):
         local_graph = self._lookup(args)
-        local_args = self._local_args(args, local_graph.input_placements, local_graph.comm)
+        local_args = self._local_args(args, local_graph)
         outs = local_graph.fn(*local_args)
         if self.config.output == "local":
             outs = type(outs)(self._as_dtensor(o, p) for o, p in zip(outs, local_graph.output_placements))
         return outs
 
-    def _local_args(self, args, placements: list[dict[str, Placement]], comm: str) -> list:
-        local = []
-        for a, p in zip(args, placements):
-            param = standin_param(a)
-            if param is not None:
-                a = param.to_local()
-            elif isinstance(a, torch.nn.Parameter) and shard_dim(p.get("tp")) is not None:
-                a = local_param(a, p["tp"], self.config.mesh.dims["tp"], comm)  # parameters are only ever sharded on tp
-            elif isinstance(a, torch.Tensor):
-                a = local_value(a, p, self.config.mesh, comm)
-            local.append(a)
-        return local
+    def _local_args(self, args, graph: LocalGraph) -> list:
+        return [graph.feeding.local_input(a, p, self.info, graph.comm) for a, p in zip(args, graph.input_placements)]
 
     def _check_devices(self, args) -> None:
-        placeholders = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
-        for name, a in zip(placeholders, args):
-            if isinstance(a, torch.Tensor) and a.device.type != self.config.mesh.device_type:
+        for name, a in zip(self.input_names, args):
+            if isinstance(a, torch.Tensor) and a.device.type != self.info.device_type:
                 raise ValueError(
                     f"hybrid_parallel: input {name!r} is on {a.device.type} but the mesh is on "
-                    f"{self.config.mesh.device_type}; move the model and inputs to the mesh's device type"
+                    f"{self.info.device_type}; move the model and inputs to the mesh's device type"
                 )
 
     def _dump(self) -> GraphDump | None:
         if self.config.dump_dir is None:
             return None
-        dims = self.config.mesh.dims  # this rank's coordinates name its folder
-        coords = "_".join(f"{d}{dims[d].rank}" for d in self.config.mesh.order)
-        folder = os.path.join(self.config.dump_dir, coords, f"graph{next(_graph_ids)}")
-        return GraphDump(folder, self.config.mesh.order)
-
-    def _check_sharded_params(self, ctx: ParallelContext, args) -> None:
-        """DTensor parameters must be laid out as this plan needs them, on this mesh."""
-        for name, info in ctx.params.items():
-            param = standin_param(args[info.index])
-            if param is None:
-                continue
-            planned = ctx.param_placements.get(name, Replicate())
-            needed = dtensor_placements(planned, self.mesh)
-            if param.device_mesh != self.mesh or tuple(param.placements) != needed:
-                raise ValueError(
-                    f"hybrid_parallel: parameter {info.fqn!r} is a DTensor with placements {param.placements} over "
-                    f"{param.device_mesh}, but this plan needs {needed} (tp: {describe(planned)}) over {self.mesh}; "
-                    f"parallelize the model with the mesh and options you compile it with")
+        dims = self.info.dims  # this rank's coordinates name its folder
+        coords = "_".join(f"{d}{dims[d].rank}" for d in self.info.order)
+        folder = os.path.join(self.config.dump_dir, coords, f"graph{next(self.backend.plan_ids)}")
+        return GraphDump(folder, self.info.order)
 
     def _build(self, args, key: tuple) -> LocalGraph:
         self._check_devices(args)
@@ -236,27 +218,27 @@ class ParallelRuntime:
 
     def _compile(self, args, key: tuple, spec: Specialization | None) -> LocalGraph:
         """Plan and compile for ``args``; with ``spec``, on its symbolic sizes."""
-        config = self.config
-        if any(standin_param(a) is not None for a in args):
-            config = dataclasses.replace(config, parallelized=True)
-        local_gm, ctx = parallelize_graph(self.gm, args, config, dump=self._dump(), specialization=spec)
-        self._check_sharded_params(ctx, args)
+        feeding = feeding_for(args)
+        local_gm, ctx = parallelize_graph(self.gm, args, self.info, self.config, feeding=feeding, dump=self._dump(),
+                                          specialization=spec)
+        feeding.check(ctx.params, ctx.param_placements, args, self.mesh)
         placeholders = [n for n in local_gm.graph.nodes if n.op == "placeholder"]
-        input_placements = [meta.placements(n) for n in placeholders]
+        graph = LocalGraph(None, [meta.placements(n) for n in placeholders], ctx.output_placements, ctx.comm,
+                           feeding, key, spec)
         examples = args
         if spec is not None:  # the inner backend compiles for the symbolic sizes; parameters are sliced as at run time
             examples = [a if isinstance(a, torch.nn.Parameter) or standin_param(a) is not None else x
                         for a, x in zip(args, spec.global_inputs)]
         with torch.no_grad(), (spec.fake_mode if spec else contextlib.nullcontext()):
-            local = self._local_args(examples, input_placements, ctx.comm)
+            local = self._local_args(examples, graph)
         if spec is not None:
             local = spec.static_fakes(local)
         examples = [x.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else x
                     for x, a in zip(local, args)]
-        fn = compile_local(self.inner_backend, local_gm, examples, spec.fake_mode if spec else None)
+        graph.fn = compile_local(self.backend.inner, local_gm, examples, spec.fake_mode if spec else None)
         if spec is not None:
             spec.seal()
-        return LocalGraph(fn, input_placements, ctx.output_placements, ctx.comm, key, spec)
+        return graph
 
     def _as_dtensor(self, out, placements: dict[str, Placement] | None):
         """A local output as a DTensor: tp as planned, the sequence shard on ulysses (the plan

@@ -18,8 +18,9 @@ as a DTensor with the parameter's placements and nothing is gathered. Outside
 
 from __future__ import annotations
 
+import functools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -27,38 +28,16 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch._dynamo.eval_frame import skip_code
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Placement as DTensorPlacement
-from torch.distributed.tensor import Replicate as DTensorReplicate
-from torch.distributed.tensor import Shard as DTensorShard
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .backend import PLANNING_PASSES, parallelize_graph
+from .config import ParallelConfig
 from .mesh import MeshInfo
+from .params import SHARDED, STANDIN_OF, dtensor_placements
 from .passes.capture import capture_graphs
-from .passes.context import ParallelConfig
-from .placements import InterleavedShard, Placement, Replicate, Shard, describe, local_chunk, local_shape
+from .placements import Placement, Replicate, describe, local_chunk, local_shape
 
-_STANDIN_OF = "_dtensor_par_param"  # the stand-in's attribute naming the DTensor parameter it stands for
 _STATE = "_dtensor_par_sharded"  # the root module's attribute holding its ShardedState
-
-
-def dtensor_placements(p: Placement, mesh: DeviceMesh) -> tuple[DTensorPlacement, ...]:
-    """DTensor placements over ``mesh`` of a parameter planned ``p`` on tp, replicated elsewhere.
-
-    An InterleavedShard of equal parts is a ``_StridedShard``: rank r holds chunks r, r + tp,
-    ... of the tensor cut into parts x tp chunks, which is its slice of every part.
-    """
-    if isinstance(p, InterleavedShard):
-        if len(set(p.parts)) != 1:
-            raise ValueError(f"parallelize: a fused projection with unequal parts {list(p.parts)} has no DTensor "
-                             f"placement")
-        tp = _StridedShard(p.dim, split_factor=len(p.parts))
-    elif isinstance(p, Shard):
-        tp = DTensorShard(p.dim)
-    else:
-        tp = DTensorReplicate()
-    return tuple(tp if name == "tp" else DTensorReplicate() for name in mesh.mesh_dim_names)
 
 
 @dataclass
@@ -74,9 +53,33 @@ class Slot:
 
 @dataclass
 class ShardedState:
+    """What ``parallelize`` did to a model, kept on it."""
+
     mesh: DeviceMesh
-    options: dict
+    config: ParallelConfig
     slots: list[Slot]
+    replaced: dict[int, tuple[weakref.ref, str]] = field(default_factory=dict)
+    """The parameters ``parallelize`` replaced: id -> (the old parameter, its FQN). An optimizer
+    still holding one was built before ``parallelize`` and would step tensors the model no longer uses."""
+
+    def remember_replaced(self, old: nn.Parameter, fqn: str) -> None:
+        key, replaced = id(old), self.replaced  # the callback holds the dict alone, not the model's state
+        replaced[key] = (weakref.ref(old, lambda _: replaced.pop(key, None)), fqn)
+
+
+
+def _check_optimizer(replaced: dict[int, tuple[weakref.ref, str]], optimizer: torch.optim.Optimizer, args,
+                     kwargs) -> None:
+    """An optimizer step pre-hook of one parallelized model (it holds only that model's
+    ``ShardedState.replaced``): refuses to step parameters the model no longer holds."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref, fqn = replaced.get(id(p), (None, None))
+            if ref is not None and ref() is p:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds parameter {fqn!r} as it was before "
+                    f"dtensor_par.parallelize replaced it by its DTensor shard; build the optimizer after "
+                    f"parallelize (or after the first call of a dtensor_par.parallel model)")
 
 
 def _standin(param: nn.Parameter) -> nn.Parameter:
@@ -84,13 +87,8 @@ def _standin(param: nn.Parameter) -> nn.Parameter:
     backend but ours that computes with it shows it at once."""
     nan = torch.full((), float("nan"), dtype=param.dtype, device=param.to_local().device)
     standin = nn.Parameter(nan.expand(param.shape), requires_grad=param.requires_grad)
-    setattr(standin, _STANDIN_OF, param)
+    setattr(standin, STANDIN_OF, param)
     return standin
-
-
-def standin_param(value) -> nn.Parameter | None:
-    """The DTensor parameter a graph input stands for, or None for any other input."""
-    return getattr(value, _STANDIN_OF, None) if isinstance(value, nn.Parameter) else None
 
 
 def _in_compiled_call() -> bool:
@@ -135,40 +133,17 @@ def sharded_state(model: nn.Module) -> ShardedState | None:
     return getattr(model, _STATE, None)
 
 
-# Parameters that parallelize replaced, by the FQN they had: an optimizer still holding one
-# was built before parallelize and would step tensors the model no longer uses.
-_REPLACED: dict[int, tuple[weakref.ref, str]] = {}  # id -> (the old parameter, its FQN)
-_optimizer_check = None
-
-
-def _remember_replaced(old: nn.Parameter, fqn: str) -> None:
-    key = id(old)
-    _REPLACED[key] = (weakref.ref(old, lambda _: _REPLACED.pop(key, None)), fqn)
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            ref, fqn = _REPLACED.get(id(p), (None, None))
-            if ref is not None and ref() is p:
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} holds parameter {fqn!r} as it was before "
-                    f"dtensor_par.parallelize replaced it by its DTensor shard; build the optimizer after "
-                    f"parallelize (or after the first call of a dtensor_par.parallel model)")
-
-
 def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, example_kwargs: dict,
-                    options: dict) -> dict[str, Placement]:
+                    config: ParallelConfig) -> dict[str, Placement]:
     """The tp placement of every parameter of the plan (by FQN); its warnings are logged.
 
     Plans as ``explain`` does: one process, no communication, any device (meta included).
     """
     mesh_info = MeshInfo.for_planning(dict(zip(mesh.mesh_dim_names, mesh.shape)), mesh.device_type,
                                       MeshInfo.full_order(mesh.mesh_dim_names))
-    config = ParallelConfig(mesh_info, parallelized=True, **options)
     placements: dict[str, Placement] = {}
     for gm, inputs in capture_graphs(model, *example_args, **example_kwargs):
-        _, ctx = parallelize_graph(gm, inputs, config, passes=PLANNING_PASSES)
+        _, ctx = parallelize_graph(gm, inputs, mesh_info, config, feeding=SHARDED, passes=PLANNING_PASSES)
         for name, param in ctx.params.items():
             p = ctx.param_placements.get(name, Replicate())
             if placements.setdefault(param.fqn, p) != p:
@@ -198,29 +173,34 @@ def _as_dtensor(param: nn.Parameter, p: Placement, mesh: DeviceMesh) -> nn.Param
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *,
-                example_kwargs: dict | None = None, sequence_parallel: bool = False) -> nn.Module:
+                example_kwargs: dict | None = None, **options) -> nn.Module:
     """Hold on each rank only its piece of the model's parameters, as DTensors; return ``model``.
 
-    Plans ``model(*example_inputs, **example_kwargs)`` once, without communication (the
-    model may be on the ``meta`` device: then only the local pieces are materialized, with
-    uninitialized values to load or initialize), and replaces every parameter, in place and
-    under the same FQN, by an ``nn.Parameter(DTensor)``: the plan's placement on tp,
-    Replicate on the other mesh dims. Run the model with ``torch.compile(model,
-    backend=hybrid_parallel(mesh))``; build the optimizer afterwards. Options are those of
-    ``hybrid_parallel`` that change the plan.
+    Plans ``model(*example_inputs, **example_kwargs)`` once, without communication and without
+    running the model (it may be on the ``meta`` device: then only the local pieces are
+    materialized, with uninitialized values to load or initialize), and replaces every
+    parameter, in place and under the same FQN, by an ``nn.Parameter(DTensor)``: the plan's
+    placement on tp, Replicate on the other mesh dims. Run the model with
+    ``torch.compile(model, backend=hybrid_parallel(mesh, **options))``; build the optimizer
+    afterwards. ``options``: those of ``hybrid_parallel`` (``config.ParallelConfig``).
     """
-    global _optimizer_check
-    options = {"sequence_parallel": sequence_parallel}
+    config = ParallelConfig.of("parallelize", options)
+    return parallelize_with(model, mesh, tuple(example_inputs), example_kwargs or {}, config, "parallelize")
+
+
+def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, example_kwargs: dict,
+                     config: ParallelConfig, entry: str) -> nn.Module:
+    """``parallelize`` with its options checked; errors name the entry point ``entry``."""
     state = sharded_state(model)
     if state is not None:
-        if state.mesh != mesh or state.options != options:
-            raise ValueError(f"parallelize: {type(model).__name__} was already parallelized over {state.mesh} "
-                             f"with {state.options}; it cannot be parallelized again over {mesh} with {options}")
+        if state.mesh != mesh or state.config.plan_key() != config.plan_key():
+            raise ValueError(f"{entry}: {type(model).__name__} was already parallelized over {state.mesh} "
+                             f"with {state.config}; it cannot be parallelized again over {mesh} with {config}")
         return model
-    MeshInfo.check_names(mesh)
-    placements = plan_placements(model, mesh, tuple(example_inputs), example_kwargs or {}, options)
-
-    slots: list[Slot] = []
+    MeshInfo.check_names(mesh, entry)
+    config.check_mesh(MeshInfo.for_planning(dict(zip(mesh.mesh_dim_names, mesh.shape)), mesh.device_type), entry)
+    placements = plan_placements(model, mesh, example_args, example_kwargs, config)
+    state = ShardedState(mesh, config, [])
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(old) -> (DTensor param, stand-in); tied weights share them
     for fqn, old in model.named_parameters(remove_duplicate=False):
         owner_name, _, name = fqn.rpartition(".")
@@ -228,17 +208,17 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), 
         if id(old) not in replaced:
             param = _as_dtensor(old, placements.get(fqn, Replicate()), mesh)
             replaced[id(old)] = (param, _standin(param))
-            _remember_replaced(old, fqn)
+            state.remember_replaced(old, fqn)
         param, standin = replaced[id(old)]
         owner._parameters[name] = param
-        slots.append(Slot(fqn, owner, name, param, standin))
+        state.slots.append(Slot(fqn, owner, name, param, standin))
     for module in model.modules():  # buffers of a meta model: materialized whole, uninitialized
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:
                 module._buffers[name] = torch.empty_like(buffer, device=mesh.device_type)
-    setattr(model, _STATE, ShardedState(mesh, options, slots))
+    setattr(model, _STATE, state)
     model.register_forward_pre_hook(_swap_in)
     model.register_forward_hook(_swap_out, always_call=True)
-    if _optimizer_check is None:
-        _optimizer_check = register_optimizer_step_pre_hook(_check_optimizer)
+    hook = register_optimizer_step_pre_hook(functools.partial(_check_optimizer, state.replaced))
+    weakref.finalize(model, hook.remove)  # the check hangs off the model: it goes with it
     return model

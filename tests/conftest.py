@@ -7,7 +7,7 @@ import dtensor_par
 from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.backend import parallelize_graph
 from dtensor_par.mesh import MeshInfo
-from dtensor_par.passes.context import ParallelConfig
+from dtensor_par.config import ParallelConfig
 
 
 def _init_fake(world: int) -> None:
@@ -30,9 +30,8 @@ def plan_graph(model, inputs, *, tp: int, passes=None, **options):
     _init_fake(tp)
     mesh = dtensor_par.init_mesh(tp=tp)
     (gm, example_inputs), = capture_graphs(model, *inputs)
-    config = ParallelConfig(MeshInfo.from_mesh(mesh), **options)
     kwargs = {"passes": passes} if passes is not None else {}
-    return parallelize_graph(gm, example_inputs, config, **kwargs)
+    return parallelize_graph(gm, example_inputs, MeshInfo.from_mesh(mesh), ParallelConfig(**options), **kwargs)
 
 
 @pytest.fixture

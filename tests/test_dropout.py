@@ -15,7 +15,6 @@ from dtensor_par.backend import parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.ops.dropout import sharded_dropout
 from dtensor_par.passes.capture import capture_graphs
-from dtensor_par.passes.context import ParallelConfig
 
 P = 0.3
 SHAPE = (64, 64)
@@ -102,7 +101,7 @@ class _DropoutBlock(nn.Module):
 
 def test_localize_gives_each_sharded_dropout_its_mesh_dims():
     (gm, inputs), = capture_graphs(_DropoutBlock(), torch.randn(2, 16, 32))
-    local, _ = parallelize_graph(gm, inputs, ParallelConfig(MeshInfo.for_planning({"tp": 2, "ulysses": 2}, "cpu")))
+    local, _ = parallelize_graph(gm, inputs, MeshInfo.for_planning({"tp": 2, "ulysses": 2}, "cpu"))
     dropouts = {n.args[1]: n for n in local.graph.nodes if n.target in (F.dropout, sharded_dropout)}
     assert sorted(dropouts) == [0.1, 0.2, 0.3], dropouts
     assert [d.name for d in dropouts[0.1].kwargs["dims"]] == ["tp", "cp"]  # features on tp, sequence on cp

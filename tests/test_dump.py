@@ -247,7 +247,7 @@ def _cli(*args):
 
 def test_cli_end_to_end(tmp_path):
     svg = tmp_path / "mesh.svg"
-    result = _cli("tests/factories.py:gpt", "--tp", "8", "--svg", str(svg), "--dump", str(tmp_path / "dump"))
+    result = _cli("tests/factories.py:gpt", "--tp", "8", "--svg", str(svg), "--dump-dir", str(tmp_path / "dump"))
     assert result.returncode == 0, result.stderr
     assert "dtensor_par plan: mesh ring=1 x ulysses=1 x tp=8 (8 ranks, cuda" in result.stdout
     assert "forward  all_reduce" in result.stdout

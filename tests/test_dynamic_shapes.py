@@ -14,7 +14,6 @@ from dtensor_par.backend import parallelize_graph
 from dtensor_par.explain import explain
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.passes.capture import capture_graphs
-from dtensor_par.passes.context import ParallelConfig
 from dtensor_par.passes.meta import symbolic_inputs
 from dtensor_par.symbolic import hint
 from tests import models
@@ -102,7 +101,7 @@ def _plan_symbolic(model, inputs, **sizes):
     (gm, example_inputs), = capture_graphs(model, *inputs, dynamic=True)
     example_inputs = [hint(a) for a in example_inputs]
     spec = symbolic_inputs(gm).specialization(example_inputs)
-    return parallelize_graph(gm, example_inputs, ParallelConfig(MeshInfo.from_mesh(mesh)), specialization=spec)
+    return parallelize_graph(gm, example_inputs, MeshInfo.from_mesh(mesh), specialization=spec)
 
 
 def test_replans_only_where_a_guard_fails_and_keeps_at_most_cache_limit_plans(fake_world, caplog):

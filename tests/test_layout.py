@@ -1,5 +1,6 @@
 """The package's layout, read from its source: imports run downward, without cycles; node
-annotations go through passes/meta.py; passes stay short functions."""
+annotations go through passes/meta.py; no module holds state the package changes; functions
+stay short."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ PACKAGE = ROOT / "dtensor_par"
 FLOORS = (
     ("logs", "mesh", "placements", "symbolic"),
     ("ops",),
+    ("params", "config"),
     ("passes.nodes", "passes.meta"),
     ("passes.rules",),
     ("passes.context",),
@@ -102,8 +104,45 @@ def test_node_annotations_only_through_passes_meta():
     assert found == []
 
 
-def test_passes_are_short_functions():
+def test_functions_are_short():
     long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
-            for path in (PACKAGE / "passes").rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            for path in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60]
     assert long == []
+
+
+MUTABLE_STATE_ALLOWED = {"passes/rules/registry.py": {"_KINDS", "_BY_FUNCTION", "_BY_METHOD"}}
+"""Module-level objects the package may change: the op registry's tables (filled as each rule
+module registers its ops)."""
+
+
+MUTATORS = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "add",
+            "discard"}
+
+
+def _changed_module_names(tree: ast.Module) -> set[str]:
+    """Module-level names that the module's code changes: rebound under ``global``, written by
+    subscript, changed by a mutating method, or advanced with ``next``."""
+    names = {t.id for stmt in tree.body if isinstance(stmt, (ast.Assign, ast.AnnAssign))
+             for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]) if isinstance(t, ast.Name)}
+    changed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            changed |= set(node.names)
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            changed |= {t.value.id for t in targets if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)}
+        elif isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr in MUTATORS and isinstance(f.value, ast.Name):
+                changed.add(f.value.id)
+            if isinstance(f, ast.Name) and f.id == "next" and node.args and isinstance(node.args[0], ast.Name):
+                changed.add(node.args[0].id)
+    return names & changed
+
+
+def test_no_module_holds_mutable_state():
+    found = [f"{path.relative_to(PACKAGE)}: {name}" for path in sorted(PACKAGE.rglob("*.py"))
+             for name in sorted(_changed_module_names(ast.parse(path.read_text()))
+                                - MUTABLE_STATE_ALLOWED.get(str(path.relative_to(PACKAGE)), set()))]
+    assert found == []

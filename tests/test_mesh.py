@@ -11,7 +11,6 @@ from dtensor_par.backend import parallelize_graph
 from dtensor_par.mesh import MeshDim, MeshInfo
 from dtensor_par.ops import collectives as C
 from dtensor_par.passes.capture import capture_graphs
-from dtensor_par.passes.context import ParallelConfig
 from dtensor_par.passes.meta import communications
 from tests import models
 
@@ -55,7 +54,7 @@ def test_every_collective_node_states_its_layout(fake_world):
     info = MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2, ring=2, ulysses=2))
     keep = torch.ones(2, 30, dtype=torch.bool)
     (g, inputs), = capture_graphs(models.MaskedAttention("additive"), torch.randn(2, 30, 32), keep)
-    gm, _ = parallelize_graph(g, inputs, ParallelConfig(info))
+    gm, _ = parallelize_graph(g, inputs, info)
     seen = set()
     for node in gm.graph.nodes:
         if node.op == "call_function" and communications(node):

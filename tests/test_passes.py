@@ -12,7 +12,6 @@ import dtensor_par
 from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.backend import parallelize_graph
 from dtensor_par.mesh import MeshInfo
-from dtensor_par.passes.context import ParallelConfig
 from dtensor_par.passes.canonicalize import canonicalize_pass
 from dtensor_par.passes.capture import capture_pass
 from dtensor_par.passes.detect import AttentionSite, MLPSite, detect_pass
@@ -32,8 +31,7 @@ def test_capture_names_parameters_and_specializes_symbolic_sizes(fake_world):
     sizes = iter([3, 5])
     concrete = [next(sizes) if isinstance(i, torch.SymInt) else
                 torch.randn(3, 5, 32) if isinstance(i, torch.Tensor) and i.dim() == 3 else i for i in inputs]
-    config = ParallelConfig(MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2)))
-    gm, ctx = parallelize_graph(gm, concrete, config, passes=(capture_pass,))
+    gm, ctx = parallelize_graph(gm, concrete, MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2)), passes=(capture_pass,))
     assert sorted(p.fqn for p in ctx.params.values()) == sorted(
         ["ln1.weight", "ln1.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias",
          "ln2.weight", "ln2.bias", "fc.weight", "fc.bias", "fc_out.weight", "fc_out.bias"])
@@ -117,7 +115,7 @@ class RepeatedKV(torch.nn.Module):
 def _passes_on(model, inputs, passes, **sizes):
     """``model``'s graph after ``passes``, planned for a mesh of ``sizes`` (no process group)."""
     (gm, example_inputs), = capture_graphs(model, *inputs)
-    return parallelize_graph(gm, example_inputs, ParallelConfig(MeshInfo.for_planning(sizes, "cpu")), passes=passes)
+    return parallelize_graph(gm, example_inputs, MeshInfo.for_planning(sizes, "cpu"), passes=passes)
 
 
 class PatchTokens(torch.nn.Module):

@@ -112,12 +112,11 @@ def _local_graph(config, seq: int, ring: int, **kwargs):
     from dtensor_par.backend import parallelize_graph
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.passes.capture import capture_graphs
-    from dtensor_par.passes.context import ParallelConfig
 
     with torch.device("meta"):
         model, ids = AutoModel.from_config(config), torch.randint(0, 128, (2, seq))
     (gm, inputs), = capture_graphs(model, ids, use_cache=False, **kwargs)
-    return parallelize_graph(gm, inputs, ParallelConfig(MeshInfo.for_planning({"ring": ring}, "cuda")))
+    return parallelize_graph(gm, inputs, MeshInfo.for_planning({"ring": ring}, "cuda"))
 
 
 def _right_padded(seq: int) -> dict:

@@ -158,14 +158,13 @@ def test_hybrid_attention_collectives_per_attention(fake_world):
     from dtensor_par.passes.capture import capture_graphs
     from dtensor_par.backend import parallelize_graph
     from dtensor_par.mesh import MeshInfo
-    from dtensor_par.passes.context import ParallelConfig
 
     fake_world(8)
     layers, ring = 2, 2
     mesh = dtensor_par.init_mesh(tp=2, ring=ring, ulysses=2)
     info = MeshInfo.from_mesh(mesh)
     (g, inputs), = capture_graphs(models.GPT(layers=layers, hidden=64, heads=8, mlp=128), torch.randn(2, 16, 64))
-    gm, ctx = parallelize_graph(g, inputs, ParallelConfig(info))
+    gm, ctx = parallelize_graph(g, inputs, info)
     graphs = aot_graphs(gm, ctx)
 
     def all_to_alls(graph, dim):
@@ -208,13 +207,12 @@ def test_mask_stays_whole_and_an_uneven_sequence_is_padded(fake_world):
     from dtensor_par.backend import parallelize_graph
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.ops.attention import hybrid_attention
-    from dtensor_par.passes.context import ParallelConfig
 
     fake_world(4)
     info = MeshInfo.from_mesh(dtensor_par.init_mesh(ring=2, ulysses=2))
     keep = torch.ones(2, 30, dtype=torch.bool)
     (g, inputs), = capture_graphs(models.MaskedAttention("additive"), torch.randn(2, 30, 32), keep)
-    gm, ctx = parallelize_graph(g, inputs, ParallelConfig(info))
+    gm, ctx = parallelize_graph(g, inputs, info)
     inputs = {n.name: placements(n)["cp"] for n in gm.graph.nodes if n.op == "placeholder"}
     assert inputs["l_x_"] == Shard(1) and inputs["l_keep_"] == Replicate()
     assert forward_collectives(gm) == Counter(all_to_all=3, ring_rotate=1, all_gather=1)
@@ -234,13 +232,12 @@ def test_contraction_over_the_sequence_sums_shards_unless_padded(fake_world):
     from dtensor_par.passes.capture import capture_graphs
     from dtensor_par.backend import parallelize_graph
     from dtensor_par.mesh import MeshInfo
-    from dtensor_par.passes.context import ParallelConfig
 
     fake_world(4)
     info = MeshInfo.from_mesh(dtensor_par.init_mesh(ring=2, ulysses=2))
     for seq, gathers, reduces in ((32, 0, 1), (30, 1, 0)):
         (g, inputs), = capture_graphs(models.SequenceGram(), torch.randn(2, seq, 32))
-        gm, ctx = parallelize_graph(g, inputs, ParallelConfig(info))
+        gm, ctx = parallelize_graph(g, inputs, info)
         matmul, = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "matmul"]
         around = set(matmul.all_input_nodes) | set(matmul.users)
         counts = Counter(kind for node, kind in collectives_in(gm) if node in around)
@@ -255,7 +252,7 @@ def test_parameter_gradients_reduced_in_buckets_over_cp(fake_world):
     from dtensor_par.backend import parallelize_graph
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.passes.capture import capture_graphs
-    from dtensor_par.passes.context import ParallelConfig
+    from dtensor_par.config import ParallelConfig
     from dtensor_par.passes.overlap import WAIT, sink_waits
 
     fake_world(4)
@@ -264,14 +261,14 @@ def test_parameter_gradients_reduced_in_buckets_over_cp(fake_world):
     model = models.GPT(layers=layers, hidden=64, heads=8, mlp=128)
     (gm, inputs), = capture_graphs(model, torch.randn(2, 16, 64))
     params = len(list(model.parameters()))
-    local_gm, ctx = parallelize_graph(gm, inputs, ParallelConfig(mesh))
+    local_gm, ctx = parallelize_graph(gm, inputs, mesh)
     buckets = [n for n in local_gm.graph.nodes if n.target is C.grad_all_reduce_bucket]
     assert [len(n.args[0]) for n in buckets] == [params]
     assert not any(n.target is C.grad_all_reduce and n.args[0].op == "placeholder" for n in local_gm.graph.nodes)
     # Backward: the tp all-reduces of the colwise inputs' gradients (2 per block), and 1 bucket.
     assert traced_collectives(local_gm, ctx)["backward"]["all_reduce"] == 2 * layers + 1
 
-    local_gm, ctx = parallelize_graph(gm, inputs, ParallelConfig(mesh, grad_bucket_mb=0.05))
+    local_gm, ctx = parallelize_graph(gm, inputs, mesh, ParallelConfig(grad_bucket_mb=0.05))
     buckets = [n for n in local_gm.graph.nodes if n.target is C.grad_all_reduce_bucket]
     assert len(buckets) == 3 and sum(len(n.args[0]) for n in buckets) == params
     backward = sink_waits(aot_graphs(local_gm, ctx)["backward"])
@@ -314,14 +311,13 @@ def test_forward_issues_q_exchange_before_the_kv_projections(fake_world):
     from dtensor_par.backend import parallelize_graph
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.passes.capture import capture_graphs
-    from dtensor_par.passes.context import ParallelConfig
     from dtensor_par.passes.overlap import WAIT, overlap_pass
 
     fake_world(2)
     mesh = MeshInfo.from_mesh(dtensor_par.init_mesh(ulysses=2))
     model = models.LlamaBlock(hidden=64, heads=8, kv_heads=2, gqa="enable_gqa")
     (gm, inputs), = capture_graphs(model, torch.randn(2, 16, 64))
-    local_gm, ctx = parallelize_graph(gm, inputs, ParallelConfig(mesh))
+    local_gm, ctx = parallelize_graph(gm, inputs, mesh)
     assert communications(ctx.sites[0].core)[0].forward_bytes == 2 * 8 * 8 * 8 * 4  # q: 8 heads of 8 rows
 
     def compute_during_each_exchange(forward):

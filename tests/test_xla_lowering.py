@@ -20,7 +20,7 @@ from dtensor_par.backend import parallelize_graph
 from dtensor_par.mesh import MESH_DIMS, SPANS, MeshDim, MeshInfo
 from dtensor_par.ops.comm import ring_pairs
 from dtensor_par.passes.capture import capture_graphs, capture_pass
-from dtensor_par.passes.context import ParallelConfig
+from dtensor_par.config import ParallelConfig
 from dtensor_par.passes.detect import detect_pass
 from dtensor_par.passes.localize import localize_pass
 from dtensor_par.passes.lower import (check_circular, check_contiguous, check_partition, lower_pass,
@@ -28,7 +28,7 @@ from dtensor_par.passes.lower import (check_circular, check_contiguous, check_pa
 from dtensor_par.passes.meta import communications, placements
 from dtensor_par.passes.plan import plan_pass
 from dtensor_par.passes.rewrite import rewrite_pass
-from dtensor_par.runtime import local_value
+from dtensor_par.params import local_value
 from tests import factories, models, xm_gloo
 from tests.cases import run_cases
 from tests.conftest import _init_fake
@@ -138,10 +138,10 @@ def test_xla_chosen_by_auto_only_for_xla_tensors(fake_world, xm):
     assert resolve_collectives("functional", {"xla"}) == "functional"
     fake_world(2)
     (gm, inputs), = capture_graphs(models.GPTBlock(), torch.randn(2, 8, 32))
-    config = ParallelConfig(MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2)))
+    mesh = MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2))
     passes = (capture_pass, detect_pass, rewrite_pass, plan_pass, localize_pass)
     for device, lowered in (("cpu", None), ("xla", "xla")):
-        local_gm, ctx = parallelize_graph(gm, inputs, config, passes=passes)
+        local_gm, ctx = parallelize_graph(gm, inputs, mesh, passes=passes)
         with FakeTensorMode(allow_non_fake_inputs=True):
             ctx.example_inputs[0] = torch.empty(inputs[0].shape, device=device)  # the input x
         lower_pass(local_gm, ctx)
@@ -166,7 +166,7 @@ class TestXlaLoweredBlockGolden(expecttest.TestCase):
             _init_fake(8)
             info = MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2, ring=2, ulysses=2, order=NEURON_ORDER))
             (g, inputs), = capture_graphs(models.GPTBlock(hidden=64, heads=8, mlp=128), torch.randn(2, 16, 64))
-            gm, ctx = parallelize_graph(g, inputs, ParallelConfig(info, collectives="xla"))
+            gm, ctx = parallelize_graph(g, inputs, info, ParallelConfig(collectives="xla"))
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             local = [local_value(value.detach().requires_grad_(), placements(n), ctx.mesh, ctx.comm)
                      for n, value in zip(placeholders, inputs)]

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import re
+import types
+from collections import Counter
 
 import torch
 import torch.fx as fx
+from torch._dynamo.utils import counters
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..symbolic import SymbolicInputs, is_symbolic, recording_guards
 from .context import ParallelContext, ParamInfo
-from .meta import SYMBOLIC  # noqa: F401  (explain.py reads gm.meta[SYMBOLIC] from here; the rest: meta.symbolic_inputs)
 from .meta import module_paths, record_capture, set_param_fqn
 from .nodes import writes_in_place
 
@@ -37,24 +39,51 @@ def record_module_names(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+class _Captured(BaseException):
+    """Raised in place of running a captured graph: planning only needs the graph. Not an
+    ``Exception``, so a model's own ``except Exception`` (transformers has some) cannot catch it
+    and carry on eagerly."""
+
+
 def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **example_kwargs) -> list[tuple]:
     """The (graph, example inputs) pairs Dynamo hands a backend for ``model(*example_inputs, **example_kwargs)``.
 
-    Resets Dynamo's caches before and after (so repeated captures never hit its recompile
-    limit, and a later compile of the model starts fresh): compiled functions of the calling
-    process recompile on their next call.
+    Nothing of the model runs. Dynamo traces the call on fakes and applies a frame's side
+    effects (a kv cache appended to, a counter incremented, an input written in place) only
+    after its graph has run; the graph's compiled function stops the call instead, so the
+    model, its inputs and the RNG are left as they were. A module is captured through
+    ``nn.Module.__call__`` bound to it, as ``torch.compile(module)`` calls it (its hooks
+    included, its inputs named as there), whatever its class's own ``__call__`` does.
+    A model whose graph Dynamo breaks is refused: reaching its next graph means running the
+    first. Resets Dynamo's caches before and after (so repeated captures never hit its
+    recompile limit, and a later compile of the model starts fresh).
     """
     captured = []
 
     def record(gm, inputs):
         captured.append((record_module_names(gm), list(inputs)))
-        return gm.forward
 
+        def stop(*args):
+            raise _Captured
+        return stop
+
+    call = types.MethodType(torch.nn.Module.__call__, model) if isinstance(model, torch.nn.Module) else model
     torch._dynamo.reset()
+    breaks = Counter(counters["graph_break"])
     try:
-        torch.compile(model, backend=record, dynamic=dynamic)(*example_inputs, **example_kwargs)
+        torch.compile(call, backend=record, dynamic=dynamic)(*example_inputs, **example_kwargs)
+    except _Captured:
+        pass
     finally:
+        new_breaks = list((counters["graph_break"] - breaks).keys())
         torch._dynamo.reset()
+    if new_breaks:
+        raise NotImplementedError(
+            f"{type(model).__name__}: Dynamo breaks its graph ({'; '.join(new_breaks)}). Planning without a "
+            f"process group captures the model without running it, and the graphs after a break are only reached "
+            f"by running the ones before (which would change the model's caches, buffers or inputs). Remove the "
+            f"graph break (torch._dynamo.explain lists them), or compile with hybrid_parallel alone: it plans each "
+            f"graph as Dynamo hands it over")
     if not captured:
         raise RuntimeError(f"capture_graphs: Dynamo captured no graph of {type(model).__name__}")
     return captured

@@ -12,28 +12,14 @@ import torch.fx as fx
 from ..logs import logger
 from ..mesh import MeshInfo
 from ..ops.comm import FUNCTIONAL
+from ..params import WHOLE, WholeParameters
 from ..placements import Placement, describe
 from ..symbolic import guards_at
 from .meta import placements
 
 if TYPE_CHECKING:
+    from ..config import ParallelConfig
     from ..symbolic import Specialization
-
-
-@dataclass
-class ParallelConfig:
-    """What the user asked for in ``hybrid_parallel``."""
-
-    mesh: MeshInfo
-    sequence_parallel: bool = False
-    output: str = "full"  # "full": gathered tensors; "local": local shards as DTensors
-    dump_dir: str | None = None  # where each pass writes its graph, if set
-    parallelized: bool = False  # parameters are DTensor shards (dtensor_par.parallelize), not full tensors
-    collectives: str = "auto"  # the lowering: "auto", "functional" or "xla" (passes.lower)
-    ulysses_impl: str = "all_to_all"  # Ulysses' exchange: "all_to_all" or "all_gather" (ops.attention)
-    replica_group_limit: int = 12  # distinct replica-group sets a Neuron program may use
-    grad_bucket_mb: float = 25.0  # size of the flat buckets that inputs' partial gradients are reduced in
-    cache_limit: int = 8  # plans (specializations) one captured graph keeps (runtime.ParallelRuntime)
 
 
 @dataclass
@@ -46,7 +32,9 @@ class ParamInfo:
 @dataclass
 class ParallelContext:
     config: ParallelConfig
+    mesh: MeshInfo
     example_inputs: list
+    feeding: WholeParameters = WHOLE  # how the runtime feeds parameters (params.py): whole, or DTensor shards
     params: dict[str, ParamInfo] = field(default_factory=dict)  # placeholder name -> parameter
     sites: list = field(default_factory=list)  # AttentionSite | MLPSite, from detect
     param_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> tp placement
@@ -58,10 +46,6 @@ class ParallelContext:
     replica_group_sets: dict[str, tuple] = field(default_factory=dict)  # from lower_pass
     specialization: Specialization | None = None  # a symbolic plan's guards (symbolic.py); None: static sizes
     fake_inputs: list | None = None  # the inputs a symbolic plan is made on: sizes are symbols
-
-    @property
-    def mesh(self) -> MeshInfo:
-        return self.config.mesh
 
     def warn(self, message: str) -> None:
         if message not in self.warnings:

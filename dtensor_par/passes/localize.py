@@ -108,7 +108,7 @@ def record_runtime_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
             continue
         if node.name in ctx.params:
             p = ctx.param_placements.get(node.name)
-            sharded = {"tp": p} if shard_dim(p) is not None and not ctx.config.parallelized else {}
+            sharded = {"tp": p} if shard_dim(p) is not None and not ctx.feeding.sharded else {}
             site = "parameter gradient"
         else:
             sharded = {d: p for d, p in placements(node).items() if shard_dim(p) is not None}

@@ -91,7 +91,7 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
             return None
         placements[linear] = InterleavedShard(1, parts) if parts else Shard(1)
     for linear, p in placements.items():
-        if ctx.config.parallelized and isinstance(p, InterleavedShard) and len(set(p.parts)) > 1:
+        if ctx.feeding.sharded and isinstance(p, InterleavedShard) and len(set(p.parts)) > 1:
             ctx.warn(f"{site.name}: {module_name(linear, ctx)} is sharded part by part with unequal parts "
                      f"{list(p.parts)}, which no DTensor placement describes; under parallelize the site stays "
                      f"replicated")

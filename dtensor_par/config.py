@@ -1,0 +1,102 @@
+"""The options of ``hybrid_parallel``, ``parallelize``, ``parallel``, ``explain`` and the CLI, declared once.
+
+Each option is a field of ``ParallelConfig``: its default, its help text (the CLI's ``--help``
+reads it) and whether it changes the plan (what ``parallelize`` shards, what ``explain``
+reports). ``__post_init__`` checks every value, so each entry point refuses a bad option the
+same way, under its own name (``ParallelConfig.of``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .mesh import MeshInfo
+from .ops.attention import ULYSSES_IMPLS
+from .ops.comm import LOWERINGS
+
+OUTPUTS = ("full", "local")
+COLLECTIVES = ("auto", *LOWERINGS)
+
+
+def _option(default, help: str, *, plan: bool = True, choices: tuple | None = None, factory=None):
+    metadata = {"help": help, "plan": plan, "choices": choices}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Every option a user can set; ``ParallelConfig.plan_options()`` are those that change the plan."""
+
+    sequence_parallel: bool = _option(
+        False, "Megatron sequence parallelism: norms, residuals and pointwise ops between sites run on sequence "
+               "shards over tp; each all-reduce becomes reduce-scatter + all-gather")
+    output: str = _option(
+        "full", "'full': full tensors on every rank; 'local': this rank's shards as DTensors", choices=OUTPUTS)
+    collectives: str = _option(
+        "auto", "how collectives are lowered: 'functional' (NCCL, gloo, TorchNeuron), 'xla' (torch_xla xm calls "
+                "with full replica groups) or 'auto' (xla for inputs on an xla device)", choices=COLLECTIVES)
+    ulysses_impl: str = _option(
+        "all_to_all", "Ulysses' exchange: 'all_to_all', or 'all_gather' for stacks whose all-to-all does not "
+                      "compile", choices=ULYSSES_IMPLS)
+    replica_group_limit: int = _option(
+        12, "the most distinct replica-group sets a Neuron program may use (12 before runtime 2.32)")
+    grad_bucket_mb: float = _option(
+        25.0, "parameters' partial gradients are all-reduced in flat buckets of this many MB, each issued in "
+              "backward as soon as its last gradient exists")
+    dump_dir: str | None = _option(
+        None, "write each pass's graph, the collectives, plan.json and mesh.svg here (default: $DTENSOR_PAR_DUMP)",
+        plan=False, factory=lambda: os.environ.get("DTENSOR_PAR_DUMP") or None)
+    inner_backend: str | Callable = _option(
+        "inductor", "what compiles each rank's graph: 'inductor', 'aot_eager', 'eager' or a backend callable",
+        plan=False)
+    cache_limit: int = _option(
+        8, "plans kept per captured graph (sizes or dtypes a plan does not serve); least recently used dropped",
+        plan=False)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            choices, value = f.metadata["choices"], getattr(self, f.name)
+            if choices is not None and value not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel must be a bool, got {self.sequence_parallel!r}")
+        for name in ("replica_group_limit", "cache_limit"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.grad_bucket_mb, (int, float)) or not self.grad_bucket_mb > 0:
+            raise ValueError(f"grad_bucket_mb must be a positive number, got {self.grad_bucket_mb!r}")
+        if not (isinstance(self.inner_backend, str) or callable(self.inner_backend)):
+            raise TypeError(f"inner_backend must be a backend name or callable, got {self.inner_backend!r}")
+
+    @classmethod
+    def of(cls, entry: str, options: dict) -> ParallelConfig:
+        """The config for ``options`` given to the entry point ``entry``; errors name that entry point."""
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"{entry}: unknown options {unknown}; the options are "
+                            f"{[f.name for f in dataclasses.fields(cls)]}")
+        try:
+            return cls(**options)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{entry}: {e}") from None
+
+    @classmethod
+    def plan_options(cls) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(cls) if f.metadata["plan"]]
+
+    def plan_key(self) -> tuple:
+        """The values of the options that change the plan."""
+        return tuple(getattr(self, f.name) for f in self.plan_options())
+
+    def check_mesh(self, mesh: MeshInfo, entry: str) -> None:
+        """Options that the mesh rules out."""
+        if self.sequence_parallel and mesh.size("cp") > 1:
+            raise NotImplementedError(
+                f"{entry}: sequence_parallel=True with context parallelism (ring={mesh.size('ring')}, "
+                f"ulysses={mesh.size('ulysses')}) is not implemented: both would shard the sequence")
