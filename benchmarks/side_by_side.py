@@ -91,7 +91,7 @@ def timed(fn) -> float:
 
 
 def pass_ms(records: list[logging.LogRecord]) -> dict[str, float]:
-    """Milliseconds per pass, summed, from the times ``backend.py`` logs at debug level."""
+    """Milliseconds per pass, summed, from the times ``pipeline.py`` logs at debug level."""
     ms = defaultdict(float)
     for record in records:
         if record.msg == "%s: %.1f ms":

@@ -7,7 +7,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .backend import parallelize_graph
+from .pipeline import parallelize_graph
 from .config import ParallelConfig
 from .dump import GraphDump, collective_rows, mesh_svg, parameter_rows, site_placement_lines, sites_text
 from .mesh import MESH_DIMS, MeshInfo

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
-from .backend import parallelize_graph
+from .pipeline import parallelize_graph
 from .config import ParallelConfig
 from .dump import GraphDump
 from .logs import logger

@@ -5,7 +5,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dtensor_par
 from dtensor_par.passes.capture import capture_graphs
-from dtensor_par.backend import parallelize_graph
+from dtensor_par.pipeline import parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.config import ParallelConfig
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtensor_par.backend import parallelize_graph
+from dtensor_par.pipeline import parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.ops.dropout import sharded_dropout
 from dtensor_par.passes.capture import capture_graphs

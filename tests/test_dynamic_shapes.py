@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import dtensor_par
-from dtensor_par.backend import parallelize_graph
+from dtensor_par.pipeline import parallelize_graph
 from dtensor_par.explain import explain
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.passes.capture import capture_graphs

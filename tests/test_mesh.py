@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import dtensor_par
-from dtensor_par.backend import parallelize_graph
+from dtensor_par.pipeline import parallelize_graph
 from dtensor_par.mesh import MeshDim, MeshInfo
 from dtensor_par.ops import collectives as C
 from dtensor_par.passes.capture import capture_graphs

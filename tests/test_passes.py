@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import dtensor_par
 from dtensor_par.passes.capture import capture_graphs
-from dtensor_par.backend import parallelize_graph
+from dtensor_par.pipeline import parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.passes.canonicalize import canonicalize_pass
 from dtensor_par.passes.capture import capture_pass

@@ -109,7 +109,7 @@ def test_parallel_decorator_on_transformers_llama():
 def _local_graph(config, seq: int, ring: int, **kwargs):
     from transformers import AutoModel
 
-    from dtensor_par.backend import parallelize_graph
+    from dtensor_par.pipeline import parallelize_graph
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.passes.capture import capture_graphs
 

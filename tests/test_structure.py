@@ -156,7 +156,7 @@ def test_hybrid_attention_collectives_per_attention(fake_world):
     reuses the kv blocks and rotates the dk/dv accumulators ring-1 times."""
     import dtensor_par
     from dtensor_par.passes.capture import capture_graphs
-    from dtensor_par.backend import parallelize_graph
+    from dtensor_par.pipeline import parallelize_graph
     from dtensor_par.mesh import MeshInfo
 
     fake_world(8)
@@ -204,7 +204,7 @@ def test_mask_stays_whole_and_an_uneven_sequence_is_padded(fake_world):
     of the output cuts the padding off."""
     import dtensor_par
     from dtensor_par.passes.capture import capture_graphs
-    from dtensor_par.backend import parallelize_graph
+    from dtensor_par.pipeline import parallelize_graph
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.ops.attention import hybrid_attention
 
@@ -230,7 +230,7 @@ def test_contraction_over_the_sequence_sums_shards_unless_padded(fake_world):
     one would sum the padding, so its shards are gathered (cut to the real length) first."""
     import dtensor_par
     from dtensor_par.passes.capture import capture_graphs
-    from dtensor_par.backend import parallelize_graph
+    from dtensor_par.pipeline import parallelize_graph
     from dtensor_par.mesh import MeshInfo
 
     fake_world(4)
@@ -249,7 +249,7 @@ def test_parameter_gradients_reduced_in_buckets_over_cp(fake_world):
     """At tp2 x ulysses2 every parameter is replicated over cp and used rank-locally: its
     gradient is a per-rank partial. They are reduced in flat buckets, issued where autograd
     produces their last gradient; sink_waits then waits for each just before its first reader."""
-    from dtensor_par.backend import parallelize_graph
+    from dtensor_par.pipeline import parallelize_graph
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.passes.capture import capture_graphs
     from dtensor_par.config import ParallelConfig
@@ -308,7 +308,7 @@ def test_bucket_flatten_and_unflatten_ops_round_trip():
 def test_forward_issues_q_exchange_before_the_kv_projections(fake_world):
     """Ulysses exchanges q alone; overlap_pass issues it as soon as q exists, so the k and v
     projections run while it is in flight (as traced, it waits at once, after them)."""
-    from dtensor_par.backend import parallelize_graph
+    from dtensor_par.pipeline import parallelize_graph
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.passes.capture import capture_graphs
     from dtensor_par.passes.overlap import WAIT, overlap_pass

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dtensor_par
-from dtensor_par.backend import parallelize_graph
+from dtensor_par.pipeline import parallelize_graph
 from dtensor_par.mesh import MESH_DIMS, SPANS, MeshDim, MeshInfo
 from dtensor_par.ops.comm import ring_pairs
 from dtensor_par.passes.capture import capture_graphs, capture_pass

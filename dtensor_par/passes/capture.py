@@ -51,9 +51,9 @@ def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **exampl
     Nothing of the model runs. Dynamo traces the call on fakes and applies a frame's side
     effects (a kv cache appended to, a counter incremented, an input written in place) only
     after its graph has run; the graph's compiled function stops the call instead, so the
-    model, its inputs and the RNG are left as they were. A module is captured through
-    ``nn.Module.__call__`` bound to it, as ``torch.compile(module)`` calls it (its hooks
-    included, its inputs named as there), whatever its class's own ``__call__`` does.
+    model, its inputs and the RNG are left as they were. A module is captured as
+    ``torch.compile(module)`` captures it (hooks included), through ``nn.Module.__call__``
+    whatever its class's own ``__call__`` does.
     A model whose graph Dynamo breaks is refused: reaching its next graph means running the
     first. Resets Dynamo's caches before and after (so repeated captures never hit its
     recompile limit, and a later compile of the model starts fresh).
@@ -67,7 +67,9 @@ def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **exampl
             raise _Captured
         return stop
 
-    call = types.MethodType(torch.nn.Module.__call__, model) if isinstance(model, torch.nn.Module) else model
+    call = model
+    if isinstance(model, torch.nn.Module) and type(model).__call__ is not torch.nn.Module.__call__:
+        call = types.MethodType(torch.nn.Module.__call__, model)  # a parallel-decorated class: not its own __call__
     torch._dynamo.reset()
     breaks = Counter(counters["graph_break"])
     try:

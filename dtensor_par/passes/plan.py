@@ -62,7 +62,7 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
     if isinstance(site, AttentionSite):
         if site.num_heads % tp:
             raise ValueError(
-                f"hybrid_parallel: attention {site.core.name!r} has {site.num_heads} heads, not divisible "
+                f"plan: attention {site.core.name!r} has {site.num_heads} heads, not divisible "
                 f"by mesh dim 'tp' of size {tp} (uneven heads come with context parallelism)"
             )
         if site.num_kv_heads % tp and site.num_kv_heads != site.num_heads:
@@ -153,7 +153,7 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding
     kind = lookup(node)
     if kind is None and writes_in_place(node) and any(p != R for p in cur):
         raise NotImplementedError(
-            f"hybrid_parallel: {node.name} ({target_name(node)}) writes in place into {ins[0].name}; its inputs are "
+            f"plan: {node.name} ({target_name(node)}) writes in place into {ins[0].name}; its inputs are "
             f"{', '.join(f'{i.name} {p}' for i, p in zip(ins, cur))} on mesh dim {env.dim!r}; it has no sharding rule, "
             f"and a write into a gathered copy would be lost: write it out of place")
     if kind is None:

@@ -110,7 +110,7 @@ def _sequence_lengths(site: AttentionSite, q, k, mesh, ctx: ParallelContext) -> 
     q_len, kv_len = q.shape[-2], k.shape[-2]
     if min(q_len, kv_len) < cp:
         raise ValueError(
-            f"hybrid_parallel: attention {site.core.name!r} has sequence length {q_len} (keys {kv_len}), "
+            f"rewrite: attention {site.core.name!r} has sequence length {q_len} (keys {kv_len}), "
             f"shorter than mesh dims 'ring' x 'ulysses' = {mesh.size('ring')} x {mesh.size('ulysses')} = {cp}: "
             f"some ranks would hold only padding; use smaller 'ring' or 'ulysses' dims")
     if is_symbolic(q_len) or is_symbolic(kv_len):

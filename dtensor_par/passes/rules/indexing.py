@@ -90,7 +90,7 @@ def setitem_rule(node, ins, cur, env):
     kept = _index_map(index, tuple(tensor_val(target).shape))
     if isinstance(p, Partial) or kept is None or p.dim not in kept or ins[0] is not target or len(ins) > 2:
         raise NotImplementedError(
-            f"hybrid_parallel: {node.name} writes in place into {target.name} {list(tensor_val(target).shape)}, "
+            f"plan: {node.name} writes in place into {target.name} {list(tensor_val(target).shape)}, "
             f"which is {p} on mesh dim {env.dim!r}, at index {index}: a write that does not keep the sharded dim "
             f"whole cannot run on shards; write it out of place (torch.cat, torch.where)")
     if len(ins) == 1:
