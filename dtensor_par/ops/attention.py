@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..mesh import MeshDim
 from .collectives import all_gather_partial_grad, all_to_all
-from .comm import FUNCTIONAL
+from .lowerings import FUNCTIONAL
 from .ring import as_4d, ring_attention, zigzag_indices
 
 HEADS, SEQ = -3, -2
@@ -89,7 +89,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_
     the sequence (``ring_attention``). ``kv_len``: the real key length when an uneven sequence
     was padded at its end to split evenly; the padded keys are masked. ``ulysses``, ``ring``: the layouts
     of the two mesh dims; ``ulysses_impl``: one of ULYSSES_IMPLS; ``comm``: the lowering of
-    the collectives (``ops.comm``).
+    the collectives (``ops.lowerings``).
     """
     ulysses_size, ring_size = ulysses.size, ring.size
     heads = q.shape[HEADS]

@@ -10,7 +10,7 @@ around the ring and arrive at its owner in ``ring - 1`` rotations. AOTAutograd w
 blocks anyway: it merges a backward rotation with the forward's identical one (CSE).
 
 Every rotation sends this rank's block to the next rank of the ring (by ring coordinate) and
-receives the previous one's, through ``ops.comm``: with the functional lowering one
+receives the previous one's, through ``ops.lowerings``: with the functional lowering one
 ``_c10d_functional.all_to_all_single`` whose only non-empty split goes to the next rank, which
 Dynamo and AOTAutograd trace like any other op. The next rotation is issued before the current
 block is computed and waited on after it, so communication overlaps compute.
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..mesh import MeshDim
-from .comm import FUNCTIONAL, LOWERINGS
+from .lowerings import FUNCTIONAL, LOWERINGS
 
 aten = torch.ops.aten
 
@@ -603,7 +603,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
     forward (only to measure what overlap saves).
 
     ``ring``: the ring's layout (its groups and this rank's coordinate ``rank`` of ``size``);
-    ``comm``: the lowering of its rotations (``ops.comm``).
+    ``comm``: the lowering of its rotations (``ops.lowerings``).
     q: [B, Hq, Sq, D], k and v: [B, Hkv, Skv, D], this rank's sequence block (dim -2) of
     equal-length blocks, in ring order, or in the zigzag layout (chunks ``rank`` and
     ``2*size-1-rank``) when ``zigzag``. Key/value blocks travel with their own kv heads.
