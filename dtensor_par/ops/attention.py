@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from ..mesh import MeshDim
 from .collectives import all_gather_partial_grad, all_to_all
 from .lowerings import FUNCTIONAL
-from .ring import as_4d, ring_attention, zigzag_indices
+from .ring import ring_attention
+from .ring_kernels import as_4d
+from .sequence_layout import zigzag_indices
 
 HEADS, SEQ = -3, -2
 ULYSSES_IMPLS = ("all_to_all", "all_gather")

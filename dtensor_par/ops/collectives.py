@@ -41,7 +41,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..mesh import MeshDim
 from ..placements import InterleavedShard, Placement, Shard, interleaved_parts, parts_of, shard_dim, shard_length
 from .lowerings import FUNCTIONAL, LOWERINGS
-from .ring import zigzag_indices
+from .sequence_layout import zigzag_indices
 
 
 def _placement(dim: int, parts: tuple[int, ...] | None) -> Placement:
