@@ -2,11 +2,12 @@
 
 Input q/k/v are this rank's sequence shard, ``[batch, heads, seq / cp, head_dim]`` with cp
 rank = ring rank * ulysses + ulysses rank, in the zigzag layout when ring > 1 (ring rank r's
-block is chunks r and 2 * ring - 1 - r of 2 * ring), so causal attention is load-balanced. One all-to-all over ``ulysses`` trades the sequence
-shard for a head shard: each rank then holds its ring block (the ``ulysses`` shards of one
-ring rank, in order) for ``heads / ulysses`` heads. Ring attention over ``ring`` computes
-exact attention of that block against the whole sequence, and a second all-to-all trades
-the heads back. Both all-to-alls' backwards are all-to-alls the other way.
+block is chunks r and 2 * ring - 1 - r of 2 * ring, ``ops.sequence_layout``), so causal
+attention is load-balanced. One all-to-all over ``ulysses`` trades the sequence shard for a
+head shard: each rank then holds its ring block (the ``ulysses`` shards of one ring rank,
+in order) for ``heads / ulysses`` heads. Ring attention over ``ring`` computes exact
+attention of that block against the whole sequence, and a second all-to-all trades the
+heads back. Both all-to-alls' backwards are all-to-alls the other way.
 
 ``ulysses_impl="all_gather"`` makes the same trades without all-to-all, for stacks whose
 all-to-all does not compile (torch_xla's on Neuron): q/k/v are all-gathered along the

@@ -3,13 +3,14 @@ ring step, a box of (its query rows) x (the block's key rows) or nothing, decide
 positions alone (no tensor), the same in forward and backward; and what that costs
 (``ring_step_flops``, which the coverage report reads).
 
-Under a causal mask this rank's own block runs with the kernel's causal mask, an earlier
-block whole and a later one not at all; in the zigzag layout every other block is half
-computed. A causal sliding window (``window``: query ``p`` sees keys ``p - window < k <= p``,
-as Mistral's) keeps the box of rows and columns where the window leaves something visible (a
-block outside the window is skipped, forward and backward), marked ``positional`` when the
-box itself holds hidden pairs. An uneven sequence padded at its end (``kv_len`` real keys)
-leaves the padded keys out of every block.
+Under a causal mask this rank's own block runs with the kernel's causal mask; in the
+contiguous layout an earlier rank's block is computed whole and a later one's not at all, in
+the zigzag layout every other rank's block in half. A causal sliding window (``window``:
+query ``p`` sees keys ``p - window < k <= p``, as Mistral's) keeps the box of rows and
+columns where the window leaves something visible (a block outside the window is skipped,
+forward and backward), marked ``positional`` when the box itself holds hidden pairs. An
+uneven sequence padded at its end (``kv_len`` real keys) leaves the padded keys out of every
+block.
 """
 
 from __future__ import annotations
