@@ -164,7 +164,7 @@ def _visible(rows: torch.Tensor, cols: torch.Tensor, *, causal: bool, window: in
 
 def slice_mask(mask: torch.Tensor | None, block: Block, source: int, size: int, block_len: int, *,
                zigzag: bool) -> torch.Tensor | None:
-    """The mask's part for one block: its query rows, and the columns of the global key
+    """The given ``mask``'s part for one block: its query rows, and the columns of the global key
     positions ``source``'s block holds (``block.kv_rows``, a prefix of the block)."""
     if mask is None:
         return None
