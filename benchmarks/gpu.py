@@ -4,8 +4,8 @@
 
 - Ring step attention against one SDPA call at equal FLOPs, one GPU: the keys split into
   ``ring`` blocks, each block's attention with its log-sum-exp through the kernel the ring
-  uses on CUDA (``ops.ring._block_forward``: the efficient-attention kernel), merged by
-  log-sum-exp (``ops.ring._merge``), against ``F.scaled_dot_product_attention`` over all
+  uses on CUDA (``ops.ring_kernels.block_forward``: the efficient-attention kernel), merged by
+  log-sum-exp (``ops.ring_kernels.merge_block``), against ``F.scaled_dot_product_attention`` over all
   keys (flash or efficient, as torch picks). Same q, k, v; the ratio is what splitting costs.
 - Training step at world 1: ``parallelize`` + ``hybrid_parallel(inner_backend="inductor")``
   on a one-rank mesh against ``torch.compile`` (inductor) of the same model: our overhead
@@ -42,7 +42,7 @@ def cuda_ms(fn, reps: int) -> float:
 
 
 def ring_steps_vs_sdpa(seq: int, heads: int, head_dim: int, ring: int, reps: int) -> dict:
-    from dtensor_par.ops.ring import _block_forward, _merge
+    from dtensor_par.ops.ring_kernels import block_forward, merge_block
 
     q, k, v = (torch.randn(1, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     k_blocks, v_blocks = k.chunk(ring, dim=-2), v.chunk(ring, dim=-2)
@@ -51,8 +51,8 @@ def ring_steps_vs_sdpa(seq: int, heads: int, head_dim: int, ring: int, reps: int
         out = torch.zeros_like(q, dtype=torch.float32)
         lse = torch.full(q.shape[:-1], float("-inf"), device="cuda")
         for kb, vb in zip(k_blocks, v_blocks):
-            block_out, block_lse = _block_forward(q, kb, vb, None, is_causal=False, scale=None, groups=1)
-            out, lse = _merge(out, lse, slice(0, seq), block_out.float(), block_lse, False)
+            block_out, block_lse = block_forward(q, kb, vb, None, is_causal=False, scale=None, groups=1)
+            out, lse = merge_block(out, lse, slice(0, seq), block_out.float(), block_lse, False)
         return out
 
     reference = F.scaled_dot_product_attention(q, k, v).float()

@@ -15,7 +15,7 @@ from typing import Callable
 
 from .mesh import MeshInfo
 from .ops.attention import ULYSSES_IMPLS
-from .ops.comm import LOWERINGS
+from .ops.lowerings import LOWERINGS
 
 OUTPUTS = ("full", "local")
 COLLECTIVES = ("auto", *LOWERINGS)

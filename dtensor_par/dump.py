@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .mesh import MESH_DIMS
-from .ops.comm import FUNCTIONAL
+from .ops.lowerings import FUNCTIONAL
 from .passes.context import ParallelContext
 from .passes.detect import AttentionSite, module_name
 from .passes.localize import graph_communications

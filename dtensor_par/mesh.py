@@ -176,7 +176,7 @@ class MeshInfo:
         for name, spans in SPANS.items():
             groups = partition(ranks, names, spans)
             index = next(i for i, g in enumerate(groups) if me in g)
-            ring = dims["ring"].size if name == "cp" else 1  # zigzag: load-balanced causal attention (ops.ring)
+            ring = dims["ring"].size if name == "cp" else 1  # zigzag: load-balanced causal attention (ops.sequence_layout)
             dims[name] = MeshDim(name, len(groups[index]), groups[index].index(me), group_name(name, groups, index),
                                  groups, index, zigzag=ring if ring > 1 else 0)
         return MeshInfo(device_type, dims, MeshInfo.full_order(names))

@@ -14,7 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtensor_par.mesh import MeshDim, MeshInfo
-from dtensor_par.ops.ring import ring_attention, ring_step_flops, zigzag_indices
+from dtensor_par.ops.ring import ring_attention
+from dtensor_par.ops.ring_schedule import ring_step_flops
+from dtensor_par.ops.sequence_layout import zigzag_indices
 from tests.harness import FORWARD_ATOL, GRAD_RTOL, capturing_backend, max_rel, run_ranks
 
 BATCH, HEAD_DIM, SEQ = 2, 8, 16
@@ -292,7 +294,7 @@ def test_window_flops_skip_blocks_outside_the_window_and_cover_every_visible_pai
 def test_a_ring_of_one_runs_windows_and_key_padding_by_query_tiles(window, key_padding, real, tile):
     """Ulysses alone (a ring of one): query tiles, each with the keys its window reaches; a
     padded sequence's extra query rows see the last real row's keys."""
-    from dtensor_par.ops.ring import _tiled_attention
+    from dtensor_par.ops.ring_kernels import tiled_attention
 
     q, k, v, weights = (t.requires_grad_() for t in _full_inputs(2, 2, SEQ))
     n = real or SEQ
@@ -304,8 +306,8 @@ def test_a_ring_of_one_runs_windows_and_key_padding_by_query_tiles(window, key_p
         one = MeshInfo.for_planning({}, "cpu").dims["ring"]
         out = ring_attention(q, k, v, ring=one, is_causal=True, window=window, key_padding=keep, kv_len=real)
     else:
-        out = _tiled_attention(q, k[:, :, :n], v[:, :, :n], is_causal=True, window=window, key_padding=keep,
-                               scale=None, tile=tile)
+        out = tiled_attention(q, k[:, :, :n], v[:, :, :n], is_causal=True, window=window, key_padding=keep,
+                              scale=None, tile=tile)
     assert out.shape == q.shape and (out[:, :, :n] - reference).abs().max() <= FORWARD_ATOL
     grads = torch.autograd.grad((out[:, :, :n] * weights[:, :, :n]).sum(), (q, k, v))
     for got, want in zip(grads, expected):

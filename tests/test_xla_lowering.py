@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import dtensor_par
 from dtensor_par.pipeline import parallelize_graph
 from dtensor_par.mesh import MESH_DIMS, SPANS, MeshDim, MeshInfo
-from dtensor_par.ops.comm import ring_pairs
+from dtensor_par.ops.lowerings import ring_pairs
 from dtensor_par.passes.capture import capture_graphs, capture_pass
 from dtensor_par.config import ParallelConfig
 from dtensor_par.passes.detect import detect_pass

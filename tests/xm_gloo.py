@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dtensor_par.mesh import MeshDim
-from dtensor_par.ops.comm import Functional
+from dtensor_par.ops.lowerings import Functional
 
 REDUCE_SUM = "sum"
 MODULES = ("torch_xla", "torch_xla.core", "torch_xla.core.xla_model")

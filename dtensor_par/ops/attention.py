@@ -2,11 +2,12 @@
 
 Input q/k/v are this rank's sequence shard, ``[batch, heads, seq / cp, head_dim]`` with cp
 rank = ring rank * ulysses + ulysses rank, in the zigzag layout when ring > 1 (ring rank r's
-block is chunks r and 2 * ring - 1 - r of 2 * ring), so causal attention is load-balanced. One all-to-all over ``ulysses`` trades the sequence
-shard for a head shard: each rank then holds its ring block (the ``ulysses`` shards of one
-ring rank, in order) for ``heads / ulysses`` heads. Ring attention over ``ring`` computes
-exact attention of that block against the whole sequence, and a second all-to-all trades
-the heads back. Both all-to-alls' backwards are all-to-alls the other way.
+block is chunks r and 2 * ring - 1 - r of 2 * ring, ``ops.sequence_layout``), so causal
+attention is load-balanced. One all-to-all over ``ulysses`` trades the sequence shard for a
+head shard: each rank then holds its ring block (the ``ulysses`` shards of one ring rank,
+in order) for ``heads / ulysses`` heads. Ring attention over ``ring`` computes exact
+attention of that block against the whole sequence, and a second all-to-all trades the
+heads back. Both all-to-alls' backwards are all-to-alls the other way.
 
 ``ulysses_impl="all_gather"`` makes the same trades without all-to-all, for stacks whose
 all-to-all does not compile (torch_xla's on Neuron): q/k/v are all-gathered along the
@@ -30,8 +31,10 @@ import torch.nn.functional as F
 
 from ..mesh import MeshDim
 from .collectives import all_gather_partial_grad, all_to_all
-from .comm import FUNCTIONAL
-from .ring import as_4d, ring_attention, zigzag_indices
+from .lowerings import FUNCTIONAL
+from .ring import ring_attention
+from .ring_kernels import as_4d
+from .sequence_layout import zigzag_indices
 
 HEADS, SEQ = -3, -2
 ULYSSES_IMPLS = ("all_to_all", "all_gather")
@@ -89,7 +92,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_
     the sequence (``ring_attention``). ``kv_len``: the real key length when an uneven sequence
     was padded at its end to split evenly; the padded keys are masked. ``ulysses``, ``ring``: the layouts
     of the two mesh dims; ``ulysses_impl``: one of ULYSSES_IMPLS; ``comm``: the lowering of
-    the collectives (``ops.comm``).
+    the collectives (``ops.lowerings``).
     """
     ulysses_size, ring_size = ulysses.size, ring.size
     heads = q.shape[HEADS]

@@ -26,7 +26,7 @@ A sequence dim whose length does not divide over cp is padded at the end to equa
 sees exactly the real positions, and attention masks the padded keys.
 
 Each public function is what a localized graph calls; its primitives come from
-``ops.comm``, picked by its ``comm`` argument: with the functional lowering a traced graph
+``ops.lowerings``, picked by its ``comm`` argument: with the functional lowering a traced graph
 shows each collective as a ``torch.ops._c10d_functional`` op, which inductor may schedule.
 """
 
@@ -40,8 +40,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..mesh import MeshDim
 from ..placements import InterleavedShard, Placement, Shard, interleaved_parts, parts_of, shard_dim, shard_length
-from .comm import FUNCTIONAL, LOWERINGS
-from .ring import zigzag_indices
+from .lowerings import FUNCTIONAL, LOWERINGS
+from .sequence_layout import zigzag_indices
 
 
 def _placement(dim: int, parts: tuple[int, ...] | None) -> Placement:
@@ -315,7 +315,7 @@ class _AllToAll(torch.autograd.Function):
 
 # ``mesh_dim``: the layout of the mesh dim communicated over (its groups, this rank's chunk,
 # zigzag); ``length``: the global length of a sharded dim that was padded to lay it out (see
-# _pad), None when it divides evenly; ``comm``: the lowering (``ops.comm.LOWERINGS``), which
+# _pad), None when it divides evenly; ``comm``: the lowering (``ops.lowerings.LOWERINGS``), which
 # the lower pass sets.
 
 def all_reduce(x: torch.Tensor, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 
 from ..mesh import MeshDim
 from .collectives import all_reduce, grad_all_reduce
-from .comm import FUNCTIONAL
+from .lowerings import FUNCTIONAL
 
 
 def _total(local_sum: torch.Tensor, mesh_dim: MeshDim, comm: str) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from ..logs import logger
 from ..mesh import MeshInfo
-from ..ops.comm import FUNCTIONAL
+from ..ops.lowerings import FUNCTIONAL
 from ..params import WHOLE, WholeParameters
 from ..placements import Placement, describe
 from ..symbolic import guards_at

@@ -15,7 +15,7 @@ import re
 
 import torch.fx as fx
 
-from ..ops.ring import ring_step_flops
+from ..ops.ring_schedule import ring_step_flops
 from ..placements import Replicate, shard_length
 from ..symbolic import hint
 from .context import Coverage, ParallelContext

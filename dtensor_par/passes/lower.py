@@ -5,7 +5,7 @@ the replica groups that takes.
   them (NCCL, gloo, TorchNeuron's ``neuron`` backend).
 - ``"xla"``: every collective call, and through it its backward, the ring rotations and the
   Ulysses exchange, issues ``torch_xla.core.xla_model`` calls with full replica groups
-  (``ops.comm.Xla``); no group name is relied on. Whatever the device.
+  (``ops.lowerings.Xla``); no group name is relied on. Whatever the device.
 - ``"auto"``: ``"xla"`` when an input is on an xla device, else ``"functional"``.
 
 Each collective node already carries its mesh dim's layout (``mesh.MeshDim``), so lowering
@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from ..mesh import SPANS, MeshDim, MeshInfo
-from ..ops.comm import FUNCTIONAL, LOWERINGS, ring_pairs, xla_model
+from ..ops.lowerings import FUNCTIONAL, LOWERINGS, ring_pairs, xla_model
 from .context import ParallelContext
 from .localize import graph_communications
 from .meta import Communication, communications

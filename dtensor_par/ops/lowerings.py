@@ -1,6 +1,9 @@
-"""How a collective reaches the network: the few primitives every redistribution, ring
-rotation and Ulysses exchange is built from, in chunk order (by the coordinate along the
-mesh dim that holds each chunk, never by global rank).
+"""The lowerings of the collectives: how each primitive reaches the network. Every
+redistribution, ring rotation and Ulysses exchange is built from these few primitives, in
+chunk order (by the coordinate along the mesh dim that holds each chunk, never by global
+rank). ``LOWERINGS`` maps each lowering's name (a ``comm`` argument, ``ctx.comm``) to its
+class; the module is named for them. None has autograd: ``ops.collectives`` wraps them in
+the collectives a localized graph calls, with the replicated-loss gradients.
 
 ``Functional`` issues torch's functional collectives over this rank's process group (NCCL,
 gloo, TorchNeuron's ``neuron`` backend). A process group orders its ranks by global rank, so
@@ -111,7 +114,7 @@ def xla_model():
         return importlib.import_module("torch_xla.core.xla_model")
     except ImportError as e:
         raise ImportError(
-            "hybrid_parallel: collectives='xla' lowers every collective to torch_xla.core.xla_model calls, but "
+            "lower: collectives='xla' lowers every collective to torch_xla.core.xla_model calls, but "
             f"torch_xla cannot be imported ({e}); install the torch_xla stack (torch-neuronx 2.9 and before, from "
             "AWS's Neuron package repository), or use collectives='functional'") from e
 

@@ -1,0 +1,219 @@
+"""What one ring block computes, with no communication: its attention output and per-row
+log-sum-exp on the fused SDPA kernels (CPU flash, CUDA memory-efficient), the online-softmax
+merge into the running result, its exact share of the gradients, and its mask.
+
+A given mask holds this rank's query rows against every key position; each block takes the
+columns of the keys it holds, and a row that a block's mask hides entirely weighs nothing in
+the merge. A causal window and a key-padding mask (``key_padding``, ``[B, keys]``) need no
+mask of the sequence: a block's mask covers its box alone, built from the global positions
+(and the key-padding columns it holds). A ring of one (``tiled_attention``) cuts the
+sequence into query tiles the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .ring_schedule import Block
+from .sequence_layout import block_positions
+
+aten = torch.ops.aten
+
+# The CUDA memory-efficient kernel pads its log-sum-exp to this many query rows, and its
+# backward checks the alignment that padding gives.
+_CUDA_LSE_ROW_ALIGNMENT = 32
+
+
+def repeat_kv_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """The fused kernels need one key/value head per query head (SDPA's GQA head order)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _sum_kv_head_grads(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """Gradient of ``repeat_kv_heads``: each kv head collects the grads of its copies."""
+    if groups == 1:
+        return grad
+    batch, heads, seq, dim = grad.shape
+    return grad.view(batch, heads // groups, groups, seq, dim).sum(2)
+
+
+def _cuda_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """The memory-efficient kernel takes its bias whole, [B, H, Sq, Skv], with rows aligned to
+    16 elements (padded and cut back, as SDPA itself prepares it)."""
+    if mask is None:
+        return None
+    keys = k.shape[-2]
+    bias = mask.expand(q.shape[0], q.shape[1], q.shape[2], keys)
+    return F.pad(bias, (0, -keys % 16))[..., :keys]
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+                  is_causal: bool, scale: float | None, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention output and per-row log-sum-exp ([B, H, Sq], float32); ``mask`` is
+    additive. A row the mask hides entirely gets log-sum-exp -inf (the CPU kernel reports 0),
+    so it weighs nothing in the merge."""
+    k, v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask,
+                                                                    scale=scale)
+    else:
+        out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, _cuda_bias(mask, q, k), True, 0.0,
+                                                                      is_causal, scale=scale)
+        lse = lse[..., : q.shape[-2]]
+    if mask is not None:
+        visible = ~mask.isneginf()
+        if is_causal:  # the kernel's causal mask hides the rest
+            visible = visible & torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        hidden = ~visible.any(-1)
+        out, lse = out.masked_fill(hidden.unsqueeze(-1), 0.0), lse.masked_fill(hidden, float("-inf"))
+    return out, lse
+
+
+def block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, *, is_causal: bool,
+                   scale: float | None, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's exact share of dq, dk, dv.
+
+    Given the *final* output and *global* log-sum-exp, the kernel's softmax probabilities are
+    the global ones, so the per-block gradients sum to the full-attention gradients.
+    """
+    k_rep, v_rep = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)
+    if q.device.type == "cpu":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k_rep, v_rep, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+    else:
+        rows = q.shape[-2]
+        padded_rows = -(-rows // _CUDA_LSE_ROW_ALIGNMENT) * _CUDA_LSE_ROW_ALIGNMENT
+        lse = F.pad(lse, (0, padded_rows - rows)).contiguous()
+        # Without dropout the kernel ignores the RNG state; these match what its forward returns.
+        no_rng = torch.empty((), dtype=torch.long)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k_rep, v_rep, _cuda_bias(mask, q, k_rep), out, lse, no_rng, no_rng, 0.0,
+            [True, True, True, False], is_causal, scale=scale)
+    return dq, _sum_kv_head_grads(dk, groups), _sum_kv_head_grads(dv, groups)
+
+
+def every_row(rows: slice, length: int) -> bool:
+    """Whether ``rows`` are all ``length`` rows of their dim."""
+    return rows == slice(0, length)
+
+
+def part(x: torch.Tensor, rows: slice, dim: int = -2) -> torch.Tensor:
+    """``rows`` of ``x`` along ``dim``; ``x`` itself when they are all of it (a full slice is
+    traced as one more op)."""
+    return x if every_row(rows, x.shape[dim]) else x.narrow(dim, rows.start, rows.stop - rows.start)
+
+
+def merge_block(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor,
+                masked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running output and log-sum-exp with one block's output folded into ``rows`` (online
+    softmax): new tensors when the block holds every row, else ``out`` and ``lse`` written in
+    place (an in-place write is traced as a copy more).
+
+    The block's share of the merged softmax mass is ``exp(block_lse - merged)``, which is
+    ``sigmoid(block_lse - lse)``: one interpolation folds it in."""
+    lse_rows = part(lse, rows, -1)
+    merged = torch.logaddexp(lse_rows, block_lse)
+    share = torch.sigmoid(block_lse - lse_rows)
+    if masked:  # a row may have met no visible key yet: -inf on both sides, and its output stays 0
+        share = share.nan_to_num(0.0)
+    folded = torch.lerp(part(out, rows), block_out.to(out.dtype), share.unsqueeze(-1))
+    if every_row(rows, out.shape[-2]):
+        return folded, merged
+    out[..., rows, :] = folded
+    lse[..., rows] = merged
+    return out, lse
+
+
+def add_rows(total: torch.Tensor | None, rows: slice, share: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``total`` (fp32, of ``shape``; zeros if None) with ``share`` added to ``rows`` of dim -2:
+    out of place when ``share`` holds every row."""
+    if every_row(rows, shape[-2]):
+        return share.float() if total is None else total + share
+    if total is None:
+        total = torch.zeros(shape, dtype=torch.float32, device=share.device)
+    total[..., rows, :] += share
+    return total
+
+
+def as_4d(mask: torch.Tensor) -> torch.Tensor:
+    """A mask with its broadcast dims made explicit: [B|1, H|1, Sq|1, Skv|1], as SDPA aligns it."""
+    return mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
+def as_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = attend) as the additive mask the kernels take."""
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _visible(rows: torch.Tensor, cols: torch.Tensor, *, causal: bool, window: int | None,
+             key_padding: torch.Tensor | None) -> torch.Tensor:
+    """Which (query, key) pairs of these global positions attend: [B|1, 1, rows, cols]."""
+    visible = torch.ones(len(rows), len(cols), dtype=torch.bool, device=cols.device)
+    if causal:
+        distance = rows[:, None] - cols[None, :]
+        visible = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
+    visible = visible[None, None]
+    if key_padding is not None:
+        visible = visible & key_padding.index_select(-1, cols)[:, None, None, :]
+    return visible
+
+
+def slice_mask(mask: torch.Tensor | None, block: Block, source: int, size: int, block_len: int, *,
+               zigzag: bool) -> torch.Tensor | None:
+    """The given ``mask``'s part for one block: its query rows, and the columns of the global key
+    positions ``source``'s block holds (``block.kv_rows``, a prefix of the block)."""
+    if mask is None:
+        return None
+    if mask.shape[-2] > 1:
+        mask = part(mask, block.q_rows)
+    if mask.shape[-1] == 1:
+        return mask
+    count = block.kv_rows.stop
+    if not zigzag:
+        return mask.narrow(-1, source * block_len, count)
+    chunk = block_len // 2
+    first = mask.narrow(-1, source * chunk, min(count, chunk))
+    if count <= chunk:
+        return first
+    return torch.cat([first, mask.narrow(-1, (2 * size - 1 - source) * chunk, count - chunk)], dim=-1)
+
+
+def positional_mask(block: Block, key_padding: torch.Tensor | None, *, rank: int, source: int, size: int,
+                    block_len: int, zigzag: bool, window: int | None, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor | None:
+    """The additive mask of one block's box, built from global positions (the causal window)
+    and the key-padding columns of the keys it holds: [B|1, 1, rows|1, columns] of the box,
+    never the sequence's. None when the box needs no mask. The kernel's own causal mask
+    (``block.is_causal``) applies on top of it."""
+    if not block.positional and key_padding is None:
+        return None
+    rows = block_positions(rank, size, block_len, zigzag=zigzag)[block.q_rows].to(device)
+    cols = block_positions(source, size, block_len, zigzag=zigzag)[block.kv_rows].to(device)
+    if not block.positional:
+        rows = rows[:1]  # key padding alone: one row broadcasts to all
+    return as_additive(_visible(rows, cols, causal=block.positional, window=window, key_padding=key_padding), dtype)
+
+
+def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, window: int | None,
+                    key_padding: torch.Tensor | None, scale: float | None, tile: int = 512) -> torch.Tensor:
+    """SDPA of whole sequences (a ring of one) under a causal window and/or a key padding,
+    without a mask of the sequence: each tile of ``tile`` query rows attends, in one call, to
+    the keys its (causal) window reaches, with the mask of that tile alone. A padded query
+    row (past the real keys) takes the last real row's keys, so none is left without a key."""
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    out = []
+    for start in range(0, q_len, tile):
+        stop = min(start + tile, q_len)
+        first, last = min(start, kv_len - 1), min(stop - 1, kv_len - 1)
+        lo = max(0, first - window + 1) if window is not None else 0
+        hi = last + 1 if is_causal else kv_len
+        rows = torch.arange(start, stop, device=q.device).clamp(max=kv_len - 1)
+        cols = torch.arange(lo, hi, device=q.device)
+        mask = _visible(rows, cols, causal=is_causal, window=window, key_padding=key_padding)
+        out.append(F.scaled_dot_product_attention(q[..., start:stop, :], k[..., lo:hi, :], v[..., lo:hi, :],
+                                                  attn_mask=mask, scale=scale))
+    return torch.cat(out, dim=-2)
