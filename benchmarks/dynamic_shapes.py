@@ -64,12 +64,16 @@ def _plain(rank: int, world: int, *, n: int, backend: str) -> dict:
     return _timed_calls(torch.compile(_model(), backend=backend), _lengths(n))
 
 
+def _in_cache(rank: int, world: int, *, cache: str, fn, **kwargs) -> dict:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # read when the first compile looks for its cache
+    return fn(rank, world, **kwargs)
+
+
 def _cold(world: int, fn, **kwargs) -> dict:
     """``fn`` on ``world`` fresh processes (one thread each, as gloo ranks run) with empty
     compile caches, as a new user's first run: nothing compiled before is reused."""
     with tempfile.TemporaryDirectory() as cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-        return run_ranks(world, fn, **kwargs)[0]
+        return run_ranks(world, _in_cache, cache=cache, fn=fn, **kwargs)[0]
 
 
 def main():

@@ -109,11 +109,20 @@ def _entry(rank: int, world: int, store: str, out_dir: str, fn, kwargs: dict) ->
     os._exit(code)
 
 
+_RANK_PRELOAD = ["torch", "torch._dynamo.backends.debugging", "torch._inductor.compile_fx", "dtensor_par", "tests.cases"]
+"""What the process the ranks fork from imports once (the compilers' modules too): a rank
+spawned afresh takes seconds of CPU to import them, and a suite starts dozens of ranks. Each
+rank still starts with nothing compiled, in the environment and folder this process had at
+its first launch."""
+
+
 def run_ranks(world: int, fn, **kwargs) -> list:
     """Run ``fn(rank, world, **kwargs)`` on ``world`` gloo ranks; return each rank's result."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_RANK_PRELOAD)
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), tmp, fn, kwargs), nprocs=world,
-                           join=True, start_method="spawn")
+                           join=True, start_method="forkserver")
         results = []
         for r in range(world):
             with open(os.path.join(tmp, f"rank{r}.json")) as f:
@@ -127,7 +136,7 @@ def _each(rank: int, world: int, *, calls: dict[str, tuple]) -> dict:
 
 def run_ranks_together(world: int, calls: dict[str, tuple]) -> list[dict]:
     """Each ``label: (fn, kwargs)`` of ``calls`` in turn, in one launch of ``world`` gloo ranks:
-    starting the ranks (each imports torch) costs more than most runs. Each rank's results by label."""
+    a launch (process group, each rank's first compile) costs seconds. Each rank's results by label."""
     return run_ranks(world, _each, calls=calls)
 
 
