@@ -71,7 +71,6 @@ def compare(model: torch.nn.Module, inputs_seq: list, compiled_fn, steps: int = 
     return worst
 
 
-
 @contextlib.contextmanager
 def logged(level: int):
     """The records dtensor_par logs at ``level`` or above while the block runs."""
