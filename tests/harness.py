@@ -115,7 +115,7 @@ rank still starts with nothing compiled, in the environment and folder this proc
 its first launch."""
 
 
-def run_ranks(world: int, fn, **kwargs) -> list:
+def run_ranks(world: int, fn, /, **kwargs) -> list:
     """Run ``fn(rank, world, **kwargs)`` on ``world`` gloo ranks; return each rank's result."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(_RANK_PRELOAD)
