@@ -13,7 +13,6 @@ Goal: ours / plain <= 1.25 at N = 5, and our total flat in N (no compile per len
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -21,6 +20,7 @@ import time
 import torch
 
 import dtensor_par
+from benchmarks.report import print_table, save_json
 from tests.harness import run_ranks
 from tests.models import GPT
 
@@ -49,7 +49,7 @@ def _timed_calls(compiled, lengths: list[int]) -> dict:
     return {"total": time.perf_counter() - start, "calls": calls}
 
 
-def _ours(rank: int, world: int, n: int, backend: str) -> dict:
+def _ours(rank: int, world: int, *, n: int, backend: str) -> dict:
     compiles = []
 
     def inner(gm, example_inputs):
@@ -60,16 +60,20 @@ def _ours(rank: int, world: int, n: int, backend: str) -> dict:
     return {**_timed_calls(torch.compile(_model(), backend=backend_fn), _lengths(n)), "inner_compiles": len(compiles)}
 
 
-def _plain(rank: int, world: int, n: int, backend: str) -> dict:
+def _plain(rank: int, world: int, *, n: int, backend: str) -> dict:
     return _timed_calls(torch.compile(_model(), backend=backend), _lengths(n))
 
 
-def _cold(world: int, fn, *args) -> dict:
+def _in_cache(rank: int, world: int, *, cache: str, fn, **kwargs) -> dict:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # read when the first compile looks for its cache
+    return fn(rank, world, **kwargs)
+
+
+def _cold(world: int, fn, **kwargs) -> dict:
     """``fn`` on ``world`` fresh processes (one thread each, as gloo ranks run) with empty
     compile caches, as a new user's first run: nothing compiled before is reused."""
     with tempfile.TemporaryDirectory() as cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-        return run_ranks(world, fn, *args)[0]
+        return run_ranks(world, _in_cache, cache=cache, fn=fn, **kwargs)[0]
 
 
 def main():
@@ -81,7 +85,7 @@ def main():
 
     rows = []
     for n in args.ns:
-        mine, theirs = _cold(2, _ours, n, args.backend), _cold(1, _plain, n, args.backend)
+        mine, theirs = _cold(2, _ours, n=n, backend=args.backend), _cold(1, _plain, n=n, backend=args.backend)
         rows.append({"distinct_lengths": n, "calls": len(_lengths(n)), "ours_s": mine["total"],
                      "plain_s": theirs["total"], "ratio": mine["total"] / theirs["total"],
                      "ours_inner_compiles": mine["inner_compiles"], "ours_calls_s": mine["calls"],
@@ -89,18 +93,15 @@ def main():
     first = rows[0]["ours_s"]
     print(f"2-block transformer (hidden {HIDDEN}, {HEADS} heads), batch {BATCH}, tp=2 on 2 gloo ranks vs one "
           f"device, {args.backend}, inference; lengths 32, 40, ... then the first two again")
-    print("| distinct lengths | calls | ours s | plain s | ours / plain | ours / ours at N="
-          f"{rows[0]['distinct_lengths']} | inner compiles (ours) | ours: 1st, 2nd, slowest later call s "
-          "| plain: same |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        calls = [f"{c[0]:.1f}, {c[1]:.1f}, {max(c[2:]):.2f}" for c in (r["ours_calls_s"], r["plain_calls_s"])]
-        print(f"| {r['distinct_lengths']} | {r['calls']} | {r['ours_s']:.1f} | {r['plain_s']:.1f} | "
-              f"{r['ratio']:.2f} | {r['ours_s'] / first:.2f} | {r['ours_inner_compiles']} | {calls[0]} | {calls[1]} |")
+    calls = lambda c: f"{c[0]:.1f}, {c[1]:.1f}, {max(c[2:]):.2f}"  # noqa: E731
+    print_table(["distinct lengths", "calls", "ours s", "plain s", "ours / plain",
+                 f"ours / ours at N={rows[0]['distinct_lengths']}", "inner compiles (ours)",
+                 "ours: 1st, 2nd, slowest later call s", "plain: same"],
+                [[r["distinct_lengths"], r["calls"], f"{r['ours_s']:.1f}", f"{r['plain_s']:.1f}", f"{r['ratio']:.2f}",
+                  f"{r['ours_s'] / first:.2f}", r["ours_inner_compiles"], calls(r["ours_calls_s"]),
+                  calls(r["plain_calls_s"])] for r in rows])
     print("goal: ours / plain <= 1.25 at N = 5; ours flat in N")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"backend": args.backend, "rows": rows, "goal_ratio_at_5": 1.25}, f, indent=1)
+    save_json(args.json, {"backend": args.backend, "rows": rows, "goal_ratio_at_5": 1.25})
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from torch._inductor.compile_fx import compile_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dtensor_par
-from benchmarks.models import DiT
+from tests.models import DiT
 
 _ARG = r"\.default\((?:reinterpret_tensor\()?(\w+)"  # the first argument's buffer
 _ISSUE = re.compile(r"_c10d_functional\.(all_reduce_?|all_to_all_single|all_gather_into_tensor|"

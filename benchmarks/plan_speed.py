@@ -7,13 +7,13 @@ Dynamo and runs every pass as rank 0 of the mesh would. Target: under 10 s.
 """
 
 import argparse
-import json
 import time
 
 import torch
 
+from benchmarks.report import print_table, save_json
 from dtensor_par import explain
-from benchmarks.models import Llama
+from tests.models import Llama
 
 
 def main():
@@ -36,14 +36,11 @@ def main():
            "collective_kinds": len(graph.collectives), "param_gib_per_rank": local / 2**30,
            "param_gib_total": full / 2**30, "explain_seconds": seconds, "passes_seconds": graph.plan_seconds,
            "target_seconds": 10.0}
-    print("| layers | ranks | sites | param GiB/rank | param GiB total | explain s (capture + passes) "
-          "| passes s | target |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    print(f"| {row['layers']} | {row['ranks']} | {row['sites']} | {row['param_gib_per_rank']:.2f} "
-          f"| {row['param_gib_total']:.1f} | {seconds:.2f} | {graph.plan_seconds:.2f} | < 10 |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(row, f, indent=1)
+    print_table(["layers", "ranks", "sites", "param GiB/rank", "param GiB total", "explain s (capture + passes)",
+                 "passes s", "target"],
+                [[row["layers"], row["ranks"], row["sites"], f"{row['param_gib_per_rank']:.2f}",
+                  f"{row['param_gib_total']:.1f}", f"{seconds:.2f}", f"{graph.plan_seconds:.2f}", "< 10"]])
+    save_json(args.json, row)
 
 
 if __name__ == "__main__":

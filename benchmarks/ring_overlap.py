@@ -6,7 +6,6 @@ Each rank holds a zigzag sequence block; causal attention. Prints a table; media
 """
 
 import argparse
-import json
 import statistics
 import time
 
@@ -14,12 +13,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from benchmarks.report import print_table, save_json
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.ops.ring import ring_attention
-from benchmarks.common import run_ranks
+from tests.harness import run_ranks
 
 
-def _time(rank, world, seq, heads, head_dim):
+def _time(rank, world, *, seq, heads, head_dim):
     torch.manual_seed(rank)
     q, k, v = (torch.randn(1, heads, seq // world, head_dim) for _ in range(3))
     ring = MeshInfo.from_mesh(init_device_mesh("cpu", (world,), mesh_dim_names=("ring",))).dims["ring"]
@@ -42,18 +42,15 @@ def main():
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--json")
     args = parser.parse_args()
-    per_rank = run_ranks(4, _time, args.seq, args.heads, args.head_dim)
+    per_rank = run_ranks(4, _time, seq=args.seq, heads=args.heads, head_dim=args.head_dim)
     overlapped = max(r["True"] for r in per_rank)
     serial = max(r["False"] for r in per_rank)
     row = {"ranks": 4, "seq": args.seq, "heads": args.heads, "head_dim": args.head_dim,
            "overlap_ms": 1e3 * overlapped, "serial_ms": 1e3 * serial, "speedup": serial / overlapped}
-    print("| ranks | seq | heads x dim | overlapped ms | serialized ms | speedup |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    print(f"| 4 | {args.seq} | {args.heads} x {args.head_dim} | {row['overlap_ms']:.1f} | {row['serial_ms']:.1f} "
-          f"| {row['speedup']:.2f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(row, f, indent=1)
+    print_table(["ranks", "seq", "heads x dim", "overlapped ms", "serialized ms", "speedup"],
+                [[4, args.seq, f"{args.heads} x {args.head_dim}", f"{row['overlap_ms']:.1f}", f"{row['serial_ms']:.1f}",
+                  f"{row['speedup']:.2f}"]])
+    save_json(args.json, row)
 
 
 if __name__ == "__main__":

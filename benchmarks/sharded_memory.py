@@ -13,12 +13,12 @@ LM head, norms) keeps the real one above it. The last row is the model run by
 """
 
 import argparse
-import json
 
 import torch
 
+from benchmarks.report import print_table, save_json
 from dtensor_par import explain
-from benchmarks.models import Llama
+from tests.models import Llama
 
 TPS = (2, 4, 8)
 STATE_COPIES = 4  # parameters, gradients, AdamW exp_avg, AdamW exp_avg_sq
@@ -55,6 +55,14 @@ def measure(model, ids, tp: int, parallelized: bool) -> dict:
             "block_weights_ratio": block_held / block_full, "replicated_bytes": replicated}
 
 
+def _table_row(r: dict) -> list:
+    repl = ", ".join(f"{k} {v / GIB:.3f}" for k, v in r["replicated_bytes"].items())
+    repl = repl if r["parallelized"] else f"all {r['param_bytes_full'] / GIB:.2f} (plan replicates {repl})"
+    return [r["tp"], "yes" if r["parallelized"] else "no", f"{r['param_bytes_per_rank'] / GIB:.2f}",
+            f"{r['train_bytes_per_rank'] / GIB:.2f}", f"{r['train_bytes_one_device'] / GIB:.2f}", f"{r['ratio']:.3f}",
+            f"{r['ideal_ratio']:.3f}", f"{r['expected_ratio']:.3f}", f"{r['block_weights_ratio']:.3f}", repl]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="also write the measurements here")
@@ -66,24 +74,14 @@ def main():
     rows = [measure(model, ids, tp, parallelized=True) for tp in TPS]
     rows.append(measure(model, ids, TPS[-1], parallelized=False))
 
-    print("| tp | parallelize | params GiB/rank | params + grads + AdamW GiB/rank | one device GiB | ratio "
-          "| ideal 1/tp | expected (replicated whole, rest / tp) | block weights ratio "
-          "| replicated GiB/rank |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        repl = ", ".join(f"{k} {v / GIB:.3f}" for k, v in r["replicated_bytes"].items())
-        repl = repl if r["parallelized"] else f"all {r['param_bytes_full'] / GIB:.2f} (plan replicates {repl})"
-        print(f"| {r['tp']} | {'yes' if r['parallelized'] else 'no'} | {r['param_bytes_per_rank'] / GIB:.2f} "
-              f"| {r['train_bytes_per_rank'] / GIB:.2f} | {r['train_bytes_one_device'] / GIB:.2f} "
-              f"| {r['ratio']:.3f} | {r['ideal_ratio']:.3f} | {r['expected_ratio']:.3f} "
-              f"| {r['block_weights_ratio']:.3f} | {repl} |")
+    print_table(["tp", "parallelize", "params GiB/rank", "params + grads + AdamW GiB/rank", "one device GiB", "ratio",
+                 "ideal 1/tp", "expected (replicated whole, rest / tp)", "block weights ratio", "replicated GiB/rank"],
+                [_table_row(r) for r in rows])
     print("\nmodel: Llama, 24 layers, vocab 32000, hidden 4096, 32 heads, 8 kv heads, mlp 11008, fp32; "
           "ids (1, 512); training state = 4 x parameter bytes (activations not counted)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": "Llama(vocab=32000, layers=24, hidden=4096, heads=32, kv_heads=8, mlp=11008), "
-                                "fp32, meta device, ids (1, 512)",
-                       "state_copies": STATE_COPIES, "rows": rows}, f, indent=1)
+    save_json(args.json, {"model": "Llama(vocab=32000, layers=24, hidden=4096, heads=32, kv_heads=8, mlp=11008), "
+                                   "fp32, meta device, ids (1, 512)",
+                          "state_copies": STATE_COPIES, "rows": rows})
 
 
 if __name__ == "__main__":

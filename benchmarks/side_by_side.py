@@ -51,8 +51,9 @@ from torch.distributed.tensor import DTensor
 
 import dtensor_par
 from benchmarks import gpu, overlap
-from benchmarks.common import executed_collectives, logged, run_ranks
-from benchmarks.models import DiT, Llama, TP_HAND_EDITS, WithLoss, tp_anchor
+from benchmarks.models import TP_HAND_EDITS, WithLoss, tp_anchor
+from tests.harness import executed_collectives, logged, run_ranks
+from tests.models import DiT, Llama
 
 FULL = {"dit": {"layers": 2, "dim": 256, "heads": 8, "mlp": 1024},
         "llama": {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 4, "mlp": 768, "vocab": 512}}
@@ -285,7 +286,7 @@ def _by_op(calls: list[tuple[str, int]]) -> dict:
     return dict(out)
 
 
-def run_world(rank, world, configs, shapes, seq, reps, compile_reps, inner) -> list:
+def run_world(rank, world, *, configs, shapes, seq, reps, compile_reps, inner) -> list:
     results = []
     for name, mesh_sizes in configs:
         try:
@@ -431,7 +432,8 @@ def main():
     start = time.perf_counter()
     results = []
     for world, world_configs in configs.items():
-        results += run_ranks(world, run_world, world_configs, shapes, seq, reps, compile_reps, inner)[0]  # rank 0's numbers
+        results += run_ranks(world, run_world, configs=world_configs, shapes=shapes, seq=seq, reps=reps,
+                             compile_reps=compile_reps, inner=inner)[0]  # rank 0's numbers
     for r in results:
         if "error" in r:
             continue

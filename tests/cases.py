@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import dtensor_par
 from tests import models
-from tests.harness import compare, logged
+from tests.harness import assert_every_rank_matches, compare, logged, run_ranks_together
 
 def _keep(seq: int) -> torch.Tensor:
     """Key padding: the second sequence of the batch ends in 5 padding positions."""
@@ -47,7 +47,7 @@ CASES = {
 }
 
 
-def run_cases(rank: int, world: int, names: list[str], options: dict, steps: int = 2,
+def run_cases(rank: int, world: int, *, names: list[str], options: dict | None = None, steps: int = 2,
               inputs: list | None = None, full_tensor: bool = False, dynamic: bool | None = None,
               mesh_sizes: dict | None = None, order: tuple | None = None, mesh_ranks: tuple | None = None) -> dict:
     """Compare each named case against one device; return metrics and warnings per case.
@@ -62,7 +62,7 @@ def run_cases(rank: int, world: int, names: list[str], options: dict, steps: int
         torch.manual_seed(0)
         make_model, make_inputs = CASES[name]
         model = make_model()
-        backend = dtensor_par.hybrid_parallel(mesh, **{"inner_backend": "aot_eager", **options})
+        backend = dtensor_par.hybrid_parallel(mesh, **{"inner_backend": "aot_eager", **(options or {})})
 
         def compiled_fn(m):
             compiled = torch.compile(m, backend=backend, dynamic=dynamic)
@@ -72,3 +72,13 @@ def run_cases(rank: int, world: int, names: list[str], options: dict, steps: int
             metrics = compare(model, inputs or make_inputs(), compiled_fn, steps=steps)
         results[name] = {**metrics, "warnings": [r.getMessage() for r in records]}
     return results
+
+
+def run_labelled_cases(world: int, runs: dict[str, dict]) -> dict:
+    """Each ``label: run_cases' keyword arguments`` of ``runs`` in one launch of ``world`` gloo
+    ranks; rank 0's results by label, every rank's checked against one device."""
+    results = run_ranks_together(world, {label: (run_cases, kwargs) for label, kwargs in runs.items()})
+    for label, run in runs.items():
+        cases = assert_every_rank_matches([rank_results[label] for rank_results in results])
+        assert set(cases) == set(run["names"]), label
+    return results[0]

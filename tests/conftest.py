@@ -1,3 +1,4 @@
+import expecttest
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,13 +17,26 @@ def _init_fake(world: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 
 
+def _reset_world() -> None:
+    """Drop the process group and Dynamo's caches a test leaves, so the next starts afresh."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch._dynamo.reset()
+
+
 @pytest.fixture
 def fake_world():
     """Initialize a fake process group of the given size (rank 0); no communication happens."""
     yield _init_fake
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    torch._dynamo.reset()
+    _reset_world()
+
+
+class GoldenTestCase(expecttest.TestCase):
+    """Inline goldens (``assertExpectedInline``; refresh with ``EXPECTTEST_ACCEPT=1``), each
+    test leaving no process group behind."""
+
+    def tearDown(self):
+        _reset_world()
 
 
 def plan_graph(model, inputs, *, tp: int, passes=None, **options):

@@ -1,12 +1,22 @@
-"""Multi-process gloo runs on CPU and comparison against the single-device model."""
+"""Multi-process gloo runs on CPU, comparison against the single-device model, and what a run
+leaves to inspect: the graphs AOTAutograd traces, the collectives a step runs, dtensor_par's
+log records. The benchmarks use these too (the tests never import the benchmarks)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import traceback
 
 import torch
-
-from benchmarks.common import aot_graphs, capturing_backend, logged, run_ranks  # noqa: F401  (shared with the benchmarks)
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 FORWARD_ATOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -59,3 +69,140 @@ def compare(model: torch.nn.Module, inputs_seq: list, compiled_fn, steps: int = 
     assert worst["forward_abs"] <= FORWARD_ATOL, worst
     assert worst["grad_rel"] <= GRAD_RTOL, worst
     return worst
+
+
+@contextlib.contextmanager
+def logged(level: int):
+    """The records dtensor_par logs at ``level`` or above while the block runs."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level)
+    handler.emit = records.append
+    logger = logging.getLogger("dtensor_par")
+    before = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(before)
+
+
+def _entry(rank: int, world: int, store: str, out_dir: str, fn, kwargs: dict) -> None:
+    """One rank. It ends with ``os._exit`` once its result is written and the group torn down:
+    C++ destructors of gloo threads at interpreter exit can abort a process whose work is done."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, **kwargs)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+        dist.destroy_process_group()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+_RANK_PRELOAD = ["torch", "torch._dynamo.backends.debugging", "torch._inductor.compile_fx", "dtensor_par", "tests.cases"]
+"""What the process the ranks fork from imports once (the compilers' modules too): a rank
+spawned afresh takes seconds of CPU to import them, and a suite starts dozens of ranks. Each
+rank still starts with nothing compiled, in the environment and folder this process had at
+its first launch."""
+
+
+def run_ranks(world: int, fn, /, **kwargs) -> list:
+    """Run ``fn(rank, world, **kwargs)`` on ``world`` gloo ranks; return each rank's result."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_RANK_PRELOAD)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), tmp, fn, kwargs), nprocs=world,
+                           join=True, start_method="forkserver")
+        results = []
+        for r in range(world):
+            with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                results.append(json.load(f))
+        return results
+
+
+def _each(rank: int, world: int, *, calls: dict[str, tuple]) -> dict:
+    return {label: fn(rank, world, **kwargs) for label, (fn, kwargs) in calls.items()}
+
+
+def run_ranks_together(world: int, calls: dict[str, tuple]) -> list[dict]:
+    """Each ``label: (fn, kwargs)`` of ``calls`` in turn, in one launch of ``world`` gloo ranks:
+    a launch (process group, each rank's first compile) costs seconds. Each rank's results by label."""
+    return run_ranks(world, _each, calls=calls)
+
+
+def assert_every_rank_matches(results: list[dict]) -> dict:
+    """Every rank's metrics (``compare``'s) of every case within the tolerances; rank 0's results."""
+    for rank, rank_result in enumerate(results):
+        for name, metrics in rank_result.items():
+            assert metrics["forward_abs"] <= FORWARD_ATOL and metrics["grad_rel"] <= GRAD_RTOL, (rank, name, metrics)
+    return results[0]
+
+
+def capturing_backend(graphs: dict):
+    """An AOTAutograd backend that keeps the forward and backward graphs it compiles in
+    ``graphs``: those ``aot_eager`` and inductor get (their partitioner; torch's default one
+    leaves dead recomputation in backward, see README)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def keep(name):
+        def compiler(graph, _):
+            graphs[name] = graph
+            return graph
+        return compiler
+
+    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                        partition_fn=min_cut_rematerialization_partition)
+
+
+def aot_graphs(local_gm, ctx, backward: bool = True) -> dict:
+    """The forward (and backward) graphs AOTAutograd traces from a localized graph, compiled as
+    the runtime compiles it and run on this rank's pieces of the example inputs (on a fake
+    process group nothing is sent)."""
+    from dtensor_par.params import local_value
+    from dtensor_par.passes.meta import placements
+    from dtensor_par.runtime import compile_local
+
+    graphs = {}
+
+    placeholders = [n for n in local_gm.graph.nodes if n.op == "placeholder"]
+    inputs = []
+    for node, value in zip(placeholders, ctx.example_inputs):
+        local = local_value(value.detach(), placements(node), ctx.mesh, ctx.comm).contiguous()
+        inputs.append(local.requires_grad_(backward and value.is_floating_point()))
+    out = compile_local(capturing_backend(graphs), local_gm, inputs)(*inputs)
+    if backward:
+        out[0].sum().backward()
+    return graphs
+
+
+def executed_collectives(step) -> list[tuple[str, int]]:
+    """The functional collectives ``step()`` runs, in order, as the profiler records them
+    (a dispatch mode would make Dynamo run the model eagerly): each op's name and the bytes
+    of the tensor this rank puts into it. Waits are left out; an in-place ``all_reduce_``
+    (``passes.overlap.reinplace_all_reduces``) is the same collective, named ``all_reduce``."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+        step()
+    ran = []
+    for e in profile.events():
+        name = e.name.removeprefix("_c10d_functional::")
+        if name == e.name or name == "wait_tensor":
+            continue
+        name = name.removesuffix("_")
+        shape, dtype = e.input_shapes[0], e.input_dtypes[0]
+        itemsize = torch.empty((), dtype=_PROFILER_DTYPES.get(dtype, torch.float32)).element_size()
+        ran.append((name, math.prod(shape) * itemsize))
+    return ran
+
+
+_PROFILER_DTYPES = {"float": torch.float32, "double": torch.float64, "c10::Half": torch.float16,
+                    "c10::BFloat16": torch.bfloat16, "long int": torch.int64, "int": torch.int32}

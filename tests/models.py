@@ -39,6 +39,51 @@ class GPT(nn.Module):
         return x
 
 
+class Attention(nn.Module):
+    """Non-causal attention with separate q, k, v projections; ``width``: the output's width,
+    as written (a hand-edited copy for ``parallelize_module`` makes it -1, the local width)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.dim, self.heads, self.head_dim = dim, heads, dim // heads
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+        self.width = dim
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v)
+        return self.out(a.transpose(1, 2).reshape(b, s, self.width))
+
+
+class DiTBlock(nn.Module):
+    """DiT-style pre-norm block: non-causal attention, GELU MLP."""
+
+    def __init__(self, dim: int, heads: int, mlp: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.up, self.down = nn.Linear(dim, mlp), nn.Linear(mlp, dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh"))
+
+
+class DiT(nn.Module):
+    """A stack of DiT blocks on a (batch, seq, dim) input."""
+
+    def __init__(self, layers: int = 2, dim: int = 256, heads: int = 8, mlp: int = 1024):
+        super().__init__()
+        self.blocks = nn.ModuleList(DiTBlock(dim, heads, mlp) for _ in range(layers))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()

@@ -2,33 +2,50 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from tests.cases import run_cases
-from tests.harness import FORWARD_ATOL, GRAD_RTOL, run_ranks
+from tests.cases import run_labelled_cases
 
-
-def _check(results: list[dict]) -> dict:
-    for rank_result in results:
-        for name, metrics in rank_result.items():
-            assert metrics["forward_abs"] <= FORWARD_ATOL and metrics["grad_rel"] <= GRAD_RTOL, (name, metrics)
-    return results[0]
-
-
-@pytest.mark.parametrize("sizes, cases", [
-    ({"tp": 2, "ring": 2}, ["gpt_fused_qkv", "llama_gqa_rope", "additive_mask", "conv1d", "joint_attention",
-                            "flatten_tokens"]),
+PAIRS = {
+    "tp2-ring2": dict(mesh_sizes={"tp": 2, "ring": 2}, names=[
+        "gpt_fused_qkv", "llama_gqa_rope", "additive_mask", "conv1d", "joint_attention", "flatten_tokens"]),
     # Repeated kv heads run as enable_gqa: 4 kv heads split over tp x ulysses as they are; 2
     # (llama_gqa_rope) are each repeated twice first, the fewest that split.
-    ({"tp": 2, "ulysses": 2}, ["llama_enable_gqa", "llama_repeat_interleave_kv4", "llama_gqa_rope",
-                               "uneven_heads_14", "bool_mask", "conv1d", "joint_attention", "complex_rope_pad",
-                               "qk_norm_across_heads", "flatten_tokens"]),
+    "tp2-ulysses2": dict(mesh_sizes={"tp": 2, "ulysses": 2}, names=[
+        "llama_enable_gqa", "llama_repeat_interleave_kv4", "llama_gqa_rope", "uneven_heads_14", "bool_mask", "conv1d",
+        "joint_attention", "complex_rope_pad", "qk_norm_across_heads", "flatten_tokens"]),
     # Sequence length 30 in 8 chunks (zigzag over ring=2, split by ulysses=2): padded to 32.
-    ({"ring": 2, "ulysses": 2}, ["keyword_sdpa_scale", "uneven_seq_30", "uneven_seq_30_masked",
-                                 "uneven_seq_30_bidirectional", "uneven_seq_30_pooling", "mean_loss"]),
-], ids=["tp2-ring2", "tp2-ulysses2", "ring2-ulysses2"])
-def test_each_pair_of_mesh_dims_at_world_4(sizes, cases):
-    result = _check(run_ranks(4, run_cases, cases, {}, 1, None, False, None, sizes))
+    "ring2-ulysses2": dict(mesh_sizes={"ring": 2, "ulysses": 2}, names=[
+        "keyword_sdpa_scale", "uneven_seq_30", "uneven_seq_30_masked", "uneven_seq_30_bidirectional",
+        "uneven_seq_30_pooling", "mean_loss"]),
+}
+"""Each pair of mesh dims at world 4: label -> ``run_cases``' keyword arguments."""
+
+RUNS = {
+    4: {label: dict(run, steps=1) for label, run in PAIRS.items()},
+    # Default order (ring, ulysses, tp) is covered at world 4; here ulysses sits outside ring,
+    # so the flattened sequence group's rank order differs from its chunk order. The masked
+    # case has a per-head mask split by tp, then ulysses, over a padded sequence.
+    8: {"non_default_order": dict(names=["gpt_fused_qkv", "uneven_seq_30_masked"], steps=1,
+                                  mesh_sizes={"tp": 2, "ring": 2, "ulysses": 2}, order=("tp", "ulysses", "ring"))},
+    # Parameter gradients in many small buckets (1 KiB), each waited for late in backward
+    # (aot_eager's backward through passes.overlap.sink_waits): still exact.
+    2: {"small_buckets": dict(names=["llama_gqa_rope"], options={"grad_bucket_mb": 2**-10}, steps=2,
+                              mesh_sizes={"ulysses": 2})},
+}
+"""World size -> label -> ``run_cases``' keyword arguments; each world's runs share one launch."""
+
+
+@functools.cache
+def _results(world: int) -> dict:
+    return run_labelled_cases(world, RUNS[world])
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_each_pair_of_mesh_dims_at_world_4(pair):
+    result = _results(4)[pair]
     for name, metrics in result.items():
         # Masked attention runs as hybrid attention too, never gathered.
         assert not any("gathered" in w and "attention" in w for w in metrics["warnings"]), (name, metrics)
@@ -45,15 +62,8 @@ def test_each_pair_of_mesh_dims_at_world_4(sizes, cases):
 
 
 def test_tp_ring_ulysses_at_world_8_in_a_non_default_order():
-    """Default order (ring, ulysses, tp) is covered at world 4; here ulysses sits outside ring,
-    so the flattened sequence group's rank order differs from its chunk order. The masked
-    case has a per-head mask split by tp, then ulysses, over a padded sequence."""
-    _check(run_ranks(8, run_cases, ["gpt_fused_qkv", "uneven_seq_30_masked"], {}, 1, None, False, None,
-                     {"tp": 2, "ring": 2, "ulysses": 2}, ("tp", "ulysses", "ring")))
+    assert _results(8)["non_default_order"]
 
 
 def test_small_gradient_buckets_at_world_2():
-    """Parameter gradients in many small buckets (1 KiB), each waited for late in backward
-    (aot_eager's backward through passes.overlap.sink_waits): still exact."""
-    _check(run_ranks(2, run_cases, ["llama_gqa_rope"], {"grad_bucket_mb": 2**-10}, 2, None, False, None,
-                     {"ulysses": 2}))
+    assert _results(2)["small_buckets"]

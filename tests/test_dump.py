@@ -11,17 +11,14 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
-import expecttest
 import pytest
 import torch
 import torch.distributed as dist
 
 import dtensor_par
-from benchmarks import models as benchmark_models
-from benchmarks.common import executed_collectives
 from tests import factories, models
-from tests.conftest import _init_fake
-from tests.harness import FUNCTIONAL_OPS
+from tests.conftest import GoldenTestCase, _init_fake
+from tests.harness import FUNCTIONAL_OPS, executed_collectives
 
 PASS_FILES = ["0_dynamo.py", "1_capture.py", "2_canonicalize.py", "3_detect.py", "4_rewrite.py", "5_sequence.py",
               "6_plan.py", "7_localize.py", "8_lower.py", "9_aten.py", "collectives.md", "mesh.svg", "plan.json",
@@ -36,11 +33,7 @@ def _compile_and_run(tmp_path, world: int, **options) -> None:
     compiled(torch.randn(2, 16, 64))
 
 
-class TestDumpGolden(expecttest.TestCase):
-    def tearDown(self):
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch._dynamo.reset()
+class TestDumpGolden(GoldenTestCase):
 
     def test_dump_of_a_gpt_block_at_8_ranks(self):
         folder = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"dtensor_par_dump_{os.getpid()}")
@@ -209,12 +202,12 @@ def test_ring_step_runs_what_explain_reports(ring, fake_world):
 
 
 def test_explain_counts_repeated_kv_heads_once_in_the_ulysses_exchange(tmp_path, fake_world):
-    """The benchmark Llama repeats its 4 kv heads to 8 before attention; canonicalize makes
+    """A Llama repeating its 4 kv heads to 8 before attention (as the benchmarks'); canonicalize makes
     that ``enable_gqa``, so the Ulysses exchange carries 8 query and 4 + 4 kv heads (q alone,
     k/v packed), the graph holds no repeat, the report says so, and a training step runs,
     collective by collective and byte by byte, what it says."""
     torch.manual_seed(0)
-    model = benchmark_models.Llama(vocab=64, layers=1, hidden=64, heads=8, kv_heads=4, mlp=96)
+    model = models.Llama(vocab=64, layers=1, hidden=64, heads=8, kv_heads=4, mlp=96)
     ids = torch.randint(0, 64, (1, 32))
     report = dtensor_par.explain(model, (ids,), ulysses=2, device_type="cpu", dump_dir=str(tmp_path))
     (graph,) = report.graphs

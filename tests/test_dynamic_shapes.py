@@ -5,9 +5,7 @@ from __future__ import annotations
 import logging
 import math
 
-import expecttest
 import torch
-import torch.distributed as dist
 
 import dtensor_par
 from dtensor_par.pipeline import parallelize_graph
@@ -17,8 +15,8 @@ from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.passes.meta import symbolic_inputs
 from dtensor_par.symbolic import hint
 from tests import models
-from tests.conftest import _init_fake
-from tests.harness import FORWARD_ATOL, GRAD_RTOL, compare, logged, run_ranks
+from tests.conftest import GoldenTestCase, _init_fake
+from tests.harness import assert_every_rank_matches, compare, logged, run_ranks
 
 # Five lengths at two batch sizes: 13, 18 and 30 are padded over every mesh below (cp = 2, or
 # 4 and 8 chunks in the zigzag layout), 16 and 24 are not.
@@ -48,7 +46,7 @@ def _counting(compiles: list):
     return inner
 
 
-def _run_modes(rank: int, world: int, names: list[str]) -> dict:
+def _run_modes(rank: int, world: int, *, names: list[str]) -> dict:
     results = {}
     for name in names:
         sizes, make_model = MODES[name]
@@ -83,11 +81,7 @@ def test_one_compile_serves_every_length_and_batch_size():
     """Five lengths (three padded over cp) and two batch sizes through one plan and one inner
     compile per mesh, exact against one device in forward and backward; ``dynamic=False``
     compiles each size."""
-    results = run_ranks(4, _run_modes, list(MODES))
-    for rank_result in results:
-        for name, r in rank_result.items():
-            assert r["forward_abs"] <= FORWARD_ATOL and r["grad_rel"] <= GRAD_RTOL, (name, r)
-    result = results[0]
+    result = assert_every_rank_matches(run_ranks(4, _run_modes, names=list(MODES)))
     for name in MODES:
         assert result[name]["compiles"] == 1 and result[name]["symbolic_compiles"] == 1, (name, result[name])
         assert len(result[name]["plans"]) == 1 and "symbolic in L['" in result[name]["plans"][0], result[name]
@@ -136,11 +130,7 @@ def test_explain_reports_symbolic_sizes_and_the_op_that_specializes(fake_world):
     assert static.graphs[0].symbolic == [] and "sizes: static" in str(static)
 
 
-class TestSymbolicLocalGraphGolden(expecttest.TestCase):
-    def tearDown(self):
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch._dynamo.reset()
+class TestSymbolicLocalGraphGolden(GoldenTestCase):
 
     def test_gpt_block_local_graph_at_tp2_ulysses2(self):
         """Local sizes are expressions in the SymInt inputs: the sequence padded to 2 chunks

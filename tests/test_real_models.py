@@ -4,6 +4,7 @@ no fallback gathers, exact against one device. Needs the ``models`` extra."""
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 import dtensor_par
 from dtensor_par.passes.meta import global_shape, placements
-from tests.harness import FORWARD_ATOL, GRAD_RTOL, loss_of, max_rel, run_ranks
+from tests.harness import FORWARD_ATOL, GRAD_RTOL, loss_of, max_rel, run_ranks, run_ranks_together
 
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
 pytest.importorskip("diffusers", reason="the models extra (pip install -e '.[models]') is not installed")
@@ -42,7 +43,7 @@ def test_every_block_runs_sharded_without_fallback_gathers(name, mesh):
             assert attention and all(f"8 heads, {KV_HEADS[name]} kv heads" in site for site in attention), attention
 
 
-def compare_models(rank: int, world: int, sizes: dict, names: list[str]) -> dict:
+def compare_models(rank: int, world: int, *, sizes: dict, names: list[str]) -> dict:
     """Each model against one device: forward, and every gradient where asked."""
     logging.getLogger("transformers").setLevel(logging.ERROR)
     mesh = dtensor_par.init_mesh(**sizes)
@@ -66,16 +67,25 @@ def compare_models(rank: int, world: int, sizes: dict, names: list[str]) -> dict
     return results
 
 
-@pytest.mark.parametrize("sizes, names", [
-    (MESHES["tp2-ulysses2"], MODELS + ["mistral_padded", "wan", "sd3"]),  # diffusers' in-graph tokens: once
-    (MESHES["tp2-ring2"], MODELS + ["mistral_padded"]),  # a window and key padding as ring blocks
-    ({"tp": 2, "ring": 2, "ulysses": 2}, MODELS),
-], ids=[*MESHES.keys(), "tp2-ring2-ulysses2"])
-def test_real_models_match_one_device(sizes, names):
-    world = 1
-    for size in sizes.values():
-        world *= size
-    for result in run_ranks(world, compare_models, sizes, names):
+RUNS = {
+    # diffusers' in-graph tokens: once, on tp2-ulysses2; a window and key padding as ring blocks.
+    4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"], names=MODELS + ["mistral_padded", "wan", "sd3"]),
+        "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=MODELS + ["mistral_padded"])},
+    8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=MODELS)},
+}
+"""World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size."""
+
+
+@functools.cache
+def _results(world: int) -> list[dict]:
+    return run_ranks_together(world, {label: (compare_models, kwargs) for label, kwargs in RUNS[world].items()})
+
+
+@pytest.mark.parametrize("world, mesh", [(world, mesh) for world, runs in RUNS.items() for mesh in runs],
+                         ids=[mesh for runs in RUNS.values() for mesh in runs])
+def test_real_models_match_one_device(world, mesh):
+    names = RUNS[world][mesh]["names"]
+    for result in (rank_results[mesh] for rank_results in _results(world)):
         assert set(result) == set(names)
         for name, metrics in result.items():
             assert metrics["forward"] <= FORWARD_ATOL and metrics.get("grad", 0.0) <= GRAD_RTOL, (name, metrics)

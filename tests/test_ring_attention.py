@@ -183,7 +183,7 @@ def _compiled_case(rank: int, world: int) -> dict:
     return result
 
 
-def _rank_cases(rank: int, world: int, with_compiled: bool) -> dict:
+def _rank_cases(rank: int, world: int, *, with_compiled: bool) -> dict:
     results = {"eager": {name: _compare(world, ring_attention, **options) for name, options in CASES.items()}}
     if with_compiled:
         results["compiled"] = _compiled_case(rank, world)
@@ -194,7 +194,7 @@ def _rank_cases(rank: int, world: int, with_compiled: bool) -> dict:
 def _results(world: int) -> list[dict]:
     """One spawn per world size serves all of that size's tests: process start-up (importing
     torch on every rank) dominates the runtime."""
-    return run_ranks(world, _rank_cases, world == 2)
+    return run_ranks(world, _rank_cases, with_compiled=world == 2)
 
 
 def _assert_close(rank: int, name: str, metrics: dict) -> None:

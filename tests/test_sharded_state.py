@@ -4,9 +4,11 @@ optimizer state, trains exactly like one device, and checkpoints with stock PyTo
 from __future__ import annotations
 
 import copy
+import functools
 import glob
 import json
 import os
+import tempfile
 from collections import Counter
 
 import pytest
@@ -15,8 +17,7 @@ import torch.nn as nn
 
 import dtensor_par
 from tests import models
-from benchmarks.common import executed_collectives
-from tests.harness import FUNCTIONAL_OPS, loss_of, max_rel, run_ranks
+from tests.harness import FUNCTIONAL_OPS, executed_collectives, loss_of, max_rel, run_ranks_together
 
 PARAM_RTOL = 1e-5
 
@@ -55,7 +56,7 @@ def _check_storage(model: nn.Module, optimizer, name: str, tp: int) -> int:
     return sharded
 
 
-def train_against_one_device(rank: int, world: int, sizes: dict, names: list[str], checkpoint_dir: str | None):
+def train_against_one_device(rank: int, world: int, *, sizes: dict, names: list[str], checkpoint_dir: str | None):
     """3 AdamW steps with clipping, parallelized vs one device; storage shares; state dicts."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
@@ -119,24 +120,39 @@ def train_against_one_device(rank: int, world: int, sizes: dict, names: list[str
     return results
 
 
-@pytest.mark.parametrize("sizes", [{"tp": 2, "ulysses": 2}, {"tp": 2, "ring": 2, "ulysses": 2}],
-                         ids=["tp2-ulysses2", "tp2-ring2-ulysses2"])
-def test_training_matches_one_device_holding_one_tp_share(sizes, tmp_path):
-    world = 1
-    for size in sizes.values():
-        world *= size
-    checkpoint = str(tmp_path / "checkpoint") if world == 4 else None
-    names = ["gpt", "llama"] if world == 4 else ["llama"]  # the fused (strided) case once: CI time on 2 cores
-    for result in run_ranks(world, train_against_one_device, sizes, names, checkpoint):
+def _calls(world: int, folder: str) -> dict:
+    """The rank functions one launch of ``world`` ranks runs, by label, with their arguments."""
+    if world == 2:
+        return {"fresh": (full_parameters_stay_fresh, {}), "decorated": (decorated_model, {})}
+    if world == 8:
+        return {"training": (train_against_one_device, dict(sizes={"tp": 2, "ring": 2, "ulysses": 2},
+                                                            names=["llama"], checkpoint_dir=None))}
+    # The fused (strided) case once, at world 4: CI time on 2 cores.
+    return {"training": (train_against_one_device, dict(sizes={"tp": 2, "ulysses": 2}, names=["gpt", "llama"],
+                                                        checkpoint_dir=os.path.join(folder, "checkpoint"))),
+            "collectives": (count_collectives, dict(dump_dir=os.path.join(folder, "dump")))}
+
+
+@functools.cache
+def _results(world: int) -> list[dict]:
+    """One launch per world size serves all of that size's tests; each rank's results by label."""
+    with tempfile.TemporaryDirectory() as folder:
+        return run_ranks_together(world, _calls(world, folder))
+
+
+@pytest.mark.parametrize("world", [4, 8], ids=["tp2-ulysses2", "tp2-ring2-ulysses2"])
+def test_training_matches_one_device_holding_one_tp_share(world):
+    for rank_results in _results(world):
+        result = rank_results["training"]
         for name, worst in result.items():
             assert worst["sharded_params"] == 2 * len(SHARDED[name]), (name, worst)
             for key in ("loss", "norm", "param", "full_state_dict", "loaded_full", "dcp_params", "dcp_exp_avg"):
                 assert worst.get(key, 0.0) <= PARAM_RTOL, (name, key, worst)
-        if checkpoint:
+        if world == 4:
             assert "dcp_params" in result["llama"]
 
 
-def count_collectives(rank: int, world: int, dump_dir: str):
+def count_collectives(rank: int, world: int, *, dump_dir: str):
     """One training step's executed collectives against the dumped table, for a parallelized
     model and for one that is not (whose table lists the parameter-gradient gathers)."""
     mesh = dtensor_par.init_mesh(tp=2, ulysses=2)
@@ -162,8 +178,8 @@ def count_collectives(rank: int, world: int, dump_dir: str):
     return results
 
 
-def test_every_collective_a_step_runs_is_in_the_table(tmp_path):
-    result = run_ranks(4, count_collectives, str(tmp_path))[0]
+def test_every_collective_a_step_runs_is_in_the_table():
+    result = _results(4)[0]["collectives"]
     for mode in ("True", "False"):
         assert result[mode]["ran"] == result[mode]["table"], (mode, result[mode])
     assert result["True"]["param_grad_gathers"] == 0
@@ -194,7 +210,7 @@ def full_parameters_stay_fresh(rank: int, world: int):
 
 
 def test_full_parameters_changed_in_any_way_are_seen():
-    for diffs in run_ranks(2, full_parameters_stay_fresh):
+    for diffs in (rank_results["fresh"] for rank_results in _results(2)):
         assert max(diffs) <= 1e-6, diffs
 
 
@@ -288,6 +304,6 @@ def decorated_model(rank: int, world: int):
 
 
 def test_parallel_decorator_on_a_model_class():
-    for result in run_ranks(2, decorated_model):
+    for result in (rank_results["decorated"] for rank_results in _results(2)):
         assert result["forward"] <= 1e-5 and result["grad"] <= 1e-4, result
         assert result["local_rows"] == 32 and result["name"] == "Llama"

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from collections import Counter
 
-import expecttest
 import torch
-import torch.distributed as dist
 
 import dtensor_par
 from dtensor_par.ops import collectives as C
 from dtensor_par.passes.localize import collectives_in
 from dtensor_par.passes.meta import communications, placements
 from dtensor_par.placements import InterleavedShard, Replicate, Shard
-from benchmarks import models as benchmark_models
 from tests import models
-from tests.conftest import plan_graph
+from tests.conftest import GoldenTestCase, plan_graph
 from tests.harness import aot_graphs, capturing_backend
 
 
@@ -96,11 +93,7 @@ def test_llama_gqa_kv_sharded_when_divisible_else_replicated(fake_world):
     assert forward_collectives(gm) == Counter(all_reduce=2)
 
 
-class TestLocalGraphGolden(expecttest.TestCase):
-    def tearDown(self):
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch._dynamo.reset()
+class TestLocalGraphGolden(GoldenTestCase):
 
     def test_gpt_block_local_graph_at_tp8(self):
         gm, _ = plan_graph(models.GPTBlock(hidden=64, heads=8, mlp=128), [torch.randn(2, 16, 64)], tp=8)
@@ -185,7 +178,7 @@ def test_ring_backward_runs_no_forward_attention_kernel(fake_world):
     another) copied every forward block's attention kernel, whose results only the forward
     merge reads, into the backward, where it ran for nothing."""
     fake_world(2)
-    model = benchmark_models.DiTBlock(dim=32, heads=4, mlp=64)  # not causal: two blocks merged per rank
+    model = models.DiTBlock(dim=32, heads=4, mlp=64)  # not causal: two blocks merged per rank
     x = torch.randn(2, 16, 32)
     graphs = {}
     backend = dtensor_par.hybrid_parallel(dtensor_par.init_mesh(ring=2), inner_backend=capturing_backend(graphs))

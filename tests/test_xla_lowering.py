@@ -9,10 +9,8 @@ from collections import Counter
 import math
 import sys
 
-import expecttest
 import pytest
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dtensor_par
@@ -31,8 +29,8 @@ from dtensor_par.passes.rewrite import rewrite_pass
 from dtensor_par.params import local_value
 from tests import factories, models, xm_gloo
 from tests.cases import run_cases
-from tests.conftest import _init_fake
-from tests.harness import FORWARD_ATOL, GRAD_RTOL, run_ranks
+from tests.conftest import GoldenTestCase, _init_fake
+from tests.harness import assert_every_rank_matches, run_ranks
 
 NEURON_ORDER = ("ring", "tp", "ulysses")  # ulysses innermost: contiguous all-to-all groups
 
@@ -150,11 +148,7 @@ def test_xla_chosen_by_auto_only_for_xla_tensors(fake_world, xm):
         assert {n.kwargs.get("comm") for n in collectives} == {lowered}
 
 
-class TestXlaLoweredBlockGolden(expecttest.TestCase):
-    def tearDown(self):
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch._dynamo.reset()
+class TestXlaLoweredBlockGolden(GoldenTestCase):
 
     def test_xla_lowered_gpt_block_at_tp2_ring2_ulysses2(self):
         """The xm calls one block's forward and backward make, on rank 0 of a fake group of 8:
@@ -201,14 +195,14 @@ all_gather [1, 96, 64] dim=0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=
 all_gather [1, 2, 4, 64] dim=0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=False""")
 
 
-def _runs(rank: int, world: int, runs: dict) -> dict:
+def _runs(rank: int, world: int, *, runs: dict) -> dict:
     """Each run: (the mesh as run_cases takes it, hybrid_parallel options, cases); which xm
     functions it called comes back with its metrics."""
     xm_gloo.install()
     results = {}
     for label, (mesh, options, cases) in runs.items():
         xm_gloo.calls.clear()
-        metrics = run_cases(rank, world, cases, options, 1, **mesh)
+        metrics = run_cases(rank, world, names=cases, options=options, steps=1, **mesh)
         results[label] = {"metrics": metrics, "xm": sorted({c.split()[0] for c in xm_gloo.calls})}
     return results
 
@@ -238,13 +232,10 @@ RUNS = {
 @functools.cache
 def _results(world: int) -> dict:
     """One launch per world size for all of its runs; rank 0's results, every rank checked."""
-    results = run_ranks(world, _runs, RUNS[world])
-    for rank_results in results:
-        for label, result in rank_results.items():
-            assert set(result["metrics"]) == set(RUNS[world][label][2]), label
-            for case, metrics in result["metrics"].items():
-                assert metrics["forward_abs"] <= FORWARD_ATOL, (label, case, metrics)
-                assert metrics["grad_rel"] <= GRAD_RTOL, (label, case, metrics)
+    results = run_ranks(world, _runs, runs=RUNS[world])
+    for label, (_, _, cases) in RUNS[world].items():
+        metrics = assert_every_rank_matches([rank_results[label]["metrics"] for rank_results in results])
+        assert set(metrics) == set(cases), label
     return results[0]
 
 
