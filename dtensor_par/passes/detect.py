@@ -69,27 +69,10 @@ def module_name(linear: fx.Node, ctx: ParallelContext) -> str:
     return ctx.params[weight_name(linear)].fqn.removesuffix(".weight")
 
 
-def find_producers(start: fx.Node, through: set[str], ctx: ParallelContext) -> tuple[list[fx.Node], list[fx.Node]]:
-    """Walk back from ``start`` through ops of the given kinds; return (linears, nodes walked)."""
-    linears, walked, stack, seen = [], [], [start], set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if op_kind(node) == "linear":
-            if _has_param_weight(node, ctx):
-                linears.append(node)
-            continue
-        if op_kind(node) in through:
-            walked.append(node)
-            stack.extend(node.all_input_nodes)
-    return list(dict.fromkeys(linears)), walked
-
-
-def find_consumers(start: fx.Node, through: set[str], ctx: ParallelContext) -> list[fx.Node]:
-    """Walk forward from ``start`` through ops of the given kinds to the linears it feeds."""
-    linears, stack, seen = [], list(start.users), set()
+def _walk_to_linears(stack: list[fx.Node], step, through: set[str], ctx: ParallelContext):
+    """Walk from the nodes in ``stack`` through ops of the given kinds, ``step(node)`` giving the
+    next ones; return (the parameter linears reached, the nodes walked through)."""
+    linears, walked, seen = [], [], set()
     while stack:
         node = stack.pop()
         if node in seen:
@@ -99,8 +82,19 @@ def find_consumers(start: fx.Node, through: set[str], ctx: ParallelContext) -> l
             if _has_param_weight(node, ctx):
                 linears.append(node)
         elif op_kind(node) in through:
-            stack.extend(node.users)
-    return linears
+            walked.append(node)
+            stack.extend(step(node))
+    return linears, walked
+
+
+def find_producers(start: fx.Node, through: set[str], ctx: ParallelContext) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Walk back from ``start`` through ops of the given kinds; return (linears, nodes walked)."""
+    return _walk_to_linears([start], lambda n: n.all_input_nodes, through, ctx)
+
+
+def find_consumers(start: fx.Node, through: set[str], ctx: ParallelContext) -> list[fx.Node]:
+    """Walk forward from ``start`` through ops of the given kinds to the linears it feeds."""
+    return _walk_to_linears(list(start.users), lambda n: n.users, through, ctx)[0]
 
 
 def _split_heads(node: fx.Node) -> int | None:
