@@ -47,7 +47,7 @@ class ParallelConfig:
         12, "the most distinct replica-group sets a Neuron program may use (12 before runtime 2.32)")
     grad_bucket_mb: float = _option(
         25.0, "parameters' partial gradients are all-reduced in flat buckets of this many MB, each issued in "
-              "backward as soon as its last gradient exists")
+              "backward as soon as its last gradient exists (0: one all-reduce per gradient)")
     dump_dir: str | None = _option(
         None, "write each pass's graph, the collectives, plan.json and mesh.svg here (default: $DTENSOR_PAR_DUMP)",
         plan=False, factory=lambda: os.environ.get("DTENSOR_PAR_DUMP") or None)
@@ -69,8 +69,9 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(self.grad_bucket_mb, (int, float)) or not self.grad_bucket_mb > 0:
-            raise ValueError(f"grad_bucket_mb must be a positive number, got {self.grad_bucket_mb!r}")
+        if not isinstance(self.grad_bucket_mb, (int, float)) or not self.grad_bucket_mb >= 0:
+            raise ValueError(f"grad_bucket_mb must be a number >= 0 (0: one all-reduce per gradient), "
+                             f"got {self.grad_bucket_mb!r}")
         if not (isinstance(self.inner_backend, str) or callable(self.inner_backend)):
             raise TypeError(f"inner_backend must be a backend name or callable, got {self.inner_backend!r}")
 
