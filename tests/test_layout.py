@@ -13,7 +13,7 @@ PACKAGE = ROOT / "dtensor_par"
 
 # Lowest first: a module may import its own floor and those below, never one above.
 FLOORS = (
-    ("logs", "mesh", "placements", "symbolic"),
+    ("gcpause", "logs", "mesh", "placements", "symbolic"),
     ("ops",),
     ("params", "config"),
     ("passes.nodes", "passes.meta"),
