@@ -9,17 +9,24 @@ How parameters reach the graph (whole and sliced per call, or DTensor shards) is
 from __future__ import annotations
 
 import contextlib
+import functools
+import glob
+import hashlib
 import itertools
 import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch._inductor.config
 import torch.fx as fx
 from torch._dynamo.backends.registry import lookup_backend
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .pipeline import parallelize_graph
 from .config import ParallelConfig
@@ -32,7 +39,7 @@ from .passes.capture import record_module_names, scalar_inputs
 from .passes.context import PlanningError
 from .passes.overlap import overlapped_aot_eager
 from .placements import Placement
-from .symbolic import NotSymbolic, Specialization, SymbolicInputs
+from .symbolic import NotSymbolic, Specialization, SymbolicInputs, static_fakes
 
 INDUCTOR_OVERLAP = {"reorder_for_compute_comm_overlap": True,
                     "reorder_for_compute_comm_overlap_passes": ["raise_comms", "sink_waits"]}
@@ -77,18 +84,63 @@ class ParallelBackend:
         return ParallelRuntime(record_module_names(gm), self)
 
 
+@functools.cache
+def _source_digest() -> str:
+    """A digest of dtensor_par's source: what its functions in a graph do, for the compile caches."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        with open(path, "rb") as f:
+            digest.update(os.path.relpath(path, root).encode() + b"\0" + f.read())
+    return digest.hexdigest()
+
+
+def cacheable_functions(gm: fx.GraphModule) -> dict[str, str]:
+    """Inductor's ``unsafe_marked_cacheable_functions`` with dtensor_par's functions ``gm`` calls
+    (the collectives localize inserts) added, each keyed by ``_source_digest``. AOTAutograd's
+    cache refuses a graph that calls a function it does not know; these are pure functions of
+    their arguments, which the graph's code (the cache key) spells out."""
+    ours = sorted({f"{n.target.__module__}.{n.target.__name__}" for n in gm.graph.nodes if n.op == "call_function"
+                   and (getattr(n.target, "__module__", None) or "").startswith(f"{__package__}.")})
+    return {**torch._inductor.config.unsafe_marked_cacheable_functions, **dict.fromkeys(ours, _source_digest())}
+
+
+def record_example_values(gm: fx.GraphModule, examples: list, fake_mode: FakeTensorMode) -> None:
+    """Each node's ``example_value`` for these (fake) inputs, as Dynamo's graphs carry them
+    (localize drops the global ones): AOTAutograd's cache refuses a graph with a method called
+    on a node that has none. A graph some op of which runs on fakes only when traced (ring
+    attention's merge on symbolic sizes) gets none: the cache passes it by, as it did before."""
+    try:
+        FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*examples)
+        complete = True
+    except Exception as e:  # noqa: BLE001  (whatever an op raises, the inner backend's trace still runs it)
+        logger.debug("hybrid_parallel: no example values for the compile caches: %s: %s", type(e).__name__, e)
+        complete = False
+    for node in gm.graph.nodes:
+        value = node.meta.pop("val", None)
+        if complete and value is not None:
+            node.meta["example_value"] = value
+
+
 def compile_local(backend: Callable, gm: fx.GraphModule, examples: list, fake_mode=None) -> Callable:
     """``backend(gm, examples)`` under the context Dynamo gives a backend: the runtime compiles
     at the first call, outside Dynamo.
 
     - Its tracing context: without it, dead-code elimination keeps random-tagged ops (SDPA is
       one) whose results nobody reads, and AOTAutograd's default partitioner copied the ring's
-      forward attention kernels into the backward.
+      forward attention kernels into the backward. Its ``fake_mode`` (with a ShapeEnv) lets the
+      compile caches serve the graph.
     - Lazy graph modules: the graphs AOTAutograd builds generate their Python code when first
       called, not each time one is built or edited (a tenth of the first call's time).
+    - ``cacheable_functions`` and ``record_example_values``: a job run again reuses what the
+      caches kept of this graph.
     """
+    if fake_mode is None:  # real examples (tests): fake copies of them carry the example values
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    record_example_values(gm, static_fakes(fake_mode, examples), fake_mode)
     with torch._guards.tracing(torch._guards.TracingContext(fake_mode)), \
-            _use_lazy_graph_module(torch._dynamo.config.use_lazy_graph_module):
+            _use_lazy_graph_module(torch._dynamo.config.use_lazy_graph_module), \
+            torch._inductor.config.patch(unsafe_marked_cacheable_functions=cacheable_functions(gm)):
         return backend(gm, examples)
 
 
@@ -231,11 +283,11 @@ class ParallelRuntime:
                         for a, x in zip(args, spec.global_inputs)]
         with torch.no_grad(), (spec.fake_mode if spec else contextlib.nullcontext()):
             local = self._local_args(examples, graph)
-        if spec is not None:
-            local = spec.static_fakes(local)
+        # static sizes are compiled on fakes too, as Dynamo hands them over: the compile caches need a ShapeEnv
+        fake_mode = spec.fake_mode if spec else FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         examples = [x.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else x
-                    for x, a in zip(local, args)]
-        graph.fn = compile_local(self.backend.inner, local_gm, examples, spec.fake_mode if spec else None)
+                    for x, a in zip(static_fakes(fake_mode, local), args)]
+        graph.fn = compile_local(self.backend.inner, local_gm, examples, fake_mode)
         if spec is not None:
             spec.seal()
         return graph

@@ -76,12 +76,6 @@ class Specialization:
         placeholders = [x for x in self.global_inputs if isinstance(x, (torch.Tensor, torch.SymInt))]
         self.code = self.shape_env.produce_guards_expression(placeholders)
 
-    def static_fakes(self, values: list) -> list:
-        """``values`` with every real tensor (parameters, static inputs) made a fake tensor of
-        static sizes in our mode: otherwise the inner backend would give its sizes symbols."""
-        return [self.fake_mode.from_tensor(v, static_shapes=True)
-                if isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor) else v for v in values]
-
     def _placeholder_args(self, args) -> list:
         return [a for a, x in zip(args, self.global_inputs) if isinstance(x, (torch.Tensor, torch.SymInt))]
 
@@ -220,8 +214,15 @@ class SymbolicInputs:
             else:
                 fakes.append(a)
         spec = Specialization(mode, fakes, names, positions)
-        spec.global_inputs = spec.static_fakes(fakes)
+        spec.global_inputs = static_fakes(mode, fakes)
         return spec
+
+
+def static_fakes(fake_mode: FakeTensorMode, values: list) -> list:
+    """``values`` with every real tensor (parameters, static inputs) made a fake tensor of
+    static sizes in ``fake_mode``: otherwise the inner backend would give its sizes symbols."""
+    return [fake_mode.from_tensor(v, static_shapes=True)
+            if isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor) else v for v in values]
 
 
 _recording: contextvars.ContextVar = contextvars.ContextVar("dtensor_par_guard_origins", default=None)
