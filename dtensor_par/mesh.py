@@ -76,8 +76,6 @@ def init_mesh(tp: int = 1, ring: int = 1, ulysses: int = 1, *, device_type: str 
     return init_device_mesh(device_type, tuple(sizes[n] for n in order), mesh_dim_names=order)
 
 
-
-
 def partition(ranks: torch.Tensor, names: Sequence[str], spans: Sequence[str]) -> tuple[tuple[int, ...], ...]:
     """Every group of the mesh dims ``spans`` flattened (the last fastest): the global ranks
     whose other coordinates agree, each group in coordinate order. ``ranks`` holds the global

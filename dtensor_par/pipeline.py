@@ -68,7 +68,8 @@ def parallelize_graph(gm: fx.GraphModule, example_inputs: list, mesh: MeshInfo,
     """Run ``passes`` in order on a copy of ``gm`` for concrete ``example_inputs`` over ``mesh``,
     the parameters fed as ``feeding`` says; with a ``specialization``
     (``symbolic.SymbolicInputs.fake_inputs``), on its symbolic sizes."""
-    ctx = ParallelContext(config or ParallelConfig(), mesh, list(example_inputs), feeding, specialization=specialization,
+    ctx = ParallelContext(config or ParallelConfig(), mesh, list(example_inputs), feeding,
+                          specialization=specialization,
                           fake_inputs=specialization.global_inputs if specialization else None)
     if dump is not None:
         dump.captured(gm)

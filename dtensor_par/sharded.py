@@ -67,7 +67,6 @@ class ShardedState:
         replaced[key] = (weakref.ref(old, lambda _: replaced.pop(key, None)), fqn)
 
 
-
 def _check_optimizer(replaced: dict[int, tuple[weakref.ref, str]], optimizer: torch.optim.Optimizer, args,
                      kwargs) -> None:
     """An optimizer step pre-hook of one parallelized model (it holds only that model's
@@ -201,7 +200,8 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
     config.check_mesh(MeshInfo.for_planning(dict(zip(mesh.mesh_dim_names, mesh.shape)), mesh.device_type), entry)
     placements = plan_placements(model, mesh, example_args, example_kwargs, config)
     state = ShardedState(mesh, config, [])
-    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(old) -> (DTensor param, stand-in); tied weights share them
+    # id(old) -> (DTensor param, stand-in): tied weights share them
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     for fqn, old in model.named_parameters(remove_duplicate=False):
         owner_name, _, name = fqn.rpartition(".")
         owner = model.get_submodule(owner_name)
