@@ -114,7 +114,8 @@ def record_example_values(gm: fx.GraphModule, examples: list, fake_mode: FakeTen
         FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*examples)
         complete = True
     except Exception as e:  # noqa: BLE001  (whatever an op raises, the inner backend's trace still runs it)
-        logger.debug("hybrid_parallel: no example values for the compile caches: %s: %s", type(e).__name__, e)
+        logger.info("hybrid_parallel: the compile caches will not serve this graph: it does not run on fakes "
+                    "outside a trace (%s: %s)", type(e).__name__, e)
         complete = False
     for node in gm.graph.nodes:
         value = node.meta.pop("val", None)
@@ -144,6 +145,11 @@ def compile_local(backend: Callable, gm: fx.GraphModule, examples: list, fake_mo
         return backend(gm, examples)
 
 
+def _local_inputs(args, placements: list[dict[str, Placement]], feeding: WholeParameters, mesh: MeshInfo,
+                  comm: str) -> list:
+    return [feeding.local_input(a, p, mesh, comm) for a, p in zip(args, placements)]
+
+
 @dataclass
 class LocalGraph:
     """One specialization: the compiled per-rank graph and its input/output placements."""
@@ -155,6 +161,10 @@ class LocalGraph:
     feeding: WholeParameters  # how this plan's parameters reach the graph
     key: tuple = ()  # the input signature it serves (symbolic sizes left out)
     specialization: Specialization | None = None  # a symbolic plan's guards; None: static sizes
+
+    def local_args(self, args, mesh: MeshInfo) -> list:
+        """This rank's piece of each graph input, as this plan feeds them."""
+        return _local_inputs(args, self.input_placements, self.feeding, mesh, self.comm)
 
     def serves(self, key: tuple, args) -> bool:
         return key == self.key and (self.specialization is None or self.specialization.holds(args))
@@ -231,14 +241,11 @@ class ParallelRuntime:
 
     def __call__(self, *args):
         local_graph = self._lookup(args)
-        local_args = self._local_args(args, local_graph)
+        local_args = local_graph.local_args(args, self.info)
         outs = local_graph.fn(*local_args)
         if self.config.output == "local":
             outs = type(outs)(self._as_dtensor(o, p) for o, p in zip(outs, local_graph.output_placements))
         return outs
-
-    def _local_args(self, args, graph: LocalGraph) -> list:
-        return [graph.feeding.local_input(a, p, self.info, graph.comm) for a, p in zip(args, graph.input_placements)]
 
     def _check_devices(self, args) -> None:
         for name, a in zip(self.input_names, args):
@@ -275,22 +282,21 @@ class ParallelRuntime:
                                           specialization=spec)
         feeding.check(ctx.params, ctx.param_placements, args, self.mesh)
         placeholders = [n for n in local_gm.graph.nodes if n.op == "placeholder"]
-        graph = LocalGraph(None, [meta.placements(n) for n in placeholders], ctx.output_placements, ctx.comm,
-                           feeding, key, spec)
+        input_placements = [meta.placements(n) for n in placeholders]
         examples = args
         if spec is not None:  # the inner backend compiles for the symbolic sizes; parameters are sliced as at run time
             examples = [a if isinstance(a, torch.nn.Parameter) or standin_param(a) is not None else x
                         for a, x in zip(args, spec.global_inputs)]
         with torch.no_grad(), (spec.fake_mode if spec else contextlib.nullcontext()):
-            local = self._local_args(examples, graph)
+            local = _local_inputs(examples, input_placements, feeding, self.info, ctx.comm)
         # static sizes are compiled on fakes too, as Dynamo hands them over: the compile caches need a ShapeEnv
         fake_mode = spec.fake_mode if spec else FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         examples = [x.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else x
                     for x, a in zip(static_fakes(fake_mode, local), args)]
-        graph.fn = compile_local(self.backend.inner, local_gm, examples, fake_mode)
+        fn = compile_local(self.backend.inner, local_gm, examples, fake_mode)
         if spec is not None:
             spec.seal()
-        return graph
+        return LocalGraph(fn, input_placements, ctx.output_placements, ctx.comm, feeding, key, spec)
 
     def _as_dtensor(self, out, placements: dict[str, Placement] | None):
         """A local output as a DTensor: tp as planned, the sequence shard on ulysses (the plan
