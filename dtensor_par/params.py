@@ -23,6 +23,7 @@ from torch.distributed.tensor import Replicate as DTensorReplicate
 from torch.distributed.tensor import Shard as DTensorShard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .kv_cache import cache_shard
 from .mesh import MeshDim, MeshInfo
 from .ops.collectives import gather_param_grad, shard_local
 from .placements import InterleavedShard, Placement, Replicate, Shard, describe, interleaved_parts, local_chunk, \
@@ -94,7 +95,11 @@ class WholeParameters:
              "all-gathers sharded parameters' gradients; dtensor_par.parallelize holds only the slices")
 
     def local_input(self, value, placements: dict[str, Placement], mesh: MeshInfo, comm: str):
-        """This rank's piece of one graph input (parameters are only ever sharded on tp)."""
+        """This rank's piece of one graph input (parameters are only ever sharded on tp; a kv
+        cache stand-in's piece is the shard the runtime holds)."""
+        shard = cache_shard(value)
+        if shard is not None:
+            return shard.local
         if isinstance(value, nn.Parameter) and shard_dim(placements.get("tp")) is not None:
             return local_param(value, placements["tp"], mesh.dims["tp"], comm)
         if isinstance(value, torch.Tensor):

@@ -20,14 +20,15 @@ from .params import WHOLE, WholeParameters
 from .passes.context import USER_ERRORS, ParallelContext, PlanningError
 from .passes.coverage import record_coverage
 from .passes.detect import detect_pass
+from .passes.kv_cache import kv_cache_pass
 from .passes.localize import graph_communications, localize_pass
 from .passes.lower import lower_pass
 from .passes.plan import plan_pass
 from .passes.rewrite import rewrite_pass
 from .passes.sequence import sequence_pass
 
-PASSES = (capture_pass, canonicalize_pass, detect_pass, rewrite_pass, sequence_pass, plan_pass, localize_pass,
-          lower_pass)
+PASSES = (capture_pass, canonicalize_pass, detect_pass, kv_cache_pass, rewrite_pass, sequence_pass, plan_pass,
+          localize_pass, lower_pass)
 PLANNING_PASSES = PASSES[:PASSES.index(plan_pass) + 1]  # enough for every node's placement
 
 

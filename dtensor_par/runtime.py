@@ -33,12 +33,14 @@ from .config import ParallelConfig
 from .dump import GraphDump
 from .logs import logger
 from .mesh import MeshInfo
+from .kv_cache import CacheShard, cache_shard, global_shape, hold
 from .params import WholeParameters, feeding_for, standin_param
 from .passes import meta
 from .passes.capture import record_module_names, scalar_inputs
 from .passes.context import PlanningError
+from .passes.kv_cache import CacheOutput
 from .passes.overlap import overlapped_aot_eager
-from .placements import Placement
+from .placements import Placement, shard_dim
 from .symbolic import NotSymbolic, Specialization, SymbolicInputs, static_fakes
 
 INDUCTOR_OVERLAP = {"reorder_for_compute_comm_overlap": True,
@@ -161,10 +163,20 @@ class LocalGraph:
     feeding: WholeParameters  # how this plan's parameters reach the graph
     key: tuple = ()  # the input signature it serves (symbolic sizes left out)
     specialization: Specialization | None = None  # a symbolic plan's guards; None: static sizes
+    cache_outputs: tuple[CacheOutput, ...] = ()  # outputs held as kv cache shards (passes.kv_cache)
 
     def local_args(self, args, mesh: MeshInfo) -> list:
         """This rank's piece of each graph input, as this plan feeds them."""
         return _local_inputs(args, self.input_placements, self.feeding, mesh, self.comm)
+
+    def hold_caches(self, outs, mesh: MeshInfo) -> list:
+        """The graph's outputs, each kv cache shard replaced by the stand-in the model keeps."""
+        outs = list(outs)
+        for c in self.cache_outputs:
+            placements = {d: p for d, p in self.output_placements[c.index].items() if shard_dim(p) is not None}
+            shard = CacheShard(outs[c.index], placements, mesh)
+            outs[c.index] = hold(shard, global_shape(outs[c.index].shape, placements, mesh), c.grows_along)
+        return outs
 
     def serves(self, key: tuple, args) -> bool:
         return key == self.key and (self.specialization is None or self.specialization.holds(args))
@@ -243,6 +255,8 @@ class ParallelRuntime:
         local_graph = self._lookup(args)
         local_args = local_graph.local_args(args, self.info)
         outs = local_graph.fn(*local_args)
+        if local_graph.cache_outputs:
+            outs = type(outs)(local_graph.hold_caches(outs, self.info))
         if self.config.output == "local":
             outs = type(outs)(self._as_dtensor(o, p) for o, p in zip(outs, local_graph.output_placements))
         return outs
@@ -267,7 +281,8 @@ class ParallelRuntime:
         self._check_devices(args)
         if self.symbolic.symbolic:
             try:
-                return self._compile(args, key, self.symbolic.specialization(args))
+                held = frozenset(i for i, a in enumerate(args) if cache_shard(a) is not None)
+                return self._compile(args, key, self.symbolic.specialization(args, held))
             except (NotSymbolic, PlanningError) as e:
                 logger.warning("hybrid_parallel: graph %d cannot be planned on symbolic sizes, so it is planned for "
                                "each size it meets: %s", self.id, e)
@@ -289,6 +304,8 @@ class ParallelRuntime:
                         for a, x in zip(args, spec.global_inputs)]
         with torch.no_grad(), (spec.fake_mode if spec else contextlib.nullcontext()):
             local = _local_inputs(examples, input_placements, feeding, self.info, ctx.comm)
+            # a held kv cache shard is fed as the runtime holds it: contiguous, not its stand-in's strides
+            local = [x.contiguous() if cache_shard(a) is not None else x for x, a in zip(local, args)]
         # static sizes are compiled on fakes too, as Dynamo hands them over: the compile caches need a ShapeEnv
         fake_mode = spec.fake_mode if spec else FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         examples = [x.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else x
@@ -296,12 +313,12 @@ class ParallelRuntime:
         fn = compile_local(self.backend.inner, local_gm, examples, fake_mode)
         if spec is not None:
             spec.seal()
-        return LocalGraph(fn, input_placements, ctx.output_placements, ctx.comm, feeding, key, spec)
+        return LocalGraph(fn, input_placements, ctx.output_placements, ctx.comm, feeding, key, spec, ctx.cache_outputs)
 
     def _as_dtensor(self, out, placements: dict[str, Placement] | None):
         """A local output as a DTensor: tp as planned, the sequence shard on ulysses (the plan
         refuses zigzag and padded sequence shards)."""
-        if not isinstance(out, torch.Tensor) or placements is None:
+        if not isinstance(out, torch.Tensor) or placements is None or cache_shard(out) is not None:
             return out
         names = self.mesh.mesh_dim_names
         cp = placements.get("cp", Replicate())

@@ -179,9 +179,11 @@ class SymbolicInputs:
         self.unsupported = None
         return self
 
-    def specialization(self, args) -> Specialization:
+    def specialization(self, args, held: frozenset[int] = frozenset()) -> Specialization:
         """Fake inputs with one fresh symbol of our ShapeEnv per Dynamo symbol, in the
-        Specialization that collects the guards a plan on them makes."""
+        Specialization that collects the guards a plan on them makes. ``held``: the inputs
+        standing in for a shard the runtime holds (a kv cache): the graph is fed the shard,
+        so the stand-in's strides do not matter."""
         if self.unsupported:
             raise NotSymbolic(self.unsupported)
         shape_env = ShapeEnv()
@@ -206,11 +208,12 @@ class SymbolicInputs:
             if kind == "symint":
                 fakes.append(symint(sym, int(a), (i, None)))
             elif isinstance(kind, tuple) and isinstance(a, torch.Tensor) and any(s is not None for s in kind):
-                if not a.is_contiguous():
+                if not a.is_contiguous() and i not in held:
                     raise NotSymbolic("a symbolic input is not contiguous")
                 sizes = [symint(s, n, (i, d)) if s is not None else n for d, (s, n) in enumerate(zip(kind, a.shape))]
-                with mode:
-                    fakes.append(torch.empty(sizes, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad))
+                with mode:  # a held input's stand-in is one element expanded (its guards check its strides)
+                    fakes.append(torch.empty((), dtype=a.dtype, device=a.device).expand(sizes) if i in held else
+                                 torch.empty(sizes, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad))
             else:
                 fakes.append(a)
         spec = Specialization(mode, fakes, names, positions)

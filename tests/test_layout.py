@@ -15,7 +15,7 @@ PACKAGE = ROOT / "dtensor_par"
 FLOORS = (
     ("gcpause", "logs", "mesh", "placements", "symbolic"),
     ("ops",),
-    ("params", "config"),
+    ("params", "config", "kv_cache"),
     ("passes.nodes", "passes.meta"),
     ("passes.rules",),
     ("passes.context",),

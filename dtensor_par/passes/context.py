@@ -39,6 +39,8 @@ class ParallelContext:
     sites: list = field(default_factory=list)  # AttentionSite | MLPSite, from detect
     param_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> tp placement
     sequence_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> cp, from sequence
+    cache_inputs: dict[str, dict[str, Placement]] = field(default_factory=dict)  # kv cache stand-in -> its cut
+    cache_outputs: tuple = ()  # kv_cache.CacheOutput per output the runtime holds as a cache shard
     output_placements: list[dict[str, Placement] | None] = field(default_factory=list)  # per output, by dim
     warnings: list[str] = field(default_factory=list)
     coverage: Coverage | None = None  # measured once planned (coverage.record_coverage)

@@ -138,6 +138,18 @@ def _check_local_outputs(outputs: list[fx.Node], placements: list[Placement], en
                 f"padding; use output='full'")
 
 
+def _plan_outputs(output: fx.Node, cur: list[Placement], env: RuleEnv, ctx: ParallelContext) -> NodeSharding:
+    """Outputs are gathered whole, unless ``output="local"`` or they are a kv cache, which the
+    runtime holds as computed (``passes.kv_cache``)."""
+    tensors = tensor_inputs(output)
+    caches = {output.args[0][c.index] for c in ctx.cache_outputs}
+    if ctx.config.output == "local":
+        _check_local_outputs(tensors, cur, env)
+    kept = [p if (ctx.config.output == "local" or o in caches) and isinstance(p, (Shard, Replicate)) else R
+            for o, p in zip(tensors, cur)]
+    return NodeSharding(None, tuple(kept))
+
+
 def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding:
     ins = tensor_inputs(node)
     cur = [env.out_of(i) for i in ins]
@@ -146,10 +158,7 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding
     if node.op == "get_attr":
         return NodeSharding(R, ())
     if node.op == "output":
-        keep = ctx.config.output == "local"
-        if keep:
-            _check_local_outputs(ins, cur, env)
-        return NodeSharding(None, tuple(p if keep and isinstance(p, (Shard, Replicate)) else R for p in cur))
+        return _plan_outputs(node, cur, env, ctx)
     kind = lookup(node)
     if kind is None and writes_in_place(node) and any(p != R for p in cur):
         raise NotImplementedError(
@@ -169,7 +178,10 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Annotate every node with its NodeSharding on each planned mesh dim (``meta.shardings``)."""
     if ctx.mesh.size("tp") > 1:
         assign_weight_placements(ctx)
-    seeds = {"tp": ctx.param_placements, "cp": ctx.sequence_placements}
+    seeds = {"tp": dict(ctx.param_placements), "cp": dict(ctx.sequence_placements)}
+    for name, cut in ctx.cache_inputs.items():
+        for dim, p in cut.items():
+            seeds[dim][name] = p
     for node in gm.graph.nodes:
         if tensor_val(node) is not None:
             set_global_shape(node, tuple(tensor_val(node).shape))

@@ -43,8 +43,8 @@ def sequence_input_placements(gm: fx.GraphModule, ctx: ParallelContext, lengths:
     """Graph inputs sharded along the sequence over cp: sequence-shaped ones whose dim 1 has
     one of the ``lengths``, except parameters and inputs that only build attention masks."""
     return {node.name: Shard(1) for node in gm.graph.nodes
-            if node.op == "placeholder" and node.name not in ctx.params and node not in masks
-            and _is_sequence(tensor_val(node), lengths)}
+            if node.op == "placeholder" and node.name not in ctx.params and node.name not in ctx.cache_inputs
+            and node not in masks and _is_sequence(tensor_val(node), lengths)}
 
 
 def mask_only_nodes(gm: fx.GraphModule) -> set[fx.Node]:
