@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from .mesh import MeshInfo
-from .placements import Placement, describe, shard_dim
+from .ops.collectives import shard_positions
+from .placements import Placement, shard_dim
 
 CACHE_OF = "_dtensor_par_cache"
 """The attribute of a stand-in holding its CacheShard."""
@@ -28,19 +29,44 @@ class CacheShard:
     """This rank's piece of one cache tensor, and how it was cut from the global one."""
 
     local: torch.Tensor
-    placements: dict[str, Placement]  # plan dim -> how ``local`` is cut (tp: heads)
+    placements: dict[str, Placement]  # plan dim -> how ``local`` is cut (tp: heads, cp: sequence positions)
     mesh: MeshInfo  # the mesh it is cut over: a plan over another mesh cannot read it
+    positions: torch.Tensor | None = None  # cut over cp: the global sequence position of each local row
+    dropped: int = 0  # rows a sliding-window cache dropped before its first: round robin counts from there
 
-    def describe(self) -> str:
-        return ", ".join(f"{d}: {describe(p)}" for d, p in self.placements.items()) or "whole"
+    def appended(self, new: torch.Tensor, past: int) -> CacheShard:
+        """This shard with the rows of ``new`` (global positions ``past, past + 1, ...``) it
+        owns appended: cp rank ``p % cp`` owns the ``p``-th row the cache was ever given
+        (round robin)."""
+        seq, cp = shard_dim(self.placements["cp"]), self.mesh.dims["cp"]
+        positions = torch.arange(past, past + new.shape[seq], device=self.positions.device)
+        mine = ((positions + self.dropped) % cp.size == cp.rank).nonzero().squeeze(1)
+        return CacheShard(torch.cat([self.local, new.index_select(seq, mine.to(new.device))], seq),
+                          self.placements, self.mesh, torch.cat([self.positions, positions[mine]]), self.dropped)
 
 
-def global_shape(local: torch.Size, placements: dict[str, Placement], mesh: MeshInfo) -> tuple[int, ...]:
-    """The shape of the tensor ``local`` is an even piece of."""
-    shape = list(local)
-    for d, p in placements.items():
-        shape[shard_dim(p)] *= mesh.size(d)
-    return tuple(shape)
+    def kept_last(self, n: int, length: int, seq: int) -> CacheShard:
+        """The shard of the last ``n`` rows of the ``length`` its cache holds (a sliding-window
+        cache), positions counted from the first row kept."""
+        start = max(0, length - n)
+        if self.positions is None:
+            return CacheShard(self.local.narrow(seq, start, length - start), self.placements, self.mesh)
+        kept = (self.positions >= start).nonzero().squeeze(1)
+        return CacheShard(self.local.index_select(seq, kept.to(self.local.device)), self.placements, self.mesh,
+                          self.positions[kept] - start, self.dropped + start)
+
+
+def laid_out(local: torch.Tensor, placements: dict[str, Placement], mesh: MeshInfo, length: int | None) -> CacheShard:
+    """The shard of a cache computed cut as ``placements`` say: along a sequence of ``length``
+    over cp, its rows in the sequence layout (``ops.sequence_layout``), padding dropped."""
+    seq = shard_dim(placements.get("cp"))
+    if seq is None:
+        return CacheShard(local, placements, mesh)
+    positions = shard_positions(length, mesh.dims["cp"]).to(local.device)
+    real = (positions < length).nonzero().squeeze(1)
+    if len(real) < len(positions):
+        local, positions = local.index_select(seq, real), positions[real]
+    return CacheShard(local, placements, mesh, positions)
 
 
 def hold(shard: CacheShard, global_shape: tuple[int, ...], grows_along: int | None) -> torch.Tensor:

@@ -33,7 +33,7 @@ from .config import ParallelConfig
 from .dump import GraphDump
 from .logs import logger
 from .mesh import MeshInfo
-from .kv_cache import CacheShard, cache_shard, global_shape, hold
+from .kv_cache import cache_shard, hold, laid_out
 from .params import WholeParameters, feeding_for, standin_param
 from .passes import meta
 from .passes.capture import record_module_names, scalar_inputs
@@ -41,7 +41,7 @@ from .passes.context import PlanningError
 from .passes.kv_cache import CacheOutput
 from .passes.overlap import overlapped_aot_eager
 from .placements import Placement, shard_dim
-from .symbolic import NotSymbolic, Specialization, SymbolicInputs, static_fakes
+from .symbolic import NotSymbolic, Specialization, SymbolicInputs, fresh_size, static_fakes
 
 INDUCTOR_OVERLAP = {"reorder_for_compute_comm_overlap": True,
                     "reorder_for_compute_comm_overlap_passes": ["raise_comms", "sink_waits"]}
@@ -147,6 +147,23 @@ def compile_local(backend: Callable, gm: fx.GraphModule, examples: list, fake_mo
         return backend(gm, examples)
 
 
+def _held_rows_examples(fake_mode: FakeTensorMode, args, examples: list, positions_of: tuple[int, ...]) -> list:
+    """``examples`` with each kv cache shard held cut over cp given a row count of its own (it
+    differs between ranks and grows at every step; one compile serves them all), then the
+    positions of those rows that ``positions_of`` asks for."""
+    examples, rows = list(examples), {}
+    for i, a in enumerate(args):
+        shard = cache_shard(a)
+        if shard is not None and shard.positions is not None:
+            seq = shard_dim(shard.placements["cp"])
+            shape = list(shard.local.shape)
+            shape[seq] = rows[i] = fresh_size(fake_mode.shape_env, shape[seq], f"held_rows{i}")
+            with fake_mode:
+                examples[i] = torch.empty(shape, dtype=shard.local.dtype, device=shard.local.device)
+    with fake_mode:
+        return examples + [torch.empty(rows[i], dtype=torch.long, device=args[i].device) for i in positions_of]
+
+
 def _local_inputs(args, placements: list[dict[str, Placement]], feeding: WholeParameters, mesh: MeshInfo,
                   comm: str) -> list:
     return [feeding.local_input(a, p, mesh, comm) for a, p in zip(args, placements)]
@@ -164,18 +181,34 @@ class LocalGraph:
     key: tuple = ()  # the input signature it serves (symbolic sizes left out)
     specialization: Specialization | None = None  # a symbolic plan's guards; None: static sizes
     cache_outputs: tuple[CacheOutput, ...] = ()  # outputs held as kv cache shards (passes.kv_cache)
+    positions_of: tuple[int, ...] = ()  # per input after the graph's own: the held cache whose positions it is
 
     def local_args(self, args, mesh: MeshInfo) -> list:
-        """This rank's piece of each graph input, as this plan feeds them."""
-        return _local_inputs(args, self.input_placements, self.feeding, mesh, self.comm)
+        """This rank's piece of each graph input, as this plan feeds them, then the positions
+        of the held kv cache shards that ``cached_attention`` reads."""
+        return (_local_inputs(args, self.input_placements, self.feeding, mesh, self.comm)
+                + [cache_shard(args[i]).positions for i in self.positions_of])
 
-    def hold_caches(self, outs, mesh: MeshInfo) -> list:
-        """The graph's outputs, each kv cache shard replaced by the stand-in the model keeps."""
+    def hold_caches(self, outs, args, mesh: MeshInfo) -> list:
+        """The graph's outputs, each kv cache shard replaced by the stand-in the model keeps;
+        new rows for a cache held cut over cp are appended to its shards."""
         outs = list(outs)
         for c in self.cache_outputs:
-            placements = {d: p for d, p in self.output_placements[c.index].items() if shard_dim(p) is not None}
-            shard = CacheShard(outs[c.index], placements, mesh)
-            outs[c.index] = hold(shard, global_shape(outs[c.index].shape, placements, mesh), c.grows_along)
+            out = outs[c.index]
+            if c.appends_to is not None:
+                standin = args[c.appends_to]
+                shard = cache_shard(standin).appended(out, standin.shape[c.grows_along])
+                shape = list(standin.shape)
+                shape[c.grows_along] += out.shape[c.grows_along]
+            else:
+                shape = list(self.specialization.sizes_at(c.global_shape, args) if self.specialization
+                             else c.global_shape)
+                cut = {d: p for d, p in self.output_placements[c.index].items() if shard_dim(p) is not None}
+                shard = laid_out(out, cut, mesh, shape[shard_dim(cut["cp"])] if "cp" in cut else None)
+            if c.keep_last is not None:
+                shard = shard.kept_last(c.keep_last, shape[c.grows_along], c.grows_along)
+                shape[c.grows_along] = min(shape[c.grows_along], c.keep_last)
+            outs[c.index] = hold(shard, tuple(shape), c.grows_along)
         return outs
 
     def serves(self, key: tuple, args) -> bool:
@@ -256,7 +289,7 @@ class ParallelRuntime:
         local_args = local_graph.local_args(args, self.info)
         outs = local_graph.fn(*local_args)
         if local_graph.cache_outputs:
-            outs = type(outs)(local_graph.hold_caches(outs, self.info))
+            outs = type(outs)(local_graph.hold_caches(outs, args, self.info))
         if self.config.output == "local":
             outs = type(outs)(self._as_dtensor(o, p) for o, p in zip(outs, local_graph.output_placements))
         return outs
@@ -310,10 +343,14 @@ class ParallelRuntime:
         fake_mode = spec.fake_mode if spec else FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         examples = [x.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else x
                     for x, a in zip(static_fakes(fake_mode, local), args)]
-        fn = compile_local(self.backend.inner, local_gm, examples, fake_mode)
+        index = {n.name: i for i, n in enumerate(placeholders)}
+        positions_of = tuple(index[ctx.positions_of[n.name]] for n in placeholders[len(args):])
+        fn = compile_local(self.backend.inner, local_gm, _held_rows_examples(fake_mode, args, examples, positions_of),
+                           fake_mode)
         if spec is not None:
             spec.seal()
-        return LocalGraph(fn, input_placements, ctx.output_placements, ctx.comm, feeding, key, spec, ctx.cache_outputs)
+        return LocalGraph(fn, input_placements, ctx.output_placements, ctx.comm, feeding, key, spec, ctx.cache_outputs,
+                          positions_of)
 
     def _as_dtensor(self, out, placements: dict[str, Placement] | None):
         """A local output as a DTensor: tp as planned, the sequence shard on ulysses (the plan

@@ -82,9 +82,17 @@ class Specialization:
     def holds(self, args) -> bool:
         return self.code is None or self.shape_env.evaluate_guards_expression(self.code, self._placeholder_args(args))
 
+    def _values(self, args) -> dict:
+        return {sym: int(args[i]) if d is None else args[i].shape[d] for sym, (i, d) in self.positions.items()}
+
+    def sizes_at(self, sizes, args) -> tuple[int, ...]:
+        """``sizes``, expressions in this plan's symbols, at the sizes of ``args``."""
+        values = self._values(args)
+        return tuple(int(s.node.expr.xreplace(values)) if isinstance(s, torch.SymInt) else s for s in sizes)
+
     def failed(self, args) -> str:
         """The first guard ``args`` break, in the names of the user's sizes, and its origin."""
-        values = {sym: int(args[i]) if d is None else args[i].shape[d] for sym, (i, d) in self.positions.items()}
+        values = self._values(args)
         for guard, origin in zip(self.shape_env.guards, self.origins):
             expr = guard.expr
             if not bool(expr.xreplace(values)):
@@ -221,6 +229,15 @@ class SymbolicInputs:
         return spec
 
 
+def fresh_size(shape_env: ShapeEnv, hint: int, name: str) -> torch.SymInt:
+    """A size of its own, for a dim a compiled graph must take at any value that no input of
+    the global graph gives. Its hint is at least 2, so it is not specialized to 0 or 1."""
+    source = ConstantSource(f"dtensor_par_{name}")
+    hint = max(hint, 2)
+    return shape_env.create_symintnode(shape_env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC),
+                                       hint=hint, source=source)
+
+
 def static_fakes(fake_mode: FakeTensorMode, values: list) -> list:
     """``values`` with every real tensor (parameters, static inputs) made a fake tensor of
     static sizes in ``fake_mode``: otherwise the inner backend would give its sizes symbols."""
@@ -273,6 +290,8 @@ def materialize_sizes(gm: fx.GraphModule, symint_nodes: dict) -> None:
             fn, args = operator.floordiv, list(expr.args)
         elif isinstance(expr, (Mod, PythonMod)):
             fn, args = operator.mod, list(expr.args)
+        elif isinstance(expr, (sympy.Max, sympy.Min)):  # a sliding window's first key: max(0, n - window)
+            fn, args = (torch.sym_max if isinstance(expr, sympy.Max) else torch.sym_min), list(expr.args)
         else:
             raise NotSymbolic(f"cannot compute size {expr} in the graph")
         with graph.inserting_before(before):

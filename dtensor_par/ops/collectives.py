@@ -66,6 +66,14 @@ def _laid_out_length(length: int, mesh_dim: MeshDim) -> int:
     return mesh_dim.size * shard_length(length, mesh_dim.size, mesh_dim.chunks_per_rank)
 
 
+def shard_positions(length: int, mesh_dim: MeshDim) -> torch.Tensor:
+    """The global position of each row this rank holds of a dim of ``length`` sharded over
+    ``mesh_dim``, in local order; the padding that evens out a sequence sits at ``>= length``."""
+    laid_out = _laid_out_length(length, mesh_dim)
+    order = _sequence_index(laid_out, mesh_dim)
+    return (torch.arange(laid_out) if order is None else order).view(mesh_dim.size, -1)[mesh_dim.rank]
+
+
 def _pad(x: torch.Tensor, dim: int, length: int, *, edge: bool) -> torch.Tensor:
     """``x`` padded at the end of ``dim`` to ``length``.
 

@@ -41,6 +41,7 @@ class ParallelContext:
     sequence_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> cp, from sequence
     cache_inputs: dict[str, dict[str, Placement]] = field(default_factory=dict)  # kv cache stand-in -> its cut
     cache_outputs: tuple = ()  # kv_cache.CacheOutput per output the runtime holds as a cache shard
+    positions_of: dict[str, str] = field(default_factory=dict)  # input added for a held cache's positions -> it
     output_placements: list[dict[str, Placement] | None] = field(default_factory=list)  # per output, by dim
     warnings: list[str] = field(default_factory=list)
     coverage: Coverage | None = None  # measured once planned (coverage.record_coverage)
@@ -68,6 +69,8 @@ class Coverage:
     fallback_gathers: list[str] = field(default_factory=list)  # "node (op) on dim: why"
     parallel_sites: int = 0
     ring_attention_flops: dict[str, list[int]] = field(default_factory=dict)  # site -> FLOPs per ring rank
+    cache_bytes: int = 0  # of the kv cache the graph returns, on one device
+    cache_bytes_per_rank: int = 0  # of it this rank holds (kv_cache.py)
 
     @staticmethod
     def share(part: int, whole: int) -> float:
@@ -77,7 +80,9 @@ class Coverage:
         return (f"linear FLOPs sharded {self.share(self.sharded_linear_flops, self.linear_flops):.1%} "
                 f"(in blocks {self.share(self.sharded_block_linear_flops, self.block_linear_flops):.1%}), "
                 f"parameters sharded {self.share(self.sharded_parameters, self.parameters):.1%}, "
-                f"{len(self.fallback_gathers)} fallback gathers")
+                f"{len(self.fallback_gathers)} fallback gathers"
+                + (f", kv cache held {self.cache_bytes_per_rank:,} of {self.cache_bytes:,} bytes per rank "
+                   f"({self.share(self.cache_bytes_per_rank, self.cache_bytes):.1%})" if self.cache_bytes else ""))
 
     def as_dict(self) -> dict:
         return {"linear_flops": self.linear_flops, "sharded_linear_flops": self.sharded_linear_flops,
@@ -85,7 +90,8 @@ class Coverage:
                 "sharded_block_linear_flops": self.sharded_block_linear_flops,
                 "parameters": self.parameters, "sharded_parameters": self.sharded_parameters,
                 "fallback_gathers": list(self.fallback_gathers), "parallel_sites": self.parallel_sites,
-                "ring_attention_flops": dict(self.ring_attention_flops)}
+                "ring_attention_flops": dict(self.ring_attention_flops), "cache_bytes": self.cache_bytes,
+                "cache_bytes_per_rank": self.cache_bytes_per_rank}
 
 
 class PlanningError(RuntimeError):

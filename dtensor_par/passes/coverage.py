@@ -16,7 +16,7 @@ import re
 import torch.fx as fx
 
 from ..ops.ring_schedule import ring_step_flops
-from ..placements import Replicate, shard_length
+from ..placements import Replicate, local_shape_on, shard_length
 from ..symbolic import hint
 from .context import Coverage, ParallelContext
 from .detect import AttentionSite
@@ -71,6 +71,7 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
         cov.parameters += info.tensor.numel()
         cov.sharded_parameters += info.tensor.numel() * (name in ctx.param_placements)
     cov.parallel_sites = sum(_runs_parallel(site, ctx) for site in ctx.sites)
+    cov.cache_bytes_per_rank, cov.cache_bytes = held_cache_bytes(gm, ctx)
     if ctx.mesh.size("ring") > 1:
         cov.ring_attention_flops = {site.name: ring_rank_flops(site, ctx) for site in ctx.sites
                                     if isinstance(site, AttentionSite) and op_kind(site.core) == "hybrid_attention"}
@@ -92,6 +93,26 @@ def ring_rank_flops(site: AttentionSite, ctx: ParallelContext) -> list[int]:
 
 
 def _runs_parallel(site, ctx: ParallelContext) -> bool:
-    """A site runs parallel when tp shards one of its weights or cp runs its attention."""
+    """A site runs parallel when tp shards one of its weights or cp runs its attention (over
+    the sequence, or over a kv cache cut along it)."""
     sharded = any(weight_name(linear) in ctx.param_placements for linear in site.colwise + site.rowwise)
-    return sharded or (isinstance(site, AttentionSite) and op_kind(site.core) == "hybrid_attention")
+    return sharded or (isinstance(site, AttentionSite)
+                       and op_kind(site.core) in ("hybrid_attention", "cached_attention"))
+
+
+def held_cache_bytes(gm: fx.GraphModule, ctx: ParallelContext) -> tuple[int, int]:
+    """(bytes this rank holds, bytes one device holds) of the kv cache the graph returns: each
+    cache output cut as planned or, when it is rows appended to a cache held cut over cp, as
+    that cache is (this rank's share of the rows, round robin)."""
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    held = whole = 0
+    for c in ctx.cache_outputs:
+        size = tensor_val(outputs[c.index]).element_size()
+        cut = ctx.output_placements[c.index] if c.appends_to is None else ctx.cache_inputs[placeholders[c.appends_to]]
+        shape = [hint(n) for n in c.global_shape]
+        if c.keep_last is not None:
+            shape[c.grows_along] = min(shape[c.grows_along], c.keep_last)
+        whole += math.prod(shape) * size
+        held += math.prod(local_shape_on(shape, cut, ctx.mesh)) * size
+    return held, whole

@@ -9,17 +9,22 @@ starts from those placements.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from ..kv_cache import cache_shard
-from ..placements import Placement
+from ..ops.cache_attention import cached_attention
+from ..placements import Placement, shard_dim
 from .context import ParallelContext
 from .detect import AttentionSite
 from .nodes import tensor_inputs, tensor_val
 from .rules.attention import sdpa_arguments
-from .rules.indexing import cat_dim
+from ..symbolic import same_size
+from .capture import erase_unused
+from .rules.indexing import cat_dim, per_dim
 from .rules.registry import kinds_in, op_kind
 
 _ALIASES = kinds_in("views") | {"cast", "getitem"}
@@ -30,12 +35,23 @@ _ALIASES = kinds_in("views") | {"cast", "getitem"}
 class CacheOutput:
     index: int  # among the graph's outputs
     grows_along: int | None  # the dim a ``cat`` appends to (DynamicCache); None: a buffer (StaticCache)
+    global_shape: tuple  # its shape (sizes may be symbols of the plan's specialization)
+    appends_to: int | None = None  # new rows appended to the held cache input at this index (cut over cp)
+    keep_last: int | None = None  # the runtime keeps only the last rows (a sliding-window cache, with cp)
 
 
 def kv_cache_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    """Fill ``ctx.cache_inputs`` and ``ctx.cache_outputs``."""
+    """Fill ``ctx.cache_inputs`` and ``ctx.cache_outputs``; attention to a cache held cut over
+    cp becomes ``cached_attention`` (``ops.cache_attention``)."""
     ctx.cache_inputs = cache_input_placements(gm, ctx)
     ctx.cache_outputs = find_cache_outputs(gm, ctx)
+    appended = {}
+    for site in ctx.sites:
+        if isinstance(site, AttentionSite):
+            appended.update(to_cached_attention(gm, site, ctx))
+    if appended:
+        ctx.cache_outputs = append_new_rows(gm, ctx, appended)
+        gm.recompile()
     return gm
 
 
@@ -70,12 +86,118 @@ def _read_as_keys_or_values(ctx: ParallelContext) -> set[fx.Node]:
     return walked
 
 
+def _window(node: fx.Node, read: set[fx.Node]) -> tuple[fx.Node, int] | None:
+    """``(cache, n)`` when ``node`` keeps the last ``n`` rows of a cache an attention reads
+    (a sliding-window cache layer's ``full[..., -n:, :]``)."""
+    if op_kind(node) != "getitem" or node.args[0] not in read or op_kind(node.args[0]) != "cat":
+        return None
+    cache = node.args[0]
+    entries = per_dim(node.args[1], tensor_val(cache).dim())
+    if entries is None or any(e != slice(None) for d, e in enumerate(entries) if d != cat_dim(cache)):
+        return None
+    kept = entries[cat_dim(cache)]
+    if not isinstance(kept, slice) or kept.stop is not None or kept.step is not None or not isinstance(
+            kept.start, int) or kept.start >= 0:
+        return None
+    return cache, -kept.start
+
+
 def find_cache_outputs(gm: fx.GraphModule, ctx: ParallelContext) -> tuple[CacheOutput, ...]:
+    """The outputs an attention reads as keys or values. With cp, a sliding-window cache's
+    last rows are kept by the runtime (``keep_last``), from the cache the plan holds cut."""
     read = _read_as_keys_or_values(ctx)
     output = next(n for n in gm.graph.nodes if n.op == "output")
+    outs, found = list(output.args[0]), []
+    for i, node in enumerate(outs):
+        if not isinstance(node, fx.Node) or tensor_val(node) is None:
+            continue
+        window = _window(node, read) if ctx.mesh.size("cp") > 1 else None
+        if window is not None:
+            outs[i] = window[0]
+        elif node not in read or node.op == "placeholder":
+            continue
+        grows = cat_dim(outs[i]) if op_kind(outs[i]) == "cat" else None
+        found.append(CacheOutput(i, grows, tuple(tensor_val(outs[i]).shape), keep_last=window and window[1]))
+    replaced = [n for n, kept in zip(output.args[0], outs) if n is not kept]
+    output.args = (tuple(outs),)
+    for node in replaced:  # a window's slice of the cache, now kept by the runtime
+        erase_unused(gm, node)
+    return tuple(found)
+
+
+def _held_rows(key: fx.Node, ctx: ParallelContext) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(the cat, the held cache input, the new rows) when attention reads as ``key`` (or
+    values) ``cat([cache, new])`` along the sequence of a cache held cut over cp, directly or
+    through a repeat-kv (each kv head repeated for its query heads: as SDPA's ``enable_gqa``)."""
+    cat = key
+    while op_kind(cat) in _ALIASES:
+        cat = tensor_inputs(cat)[0]
+    parts = tensor_inputs(cat)
+    if op_kind(cat) != "cat" or len(parts) != 2 or parts[0].name not in ctx.cache_inputs:
+        return None
+    if shard_dim(ctx.cache_inputs[parts[0].name].get("cp")) != cat_dim(cat):
+        return None
+    a, b = tensor_val(cat).shape, tensor_val(key).shape
+    repeat_kv = len(a) == len(b) == 4 and all(same_size(a[d], b[d]) for d in (0, 2, 3)) and b[1] % a[1] == 0
+    return (cat, parts[0], parts[1]) if cat is key or repeat_kv else None
+
+
+def _positions_input(gm: fx.GraphModule, held: fx.Node, seq: int) -> fx.Node:
+    """A graph input for the global positions of the rows of ``held`` this rank holds; the
+    runtime feeds it from the shard (``LocalGraph.positions_of``)."""
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    val = tensor_val(held)
+    with gm.graph.inserting_after(last):
+        node = gm.graph.placeholder(f"{held.name}_positions")
+    node.meta["val"] = val.new_empty((val.shape[seq],), dtype=torch.long)
+    node.meta["requires_grad"] = False
+    return node
+
+
+def to_cached_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> dict:
+    """Attention reading ``cat([cache, new])`` keys and values of a cache cut over cp becomes
+    ``cached_attention`` on this rank's rows of the cache and the new rows. Returns each
+    ``cat`` replaced -> (new rows, held input): the model's cache gets the new rows appended."""
+    sdpa = sdpa_arguments(site.core)
+    keys, values = _held_rows(sdpa["key"], ctx), _held_rows(sdpa["value"], ctx)
+    if keys is None or values is None:
+        return {}
+    if sdpa["dropout_p"]:
+        raise NotImplementedError(f"kv_cache: attention {site.core.name!r} with dropout against a kv cache cut over "
+                                  f"mesh dims 'ring' x 'ulysses'")
+    seq = cat_dim(keys[0])
+    kwargs = {"past": tensor_val(keys[1]).shape[seq], "attn_mask": sdpa["attn_mask"], "is_causal": sdpa["is_causal"],
+              "scale": sdpa["scale"], "cp": ctx.mesh.dims["cp"]._replace(zigzag=0)}
+    positions = _positions_input(gm, keys[1], seq)
+    with gm.graph.inserting_before(site.core):
+        node = gm.graph.call_function(cached_attention, (sdpa["query"], keys[2], values[2], keys[1], values[1],
+                                                         positions), kwargs)
+    node.meta.update(site.core.meta)
+    site.core.replace_all_uses_with(node)
+    gm.graph.erase_node(site.core)
+    site.core = node
+    ctx.positions_of[positions.name] = keys[1].name
+    for read in (sdpa["key"], sdpa["value"]):  # a repeat-kv that fed only the attention goes
+        erase_unused(gm, read)
+    return {keys[0]: (keys[2], keys[1]), values[0]: (values[2], values[1])}
+
+
+def append_new_rows(gm: fx.GraphModule, ctx: ParallelContext, appended: dict) -> tuple[CacheOutput, ...]:
+    """The graph returns the new rows in place of each ``cat`` with a cache cut over cp; the
+    runtime appends them to the cache's shards."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     found = []
-    for i, node in enumerate(output.args[0]):
-        if isinstance(node, fx.Node) and node in read and node.op != "placeholder" and tensor_val(node) is not None:
-            grows = cat_dim(node) if op_kind(node) == "cat" else None
-            found.append(CacheOutput(i, grows))
+    for c in ctx.cache_outputs:
+        node = outs[c.index]
+        if node in appended:
+            new, held = appended[node]
+            outs[c.index] = new
+            c = dataclasses.replace(c, appends_to=index[held.name])
+        found.append(c)
+    output.args = (tuple(outs),)
+    for node in appended:
+        if not node.users:
+            gm.graph.erase_node(node)
     return tuple(found)

@@ -32,6 +32,7 @@ from .detect import AttentionSite
 from .meta import Communication, set_communications, set_site_role, site_role
 from .nodes import arg, tensor_val
 from .rules.attention import sdpa_arguments
+from .rules.registry import op_kind
 
 
 def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:
@@ -324,8 +325,8 @@ def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for site in ctx.sites:
         for linear in site.rowwise:
             split_rowwise_bias(gm, linear)
-        if not isinstance(site, AttentionSite):
-            continue
+        if not isinstance(site, AttentionSite) or op_kind(site.core) == "cached_attention":
+            continue  # attention to a kv cache held cut over cp is rewritten already (passes.kv_cache)
         if sdpa_arguments(site.core)["enable_gqa"] and site.num_kv_heads != site.num_heads:
             divisor = tp * (ctx.mesh.size("ulysses") if ctx.mesh.size("cp") > 1 else 1)
             repeat = gqa_repeat(site.num_heads, site.num_kv_heads, divisor)

@@ -28,6 +28,8 @@ def sequence_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     lengths = [n for s in ctx.sites if isinstance(s, AttentionSite) and op_kind(s.core) == "hybrid_attention"
                for n in sequence_lengths(s, ctx)]
     if not lengths:
+        if any(isinstance(s, AttentionSite) and op_kind(s.core) == "cached_attention" for s in ctx.sites):
+            return gm  # decode against a kv cache held cut over cp: the queries are whole
         ctx.warn(f"no attention runs sequence-parallel: mesh dims 'ring' x 'ulysses' = {ctx.mesh.size('cp')} "
                  "shard nothing")
         return gm

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ...mesh import MeshInfo
 from ...ops.attention import hybrid_attention
-from ...placements import InterleavedShard, Shard
-from ..meta import NodeSharding
+from ...ops.cache_attention import cached_attention
+from ...placements import InterleavedShard, Shard, local_shape_on
+from ...symbolic import hint
+from ..meta import Communication, NodeSharding, set_communications, shardings
 from ..nodes import tensor_val
 from .core import R, replicate_all, resolve_partial
 from .registry import register
@@ -60,6 +65,26 @@ def hybrid_attention_rule(node, ins, cur, env):
     return NodeSharding(seq, (seq, seq, seq) + (R,) * (len(ins) - 3))
 
 
+def cached_attention_rule(node, ins, cur, env):
+    """Heads split on tp as for SDPA; on cp the queries and new rows are whole and the held
+    cache rows are this rank's (``ops.cache_attention``)."""
+    if env.dim != "cp":
+        return sdpa_rule(node, ins, cur, env)
+    held = Shard(tensor_val(ins[3]).dim() - 2)
+    return NodeSharding(R, (R, R, R, held, held) + (R,) * (len(ins) - 5))
+
+
+def localize_cached_attention(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """Record the all-gather of each rank's partial output and log-sum-exp across cp."""
+    q = tensor_val(node.args[0])
+    rows = hint(math.prod(local_shape_on(q.shape, {d: s.out for d, s in shardings(node).items()}, mesh)[:-1]))
+    cp = mesh.dims["cp"]
+    set_communications(node, [Communication("all_gather", None, "cp", cp.size, nbytes, nbytes * cp.size, "decode")
+                              for nbytes in (rows * q.shape[-1] * q.element_size(), rows * 4)])
+
+
 register("sdpa", "attention", sdpa_rule,
          functions=[torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention])
 register("hybrid_attention", "attention", hybrid_attention_rule, functions=[hybrid_attention])
+register("cached_attention", "attention", cached_attention_rule, functions=[cached_attention],
+         localize=localize_cached_attention)
