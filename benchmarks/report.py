@@ -11,6 +11,11 @@ def print_table(columns: list[str], rows: list[list]) -> None:
         print("| " + " | ".join(map(str, cells)) + " |")
 
 
+def failure(e: BaseException, limit: int = 300) -> str:
+    """How a table records what failed: the exception's type and the first line of its message."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:limit]}"
+
+
 def save_json(path: str | None, measurements) -> None:
     """``measurements`` as JSON at ``path``, when one is given (``--json``)."""
     if path:

@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 import dtensor_par
 from benchmarks import gpu, overlap
 from benchmarks.models import TP_HAND_EDITS, WithLoss, tp_anchor
+from benchmarks.report import failure
 from tests.harness import executed_collectives, logged, run_ranks
 from tests.models import DiT, Llama
 
@@ -238,7 +239,7 @@ def measure_config(world, name, sizes, seq, mesh_sizes, reps, compile_reps, inne
             with torch.no_grad():
                 losses[v] = fns[v](x).item()
         except Exception as e:  # noqa: BLE001  recorded in the table, never hidden
-            result["failed"][f"{v} training step"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+            result["failed"][f"{v} training step"] = failure(e)
             if v != "torch":
                 raise
     result["losses_after_one_step"] = losses
@@ -249,7 +250,7 @@ def measure_config(world, name, sizes, seq, mesh_sizes, reps, compile_reps, inne
         try:
             forward(fns[v], x)
         except Exception as e:  # noqa: BLE001
-            result["failed"][f"{v} forward"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+            result["failed"][f"{v} forward"] = failure(e)
     fwds = [v for v in fwds if f"{v} forward" not in result["failed"]]
     for v in steps:
         train_step(fns[v], opts[v], x)
@@ -294,7 +295,7 @@ def run_world(rank, world, *, configs, shapes, seq, reps, compile_reps, inner) -
         except Exception as e:  # noqa: BLE001  one broken configuration does not hide the others
             traceback.print_exc()
             results.append({"model": name, "mesh": mesh_sizes, "world": world, "seq": seq,
-                            "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"})
+                            "error": failure(e)})
     return results
 
 
