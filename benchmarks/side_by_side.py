@@ -24,8 +24,9 @@ weights and input everywhere:
   variant in turn first); and the share of our passes in it (``dtensor_par`` debug log).
 - memory per rank: parameters, gradients and AdamW state (bytes of the local pieces), and
   activations saved for backward (measured with saved-tensor hooks: distinct storages).
-- forward overlap under inductor (``overlap.py``) and a GPU section (``gpu.py``), skipped on
-  CPU with a line saying so.
+- forward overlap under inductor (``overlap.py``), greedy decoding with a kv cache at tp=2
+  and ring=2 against one device (``decode.py``; skipped in ``--quick``), and a GPU section
+  (``gpu.py``), skipped on CPU with a line saying so.
 
 Numbers measured on a shared or oversubscribed machine (world 4 on 2 cores) are noise-bound.
 """
@@ -50,7 +51,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import dtensor_par
-from benchmarks import gpu, overlap
+from benchmarks import decode, gpu, overlap
 from benchmarks.models import TP_HAND_EDITS, WithLoss, tp_anchor
 from benchmarks.report import failure
 from tests.harness import executed_collectives, logged, run_ranks
@@ -442,6 +443,7 @@ def main():
                                              r["memory"].get("ours", {}).get("params", 0))
         r["grad_buckets"] = gradient_buckets(r["model"], shapes[r["model"]], seq, r["mesh"])
     overlap_report = overlap.report(quick=args.quick)
+    decode_report = decode.section(quick=args.quick)
     gpu_report = gpu.report(quick=args.quick)
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, {platform.system()}",
@@ -462,11 +464,13 @@ def main():
     for model, edits in TP_HAND_EDITS.items():
         print("".join(f"\n- {model}: {e}" for e in edits).lstrip("\n"))
     print("\nForward overlap under inductor:\n" + overlap_report["text"])
+    print("\nDecode with a kv cache:\n" + decode_report["text"])
     print("\nGPU:\n" + gpu_report["text"])
     info["seconds"] = time.perf_counter() - start
     print(f"\n{info['seconds']:.0f} s")
     with open(args.json, "w") as f:
-        json.dump({**info, "results": results, "overlap": overlap_report, "gpu": gpu_report}, f, indent=1)
+        json.dump({**info, "results": results, "overlap": overlap_report, "decode": decode_report,
+                   "gpu": gpu_report}, f, indent=1)
 
 
 if __name__ == "__main__":
