@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks.report import failure
+
 SKIPPED = "skipped: CUDA is not available (ring step attention vs SDPA, and world-1 step time, need a GPU)"
 
 
@@ -103,7 +105,7 @@ def report(quick: bool = False) -> dict:
             lines.append(f"ring {ring} steps vs one SDPA call (seq 4096, 16 x 128, bf16): {r['ring_steps_ms']:.3f} ms "
                          f"vs {r['sdpa_ms']:.3f} ms, ratio {r['ratio']:.2f}, max abs diff {r['max_abs_diff']:.1e}")
         except Exception as e:  # noqa: BLE001  recorded, never hidden
-            lines.append(f"ring {ring} steps vs SDPA failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            lines.append(f"ring {ring} steps vs SDPA failed: {failure(e, 200)}")
     world_one = None
     if not quick:
         try:
@@ -112,7 +114,7 @@ def report(quick: bool = False) -> dict:
                          f"{world_one['ms']['torch.compile']:.2f} ms, ratio {world_one['ratio']:.2f} "
                          f"({world_one['model']})")
         except Exception as e:  # noqa: BLE001
-            lines.append(f"world-1 step failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            lines.append(f"world-1 step failed: {failure(e, 200)}")
     return {"text": "\n".join(lines), "skipped": False, "ring_vs_sdpa": rows, "world_one": world_one}
 
 

@@ -22,6 +22,7 @@ from torch._inductor.compile_fx import compile_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dtensor_par
+from benchmarks.report import failure
 from tests.models import DiT
 
 _ARG = r"\.default\((?:reinterpret_tensor\()?(\w+)"  # the first argument's buffer
@@ -76,7 +77,7 @@ def report(quick: bool = False) -> dict:
         try:
             as_called, overlapped = (schedule(generated_code(mesh_sizes, r, 64)) for r in (False, True))
         except Exception as e:  # noqa: BLE001  reported, not hidden
-            lines.append(f"| {mesh_sizes} | failed: {type(e).__name__}: {str(e).splitlines()[0][:200]} | | |")
+            lines.append(f"| {mesh_sizes} | failed: {failure(e, 200)} | | |")
             continue
         for i, (d, r) in enumerate(zip(as_called, overlapped)):
             row = {"mesh": mesh_sizes, "index": i, "op": d["op"], "as_called": d["compute_between"],

@@ -24,8 +24,9 @@ weights and input everywhere:
   variant in turn first); and the share of our passes in it (``dtensor_par`` debug log).
 - memory per rank: parameters, gradients and AdamW state (bytes of the local pieces), and
   activations saved for backward (measured with saved-tensor hooks: distinct storages).
-- forward overlap under inductor (``overlap.py``) and a GPU section (``gpu.py``), skipped on
-  CPU with a line saying so.
+- forward overlap under inductor (``overlap.py``), greedy decoding with a kv cache at tp=2
+  and ring=2 against one device (``decode.py``; skipped in ``--quick``), and a GPU section
+  (``gpu.py``), skipped on CPU with a line saying so.
 
 Numbers measured on a shared or oversubscribed machine (world 4 on 2 cores) are noise-bound.
 """
@@ -50,8 +51,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import dtensor_par
-from benchmarks import gpu, overlap
+from benchmarks import decode, gpu, overlap
 from benchmarks.models import TP_HAND_EDITS, WithLoss, tp_anchor
+from benchmarks.report import failure
 from tests.harness import executed_collectives, logged, run_ranks
 from tests.models import DiT, Llama
 
@@ -238,7 +240,7 @@ def measure_config(world, name, sizes, seq, mesh_sizes, reps, compile_reps, inne
             with torch.no_grad():
                 losses[v] = fns[v](x).item()
         except Exception as e:  # noqa: BLE001  recorded in the table, never hidden
-            result["failed"][f"{v} training step"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+            result["failed"][f"{v} training step"] = failure(e)
             if v != "torch":
                 raise
     result["losses_after_one_step"] = losses
@@ -249,7 +251,7 @@ def measure_config(world, name, sizes, seq, mesh_sizes, reps, compile_reps, inne
         try:
             forward(fns[v], x)
         except Exception as e:  # noqa: BLE001
-            result["failed"][f"{v} forward"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+            result["failed"][f"{v} forward"] = failure(e)
     fwds = [v for v in fwds if f"{v} forward" not in result["failed"]]
     for v in steps:
         train_step(fns[v], opts[v], x)
@@ -294,7 +296,7 @@ def run_world(rank, world, *, configs, shapes, seq, reps, compile_reps, inner) -
         except Exception as e:  # noqa: BLE001  one broken configuration does not hide the others
             traceback.print_exc()
             results.append({"model": name, "mesh": mesh_sizes, "world": world, "seq": seq,
-                            "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"})
+                            "error": failure(e)})
     return results
 
 
@@ -441,6 +443,7 @@ def main():
                                              r["memory"].get("ours", {}).get("params", 0))
         r["grad_buckets"] = gradient_buckets(r["model"], shapes[r["model"]], seq, r["mesh"])
     overlap_report = overlap.report(quick=args.quick)
+    decode_report = decode.section(quick=args.quick)
     gpu_report = gpu.report(quick=args.quick)
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, {platform.system()}",
@@ -461,11 +464,13 @@ def main():
     for model, edits in TP_HAND_EDITS.items():
         print("".join(f"\n- {model}: {e}" for e in edits).lstrip("\n"))
     print("\nForward overlap under inductor:\n" + overlap_report["text"])
+    print("\nDecode with a kv cache:\n" + decode_report["text"])
     print("\nGPU:\n" + gpu_report["text"])
     info["seconds"] = time.perf_counter() - start
     print(f"\n{info['seconds']:.0f} s")
     with open(args.json, "w") as f:
-        json.dump({**info, "results": results, "overlap": overlap_report, "gpu": gpu_report}, f, indent=1)
+        json.dump({**info, "results": results, "overlap": overlap_report, "decode": decode_report,
+                   "gpu": gpu_report}, f, indent=1)
 
 
 if __name__ == "__main__":
