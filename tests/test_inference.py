@@ -142,7 +142,7 @@ def generate_entry_points(rank: int, world: int) -> dict:
     """``generate`` through each entry point, on a fresh copy of one model: whether it gives one
     device's tokens, and whether it planned (no plan: the plain forward ran). ``torch.compile(model)``
     generates twice (the second plans nothing) and leaves ``model`` itself uncompiled."""
-    config, reference, ids = _tiny_llama()
+    _, reference, ids = _tiny_llama()
     mesh = dtensor_par.init_mesh(tp=world)
     expected = reference.generate(ids, **GREEDY).tolist()
 
