@@ -20,7 +20,9 @@ from typing import Callable
 import torch
 import torch._inductor.config
 import torch.fx as fx
+import torch.nn as nn
 from torch._dynamo.backends.registry import lookup_backend
+from torch._dynamo.eval_frame import OptimizedModule, innermost_backend
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -81,9 +83,52 @@ class ParallelBackend:
         self.inner = resolve_backend(config.inner_backend)
         self.graph_ids = itertools.count()
         self.plan_ids = itertools.count()
+        _route_generate_of_compiled_modules()
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> ParallelRuntime:
         return ParallelRuntime(record_module_names(gm), self)
+
+
+def _parallel_backend(dynamo_ctx) -> ParallelBackend | None:
+    """The ``ParallelBackend`` a Dynamo context compiles with, if it is one (``torch.compile``
+    wraps a backend callable in a ``_TorchCompileWrapper``, ``torch._dynamo.optimize`` does not)."""
+    backend = innermost_backend(dynamo_ctx.callback)
+    backend = getattr(backend, "compiler_fn", backend)
+    return backend if isinstance(backend, ParallelBackend) else None
+
+
+def _generate_compiled(module: nn.Module, dynamo_ctx, *args, **kwargs):
+    """``module.generate`` with every call of ``module`` compiled by ``dynamo_ctx`` while it runs,
+    as ``module.compile()`` compiles them: ``generate`` calls the module itself, which
+    ``torch.compile(module)`` leaves as it was."""
+    own_call = module._compiled_call_impl
+    module._compiled_call_impl = dynamo_ctx(module._call_impl)
+    try:
+        return module.generate(*args, **kwargs)
+    finally:
+        module._compiled_call_impl = own_call
+
+
+@functools.cache
+def _route_generate_of_compiled_modules() -> None:
+    """Make ``torch.compile(model, backend=hybrid_parallel(mesh)).generate(...)`` run parallel.
+
+    The ``OptimizedModule`` ``torch.compile`` returns compiles only its own call; any other
+    attribute, ``generate`` too, is the wrapped module's, and its ``generate`` would run the
+    plain forward on one device's whole model. Installed once, by the first ``ParallelBackend``:
+    ``OptimizedModule.__init__`` gives an instance compiled with a ``ParallelBackend`` (and only
+    those) a ``generate`` of its own, ``_generate_compiled``. Nothing else changes:
+    other instances, attribute lookups and calls are as torch makes them.
+    """
+    init = OptimizedModule.__init__
+
+    @functools.wraps(init)
+    def __init__(self, mod, dynamo_ctx, *args, **kwargs):
+        init(self, mod, dynamo_ctx, *args, **kwargs)
+        if _parallel_backend(dynamo_ctx) is not None and callable(getattr(mod, "generate", None)):
+            self.__dict__["generate"] = functools.partial(_generate_compiled, mod, dynamo_ctx)
+
+    OptimizedModule.__init__ = __init__
 
 
 @functools.cache

@@ -90,13 +90,19 @@ def _standin(param: nn.Parameter) -> nn.Parameter:
     return standin
 
 
-def _in_compiled_call() -> bool:
-    """Whether the swap hooks run under ``torch.compile``: traced into a caller's graph, or run
-    eagerly as their own frames by a compiled module (the check torch's ``set_stance`` makes)."""
+def _in_compiled_call(module: nn.Module) -> bool:
+    """Whether the swap hooks run for a compiled call: traced into a caller's graph, run eagerly
+    as their own frames by a compiled module (the check torch's ``set_stance`` makes), or before
+    a ``forward`` compiled on its own (``model.forward = torch.compile(model.forward, ...)``,
+    transformers' advice for ``generate``): Dynamo's wrapper names the function it compiles
+    (``torch.compiler.disable``'s wrapper too, marked disabled)."""
     if torch.compiler.is_compiling():
         return True
     callback = get_eval_frame_callback()
-    return callback is not None and callback is not False
+    if callback is not None and callback is not False:
+        return True
+    forward = module.__dict__.get("forward")
+    return hasattr(forward, "_torchdynamo_orig_callable") and not getattr(forward, "_torchdynamo_disable", False)
 
 
 def _swap_in(module: nn.Module, args) -> None:
@@ -106,7 +112,7 @@ def _swap_in(module: nn.Module, args) -> None:
             raise RuntimeError(
                 f"parameter {slot.fqn!r} of parallelized {type(module).__name__} was replaced; change it in place "
                 f"(copy_, torch.distributed.checkpoint.state_dict.set_model_state_dict)")
-    if not _in_compiled_call():
+    if not _in_compiled_call(module):
         raise RuntimeError(
             f"{type(module).__name__} was parallelized (its parameters are DTensor shards): call it through "
             f"torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh)), or build it with the "

@@ -1,9 +1,10 @@
 """Inference as users run it: planning never runs the model (no side effect twice), and
-``generate()`` through the class decorator gives one device's tokens."""
+``generate()`` through every entry point gives one device's tokens."""
 
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch.nn as nn
 
 import dtensor_par
 from tests import models
-from tests.harness import FORWARD_ATOL, run_ranks
+from tests.harness import FORWARD_ATOL, logged, run_ranks
 
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
 
@@ -77,21 +78,29 @@ def test_planning_runs_no_side_effect_twice():
         assert all(d <= FORWARD_ATOL for d in diffs.values()), diffs
 
 
-def decorated_generate(rank: int, world: int) -> dict:
-    """``parallel(tp=2)(LlamaForCausalLM)``: ``generate`` as the first call (greedy, 16 new
-    tokens, a DynamicCache), and a prefill's cache length, against one device."""
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+GREEDY = {"max_new_tokens": 16, "do_sample": False, "pad_token_id": 0}
+
+
+def _tiny_llama():
+    """A 2-layer transformers Llama (GQA: 8 heads, 4 kv heads), its config and a prompt of 8 tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=4)
-    reference = LlamaForCausalLM(config).eval()
-    ids = torch.randint(0, 128, (1, 8))
+    return config, LlamaForCausalLM(config).eval(), torch.randint(0, 128, (1, 8))
+
+
+def decorated_generate(rank: int, world: int) -> dict:
+    """``parallel(tp=2)(LlamaForCausalLM)``: ``generate`` as the first call (greedy, 16 new
+    tokens, a DynamicCache), and a prefill's cache length, against one device."""
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    config, reference, ids = _tiny_llama()
     Parallel = dtensor_par.parallel(tp=world, inner_backend="aot_eager")(LlamaForCausalLM)
     model = Parallel(config).eval()
     model.load_state_dict(reference.state_dict())
-    greedy = {"max_new_tokens": 16, "do_sample": False, "pad_token_id": 0}
-    tokens, expected = model.generate(ids, **greedy), reference.generate(ids, **greedy)
+    tokens, expected = model.generate(ids, **GREEDY), reference.generate(ids, **GREEDY)
 
     model = Parallel(config).eval()
     model.load_state_dict(reference.state_dict())
@@ -109,3 +118,56 @@ def test_decorated_transformers_llama_generates_one_devices_tokens():
         assert len(result["tokens"][0]) == 8 + 16, result
         assert result["cache"] == result["expected_cache"] == 8, result
         assert result["logits"] <= FORWARD_ATOL, result
+
+
+def _compiled_forward(model: nn.Module, backend) -> nn.Module:
+    """transformers' advice for ``generate``: compile ``forward``, call the module."""
+    model.forward = torch.compile(model.forward, backend=backend)
+    return model
+
+
+def _compiled_in_place(model: nn.Module, backend) -> nn.Module:
+    model.compile(backend=backend)
+    return model
+
+
+def _generate(model: nn.Module, ids: torch.Tensor) -> tuple[list, int]:
+    """``model.generate`` (greedy, 16 new tokens, a DynamicCache): its tokens and the plans it made."""
+    with logged(logging.INFO) as records:
+        tokens = model.generate(ids, **GREEDY).tolist()
+    return tokens, sum("hybrid_parallel: planned graph" in r.getMessage() for r in records)
+
+
+def generate_entry_points(rank: int, world: int) -> dict:
+    """``generate`` through each entry point, on a fresh copy of one model: whether it gives one
+    device's tokens, and whether it planned (no plan: the plain forward ran). ``torch.compile(model)``
+    generates twice (the second plans nothing) and leaves ``model`` itself uncompiled."""
+    _, reference, ids = _tiny_llama()
+    mesh = dtensor_par.init_mesh(tp=world)
+    expected = reference.generate(ids, **GREEDY).tolist()
+
+    def backend():
+        return dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager")
+
+    results = {}
+    compiled = torch.compile(copy.deepcopy(reference), backend=backend())
+    for name in ("torch.compile(model).generate", "torch.compile(model).generate, again"):
+        tokens, plans = _generate(compiled, ids)
+        results[name] = {"same tokens": tokens == expected, "planned": plans > 0}
+    results["model left uncompiled"] = compiled._orig_mod._compiled_call_impl is None
+    entry_points = {  # parallelize resets Dynamo's caches: after the compiled module's second generate
+        "compiled forward": _compiled_forward,
+        "model.compile()": _compiled_in_place,
+        "parallelize + compiled forward": lambda m, b: _compiled_forward(dtensor_par.parallelize(m, mesh, (ids,)), b),
+    }
+    for name, entry_point in entry_points.items():
+        tokens, plans = _generate(entry_point(copy.deepcopy(reference), backend()), ids)
+        results[name] = {"same tokens": tokens == expected, "planned": plans > 0}
+    return results
+
+
+def test_every_generate_entry_point_gives_one_devices_tokens():
+    for result in run_ranks(2, generate_entry_points):
+        assert result.pop("model left uncompiled"), result
+        assert result.pop("torch.compile(model).generate, again") == {"same tokens": True, "planned": False}, result
+        assert all(outcome == {"same tokens": True, "planned": True} for outcome in result.values()), result
