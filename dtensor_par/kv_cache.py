@@ -31,29 +31,35 @@ class CacheShard:
     local: torch.Tensor
     placements: dict[str, Placement]  # plan dim -> how ``local`` is cut (tp: heads, cp: sequence positions)
     mesh: MeshInfo  # the mesh it is cut over: a plan over another mesh cannot read it
-    positions: torch.Tensor | None = None  # cut over cp: the global sequence position of each local row
-    dropped: int = 0  # rows a sliding-window cache dropped before its first: round robin counts from there
+    owners: torch.Tensor | None = None  # cut over cp: the cp rank holding each row of the global cache
 
-    def appended(self, new: torch.Tensor, past: int) -> CacheShard:
-        """This shard with the rows of ``new`` (global positions ``past, past + 1, ...``) it
-        owns appended: cp rank ``p % cp`` owns the ``p``-th row the cache was ever given
-        (round robin)."""
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """The global row of each local row (local rows keep the global order)."""
+        return None if self.owners is None else (self.owners == self.mesh.dims["cp"].rank).nonzero().squeeze(1)
+
+    def appended(self, new: torch.Tensor) -> CacheShard:
+        """This shard with the rows of ``new`` it owns appended: each new row goes to the cp
+        rank holding the fewest (the lowest of those tied), so the ranks stay balanced."""
         seq, cp = shard_dim(self.placements["cp"]), self.mesh.dims["cp"]
-        positions = torch.arange(past, past + new.shape[seq], device=self.positions.device)
-        mine = ((positions + self.dropped) % cp.size == cp.rank).nonzero().squeeze(1)
+        counts = torch.bincount(self.owners, minlength=cp.size).tolist()
+        added = []
+        for _ in range(new.shape[seq]):
+            added.append(counts.index(min(counts)))
+            counts[added[-1]] += 1
+        added = torch.tensor(added, dtype=self.owners.dtype, device=self.owners.device)
+        mine = (added == cp.rank).nonzero().squeeze(1)
         return CacheShard(torch.cat([self.local, new.index_select(seq, mine.to(new.device))], seq),
-                          self.placements, self.mesh, torch.cat([self.positions, positions[mine]]), self.dropped)
-
+                          self.placements, self.mesh, torch.cat([self.owners, added]))
 
     def kept_last(self, n: int, length: int, seq: int) -> CacheShard:
-        """The shard of the last ``n`` rows of the ``length`` its cache holds (a sliding-window
-        cache), positions counted from the first row kept."""
+        """The shard of the last ``n`` of the ``length`` rows its cache holds (a sliding-window cache)."""
         start = max(0, length - n)
-        if self.positions is None:
+        if self.owners is None:
             return CacheShard(self.local.narrow(seq, start, length - start), self.placements, self.mesh)
         kept = (self.positions >= start).nonzero().squeeze(1)
         return CacheShard(self.local.index_select(seq, kept.to(self.local.device)), self.placements, self.mesh,
-                          self.positions[kept] - start, self.dropped + start)
+                          self.owners[start:])
 
 
 def laid_out(local: torch.Tensor, placements: dict[str, Placement], mesh: MeshInfo, length: int | None) -> CacheShard:
@@ -62,11 +68,15 @@ def laid_out(local: torch.Tensor, placements: dict[str, Placement], mesh: MeshIn
     seq = shard_dim(placements.get("cp"))
     if seq is None:
         return CacheShard(local, placements, mesh)
-    positions = shard_positions(length, mesh.dims["cp"]).to(local.device)
-    real = (positions < length).nonzero().squeeze(1)
-    if len(real) < len(positions):
-        local, positions = local.index_select(seq, real), positions[real]
-    return CacheShard(local, placements, mesh, positions)
+    cp = mesh.dims["cp"]
+    owners = torch.empty(length, dtype=torch.long)
+    for rank in range(cp.size):
+        positions = shard_positions(length, cp._replace(rank=rank))
+        owners[positions[positions < length]] = rank
+    real = (shard_positions(length, cp) < length).nonzero().squeeze(1)
+    if len(real) < local.shape[seq]:
+        local = local.index_select(seq, real.to(local.device))
+    return CacheShard(local, placements, mesh, owners.to(local.device))
 
 
 def hold(shard: CacheShard, global_shape: tuple[int, ...], grows_along: int | None) -> torch.Tensor:

@@ -199,7 +199,7 @@ def _held_rows_examples(fake_mode: FakeTensorMode, args, examples: list, positio
     examples, rows = list(examples), {}
     for i, a in enumerate(args):
         shard = cache_shard(a)
-        if shard is not None and shard.positions is not None:
+        if shard is not None and shard.owners is not None:
             seq = shard_dim(shard.placements["cp"])
             shape = list(shard.local.shape)
             shape[seq] = rows[i] = fresh_size(fake_mode.shape_env, shape[seq], f"held_rows{i}")
@@ -212,6 +212,18 @@ def _held_rows_examples(fake_mode: FakeTensorMode, args, examples: list, positio
 def _local_inputs(args, placements: list[dict[str, Placement]], feeding: WholeParameters, mesh: MeshInfo,
                   comm: str) -> list:
     return [feeding.local_input(a, p, mesh, comm) for a, p in zip(args, placements)]
+
+
+def _append(held, shape: list, new: torch.Tensor, c: CacheOutput):
+    """``held`` (of global ``shape``) with the rows ``new`` appended, and its new shape. A
+    sliding-window cache first drops the rows the window will lose, so that the new rows
+    keep the rows that remain balanced over the ranks."""
+    seq, added = c.grows_along, new.shape[c.grows_along]
+    if c.keep_last is not None:
+        kept = min(shape[seq], max(c.keep_last - added, 0))
+        held, shape[seq] = held.kept_last(kept, shape[seq], seq), kept
+    shape[seq] += added
+    return held.appended(new), shape
 
 
 @dataclass
@@ -241,10 +253,7 @@ class LocalGraph:
         for c in self.cache_outputs:
             out = outs[c.index]
             if c.appends_to is not None:
-                standin = args[c.appends_to]
-                shard = cache_shard(standin).appended(out, standin.shape[c.grows_along])
-                shape = list(standin.shape)
-                shape[c.grows_along] += out.shape[c.grows_along]
+                shard, shape = _append(cache_shard(args[c.appends_to]), list(args[c.appends_to].shape), out, c)
             else:
                 shape = list(self.specialization.sizes_at(c.global_shape, args) if self.specialization
                              else c.global_shape)

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import dtensor_par
 from tests import models
-from tests.harness import FORWARD_ATOL, logged, run_ranks
+from tests.harness import FORWARD_ATOL, logged, run_ranks, run_ranks_together
 
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
 
@@ -91,13 +91,13 @@ def _tiny_llama():
     return config, LlamaForCausalLM(config).eval(), torch.randint(0, 128, (1, 8))
 
 
-def decorated_generate(rank: int, world: int) -> dict:
-    """``parallel(tp=2)(LlamaForCausalLM)``: ``generate`` as the first call (greedy, 16 new
+def decorated_generate(rank: int, world: int, **sizes) -> dict:
+    """``parallel(**sizes)(LlamaForCausalLM)``: ``generate`` as the first call (greedy, 16 new
     tokens, a DynamicCache), and a prefill's cache length, against one device."""
     from transformers import DynamicCache, LlamaForCausalLM
 
     config, reference, ids = _tiny_llama()
-    Parallel = dtensor_par.parallel(tp=world, inner_backend="aot_eager")(LlamaForCausalLM)
+    Parallel = dtensor_par.parallel(**sizes, inner_backend="aot_eager")(LlamaForCausalLM)
     model = Parallel(config).eval()
     model.load_state_dict(reference.state_dict())
     tokens, expected = model.generate(ids, **GREEDY), reference.generate(ids, **GREEDY)
@@ -112,14 +112,101 @@ def decorated_generate(rank: int, world: int) -> dict:
             "logits": (logits - expected_logits).abs().max().item()}
 
 
+def _check_decorated_generate(result: dict) -> None:
+    assert result["tokens"] == result["expected"], result
+    assert len(result["tokens"][0]) == 8 + 16, result
+    assert result["cache"] == result["expected_cache"] == 8, result
+    assert result["logits"] <= FORWARD_ATOL, result
+
+
 def test_decorated_transformers_llama_generates_one_devices_tokens():
-    for result in run_ranks(2, decorated_generate):
-        assert result["tokens"] == result["expected"], result
-        assert len(result["tokens"][0]) == 8 + 16, result
-        assert result["cache"] == result["expected_cache"] == 8, result
-        assert result["logits"] <= FORWARD_ATOL, result
+    for result in run_ranks(2, decorated_generate, tp=2):
+        _check_decorated_generate(result)
 
 
+def _decoder(family: str):
+    """A 2-layer transformers Llama or Mistral (sliding window of 6) with GQA, and its config."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    sizes = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 8, "num_key_value_heads": 4}
+    if family == "llama":
+        config = LlamaConfig(**sizes)
+        return config, LlamaForCausalLM(config).eval()
+    config = MistralConfig(**sizes, sliding_window=6)
+    return config, MistralForCausalLM(config).eval()
+
+
+def _decode_steps(model, reference, config) -> dict:
+    """Prefill 9 tokens of a batch of two (the second padded by 3), then 8 steps of one token
+    and one of 3 (a speculative draft), feeding both models one device's tokens; the worst
+    logit difference, the cache length and the kv cache bytes held per rank."""
+    from transformers import DynamicCache
+
+    from dtensor_par.kv_cache import cache_shard
+
+    cache, reference_cache = DynamicCache(config=config), DynamicCache(config=config)
+    ids = torch.randint(0, 128, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    worst = 0.0
+    with torch.no_grad():
+        for step in range(10):
+            kwargs = {"attention_mask": mask, "past_key_values": cache, "use_cache": True}
+            logits = model(ids, **kwargs).logits
+            expected = reference(ids, **{**kwargs, "past_key_values": reference_cache}).logits
+            worst = max(worst, (logits - expected).abs().max().item())
+            ids = torch.randint(0, 128, (2, 3)) if step == 8 else expected[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+    layers = [(layer.keys, layer.values) for layer in cache.layers]
+    return {"logits": worst, "cache": cache.get_seq_length(), "expected_cache": reference_cache.get_seq_length(),
+            "held": sum(cache_shard(t).local.nbytes for kv in layers for t in kv),
+            "whole": sum(t.nbytes for layer in reference_cache.layers for t in (layer.keys, layer.values))}
+
+
+def cp_decode(rank: int, world: int, meshes: list[dict]) -> dict:
+    """Decode with the kv cache cut over cp (and tp), Llama and Mistral, on each mesh."""
+    results = {}
+    for sizes in meshes:
+        mesh = dtensor_par.init_mesh(**sizes)
+        for family in ("llama", "mistral"):
+            torch._dynamo.reset()  # each case compiles from scratch, as a fresh job would
+            config, reference = _decoder(family)
+            model = copy.deepcopy(reference)
+            model.forward = torch.compile(model.forward,
+                                          backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager"))
+            results[f"{family} {sizes}"] = _decode_steps(model, reference, config)
+    return results
+
+
+def _check_cp_decode(results: dict, parts: dict[str, int]) -> None:
+    for name, r in results.items():
+        assert r["logits"] <= FORWARD_ATOL, (name, r)
+        assert r["cache"] == r["expected_cache"], (name, r)
+        share = next(n for mesh, n in parts.items() if mesh in name)
+        block = 2 * 2 * 4 * 8 * 4 * 2  # one row of every layer's keys and values, batch 2
+        assert r["held"] <= r["whole"] / share + block, (name, r, share)
+
+
+def test_decode_with_the_kv_cache_cut_over_cp_matches_one_device():
+    """Prefill under cp leaves each rank its sequence rows; decode (1 and 3 new tokens, a
+    padded batch, a sliding window) attends to them and merges: one device's logits, and
+    at most 1/(tp x cp) of one device's cache bytes per rank (+ one row per layer)."""
+    calls = {"decode": (cp_decode, {"meshes": [{"ring": 2}, {"ulysses": 2}]}),
+             "generate": (decorated_generate, {"ring": 2})}
+    for result in run_ranks_together(2, calls):
+        _check_cp_decode(result["decode"], {"'ring'": 2, "'ulysses'": 2})
+        _check_decorated_generate(result["generate"])
+
+
+def test_decode_at_tp_x_ring_and_decorated_generate_under_cp():
+    """tp=2 x ring=2 decode; the decorator's ``generate`` with a cp prefill and cp decode."""
+    calls = {"decode": (cp_decode, {"meshes": [{"tp": 2, "ring": 2}]}),
+             "generate": (decorated_generate, {"tp": 2, "ulysses": 2})}
+    for result in run_ranks_together(4, calls):
+        _check_cp_decode(result["decode"], {"'tp': 2, 'ring': 2": 4})
+        _check_decorated_generate(result["generate"])
 def _compiled_forward(model: nn.Module, backend) -> nn.Module:
     """transformers' advice for ``generate``: compile ``forward``, call the module."""
     model.forward = torch.compile(model.forward, backend=backend)
