@@ -19,6 +19,12 @@ from .lowerings import FUNCTIONAL
 from .ring_kernels import as_4d, as_additive, block_forward
 
 
+def cache_buffer(source: torch.Tensor, size: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.zeros(size, dtype)`` on ``source``'s device: a static kv cache's buffer, which
+    ``source``'s rows are then written into (``passes.kv_cache``): planned cut as ``source`` is."""
+    return torch.zeros(size, dtype=dtype, device=source.device)
+
+
 def _columns(mask: torch.Tensor | None, keys: torch.Tensor, q_len: int, is_causal: bool,
              dtype: torch.dtype) -> torch.Tensor | None:
     """The additive mask of ``q_len`` query rows against the keys at global positions ``keys``:

@@ -8,7 +8,7 @@ import torch.fx as fx
 
 from .context import ParallelContext
 from .meta import set_site_role, set_weight_name, weight_name
-from .nodes import tensor_inputs, tensor_val, weight_param
+from .nodes import tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.attention import sdpa_arguments
 from .rules.indexing import cat_dim
 from .rules.pointwise import is_activation
@@ -81,15 +81,27 @@ def _walk_to_linears(stack: list[fx.Node], step, through: set[str], ctx: Paralle
         if op_kind(node) == "linear":
             if _has_param_weight(node, ctx):
                 linears.append(node)
-        elif op_kind(node) in through:
+        elif op_kind(node) in through or _written_into(node):
             walked.append(node)
             stack.extend(step(node))
     return linears, walked
 
 
+def _written_into(node: fx.Node) -> list[fx.Node]:
+    """What is written into ``node`` in place (a static kv cache's buffer gets its keys by
+    ``index_copy_``): the writes' other inputs."""
+    return [i for u in node.users if writes_in_place(u) and u.args[0] is node for i in u.all_input_nodes
+            if i is not node]
+
+
+def _written_from(node: fx.Node) -> list[fx.Node]:
+    """What ``node`` is computed from: its inputs, and what is written into it in place."""
+    return node.all_input_nodes + _written_into(node)
+
+
 def find_producers(start: fx.Node, through: set[str], ctx: ParallelContext) -> tuple[list[fx.Node], list[fx.Node]]:
     """Walk back from ``start`` through ops of the given kinds; return (linears, nodes walked)."""
-    return _walk_to_linears([start], lambda n: n.all_input_nodes, through, ctx)
+    return _walk_to_linears([start], _written_from, through, ctx)
 
 
 def find_consumers(start: fx.Node, through: set[str], ctx: ParallelContext) -> list[fx.Node]:

@@ -16,14 +16,14 @@ import torch
 import torch.fx as fx
 
 from ..kv_cache import cache_shard
-from ..ops.cache_attention import cached_attention
+from ..ops.cache_attention import cache_buffer, cached_attention
 from ..placements import Placement, shard_dim
 from .context import ParallelContext
 from .detect import AttentionSite
 from .nodes import tensor_inputs, tensor_val
 from .rules.attention import sdpa_arguments
 from ..symbolic import same_size
-from .capture import erase_unused
+from .capture import erase_unused, with_val
 from .rules.indexing import cat_dim, per_dim
 from .rules.registry import kinds_in, op_kind
 
@@ -45,6 +45,9 @@ def kv_cache_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     cp becomes ``cached_attention`` (``ops.cache_attention``)."""
     ctx.cache_inputs = cache_input_placements(gm, ctx)
     ctx.cache_outputs = find_cache_outputs(gm, ctx)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for c in ctx.cache_outputs:
+        to_cache_buffer(gm, output.args[0][c.index])
     appended = {}
     for site in ctx.sites:
         if isinstance(site, AttentionSite):
@@ -125,12 +128,31 @@ def find_cache_outputs(gm: fx.GraphModule, ctx: ParallelContext) -> tuple[CacheO
     return tuple(found)
 
 
+def to_cache_buffer(gm: fx.GraphModule, buffer: fx.Node) -> None:
+    """A static kv cache's buffer (``torch.zeros``) whose rows are then written in place
+    (``index_copy_``) becomes ``cache_buffer`` of the rows written: the plan cuts it as it
+    cuts them (each rank's heads), where a fresh ``zeros`` would stay whole."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    writers = [u for u in buffer.users if op_kind(u) == "index_copy" and u.args[0] is buffer]
+    if buffer.target is not torch.zeros or not writers:
+        return
+    writer = min(writers, key=order.__getitem__)
+    if any(order[u] < order[writer] for u in buffer.users):
+        return
+    val = tensor_val(buffer)
+    with gm.graph.inserting_before(writer):
+        node = gm.graph.call_function(cache_buffer, (writer.args[3], list(val.shape), val.dtype))
+    with_val(node, val)
+    buffer.replace_all_uses_with(node)
+    gm.graph.erase_node(buffer)
+
+
 def _held_rows(key: fx.Node, ctx: ParallelContext) -> tuple[fx.Node, fx.Node, fx.Node] | None:
     """(the cat, the held cache input, the new rows) when attention reads as ``key`` (or
     values) ``cat([cache, new])`` along the sequence of a cache held cut over cp, directly or
     through a repeat-kv (each kv head repeated for its query heads: as SDPA's ``enable_gqa``)."""
     cat = key
-    while op_kind(cat) in _ALIASES:
+    while op_kind(cat) in _ALIASES and tensor_inputs(cat):
         cat = tensor_inputs(cat)[0]
     parts = tensor_inputs(cat)
     if op_kind(cat) != "cat" or len(parts) != 2 or parts[0].name not in ctx.cache_inputs:

@@ -101,6 +101,22 @@ def setitem_rule(node, ins, cur, env):
     return NodeSharding(None, (p, R if broadcast else moved(p, d)))
 
 
+def index_copy_rule(node, ins, cur, env):
+    """``target.index_copy_(dim, index, source)`` (a static kv cache's write of new rows)
+    writes in place, so ``target`` stays as it is: whole, it takes ``source`` whole; cut off
+    ``dim``, it takes ``source`` cut alike. Anything else is refused, never gathered."""
+    p = cur[0]
+    if p == R:
+        return NodeSharding(R, tuple(R for _ in ins))
+    dim = norm_dim(arg(node, 1, "dim"), tensor_val(node.args[0]).dim())
+    if isinstance(p, Partial) or shard_dim(p) == dim or len(ins) != 3:
+        raise NotImplementedError(
+            f"plan: {node.name} ({node.target}) writes in place along dim {dim} into {ins[0].name} "
+            f"{list(tensor_val(ins[0]).shape)}, which is {p} on mesh dim {env.dim!r}: a write along a sharded dim "
+            f"cannot run on shards")
+    return NodeSharding(p, (p, R, p))
+
+
 def per_dim(index, ndim: int) -> list | None:
     """One entry per input dim (Ellipsis spelled out), or None when the index adds dims."""
     entries = list(index if isinstance(index, tuple) else (index,))
@@ -225,6 +241,7 @@ def localize_split(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
 
 register("getitem", "indexing", getitem_rule, functions=[operator.getitem], localize=localize_getitem)
 register("setitem", "indexing", setitem_rule, functions=[operator.setitem])
+register("index_copy", "indexing", index_copy_rule, methods=["index_copy_", "index_copy"])
 register("split", "indexing", split_rule, functions=[torch.chunk, torch.split],
          methods=["chunk", "split", "split_with_sizes"], localize=localize_split)
 register("unbind", "indexing", unbind_rule, functions=[torch.unbind], methods=["unbind"])

@@ -10,9 +10,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ...mesh import MeshInfo
+from ...ops.cache_attention import cache_buffer
 from ...ops.dropout import sharded_dropout
-from ...placements import Partial, Placement, shard_dim
-from ..meta import NodeSharding, placements
+from ...placements import Partial, Placement, Shard, shard_dim
+from ..meta import NodeSharding, placements, planned_local_shape
 from ..nodes import tensor_val
 from .core import R, moved, resolve_partial
 from .registry import op_kind, register
@@ -80,6 +81,19 @@ def new_tensor_rule(node, ins, cur, env):
     return NodeSharding(R, tuple(cur))
 
 
+def cache_buffer_rule(node, ins, cur, env):
+    """A static kv cache's buffer is cut as the rows written into it are, on a dim it has whole
+    (heads; the sequence it is written along stays whole)."""
+    p, size = cur[0], node.args[1]
+    d = shard_dim(p)
+    keep = isinstance(p, Shard) and d is not None and size[d] == tensor_val(ins[0]).shape[d]
+    return NodeSharding(p if keep else R, (p,))
+
+
+def localize_cache_buffer(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    node.args = (node.args[0], list(planned_local_shape(node, mesh)), *node.args[2:])
+
+
 def localize_dropout(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     """A dropout of a sharded tensor draws its shard's own mask (``ops.dropout``), not the
     mask every rank would draw alike; a replicated one stays as it is (the single-device mask)."""
@@ -112,4 +126,5 @@ register("new_tensor", "pointwise", new_tensor_rule, methods=["new_zeros", "new_
 register("cast", "pointwise", cast_rule, methods=["contiguous", "clone", "float", "half", "bfloat16", "double", "to",
                                                   "type_as", "detach"])
 
+register("cache_buffer", "pointwise", cache_buffer_rule, functions=[cache_buffer], localize=localize_cache_buffer)
 register("dropout", "pointwise", pointwise_rule, functions=[F.dropout], localize=localize_dropout)
