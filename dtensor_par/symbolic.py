@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, statically_known_true, sym_eq
-from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
+from torch.utils._sympy.functions import FloorDiv, Max, Min, Mod, PythonMod
 
 
 def _symbol(x) -> sympy.Symbol | None:
@@ -290,8 +290,8 @@ def materialize_sizes(gm: fx.GraphModule, symint_nodes: dict) -> None:
             fn, args = operator.floordiv, list(expr.args)
         elif isinstance(expr, (Mod, PythonMod)):
             fn, args = operator.mod, list(expr.args)
-        elif isinstance(expr, (sympy.Max, sympy.Min)):  # a sliding window's first key: max(0, n - window)
-            fn, args = (torch.sym_max if isinstance(expr, sympy.Max) else torch.sym_min), list(expr.args)
+        elif isinstance(expr, (Max, Min)):  # a sliding window's first key: max(0, n - window)
+            fn, args = (torch.sym_max if isinstance(expr, Max) else torch.sym_min), list(expr.args)
         else:
             raise NotSymbolic(f"cannot compute size {expr} in the graph")
         with graph.inserting_before(before):

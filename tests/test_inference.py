@@ -180,6 +180,45 @@ def cp_decode(rank: int, world: int, meshes: list[dict]) -> dict:
     return results
 
 
+def decode_plans(rank: int, world: int) -> dict:
+    """``generate`` through a compiled forward at tp, with a DynamicCache, a StaticCache and a
+    sliding-window cache (Mistral): one device's tokens, the plans made, and the cache bytes
+    each rank holds."""
+    from transformers import DynamicCache, StaticCache
+
+    from dtensor_par.kv_cache import cache_shard
+
+    mesh = dtensor_par.init_mesh(tp=world)
+    results = {}
+    ids = torch.randint(0, 128, (1, 8))
+    for name, family, make in (("dynamic", "llama", lambda c: DynamicCache(config=c)),
+                               ("static", "llama", lambda c: StaticCache(config=c, max_cache_len=32)),
+                               ("sliding window", "mistral", lambda c: DynamicCache(config=c))):
+        torch._dynamo.reset()
+        config, reference = _decoder(family)
+        model = _compiled_forward(copy.deepcopy(reference), dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager"))
+        cache = make(config)
+        with logged(logging.INFO) as records:
+            tokens = model.generate(ids, past_key_values=cache, **GREEDY).tolist()
+        tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        results[name] = {"same": tokens == reference.generate(ids, past_key_values=make(config), **GREEDY).tolist(),
+                         "plans": [r.getMessage() for r in records if "planned graph" in r.getMessage()],
+                         "held": sum(cache_shard(t).local.nbytes for t in tensors),
+                         "whole": sum(t.nbytes for t in tensors)}
+    return results
+
+
+def test_decode_is_one_plan_and_holds_this_ranks_heads():
+    """Prefill and decode plan once each (decode symbolic in the cache length for a
+    DynamicCache; a StaticCache's shapes do not change), and each rank holds half the cache."""
+    for results in run_ranks(2, decode_plans):
+        for name, r in results.items():
+            assert r["same"] and r["held"] * 2 == r["whole"], (name, r)
+            assert len(r["plans"]) == 2, (name, r["plans"])
+        for name in ("dynamic", "sliding window"):
+            assert "symbolic in" in results[name]["plans"][1], (name, results[name]["plans"])
+
+
 def _check_cp_decode(results: dict, parts: dict[str, int]) -> None:
     for name, r in results.items():
         assert r["logits"] <= FORWARD_ATOL, (name, r)
@@ -192,11 +231,12 @@ def _check_cp_decode(results: dict, parts: dict[str, int]) -> None:
 def test_decode_with_the_kv_cache_cut_over_cp_matches_one_device():
     """Prefill under cp leaves each rank its sequence rows; decode (1 and 3 new tokens, a
     padded batch, a sliding window) attends to them and merges: one device's logits, and
-    at most 1/(tp x cp) of one device's cache bytes per rank (+ one row per layer)."""
-    calls = {"decode": (cp_decode, {"meshes": [{"ring": 2}, {"ulysses": 2}]}),
+    at most 1/(tp x cp) of one device's cache bytes per rank (+ one row per layer). At tp
+    alone each rank holds its heads."""
+    calls = {"decode": (cp_decode, {"meshes": [{"tp": 2}, {"ring": 2}, {"ulysses": 2}]}),
              "generate": (decorated_generate, {"ring": 2})}
     for result in run_ranks_together(2, calls):
-        _check_cp_decode(result["decode"], {"'ring'": 2, "'ulysses'": 2})
+        _check_cp_decode(result["decode"], {"'tp'": 2, "'ring'": 2, "'ulysses'": 2})
         _check_decorated_generate(result["generate"])
 
 

@@ -106,15 +106,15 @@ def _window(node: fx.Node, read: set[fx.Node]) -> tuple[fx.Node, int] | None:
 
 
 def find_cache_outputs(gm: fx.GraphModule, ctx: ParallelContext) -> tuple[CacheOutput, ...]:
-    """The outputs an attention reads as keys or values. With cp, a sliding-window cache's
-    last rows are kept by the runtime (``keep_last``), from the cache the plan holds cut."""
+    """The outputs an attention reads as keys or values. A sliding-window cache's last rows
+    are kept by the runtime (``keep_last``), from the cache the plan holds cut."""
     read = _read_as_keys_or_values(ctx)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outs, found = list(output.args[0]), []
     for i, node in enumerate(outs):
         if not isinstance(node, fx.Node) or tensor_val(node) is None:
             continue
-        window = _window(node, read) if ctx.mesh.size("cp") > 1 else None
+        window = _window(node, read)
         if window is not None:
             outs[i] = window[0]
         elif node not in read or node.op == "placeholder":
