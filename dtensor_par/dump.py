@@ -1,8 +1,8 @@
 """Graph dumps: what each pass made of a graph, the collectives, the plan as JSON, the mesh.
 
 A dump folder holds, for one compiled graph: ``0_dynamo.py`` (the graph as Dynamo captured
-it), one file per pass (``1_capture.py`` ... ``8_lower.py``, the graph the inner backend
-compiles), ``9_aten.py`` (with the functional lowering, its forward traced to aten ops on
+it), one file per pass (``1_capture.py`` ... ``9_lower.py``, the graph the inner backend
+compiles), ``10_aten.py`` (with the functional lowering, its forward traced to aten ops on
 fake tensors: the functional collectives gloo and NCCL run, as they are), ``sites.txt``,
 ``collectives.md``, ``plan.json`` and ``mesh.svg``.
 """

@@ -20,9 +20,9 @@ from tests import factories, models
 from tests.conftest import GoldenTestCase, _init_fake
 from tests.harness import FUNCTIONAL_OPS, executed_collectives
 
-PASS_FILES = ["0_dynamo.py", "1_capture.py", "2_canonicalize.py", "3_detect.py", "4_rewrite.py", "5_sequence.py",
-              "6_plan.py", "7_localize.py", "8_lower.py", "9_aten.py", "collectives.md", "mesh.svg", "plan.json",
-              "sites.txt"]
+PASS_FILES = sorted(["0_dynamo.py", "1_capture.py", "2_canonicalize.py", "3_detect.py", "4_kv_cache.py", "5_rewrite.py",
+                     "6_sequence.py", "7_plan.py", "8_localize.py", "9_lower.py", "10_aten.py", "collectives.md",
+                     "mesh.svg", "plan.json", "sites.txt"])
 
 
 def _compile_and_run(tmp_path, world: int, **options) -> None:
@@ -60,10 +60,10 @@ mlp0: mlp up=['fc'] down=['fc_out'] activations=['gelu']
 | backward | all_reduce | tp | 8 | 8192 | 1 | mlp0.colwise |
 | forward | all_reduce | tp | 8 | 8192 | 1 | mlp0.rowwise |
 """)
-        lowered = read("9_aten.py")
+        lowered = read("10_aten.py")
         assert lowered.count("torch.ops._c10d_functional.all_reduce.default") == 2
         assert lowered.count("torch.ops._c10d_functional.wait_tensor.default") == 2
-        self.assertExpectedInline(read("6_plan.py"), """\
+        self.assertExpectedInline(read("7_plan.py"), """\
 l_x_ = input('L_x_')  # [2, 16, 64]  tp: R
 l_self_modules_ln1_parameters_weight_ = input('L_self_modules_ln1_parameters_weight_')  # ln1.weight  [64]  tp: R
 l_self_modules_ln1_parameters_bias_ = input('L_self_modules_ln1_parameters_bias_')  # ln1.bias  [64]  tp: R
@@ -216,7 +216,7 @@ def test_explain_counts_repeated_kv_heads_once_in_the_ulysses_exchange(tmp_path,
                  and c["mesh_dims"] == "ulysses" for _ in range(c["count"])]
     assert sorted(exchanges) == [per_head * 8, per_head * 2 * 4, per_head * 8]  # q, k/v, the output back
     assert "attention0: attention hybrid_attention, 8 heads, 4 kv heads" in graph.sites[0]
-    rewritten = (tmp_path / "graph0" / "4_rewrite.py").read_text()
+    rewritten = (tmp_path / "graph0" / "5_rewrite.py").read_text()
     (attention,) = [line for line in rewritten.splitlines() if "hybrid_attention(" in line]
     assert "enable_gqa=True" in attention
     assert "expand(" not in rewritten and "repeat_interleave" not in rewritten and "reshape(" in rewritten
