@@ -6,8 +6,8 @@ them back as graph inputs. The runtime keeps this rank's piece of each (its head
 its sequence positions over cp) in a ``CacheShard``, and the cache object holds a stand-in:
 a NaN expanded to the global shape, which owns no memory. Dynamo traces the model on global
 shapes as ever; when a stand-in comes back as an input, the graph is fed its shard. Code that
-reads the cache's values outside the compiled model reads NaN, never a wrong number; its
-shape (``get_seq_length()``) is the global one.
+reads the cache's values outside the compiled model gets an error (``HeldCache``), never a
+wrong number; its shape (``get_seq_length()``) is the global one.
 """
 
 from __future__ import annotations
@@ -79,6 +79,29 @@ def laid_out(local: torch.Tensor, placements: dict[str, Placement], mesh: MeshIn
     return CacheShard(local, placements, mesh, owners.to(local.device))
 
 
+class HeldCache(torch.Tensor):
+    """A stand-in's type: inside a compiled call it is a plain tensor of the global shape;
+    outside, any op that reads it raises, so a cache the compiled model holds can never feed
+    an eager computation (a graph break, Dynamo's recompile limit, an edit of the cache) a NaN.
+    Its metadata (shape, dtype, device) reads as the global tensor's."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if not torch.compiler.is_compiling() and getattr(func, "__name__", None) not in _METADATA:
+            raise RuntimeError(
+                f"dtensor_par: {getattr(func, '__name__', func)} read a kv cache tensor that a compiled model holds "
+                f"sharded (its ranks keep the pieces; the cache keeps a stand-in): it runs only inside the compiled "
+                f"model. Dynamo ran part of the model eagerly (a graph break, or torch._dynamo's recompile limit: "
+                f"see its warnings), or the cache was edited outside the model (cropped, reordered, copied)")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+_METADATA = {"__get__", "size", "dim", "numel", "stride", "is_contiguous", "element_size", "is_floating_point",
+             "__len__", "__repr__", "__format__"}
+"""What code outside the compiled model may ask a stand-in: ``cache.get_seq_length()`` reads its shape."""
+
+
 def hold(shard: CacheShard, global_shape: tuple[int, ...], grows_along: int | None) -> torch.Tensor:
     """The stand-in the model's cache keeps for ``shard``. ``grows_along``: the sequence dim a
     ``DynamicCache`` appends to, marked dynamic so that the first decode step is already
@@ -86,6 +109,7 @@ def hold(shard: CacheShard, global_shape: tuple[int, ...], grows_along: int | No
     dynamic shapes step in)."""
     local = shard.local
     standin = torch.full((), float("nan"), dtype=local.dtype, device=local.device).expand(global_shape)
+    standin = standin.as_subclass(HeldCache)
     setattr(standin, CACHE_OF, shard)
     if grows_along is not None:
         torch._dynamo.maybe_mark_dynamic(standin, grows_along)
