@@ -21,7 +21,7 @@ def hybrid_parallel(mesh: DeviceMesh, **options) -> ParallelBackend:
     the sequence over ring x ulysses and attention runs as Ulysses x ring hybrid attention.
     ``options`` are ``config.ParallelConfig``'s fields (``inner_backend``, ``output``,
     ``sequence_parallel``, ``collectives``, ``ulysses_impl``, ``replica_group_limit``,
-    ``grad_bucket_mb``, ``dump_dir``, ``cache_limit``), each documented there.
+    ``grad_bucket_mb``, ``dump_dir``, ``plan_cache``, ``cache_limit``), each documented there.
 
     Sizes Dynamo made symbolic (``dynamic=True``, ``mark_dynamic``, or its automatic dynamic
     shapes at the second size) are planned and compiled once, for every size; ``dynamic=False``

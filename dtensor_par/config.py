@@ -54,6 +54,10 @@ class ParallelConfig:
     inner_backend: str | Callable = _option(
         "inductor", "what compiles each rank's graph: 'inductor', 'aot_eager', 'eager' or a backend callable",
         plan=False)
+    plan_cache: bool = _option(
+        True, "keep each rank's plans on disk next to inductor's caches, so a job run again skips planning "
+              "(default: $DTENSOR_PAR_PLAN_CACHE, 0 for off)",
+        plan=False, factory=lambda: os.environ.get("DTENSOR_PAR_PLAN_CACHE", "1") != "0")
     cache_limit: int = _option(
         8, "plans kept per captured graph (sizes or dtypes a plan does not serve); least recently used dropped",
         plan=False)
@@ -63,8 +67,9 @@ class ParallelConfig:
             choices, value = f.metadata["choices"], getattr(self, f.name)
             if choices is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
-        if not isinstance(self.sequence_parallel, bool):
-            raise TypeError(f"sequence_parallel must be a bool, got {self.sequence_parallel!r}")
+        for name in ("sequence_parallel", "plan_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("replica_group_limit", "cache_limit"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

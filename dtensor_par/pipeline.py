@@ -32,16 +32,22 @@ PASSES = (capture_pass, canonicalize_pass, detect_pass, kv_cache_pass, rewrite_p
 PLANNING_PASSES = PASSES[:PASSES.index(plan_pass) + 1]  # enough for every node's placement
 
 
+def on_captured(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
+    """``graph`` as a module over the captured ``gm``: its attributes and meta (Dynamo's, which
+    the compile reads). It is a lazy graph module, as Dynamo makes them: each pass's
+    ``recompile`` only marks its code stale, and the code is generated once, when the graph is
+    first called or printed."""
+    module = _LazyGraphModule(gm, graph)
+    module.meta.update(gm.meta)
+    return module
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy whose graph the passes may mutate; node meta is copied shallowly. It is a lazy
-    graph module, as Dynamo makes them: each pass's ``recompile`` only marks its code stale,
-    and the code is generated once, when the graph is first called or printed."""
+    """A copy whose graph the passes may mutate; node meta is copied shallowly."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    copy = _LazyGraphModule(gm, graph)
-    copy.meta.update(gm.meta)
-    return copy
+    return on_captured(gm, graph)
 
 
 def _step(step, gm: fx.GraphModule, ctx: ParallelContext):

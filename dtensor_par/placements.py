@@ -34,6 +34,9 @@ class InterleavedShard(Placement):
     def __repr__(self) -> str:
         return f"IS({self.dim},{list(self.parts)})"
 
+    def __reduce__(self):
+        return InterleavedShard, (self.dim, self.parts)  # its pybind base does not pickle (the plan cache does)
+
 
 def shard_dim(p: Placement) -> int | None:
     """The tensor dim a placement splits, or None for Replicate/Partial."""

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import glob
-import hashlib
 import itertools
 import os
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ from .passes.capture import record_module_names, scalar_inputs
 from .passes.context import PlanningError
 from .passes.kv_cache import CacheOutput
 from .passes.overlap import overlapped_aot_eager
+from .plancache import Plan, PlanStore, plan_key, source_digest
 from .placements import Placement, shard_dim
 from .symbolic import NotSymbolic, Specialization, SymbolicInputs, fresh_size, static_fakes
 
@@ -131,25 +130,14 @@ def _route_generate_of_compiled_modules() -> None:
     OptimizedModule.__init__ = __init__
 
 
-@functools.cache
-def _source_digest() -> str:
-    """A digest of dtensor_par's source: what its functions in a graph do, for the compile caches."""
-    root = os.path.dirname(os.path.abspath(__file__))
-    digest = hashlib.sha256()
-    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
-        with open(path, "rb") as f:
-            digest.update(os.path.relpath(path, root).encode() + b"\0" + f.read())
-    return digest.hexdigest()
-
-
 def cacheable_functions(gm: fx.GraphModule) -> dict[str, str]:
     """Inductor's ``unsafe_marked_cacheable_functions`` with dtensor_par's functions ``gm`` calls
-    (the collectives localize inserts) added, each keyed by ``_source_digest``. AOTAutograd's
+    (the collectives localize inserts) added, each keyed by ``source_digest``. AOTAutograd's
     cache refuses a graph that calls a function it does not know; these are pure functions of
     their arguments, which the graph's code (the cache key) spells out."""
     ours = sorted({f"{n.target.__module__}.{n.target.__name__}" for n in gm.graph.nodes if n.op == "call_function"
                    and (getattr(n.target, "__module__", None) or "").startswith(f"{__package__}.")})
-    return {**torch._inductor.config.unsafe_marked_cacheable_functions, **dict.fromkeys(ours, _source_digest())}
+    return {**torch._inductor.config.unsafe_marked_cacheable_functions, **dict.fromkeys(ours, source_digest())}
 
 
 def record_example_values(gm: fx.GraphModule, examples: list, fake_mode: FakeTensorMode) -> None:
@@ -171,6 +159,15 @@ def record_example_values(gm: fx.GraphModule, examples: list, fake_mode: FakeTen
 
 
 def compile_local(backend: Callable, gm: fx.GraphModule, examples: list, fake_mode=None) -> Callable:
+    """``record_example_values``, then ``compile_recorded``: how the runtime compiles a graph it planned.
+    ``fake_mode`` None: real examples (tests), whose fake copies carry the example values."""
+    if fake_mode is None:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    record_example_values(gm, static_fakes(fake_mode, examples), fake_mode)
+    return compile_recorded(backend, gm, examples, fake_mode)
+
+
+def compile_recorded(backend: Callable, gm: fx.GraphModule, examples: list, fake_mode: FakeTensorMode) -> Callable:
     """``backend(gm, examples)`` under the context Dynamo gives a backend: the runtime compiles
     at the first call, outside Dynamo.
 
@@ -180,12 +177,9 @@ def compile_local(backend: Callable, gm: fx.GraphModule, examples: list, fake_mo
       compile caches serve the graph.
     - Lazy graph modules: the graphs AOTAutograd builds generate their Python code when first
       called, not each time one is built or edited (a tenth of the first call's time).
-    - ``cacheable_functions`` and ``record_example_values``: a job run again reuses what the
-      caches kept of this graph.
+    - ``cacheable_functions`` and the nodes' example values (``record_example_values``, or a
+      cached plan's): a job run again reuses what the caches kept of this graph.
     """
-    if fake_mode is None:  # real examples (tests): fake copies of them carry the example values
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    record_example_values(gm, static_fakes(fake_mode, examples), fake_mode)
     with torch._guards.tracing(torch._guards.TracingContext(fake_mode)), \
             _use_lazy_graph_module(torch._dynamo.config.use_lazy_graph_module), \
             torch._inductor.config.patch(unsafe_marked_cacheable_functions=cacheable_functions(gm)):
@@ -378,33 +372,56 @@ class ParallelRuntime:
         return self._compile(args, key, None)
 
     def _compile(self, args, key: tuple, spec: Specialization | None) -> LocalGraph:
-        """Plan and compile for ``args``; with ``spec``, on its symbolic sizes."""
+        """Plan (or read the plan from the plan cache) and compile for ``args``; with ``spec``, on
+        its symbolic sizes."""
         feeding = feeding_for(args)
+        # static sizes are compiled on fakes too, as Dynamo hands them over: the compile caches need a ShapeEnv
+        fake_mode = spec.fake_mode if spec else FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+        store = self._plan_store(args, key, spec, feeding)
+        cached = store.load(self.gm, spec, fake_mode) if store else None
+        local_gm, plan = cached or self._plan(args, spec, feeding)
+        feeding.check(plan.params(args), plan.param_placements, args, self.mesh)
+        examples = self._local_examples(args, spec, plan, feeding, fake_mode)
+        if cached:
+            logger.info("hybrid_parallel: graph %d: plan read from the plan cache (%s)", self.id, store.path)
+            for warning in plan.warnings:
+                logger.warning(warning)
+        else:
+            record_example_values(local_gm, examples, fake_mode)
+            if store:
+                store.save(local_gm, plan, spec)
+        fn = compile_recorded(self.backend.inner, local_gm, examples, fake_mode)
+        if spec is not None:
+            spec.seal()
+        return LocalGraph(fn, plan.input_placements, plan.output_placements, plan.comm, feeding, key, spec,
+                          plan.cache_outputs, plan.positions_of)
+
+    def _plan_store(self, args, key: tuple, spec: Specialization | None, feeding: WholeParameters) -> PlanStore | None:
+        """Where the plan cache keeps this plan; None when it is off (``plan_cache``, or a dump
+        folder: the dump needs the passes)."""
+        if not self.config.plan_cache or self.config.dump_dir is not None:
+            return None
+        return PlanStore(plan_key(self.gm, args, key, spec is not None, self.config, self.info, feeding))
+
+    def _plan(self, args, spec: Specialization | None, feeding: WholeParameters) -> tuple[fx.GraphModule, Plan]:
         local_gm, ctx = parallelize_graph(self.gm, args, self.info, self.config, feeding=feeding, dump=self._dump(),
                                           specialization=spec)
-        feeding.check(ctx.params, ctx.param_placements, args, self.mesh)
-        placeholders = [n for n in local_gm.graph.nodes if n.op == "placeholder"]
-        input_placements = [meta.placements(n) for n in placeholders]
+        return local_gm, Plan.of(local_gm, ctx)
+
+    def _local_examples(self, args, spec: Specialization | None, plan: Plan, feeding: WholeParameters,
+                        fake_mode: FakeTensorMode) -> list:
+        """This rank's pieces of the inputs, as fakes of ``fake_mode``: what the inner backend compiles for."""
         examples = args
         if spec is not None:  # the inner backend compiles for the symbolic sizes; parameters are sliced as at run time
             examples = [a if isinstance(a, torch.nn.Parameter) or standin_param(a) is not None else x
                         for a, x in zip(args, spec.global_inputs)]
         with torch.no_grad(), (spec.fake_mode if spec else contextlib.nullcontext()):
-            local = _local_inputs(examples, input_placements, feeding, self.info, ctx.comm)
+            local = _local_inputs(examples, plan.input_placements, feeding, self.info, plan.comm)
             # a held kv cache shard is fed as the runtime holds it: contiguous, not its stand-in's strides
             local = [x.contiguous() if cache_shard(a) is not None else x for x, a in zip(local, args)]
-        # static sizes are compiled on fakes too, as Dynamo hands them over: the compile caches need a ShapeEnv
-        fake_mode = spec.fake_mode if spec else FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         examples = [x.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else x
                     for x, a in zip(static_fakes(fake_mode, local), args)]
-        index = {n.name: i for i, n in enumerate(placeholders)}
-        positions_of = tuple(index[ctx.positions_of[n.name]] for n in placeholders[len(args):])
-        fn = compile_local(self.backend.inner, local_gm, _held_rows_examples(fake_mode, args, examples, positions_of),
-                           fake_mode)
-        if spec is not None:
-            spec.seal()
-        return LocalGraph(fn, input_placements, ctx.output_placements, ctx.comm, feeding, key, spec, ctx.cache_outputs,
-                          positions_of)
+        return _held_rows_examples(fake_mode, args, examples, plan.positions_of)
 
     def _as_dtensor(self, out, placements: dict[str, Placement] | None):
         """A local output as a DTensor: tp as planned, the sequence shard on ulysses (the plan

@@ -76,6 +76,13 @@ class Specialization:
         placeholders = [x for x in self.global_inputs if isinstance(x, (torch.Tensor, torch.SymInt))]
         self.code = self.shape_env.produce_guards_expression(placeholders)
 
+    def unconstrained(self) -> bool:
+        """Whether nothing was decided on the sizes (no guard, replacement, runtime assert or
+        data-dependent size): a fresh specialization of the same inputs is then this one."""
+        env = self.shape_env
+        return not (env.guards or env.replacements or env.deferred_runtime_asserts) and env.var_to_range.keys() == \
+            self.names.keys()
+
     def _placeholder_args(self, args) -> list:
         return [a for a, x in zip(args, self.global_inputs) if isinstance(x, (torch.Tensor, torch.SymInt))]
 

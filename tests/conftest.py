@@ -1,3 +1,5 @@
+import os
+
 import expecttest
 import pytest
 import torch
@@ -9,6 +11,9 @@ from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.pipeline import parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.config import ParallelConfig
+
+# every test plans afresh (tests patch passes and count plans); the plan cache's own tests turn it on
+os.environ.setdefault("DTENSOR_PAR_PLAN_CACHE", "0")
 
 
 def _init_fake(world: int) -> None:

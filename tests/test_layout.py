@@ -20,7 +20,7 @@ FLOORS = (
     ("passes.rules",),
     ("passes.context",),
     ("passes",),  # the passes themselves
-    ("dump", "pipeline"),
+    ("dump", "pipeline", "plancache"),
     ("sharded", "runtime", "api", "explain", "__init__", "__main__"),
 )
 

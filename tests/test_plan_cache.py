@@ -1,0 +1,77 @@
+"""The plan cache: a job run again reads each rank's plans from disk instead of planning them,
+and computes what one device does; a change to anything a plan depends on misses it."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+import torch
+
+import dtensor_par
+from dtensor_par import plancache
+from tests import models
+from tests.harness import compare, logged, run_ranks
+
+LENGTHS = (8, 12, 16)  # the first compiles static, the second symbolic: two plans per rank
+
+
+def _gpt(layers: int = 1) -> torch.nn.Module:
+    return models.GPT(layers=layers)
+
+
+def _job(mesh, make_model=_gpt, **options) -> dict:
+    """A fresh compile of the model on ``mesh`` (as a new process makes it) trained over LENGTHS
+    against one device; how many plans it made, how many it read from the cache, what it warned."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    backend = dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager", plan_cache=True, **options)
+    inputs = [(torch.randn(2, seq, 32),) for seq in LENGTHS]
+    with logged(logging.INFO) as records:
+        worst = compare(make_model(), inputs, lambda m: torch.compile(m, backend=backend))
+    messages = [r.getMessage() for r in records]
+    return {**worst, "plans": sum("planned graph" in m for m in messages),
+            "read": sum("plan read from the plan cache" in m for m in messages),
+            "unreadable": sum("unreadable plan cache entry" in m for m in messages)}
+
+
+def _with_source_digest(mesh, digest: str) -> dict:
+    """The job as if dtensor_par's source had changed."""
+    real = plancache.source_digest
+    plancache.source_digest = lambda: digest
+    try:
+        return _job(mesh)
+    finally:
+        plancache.source_digest = real
+
+
+def _corrupt_entries(mesh, cache: str) -> dict:
+    """The job after every stored plan was overwritten with garbage."""
+    for path in glob.glob(os.path.join(cache, plancache.PLANS_DIR, "*.pkl")):
+        with open(path, "wb") as f:
+            f.write(b"not a plan")
+    return _job(mesh)
+
+
+def _runs(rank: int, world: int, *, cache: str) -> dict:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # the plan cache's folder, as inductor's
+    mesh = dtensor_par.init_mesh(tp=2)  # one mesh: a new one's process groups have other names, so other keys
+    return {"cold": _job(mesh), "warm": _job(mesh), "other config": _job(mesh, grad_bucket_mb=1.0),
+            "other graph": _job(mesh, lambda: _gpt(layers=2)), "other source": _with_source_digest(mesh, "changed"),
+            "sp cold": _job(mesh, sequence_parallel=True), "sp warm": _job(mesh, sequence_parallel=True),
+            "corrupt": _corrupt_entries(mesh, cache)}
+
+
+def test_a_warm_start_reads_every_plan_and_a_changed_key_reads_none(tmp_path):
+    """Each rank: the second run of a job reads both its plans and computes what one device
+    does; another plan option, another graph or another dtensor_par source plans afresh. A
+    symbolic plan that decided on its sizes (Megatron-SP's divisibility by tp) is not stored,
+    and an unreadable entry is planned again, with a warning."""
+    for rank in run_ranks(2, _runs, cache=str(tmp_path)):
+        assert rank["cold"]["plans"] == 2 and rank["cold"]["read"] == 0, rank
+        assert rank["warm"]["read"] == rank["warm"]["plans"] == 2, rank
+        for name in ("other config", "other graph", "other source", "sp cold"):
+            assert rank[name]["read"] == 0 and rank[name]["plans"] == 2, (name, rank)
+        assert rank["sp warm"]["read"] == 1 and rank["sp warm"]["plans"] == 2, rank  # the static plan only
+        assert rank["corrupt"]["read"] == 0 and rank["corrupt"]["unreadable"] == 2, rank
