@@ -1,10 +1,16 @@
 """kv_cache: find the kv cache a graph keeps between calls (``dtensor_par.kv_cache``).
 
 An output is a cache tensor when an attention reads it as its keys or values, directly or
-through views (a repeat-kv expand, the filled part of a buffer): the model keeps it for its
-next call. The plan holds it as it computed it, never gathered, and the runtime keeps this
-rank's piece. An input that is a cache stand-in arrives cut as its shard was, and the plan
-starts from those placements.
+through views (a repeat-kv expand, the filled part of a buffer), or when it is the last rows
+of one (a sliding-window cache, whose trim the runtime then does): the model keeps it for
+its next call. The plan holds it as it computed it, never gathered, and the runtime keeps
+this rank's piece. An input that is a cache stand-in arrives cut as its shard was, and the
+plan starts from those placements. Three rewrites follow from that:
+
+- a static cache's fresh buffer is made cut as the rows written into it (``cache_buffer``);
+- attention to ``cat([cache, new])`` of a cache cut over cp becomes ``cached_attention``,
+  and the graph returns the new rows, which the runtime appends to the shards;
+- a window's slice of the cache is left to the runtime (``CacheOutput.keep_last``).
 """
 
 from __future__ import annotations
@@ -18,12 +24,12 @@ import torch.fx as fx
 from ..kv_cache import cache_shard
 from ..ops.cache_attention import cache_buffer, cached_attention
 from ..placements import Placement, shard_dim
+from ..symbolic import same_size
+from .capture import erase_unused, with_val
 from .context import ParallelContext
 from .detect import AttentionSite
 from .nodes import tensor_inputs, tensor_val
 from .rules.attention import sdpa_arguments
-from ..symbolic import same_size
-from .capture import erase_unused, with_val
 from .rules.indexing import cat_dim, per_dim
 from .rules.registry import kinds_in, op_kind
 
@@ -37,7 +43,7 @@ class CacheOutput:
     grows_along: int | None  # the dim a ``cat`` appends to (DynamicCache); None: a buffer (StaticCache)
     global_shape: tuple  # its shape (sizes may be symbols of the plan's specialization)
     appends_to: int | None = None  # new rows appended to the held cache input at this index (cut over cp)
-    keep_last: int | None = None  # the runtime keeps only the last rows (a sliding-window cache, with cp)
+    keep_last: int | None = None  # the runtime keeps only the last rows (a sliding-window cache)
 
 
 def kv_cache_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
