@@ -193,12 +193,14 @@ class PlanStore:
                 raise _Unstorable("planning decided on its sizes")
             if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes):
                 raise _Unstorable("it has attributes or submodules")
+            if any(isinstance(n, torch.SymInt) for c in plan.cache_outputs for n in c.global_shape):
+                raise _Unstorable("the shape of its kv cache is symbolic")
             symbols = list(spec.names) if spec else []
             values = {n.name: _stored_value(n.meta["example_value"], set(symbols))
                       for n in gm.graph.nodes if "example_value" in n.meta}
             data = pickle.dumps({"graph": _stored_graph(gm), "plan": plan, "symbols": symbols,
                                  "example_values": values})
-        except (_Unstorable, pickle.PicklingError, AttributeError, TypeError, RuntimeError) as e:  # pybind: RuntimeError
+        except (_Unstorable, pickle.PicklingError, AttributeError, TypeError) as e:
             logger.info("hybrid_parallel: the plan cache will not keep this plan: %s", e)
             return
         os.makedirs(os.path.dirname(self.path), exist_ok=True)

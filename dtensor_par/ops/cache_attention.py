@@ -2,7 +2,7 @@
 
 After a prefill under context parallelism each cp rank keeps the cache rows of its own
 sequence positions (``kv_cache.CacheShard.positions``, in any layout: contiguous, zigzag,
-appended round robin). A decode step's few queries are not cut: every rank holds them whole,
+appended to the rank holding the fewest). A decode step's few queries are not cut: every rank holds them whole,
 attends them to the cache rows it holds and to the step's new rows (the same on every rank),
 and the partial results merge by their log-sum-exp after one all-gather across cp. Masks
 (causal, sliding window, key padding: any ``attn_mask`` over the global key positions) hold

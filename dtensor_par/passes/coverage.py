@@ -103,7 +103,7 @@ def _runs_parallel(site, ctx: ParallelContext) -> bool:
 def held_cache_bytes(gm: fx.GraphModule, ctx: ParallelContext) -> tuple[int, int]:
     """(bytes this rank holds, bytes one device holds) of the kv cache the graph returns: each
     cache output cut as planned or, when it is rows appended to a cache held cut over cp, as
-    that cache is (this rank's share of the rows, round robin)."""
+    that cache is (this rank's share of the rows: the runtime keeps the ranks balanced)."""
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     held = whole = 0

@@ -28,7 +28,7 @@ from ..symbolic import same_size
 from .capture import erase_unused, with_val
 from .context import ParallelContext
 from .detect import AttentionSite
-from .nodes import tensor_inputs, tensor_val
+from .nodes import arg, tensor_inputs, tensor_val
 from .rules.attention import sdpa_arguments
 from .rules.indexing import cat_dim, per_dim
 from .rules.registry import kinds_in, op_kind
@@ -147,7 +147,7 @@ def to_cache_buffer(gm: fx.GraphModule, buffer: fx.Node) -> None:
         return
     val = tensor_val(buffer)
     with gm.graph.inserting_before(writer):
-        node = gm.graph.call_function(cache_buffer, (writer.args[3], list(val.shape), val.dtype))
+        node = gm.graph.call_function(cache_buffer, (arg(writer, 3, "source"), list(val.shape), val.dtype))
     with_val(node, val)
     buffer.replace_all_uses_with(node)
     gm.graph.erase_node(buffer)
@@ -226,6 +226,5 @@ def append_new_rows(gm: fx.GraphModule, ctx: ParallelContext, appended: dict) ->
         found.append(c)
     output.args = (tuple(outs),)
     for node in appended:
-        if not node.users:
-            gm.graph.erase_node(node)
+        erase_unused(gm, node)
     return tuple(found)
