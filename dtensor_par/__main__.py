@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     ex = commands.add_parser("explain", help="plan a model at any mesh size and print the plan")
     ex.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (model, example_inputs)")
     for dim in MESH_DIMS:
-        ex.add_argument(f"--{dim}", type=int, default=1, help=f"size of mesh dim {dim!r}")
+        ex.add_argument(f"--{dim.replace('_', '-')}", type=int, default=1, help=f"size of mesh dim {dim!r}")
     ex.add_argument("--order", help="the mesh dims, comma-separated, the last fastest (default: by device type)")
     ex.add_argument("--device-type", default="cuda")
     ex.add_argument("--svg", help="write the mesh picture to this file")

@@ -35,7 +35,8 @@ _COMPILED = "_dtensor_par_compiled"
 """The attribute of a decorated instance holding its compiled call, once made."""
 
 
-def parallel(tp: int = 1, ring: int = 1, ulysses: int = 1, *, mesh: DeviceMesh | None = None, **options):
+def parallel(tp: int = 1, ring: int = 1, ulysses: int = 1, *, dp_replicate: int = 1, dp_shard: int = 1,
+             mesh: DeviceMesh | None = None, **options):
     """Class decorator: instances of the decorated ``nn.Module`` class run parallelized.
 
     At an instance's first call (its inputs are known then) ``parallelize`` shards its
@@ -52,7 +53,7 @@ def parallel(tp: int = 1, ring: int = 1, ulysses: int = 1, *, mesh: DeviceMesh |
         compiled = self.__dict__.get(_COMPILED)
         if compiled is None:
             if not meshes:
-                meshes.append(init_mesh(tp, ring, ulysses))
+                meshes.append(init_mesh(tp, ring, ulysses, dp_replicate=dp_replicate, dp_shard=dp_shard))
             parallelize_with(self, meshes[0], args, kwargs, config, "parallel")
             compiled = torch.compile(types.MethodType(nn.Module.__call__, self),
                                      backend=ParallelBackend(meshes[0], config))

@@ -18,6 +18,7 @@ from .ops.attention import ULYSSES_IMPLS
 from .ops.lowerings import LOWERINGS
 
 OUTPUTS = ("full", "local")
+BATCHES = ("global", "local")
 COLLECTIVES = ("auto", *LOWERINGS)
 
 
@@ -32,6 +33,11 @@ def _option(default, help: str, *, plan: bool = True, choices: tuple | None = No
 class ParallelConfig:
     """Every option a user can set; ``ParallelConfig.plan_options()`` are those that change the plan."""
 
+    batch: str = _option(
+        "global", "with data-parallel mesh dims: 'global': every rank is given the whole batch, which the plan cuts "
+                  "over dp_replicate x dp_shard (CFG parallelism: every rank gets the whole result); 'local': each "
+                  "dp coordinate is given its own slice and gradients are averaged over dp (DDP, FSDP)",
+        choices=BATCHES)
     sequence_parallel: bool = _option(
         False, "Megatron sequence parallelism: norms, residuals and pointwise ops between sites run on sequence "
                "shards over tp; each all-reduce becomes reduce-scatter + all-gather")
@@ -62,12 +68,17 @@ class ParallelConfig:
         8, "plans kept per captured graph (sizes or dtypes a plan does not serve); least recently used dropped",
         plan=False)
 
+    check_inputs: bool = _option(
+        True, "at the first call of each plan, check that every rank was given the same inputs (a fingerprint "
+              "exchanged over the world), so different inputs are an error, not a different wrong result per rank",
+        plan=False)
+
     def __post_init__(self):
         for f in dataclasses.fields(self):
             choices, value = f.metadata["choices"], getattr(self, f.name)
             if choices is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
-        for name in ("sequence_parallel", "plan_cache"):
+        for name in ("sequence_parallel", "plan_cache", "check_inputs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("replica_group_limit", "cache_limit"):

@@ -9,6 +9,7 @@ fake tensors: the functional collectives gloo and NCCL run, as they are), ``site
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -19,7 +20,6 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .mesh import MESH_DIMS
 from .ops.lowerings import FUNCTIONAL
 from .passes.context import ParallelContext
 from .passes.detect import AttentionSite, module_name
@@ -138,7 +138,7 @@ def plan_dict(nodes: list[dict], local_gm: fx.GraphModule, ctx: ParallelContext)
     """The plan with stable keys: mesh, sites, parameters, nodes, collectives, warnings, coverage."""
     return {
         "version": PLAN_VERSION,
-        "mesh": {name: ctx.mesh.size(name) for name in MESH_DIMS},
+        "mesh": {name: ctx.mesh.size(name) for name in ctx.mesh.order},
         "world_size": ctx.mesh.world_size,
         "parameter_state": ctx.feeding.state,
         "sites": sites_text(ctx).splitlines(),
@@ -153,17 +153,20 @@ def plan_dict(nodes: list[dict], local_gm: fx.GraphModule, ctx: ParallelContext)
 
 
 def mesh_svg(sizes: dict[str, int], order: tuple[str, ...], sites: list[str] | None = None) -> str:
-    """Ranks as a grid: one panel per index of the outer dim, rows along the middle dim,
-    columns along the innermost (contiguous) dim. Innermost groups are the filled rows,
-    middle-dim groups the dashed columns, outer-dim groups share a cell position."""
-    outer, middle, inner = (sizes[d] for d in order)
+    """Ranks as a grid: one panel per coordinate of the outer dims (all but the last two),
+    rows along the middle dim, columns along the innermost (contiguous) dim. Innermost groups
+    are the filled rows, middle-dim groups the dashed columns, outer-dim groups share a cell
+    position."""
+    *outer_dims, middle_dim, inner_dim = order
+    outer, middle, inner = math.prod(sizes[d] for d in outer_dims), sizes[middle_dim], sizes[inner_dim]
+    panels = list(itertools.product(*(range(sizes[d]) for d in outer_dims)))
     cell, gap, pad = 44, 24, 20
     panel_w, panel_h = inner * cell, middle * cell
     site_lines = sites or []
     title = (f'mesh {" x ".join(f"{d}={sizes[d]}" for d in order)} ({outer * middle * inner} ranks; '
              f'last dim contiguous)')
-    legend = (f"filled rows: {order[2]} groups; dashed columns: {order[1]} groups; "
-              f"same cell across panels: {order[0]} groups")
+    legend = (f"filled rows: {inner_dim} groups; dashed columns: {middle_dim} groups; "
+              f"same cell across panels: {' x '.join(outer_dims)} groups")
     char_width = 7.3  # 12px monospace
     longest = max(len(line) for line in [title, legend] + site_lines)
     width = int(max(pad * 2 + outer * panel_w + (outer - 1) * gap, pad * 2 + longest * char_width))
@@ -176,7 +179,8 @@ def mesh_svg(sizes: dict[str, int], order: tuple[str, ...], sites: list[str] | N
     top = pad + 30
     for o in range(outer):
         x0 = pad + o * (panel_w + gap)
-        out.append(f'<text x="{x0}" y="{top - 6}">{escape(order[0])}={o}</text>')
+        label = ",".join(f"{d}={c}" for d, c in zip(outer_dims, panels[o]))
+        out.append(f'<text x="{x0}" y="{top - 6}">{escape(label)}</text>')
         for m in range(middle):
             y = top + m * cell
             out.append(f'<rect x="{x0 + 2}" y="{y + 2}" width="{panel_w - 4}" height="{cell - 4}" rx="8" '
@@ -250,5 +254,5 @@ class GraphDump:
             plan = plan_dict(self.nodes, gm, ctx)
             self._write("plan.json", json.dumps(plan, indent=1, sort_keys=True) + "\n")
             self._write("collectives.md", collectives_markdown(plan["collectives"]))
-            sizes = {d: ctx.mesh.size(d) for d in MESH_DIMS}
+            sizes = {d: ctx.mesh.size(d) for d in ctx.mesh.order}
             self._write("mesh.svg", mesh_svg(sizes, self.order, site_placement_lines(ctx)))

@@ -11,7 +11,7 @@ from .config import ParallelConfig
 from .dump import GraphDump, collective_rows, mesh_svg, parameter_rows, site_placement_lines, sites_text
 from .gcpause import paused_gc
 from .pipeline import parallelize_graph
-from .mesh import MESH_DIMS, MeshInfo
+from .mesh import MeshInfo
 from .params import SHARDED, WHOLE
 from .passes import meta
 from .passes.capture import capture_graphs
@@ -90,7 +90,8 @@ class Report:
         return "\n".join(out)
 
 
-def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int = 1, device_type: str = "cuda",
+def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int = 1, dp_replicate: int = 1,
+            dp_shard: int = 1, device_type: str = "cuda",
             order: tuple[str, ...] | None = None, parallelized: bool | None = None,
             example_kwargs: dict | None = None, dynamic: bool | None = None, **options) -> Report:
     """Plan ``model(*example_inputs, **example_kwargs)`` for the given mesh as rank 0 would, without hardware.
@@ -105,13 +106,9 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
     plan on them, reporting the sizes the plan is symbolic in and any op that specialized it.
     """
     config = ParallelConfig.of("explain", options)
-    sizes = {"tp": tp, "ring": ring, "ulysses": ulysses}
-    for name, size in sizes.items():
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"explain: mesh dim {name!r} must be a positive int, got {size!r}")
-    if order is not None and sorted(order) != sorted(MESH_DIMS):
-        raise ValueError(f"explain: order must name each of {MESH_DIMS} once, got {tuple(order)}")
+    sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "ring": ring, "ulysses": ulysses}
     info = MeshInfo.for_planning(sizes, device_type, order)
+    sizes = {d: info.size(d) for d in info.order}
     config.check_mesh(info, "explain")
     if parallelized is None:
         parallelized = sharded_state(model) is not None

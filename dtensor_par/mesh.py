@@ -1,4 +1,5 @@
-"""The shared ("tp", "ring", "ulysses") device mesh and a read-only view of it for the passes."""
+"""The shared device mesh (dims "dp_replicate", "dp_shard", "tp", "ring", "ulysses") and a
+read-only view of it for the passes."""
 
 from __future__ import annotations
 
@@ -12,11 +13,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("tp", "ring", "ulysses")
-PLAN_DIMS = ("tp", "cp")
-"""The dims the planner shards over: tp (heads, features) and cp = ring x ulysses (sequence)."""
-SPANS = {"tp": ("tp",), "ring": ("ring",), "ulysses": ("ulysses",), "cp": ("ring", "ulysses")}
-"""The mesh dims each dim of MeshInfo flattens, the last fastest: cp is ring-major."""
+DP_DIMS = ("dp_replicate", "dp_shard")
+"""The data-parallel mesh dims: replicas (DDP) and, with ``parallelize``, parameter shards (FSDP)."""
+MESH_DIMS = (*DP_DIMS, "tp", "ring", "ulysses")
+PLAN_DIMS = ("tp", "cp", "dp")
+"""The dims the planner shards over: tp (heads, features), cp = ring x ulysses (sequence) and
+dp = dp_replicate x dp_shard (the batch)."""
+SPANS = {"dp_replicate": ("dp_replicate",), "dp_shard": ("dp_shard",), "tp": ("tp",), "ring": ("ring",),
+         "ulysses": ("ulysses",), "cp": ("ring", "ulysses"), "dp": DP_DIMS}
+"""The mesh dims each dim of MeshInfo flattens, the last fastest: cp is ring-major, dp replicate-major."""
+FLATTENED = ("cp", "dp")
 
 
 def default_device_type() -> str:
@@ -30,11 +36,32 @@ def default_order(device_type: str) -> tuple[str, ...]:
 
     TP is the most bandwidth-hungry dim, so it goes innermost (one NVLink domain) on CUDA
     and CPU; Neuron's all-to-all wants contiguous rank groups, so Ulysses goes innermost.
-    Ring only moves point-to-point traffic and tolerates the slowest links: outermost.
+    Ring only moves point-to-point traffic and tolerates the slowest links; the data-parallel
+    dims exchange once a step (gradients, or nothing at inference): outermost.
     """
     if device_type == "neuron":
-        return ("ring", "tp", "ulysses")
-    return ("ring", "ulysses", "tp")
+        return (*DP_DIMS, "ring", "tp", "ulysses")
+    return (*DP_DIMS, "ring", "ulysses", "tp")
+
+
+def mesh_order(entry: str, sizes: dict[str, int], device_type: str, order: Sequence[str] | None) -> tuple[str, ...]:
+    """The layout of a mesh of these degrees, the last dim fastest: ``order``, or the device's
+    default. Every dim must have a positive degree; ``order`` names each of tp, ring and
+    ulysses and every data-parallel dim of degree > 1 once. Data-parallel dims of degree 1 that
+    ``order`` leaves out are left out of the mesh."""
+    for name in MESH_DIMS:
+        size = sizes.get(name, 1)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{entry}: mesh dim {name!r} must be a positive int, got {size!r}")
+    needed = [n for n in MESH_DIMS if n not in DP_DIMS or sizes.get(n, 1) > 1]
+    if order is None:
+        return tuple(n for n in default_order(device_type) if n in needed)
+    order = tuple(order)
+    unknown = [n for n in order if n not in MESH_DIMS]
+    if unknown or len(set(order)) != len(order) or not set(needed) <= set(order):
+        raise ValueError(f"{entry}: order must name each of {tuple(needed)} once (and may name {DP_DIMS}), "
+                         f"got {order}" + (f"; unknown names {unknown}" if unknown else ""))
+    return order
 
 
 def _init_default_group(device_type: str) -> None:
@@ -51,28 +78,22 @@ def _init_default_group(device_type: str) -> None:
     dist.init_process_group(backend)
 
 
-def init_mesh(tp: int = 1, ring: int = 1, ulysses: int = 1, *, device_type: str | None = None,
-              order: tuple[str, ...] | None = None) -> DeviceMesh:
-    """Build the ("tp", "ring", "ulysses") mesh over the default process group.
+def init_mesh(tp: int = 1, ring: int = 1, ulysses: int = 1, *, dp_replicate: int = 1, dp_shard: int = 1,
+              device_type: str | None = None, order: tuple[str, ...] | None = None) -> DeviceMesh:
+    """Build the mesh over the default process group: dims "tp", "ring", "ulysses", and
+    "dp_replicate", "dp_shard" where their degree is above 1.
 
-    ``order`` lists the three dim names, the last varying fastest across ranks.
+    ``order`` lists the dim names, the last varying fastest across ranks (``mesh_order``).
     """
     device_type = device_type or default_device_type()
-    sizes = {"tp": tp, "ring": ring, "ulysses": ulysses}
-    for name, size in sizes.items():
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"init_mesh: mesh dim {name!r} must be a positive int, got {size!r}")
-    order = tuple(order) if order is not None else default_order(device_type)
-    if sorted(order) != sorted(MESH_DIMS):
-        raise ValueError(f"init_mesh: order must name each of {MESH_DIMS} once, got {order}")
+    sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "ring": ring, "ulysses": ulysses}
+    order = mesh_order("init_mesh", sizes, device_type, order)
     _init_default_group(device_type)
     world = dist.get_world_size()
     total = math.prod(sizes.values())
     if total != world:
-        raise ValueError(
-            f"init_mesh: tp={tp} x ring={ring} x ulysses={ulysses} = {total} ranks, "
-            f"but the world size is {world}"
-        )
+        degrees = " x ".join(f"{n}={sizes[n]}" for n in MESH_DIMS)
+        raise ValueError(f"init_mesh: {degrees} = {total} ranks, but the world size is {world}")
     return init_device_mesh(device_type, tuple(sizes[n] for n in order), mesh_dim_names=order)
 
 
@@ -120,14 +141,15 @@ _INFO_OF = "_dtensor_par_mesh_info"
 class MeshInfo:
     """The mesh as the passes need it: sizes, this rank's coordinates, groups and their names.
 
-    ``dims`` holds "tp", "ring", "ulysses" and "cp": ring x ulysses flattened ring-major
-    (cp rank = ring rank * ulysses + ulysses rank, whatever the mesh order), so the sequence
-    shard a rank holds outside attention is the one hybrid attention expects.
+    ``dims`` holds every mesh dim, "cp": ring x ulysses flattened ring-major (cp rank = ring
+    rank * ulysses + ulysses rank, whatever the mesh order), so the sequence shard a rank holds
+    outside attention is the one hybrid attention expects, and "dp": dp_replicate x dp_shard,
+    over which the batch is cut.
     """
 
     device_type: str
     dims: dict[str, MeshDim]
-    order: tuple[str, ...]  # the three mesh dim names, the last varying fastest across ranks
+    order: tuple[str, ...]  # the mesh's dim names (tp, ring, ulysses at least), the last varying fastest
 
     def size(self, name: str) -> int:
         return self.dims[name].size
@@ -162,8 +184,9 @@ class MeshInfo:
 
     @staticmethod
     def full_order(names: tuple[str, ...]) -> tuple[str, ...]:
-        """All of MESH_DIMS in layout order: dims a mesh lacks (size 1) go outermost."""
-        return tuple(n for n in MESH_DIMS if n not in names) + tuple(names)
+        """The mesh's dims in layout order, tp, ring and ulysses always: those it lacks (size 1)
+        go outermost."""
+        return tuple(n for n in MESH_DIMS if n not in names and n not in DP_DIMS) + tuple(names)
 
     @staticmethod
     def build(device_type: str, ranks: torch.Tensor, names: tuple[str, ...], me: int,
@@ -194,7 +217,7 @@ class MeshInfo:
     @staticmethod
     def for_planning(sizes: dict[str, int], device_type: str, order: tuple[str, ...] | None = None) -> MeshInfo:
         """A mesh seen from rank 0 without any process group: enough to plan at any size."""
-        order = tuple(order) if order is not None else default_order(device_type)
+        order = mesh_order("explain", sizes, device_type, order)
         sizes = {**{n: 1 for n in MESH_DIMS}, **sizes}
         ranks = torch.arange(math.prod(sizes.values())).reshape([sizes[n] for n in order])
         return MeshInfo.build(device_type, ranks, order, 0,
@@ -202,9 +225,10 @@ class MeshInfo:
 
 
 def _group_name(mesh: DeviceMesh, name: str, groups: tuple[tuple[int, ...], ...], index: int) -> str | None:
-    """The mesh's own process group for a mesh dim; for cp, one new group per ring x ulysses group."""
+    """The mesh's own process group for a mesh dim; for cp and dp, one new group per group of
+    the dims they flatten."""
     if len(groups[index]) == 1:
         return None
-    if name != "cp":
+    if name not in FLATTENED:
         return mesh.get_group(name).group_name
     return [dist.new_group(list(g)) for g in groups][index].group_name  # every rank creates every group, in order

@@ -12,6 +12,7 @@ from .dump import GraphDump
 from .logs import logger
 from .symbolic import Specialization, recording_guards
 
+from .passes.batch import batch_pass
 from .passes.canonicalize import canonicalize_pass
 from .passes.capture import capture_pass
 from .config import ParallelConfig
@@ -27,8 +28,8 @@ from .passes.plan import plan_pass
 from .passes.rewrite import rewrite_pass
 from .passes.sequence import sequence_pass
 
-PASSES = (capture_pass, canonicalize_pass, detect_pass, kv_cache_pass, rewrite_pass, sequence_pass, plan_pass,
-          localize_pass, lower_pass)
+PASSES = (capture_pass, canonicalize_pass, detect_pass, kv_cache_pass, rewrite_pass, sequence_pass, batch_pass,
+          plan_pass, localize_pass, lower_pass)
 PLANNING_PASSES = PASSES[:PASSES.index(plan_pass) + 1]  # enough for every node's placement
 
 

@@ -41,6 +41,7 @@ from .passes.context import PlanningError
 from .passes.kv_cache import CacheOutput
 from .passes.overlap import overlapped_aot_eager
 from .plancache import Plan, PlanStore, plan_key, source_digest
+from .same_inputs import check_same_inputs
 from .placements import Placement, shard_dim
 from .symbolic import NotSymbolic, Specialization, SymbolicInputs, fresh_size, static_fakes
 
@@ -316,6 +317,8 @@ class ParallelRuntime:
                            self.id, self.config.cache_limit, dropped.key)
         self.graphs.append(self._build(args, key))
         self.plans += 1
+        if self.config.check_inputs:
+            self._check_same_inputs(args)
         spec = self.graphs[-1].specialization
         sizes = spec.symbolic_names() if spec else []
         logger.info("hybrid_parallel: planned graph %d (plan %d, %s)%s", self.id, self.plans,
@@ -341,6 +344,22 @@ class ParallelRuntime:
         if self.config.output == "local":
             outs = type(outs)(self._as_dtensor(o, p) for o, p in zip(outs, local_graph.output_placements))
         return outs
+
+    def _check_same_inputs(self, args) -> None:
+        """Every rank holds the same inputs (``same_inputs``); parameters and held kv cache
+        shards are each rank's own."""
+        inputs = {name: a for name, a in zip(self.input_names, args) if isinstance(a, (torch.Tensor, int, float))
+                  and not isinstance(a, nn.Parameter) and cache_shard(a) is None}
+        dp = self.info.dims["dp"]
+        if self.config.batch == "local":  # the ranks at one dp coordinate share its slice
+            peers = [[group[c] for group in dp.groups] for c in range(dp.size)]
+            hint = "Under batch='local' the ranks of one data-parallel coordinate must be given the same slice"
+        else:
+            peers = [list(range(self.info.world_size))]
+            hint = ("Give every rank the same inputs" + (", or each data-parallel rank its own slice with "
+                                                         "batch='local'" if dp.size > 1 else ""))
+        check_same_inputs(f"hybrid_parallel (graph {self.id})", inputs, peers,
+                          f"{hint}; check_inputs=False turns this check off")
 
     def _check_devices(self, args) -> None:
         for name, a in zip(self.input_names, args):

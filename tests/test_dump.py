@@ -21,7 +21,8 @@ from tests.conftest import GoldenTestCase, _init_fake
 from tests.harness import FUNCTIONAL_OPS, executed_collectives
 
 PASS_FILES = sorted(["0_dynamo.py", "1_capture.py", "2_canonicalize.py", "3_detect.py", "4_kv_cache.py", "5_rewrite.py",
-                     "6_sequence.py", "7_plan.py", "8_localize.py", "9_lower.py", "10_aten.py", "collectives.md",
+                     "6_sequence.py", "7_batch.py", "8_plan.py", "9_localize.py", "10_lower.py", "11_aten.py",
+                     "collectives.md",
                      "mesh.svg", "plan.json", "sites.txt"])
 
 
@@ -60,10 +61,10 @@ mlp0: mlp up=['fc'] down=['fc_out'] activations=['gelu']
 | backward | all_reduce | tp | 8 | 8192 | 1 | mlp0.colwise |
 | forward | all_reduce | tp | 8 | 8192 | 1 | mlp0.rowwise |
 """)
-        lowered = read("10_aten.py")
+        lowered = read("11_aten.py")
         assert lowered.count("torch.ops._c10d_functional.all_reduce.default") == 2
         assert lowered.count("torch.ops._c10d_functional.wait_tensor.default") == 2
-        self.assertExpectedInline(read("7_plan.py"), """\
+        self.assertExpectedInline(read("8_plan.py"), """\
 l_x_ = input('L_x_')  # [2, 16, 64]  tp: R
 l_self_modules_ln1_parameters_weight_ = input('L_self_modules_ln1_parameters_weight_')  # ln1.weight  [64]  tp: R
 l_self_modules_ln1_parameters_bias_ = input('L_self_modules_ln1_parameters_bias_')  # ln1.bias  [64]  tp: R

@@ -39,6 +39,7 @@ class ParallelContext:
     sites: list = field(default_factory=list)  # AttentionSite | MLPSite, from detect
     param_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> tp placement
     sequence_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> cp, from sequence
+    batch_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> dp, from batch
     cache_inputs: dict[str, dict[str, Placement]] = field(default_factory=dict)  # kv cache stand-in -> its cut
     cache_outputs: tuple = ()  # kv_cache.CacheOutput per output the runtime holds as a cache shard
     positions_of: dict[str, str] = field(default_factory=dict)  # input added for a held cache's positions -> it

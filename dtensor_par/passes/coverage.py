@@ -16,7 +16,7 @@ import re
 import torch.fx as fx
 
 from ..ops.ring_schedule import ring_step_flops
-from ..placements import Replicate, local_shape_on, shard_length
+from ..placements import Replicate, local_shape_on, shard_dim, shard_length
 from ..symbolic import hint
 from .context import Coverage, ParallelContext
 from .detect import AttentionSite
@@ -93,11 +93,13 @@ def ring_rank_flops(site: AttentionSite, ctx: ParallelContext) -> list[int]:
 
 
 def _runs_parallel(site, ctx: ParallelContext) -> bool:
-    """A site runs parallel when tp shards one of its weights or cp runs its attention (over
-    the sequence, or over a kv cache cut along it)."""
+    """A site runs parallel when tp shards one of its weights, cp runs its attention (over
+    the sequence, or over a kv cache cut along it) or dp cuts its batch."""
     sharded = any(weight_name(linear) in ctx.param_placements for linear in site.colwise + site.rowwise)
-    return sharded or (isinstance(site, AttentionSite)
-                       and op_kind(site.core) in ("hybrid_attention", "cached_attention"))
+    first = site.core if isinstance(site, AttentionSite) else site.colwise[0]
+    batch_cut = "dp" in shardings(first) and shard_dim(shardings(first)["dp"].out) is not None
+    return sharded or batch_cut or (isinstance(site, AttentionSite)
+                                    and op_kind(site.core) in ("hybrid_attention", "cached_attention"))
 
 
 def held_cache_bytes(gm: fx.GraphModule, ctx: ParallelContext) -> tuple[int, int]:

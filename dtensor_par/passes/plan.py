@@ -140,12 +140,13 @@ def _check_local_outputs(outputs: list[fx.Node], placements: list[Placement], en
 
 def _plan_outputs(output: fx.Node, cur: list[Placement], env: RuleEnv, ctx: ParallelContext) -> NodeSharding:
     """Outputs are gathered whole, unless ``output="local"`` or they are a kv cache, which the
-    runtime holds as computed (``passes.kv_cache``)."""
+    runtime holds as computed (``passes.kv_cache``) on tp and cp: whole on dp."""
     tensors = tensor_inputs(output)
     caches = {output.args[0][c.index] for c in ctx.cache_outputs}
     if ctx.config.output == "local":
         _check_local_outputs(tensors, cur, env)
-    kept = [p if (ctx.config.output == "local" or o in caches) and isinstance(p, (Shard, Replicate)) else R
+    kept = [p if (ctx.config.output == "local" or (o in caches and env.dim != "dp")) and isinstance(p, (Shard, Replicate))
+            else R
             for o, p in zip(tensors, cur)]
     return NodeSharding(None, tuple(kept))
 
@@ -178,7 +179,7 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Annotate every node with its NodeSharding on each planned mesh dim (``meta.shardings``)."""
     if ctx.mesh.size("tp") > 1:
         assign_weight_placements(ctx)
-    seeds = {"tp": dict(ctx.param_placements), "cp": dict(ctx.sequence_placements)}
+    seeds = {"tp": dict(ctx.param_placements), "cp": dict(ctx.sequence_placements), "dp": dict(ctx.batch_placements)}
     for name, cut in ctx.cache_inputs.items():
         for dim, p in cut.items():
             seeds[dim][name] = p
@@ -186,7 +187,8 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         if tensor_val(node) is not None:
             set_global_shape(node, tuple(tensor_val(node).shape))
     for dim in ctx.mesh.plan_dims:
-        env = RuleEnv(dim.name, dim.size, seeds[dim.name], ctx.config.sequence_parallel, dim.chunks_per_rank)
+        env = RuleEnv(dim.name, dim.size, seeds[dim.name], ctx.config.sequence_parallel and dim.name == "tp",
+                      dim.chunks_per_rank)
         for node in gm.graph.nodes:
             with at_node("plan", node):
                 sharding = plan_node(node, env, ctx)

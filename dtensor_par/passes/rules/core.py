@@ -17,16 +17,21 @@ R = Replicate()
 
 @dataclass
 class RuleEnv:
-    dim: str  # the mesh dim planned: "tp" or "cp"
+    dim: str  # the mesh dim planned: "tp", "cp" or "dp"
     size: int
     input_placements: dict[str, Placement]  # placeholder name -> placement (others Replicate)
     sequence_parallel: bool
     chunks_per_rank: int = 1  # 2 for cp's zigzag layout
 
+    @property
+    def pads(self) -> bool:
+        """Whether a shard here that does not divide is padded: an uneven sequence over cp or
+        batch over dp; ``check_divisible`` refuses uneven tp shards."""
+        return self.dim in ("cp", "dp")
+
     def padded(self, length: int) -> bool:
-        """Whether a dim of this length is laid out padded when sharded here. Only cp pads (an
-        uneven sequence); ``check_divisible`` refuses uneven tp shards."""
-        return is_padded(length, self.size, self.chunks_per_rank)
+        """Whether a dim of this length is laid out padded when sharded here."""
+        return self.pads and is_padded(length, self.size, self.chunks_per_rank)
 
     def out_of(self, node: fx.Node):
         return shardings(node)[self.dim].out
@@ -61,9 +66,9 @@ def resolve_partial(ins, cur, env: RuleEnv) -> list[Placement]:
 
 def _fits(p: Placement, val: torch.Tensor, env: RuleEnv) -> bool:
     d = shard_dim(p)
-    if d is None or (env.dim == "cp" and isinstance(p, Shard)):
-        return True  # cp pads a sequence that does not divide
-    if env.dim == "cp":  # the parts of a joint sequence: each laid out unpadded
+    if d is None or (env.pads and isinstance(p, Shard)):
+        return True  # cp pads a sequence that does not divide, dp a batch
+    if env.pads:  # the parts of a joint sequence: each laid out unpadded
         return not any(env.padded(part) for part in p.parts)
     return all(part % env.size == 0 for part in parts_of(p, val.shape[d]))
 

@@ -89,7 +89,7 @@ def reduce_rule(node, ins, cur, env):
         return NodeSharding(p, (p,))
     p = resolve_partial(ins, cur, env)[0]
     if shard_dim(p) is not None and p.dim in reduced and node.target in _LINEAR and not any(
-            env.dim == "cp" and env.padded(part) for part in parts_of(p, val.shape[p.dim])):
+            env.padded(part) for part in parts_of(p, val.shape[p.dim])):
         return NodeSharding(Partial(), (p,))
     if shard_dim(p) is None or p.dim in reduced:
         return replicate_all(node, ins, [p], "reduction over the sharded dim")

@@ -1,0 +1,66 @@
+"""Every rank must be given the same inputs: checked once per plan, before its first run.
+
+The plan's contract is that all ranks hold the whole inputs and each cuts its own piece. A
+rank given other inputs (its own data shard, its own noise) would compute a piece of a
+different problem, and every rank would silently return a different wrong result. So the
+first call of each plan exchanges a fingerprint of every input over the world and compares
+it among the ranks that must agree: all of them, or under ``batch="local"`` the ranks at the
+same data-parallel coordinate.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_CHUNK = 1 << 24  # bytes fingerprinted at a time: bounds the int64 copy of a large input
+_WEIGHT_PERIOD = 65521  # a prime: a byte's weight is its position modulo it, plus one
+
+
+def fingerprint(value) -> torch.Tensor:
+    """``[shape hash, byte sum, position-weighted byte sum]`` of a tensor or Python number, in int64.
+
+    Integer arithmetic on the raw bytes: exact and independent of the reduction order, so equal
+    inputs give equal fingerprints on any rank and thread count; a moved or changed element
+    changes the weighted sum.
+    """
+    if not isinstance(value, torch.Tensor):
+        value = torch.tensor(value)
+    data = value.detach().contiguous().reshape(-1)
+    raw = (torch.view_as_real(data) if data.is_complex() else data).reshape(-1).view(torch.uint8)
+    total = weighted = torch.zeros((), dtype=torch.int64, device=raw.device)
+    for start in range(0, raw.numel(), _CHUNK):
+        part = raw[start:start + _CHUNK].to(torch.int64)
+        positions = torch.arange(start, start + part.numel(), dtype=torch.int64, device=raw.device)
+        total = total + part.sum()
+        weighted = weighted + (part * (positions % _WEIGHT_PERIOD + 1)).sum()
+    shape = torch.tensor(hash(tuple(value.shape)), dtype=torch.int64, device=raw.device)  # ints hash alike anywhere
+    return torch.stack([shape, total, weighted])
+
+
+def check_same_inputs(entry: str, inputs: dict[str, object], peers: list[list[int]], hint: str) -> None:
+    """Raise, on every rank alike, if ranks that must agree hold different ``inputs`` (name ->
+    tensor or number), or any two ranks inputs of different shapes (their plans would differ,
+    and their collectives not match). ``peers`` partitions the world into the sets of ranks
+    that must hold the same values."""
+    if not inputs or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return
+    device = next((v.device for v in inputs.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    mine = torch.stack([fingerprint(v).to(device) for v in inputs.values()])
+    every = torch.empty((dist.get_world_size() * len(mine), 3), dtype=mine.dtype, device=device)
+    dist.all_gather_single(every, mine)  # not a functional collective: reports count the plan's alone
+    every = every.view(dist.get_world_size(), len(mine), 3)
+    differ = []
+    for k, (name, value) in enumerate(inputs.items()):
+        shapes = [r for r in range(len(every)) if every[r, k, 0] != every[0, k, 0]]
+        if shapes:
+            differ.append(f"{name!r}: ranks {shapes} hold another shape than rank 0 (this rank "
+                          f"{dist.get_rank()}: {list(getattr(value, 'shape', ()))})")
+            continue
+        for group in peers:
+            odd = [r for r in group if not torch.equal(every[r, k], every[group[0], k])]
+            if odd:
+                differ.append(f"{name!r}: ranks {odd} hold other values than rank {group[0]}")
+    if differ:
+        raise ValueError(f"{entry}: ranks that must be given the same inputs were given different ones "
+                         f"({'; '.join(differ)}). {hint}")
