@@ -28,7 +28,8 @@ from .passes.meta import communications, global_shape, param_fqn, placements, sh
 from .passes.nodes import target_name
 from .placements import Replicate, describe, local_shape, local_shape_on
 
-PLAN_VERSION = 3  # 2: parameter_state, coverage, bytes_per_rank is what the rank holds; 3: lowering, replica-group sets
+PLAN_VERSION = 4  # 2: parameter_state, coverage, bytes_per_rank is what the rank holds; 3: lowering, replica-group sets;
+# 4: batch (the dp dims)
 
 
 def _format_arg(a) -> str:
@@ -83,6 +84,18 @@ def sites_text(ctx: ParallelContext) -> str:
             lines.append(f"{site.name}: mlp up={names(site.up)} down={names([site.down])} "
                          f"activations={[a.name for a in site.activations]}")
     return "\n".join(lines) + "\n"
+
+
+def batch_line(ctx: ParallelContext) -> str | None:
+    """How the batch meets the dp dims: which inputs are cut along which dim, or that each dp
+    rank is given its own slice; None without dp."""
+    if ctx.mesh.size("dp") == 1:
+        return None
+    dp = f"dp_replicate x dp_shard = {ctx.mesh.size('dp')}"
+    if ctx.config.batch == "local":
+        return f"batch: local, each of {dp} ranks given its own slice; parameter gradients averaged over dp"
+    cut = ", ".join(f"{name} dim {p.dim}" for name, p in ctx.batch_placements.items())
+    return f"batch: global, cut over {dp} along {cut or 'no input (warned)'}; other inputs whole"
 
 
 def collective_rows(gm: fx.GraphModule) -> list[dict]:
@@ -142,6 +155,7 @@ def plan_dict(nodes: list[dict], local_gm: fx.GraphModule, ctx: ParallelContext)
         "world_size": ctx.mesh.world_size,
         "parameter_state": ctx.feeding.state,
         "sites": sites_text(ctx).splitlines(),
+        "batch": batch_line(ctx),
         "parameters": parameter_rows(ctx),
         "nodes": nodes,
         "collectives": collective_rows(local_gm),

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from .config import ParallelConfig
-from .dump import GraphDump, collective_rows, mesh_svg, parameter_rows, site_placement_lines, sites_text
+from .dump import GraphDump, batch_line, collective_rows, mesh_svg, parameter_rows, site_placement_lines, sites_text
 from .gcpause import paused_gc
 from .pipeline import parallelize_graph
 from .mesh import MeshInfo
@@ -33,6 +33,7 @@ class GraphReport:
     replica_group_sets: int  # distinct replica-group sets the program uses (a Neuron limit)
     symbolic: list[str] = field(default_factory=list)  # the sizes the plan is symbolic in; empty: static
     specialized: list[str] = field(default_factory=list)  # conditions the plan put on them, and the op that did
+    batch: str | None = None  # how the batch is cut over the dp dims (dump.batch_line); None without dp
 
 
 @dataclass
@@ -68,6 +69,8 @@ class Report:
         for i, g in enumerate(self.graphs):
             out.append(f"\ngraph {i}: {len(g.sites)} sites; {g.coverage.summary()}")
             out += [f"  {s}" for s in g.sites]
+            if g.batch:
+                out.append(f"  {g.batch}")
             out.append("  weight placements:")
             out += [f"    {p}" for p in g.placements]
             out.append("  collectives (direction op mesh-dim[group] bytes-per-rank x count, site):")
@@ -131,4 +134,4 @@ def _graph_report(gm, inputs: list, info: MeshInfo, config: ParallelConfig, feed
     return GraphReport(sites_text(ctx).splitlines(), site_placement_lines(ctx), parameter_rows(ctx),
                        collective_rows(local_gm), list(ctx.warnings), time.perf_counter() - start, ctx.coverage,
                        ctx.comm, len(ctx.replica_group_sets), spec.symbolic_names() if spec else [],
-                       spec.specialized() if spec else [])
+                       spec.specialized() if spec else [], batch_line(ctx))

@@ -182,16 +182,22 @@ class _AllReduce(torch.autograd.Function):
         return grad, None, None
 
 
+def _reduced_grad(grad: torch.Tensor, mesh_dim: MeshDim, comm: str, mean: bool) -> torch.Tensor:
+    """The sum over ``mesh_dim`` of every rank's gradient, or with ``mean`` their average (DDP's:
+    each rank's loss is the mean over its own slice of the batch)."""
+    total = LOWERINGS[comm].all_reduce(grad, mesh_dim)
+    return total / mesh_dim.size if mean else total
+
+
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, mesh_dim, comm):
-        ctx.args = (mesh_dim, comm)
+    def forward(ctx, x, mesh_dim, comm, mean):
+        ctx.args = (mesh_dim, comm, mean)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        mesh_dim, comm = ctx.args
-        return LOWERINGS[comm].all_reduce(grad, mesh_dim), None, None
+        return _reduced_grad(grad, *ctx.args), None, None, None
 
 
 class _GradAllReduceBucket(torch.autograd.Function):
@@ -199,15 +205,14 @@ class _GradAllReduceBucket(torch.autograd.Function):
     produced, and reduces them all in one flat all_reduce."""
 
     @staticmethod
-    def forward(ctx, mesh_dim, comm, *xs):
-        ctx.args = (mesh_dim, comm)
+    def forward(ctx, mesh_dim, comm, mean, *xs):
+        ctx.args = (mesh_dim, comm, mean)
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *grads):
-        mesh_dim, comm = ctx.args
-        flat = LOWERINGS[comm].all_reduce(_flatten(grads), mesh_dim)
-        return None, None, *_unflatten(flat, [g.shape for g in grads])
+        flat = _reduced_grad(_flatten(grads), *ctx.args)
+        return None, None, None, *_unflatten(flat, [g.shape for g in grads])
 
 
 def _cat_flat(xs: list[torch.Tensor]) -> torch.Tensor:
@@ -330,12 +335,13 @@ def all_reduce(x: torch.Tensor, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> to
     return _AllReduce.apply(x, mesh_dim, comm)
 
 
-def grad_all_reduce(x: torch.Tensor, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
-    return _GradAllReduce.apply(x, mesh_dim, comm)
+def grad_all_reduce(x: torch.Tensor, mesh_dim: MeshDim, comm: str = FUNCTIONAL, mean: bool = False) -> torch.Tensor:
+    return _GradAllReduce.apply(x, mesh_dim, comm, mean)
 
 
-def grad_all_reduce_bucket(xs: list[torch.Tensor], mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> tuple:
-    return _GradAllReduceBucket.apply(mesh_dim, comm, *xs)
+def grad_all_reduce_bucket(xs: list[torch.Tensor], mesh_dim: MeshDim, comm: str = FUNCTIONAL,
+                           mean: bool = False) -> tuple:
+    return _GradAllReduceBucket.apply(mesh_dim, comm, mean, *xs)
 
 
 def all_gather(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, mesh_dim: MeshDim,

@@ -49,6 +49,11 @@ def record_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> None:
                  f"model (see the warnings above for why)")
 
 
+def _own_slice(ctx: ParallelContext) -> tuple[str, ...]:
+    """Planned dims over which every rank computes on its own inputs: dp under ``batch="local"``."""
+    return ("dp",) if ctx.config.batch == "local" else ()
+
+
 def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
     """The coverage of a planned graph (after ``plan_pass``)."""
     cov = Coverage()
@@ -60,7 +65,7 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
         if op_kind(node) not in ("linear", "matmul") or tensor_val(node) is None:
             continue
         flops = _linear_flops(node)
-        sharded = bool(plans) and all(s.out != Replicate() for s in plans.values())
+        sharded = bool(plans) and all(s.out != Replicate() for d, s in plans.items() if d not in _own_slice(ctx))
         cov.linear_flops += flops
         cov.sharded_linear_flops += flops * sharded
         fqn = _weight_fqn(node, ctx)
@@ -94,10 +99,12 @@ def ring_rank_flops(site: AttentionSite, ctx: ParallelContext) -> list[int]:
 
 def _runs_parallel(site, ctx: ParallelContext) -> bool:
     """A site runs parallel when tp shards one of its weights, cp runs its attention (over
-    the sequence, or over a kv cache cut along it) or dp cuts its batch."""
+    the sequence, or over a kv cache cut along it) or dp cuts its batch (or, under
+    ``batch="local"``, each dp rank is given its own)."""
     sharded = any(weight_name(linear) in ctx.param_placements for linear in site.colwise + site.rowwise)
     first = site.core if isinstance(site, AttentionSite) else site.colwise[0]
-    batch_cut = "dp" in shardings(first) and shard_dim(shardings(first)["dp"].out) is not None
+    batch_cut = ("dp" in shardings(first) and shard_dim(shardings(first)["dp"].out) is not None
+                 or "dp" in _own_slice(ctx) and ctx.mesh.size("dp") > 1)
     return sharded or batch_cut or (isinstance(site, AttentionSite)
                                     and op_kind(site.core) in ("hybrid_attention", "cached_attention"))
 

@@ -134,6 +134,15 @@ def _bucket_sizes(reductions: list[fx.Node], limit: int) -> list[list[fx.Node]]:
     return buckets
 
 
+def _reduced_input(reduction: fx.Node) -> fx.Node:
+    """What a ``grad_all_reduce`` reduces the gradient of, through the reductions over other
+    mesh dims that it follows."""
+    x = reduction.args[0]
+    while x.target is C.grad_all_reduce:
+        x = x.args[0]
+    return x
+
+
 def bucket_input_grad_reductions(gm: fx.GraphModule, ctx: ParallelContext) -> None:
     """Replace the ``grad_all_reduce`` of each graph input by flat buckets.
 
@@ -142,22 +151,23 @@ def bucket_input_grad_reductions(gm: fx.GraphModule, ctx: ParallelContext) -> No
     as its last gradient exists, while backward still computes the earlier layers. Each
     bucket op sits just before the first use of its inputs, so that autograd, which runs the
     latest-created ready node first, runs its backward as soon as it is ready. Buckets are
-    per mesh dim and dtype. An input partial on two mesh dims keeps the second dim's
-    reduction per input.
+    per mesh dim, dtype and reduction (sum, or the mean over dp); an input partial on two mesh
+    dims is reduced in a bucket of each.
     """
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     groups: dict[tuple, list[fx.Node]] = {}
     for n in graph.nodes:
-        if n.target is C.grad_all_reduce and n.args[0].op == "placeholder":
-            groups.setdefault((n.args[1], tensor_val(n.args[0]).dtype), []).append(n)
+        if n.target is C.grad_all_reduce and _reduced_input(n).op == "placeholder":
+            groups.setdefault((n.args[1], tensor_val(n.args[0]).dtype, n.kwargs.get("mean", False)), []).append(n)
     limit = int(ctx.config.grad_bucket_mb * 2**20)
-    for (dim, _), nodes in groups.items():
+    for (dim, _, mean), nodes in groups.items():
         nodes.sort(key=lambda n: -max(order[u] for u in n.users))
         for bucket in _bucket_sizes(nodes, limit):
             first_use = min((u for n in bucket for u in n.users), key=order.__getitem__)
             with graph.inserting_before(first_use):
-                op = graph.call_function(C.grad_all_reduce_bucket, ([n.args[0] for n in bucket], dim))
+                op = graph.call_function(C.grad_all_reduce_bucket, ([n.args[0] for n in bucket], dim),
+                                         {"mean": True} if mean else {})
                 nbytes = sum(communications(n)[0].backward_bytes for n in bucket)
                 set_communications(op, [Communication(
                     None, "all_reduce", dim.name, dim.size, 0, nbytes, f"gradient bucket of {len(bucket)} inputs")])
@@ -167,6 +177,26 @@ def bucket_input_grad_reductions(gm: fx.GraphModule, ctx: ParallelContext) -> No
                     clear_communications(piece)
                     n.replace_all_uses_with(piece)
                     graph.erase_node(n)
+
+
+def average_gradients_over_dp(gm: fx.GraphModule, ctx: ParallelContext) -> None:
+    """Under ``batch="local"`` each dp coordinate computes on its own slice of the batch, so each
+    parameter's gradient is averaged over dp (DDP's and FSDP2's reduction); ``grad_bucket_mb``
+    buckets these as it does any input's gradient reduction."""
+    dp = ctx.mesh.dims["dp"]
+    if ctx.config.batch != "local" or dp.size == 1:
+        return
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in ctx.params]:
+        if not node.meta["requires_grad"]:
+            continue
+        val = tensor_val(node)
+        shape = local_shape_on(val.shape, {d: s.out for d, s in shardings(node).items()}, ctx.mesh)
+        insert = _Inserter(gm.graph, dp, shape, val.element_size(), "parameter gradient", True)
+        users = list(node.users)
+        with gm.graph.inserting_after(node):
+            averaged = insert(C.grad_all_reduce, (node, dp), R, R, mean=True)
+        for user in users:
+            user.replace_input_with(node, averaged)
 
 
 def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
@@ -215,6 +245,7 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     if ctx.specialization is not None:
         materialize_sizes(gm, {v.node.expr: n for n in graph.nodes if n.op == "placeholder"
                                for v in [n.meta.get("val")] if is_symbolic(v)})
+    average_gradients_over_dp(gm, ctx)
     bucket_input_grad_reductions(gm, ctx)
     for node in graph.nodes:
         for key in ("val", "example_value", "tensor_meta"):
