@@ -111,7 +111,7 @@ return (add_1,)  # tp: - <- (R)
         assert plan["coverage"]["sharded_linear_flops"] == plan["coverage"]["linear_flops"] > 0
         assert plan["collectives_lowering"] == "functional"
         assert plan["replica_group_sets"] == {"tp groups": [list(range(8))]}
-        assert plan["version"] == 3 and plan["parameter_state"].startswith("full (model not parallelized)")
+        assert plan["version"] == 4 and plan["parameter_state"].startswith("full (model not parallelized)")
         assert plan["mesh"] == {"tp": 8, "ring": 1, "ulysses": 1} and plan["world_size"] == 8
         assert {p["name"]: p["placement"]["tp"] for p in plan["parameters"]}["qkv.weight"] == "IS(0,[64, 64, 64])"
         ET.fromstring(read("mesh.svg"))
