@@ -18,7 +18,7 @@ _WEIGHT_PERIOD = 65521  # a prime: a byte's weight is its position modulo it, pl
 
 
 def fingerprint(value) -> torch.Tensor:
-    """``[shape hash, byte sum, position-weighted byte sum]`` of a tensor or Python number, in int64.
+    """``[numel, byte sum, position-weighted byte sum]`` of a tensor or Python number, in int64.
 
     Integer arithmetic on the raw bytes: exact and independent of the reduction order, so equal
     inputs give equal fingerprints on any rank and thread count; a moved or changed element
@@ -34,8 +34,7 @@ def fingerprint(value) -> torch.Tensor:
         positions = torch.arange(start, start + part.numel(), dtype=torch.int64, device=raw.device)
         total = total + part.sum()
         weighted = weighted + (part * (positions % _WEIGHT_PERIOD + 1)).sum()
-    shape = torch.tensor(hash(tuple(value.shape)), dtype=torch.int64, device=raw.device)  # ints hash alike anywhere
-    return torch.stack([shape, total, weighted])
+    return torch.stack([torch.tensor(data.numel(), device=raw.device), total, weighted])
 
 
 def check_same_inputs(entry: str, inputs: dict[str, object], peers: list[list[int]], hint: str) -> None:
@@ -43,20 +42,20 @@ def check_same_inputs(entry: str, inputs: dict[str, object], peers: list[list[in
     tensor or number), or any two ranks inputs of different shapes (their plans would differ,
     and their collectives not match). ``peers`` partitions the world into the sets of ranks
     that must hold the same values."""
-    if not inputs or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+    if dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return
     device = next((v.device for v in inputs.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
-    mine = torch.stack([fingerprint(v).to(device) for v in inputs.values()])
-    every = torch.empty((dist.get_world_size() * len(mine), 3), dtype=mine.dtype, device=device)
-    dist.all_gather_single(every, mine)  # not a functional collective: reports count the plan's alone
-    every = every.view(dist.get_world_size(), len(mine), 3)
+    shapes = [tuple(getattr(v, "shape", ())) for v in inputs.values()]
+    signatures = _every_rank(torch.tensor([[len(inputs), hash(tuple(shapes))]], device=device))
+    odd = [r for r, signature in enumerate(signatures) if not torch.equal(signature, signatures[0])]
+    if odd:  # a different number of inputs, or shapes: nothing more can be exchanged safely
+        raise ValueError(f"{entry}: ranks {odd} were given inputs of other shapes than rank 0 (this rank "
+                         f"{dist.get_rank()}: {dict(zip(inputs, map(list, shapes)))}). {hint}")
+    if not inputs:
+        return
+    every = _every_rank(torch.stack([fingerprint(v).to(device) for v in inputs.values()]))
     differ = []
-    for k, (name, value) in enumerate(inputs.items()):
-        shapes = [r for r in range(len(every)) if every[r, k, 0] != every[0, k, 0]]
-        if shapes:
-            differ.append(f"{name!r}: ranks {shapes} hold another shape than rank 0 (this rank "
-                          f"{dist.get_rank()}: {list(getattr(value, 'shape', ()))})")
-            continue
+    for k, name in enumerate(inputs):
         for group in peers:
             odd = [r for r in group if not torch.equal(every[r, k], every[group[0], k])]
             if odd:
@@ -64,3 +63,11 @@ def check_same_inputs(entry: str, inputs: dict[str, object], peers: list[list[in
     if differ:
         raise ValueError(f"{entry}: ranks that must be given the same inputs were given different ones "
                          f"({'; '.join(differ)}). {hint}")
+
+
+def _every_rank(mine: torch.Tensor) -> torch.Tensor:
+    """``mine`` of every rank, stacked in rank order (not a functional collective: reports count
+    the plan's collectives alone)."""
+    every = torch.empty((dist.get_world_size() * len(mine), *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
+    dist.all_gather_single(every, mine)
+    return every.view(dist.get_world_size(), *mine.shape)

@@ -1,0 +1,206 @@
+"""The data-parallel mesh dims: the batch cut over dp_replicate x dp_shard (batch="global"), each
+dp rank given its own slice with gradients averaged (batch="local"), the inputs check, and
+the errors. Two launches (world 2 and world 4) run every multi-process case."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+
+import dtensor_par
+from dtensor_par.mesh import MeshInfo
+from tests import models
+from tests.cases import run_cases
+from tests.harness import FUNCTIONAL_OPS, assert_every_rank_matches, executed_collectives, max_rel, run_ranks_together
+
+GLOBAL_CASES = ["gpt_fused_qkv", "bool_mask", "joint_attention", "mean_loss"]
+
+
+def _local_batch(rank: int, world: int, *, mesh_sizes: dict, model: str) -> dict:
+    """batch="local": each dp coordinate computes on its quarter of a batch of 4 with a mean loss;
+    its output equals one device's rows of it, every gradient one device's on the whole batch."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = models.Llama(layers=2) if model == "llama" else models.GPT(layers=2)
+    reference = copy.deepcopy(net)
+    batch = torch.randint(0, 50, (4, 8)) if model == "llama" else torch.randn(4, 8, 32)
+    mesh = dtensor_par.init_mesh(**mesh_sizes)
+    dp = MeshInfo.from_mesh(mesh).dims["dp"]
+    rows = slice(dp.rank * 4 // dp.size, (dp.rank + 1) * 4 // dp.size)
+    compiled = torch.compile(net, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager", batch="local"))
+    out = compiled(batch[rows])
+    out.pow(2).mean().backward()
+    want = reference(batch)
+    want.pow(2).mean().backward()
+    grad = max(max_rel(p.grad, q.grad) for p, q in zip(net.parameters(), reference.parameters()))
+    return {model: {"forward_abs": (out - want[rows]).abs().max().item(), "grad_rel": grad}}
+
+
+def _mismatch_errors(rank: int, world: int, *, mesh_sizes: dict) -> dict:
+    """What each rank is told when ranks are given different inputs: under batch="global" any
+    difference, under batch="local" a difference between ranks of one dp coordinate, or
+    inputs of different shapes on different dp ranks; nothing with check_inputs=False."""
+    mesh = dtensor_par.init_mesh(**mesh_sizes)
+    dp = MeshInfo.from_mesh(mesh).dims["dp"]
+    torch.manual_seed(0)
+    block = models.GPTBlock()
+    x = torch.randn(2, 8, 32)
+    nudged = x.clone()
+    nudged[1, 3, 5] += 1e-6  # one element, well below any tolerance a result would be checked with
+    runs = {"global": ({}, nudged if rank == world - 1 else x),
+            "global_unchecked": ({"check_inputs": False}, nudged if rank == world - 1 else x),
+            "local_same_coordinate": ({"batch": "local"}, nudged if rank == world - 1 else x),
+            "local_other_sizes": ({"batch": "local"}, x[:1] if dp.rank == 1 else x)}
+    told = {}
+    for label, (options, given) in runs.items():
+        torch._dynamo.reset()
+        backend = dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager", **options)
+        try:
+            torch.compile(block, backend=backend)(given)
+            told[label] = None
+        except ValueError as e:
+            told[label] = str(e)
+    return told
+
+
+def _world2() -> dict:
+    return {
+        "dp_replicate2": (run_cases, {"names": GLOBAL_CASES, "mesh_sizes": {"dp_replicate": 2}}),
+        "dp_shard2_batch3": (run_cases, {"names": ["gpt_fused_qkv"], "mesh_sizes": {"dp_shard": 2},
+                                         "inputs": [(torch.randn(3, 8, 32),)]}),
+        "local_dp_replicate2": (_local_batch, {"mesh_sizes": {"dp_replicate": 2}, "model": "gpt"}),
+        "mismatch_dp2": (_mismatch_errors, {"mesh_sizes": {"dp_replicate": 2}}),
+    }
+
+
+def _world4() -> dict:
+    return {
+        "dp_shard2_tp2": (run_cases, {"names": ["llama_gqa_rope", "gpt_fused_qkv"],
+                                      "mesh_sizes": {"dp_shard": 2, "tp": 2}}),
+        "dp_replicate2_ulysses2": (run_cases, {"names": ["llama_gqa_rope", "bool_mask"],
+                                               "mesh_sizes": {"dp_replicate": 2, "ulysses": 2}}),
+        "dp_replicate2_ring2": (run_cases, {"names": ["uneven_seq_30"], "mesh_sizes": {"dp_replicate": 2, "ring": 2}}),
+        "dp_shard2_tp2_batch3": (run_cases, {"names": ["llama_gqa_rope"], "mesh_sizes": {"dp_shard": 2, "tp": 2},
+                                             "inputs": [(torch.randint(0, 50, (3, 8)),)]}),
+        "local_dp_shard2_tp2": (_local_batch, {"mesh_sizes": {"dp_shard": 2, "tp": 2}, "model": "llama"}),
+        "local_dp_replicate2_ring2": (_local_batch, {"mesh_sizes": {"dp_replicate": 2, "ring": 2}, "model": "llama"}),
+        "mismatch_dp2_tp2": (_mismatch_errors, {"mesh_sizes": {"dp_replicate": 2, "tp": 2}}),
+    }
+
+
+@pytest.fixture(scope="module")
+def launched() -> dict:
+    """Every multi-process case of this file: rank results by world size and label."""
+    torch.manual_seed(0)
+    return {2: run_ranks_together(2, _world2()), 4: run_ranks_together(4, _world4())}
+
+
+def _matching(launched, world: int, label: str) -> dict:
+    """Rank 0's results of a run by case, every rank's checked against one device."""
+    return assert_every_rank_matches([r[label] for r in launched[world]])
+
+
+@pytest.mark.parametrize("world,label", [(2, "dp_replicate2"), (2, "dp_shard2_batch3"), (4, "dp_shard2_tp2"),
+                                         (4, "dp_replicate2_ulysses2"), (4, "dp_replicate2_ring2"),
+                                         (4, "dp_shard2_tp2_batch3")])
+def test_global_batch_is_cut_over_dp_and_matches_one_device(launched, world, label):
+    """Every rank is given the whole batch and gets one device's result and gradients, with the
+    batch cut over dp beside tp, ulysses or ring (a batch of 3 padded to 4 rows over dp=2)."""
+    cases = _matching(launched, world, label)
+    for name, metrics in cases.items():
+        assert not any("gathered on mesh dim 'dp'" in w for w in metrics["warnings"]), (name, metrics["warnings"])
+        assert not any("none of the" in w for w in metrics["warnings"]), (name, metrics["warnings"])
+
+
+@pytest.mark.parametrize("world,label", [(2, "local_dp_replicate2"), (4, "local_dp_shard2_tp2"),
+                                         (4, "local_dp_replicate2_ring2")])
+def test_local_batch_averages_gradients_over_dp(launched, world, label):
+    """Each dp coordinate given its own rows: its rows of one device's output, and one device's
+    gradients of the mean loss over the whole batch."""
+    _matching(launched, world, label)
+
+
+@pytest.mark.parametrize("world,label", [(2, "mismatch_dp2"), (4, "mismatch_dp2_tp2")])
+def test_ranks_given_different_inputs_are_told_which(launched, world, label):
+    last = world - 1
+    for told in (r[label] for r in launched[world]):
+        assert f"'l_x_': ranks [{last}] hold other values than rank 0" in told["global"]
+        assert "batch='local'" in told["global"] and "check_inputs=False" in told["global"]
+        assert told["global_unchecked"] is None
+        # the last rank is alone at its dp coordinate with tp=1; with tp=2 it shares it with the rank before
+        if world == 2:
+            assert told["local_same_coordinate"] is None
+        else:
+            assert f"ranks [{last}] hold other values than rank {last - 1}" in told["local_same_coordinate"]
+        assert "were given inputs of other shapes than rank 0" in told["local_other_sizes"]
+        assert "'l_x_': [1, 8, 32]" in told["local_other_sizes"] or "'l_x_': [2, 8, 32]" in told["local_other_sizes"]
+
+
+def _reported(report) -> dict:
+    reported = {"forward": Counter(), "backward": Counter()}
+    for row in report.graphs[0].collectives:
+        reported[row["direction"]][FUNCTIONAL_OPS[row["op"]], row["bytes_per_rank"]] += row["count"]
+    return reported
+
+
+@pytest.mark.parametrize("sizes,batch", [({"dp_replicate": 2}, "global"), ({"dp_shard": 2}, "local"),
+                                         ({"dp_shard": 2, "tp": 2}, "global"),
+                                         ({"dp_replicate": 2, "ring": 2}, "local")])
+def test_a_step_runs_what_explain_reports(sizes, batch, fake_world):
+    """Collective by collective and byte by byte: the output gathered over dp (global), the
+    gradient buckets over dp (summed, or averaged under batch="local") and over cp."""
+    torch.manual_seed(0)
+    model = models.Llama(layers=1)
+    ids = torch.randint(0, 50, (4, 8))
+    report = dtensor_par.explain(model, (ids,), device_type="cpu", batch=batch, **sizes)
+    dp_buckets = [c for c in report.graphs[0].collectives if c["mesh_dims"] == "dp" and c["direction"] == "backward"]
+    assert len(dp_buckets) == 1 and dp_buckets[0]["site"].startswith("gradient bucket of")
+    assert report.graphs[0].batch.startswith(f"batch: {batch}")
+    fake_world(report.world_size)
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(**sizes), batch=batch,
+                                                                        inner_backend="aot_eager"))
+    compiled(ids).sum().backward()  # compiles
+    loss = {}
+    ran = {"forward": Counter(executed_collectives(lambda: loss.setdefault("step", compiled(ids).sum())))}
+    ran["backward"] = Counter(executed_collectives(loss["step"].backward))
+    assert ran == _reported(report)
+
+
+def test_explain_names_the_batch_cut_and_the_default_order_puts_dp_outermost():
+    torch.manual_seed(0)
+    model = models.JointBlock()
+    report = dtensor_par.explain(model, (torch.randn(4, 16, 32), torch.randn(4, 8, 32)), dp_replicate=2, dp_shard=2,
+                                 tp=2, device_type="cpu")
+    assert report.order == ("dp_replicate", "dp_shard", "ring", "ulysses", "tp")
+    text = str(report)
+    assert "mesh dp_replicate=2 x dp_shard=2 x ring=1 x ulysses=1 x tp=2 (8 ranks" in text
+    assert "batch: global, cut over dp_replicate x dp_shard = 4 along l_txt_ dim 0, l_img_ dim 0" in text
+    assert "0 fallback gathers" in text
+    svg = report.svg()
+    assert "dp_replicate=1,dp_shard=1,ring=0" in svg and "same cell across panels: dp_replicate x dp_shard x ring" in svg
+
+
+def test_bad_data_parallel_input_is_named(fake_world):
+    model = models.GPTBlock()
+    with pytest.raises(ValueError, match=r"input 'l_x_' of shape \[1, 8, 32\] holds a batch of 1, smaller than "
+                                         r"mesh dims 'dp_replicate' x 'dp_shard' = 2"):
+        dtensor_par.explain(model, (torch.randn(1, 8, 32),), dp_shard=2, device_type="cpu")
+    with pytest.raises(ValueError, match="batch must be one of"):
+        dtensor_par.explain(model, (torch.randn(2, 8, 32),), dp_shard=2, batch="per_rank")
+    fake_world(4)
+    with pytest.raises(ValueError, match=r"init_mesh: dp_replicate=2 x dp_shard=1 x tp=1 x ring=1 x ulysses=1 = 2 "
+                                         r"ranks, but the world size is 4"):
+        dtensor_par.init_mesh(dp_replicate=2)
+    with pytest.raises(ValueError, match=r"order must name each of \('dp_shard', 'tp', 'ring', 'ulysses'\) once"):
+        dtensor_par.init_mesh(dp_shard=2, tp=2, order=("tp", "ring", "ulysses"))
+    with pytest.raises(TypeError, match="dp_shards"):
+        dtensor_par.init_mesh(dp_shards=2, tp=2)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shrad", "tp"))
+    with pytest.raises(ValueError, match=r"unknown mesh dim names \['dp_shrad'\].*allowed names are \('dp_replicate', "
+                                         r"'dp_shard', 'tp', 'ring', 'ulysses'\)"):
+        dtensor_par.hybrid_parallel(mesh)
+    mesh = dtensor_par.init_mesh(dp_shard=2, tp=2)
+    assert mesh.mesh_dim_names == ("dp_shard", "ring", "ulysses", "tp")
