@@ -32,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .pipeline import PLANNING_PASSES, parallelize_graph
 from .config import ParallelConfig
+from .logs import logger
 from .mesh import MeshInfo
 from .params import SHARDED, STANDIN_OF, dtensor_placements
 from .passes.capture import capture_graphs
@@ -205,6 +206,10 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
     MeshInfo.check_names(mesh, entry)
     config.check_mesh(MeshInfo.for_planning(dict(zip(mesh.mesh_dim_names, mesh.shape)), mesh.device_type), entry)
     placements = plan_placements(model, mesh, example_args, example_kwargs, config)
+    if "dp_shard" in mesh.mesh_dim_names and mesh.size(mesh.mesh_dim_names.index("dp_shard")) > 1:
+        logger.warning("%s: parameters are not sharded over mesh dim 'dp_shard' yet (FSDP in the graph is not "
+                       "implemented): every dp_shard rank holds the parameters as tp cuts them, and dp_shard runs as "
+                       "dp_replicate does", entry)
     state = ShardedState(mesh, config, [])
     # id(old) -> (DTensor param, stand-in): tied weights share them
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}

@@ -1,12 +1,19 @@
-"""Train a small Llama-style language model, tensor + context parallel, against one device.
+"""Train a small Llama-style language model, tensor + context + data parallel, against one device.
 
-    torchrun --nproc-per-node 4 examples/train.py [--inner-backend aot_eager] [--tp 2 --ulysses 2 --ring 1] [--steps 5]
+    torchrun --nproc-per-node 4 examples/train.py [--inner-backend aot_eager] [--tp 2 --ulysses 2 --ring 1]
+        [--dp-replicate 1 --dp-shard 1 --batch global] [--steps 5]
 
 The model is written as a user writes it (no plan, no annotations). Every rank builds the same
 model and keeps a deep copy as the single-device reference. ``dtensor_par.parallelize`` then
 replaces the model's parameters by this rank's DTensor shards, and ``torch.compile`` with
 ``hybrid_parallel`` runs it. Both train with AdamW and gradient clipping on the same random
 tokens; rank 0 prints both losses per step and the parameter bytes this rank holds.
+
+With data-parallel dims the global batch holds 2 sequences per dp rank. ``--batch global``:
+every rank is given all of it, and the plan cuts it over dp. ``--batch local``: each dp rank
+is given its own slice (as a ``DistributedSampler`` would feed it) and the gradients are
+averaged over dp; the loss printed is then the mean of the ranks' losses, one device's on the
+whole batch.
 """
 
 import argparse
@@ -21,7 +28,7 @@ import torch.nn.functional as F
 import dtensor_par
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, MLP, LAYERS = 128, 64, 8, 4, 128, 2
-BATCH, SEQ = 2, 32
+SEQ = 32
 
 
 class RMSNorm(nn.Module):
@@ -97,29 +104,45 @@ def main():
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--ulysses", type=int, help="default: world size // tp")
     parser.add_argument("--ring", type=int, default=1)
+    parser.add_argument("--dp-replicate", type=int, default=1)
+    parser.add_argument("--dp-shard", type=int, default=1)
+    parser.add_argument("--batch", choices=("global", "local"), default="global")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    ulysses = args.ulysses or int(os.environ["WORLD_SIZE"]) // (args.tp * args.ring)
+    dp = args.dp_replicate * args.dp_shard
+    ulysses = args.ulysses or int(os.environ["WORLD_SIZE"]) // (args.tp * args.ring * dp)
     torch.set_num_threads(1)
 
     torch.manual_seed(0)  # every rank: the same model and the same tokens
     model = Llama()
     reference = copy.deepcopy(model)  # the single-device run
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1))
+    tokens = torch.randint(0, VOCAB, (2 * dp, SEQ + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # predict the next token
 
-    mesh = dtensor_par.init_mesh(tp=args.tp, ring=args.ring, ulysses=ulysses)  # joins the torchrun group
-    dtensor_par.parallelize(model, mesh, (inputs,))  # each parameter: this rank's DTensor shard
-    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=args.inner_backend))
+    mesh = dtensor_par.init_mesh(tp=args.tp, ring=args.ring, ulysses=ulysses, dp_replicate=args.dp_replicate,
+                                 dp_shard=args.dp_shard)  # joins the torchrun group
+    mine = slice(None)
+    if args.batch == "local":  # this rank's dp coordinate (dp_replicate-major, as the mesh lays it out)
+        coordinate = mesh.get_local_rank("dp_replicate") * args.dp_shard if args.dp_replicate > 1 else 0
+        coordinate += mesh.get_local_rank("dp_shard") if args.dp_shard > 1 else 0
+        mine = slice(2 * coordinate, 2 * coordinate + 2)
+    dtensor_par.parallelize(model, mesh, (inputs[mine],), batch=args.batch)  # each parameter: this rank's shard
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=args.inner_backend,
+                                                                        batch=args.batch))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # after parallelize
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
 
     rank0 = dist.get_rank() == 0
     if rank0:
-        print(f"tp={args.tp} ulysses={ulysses} ring={args.ring} inner_backend={args.inner_backend}")
+        print(f"dp_replicate={args.dp_replicate} dp_shard={args.dp_shard} tp={args.tp} ulysses={ulysses} "
+              f"ring={args.ring} batch={args.batch} inner_backend={args.inner_backend}")
         print("| step | loss parallel | loss single device | abs difference |\n| --- | --- | --- | --- |")
     for step in range(args.steps):
-        loss = train_step(compiled, opt, inputs, targets)
+        loss = train_step(compiled, opt, inputs[mine], targets[mine])
+        if args.batch == "local":  # every dp coordinate's loss, averaged: the loss of the whole batch
+            total = torch.tensor(loss)
+            dist.all_reduce(total)
+            loss = total.item() / dist.get_world_size()
         ref_loss = train_step(reference, ref_opt, inputs, targets)
         if rank0:
             print(f"| {step} | {loss:.6f} | {ref_loss:.6f} | {abs(loss - ref_loss):.2e} |")
