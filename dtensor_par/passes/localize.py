@@ -155,13 +155,13 @@ def bucket_input_grad_reductions(gm: fx.GraphModule, ctx: ParallelContext) -> No
     dims is reduced in a bucket of each.
     """
     graph = gm.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
     groups: dict[tuple, list[fx.Node]] = {}
     for n in graph.nodes:
         if n.target is C.grad_all_reduce and _reduced_input(n).op == "placeholder":
             groups.setdefault((n.args[1], tensor_val(n.args[0]).dtype, n.kwargs.get("mean", False)), []).append(n)
     limit = int(ctx.config.grad_bucket_mb * 2**20)
     for (dim, _, mean), nodes in groups.items():
+        order = {n: i for i, n in enumerate(graph.nodes)}  # with the buckets made so far
         nodes.sort(key=lambda n: -max(order[u] for u in n.users))
         for bucket in _bucket_sizes(nodes, limit):
             first_use = min((u for n in bucket for u in n.users), key=order.__getitem__)
