@@ -443,11 +443,12 @@ class ParallelRuntime:
         return _held_rows_examples(fake_mode, args, examples, plan.positions_of)
 
     def _as_dtensor(self, out, placements: dict[str, Placement] | None):
-        """A local output as a DTensor: tp as planned, the sequence shard on ulysses (the plan
-        refuses zigzag and padded sequence shards)."""
+        """A local output as a DTensor: tp as planned, the sequence shard on ring and ulysses,
+        the batch shard on the dp dims (the plan refuses zigzag and padded shards)."""
         if not isinstance(out, torch.Tensor) or placements is None or cache_shard(out) is not None:
             return out
         names = self.mesh.mesh_dim_names
-        cp = placements.get("cp", Replicate())
-        per_dim = {"tp": placements.get("tp", Replicate()), "ring": cp, "ulysses": cp}
+        cp, dp = placements.get("cp", Replicate()), placements.get("dp", Replicate())
+        per_dim = {"tp": placements.get("tp", Replicate()), "ring": cp, "ulysses": cp, "dp_replicate": dp,
+                   "dp_shard": dp}
         return DTensor.from_local(out, self.mesh, [per_dim[n] for n in names], run_check=False)

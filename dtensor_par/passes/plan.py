@@ -133,8 +133,8 @@ def _check_local_outputs(outputs: list[fx.Node], placements: list[Placement], en
                 f"which a DTensor placement cannot describe; use output='full'")
         if env.padded(tensor_val(node).shape[p.dim]):
             raise NotImplementedError(
-                f"output='local' with a sequence of length {tensor_val(node).shape[p.dim]} padded to split over "
-                f"mesh dims 'ring' x 'ulysses' = {env.size} (output {node.name!r}): a DTensor cannot hold the "
+                f"output='local' with a dim of length {tensor_val(node).shape[p.dim]} padded to split over "
+                f"mesh dim {env.dim!r} of size {env.size} (output {node.name!r}): a DTensor cannot hold the "
                 f"padding; use output='full'")
 
 
