@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from ..mesh import SPANS
 from ..placements import InterleavedShard, Placement, Replicate, Shard
 from .context import ParallelContext, at_node
 from .detect import AttentionSite, concatenated_features, module_name
@@ -133,9 +134,10 @@ def _check_local_outputs(outputs: list[fx.Node], placements: list[Placement], en
                 f"which a DTensor placement cannot describe; use output='full'")
         if env.padded(tensor_val(node).shape[p.dim]):
             raise NotImplementedError(
-                f"output='local' with a dim of length {tensor_val(node).shape[p.dim]} padded to split over "
-                f"mesh dim {env.dim!r} of size {env.size} (output {node.name!r}): a DTensor cannot hold the "
-                f"padding; use output='full'")
+                f"output='local' with a {'batch' if env.dim == 'dp' else 'sequence'} of length "
+                f"{tensor_val(node).shape[p.dim]} padded to split over mesh dims "
+                f"{' x '.join(map(repr, SPANS[env.dim]))} = {env.size} (output {node.name!r}): a DTensor cannot "
+                f"hold the padding; use output='full'")
 
 
 def _plan_outputs(output: fx.Node, cur: list[Placement], env: RuleEnv, ctx: ParallelContext) -> NodeSharding:
