@@ -105,8 +105,10 @@ add_1 = _operator.add(x, add_2)  # [2, 16, 64]  tp: R <- (R, R)
 return (add_1,)  # tp: - <- (R)
 """)
         plan = json.loads(read("plan.json"))
-        assert sorted(plan) == ["collectives", "collectives_lowering", "coverage", "mesh", "nodes", "parameter_state",
-                                "parameters", "replica_group_sets", "sites", "version", "warnings", "world_size"]
+        assert sorted(plan) == ["batch", "collectives", "collectives_lowering", "coverage", "mesh", "nodes",
+                                "parameter_state", "parameters", "replica_group_sets", "sites", "version", "warnings",
+                                "world_size"]
+        assert plan["batch"] is None  # no dp dims
         assert plan["coverage"]["fallback_gathers"] == [] and plan["coverage"]["parallel_sites"] == 2
         assert plan["coverage"]["sharded_linear_flops"] == plan["coverage"]["linear_flops"] > 0
         assert plan["collectives_lowering"] == "functional"
