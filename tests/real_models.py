@@ -22,6 +22,15 @@ def llama():
     return LlamaForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def gemma2():
+    """Logit soft-capping, so attention is written out: matmul, tanh, softmax, matmul."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_logit_softcapping=50.0,
+                          final_logit_softcapping=30.0, sliding_window=12, attention_dropout=0.0)
+    return Gemma2ForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 def gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=8, n_positions=64, attn_pdrop=0.0,
@@ -98,5 +107,5 @@ def sd3():
     return model, (), kwargs
 
 
-FACTORIES = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
+FACTORIES = {"llama": llama, "gemma2": gemma2, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
              "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3}

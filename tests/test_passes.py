@@ -6,6 +6,7 @@ import operator
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import dtensor_par
@@ -221,3 +222,20 @@ def test_zigzag_layout_balances_causal_work_across_ring_ranks():
     assert pieces == [[0, 1, 2, 3], [12, 13, 13, 13], [4, 5, 6, 7], [8, 9, 10, 11]]
     assert _piece(torch.arange(1, 15), Shard(0), cp, 1, edge=False).tolist() == [13, 14, 0, 0]
     assert _assemble(torch.tensor(pieces), 0, None, cp, 14).tolist() == list(range(14))
+
+
+class SoftmaxGate(nn.Module):
+    """A softmax over a matmul's output that is no attention: a gate over experts' scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.score = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return torch.softmax(x @ self.score.weight.t(), dim=-1) * 2.0
+
+
+def test_a_softmax_over_a_product_not_read_as_attention_is_warned_of_by_name(planned):
+    _, ctx = planned(SoftmaxGate(), [torch.randn(2, 8, 32)], tp=2)
+    assert any(w.startswith("softmax: a softmax over the product matmul is not read as attention")
+               for w in ctx.warnings), ctx.warnings

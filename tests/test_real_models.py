@@ -20,7 +20,7 @@ pytest.importorskip("diffusers", reason="the models extra (pip install -e '.[mod
 from tests import real_models  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
-BACKWARD = {"llama", "flux", "mistral_padded", "wan", "sd3"}
+BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -69,7 +69,8 @@ def compare_models(rank: int, world: int, *, sizes: dict, names: list[str]) -> d
 
 RUNS = {
     # diffusers' in-graph tokens: once, on tp2-ulysses2; a window and key padding as ring blocks.
-    4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"], names=MODELS + ["mistral_padded", "wan", "sd3"]),
+    # gemma2's attention is written out (soft-capping): tp shards its heads, cp runs it whole.
+    4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"], names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2"]),
         "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=MODELS + ["mistral_padded"])},
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=MODELS)},
 }
@@ -169,3 +170,19 @@ def test_masks_from_positions_hold_no_square_tensor_on_ring_4(model, seq, padded
     else:
         visible = sum(min(i + 1, window) for i in range(seq))
         assert per_pair * visible <= sum(flops) < 0.7 * per_pair * seq * (seq + 1) // 2, flops
+
+
+def test_attention_written_out_by_hand_is_a_site_sharded_on_heads():
+    """Gemma2's soft-capped attention (matmul, scale, tanh, mask, softmax, matmul) is read as an
+    attention site: tp=2 shards its q/k/v colwise and o rowwise by heads (4 heads, 2 kv heads),
+    every block linear sharded; under cp it runs op by op, which a warning says."""
+    torch.manual_seed(0)
+    model, args, kwargs = real_models.gemma2()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    attention = [s for s in graph.sites if s.startswith("attention")]
+    assert len(attention) == 2 and all("4 heads, 2 kv heads" in s and "o_proj" in s for s in attention), attention
+    assert graph.coverage.sharded_block_linear_flops == graph.coverage.block_linear_flops > 0
+    assert graph.coverage.fallback_gathers == [] and graph.coverage.parallel_sites == 4
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ulysses=2).graphs
+    assert any("attention written out by hand runs op by op on the whole sequence over cp" in w
+               for w in graph.warnings), graph.warnings

@@ -20,12 +20,16 @@ TO_ATTENTION = kinds_in("pointwise", "views", "indexing") | {"norm"}
 _FROM_ATTENTION = kinds_in("pointwise", "views", "indexing")
 # Ops allowed inside an MLP between up/gate and down projections.
 _INSIDE_MLP = kinds_in("pointwise") | {"split", "getitem"}
+# Ops allowed between attention written out by hand's q @ kT and its softmax: scale, soft-capping
+# (tanh), an additive bias or mask, masked_fill, where, upcasts; and between softmax and @ v.
+_SCORE_MODIFIERS = kinds_in("pointwise") | {"cast"}
+_AFTER_SOFTMAX = {"cast", "dropout"}
 
 
 @dataclass
 class AttentionSite:
     name: str
-    core: fx.Node  # the scaled_dot_product_attention call
+    core: fx.Node  # the scaled_dot_product_attention call, or the probabilities @ v of attention written out
     q: list[fx.Node]  # projection linears; a fused QKV linear appears in q, k and v
     k: list[fx.Node]
     v: list[fx.Node]
@@ -37,6 +41,12 @@ class AttentionSite:
     @property
     def colwise(self) -> list[fx.Node]:
         return list(dict.fromkeys(self.q + self.k + self.v + self.branch))
+
+    @property
+    def written_out(self) -> bool:
+        """Attention written out by hand (``softmax(q @ kT ...) @ v``): its ops are planned one by
+        one, as any op is; SDPA is what rewrite and the kv cache pass turn into hybrid attention."""
+        return op_kind(self.core) == "matmul"
 
     @property
     def rowwise(self) -> list[fx.Node]:
@@ -110,8 +120,9 @@ def find_consumers(start: fx.Node, through: set[str], ctx: ParallelContext) -> l
 
 
 def _split_heads(node: fx.Node) -> int | None:
-    """Head count of a view that splits the feature dim into (heads, head_dim)."""
-    if op_kind(node) != "view":
+    """Head count of a view that splits the feature dim of activations into (heads, head_dim)
+    (integer positions viewed on the way to RoPE are no heads)."""
+    if op_kind(node) != "view" or not tensor_val(node).is_floating_point():
         return None
     src, dst = tensor_val(node.args[0]).shape, tensor_val(node).shape
     if len(dst) == len(src) + 1 and src[-1] == dst[-2] * dst[-1] and src[:-1] == dst[:-2]:
@@ -129,12 +140,62 @@ def projected_heads(attention_input: fx.Node, ctx: ParallelContext) -> int:
     return val.shape[-3] if val.dim() >= 4 else 1
 
 
-def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[AttentionSite]:
-    sites = []
-    for node in gm.graph.nodes:
-        if op_kind(node) != "sdpa":
+def _score_products(scores: fx.Node) -> list[fx.Node]:
+    """The matmuls a softmax's input is made from through score modifiers."""
+    products, stack, seen = [], [scores], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
             continue
-        sdpa = sdpa_arguments(node)
+        seen.add(node)
+        if op_kind(node) == "matmul":
+            products.append(node)
+        elif op_kind(node) in _SCORE_MODIFIERS:
+            stack.extend(node.all_input_nodes)
+    return products
+
+
+def _weighted_values(softmax: fx.Node) -> fx.Node | None:
+    """The matmul that weighs values by a softmax's probabilities (through casts and dropout)."""
+    probabilities = softmax
+    while len(probabilities.users) == 1 and op_kind(next(iter(probabilities.users))) in _AFTER_SOFTMAX:
+        probabilities = next(iter(probabilities.users))
+    users = [u for u in probabilities.users if op_kind(u) == "matmul" and u.args[0] is probabilities]
+    return users[0] if len(users) == 1 and len(probabilities.users) == 1 else None
+
+
+def _over_last_dim(softmax: fx.Node) -> bool:
+    dim = softmax.kwargs.get("dim", softmax.args[1] if len(softmax.args) > 1 else None)
+    return dim in (-1, tensor_val(softmax).dim() - 1)
+
+
+def find_written_attention(gm: fx.GraphModule, ctx: ParallelContext) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
+    """``(q @ kT, softmax, probabilities @ v)`` of each attention written out by hand: a softmax
+    over the last dim of one matmul's output (through score modifiers) whose probabilities are
+    multiplied with the values. A softmax over a matmul's output that does not read so is warned
+    of by name: a report must not look complete when it is not."""
+    found = []
+    for softmax in (n for n in gm.graph.nodes if op_kind(n) == "softmax"):
+        products = _score_products(tensor_inputs(softmax)[0])
+        if not products:
+            continue
+        weighted = _weighted_values(softmax)
+        if len(products) == 1 and weighted is not None and _over_last_dim(softmax) and tensor_val(weighted).dim() >= 4:
+            found.append((products[0], softmax, weighted))
+        else:
+            ctx.warn(f"{softmax.name}: a softmax over the product {products[0].name} is not read as attention "
+                     f"(softmax(q @ kT) @ v over [batch, heads, seq, dim]); it is planned op by op, its heads not "
+                     f"sharded as a site's")
+    return found
+
+
+def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[AttentionSite]:
+    cores = [(n, sdpa_arguments(n)) for n in gm.graph.nodes if op_kind(n) == "sdpa"]
+    cores += [(weighted, {"query": scores.args[0], "key": scores.args[1], "value": weighted.args[1]})
+              for scores, _, weighted in find_written_attention(gm, ctx)]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    sites = []
+    for node, sdpa in sorted(cores, key=lambda c: order[c[0]]):
         q, k, v = (find_producers(sdpa[name], TO_ATTENTION, ctx)[0] for name in ("query", "key", "value"))
         heads, kv_heads = (projected_heads(sdpa[name], ctx) for name in ("query", "key"))
         out = find_consumers(node, _FROM_ATTENTION, ctx)

@@ -56,7 +56,7 @@ def kv_cache_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         to_cache_buffer(gm, output.args[0][c.index])
     appended = {}
     for site in ctx.sites:
-        if isinstance(site, AttentionSite):
+        if isinstance(site, AttentionSite) and not site.written_out:
             appended.update(to_cached_attention(gm, site, ctx))
     if appended:
         ctx.cache_outputs = append_new_rows(gm, ctx, appended)
@@ -83,8 +83,8 @@ def cache_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str
 def _read_as_keys_or_values(ctx: ParallelContext) -> set[fx.Node]:
     """Every node an attention reads as its keys or values through aliasing ops, and those."""
     walked: set[fx.Node] = set()
-    stack = [sdpa_arguments(site.core)[name] for site in ctx.sites if isinstance(site, AttentionSite)
-             for name in ("key", "value")]
+    stack = [sdpa_arguments(site.core)[name] for site in ctx.sites  # SDPA's: attention written out holds none
+             if isinstance(site, AttentionSite) and not site.written_out for name in ("key", "value")]
     while stack:
         node = stack.pop()
         if node in walked:

@@ -327,6 +327,11 @@ def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             split_rowwise_bias(gm, linear)
         if not isinstance(site, AttentionSite) or op_kind(site.core) == "cached_attention":
             continue  # attention to a kv cache held cut over cp is rewritten already (passes.kv_cache)
+        if site.written_out:
+            if ctx.mesh.size("cp") > 1:
+                ctx.warn(f"{site.name} ({site.core.name}): attention written out by hand runs op by op on the "
+                         f"whole sequence over cp: hybrid attention with its score modifiers is not implemented yet")
+            continue
         if sdpa_arguments(site.core)["enable_gqa"] and site.num_kv_heads != site.num_heads:
             divisor = tp * (ctx.mesh.size("ulysses") if ctx.mesh.size("cp") > 1 else 1)
             repeat = gqa_repeat(site.num_heads, site.num_kv_heads, divisor)
