@@ -79,22 +79,28 @@ def module_name(linear: fx.Node, ctx: ParallelContext) -> str:
     return ctx.params[weight_name(linear)].fqn.removesuffix(".weight")
 
 
-def _walk_to_linears(stack: list[fx.Node], step, through: set[str], ctx: ParallelContext):
-    """Walk from the nodes in ``stack`` through ops of the given kinds, ``step(node)`` giving the
-    next ones; return (the parameter linears reached, the nodes walked through)."""
-    linears, walked, seen = [], [], set()
+def _walk(stack: list[fx.Node], step, through: set[str], end: str) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Walk from the nodes in ``stack`` through ops of the given kinds (and what is written into
+    them), ``step(node)`` giving the next ones; return (the ops of kind ``end`` reached, the
+    nodes walked through)."""
+    ends, walked, seen = [], [], set()
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        if op_kind(node) == "linear":
-            if _has_param_weight(node, ctx):
-                linears.append(node)
+        if op_kind(node) == end:
+            ends.append(node)
         elif op_kind(node) in through or _written_into(node):
             walked.append(node)
             stack.extend(step(node))
-    return linears, walked
+    return ends, walked
+
+
+def _walk_to_linears(stack: list[fx.Node], step, through: set[str], ctx: ParallelContext):
+    """``_walk`` to linears; return (the parameter linears reached, the nodes walked through)."""
+    linears, walked = _walk(stack, step, through, "linear")
+    return [n for n in linears if _has_param_weight(n, ctx)], walked
 
 
 def _written_into(node: fx.Node) -> list[fx.Node]:
@@ -142,17 +148,7 @@ def projected_heads(attention_input: fx.Node, ctx: ParallelContext) -> int:
 
 def _score_products(scores: fx.Node) -> list[fx.Node]:
     """The matmuls a softmax's input is made from through score modifiers."""
-    products, stack, seen = [], [scores], set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if op_kind(node) == "matmul":
-            products.append(node)
-        elif op_kind(node) in _SCORE_MODIFIERS:
-            stack.extend(node.all_input_nodes)
-    return products
+    return _walk([scores], _written_from, _SCORE_MODIFIERS, "matmul")[0]
 
 
 def _weighted_values(softmax: fx.Node) -> fx.Node | None:
