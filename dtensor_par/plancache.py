@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .logs import logger
 from .passes import meta
@@ -96,11 +97,10 @@ class _SizeValue:
 class _TensorValue:
     shape: tuple
     stride: tuple
-    storage_offset: int | _SizeValue
-    storage_size: int | _SizeValue  # in elements
     dtype: torch.dtype
     device: torch.device
     requires_grad: bool
+    view: tuple | None  # (storage offset, storage size in elements) of a view; None: it spans a storage of its own
 
 
 class _Unstorable(Exception):
@@ -116,14 +116,23 @@ def _stored_size(size, symbols: set):
     return int(expr) if expr.is_number else _SizeValue(expr)
 
 
+def _spans_storage(value: FakeTensor) -> bool:
+    """Whether ``value`` starts its storage and ends it, as ``empty_strided`` makes one: then
+    one fake op rebuilds it, not two (a warm start of the DiT: 0.05 s of CPU per rank, not 0.10 s)."""
+    if not all(statically_known_true(s >= 1) for s in value.shape):
+        return False
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()))
+    return statically_known_true(value.storage_offset() == 0) and \
+        statically_known_true(value.untyped_storage().nbytes() == extent * value.element_size())
+
+
 def _stored_value(value, symbols: set):
     """An example value as (picklable) metadata: fake tensors' sizes, strides, dtype, device."""
     if isinstance(value, FakeTensor):
-        return _TensorValue(tuple(_stored_size(s, symbols) for s in value.shape),
-                            tuple(_stored_size(s, symbols) for s in value.stride()),
-                            _stored_size(value.storage_offset(), symbols),
-                            _stored_size(value.untyped_storage().nbytes() // value.element_size(), symbols),
-                            value.dtype, value.device, value.requires_grad)
+        view = None if _spans_storage(value) else (value.storage_offset(),
+                                                   value.untyped_storage().nbytes() // value.element_size())
+        return _TensorValue(_stored_value(tuple(value.shape), symbols), _stored_value(value.stride(), symbols),
+                            value.dtype, value.device, value.requires_grad, _stored_value(view, symbols))
     if isinstance(value, torch.SymInt):
         return _stored_size(value, symbols)
     if isinstance(value, (tuple, list)):
@@ -137,12 +146,15 @@ def _example_value(stored, mode: FakeTensorMode):
     """The value ``_stored_value`` kept, as a fake tensor (or size) of ``mode``."""
     if isinstance(stored, _SizeValue):
         env = mode.shape_env
-        return env.create_symintnode(stored.expr, hint=int(stored.expr.xreplace(env.var_to_val)))
+        return env.create_symintnode(stored.expr, hint=int(stored.expr.xreplace(env.backed_var_to_val)))
     if isinstance(stored, _TensorValue):
+        shape, stride = _example_value(stored.shape, mode), _example_value(stored.stride, mode)
         with mode:
-            storage = torch.empty(_example_value(stored.storage_size, mode), dtype=stored.dtype, device=stored.device)
-            value = storage.as_strided(_example_value(stored.shape, mode), _example_value(stored.stride, mode),
-                                       _example_value(stored.storage_offset, mode))
+            if stored.view is None:
+                value = torch.empty_strided(shape, stride, dtype=stored.dtype, device=stored.device)
+            else:
+                offset, size = _example_value(stored.view, mode)
+                value = torch.empty(size, dtype=stored.dtype, device=stored.device).as_strided(shape, stride, offset)
         return value.requires_grad_(stored.requires_grad)
     if isinstance(stored, (tuple, list)):
         return type(stored)(_example_value(s, mode) for s in stored)
