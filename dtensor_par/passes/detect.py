@@ -8,8 +8,7 @@ import torch.fx as fx
 
 from .context import ParallelContext
 from .meta import set_site_role, set_weight_name, weight_name
-from .nodes import tensor_inputs, tensor_val, weight_param, writes_in_place
-from .rules.attention import sdpa_arguments
+from .nodes import arguments, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.indexing import cat_dim
 from .rules.pointwise import is_activation
 from .rules.registry import kinds_in, op_kind
@@ -90,7 +89,7 @@ def _walk_to_linears(stack: list[fx.Node], step, through: set[str], ctx: Paralle
 def _written_into(node: fx.Node) -> list[fx.Node]:
     """What is written into ``node`` in place (a static kv cache's buffer gets its keys by
     ``index_copy_``): the writes' other inputs."""
-    return [i for u in node.users if writes_in_place(u) and u.args[0] is node for i in u.all_input_nodes
+    return [i for u in node.users if writes_in_place(u) and arguments(u)["input"] is node for i in u.all_input_nodes
             if i is not node]
 
 
@@ -113,7 +112,7 @@ def _split_heads(node: fx.Node) -> int | None:
     """Head count of a view that splits the feature dim into (heads, head_dim)."""
     if op_kind(node) != "view":
         return None
-    src, dst = tensor_val(node.args[0]).shape, tensor_val(node).shape
+    src, dst = tensor_val(arguments(node)["input"]).shape, tensor_val(node).shape
     if len(dst) == len(src) + 1 and src[-1] == dst[-2] * dst[-1] and src[:-1] == dst[:-2]:
         return dst[-2]
     return None
@@ -134,7 +133,7 @@ def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[Atten
     for node in gm.graph.nodes:
         if op_kind(node) != "sdpa":
             continue
-        sdpa = sdpa_arguments(node)
+        sdpa = arguments(node)
         q, k, v = (find_producers(sdpa[name], TO_ATTENTION, ctx)[0] for name in ("query", "key", "value"))
         heads, kv_heads = (projected_heads(sdpa[name], ctx) for name in ("query", "key"))
         out = find_consumers(node, _FROM_ATTENTION, ctx)
@@ -147,7 +146,7 @@ def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[Atten
 def concatenated_features(linear: fx.Node) -> list[fx.Node] | None:
     """The inputs of a ``cat`` along the feature dim that a linear reads (Flux's single-stream
     blocks: ``proj_out(cat([attention, mlp], -1))``), else None."""
-    x = linear.args[0]
+    x = arguments(linear)["input"]
     if op_kind(x) != "cat" or cat_dim(x) != tensor_val(x).dim() - 1:
         return None
     return tensor_inputs(x)
@@ -158,7 +157,7 @@ def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]
     for node in gm.graph.nodes:
         if not op_kind(node) == "linear" or node in taken or not _has_param_weight(node, ctx):
             continue
-        ups, walked = find_producers(node.args[0], _INSIDE_MLP, ctx)
+        ups, walked = find_producers(arguments(node)["input"], _INSIDE_MLP, ctx)
         activations = [n for n in walked if is_activation(n)]
         if ups and activations and not taken.intersection(ups):
             sites.append(MLPSite(f"mlp{len(sites)}", ups, node, activations))

@@ -28,8 +28,7 @@ from ..symbolic import same_size
 from .capture import erase_unused, with_val
 from .context import ParallelContext
 from .detect import AttentionSite
-from .nodes import arg, tensor_inputs, tensor_val
-from .rules.attention import sdpa_arguments
+from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.indexing import cat_dim, per_dim
 from .rules.registry import kinds_in, op_kind
 
@@ -83,7 +82,7 @@ def cache_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str
 def _read_as_keys_or_values(ctx: ParallelContext) -> set[fx.Node]:
     """Every node an attention reads as its keys or values through aliasing ops, and those."""
     walked: set[fx.Node] = set()
-    stack = [sdpa_arguments(site.core)[name] for site in ctx.sites if isinstance(site, AttentionSite)
+    stack = [arguments(site.core)[name] for site in ctx.sites if isinstance(site, AttentionSite)
              for name in ("key", "value")]
     while stack:
         node = stack.pop()
@@ -98,10 +97,10 @@ def _read_as_keys_or_values(ctx: ParallelContext) -> set[fx.Node]:
 def _window(node: fx.Node, read: set[fx.Node]) -> tuple[fx.Node, int] | None:
     """``(cache, n)`` when ``node`` keeps the last ``n`` rows of a cache an attention reads
     (a sliding-window cache layer's ``full[..., -n:, :]``)."""
-    if op_kind(node) != "getitem" or node.args[0] not in read or op_kind(node.args[0]) != "cat":
+    if op_kind(node) != "getitem" or arguments(node)["input"] not in read or op_kind(arguments(node)["input"]) != "cat":
         return None
-    cache = node.args[0]
-    entries = per_dim(node.args[1], tensor_val(cache).dim())
+    cache = arguments(node)["input"]
+    entries = per_dim(arguments(node)["index"], tensor_val(cache).dim())
     if entries is None or any(e != slice(None) for d, e in enumerate(entries) if d != cat_dim(cache)):
         return None
     kept = entries[cat_dim(cache)]
@@ -139,7 +138,7 @@ def to_cache_buffer(gm: fx.GraphModule, buffer: fx.Node) -> None:
     (``index_copy_``) becomes ``cache_buffer`` of the rows written: the plan cuts it as it
     cuts them (each rank's heads), where a fresh ``zeros`` would stay whole."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    writers = [u for u in buffer.users if op_kind(u) == "index_copy" and u.args[0] is buffer]
+    writers = [u for u in buffer.users if op_kind(u) == "index_copy" and arguments(u)["input"] is buffer]
     if buffer.target is not torch.zeros or not writers:
         return
     writer = min(writers, key=order.__getitem__)
@@ -147,7 +146,7 @@ def to_cache_buffer(gm: fx.GraphModule, buffer: fx.Node) -> None:
         return
     val = tensor_val(buffer)
     with gm.graph.inserting_before(writer):
-        node = gm.graph.call_function(cache_buffer, (arg(writer, 3, "source"), list(val.shape), val.dtype))
+        node = gm.graph.call_function(cache_buffer, (arguments(writer)["source"], list(val.shape), val.dtype))
     with_val(node, val)
     buffer.replace_all_uses_with(node)
     gm.graph.erase_node(buffer)
@@ -186,7 +185,7 @@ def to_cached_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
     """Attention reading ``cat([cache, new])`` keys and values of a cache cut over cp becomes
     ``cached_attention`` on this rank's rows of the cache and the new rows. Returns each
     ``cat`` replaced -> (new rows, held input): the model's cache gets the new rows appended."""
-    sdpa = sdpa_arguments(site.core)
+    sdpa = arguments(site.core)
     keys, values = _held_rows(sdpa["key"], ctx), _held_rows(sdpa["value"], ctx)
     if keys is None or values is None:
         return {}

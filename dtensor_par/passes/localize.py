@@ -27,7 +27,7 @@ from ..symbolic import hint, is_symbolic, materialize_sizes
 from .context import ParallelContext, at_node
 from .meta import (Communication, clear_communications, communications, placements, set_communications, shardings,
                    site_role)
-from .nodes import tensor_inputs, tensor_val
+from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.registry import lookup
 
 R = Replicate()
@@ -149,15 +149,16 @@ def bucket_input_grad_reductions(gm: fx.GraphModule, ctx: ParallelContext) -> No
     order = {n: i for i, n in enumerate(graph.nodes)}
     groups: dict[tuple, list[fx.Node]] = {}
     for n in graph.nodes:
-        if n.target is C.grad_all_reduce and n.args[0].op == "placeholder":
-            groups.setdefault((n.args[1], tensor_val(n.args[0]).dtype), []).append(n)
+        given = arguments(n) if n.target is C.grad_all_reduce else None
+        if given and given["x"].op == "placeholder":
+            groups.setdefault((given["mesh_dim"], tensor_val(given["x"]).dtype), []).append(n)
     limit = int(ctx.config.grad_bucket_mb * 2**20)
     for (dim, _), nodes in groups.items():
         nodes.sort(key=lambda n: -max(order[u] for u in n.users))
         for bucket in _bucket_sizes(nodes, limit):
             first_use = min((u for n in bucket for u in n.users), key=order.__getitem__)
             with graph.inserting_before(first_use):
-                op = graph.call_function(C.grad_all_reduce_bucket, ([n.args[0] for n in bucket], dim))
+                op = graph.call_function(C.grad_all_reduce_bucket, ([arguments(n)["x"] for n in bucket], dim))
                 nbytes = sum(communications(n)[0].backward_bytes for n in bucket)
                 set_communications(op, [Communication(
                     None, "all_reduce", dim.name, dim.size, 0, nbytes, f"gradient bucket of {len(bucket)} inputs")])

@@ -13,7 +13,7 @@ from ..placements import InterleavedShard, Placement, Replicate, Shard
 from .context import ParallelContext, at_node
 from .detect import AttentionSite, concatenated_features, module_name
 from .meta import NodeSharding, set_global_shape, set_sharding, shardings
-from .nodes import target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
+from .nodes import arguments, target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.core import RuleEnv, check_divisible, moved, replicate_all
 from .rules.indexing import per_dim, split_dim
 from .rules.registry import lookup, op_kind
@@ -28,12 +28,12 @@ def fused_parts(linear: fx.Node) -> tuple[int, ...] | None:
     out_dim = tensor_val(linear).dim() - 1
     if len(users) == 1 and op_kind(users[0]) == "split":
         split = users[0]
-        if split.args[0] is not linear or split_dim(split) != out_dim:
+        if arguments(split)["input"] is not linear or split_dim(split) != out_dim:
             return None
         return tuple(t.shape[out_dim] for t in split.meta["val"])
     ranges = set()
     for user in users:
-        entries = per_dim(user.args[1], out_dim + 1) if op_kind(user) == "getitem" else None
+        entries = per_dim(arguments(user)["index"], out_dim + 1) if op_kind(user) == "getitem" else None
         if entries is None or any(e != slice(None) for e in entries[:-1]) or not isinstance(entries[-1], slice):
             return None
         start, stop, step = entries[-1].indices(tensor_val(linear).shape[-1])
@@ -84,7 +84,7 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
         placements[linear] = p
     for linear in site.rowwise:
         parts = tuple(tensor_val(x).shape[-1] for x in concatenated_features(linear) or ())
-        in_features = parts or (tensor_val(linear.args[0]).shape[-1],)
+        in_features = parts or (tensor_val(arguments(linear)["input"]).shape[-1],)
         if any(f % tp for f in in_features):
             ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {list(in_features)} input features, not divisible "
                      f"by tp={tp}; the site stays replicated")
@@ -108,7 +108,7 @@ def assign_weight_placements(ctx: ParallelContext) -> None:
         for linear, p in placements.items():
             weight, transposed = weight_param(linear)
             tensors = [(weight, moved(p, 1 - p.dim) if transposed else p)]
-            bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+            bias = arguments(linear)["bias"]
             if bias is not None:
                 tensors.append((bias, p))
             for tensor, placement in tensors:

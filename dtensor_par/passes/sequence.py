@@ -15,7 +15,7 @@ from ..symbolic import same_size
 from .capture import with_val
 from .context import ParallelContext
 from .detect import TO_ATTENTION, AttentionSite, find_producers
-from .nodes import tensor_inputs, tensor_val
+from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.indexing import cat_dim
 from .rules.registry import op_kind
 from .rules.views import sequence_start
@@ -55,18 +55,26 @@ def mask_only_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     gather of a [B, H, S, S] mask built from a [B, S] key-padding input."""
     only: set[fx.Node] = set()
     for node in reversed(gm.graph.nodes):
-        if node.users and all(u in only or (op_kind(u) == "hybrid_attention" and node not in u.args and node in (
-                u.kwargs.get("attn_mask"), u.kwargs.get("key_padding"))) for u in node.users):
+        if node.users and all(u in only or _mask_of(u, node) for u in node.users):
             only.add(node)
     return only
+
+
+def _mask_of(attention: fx.Node, node: fx.Node) -> bool:
+    """Whether ``node`` is a hybrid attention's mask or key padding, and not its q, k or v."""
+    if op_kind(attention) != "hybrid_attention":
+        return False
+    given = arguments(attention)
+    return node not in (given["q"], given["k"], given["v"]) and node in (given["attn_mask"], given["key_padding"])
 
 
 def sequence_lengths(site: AttentionSite, ctx: ParallelContext) -> list[int]:
     """The length of the sequence an attention runs over, and of each part of it when it is
     a joint sequence concatenated from several (text and image tokens)."""
-    length = tensor_val(site.core.args[0]).shape[-2]
+    query = arguments(site.core)["q"]
+    length = tensor_val(query).shape[-2]
     lengths = [length]
-    for node in find_producers(site.core.args[0], TO_ATTENTION, ctx)[1]:
+    for node in find_producers(query, TO_ATTENTION, ctx)[1]:
         if op_kind(node) == "cat" and same_size(tensor_val(node).shape[cat_dim(node)], length):
             lengths += [tensor_val(i).shape[cat_dim(node)] for i in tensor_inputs(node)]
     return lengths
