@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..symbolic import is_symbolic, same_size
 from .capture import erase_unused, with_val
-from .context import ParallelContext
+from .context import ParallelContext, at_node
 from .nodes import arguments, tensor_val
 from .rules.registry import op_kind
 
@@ -176,14 +176,20 @@ def grouped_kv_attention(gm: fx.GraphModule, sdpa_node: fx.Node) -> None:
         erase_unused(gm, repeat)
 
 
+def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -> None:
+    """Rewrite ``node`` into the spelling the rules know, if it has another."""
+    if node.op in ("call_function", "call_method") and node.target in (torch.narrow, "narrow"):
+        narrow_as_slice(gm, node)
+    elif node.op in ("call_function", "call_method") and node.target in _ADD_PRODUCT:
+        if not (node.target in (torch.addmm, "addmm") and conv1d_linear(gm, node)):
+            add_product_as_matmul(gm, node)
+    elif op_kind(node) == "sdpa" and ctx.mesh.size("cp") > 1:
+        grouped_kv_attention(gm, node)
+
+
 def canonicalize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
-        if node.op in ("call_function", "call_method") and node.target in (torch.narrow, "narrow"):
-            narrow_as_slice(gm, node)
-        if node.op in ("call_function", "call_method") and node.target in _ADD_PRODUCT:
-            if not (node.target in (torch.addmm, "addmm") and conv1d_linear(gm, node)):
-                add_product_as_matmul(gm, node)
-        if op_kind(node) == "sdpa" and ctx.mesh.size("cp") > 1:
-            grouped_kv_attention(gm, node)
+        with at_node("canonicalize", node):
+            canonicalize_node(gm, node, ctx)
     gm.recompile()
     return gm

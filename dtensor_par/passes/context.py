@@ -14,8 +14,9 @@ from ..mesh import MeshInfo
 from ..ops.lowerings import FUNCTIONAL
 from ..params import WHOLE, WholeParameters
 from ..placements import Placement, describe
-from ..symbolic import guards_at
+from ..symbolic import NotSymbolic, guards_at
 from .meta import placements
+from .nodes import target_name
 
 if TYPE_CHECKING:
     from ..config import ParallelConfig
@@ -98,14 +99,25 @@ class PlanningError(RuntimeError):
     """A pass could not handle one node. Names the node, its op, input shapes and placements."""
 
 
-USER_ERRORS = (ValueError, NotImplementedError, TypeError, ImportError, PlanningError)
-"""Errors the passes raise on purpose, each with a message for the user; anything else is a
-defect of ours and becomes a PlanningError naming where it happened."""
+class InvalidPlan(ValueError):
+    """What is asked cannot be planned as given (heads not divisible by tp, a sequence shorter
+    than cp, replica groups the hardware cannot run): raised on purpose, the message says what
+    to change."""
+
+
+class NotSupported(NotImplementedError):
+    """What the planner does not do (yet): raised on purpose, naming the node and a way around."""
+
+
+USER_ERRORS = (InvalidPlan, NotSupported, NotSymbolic, ImportError, PlanningError)
+"""Errors the passes raise on purpose, each with a message for the user (an ImportError: a
+lowering's missing package). Anything else, a ValueError from unpacking too, is a defect of
+ours and becomes a PlanningError naming where it happened."""
 
 
 def _described(node: fx.Node) -> str:
     """``name [shape] (tp: S(0), cp: R)``: a node's value and its planned placements."""
-    value = node.meta.get("val")
+    value = node.meta.get("val", node.meta.get("example_value"))  # Dynamo's, before capture has propagated
     shape = str(list(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
     planned = ", ".join(f"{d}: {describe(p)}" for d, p in placements(node).items())
     return f"{node.name} {shape}" + (f" ({planned})" if planned else "")
@@ -122,6 +134,6 @@ def at_node(pass_name: str, node: fx.Node):
     except Exception as e:
         inputs = "; ".join(_described(i) for i in node.all_input_nodes)
         raise PlanningError(
-            f"{pass_name}: cannot handle node {_described(node)} = {getattr(node.target, '__name__', node.target)}"
+            f"{pass_name}: cannot handle node {_described(node)} = {target_name(node)}"
             f"({inputs}): {type(e).__name__}: {e}. This is a dtensor_par bug: please report it with this message, "
             f"or set DTENSOR_PAR_DUMP=DIR to see the graph") from e

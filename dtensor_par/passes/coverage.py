@@ -18,7 +18,7 @@ import torch.fx as fx
 from ..ops.ring_schedule import ring_step_flops
 from ..placements import Replicate, local_shape_on, shard_length
 from ..symbolic import hint
-from .context import Coverage, ParallelContext
+from .context import Coverage, ParallelContext, at_node
 from .detect import AttentionSite
 from .meta import shardings, weight_name
 from .nodes import arguments, tensor_val, weight_param
@@ -59,7 +59,8 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
                 cov.fallback_gathers.append(f"{node.name} on {dim!r}: {sharding.note}")
         if op_kind(node) not in ("linear", "matmul") or tensor_val(node) is None:
             continue
-        flops, fqn = _linear_flops(node), _weight_fqn(node, ctx)
+        with at_node("coverage", node):
+            flops, fqn = _linear_flops(node), _weight_fqn(node, ctx)
         sharded = bool(plans) and all(s.out != Replicate() for s in plans.values())
         cov.linear_flops += flops
         cov.sharded_linear_flops += flops * sharded

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from .context import ParallelContext
+from .context import ParallelContext, at_node
 from .meta import set_site_role, set_weight_name, weight_name
 from .nodes import arguments, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.indexing import cat_dim
@@ -131,16 +131,21 @@ def projected_heads(attention_input: fx.Node, ctx: ParallelContext) -> int:
 def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[AttentionSite]:
     sites = []
     for node in gm.graph.nodes:
-        if op_kind(node) != "sdpa":
-            continue
-        sdpa = arguments(node)
-        q, k, v = (find_producers(sdpa[name], TO_ATTENTION, ctx)[0] for name in ("query", "key", "value"))
-        heads, kv_heads = (projected_heads(sdpa[name], ctx) for name in ("query", "key"))
-        out = find_consumers(node, _FROM_ATTENTION, ctx)
-        branch = [linear for o in out for part in (concatenated_features(o) or ())
-                  for linear in find_producers(part, _INSIDE_MLP, ctx)[0]]
-        sites.append(AttentionSite(f"attention{len(sites)}", node, q, k, v, out, heads, kv_heads, branch))
+        if op_kind(node) == "sdpa":
+            with at_node("detect", node):
+                sites.append(attention_site(f"attention{len(sites)}", node, ctx))
     return sites
+
+
+def attention_site(site_name: str, node: fx.Node, ctx: ParallelContext) -> AttentionSite:
+    """The site of one attention call: the projections it reads and the ones its output feeds."""
+    sdpa = arguments(node)
+    q, k, v = (find_producers(sdpa[name], TO_ATTENTION, ctx)[0] for name in ("query", "key", "value"))
+    heads, kv_heads = (projected_heads(sdpa[name], ctx) for name in ("query", "key"))
+    out = find_consumers(node, _FROM_ATTENTION, ctx)
+    branch = [linear for o in out for part in (concatenated_features(o) or ())
+              for linear in find_producers(part, _INSIDE_MLP, ctx)[0]]
+    return AttentionSite(site_name, node, q, k, v, out, heads, kv_heads, branch)
 
 
 def concatenated_features(linear: fx.Node) -> list[fx.Node] | None:
@@ -157,7 +162,8 @@ def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]
     for node in gm.graph.nodes:
         if not op_kind(node) == "linear" or node in taken or not _has_param_weight(node, ctx):
             continue
-        ups, walked = find_producers(arguments(node)["input"], _INSIDE_MLP, ctx)
+        with at_node("detect", node):
+            ups, walked = find_producers(arguments(node)["input"], _INSIDE_MLP, ctx)
         activations = [n for n in walked if is_activation(n)]
         if ups and activations and not taken.intersection(ups):
             sites.append(MLPSite(f"mlp{len(sites)}", ups, node, activations))

@@ -26,7 +26,7 @@ from ..ops.cache_attention import cache_buffer, cached_attention
 from ..placements import Placement, shard_dim
 from ..symbolic import same_size
 from .capture import erase_unused, with_val
-from .context import ParallelContext
+from .context import InvalidPlan, NotSupported, ParallelContext, at_node
 from .detect import AttentionSite
 from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.indexing import cat_dim, per_dim
@@ -52,11 +52,13 @@ def kv_cache_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     ctx.cache_outputs = find_cache_outputs(gm, ctx)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     for c in ctx.cache_outputs:
-        to_cache_buffer(gm, output.args[0][c.index])
+        with at_node("kv_cache", output.args[0][c.index]):
+            to_cache_buffer(gm, output.args[0][c.index])
     appended = {}
     for site in ctx.sites:
         if isinstance(site, AttentionSite):
-            appended.update(to_cached_attention(gm, site, ctx))
+            with at_node("kv_cache", site.core):
+                appended.update(to_cached_attention(gm, site, ctx))
     if appended:
         ctx.cache_outputs = append_new_rows(gm, ctx, appended)
         gm.recompile()
@@ -72,7 +74,7 @@ def cache_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str
         if shard is None:
             continue
         if shard.mesh != ctx.mesh:
-            raise ValueError(f"kv_cache: input {node.name!r} is a kv cache held over another mesh "
+            raise InvalidPlan(f"kv_cache: input {node.name!r} is a kv cache held over another mesh "
                              f"({shard.mesh.world_size} ranks, {dict((d, shard.mesh.size(d)) for d in shard.mesh.order)})"
                              f" than this plan's; a cache filled by one compiled model cannot feed another")
         found[node.name] = dict(shard.placements)
@@ -119,7 +121,8 @@ def find_cache_outputs(gm: fx.GraphModule, ctx: ParallelContext) -> tuple[CacheO
     for i, node in enumerate(outs):
         if not isinstance(node, fx.Node) or tensor_val(node) is None:
             continue
-        window = _window(node, read)
+        with at_node("kv_cache", node):
+            window = _window(node, read)
         if window is not None:
             outs[i] = window[0]
         elif node not in read or node.op == "placeholder":
@@ -190,7 +193,7 @@ def to_cached_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
     if keys is None or values is None:
         return {}
     if sdpa["dropout_p"]:
-        raise NotImplementedError(f"kv_cache: attention {site.core.name!r} with dropout against a kv cache cut over "
+        raise NotSupported(f"kv_cache: attention {site.core.name!r} with dropout against a kv cache cut over "
                                   f"mesh dims 'ring' x 'ulysses'")
     seq = cat_dim(keys[0])
     kwargs = {"past": tensor_val(keys[1]).shape[seq], "attn_mask": sdpa["attn_mask"], "is_causal": sdpa["is_causal"],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..placements import InterleavedShard, Placement, Replicate, Shard
-from .context import ParallelContext, at_node
+from .context import InvalidPlan, NotSupported, ParallelContext, at_node
 from .detect import AttentionSite, concatenated_features, module_name
 from .meta import NodeSharding, set_global_shape, set_sharding, shardings
 from .nodes import arguments, target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
@@ -61,7 +61,7 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
     colwise = list(site.colwise)
     if isinstance(site, AttentionSite):
         if site.num_heads % tp:
-            raise ValueError(
+            raise InvalidPlan(
                 f"plan: attention {site.core.name!r} has {site.num_heads} heads, not divisible "
                 f"by mesh dim 'tp' of size {tp} (uneven heads come with context parallelism)"
             )
@@ -128,11 +128,11 @@ def _check_local_outputs(outputs: list[fx.Node], placements: list[Placement], en
         if not isinstance(p, Shard):
             continue
         if env.chunks_per_rank > 1:
-            raise NotImplementedError(
+            raise NotSupported(
                 f"output='local' with ring > 1 (output {node.name!r}): sequence shards are in the zigzag layout, "
                 f"which a DTensor placement cannot describe; use output='full'")
         if env.padded(tensor_val(node).shape[p.dim]):
-            raise NotImplementedError(
+            raise NotSupported(
                 f"output='local' with a sequence of length {tensor_val(node).shape[p.dim]} padded to split over "
                 f"mesh dims 'ring' x 'ulysses' = {env.size} (output {node.name!r}): a DTensor cannot hold the "
                 f"padding; use output='full'")
@@ -161,7 +161,7 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding
         return _plan_outputs(node, cur, env, ctx)
     kind = lookup(node)
     if kind is None and writes_in_place(node) and any(p != R for p in cur):
-        raise NotImplementedError(
+        raise NotSupported(
             f"plan: {node.name} ({target_name(node)}) writes in place into {ins[0].name}; its inputs are "
             f"{', '.join(f'{i.name} {p}' for i, p in zip(ins, cur))} on mesh dim {env.dim!r}; it has no sharding rule, "
             f"and a write into a gathered copy would be lost: write it out of place")

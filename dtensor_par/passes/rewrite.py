@@ -27,7 +27,7 @@ from ..ops.attention import hybrid_attention
 from ..placements import is_padded, shard_length
 from ..symbolic import guards_at, hint, is_symbolic
 from .capture import erase_unused, with_val
-from .context import ParallelContext
+from .context import InvalidPlan, ParallelContext, at_node
 from .detect import AttentionSite
 from .meta import Communication, set_communications, set_site_role, site_role
 from .nodes import arguments, tensor_val
@@ -109,7 +109,7 @@ def _sequence_lengths(site: AttentionSite, q, k, mesh, ctx: ParallelContext) -> 
     cp, per_rank = mesh.size("cp"), mesh.dims["cp"].chunks_per_rank
     q_len, kv_len = q.shape[-2], k.shape[-2]
     if min(q_len, kv_len) < cp:
-        raise ValueError(
+        raise InvalidPlan(
             f"rewrite: attention {site.core.name!r} has sequence length {q_len} (keys {kv_len}), "
             f"shorter than mesh dims 'ring' x 'ulysses' = {mesh.size('ring')} x {mesh.size('ulysses')} = {cp}: "
             f"some ranks would hold only padding; use smaller 'ring' or 'ulysses' dims")
@@ -322,15 +322,17 @@ def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     tp = ctx.mesh.size("tp")
     for site in ctx.sites:
         for linear in site.rowwise:
-            split_rowwise_bias(gm, linear)
+            with at_node("rewrite", linear):
+                split_rowwise_bias(gm, linear)
         if not isinstance(site, AttentionSite) or op_kind(site.core) == "cached_attention":
             continue  # attention to a kv cache held cut over cp is rewritten already (passes.kv_cache)
-        if arguments(site.core)["enable_gqa"] and site.num_kv_heads != site.num_heads:
-            divisor = tp * (ctx.mesh.size("ulysses") if ctx.mesh.size("cp") > 1 else 1)
-            repeat = gqa_repeat(site.num_heads, site.num_kv_heads, divisor)
-            if repeat > 1:
-                expand_gqa_kv(gm, site, repeat)
-        if ctx.mesh.size("cp") > 1:
-            to_hybrid_attention(gm, site, ctx)
+        with at_node("rewrite", site.core):
+            if arguments(site.core)["enable_gqa"] and site.num_kv_heads != site.num_heads:
+                divisor = tp * (ctx.mesh.size("ulysses") if ctx.mesh.size("cp") > 1 else 1)
+                repeat = gqa_repeat(site.num_heads, site.num_kv_heads, divisor)
+                if repeat > 1:
+                    expand_gqa_kv(gm, site, repeat)
+            if ctx.mesh.size("cp") > 1:
+                to_hybrid_attention(gm, site, ctx)
     gm.recompile()
     return gm

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ...mesh import MeshInfo
 from ...placements import InterleavedShard, Partial, Placement, Shard, shard_dim, shard_length
 from ...symbolic import is_symbolic
+from ..context import NotSupported
 from ..meta import NodeSharding, shardings
 from ..nodes import arguments, tensor_val
 from .core import R, moved, norm_dim, replicate_all, resolve_partial
@@ -90,7 +91,7 @@ def setitem_rule(node, ins, cur, env):
         return NodeSharding(None, tuple(R for _ in ins))
     kept = _index_map(index, tuple(tensor_val(target).shape))
     if isinstance(p, Partial) or kept is None or p.dim not in kept or ins[0] is not target or len(ins) > 2:
-        raise NotImplementedError(
+        raise NotSupported(
             f"plan: {node.name} writes in place into {target.name} {list(tensor_val(target).shape)}, "
             f"which is {p} on mesh dim {env.dim!r}, at index {index}: a write that does not keep the sharded dim "
             f"whole cannot run on shards; write it out of place (torch.cat, torch.where)")
@@ -112,7 +113,7 @@ def index_copy_rule(node, ins, cur, env):
     given = arguments(node)
     dim = norm_dim(given["dim"], tensor_val(given["input"]).dim())
     if isinstance(p, Partial) or shard_dim(p) == dim or len(ins) != 3:
-        raise NotImplementedError(
+        raise NotSupported(
             f"plan: {node.name} ({node.target}) writes in place along dim {dim} into {ins[0].name} "
             f"{list(tensor_val(ins[0]).shape)}, which is {p} on mesh dim {env.dim!r}: a write along a sharded dim "
             f"cannot run on shards")
