@@ -1,5 +1,9 @@
 """canonicalize: rewrite equivalent spellings of one computation into the one the rules know.
 
+- A call given a tensor by keyword gets the arguments its op's schema takes by position
+  too at their positions (``passes.nodes.keywords_as_positions``): the rules read a call's
+  tensors in its schema's order, whatever order its keywords came in
+  (``torch.matmul(other=b, input=a)``).
 - A ``Conv1D`` linear (GPT-2: ``addmm(bias, x.view(-1, k), weight).view(*lead, n)`` with the
   weight stored ``[in, out]``) becomes ``linear(x, weight.t(), bias)``: the batch and
   sequence dims are never flattened together, so a sequence sharded over cp stays sharded,
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 from ..symbolic import is_symbolic, same_size
 from .capture import erase_unused, with_val
 from .context import ParallelContext, at_node
-from .nodes import arguments, tensor_val
+from .nodes import arguments, keywords_as_positions, tensor_val
 from .rules.registry import op_kind
 
 
@@ -176,8 +180,17 @@ def grouped_kv_attention(gm: fx.GraphModule, sdpa_node: fx.Node) -> None:
         erase_unused(gm, repeat)
 
 
+def _tensor_by_keyword(node: fx.Node) -> bool:
+    """Whether a call is given a tensor by keyword (``x.baddbmm(batch1=a, batch2=b)``)."""
+    given = []
+    fx.node.map_arg(node.kwargs, given.append)
+    return any(tensor_val(n) is not None for n in given)
+
+
 def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -> None:
     """Rewrite ``node`` into the spelling the rules know, if it has another."""
+    if node.op in ("call_function", "call_method") and _tensor_by_keyword(node):
+        node.args, node.kwargs = keywords_as_positions(node) or (node.args, node.kwargs)
     if node.op in ("call_function", "call_method") and node.target in (torch.narrow, "narrow"):
         narrow_as_slice(gm, node)
     elif node.op in ("call_function", "call_method") and node.target in _ADD_PRODUCT:

@@ -47,15 +47,41 @@ def arguments(node: fx.Node) -> dict[str, Any]:
     the values' types fit. ``operator``'s functions take positions only: ``input`` and
     ``other`` (``index`` for ``getitem``), as ``torch.add`` names them.
     """
+    match = _schema_match(node)
+    if match is None:
+        raise TypeError(f"{target_name(node)}: no schema of it takes ({len(node.args)} positional arguments, "
+                        f"keywords {sorted(node.kwargs)})")
+    return match[2]
+
+
+def keywords_as_positions(node: fx.Node) -> tuple[tuple, dict] | None:
+    """A call's arguments with those given by keyword that its schema takes by position too
+    moved to their positions, as far as none is left out: ``torch.matmul(other=b, input=a)`` is
+    ``(a, b), {}``, ``x.baddbmm(batch1=a, batch2=b, alpha=0.5)`` ``(x, a, b), {"alpha": 0.5}``.
+    None for a call no schema takes."""
+    match = _schema_match(node)
+    if match is None:
+        return None
+    signature, args, _ = match
+    args, kwargs = list(args), dict(node.kwargs)
+    for param in list(signature.parameters.values())[len(args):]:
+        if param.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or param.name not in kwargs:
+            break
+        args.append(kwargs.pop(param.name))
+    return tuple(args), kwargs
+
+
+def _schema_match(node: fx.Node) -> tuple[inspect.Signature, tuple, dict[str, Any]] | None:
+    """(the signature, the positional arguments as it takes them, every argument by name) of
+    the first overload that takes the call, or None."""
     spellings = [(signature, args) for signature in _signatures(node.op, node.target)
                  for args in _spellings(node, signature)]
     for typed in (True, False):  # an overload the types fit, else (a Python function's annotations) any
         for signature, args in spellings:
             bound = _bound(signature, args, node.kwargs, typed)
             if bound is not None:
-                return bound
-    raise TypeError(f"{target_name(node)}: no schema of it takes ({len(node.args)} positional arguments, keywords "
-                    f"{sorted(node.kwargs)})")
+                return signature, args, bound
+    return None
 
 
 @functools.cache
