@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dtensor_par
 from dtensor_par.ops import collectives as C
-from dtensor_par.passes.context import PlanningError
+from dtensor_par.errors import PlanningError
 from tests import models
 
 

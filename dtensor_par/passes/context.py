@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
+from ..errors import USER_ERRORS, PlanningError
 from ..logs import logger
 from ..mesh import MeshInfo
 from ..ops.lowerings import FUNCTIONAL
 from ..params import WHOLE, WholeParameters
 from ..placements import Placement, describe
-from ..symbolic import NotSymbolic, guards_at
+from ..symbolic import guards_at
 from .meta import placements
 from .nodes import target_name
 
@@ -93,26 +94,6 @@ class Coverage:
                 "fallback_gathers": list(self.fallback_gathers), "parallel_sites": self.parallel_sites,
                 "ring_attention_flops": dict(self.ring_attention_flops), "cache_bytes": self.cache_bytes,
                 "cache_bytes_per_rank": self.cache_bytes_per_rank}
-
-
-class PlanningError(RuntimeError):
-    """A pass could not handle one node. Names the node, its op, input shapes and placements."""
-
-
-class InvalidPlan(ValueError):
-    """What is asked cannot be planned as given (heads not divisible by tp, a sequence shorter
-    than cp, replica groups the hardware cannot run): raised on purpose, the message says what
-    to change."""
-
-
-class NotSupported(NotImplementedError):
-    """What the planner does not do (yet): raised on purpose, naming the node and a way around."""
-
-
-USER_ERRORS = (InvalidPlan, NotSupported, NotSymbolic, ImportError, PlanningError)
-"""Errors the passes raise on purpose, each with a message for the user (an ImportError: a
-lowering's missing package). Anything else, a ValueError from unpacking too, is a defect of
-ours and becomes a PlanningError naming where it happened."""
 
 
 def _described(node: fx.Node) -> str:

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..errors import InvalidPlan, NotSupported
 from ..kv_cache import cache_shard
 from ..ops.cache_attention import cache_buffer, cached_attention
 from ..placements import Placement, shard_dim
 from ..symbolic import same_size
 from .capture import erase_unused, with_val
-from .context import InvalidPlan, NotSupported, ParallelContext, at_node
+from .context import ParallelContext, at_node
 from .detect import AttentionSite
 from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.indexing import cat_dim, per_dim

@@ -106,18 +106,24 @@ def record_runtime_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
     for node in gm.graph.nodes:
         if node.op != "placeholder" or not node.meta["requires_grad"]:
             continue
-        if node.name in ctx.params:
-            p = ctx.param_placements.get(node.name)
-            sharded = {"tp": p} if shard_dim(p) is not None and not ctx.feeding.sharded else {}
-            site = "parameter gradient"
-        else:
-            sharded = {d: p for d, p in placements(node).items() if shard_dim(p) is not None}
-            site = "input gradient"
-        val = tensor_val(node)
-        nbytes = hint(math.prod(local_shape_on(val.shape, sharded, ctx.mesh)) * val.element_size())
-        comms = [Communication(None, "all_gather", d, ctx.mesh.size(d), 0, nbytes, site) for d in sharded]
-        if comms:
-            set_communications(node, comms)
+        with at_node("localize", node):
+            record_runtime_gather(node, ctx)
+
+
+def record_runtime_gather(node: fx.Node, ctx: ParallelContext) -> None:
+    """The runtime's gather of one input's gradient (``record_runtime_gathers``), if any."""
+    if node.name in ctx.params:
+        p = ctx.param_placements.get(node.name)
+        sharded = {"tp": p} if shard_dim(p) is not None and not ctx.feeding.sharded else {}
+        site = "parameter gradient"
+    else:
+        sharded = {d: p for d, p in placements(node).items() if shard_dim(p) is not None}
+        site = "input gradient"
+    val = tensor_val(node)
+    nbytes = hint(math.prod(local_shape_on(val.shape, sharded, ctx.mesh)) * val.element_size())
+    comms = [Communication(None, "all_gather", d, ctx.mesh.size(d), 0, nbytes, site) for d in sharded]
+    if comms:
+        set_communications(node, comms)
 
 
 def _bucket_sizes(reductions: list[fx.Node], limit: int) -> list[list[fx.Node]]:

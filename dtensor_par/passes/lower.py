@@ -23,9 +23,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..errors import InvalidPlan
 from ..mesh import SPANS, MeshDim, MeshInfo
 from ..ops.lowerings import FUNCTIONAL, LOWERINGS, ring_pairs, xla_model
-from .context import InvalidPlan, ParallelContext
+from .context import ParallelContext
 from .localize import graph_communications
 from .meta import Communication, communications
 

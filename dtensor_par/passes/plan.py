@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from ..errors import InvalidPlan, NotSupported
 from ..placements import InterleavedShard, Placement, Replicate, Shard
-from .context import InvalidPlan, NotSupported, ParallelContext, at_node
+from .context import ParallelContext, at_node
 from .detect import AttentionSite, concatenated_features, module_name
 from .meta import NodeSharding, set_global_shape, set_sharding, shardings
 from .nodes import arguments, target_name, tensor_inputs, tensor_val, weight_param, writes_in_place

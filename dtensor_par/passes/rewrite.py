@@ -22,12 +22,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..errors import InvalidPlan
 from ..logs import logger
 from ..ops.attention import hybrid_attention
 from ..placements import is_padded, shard_length
 from ..symbolic import guards_at, hint, is_symbolic
 from .capture import erase_unused, with_val
-from .context import InvalidPlan, ParallelContext, at_node
+from .context import ParallelContext, at_node
 from .detect import AttentionSite
 from .meta import Communication, set_communications, set_site_role, site_role
 from .nodes import arguments, tensor_val

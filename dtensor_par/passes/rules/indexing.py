@@ -12,10 +12,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ...errors import NotSupported
 from ...mesh import MeshInfo
 from ...placements import InterleavedShard, Partial, Placement, Shard, shard_dim, shard_length
 from ...symbolic import is_symbolic
-from ..context import NotSupported
 from ..meta import NodeSharding, shardings
 from ..nodes import arguments, tensor_val
 from .core import R, moved, norm_dim, replicate_all, resolve_partial
