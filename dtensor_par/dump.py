@@ -83,7 +83,7 @@ def sites_text(ctx: ParallelContext) -> str:
         else:
             lines.append(f"{site.name}: mlp up={names(site.up)} down={names([site.down])} "
                          f"activations={[a.name for a in site.activations]}")
-    return "\n".join(lines) + "\n"
+    return "".join(f"{line}\n" for line in lines)  # no sites: no line
 
 
 def batch_line(ctx: ParallelContext) -> str | None:
@@ -115,7 +115,7 @@ def collectives_markdown(rows: list[dict]) -> str:
              "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['direction']} | {r['op']} | {r['mesh_dims']} | {r['group_size']} | {r['bytes_per_rank']} "
               f"| {r['count']} | {r['site']} |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return "".join(f"{line}\n" for line in lines)  # no sites: no line
 
 
 def parameter_rows(ctx: ParallelContext) -> list[dict]:

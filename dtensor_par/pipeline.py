@@ -18,7 +18,8 @@ from .passes.capture import capture_pass
 from .config import ParallelConfig
 from .mesh import MeshInfo
 from .params import WHOLE, WholeParameters
-from .passes.context import USER_ERRORS, ParallelContext, PlanningError
+from .errors import USER_ERRORS, PlanningError
+from .passes.context import ParallelContext
 from .passes.coverage import record_coverage
 from .passes.detect import detect_pass
 from .passes.kv_cache import kv_cache_pass

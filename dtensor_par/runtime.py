@@ -37,7 +37,7 @@ from .kv_cache import cache_shard, hold, laid_out
 from .params import WholeParameters, feeding_for, standin_param
 from .passes import meta
 from .passes.capture import record_module_names, scalar_inputs
-from .passes.context import PlanningError
+from .errors import PlanningError
 from .passes.kv_cache import CacheOutput
 from .passes.overlap import overlapped_aot_eager
 from .plancache import Plan, PlanStore, plan_key, source_digest

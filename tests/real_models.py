@@ -107,5 +107,13 @@ def sd3():
     return model, (), kwargs
 
 
+def bloom():
+    """ALiBi scores written out by hand, ``alibi.baddbmm(batch1=q, batch2=k, beta=, alpha=)`` by keyword."""
+    from transformers import BloomConfig, BloomForCausalLM
+    config = BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.0,
+                         attention_dropout=0.0)
+    return BloomForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
-             "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3}
+             "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3, "bloom": bloom}

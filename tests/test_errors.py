@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dtensor_par
 from dtensor_par.ops import collectives as C
+from dtensor_par.errors import PlanningError
 from tests import models
 
 
@@ -135,3 +136,38 @@ class _InPlaceMLP(torch.nn.Module):
 def test_in_place_op_without_a_rule_on_a_shard_is_refused(planned):
     with pytest.raises(NotImplementedError, match=r"cumsum_ \(Tensor.cumsum_\) writes in place into .* mesh dim 'tp'"):
         planned(_InPlaceMLP(), [torch.randn(2, 4, 16)], tp=4)
+
+
+
+# A function each pass calls per node inside its ``at_node``, and the defect it is made to raise.
+INTERNAL_ERRORS = {
+    "capture": ("torch.fx.passes.fake_tensor_prop.FakeTensorProp.run_node", IndexError("list index out of range")),
+    "canonicalize": ("dtensor_par.passes.canonicalize.canonicalize_node",
+                     ValueError("not enough values to unpack (expected 3, got 1)")),
+    "detect": ("dtensor_par.passes.detect.attention_site", KeyError("query")),
+    "kv_cache": ("dtensor_par.passes.kv_cache.to_cached_attention", AttributeError("no meta")),
+    "rewrite": ("dtensor_par.passes.rewrite.split_rowwise_bias", TypeError("not subscriptable")),
+    "sequence": ("dtensor_par.passes.sequence.sequence_lengths", IndexError("tuple index out of range")),
+    "plan": ("dtensor_par.passes.plan.plan_node", ValueError("too many values to unpack")),
+    "coverage": ("dtensor_par.passes.coverage._linear_flops", ZeroDivisionError("division by zero")),
+    "localize": ("dtensor_par.passes.localize.lookup", KeyError("cp")),
+}
+
+
+@pytest.mark.parametrize("pass_name", INTERNAL_ERRORS)
+def test_an_internal_error_in_any_pass_is_a_planning_error_naming_the_node(pass_name, monkeypatch):
+    """A defect of ours (an unpacking ValueError too, as Bloom's keyword ``baddbmm`` met) reaches
+    the user as a PlanningError naming the pass, the node, its op and its inputs' shapes."""
+    target, error = INTERNAL_ERRORS[pass_name]
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(target, fail)
+    if pass_name == "capture":  # values propagated node by node, not read off Dynamo's
+        monkeypatch.setattr("dtensor_par.passes.capture._values_from_dynamo", lambda gm: False)
+    inputs = r"(\w+ \[[\d, ]*\].*)?"  # "name [shape] (placements)" of each input; a placeholder has none
+    with pytest.raises(PlanningError, match=rf"^{pass_name}: cannot handle node \w+ \[[\d, ]*\].* = [\w.]+\({inputs}\): "
+                                            rf"{type(error).__name__}: .*This is a dtensor_par bug") as caught:
+        dtensor_par.explain(models.GPTBlock(), (torch.randn(2, 8, 32),), tp=2, ring=2)
+    assert caught.value.__cause__ is error

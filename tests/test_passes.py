@@ -6,6 +6,7 @@ import operator
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -16,7 +17,9 @@ from dtensor_par.mesh import MeshInfo
 from dtensor_par.passes.canonicalize import canonicalize_pass
 from dtensor_par.passes.capture import capture_pass
 from dtensor_par.passes.detect import AttentionSite, MLPSite, detect_pass
+from dtensor_par.passes.nodes import arguments, target_name, tensor_inputs
 from dtensor_par.passes.rewrite import gqa_repeat, rewrite_pass
+from dtensor_par.passes.rules.registry import op_kind
 from dtensor_par.passes.rules.views import sequence_start
 from dtensor_par.passes.sequence import sequence_pass
 from dtensor_par.passes.rules.indexing import _index_map
@@ -163,6 +166,77 @@ def test_canonicalize_turns_repeated_kv_heads_into_enable_gqa(spelling):
         repeats = [n for n in gm.graph.nodes if n.target in ("expand", "repeat_interleave", torch.repeat_interleave)]
         assert len(repeats) == (1 if spelling == "read_elsewhere" else 0), repeats
     torch.testing.assert_close(gm(*ctx.example_inputs)[0], model(*inputs), atol=1e-6, rtol=1e-6)
+
+
+class Spelled(torch.nn.Module):
+    """A module whose forward is ``fn``: one spelling of an op for canonicalize."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *inputs):
+        return self.fn(*inputs)
+
+
+def _repeat_heads_by_keyword(q, k, v):
+    key, value = k.repeat_interleave(repeats=2, dim=1), torch.repeat_interleave(v, repeats=2, dim=1)
+    return F.scaled_dot_product_attention(query=q, key=key, value=value)
+
+
+# Each canonicalize rule: its inputs, and its op spelled by position, by keyword, as a method.
+CANONICALIZED = {
+    "keywords_as_positions": ([torch.randn(4, 3), torch.randn(3, 5)], [
+        lambda a, b: torch.matmul(a, b),
+        lambda a, b: torch.matmul(other=b, input=a),  # the rules read a call's tensors in its schema's order
+        lambda a, b: a.matmul(other=b)]),
+    "conv1d_linear": ([torch.randn(2, 6, 8), torch.randn(8, 4), torch.randn(4)], [
+        lambda x, w, b: torch.addmm(b, x.view(-1, 8), w).view(2, 6, 4),
+        lambda x, w, b: torch.addmm(input=b, mat1=x.view(-1, 8), mat2=w).view(2, 6, 4),
+        lambda x, w, b: b.addmm(mat1=x.view(-1, 8), mat2=w).view(2, 6, 4)]),
+    "add_product_as_matmul": ([torch.randn(8, 6, 6), torch.randn(8, 6, 4), torch.randn(8, 4, 6)], [
+        lambda bias, q, k: torch.baddbmm(bias, q, k, beta=1.0, alpha=0.25),
+        lambda bias, q, k: torch.baddbmm(input=bias, batch1=q, batch2=k, alpha=0.25),
+        lambda bias, q, k: bias.baddbmm(batch1=q, batch2=k, beta=1.0, alpha=0.25)]),  # Bloom's ALiBi scores
+    "add_product_as_matmul (addmm)": ([torch.randn(12, 4), torch.randn(12, 8), torch.randn(8, 4)], [
+        lambda b, x, w: torch.addmm(b, x, w, beta=0.5, alpha=2.0),
+        lambda b, x, w: torch.addmm(input=b, mat1=x, mat2=w, beta=0.5, alpha=2.0),
+        lambda b, x, w: b.addmm(x, mat2=w, beta=0.5, alpha=2.0)]),
+    "narrow_as_slice": ([torch.randn(2, 6, 8)], [
+        lambda x: torch.narrow(x, 2, 2, 4),
+        lambda x: torch.narrow(x, dim=2, start=2, length=4),
+        lambda x: x.narrow(dim=-1, start=2, length=4)]),
+    "grouped_kv_attention": ([torch.randn(2, 8, 6, 4), torch.randn(2, 4, 6, 4), torch.randn(2, 4, 6, 4)], [
+        lambda q, k, v: F.scaled_dot_product_attention(q, torch.repeat_interleave(k, 2, 1), v.repeat_interleave(2, 1)),
+        _repeat_heads_by_keyword]),
+}
+
+
+def _canonical_form(gm) -> list:
+    """Each call of a graph as its op (the kind the rules know it as), its arguments by name and
+    its tensor inputs in the order the rules take them: inputs by name, the other nodes by their
+    position (Dynamo orders the inputs as the code first reads them)."""
+    position = {n: n.name if n.op == "placeholder" else i for i, n in enumerate(gm.graph.nodes)}
+    return [(op_kind(n) or target_name(n), fx.node.map_arg(arguments(n), position.__getitem__), [position[i] for i in tensor_inputs(n)])
+            for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+@pytest.mark.parametrize("rule", CANONICALIZED)
+def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
+    """A rule's op called by position, by keyword or as a method canonicalizes alike (Bloom's
+    ``alibi.baddbmm(batch1=..., batch2=...)`` included), and the result computes the same."""
+    inputs, spellings = CANONICALIZED[rule]
+    forms = []
+    for fn in spellings:
+        gm, ctx = _passes_on(Spelled(fn), inputs, (capture_pass, canonicalize_pass), ulysses=2)
+        forms.append(_canonical_form(gm))
+        torch.testing.assert_close(gm(*ctx.example_inputs)[0], fn(*inputs), atol=1e-6, rtol=1e-6)
+    assert all(form == forms[0] for form in forms[1:]), forms
+    ops = [op for op, _, _ in forms[0]]
+    assert not {"torch.addmm", "torch.baddbmm", "torch.narrow"} & set(ops), ops
+    if rule == "grouped_kv_attention":
+        (_, sdpa, _), = forms[0]
+        assert sdpa["enable_gqa"] is True and (sdpa["key"], sdpa["value"]) == ("l_inputs_1_", "l_inputs_2_"), sdpa
 
 
 @pytest.mark.parametrize("heads, kv_heads, divisor, repeat", [

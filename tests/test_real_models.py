@@ -20,7 +20,7 @@ pytest.importorskip("diffusers", reason="the models extra (pip install -e '.[mod
 from tests import real_models  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
-BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3"}
+BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -70,8 +70,10 @@ def compare_models(rank: int, world: int, *, sizes: dict, names: list[str]) -> d
 RUNS = {
     # diffusers' in-graph tokens: once, on tp2-ulysses2; a window and key padding as ring blocks.
     # gemma2's attention is written out (soft-capping): tp shards its heads, cp runs it whole.
-    4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"], names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2"]),
-        "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=MODELS + ["mistral_padded"])},
+    # Bloom: its keyword baddbmm plans; its attention (heads folded into the batch) is not a site yet, so it runs whole.
+    4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
+                             names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "bloom"]),
+        "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=MODELS + ["mistral_padded", "bloom"])},
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=MODELS)},
 }
 """World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size."""

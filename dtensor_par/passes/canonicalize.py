@@ -1,5 +1,9 @@
 """canonicalize: rewrite equivalent spellings of one computation into the one the rules know.
 
+- A call given a tensor by keyword gets the arguments its op's schema takes by position
+  too at their positions (``passes.nodes.keywords_as_positions``): the rules read a call's
+  tensors in its schema's order, whatever order its keywords came in
+  (``torch.matmul(other=b, input=a)``).
 - A ``Conv1D`` linear (GPT-2: ``addmm(bias, x.view(-1, k), weight).view(*lead, n)`` with the
   weight stored ``[in, out]``) becomes ``linear(x, weight.t(), bias)``: the batch and
   sequence dims are never flattened together, so a sequence sharded over cp stays sharded,
@@ -27,27 +31,28 @@ import torch.nn.functional as F
 
 from ..symbolic import is_symbolic, same_size
 from .capture import erase_unused, with_val
-from .context import ParallelContext
-from .nodes import arg, tensor_val
-from .rules.attention import sdpa_arguments
+from .context import ParallelContext, at_node
+from .nodes import arguments, keywords_as_positions, tensor_val
 from .rules.registry import op_kind
 
 
 def _flattened_source(view: fx.Node) -> fx.Node | None:
     """``x`` when ``view`` is ``x.view(-1, k)`` merging every leading dim of ``x``."""
-    if op_kind(view) != "view" or not isinstance(view.args[0], fx.Node):
+    if op_kind(view) != "view":
         return None
-    x, out = tensor_val(view.args[0]), tensor_val(view)
+    source = arguments(view)["input"]
+    x, out = tensor_val(source), tensor_val(view)
     if x is None or out is None or out.dim() != 2 or x.dim() < 3 or out.shape[1] != x.shape[-1]:
         return None
-    return view.args[0]
+    return source
 
 
 def conv1d_linear(gm: fx.GraphModule, addmm: fx.Node) -> bool:
     """Rewrite one ``addmm`` of the Conv1D form; False when it is not one."""
-    if addmm.kwargs or len(addmm.args) != 3:
-        return False  # beta/alpha given: not a plain linear
-    bias, flat, weight = addmm.args
+    given = arguments(addmm)
+    if given["beta"] != 1 or given["alpha"] != 1:
+        return False  # scaled: not a plain linear
+    bias, flat, weight = given["input"], given["mat1"], given["mat2"]
     x = _flattened_source(flat)
     users = list(addmm.users)
     if x is None or len(users) != 1 or op_kind(users[0]) != "view":
@@ -69,11 +74,14 @@ def conv1d_linear(gm: fx.GraphModule, addmm: fx.Node) -> bool:
 
 
 _ADD_PRODUCT = {torch.addmm, torch.baddbmm, "addmm", "baddbmm"}
+_FACTORS = {"addmm": ("mat1", "mat2"), "baddbmm": ("batch1", "batch2")}  # by the op's name
 
 
 def add_product_as_matmul(gm: fx.GraphModule, node: fx.Node) -> None:
     """Rewrite ``addmm(input, a, b, beta=, alpha=)`` (or ``baddbmm``) into a matmul and an add."""
-    (x, a, b), beta, alpha = node.args[:3], node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+    given = arguments(node)
+    a, b = (given[name] for name in _FACTORS[getattr(node.target, "__name__", node.target)])
+    x, beta, alpha = given["input"], given["beta"], given["alpha"]
     graph = gm.graph
 
     def call(fn, args, value):
@@ -91,7 +99,8 @@ def add_product_as_matmul(gm: fx.GraphModule, node: fx.Node) -> None:
 
 
 def narrow_as_slice(gm: fx.GraphModule, node: fx.Node) -> None:
-    x, dim, start, length = (arg(node, i, name) for i, name in enumerate(("input", "dim", "start", "length")))
+    given = arguments(node)
+    x, dim, start, length = (given[name] for name in ("input", "dim", "start", "length"))
     if not all(isinstance(v, int) for v in (dim, start, length)):
         return  # bounds computed in the graph: left to the fallback
     dim = dim % tensor_val(x).dim()
@@ -106,18 +115,17 @@ def _with_new_dim_after_heads(node: fx.Node) -> fx.Node | None:
     """``x`` when ``node`` is a 4-d ``x`` with a size-1 dim inserted after its heads
     (``x[:, :, None]``, ``x.unsqueeze(2)``): a reshape (any view kind) or an index of only
     ``None``, ``:`` and ``...``, so every element stays where it was."""
-    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+    if not isinstance(node, fx.Node) or op_kind(node) not in ("getitem", "view"):
         return None
+    given = arguments(node)
     if op_kind(node) == "getitem":
-        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        index = given["index"] if isinstance(given["index"], tuple) else (given["index"],)
         if not all(i is None or i is Ellipsis or i == slice(None) for i in index):
             return None
-    elif op_kind(node) != "view":
-        return None
-    x, out = tensor_val(node.args[0]), tensor_val(node)
+    x, out = tensor_val(given["input"]), tensor_val(node)
     if x is None or out is None or x.dim() != 4 or not same_size(tuple(out.shape), (*x.shape[:2], 1, *x.shape[2:])):
         return None
-    return node.args[0]
+    return given["input"]
 
 
 def _repeated_heads(node) -> tuple[fx.Node, int] | None:
@@ -131,12 +139,13 @@ def _repeated_heads(node) -> tuple[fx.Node, int] | None:
     if not isinstance(node, fx.Node) or tensor_val(node) is None:
         return None
     if node.op in ("call_function", "call_method") and node.target in (torch.repeat_interleave, "repeat_interleave"):
-        x, rep, dim = (arg(node, i, name) for i, name in enumerate(("input", "repeats", "dim")))
+        given = arguments(node)
+        x, rep, dim = (given[name] for name in ("input", "repeats", "dim"))
         if not isinstance(x, fx.Node) or not isinstance(rep, int) or dim not in (1, -3):
             return None
-    elif op_kind(node) == "view" and isinstance(node.args[0], fx.Node) and op_kind(node.args[0]) == "expand":
-        expanded = tensor_val(node.args[0])
-        x = _with_new_dim_after_heads(node.args[0].args[0])
+    elif op_kind(node) == "view" and op_kind(expand := arguments(node)["input"]) == "expand":
+        expanded = tensor_val(expand)
+        x = _with_new_dim_after_heads(arguments(expand)["input"])
         if x is None or expanded is None:
             return None
         rep, source = expanded.shape[2], tensor_val(x).shape
@@ -156,7 +165,7 @@ def grouped_kv_attention(gm: fx.GraphModule, sdpa_node: fx.Node) -> None:
     themselves and ``enable_gqa=True``; the repeats go when nothing else reads them.
     Left as it is when ``enable_gqa`` is set already, or key and value are not both repeats
     by the same factor of the query heads."""
-    sdpa = sdpa_arguments(sdpa_node)
+    sdpa = arguments(sdpa_node)
     query = tensor_val(sdpa["query"])
     if sdpa["enable_gqa"] or query is None or query.dim() != 4:
         return
@@ -171,14 +180,29 @@ def grouped_kv_attention(gm: fx.GraphModule, sdpa_node: fx.Node) -> None:
         erase_unused(gm, repeat)
 
 
+def _tensor_by_keyword(node: fx.Node) -> bool:
+    """Whether a call is given a tensor by keyword (``x.baddbmm(batch1=a, batch2=b)``)."""
+    given = []
+    fx.node.map_arg(node.kwargs, given.append)
+    return any(tensor_val(n) is not None for n in given)
+
+
+def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -> None:
+    """Rewrite ``node`` into the spelling the rules know, if it has another."""
+    if node.op in ("call_function", "call_method") and _tensor_by_keyword(node):
+        node.args, node.kwargs = keywords_as_positions(node) or (node.args, node.kwargs)
+    if node.op in ("call_function", "call_method") and node.target in (torch.narrow, "narrow"):
+        narrow_as_slice(gm, node)
+    elif node.op in ("call_function", "call_method") and node.target in _ADD_PRODUCT:
+        if not (node.target in (torch.addmm, "addmm") and conv1d_linear(gm, node)):
+            add_product_as_matmul(gm, node)
+    elif op_kind(node) == "sdpa" and ctx.mesh.size("cp") > 1:
+        grouped_kv_attention(gm, node)
+
+
 def canonicalize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
-        if node.op in ("call_function", "call_method") and node.target in (torch.narrow, "narrow"):
-            narrow_as_slice(gm, node)
-        if node.op in ("call_function", "call_method") and node.target in _ADD_PRODUCT:
-            if not (node.target is torch.addmm and conv1d_linear(gm, node)):
-                add_product_as_matmul(gm, node)
-        if op_kind(node) == "sdpa" and ctx.mesh.size("cp") > 1:
-            grouped_kv_attention(gm, node)
+        with at_node("canonicalize", node):
+            canonicalize_node(gm, node, ctx)
     gm.recompile()
     return gm

@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import snapshot_fake
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..symbolic import SymbolicInputs, is_symbolic, recording_guards
-from .context import ParallelContext, ParamInfo
+from .context import ParallelContext, ParamInfo, at_node
 from .meta import module_paths, record_capture, set_param_fqn
 from .nodes import writes_in_place
 
@@ -195,7 +195,8 @@ class _GuardedProp(FakeTensorProp):
         self.spec = spec
 
     def run_node(self, n):
-        with recording_guards(self.spec, f"{n.name} ({n.target if isinstance(n.target, str) else n.target.__name__})"):
+        with at_node("capture", n), \
+                recording_guards(self.spec, f"{n.name} ({n.target if isinstance(n.target, str) else n.target.__name__})"):
             return super().run_node(n)
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
+from ..errors import USER_ERRORS, PlanningError
 from ..logs import logger
 from ..mesh import MeshInfo
 from ..ops.lowerings import FUNCTIONAL
@@ -16,6 +17,7 @@ from ..params import WHOLE, WholeParameters
 from ..placements import Placement, describe
 from ..symbolic import guards_at
 from .meta import placements
+from .nodes import target_name
 
 if TYPE_CHECKING:
     from ..config import ParallelConfig
@@ -95,18 +97,9 @@ class Coverage:
                 "cache_bytes_per_rank": self.cache_bytes_per_rank}
 
 
-class PlanningError(RuntimeError):
-    """A pass could not handle one node. Names the node, its op, input shapes and placements."""
-
-
-USER_ERRORS = (ValueError, NotImplementedError, TypeError, ImportError, PlanningError)
-"""Errors the passes raise on purpose, each with a message for the user; anything else is a
-defect of ours and becomes a PlanningError naming where it happened."""
-
-
 def _described(node: fx.Node) -> str:
     """``name [shape] (tp: S(0), cp: R)``: a node's value and its planned placements."""
-    value = node.meta.get("val")
+    value = node.meta.get("val", node.meta.get("example_value"))  # Dynamo's, before capture has propagated
     shape = str(list(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
     planned = ", ".join(f"{d}: {describe(p)}" for d, p in placements(node).items())
     return f"{node.name} {shape}" + (f" ({planned})" if planned else "")
@@ -123,6 +116,6 @@ def at_node(pass_name: str, node: fx.Node):
     except Exception as e:
         inputs = "; ".join(_described(i) for i in node.all_input_nodes)
         raise PlanningError(
-            f"{pass_name}: cannot handle node {_described(node)} = {getattr(node.target, '__name__', node.target)}"
+            f"{pass_name}: cannot handle node {_described(node)} = {target_name(node)}"
             f"({inputs}): {type(e).__name__}: {e}. This is a dtensor_par bug: please report it with this message, "
             f"or set DTENSOR_PAR_DUMP=DIR to see the graph") from e

@@ -18,10 +18,10 @@ import torch.fx as fx
 from ..ops.ring_schedule import ring_step_flops
 from ..placements import Replicate, local_shape_on, shard_dim, shard_length
 from ..symbolic import hint
-from .context import Coverage, ParallelContext
+from .context import Coverage, ParallelContext, at_node
 from .detect import AttentionSite
 from .meta import shardings, weight_name
-from .nodes import tensor_val, weight_param
+from .nodes import arguments, tensor_val, weight_param
 from .rules.registry import op_kind
 
 _IN_BLOCK = re.compile(r"\.\d+\.")
@@ -30,7 +30,7 @@ _IN_BLOCK = re.compile(r"\.\d+\.")
 def _linear_flops(node: fx.Node) -> int:
     """2 x output elements x contracted length, for a linear or matmul node."""
     out = tensor_val(node)
-    contracted = tensor_val(node.args[0]).shape[-1]
+    contracted = tensor_val(arguments(node)["input"]).shape[-1]
     return hint(2 * math.prod(out.shape) * contracted)  # at the planned sizes, if symbolic
 
 
@@ -64,11 +64,11 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
                 cov.fallback_gathers.append(f"{node.name} on {dim!r}: {sharding.note}")
         if op_kind(node) not in ("linear", "matmul") or tensor_val(node) is None:
             continue
-        flops = _linear_flops(node)
+        with at_node("coverage", node):
+            flops, fqn = _linear_flops(node), _weight_fqn(node, ctx)
         sharded = bool(plans) and all(s.out != Replicate() for d, s in plans.items() if d not in _own_slice(ctx))
         cov.linear_flops += flops
         cov.sharded_linear_flops += flops * sharded
-        fqn = _weight_fqn(node, ctx)
         if fqn is not None and _IN_BLOCK.search(fqn):
             cov.block_linear_flops += flops
             cov.sharded_block_linear_flops += flops * sharded
@@ -87,12 +87,13 @@ def ring_rank_flops(site: AttentionSite, ctx: ParallelContext) -> list[int]:
     """Attention FLOPs each ring rank spends on one attention, following the ring schedule
     (zigzag; causal blocks computed in part, masked blocks computed whole, blocks outside a
     sliding window skipped and the rest computed over their box)."""
-    batch, heads, seq, head_dim = (hint(n) for n in tensor_val(site.core.args[0]).shape)
+    given = arguments(site.core)
+    batch, heads, seq, head_dim = (hint(n) for n in tensor_val(given["q"]).shape)
     mesh, cp = ctx.mesh, ctx.mesh.dims["cp"]
     ring = mesh.size("ring")
     local_heads = -(-heads // (mesh.size("tp") * mesh.size("ulysses")))  # padded heads are computed too
     laid_out = cp.size * shard_length(seq, cp.size, cp.chunks_per_rank)
-    causal, window = bool(site.core.kwargs.get("is_causal")), site.core.kwargs.get("window")
+    causal, window = given["is_causal"], given["window"]
     return [sum(ring_step_flops(laid_out, ring, r, zigzag=True, is_causal=causal, batch=batch, heads=local_heads,
                                 head_dim=head_dim, window=window)) for r in range(ring)]
 

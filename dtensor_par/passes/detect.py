@@ -6,10 +6,9 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from .context import ParallelContext
+from .context import ParallelContext, at_node
 from .meta import set_site_role, set_weight_name, weight_name
-from .nodes import tensor_inputs, tensor_val, weight_param, writes_in_place
-from .rules.attention import sdpa_arguments
+from .nodes import arguments, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.indexing import cat_dim
 from .rules.pointwise import is_activation
 from .rules.registry import kinds_in, op_kind
@@ -106,7 +105,7 @@ def _walk_to_linears(stack: list[fx.Node], step, through: set[str], ctx: Paralle
 def _written_into(node: fx.Node) -> list[fx.Node]:
     """What is written into ``node`` in place (a static kv cache's buffer gets its keys by
     ``index_copy_``): the writes' other inputs."""
-    return [i for u in node.users if writes_in_place(u) and u.args[0] is node for i in u.all_input_nodes
+    return [i for u in node.users if writes_in_place(u) and arguments(u)["input"] is node for i in u.all_input_nodes
             if i is not node]
 
 
@@ -130,7 +129,7 @@ def _split_heads(node: fx.Node) -> int | None:
     (integer positions viewed on the way to RoPE are no heads)."""
     if op_kind(node) != "view" or not tensor_val(node).is_floating_point():
         return None
-    src, dst = tensor_val(node.args[0]).shape, tensor_val(node).shape
+    src, dst = tensor_val(arguments(node)["input"]).shape, tensor_val(node).shape
     if len(dst) == len(src) + 1 and src[-1] == dst[-2] * dst[-1] and src[:-1] == dst[:-2]:
         return dst[-2]
     return None
@@ -156,13 +155,12 @@ def _weighted_values(softmax: fx.Node) -> fx.Node | None:
     probabilities = softmax
     while len(probabilities.users) == 1 and op_kind(next(iter(probabilities.users))) in _AFTER_SOFTMAX:
         probabilities = next(iter(probabilities.users))
-    users = [u for u in probabilities.users if op_kind(u) == "matmul" and u.args[0] is probabilities]
+    users = [u for u in probabilities.users if op_kind(u) == "matmul" and tensor_inputs(u)[0] is probabilities]
     return users[0] if len(users) == 1 and len(probabilities.users) == 1 else None
 
 
 def _over_last_dim(softmax: fx.Node) -> bool:
-    dim = softmax.kwargs.get("dim", softmax.args[1] if len(softmax.args) > 1 else None)
-    return dim in (-1, tensor_val(softmax).dim() - 1)
+    return arguments(softmax).get("dim") in (-1, tensor_val(softmax).dim() - 1)
 
 
 def find_written_attention(gm: fx.GraphModule, ctx: ParallelContext) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
@@ -186,25 +184,33 @@ def find_written_attention(gm: fx.GraphModule, ctx: ParallelContext) -> list[tup
 
 
 def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[AttentionSite]:
-    cores = [(n, sdpa_arguments(n)) for n in gm.graph.nodes if op_kind(n) == "sdpa"]
-    cores += [(weighted, {"query": scores.args[0], "key": scores.args[1], "value": weighted.args[1]})
-              for scores, _, weighted in find_written_attention(gm, ctx)]
+    """SDPA calls and attention written out by hand, in graph order."""
+    cores = [(n, arguments(n)) for n in gm.graph.nodes if op_kind(n) == "sdpa"]
+    cores += [(weighted, {"query": tensor_inputs(scores)[0], "key": tensor_inputs(scores)[1],
+                          "value": tensor_inputs(weighted)[1]}) for scores, _, weighted in find_written_attention(gm, ctx)]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     sites = []
-    for node, sdpa in sorted(cores, key=lambda c: order[c[0]]):
-        q, k, v = (find_producers(sdpa[name], TO_ATTENTION, ctx)[0] for name in ("query", "key", "value"))
-        heads, kv_heads = (projected_heads(sdpa[name], ctx) for name in ("query", "key"))
-        out = find_consumers(node, _FROM_ATTENTION, ctx)
-        branch = [linear for o in out for part in (concatenated_features(o) or ())
-                  for linear in find_producers(part, _INSIDE_MLP, ctx)[0]]
-        sites.append(AttentionSite(f"attention{len(sites)}", node, q, k, v, out, heads, kv_heads, branch))
+    for node, inputs in sorted(cores, key=lambda c: order[c[0]]):
+        with at_node("detect", node):
+            sites.append(attention_site(f"attention{len(sites)}", node, inputs, ctx))
     return sites
+
+
+def attention_site(site_name: str, node: fx.Node, sdpa: dict, ctx: ParallelContext) -> AttentionSite:
+    """The site of one attention call (its ``query``, ``key`` and ``value`` inputs in ``sdpa``):
+    the projections it reads and the ones its output feeds."""
+    q, k, v = (find_producers(sdpa[name], TO_ATTENTION, ctx)[0] for name in ("query", "key", "value"))
+    heads, kv_heads = (projected_heads(sdpa[name], ctx) for name in ("query", "key"))
+    out = find_consumers(node, _FROM_ATTENTION, ctx)
+    branch = [linear for o in out for part in (concatenated_features(o) or ())
+              for linear in find_producers(part, _INSIDE_MLP, ctx)[0]]
+    return AttentionSite(site_name, node, q, k, v, out, heads, kv_heads, branch)
 
 
 def concatenated_features(linear: fx.Node) -> list[fx.Node] | None:
     """The inputs of a ``cat`` along the feature dim that a linear reads (Flux's single-stream
     blocks: ``proj_out(cat([attention, mlp], -1))``), else None."""
-    x = linear.args[0]
+    x = arguments(linear)["input"]
     if op_kind(x) != "cat" or cat_dim(x) != tensor_val(x).dim() - 1:
         return None
     return tensor_inputs(x)
@@ -215,7 +221,8 @@ def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]
     for node in gm.graph.nodes:
         if not op_kind(node) == "linear" or node in taken or not _has_param_weight(node, ctx):
             continue
-        ups, walked = find_producers(node.args[0], _INSIDE_MLP, ctx)
+        with at_node("detect", node):
+            ups, walked = find_producers(arguments(node)["input"], _INSIDE_MLP, ctx)
         activations = [n for n in walked if is_activation(n)]
         if ups and activations and not taken.intersection(ups):
             sites.append(MLPSite(f"mlp{len(sites)}", ups, node, activations))

@@ -21,15 +21,15 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..errors import InvalidPlan, NotSupported
 from ..kv_cache import cache_shard
 from ..ops.cache_attention import cache_buffer, cached_attention
 from ..placements import Placement, shard_dim
 from ..symbolic import same_size
 from .capture import erase_unused, with_val
-from .context import ParallelContext
+from .context import ParallelContext, at_node
 from .detect import AttentionSite
-from .nodes import arg, tensor_inputs, tensor_val
-from .rules.attention import sdpa_arguments
+from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.indexing import cat_dim, per_dim
 from .rules.registry import kinds_in, op_kind
 
@@ -53,11 +53,13 @@ def kv_cache_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     ctx.cache_outputs = find_cache_outputs(gm, ctx)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     for c in ctx.cache_outputs:
-        to_cache_buffer(gm, output.args[0][c.index])
+        with at_node("kv_cache", output.args[0][c.index]):
+            to_cache_buffer(gm, output.args[0][c.index])
     appended = {}
     for site in ctx.sites:
         if isinstance(site, AttentionSite) and not site.written_out:
-            appended.update(to_cached_attention(gm, site, ctx))
+            with at_node("kv_cache", site.core):
+                appended.update(to_cached_attention(gm, site, ctx))
     if appended:
         ctx.cache_outputs = append_new_rows(gm, ctx, appended)
         gm.recompile()
@@ -73,7 +75,7 @@ def cache_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str
         if shard is None:
             continue
         if shard.mesh != ctx.mesh:
-            raise ValueError(f"kv_cache: input {node.name!r} is a kv cache held over another mesh "
+            raise InvalidPlan(f"kv_cache: input {node.name!r} is a kv cache held over another mesh "
                              f"({shard.mesh.world_size} ranks, {dict((d, shard.mesh.size(d)) for d in shard.mesh.order)})"
                              f" than this plan's; a cache filled by one compiled model cannot feed another")
         found[node.name] = dict(shard.placements)
@@ -83,7 +85,7 @@ def cache_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str
 def _read_as_keys_or_values(ctx: ParallelContext) -> set[fx.Node]:
     """Every node an attention reads as its keys or values through aliasing ops, and those."""
     walked: set[fx.Node] = set()
-    stack = [sdpa_arguments(site.core)[name] for site in ctx.sites  # SDPA's: attention written out holds none
+    stack = [arguments(site.core)[name] for site in ctx.sites  # SDPA's: attention written out holds none
              if isinstance(site, AttentionSite) and not site.written_out for name in ("key", "value")]
     while stack:
         node = stack.pop()
@@ -98,10 +100,10 @@ def _read_as_keys_or_values(ctx: ParallelContext) -> set[fx.Node]:
 def _window(node: fx.Node, read: set[fx.Node]) -> tuple[fx.Node, int] | None:
     """``(cache, n)`` when ``node`` keeps the last ``n`` rows of a cache an attention reads
     (a sliding-window cache layer's ``full[..., -n:, :]``)."""
-    if op_kind(node) != "getitem" or node.args[0] not in read or op_kind(node.args[0]) != "cat":
+    if op_kind(node) != "getitem" or arguments(node)["input"] not in read or op_kind(arguments(node)["input"]) != "cat":
         return None
-    cache = node.args[0]
-    entries = per_dim(node.args[1], tensor_val(cache).dim())
+    cache = arguments(node)["input"]
+    entries = per_dim(arguments(node)["index"], tensor_val(cache).dim())
     if entries is None or any(e != slice(None) for d, e in enumerate(entries) if d != cat_dim(cache)):
         return None
     kept = entries[cat_dim(cache)]
@@ -120,7 +122,8 @@ def find_cache_outputs(gm: fx.GraphModule, ctx: ParallelContext) -> tuple[CacheO
     for i, node in enumerate(outs):
         if not isinstance(node, fx.Node) or tensor_val(node) is None:
             continue
-        window = _window(node, read)
+        with at_node("kv_cache", node):
+            window = _window(node, read)
         if window is not None:
             outs[i] = window[0]
         elif node not in read or node.op == "placeholder":
@@ -139,7 +142,7 @@ def to_cache_buffer(gm: fx.GraphModule, buffer: fx.Node) -> None:
     (``index_copy_``) becomes ``cache_buffer`` of the rows written: the plan cuts it as it
     cuts them (each rank's heads), where a fresh ``zeros`` would stay whole."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    writers = [u for u in buffer.users if op_kind(u) == "index_copy" and u.args[0] is buffer]
+    writers = [u for u in buffer.users if op_kind(u) == "index_copy" and arguments(u)["input"] is buffer]
     if buffer.target is not torch.zeros or not writers:
         return
     writer = min(writers, key=order.__getitem__)
@@ -147,7 +150,7 @@ def to_cache_buffer(gm: fx.GraphModule, buffer: fx.Node) -> None:
         return
     val = tensor_val(buffer)
     with gm.graph.inserting_before(writer):
-        node = gm.graph.call_function(cache_buffer, (arg(writer, 3, "source"), list(val.shape), val.dtype))
+        node = gm.graph.call_function(cache_buffer, (arguments(writer)["source"], list(val.shape), val.dtype))
     with_val(node, val)
     buffer.replace_all_uses_with(node)
     gm.graph.erase_node(buffer)
@@ -186,12 +189,12 @@ def to_cached_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
     """Attention reading ``cat([cache, new])`` keys and values of a cache cut over cp becomes
     ``cached_attention`` on this rank's rows of the cache and the new rows. Returns each
     ``cat`` replaced -> (new rows, held input): the model's cache gets the new rows appended."""
-    sdpa = sdpa_arguments(site.core)
+    sdpa = arguments(site.core)
     keys, values = _held_rows(sdpa["key"], ctx), _held_rows(sdpa["value"], ctx)
     if keys is None or values is None:
         return {}
     if sdpa["dropout_p"]:
-        raise NotImplementedError(f"kv_cache: attention {site.core.name!r} with dropout against a kv cache cut over "
+        raise NotSupported(f"kv_cache: attention {site.core.name!r} with dropout against a kv cache cut over "
                                   f"mesh dims 'ring' x 'ulysses'")
     seq = cat_dim(keys[0])
     kwargs = {"past": tensor_val(keys[1]).shape[seq], "attn_mask": sdpa["attn_mask"], "is_causal": sdpa["is_causal"],

@@ -27,7 +27,7 @@ from ..symbolic import hint, is_symbolic, materialize_sizes
 from .context import ParallelContext, at_node
 from .meta import (Communication, clear_communications, communications, placements, set_communications, shardings,
                    site_role)
-from .nodes import tensor_inputs, tensor_val
+from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.registry import lookup
 
 R = Replicate()
@@ -106,18 +106,24 @@ def record_runtime_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
     for node in gm.graph.nodes:
         if node.op != "placeholder" or not node.meta["requires_grad"]:
             continue
-        if node.name in ctx.params:
-            p = ctx.param_placements.get(node.name)
-            sharded = {"tp": p} if shard_dim(p) is not None and not ctx.feeding.sharded else {}
-            site = "parameter gradient"
-        else:
-            sharded = {d: p for d, p in placements(node).items() if shard_dim(p) is not None}
-            site = "input gradient"
-        val = tensor_val(node)
-        nbytes = hint(math.prod(local_shape_on(val.shape, sharded, ctx.mesh)) * val.element_size())
-        comms = [Communication(None, "all_gather", d, ctx.mesh.size(d), 0, nbytes, site) for d in sharded]
-        if comms:
-            set_communications(node, comms)
+        with at_node("localize", node):
+            record_runtime_gather(node, ctx)
+
+
+def record_runtime_gather(node: fx.Node, ctx: ParallelContext) -> None:
+    """The runtime's gather of one input's gradient (``record_runtime_gathers``), if any."""
+    if node.name in ctx.params:
+        p = ctx.param_placements.get(node.name)
+        sharded = {"tp": p} if shard_dim(p) is not None and not ctx.feeding.sharded else {}
+        site = "parameter gradient"
+    else:
+        sharded = {d: p for d, p in placements(node).items() if shard_dim(p) is not None}
+        site = "input gradient"
+    val = tensor_val(node)
+    nbytes = hint(math.prod(local_shape_on(val.shape, sharded, ctx.mesh)) * val.element_size())
+    comms = [Communication(None, "all_gather", d, ctx.mesh.size(d), 0, nbytes, site) for d in sharded]
+    if comms:
+        set_communications(node, comms)
 
 
 def _bucket_sizes(reductions: list[fx.Node], limit: int) -> list[list[fx.Node]]:
@@ -137,9 +143,9 @@ def _bucket_sizes(reductions: list[fx.Node], limit: int) -> list[list[fx.Node]]:
 def _reduced_input(reduction: fx.Node) -> fx.Node:
     """What a ``grad_all_reduce`` reduces the gradient of, through the reductions over other
     mesh dims that it follows."""
-    x = reduction.args[0]
+    x = arguments(reduction)["x"]
     while x.target is C.grad_all_reduce:
-        x = x.args[0]
+        x = arguments(x)["x"]
     return x
 
 
@@ -157,8 +163,9 @@ def bucket_input_grad_reductions(gm: fx.GraphModule, ctx: ParallelContext) -> No
     graph = gm.graph
     groups: dict[tuple, list[fx.Node]] = {}
     for n in graph.nodes:
-        if n.target is C.grad_all_reduce and _reduced_input(n).op == "placeholder":
-            groups.setdefault((n.args[1], tensor_val(n.args[0]).dtype, n.kwargs.get("mean", False)), []).append(n)
+        given = arguments(n) if n.target is C.grad_all_reduce else None
+        if given and _reduced_input(n).op == "placeholder":
+            groups.setdefault((given["mesh_dim"], tensor_val(given["x"]).dtype, given["mean"]), []).append(n)
     limit = int(ctx.config.grad_bucket_mb * 2**20)
     for (dim, _, mean), nodes in groups.items():
         order = {n: i for i, n in enumerate(graph.nodes)}  # with the buckets made so far
@@ -166,7 +173,7 @@ def bucket_input_grad_reductions(gm: fx.GraphModule, ctx: ParallelContext) -> No
         for bucket in _bucket_sizes(nodes, limit):
             first_use = min((u for n in bucket for u in n.users), key=order.__getitem__)
             with graph.inserting_before(first_use):
-                op = graph.call_function(C.grad_all_reduce_bucket, ([n.args[0] for n in bucket], dim),
+                op = graph.call_function(C.grad_all_reduce_bucket, ([arguments(n)["x"] for n in bucket], dim),
                                          {"mean": True} if mean else {})
                 nbytes = sum(communications(n)[0].backward_bytes for n in bucket)
                 set_communications(op, [Communication(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..errors import InvalidPlan
 from ..mesh import SPANS, MeshDim, MeshInfo
 from ..ops.lowerings import FUNCTIONAL, LOWERINGS, ring_pairs, xla_model
 from .context import ParallelContext
@@ -50,7 +51,7 @@ def check_partition(dim: MeshDim, world: int) -> None:
                "a rank in two groups" if len(set(ranks)) != len(ranks) else
                "groups that do not cover the world" if sorted(ranks) != list(range(world)) else None)
     if problem:
-        raise ValueError(f"lower: mesh dim {dim.name!r} has {problem}: {_groups_text(dim.groups)} "
+        raise InvalidPlan(f"lower: mesh dim {dim.name!r} has {problem}: {_groups_text(dim.groups)} "
                          f"(world size {world}); its groups must be equal-size, disjoint and cover every rank")
 
 
@@ -61,7 +62,7 @@ def check_contiguous(dim: MeshDim, order: tuple[str, ...]) -> None:
     spans = SPANS[dim.name]
     works = tuple(d for d in order if d not in spans) + spans
     fallback = " or ulysses_impl='all_gather'" if dim.name == "ulysses" else ""
-    raise ValueError(
+    raise InvalidPlan(
         f"lower: an all-to-all over mesh dim {dim.name!r} needs groups of contiguous ranks on Neuron, "
         f"but its groups are {_groups_text(dim.groups)} (mesh order {order}); build the mesh with "
         f"init_mesh(..., order={works}) ({' x '.join(spans)} innermost){fallback}")
@@ -72,7 +73,7 @@ def check_circular(pairs: list[list[int]], dim: MeshDim) -> None:
     never to itself."""
     sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
     if len(set(sources)) != len(pairs) or set(sources) != set(targets) or any(s == t for s, t in pairs):
-        raise ValueError(f"lower: collective_permute pairs {pairs} over mesh dim {dim.name!r} (groups "
+        raise InvalidPlan(f"lower: collective_permute pairs {pairs} over mesh dim {dim.name!r} (groups "
                          f"{_groups_text(dim.groups)}) do not form rings")
 
 
@@ -105,7 +106,7 @@ def check_lowering(comms: list[Communication], mesh: MeshInfo, comm: str, limit:
             check_contiguous(mesh.dims[name], mesh.order)
         if len(sets) > limit:
             listed = "; ".join(f"{what}: {list(map(list, key))}" for what, key in sets.items())
-            raise ValueError(f"lower: the program uses {len(sets)} distinct replica-group sets, over the "
+            raise InvalidPlan(f"lower: the program uses {len(sets)} distinct replica-group sets, over the "
                              f"limit of {limit} (replica_group_limit; Neuron runtimes before 2.32 take 12): {listed}")
     return sets
 

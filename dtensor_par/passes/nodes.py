@@ -4,8 +4,15 @@ weight, the op as a user spells it. What an op *is* (its kind and rule) is the o
 
 from __future__ import annotations
 
+import functools
+import inspect
+import operator
+import typing
+from typing import Any
+
 import torch
 import torch.fx as fx
+from torch.fx.operator_schemas import get_signature_for_torch_op, type_matches
 
 
 def target_name(node: fx.Node) -> str:
@@ -30,11 +37,138 @@ def tensor_val(node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def arg(node: fx.Node, index: int, name: str, default=None):
-    """An argument given by position or keyword."""
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
+def arguments(node: fx.Node) -> dict[str, Any]:
+    """A call's arguments by the names its schema gives them, defaults filled in, so that a
+    keyword call and a positional one read alike (``x.baddbmm(batch1=a, batch2=b)`` and
+    ``torch.baddbmm(x, a, b)``: ``input``, ``batch1``, ``batch2``, ``beta``, ``alpha``).
+
+    Tensor methods read as their aten op (``self`` is ``input``), sizes given one by one
+    (``x.view(b, s, -1)``) as the one list they are; of an overloaded op, the first overload
+    the values' types fit. ``operator``'s functions take positions only: ``input`` and
+    ``other`` (``index`` for ``getitem``), as ``torch.add`` names them.
+    """
+    match = _schema_match(node)
+    if match is None:
+        raise TypeError(f"{target_name(node)}: no schema of it takes ({len(node.args)} positional arguments, "
+                        f"keywords {sorted(node.kwargs)})")
+    return match[2]
+
+
+def keywords_as_positions(node: fx.Node) -> tuple[tuple, dict] | None:
+    """A call's arguments with those given by keyword that its schema takes by position too
+    moved to their positions, as far as none is left out: ``torch.matmul(other=b, input=a)`` is
+    ``(a, b), {}``, ``x.baddbmm(batch1=a, batch2=b, alpha=0.5)`` ``(x, a, b), {"alpha": 0.5}``.
+    None for a call no schema takes."""
+    match = _schema_match(node)
+    if match is None:
+        return None
+    signature, args, _ = match
+    args, kwargs = list(args), dict(node.kwargs)
+    for param in list(signature.parameters.values())[len(args):]:
+        if param.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or param.name not in kwargs:
+            break
+        args.append(kwargs.pop(param.name))
+    return tuple(args), kwargs
+
+
+def _schema_match(node: fx.Node) -> tuple[inspect.Signature, tuple, dict[str, Any]] | None:
+    """(the signature, the positional arguments as it takes them, every argument by name) of
+    the first overload that takes the call, or None."""
+    spellings = [(signature, args) for signature in _signatures(node.op, node.target)
+                 for args in _spellings(node, signature)]
+    for typed in (True, False):  # an overload the types fit, else (a Python function's annotations) any
+        for signature, args in spellings:
+            bound = _bound(signature, args, node.kwargs, typed)
+            if bound is not None:
+                return signature, args, bound
+    return None
+
+
+@functools.cache
+def _signatures(op: str, target) -> tuple[inspect.Signature, ...]:
+    """The signatures of a call's overloads, in the order its schema lists them, then a
+    Python function's own (``torch.einsum(*args)``); for ``operator``'s functions and methods
+    without a schema (``x.__radd__(y)``, ``x.float()``), positions named as ``torch.add``
+    names them."""
+    if op == "call_method":
+        method = getattr(torch.Tensor, target, None)
+        if inspect.isfunction(method):  # defined in Python (Tensor.split)
+            return (_first_named_input(inspect.signature(method)),)
+        packet = getattr(torch.ops.aten, target, None)
+        schemas = tuple(get_signature_for_torch_op(packet) or ()) if packet is not None else ()
+        return schemas or (_positional(("input", "other") if target.startswith("__") else ("input",)),)
+    if getattr(target, "__module__", None) == "_operator":
+        arity = len(inspect.signature(target).parameters)
+        return (_positional(_OPERATOR_PARAMETERS.get(target) or ("input", "other")[:arity]),)
+    schemas = tuple(get_signature_for_torch_op(target) or ())
+    return (*schemas, inspect.signature(target)) if inspect.isfunction(target) else schemas
+
+
+_OPERATOR_PARAMETERS = {operator.getitem: ("input", "index"), operator.setitem: ("input", "index", "value")}
+
+
+def _positional(names: tuple[str, ...]) -> inspect.Signature:
+    """Positional-only parameters of these names; all but the first may be left out (``__neg__``)."""
+    return inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY,
+                                                default=inspect.Parameter.empty if i == 0 else None)
+                              for i, n in enumerate(names)])
+
+
+def _first_named_input(signature: inspect.Signature) -> inspect.Signature:
+    first, *rest = signature.parameters.values()
+    return signature.replace(parameters=[first.replace(name="input"), *rest])
+
+
+def _spellings(node: fx.Node, signature: inspect.Signature) -> list[tuple]:
+    """A call's positional arguments as given, and for a Tensor method whose second
+    parameter is a list, its sizes given one by one packed into that list."""
+    spellings = [tuple(node.args)]
+    params = list(signature.parameters.values())
+    if node.op == "call_method" and len(node.args) > 2 and len(params) > 1 and _is_list(params[1].annotation):
+        spellings.append((node.args[0], tuple(node.args[1:])))
+    return spellings
+
+
+def _is_list(annotation) -> bool:
+    """``List[int]``, ``Optional[List[int]]``."""
+    return typing.get_origin(annotation) is list or any(_is_list(a) for a in typing.get_args(annotation))
+
+
+def _bound(signature: inspect.Signature, args: tuple, kwargs: dict, typed: bool) -> dict[str, Any] | None:
+    """``args`` and ``kwargs`` by parameter name when ``signature`` takes them (and, if
+    ``typed``, their types fit it); None otherwise."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    if typed and not all(_fits(signature.parameters[name].annotation, value) for name, value in bound.arguments.items()):
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _fits(annotation, value) -> bool:
+    """Whether a value may be passed as a parameter of this type; an unknown one fits any."""
+    kind = _type_of(value)
+    return annotation in (inspect.Parameter.empty, Any) or kind is None or type_matches(annotation, kind)
+
+
+def _type_of(value):
+    if isinstance(value, fx.Node):
+        value = value.meta.get("val", value.meta.get("example_value"))
+        if value is None:
+            return None
+    if isinstance(value, (list, tuple)):
+        kinds = tuple(_type_of(v) for v in value)
+        return None if None in kinds else tuple[kinds] if kinds else tuple[()]
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor
+    return _SCHEMA_TYPES.get(type(value), type(value))
+
+
+_SCHEMA_TYPES = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool, torch.memory_format: int,
+                 torch.layout: int}
+"""Python types as schemas spell them (a memory format is an int there)."""
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
@@ -44,10 +178,15 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return found
 
 
+_RIGHT_OPERAND = ("weight", "other", "mat2")
+"""A linear's weight, ``matmul``'s and ``bmm``'s right operand: what ``weight_param`` reads."""
+
+
 def weight_param(linear: fx.Node) -> tuple[fx.Node, bool]:
     """The tensor a linear's weight is read from, and whether it is stored transposed
     (``[in, out]``, read through ``t()``: GPT-2's Conv1D after canonicalize)."""
-    weight = linear.args[1]
+    given = arguments(linear)
+    weight = next(given[name] for name in _RIGHT_OPERAND if name in given)
     if isinstance(weight, fx.Node) and weight.op == "call_method" and weight.target == "t":
-        return weight.args[0], True
+        return arguments(weight)["input"], True
     return weight, False

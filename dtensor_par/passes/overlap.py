@@ -30,6 +30,7 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ..ops.collectives import unflatten_copy
+from .nodes import arguments
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -132,7 +133,7 @@ def _read_only_here(node: fx.Node) -> bool:
         if schema.is_mutable or len(schema.returns) != 1:
             return False
         if node.target in UNDECLARED_VIEWS:
-            node = node.args[0]
+            node = next(iter(arguments(node).values()))  # its first argument's storage
             continue
         alias = schema.returns[0].alias_info
         if alias is None:
@@ -149,7 +150,7 @@ def reinplace_all_reduces(gm: fx.GraphModule) -> fx.GraphModule:
     and it is known contiguous (the in-place collective reduces the memory as it lies)."""
     for node in gm.graph.nodes:
         if node.target is c10d.all_reduce.default:
-            x = node.args[0]
+            x = arguments(node)["input"]
             val = x.meta.get("val")
             if isinstance(val, torch.Tensor) and val.is_contiguous() and _read_only_here(x):
                 node.target = c10d.all_reduce_.default

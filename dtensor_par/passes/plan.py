@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..mesh import SPANS
+from ..errors import InvalidPlan, NotSupported
 from ..placements import InterleavedShard, Placement, Replicate, Shard
 from .context import ParallelContext, at_node
 from .detect import AttentionSite, concatenated_features, module_name
 from .meta import NodeSharding, set_global_shape, set_sharding, shardings
-from .nodes import target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
+from .nodes import arguments, target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.core import RuleEnv, check_divisible, moved, replicate_all
 from .rules.indexing import per_dim, split_dim
 from .rules.registry import lookup, op_kind
@@ -29,12 +30,12 @@ def fused_parts(linear: fx.Node) -> tuple[int, ...] | None:
     out_dim = tensor_val(linear).dim() - 1
     if len(users) == 1 and op_kind(users[0]) == "split":
         split = users[0]
-        if split.args[0] is not linear or split_dim(split) != out_dim:
+        if arguments(split)["input"] is not linear or split_dim(split) != out_dim:
             return None
         return tuple(t.shape[out_dim] for t in split.meta["val"])
     ranges = set()
     for user in users:
-        entries = per_dim(user.args[1], out_dim + 1) if op_kind(user) == "getitem" else None
+        entries = per_dim(arguments(user)["index"], out_dim + 1) if op_kind(user) == "getitem" else None
         if entries is None or any(e != slice(None) for e in entries[:-1]) or not isinstance(entries[-1], slice):
             return None
         start, stop, step = entries[-1].indices(tensor_val(linear).shape[-1])
@@ -62,7 +63,7 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
     colwise = list(site.colwise)
     if isinstance(site, AttentionSite):
         if site.num_heads % tp:
-            raise ValueError(
+            raise InvalidPlan(
                 f"plan: attention {site.core.name!r} has {site.num_heads} heads, not divisible "
                 f"by mesh dim 'tp' of size {tp} (uneven heads come with context parallelism)"
             )
@@ -85,7 +86,7 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
         placements[linear] = p
     for linear in site.rowwise:
         parts = tuple(tensor_val(x).shape[-1] for x in concatenated_features(linear) or ())
-        in_features = parts or (tensor_val(linear.args[0]).shape[-1],)
+        in_features = parts or (tensor_val(arguments(linear)["input"]).shape[-1],)
         if any(f % tp for f in in_features):
             ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {list(in_features)} input features, not divisible "
                      f"by tp={tp}; the site stays replicated")
@@ -109,7 +110,7 @@ def assign_weight_placements(ctx: ParallelContext) -> None:
         for linear, p in placements.items():
             weight, transposed = weight_param(linear)
             tensors = [(weight, moved(p, 1 - p.dim) if transposed else p)]
-            bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+            bias = arguments(linear)["bias"]
             if bias is not None:
                 tensors.append((bias, p))
             for tensor, placement in tensors:
@@ -129,11 +130,11 @@ def _check_local_outputs(outputs: list[fx.Node], placements: list[Placement], en
         if not isinstance(p, Shard):
             continue
         if env.chunks_per_rank > 1:
-            raise NotImplementedError(
+            raise NotSupported(
                 f"output='local' with ring > 1 (output {node.name!r}): sequence shards are in the zigzag layout, "
                 f"which a DTensor placement cannot describe; use output='full'")
         if env.padded(tensor_val(node).shape[p.dim]):
-            raise NotImplementedError(
+            raise NotSupported(
                 f"output='local' with a {'batch' if env.dim == 'dp' else 'sequence'} of length "
                 f"{tensor_val(node).shape[p.dim]} padded to split over mesh dims "
                 f"{' x '.join(map(repr, SPANS[env.dim]))} = {env.size} (output {node.name!r}): a DTensor cannot "
@@ -164,7 +165,7 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding
         return _plan_outputs(node, cur, env, ctx)
     kind = lookup(node)
     if kind is None and writes_in_place(node) and any(p != R for p in cur):
-        raise NotImplementedError(
+        raise NotSupported(
             f"plan: {node.name} ({target_name(node)}) writes in place into {ins[0].name}; its inputs are "
             f"{', '.join(f'{i.name} {p}' for i, p in zip(ins, cur))} on mesh dim {env.dim!r}; it has no sharding rule, "
             f"and a write into a gathered copy would be lost: write it out of place")

@@ -22,29 +22,29 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..errors import InvalidPlan
 from ..logs import logger
 from ..ops.attention import hybrid_attention
 from ..placements import is_padded, shard_length
 from ..symbolic import guards_at, hint, is_symbolic
 from .capture import erase_unused, with_val
-from .context import ParallelContext
+from .context import ParallelContext, at_node
 from .detect import AttentionSite
 from .meta import Communication, set_communications, set_site_role, site_role
-from .nodes import arg, tensor_val
-from .rules.attention import sdpa_arguments
+from .nodes import arguments, tensor_val
 from .rules.registry import op_kind
 
 
 def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:
-    bias = arg(linear, 2, "bias")
+    given = arguments(linear)
+    bias = given["bias"]
     if bias is None:
         return
     graph = gm.graph
     with graph.inserting_after(linear):
         add = graph.call_function(operator.add, (linear, bias))
     linear.replace_all_uses_with(add, delete_user_cb=lambda user: user is not add)
-    linear.args = linear.args[:2]
-    linear.kwargs = {}
+    linear.args, linear.kwargs = (given["input"], given["weight"]), {}
     with_val(add, linear.meta["val"])
     set_site_role(add, site_role(linear))
 
@@ -58,7 +58,7 @@ def gqa_repeat(heads: int, kv_heads: int, divisor: int) -> int:
 
 def expand_gqa_kv(gm: fx.GraphModule, site: AttentionSite, repeat: int) -> None:
     core, graph = site.core, gm.graph
-    sdpa = sdpa_arguments(core)
+    sdpa = arguments(core)
     for name in ("key", "value"):
         kv = sdpa[name]
         with graph.inserting_before(core):
@@ -110,7 +110,7 @@ def _sequence_lengths(site: AttentionSite, q, k, mesh, ctx: ParallelContext) -> 
     cp, per_rank = mesh.size("cp"), mesh.dims["cp"].chunks_per_rank
     q_len, kv_len = q.shape[-2], k.shape[-2]
     if min(q_len, kv_len) < cp:
-        raise ValueError(
+        raise InvalidPlan(
             f"rewrite: attention {site.core.name!r} has sequence length {q_len} (keys {kv_len}), "
             f"shorter than mesh dims 'ring' x 'ulysses' = {mesh.size('ring')} x {mesh.size('ulysses')} = {cp}: "
             f"some ranks would hold only padding; use smaller 'ring' or 'ulysses' dims")
@@ -201,21 +201,20 @@ _AND = {operator.and_, torch.logical_and, torch.bitwise_and, "__and__", "logical
 def _skip_device_moves(node):
     """The node a ``.to(device)`` (no dtype change) or ``expand`` (SDPA broadcasts masks anyway) reads."""
     while isinstance(node, fx.Node) and node.op == "call_method" and node.target in ("to", "expand") \
-            and tensor_val(node) is not None and tensor_val(node.args[0]) is not None \
-            and tensor_val(node).dtype == tensor_val(node.args[0]).dtype \
-            and (node.target == "expand" or all(isinstance(a, (torch.device, str)) for a in node.args[1:])
-                 and set(node.kwargs) <= {"device"}):
-        node = node.args[0]
+            and tensor_val(node) is not None and tensor_val(source := arguments(node)["input"]) is not None \
+            and tensor_val(node).dtype == tensor_val(source).dtype:
+        node = source
     return node
 
 
 def _and_leaves(node: fx.Node) -> list[fx.Node]:
     """The operands of a tree of boolean ``&``, device moves and broadcasts skipped."""
     node = _skip_device_moves(node)
-    if node.op in ("call_function", "call_method") and node.target in _AND and len(node.args) == 2 \
-            and not node.kwargs and all(tensor_val(a) is not None and tensor_val(a).dtype == torch.bool
-                                        for a in (node, *node.args)):
-        return [leaf for a in node.args for leaf in _and_leaves(a)]
+    if node.op not in ("call_function", "call_method") or node.target not in _AND:
+        return [node]
+    operands = (arguments(node)["input"], arguments(node)["other"])
+    if all(tensor_val(a) is not None and tensor_val(a).dtype == torch.bool for a in (node, *operands)):
+        return [leaf for a in operands for leaf in _and_leaves(a)]
     return [node]
 
 
@@ -225,7 +224,7 @@ def _key_padding_of(leaf: fx.Node, kv_len: int) -> fx.Node | None:
     (how transformers spells it) or by ``(:, None, None, :)``."""
     if leaf.op != "call_function" or leaf.target is not operator.getitem:
         return None
-    keys, index = leaf.args
+    keys, index = arguments(leaf)["input"], arguments(leaf)["index"]
     val = tensor_val(keys)
     if val is None or val.dtype != torch.bool or val.dim() != 2 or val.shape[1] != kv_len:
         return None
@@ -275,7 +274,7 @@ def positional_mask(mask: fx.Node, q_len: int, kv_len: int) -> PositionalMask | 
 def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> None:
     """Replace the site's SDPA call by ``hybrid_attention`` over the cp mesh dims."""
     mesh, core = ctx.mesh, site.core
-    sdpa = sdpa_arguments(core)
+    sdpa = arguments(core)
     mask = original_mask = sdpa["attn_mask"]
     if sdpa["dropout_p"] or tensor_val(sdpa["query"]).dim() != 4 or (mask is not None and mask.meta["requires_grad"]):
         ctx.warn(f"{site.name} ({core.name}): attention with dropout, a mask that needs a gradient or no batch dim "
@@ -324,7 +323,8 @@ def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     tp = ctx.mesh.size("tp")
     for site in ctx.sites:
         for linear in site.rowwise:
-            split_rowwise_bias(gm, linear)
+            with at_node("rewrite", linear):
+                split_rowwise_bias(gm, linear)
         if not isinstance(site, AttentionSite) or op_kind(site.core) == "cached_attention":
             continue  # attention to a kv cache held cut over cp is rewritten already (passes.kv_cache)
         if site.written_out:
@@ -332,12 +332,13 @@ def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
                 ctx.warn(f"{site.name} ({site.core.name}): attention written out by hand runs op by op on the "
                          f"whole sequence over cp: hybrid attention with its score modifiers is not implemented yet")
             continue
-        if sdpa_arguments(site.core)["enable_gqa"] and site.num_kv_heads != site.num_heads:
-            divisor = tp * (ctx.mesh.size("ulysses") if ctx.mesh.size("cp") > 1 else 1)
-            repeat = gqa_repeat(site.num_heads, site.num_kv_heads, divisor)
-            if repeat > 1:
-                expand_gqa_kv(gm, site, repeat)
-        if ctx.mesh.size("cp") > 1:
-            to_hybrid_attention(gm, site, ctx)
+        with at_node("rewrite", site.core):
+            if arguments(site.core)["enable_gqa"] and site.num_kv_heads != site.num_heads:
+                divisor = tp * (ctx.mesh.size("ulysses") if ctx.mesh.size("cp") > 1 else 1)
+                repeat = gqa_repeat(site.num_heads, site.num_kv_heads, divisor)
+                if repeat > 1:
+                    expand_gqa_kv(gm, site, repeat)
+            if ctx.mesh.size("cp") > 1:
+                to_hybrid_attention(gm, site, ctx)
     gm.recompile()
     return gm

@@ -13,9 +13,9 @@ import torch.fx as fx
 from ..placements import Placement, Shard
 from ..symbolic import same_size
 from .capture import with_val
-from .context import ParallelContext
+from .context import ParallelContext, at_node
 from .detect import TO_ATTENTION, AttentionSite, find_producers
-from .nodes import tensor_inputs, tensor_val
+from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.indexing import cat_dim
 from .rules.registry import op_kind
 from .rules.views import sequence_start
@@ -25,8 +25,11 @@ def sequence_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Fill ``ctx.sequence_placements`` and cut the sequences the graph makes (with cp only)."""
     if ctx.mesh.size("cp") == 1:
         return gm
-    lengths = [n for s in ctx.sites if isinstance(s, AttentionSite) and op_kind(s.core) == "hybrid_attention"
-               for n in sequence_lengths(s, ctx)]
+    lengths = []
+    for site in ctx.sites:
+        if isinstance(site, AttentionSite) and op_kind(site.core) == "hybrid_attention":
+            with at_node("sequence", site.core):
+                lengths += sequence_lengths(site, ctx)
     if not lengths:
         if any(isinstance(s, AttentionSite) and op_kind(s.core) == "cached_attention" for s in ctx.sites):
             return gm  # decode against a kv cache held cut over cp: the queries are whole
@@ -55,18 +58,27 @@ def mask_only_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     gather of a [B, H, S, S] mask built from a [B, S] key-padding input."""
     only: set[fx.Node] = set()
     for node in reversed(gm.graph.nodes):
-        if node.users and all(u in only or (op_kind(u) == "hybrid_attention" and node not in u.args and node in (
-                u.kwargs.get("attn_mask"), u.kwargs.get("key_padding"))) for u in node.users):
-            only.add(node)
+        with at_node("sequence", node):
+            if node.users and all(u in only or _mask_of(u, node) for u in node.users):
+                only.add(node)
     return only
+
+
+def _mask_of(attention: fx.Node, node: fx.Node) -> bool:
+    """Whether ``node`` is a hybrid attention's mask or key padding, and not its q, k or v."""
+    if op_kind(attention) != "hybrid_attention":
+        return False
+    given = arguments(attention)
+    return node not in (given["q"], given["k"], given["v"]) and node in (given["attn_mask"], given["key_padding"])
 
 
 def sequence_lengths(site: AttentionSite, ctx: ParallelContext) -> list[int]:
     """The length of the sequence an attention runs over, and of each part of it when it is
     a joint sequence concatenated from several (text and image tokens)."""
-    length = tensor_val(site.core.args[0]).shape[-2]
+    query = arguments(site.core)["q"]
+    length = tensor_val(query).shape[-2]
     lengths = [length]
-    for node in find_producers(site.core.args[0], TO_ATTENTION, ctx)[1]:
+    for node in find_producers(query, TO_ATTENTION, ctx)[1]:
         if op_kind(node) == "cat" and same_size(tensor_val(node).shape[cat_dim(node)], length):
             lengths += [tensor_val(i).shape[cat_dim(node)] for i in tensor_inputs(node)]
     return lengths
@@ -98,7 +110,12 @@ def mark_sequence_starts(gm: fx.GraphModule, lengths: list[int], masks: set[fx.N
         ambiguous = any(same_size(val.shape[1], n) for n in val.shape[2:])
         return not ambiguous and not any(_is_sequence(tensor_val(i), lengths) for i in node.all_input_nodes)
 
-    for node in [n for n in gm.graph.nodes if starts_sequence(n)]:
+    starts = []
+    for node in gm.graph.nodes:
+        with at_node("sequence", node):
+            if starts_sequence(node):
+                starts.append(node)
+    for node in starts:
         with gm.graph.inserting_after(node):
             start = with_val(gm.graph.call_function(sequence_start, (node,)), tensor_val(node))
         node.replace_all_uses_with(start, delete_user_cb=lambda user: user is not start)

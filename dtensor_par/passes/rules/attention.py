@@ -14,18 +14,9 @@ from ...ops.cache_attention import cached_attention
 from ...placements import InterleavedShard, Shard, local_shape_on
 from ...symbolic import hint
 from ..meta import Communication, NodeSharding, set_communications, shardings
-from ..nodes import tensor_val
+from ..nodes import arguments, tensor_val
 from .core import R, replicate_all, resolve_partial
 from .registry import register
-
-_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-
-
-def sdpa_arguments(core: fx.Node) -> dict:
-    """Every argument of a scaled_dot_product_attention call by name, positional or keyword."""
-    names = ["query", "key", "value", *_SDPA_DEFAULTS]
-    return {**_SDPA_DEFAULTS, **dict(zip(names, core.args)), **core.kwargs}
-
 
 def sdpa_rule(node, ins, cur, env):
     """Attention is independent per batch entry and per head: shard either, gather the rest."""
@@ -59,7 +50,7 @@ def hybrid_attention_rule(node, ins, cur, env):
     seq_dim = tensor_val(ins[0]).dim() - 2
     joint = cur[0]
     if (isinstance(joint, InterleavedShard) and joint.dim == seq_dim and cur[1] == joint and cur[2] == joint
-            and len(ins) == 3 and not node.kwargs.get("is_causal")):
+            and len(ins) == 3 and not arguments(node)["is_causal"]):
         return NodeSharding(joint, (joint, joint, joint))
     seq = Shard(seq_dim)
     return NodeSharding(seq, (seq, seq, seq) + (R,) * (len(ins) - 3))
@@ -76,7 +67,7 @@ def cached_attention_rule(node, ins, cur, env):
 
 def localize_cached_attention(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     """Record the all-gather of each rank's partial output and log-sum-exp across cp."""
-    q = tensor_val(node.args[0])
+    q = tensor_val(arguments(node)["q"])
     rows = hint(math.prod(local_shape_on(q.shape, {d: s.out for d, s in shardings(node).items()}, mesh)[:-1]))
     cp = mesh.dims["cp"]
     set_communications(node, [Communication("all_gather", None, "cp", cp.size, nbytes, nbytes * cp.size, "decode")

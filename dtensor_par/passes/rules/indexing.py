@@ -12,11 +12,12 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ...errors import NotSupported
 from ...mesh import MeshInfo
 from ...placements import InterleavedShard, Partial, Placement, Shard, shard_dim, shard_length
 from ...symbolic import is_symbolic
 from ..meta import NodeSharding, shardings
-from ..nodes import arg, tensor_val
+from ..nodes import arguments, tensor_val
 from .core import R, moved, norm_dim, replicate_all, resolve_partial
 from .registry import op_kind, register
 
@@ -60,10 +61,11 @@ def _index_map(index, shape: tuple[int, ...]) -> dict[int, int] | None:
 
 
 def getitem_rule(node, ins, cur, env):
-    source = node.args[0]
+    given = arguments(node)
+    source, index = given["input"], given["index"]
     if isinstance(source.meta.get("val"), (tuple, list)):
-        return NodeSharding(env.out_of(source)[node.args[1]], ())
-    kept = _index_map(node.args[1], tuple(tensor_val(source).shape))
+        return NodeSharding(env.out_of(source)[index], ())
+    kept = _index_map(index, tuple(tensor_val(source).shape))
     if kept is None or len(ins) != 1:
         return replicate_all(node, ins, cur, "advanced indexing")
     p = cur[0]
@@ -74,7 +76,7 @@ def getitem_rule(node, ins, cur, env):
         if kept_parts is None:
             return replicate_all(node, ins, cur, f"indexing into the sharded dim {p.dim}")
         parts = p.parts[kept_parts[0]:kept_parts[1]]
-        out_dim = p.dim - sum(1 for e in per_dim(node.args[1], tensor_val(source).dim())[:p.dim] if isinstance(e, int))
+        out_dim = p.dim - sum(1 for e in per_dim(index, tensor_val(source).dim())[:p.dim] if isinstance(e, int))
         return NodeSharding(Shard(out_dim) if len(parts) == 1 else InterleavedShard(out_dim, parts), (p,))
     return NodeSharding(moved(p, kept[p.dim]), (p,))
 
@@ -83,13 +85,13 @@ def setitem_rule(node, ins, cur, env):
     """``target[index] = value`` writes into ``target`` in place, so ``target`` must stay as it
     is (a write into a gathered copy would be lost): the index must keep its sharded dim whole,
     and the value then comes sharded alike. Anything else is refused, never gathered."""
-    target, index, value = node.args
+    target, index, value = (arguments(node)[name] for name in ("input", "index", "value"))
     p = env.out_of(target)
     if p == R:
         return NodeSharding(None, tuple(R for _ in ins))
     kept = _index_map(index, tuple(tensor_val(target).shape))
     if isinstance(p, Partial) or kept is None or p.dim not in kept or ins[0] is not target or len(ins) > 2:
-        raise NotImplementedError(
+        raise NotSupported(
             f"plan: {node.name} writes in place into {target.name} {list(tensor_val(target).shape)}, "
             f"which is {p} on mesh dim {env.dim!r}, at index {index}: a write that does not keep the sharded dim "
             f"whole cannot run on shards; write it out of place (torch.cat, torch.where)")
@@ -108,9 +110,10 @@ def index_copy_rule(node, ins, cur, env):
     p = cur[0]
     if p == R:
         return NodeSharding(R, tuple(R for _ in ins))
-    dim = norm_dim(arg(node, 1, "dim"), tensor_val(node.args[0]).dim())
+    given = arguments(node)
+    dim = norm_dim(given["dim"], tensor_val(given["input"]).dim())
     if isinstance(p, Partial) or shard_dim(p) == dim or len(ins) != 3:
-        raise NotImplementedError(
+        raise NotSupported(
             f"plan: {node.name} ({node.target}) writes in place along dim {dim} into {ins[0].name} "
             f"{list(tensor_val(ins[0]).shape)}, which is {p} on mesh dim {env.dim!r}: a write along a sharded dim "
             f"cannot run on shards")
@@ -132,7 +135,8 @@ def sliced_part_range(node: fx.Node, p: Placement) -> tuple[int, int] | None:
     """``(first, stop)``: the parts an index keeps, ``p.parts[first:stop]``, when it slices
     whole parts off an InterleavedShard dim (``qkv[..., :q_size]`` of a fused projection;
     ``x[:, text_len:]`` of a joint sequence)."""
-    entries = per_dim(node.args[1], tensor_val(node.args[0]).dim())
+    given = arguments(node)
+    entries = per_dim(given["index"], tensor_val(given["input"]).dim())
     if not isinstance(p, InterleavedShard) or entries is None or not _static_slice(entries[p.dim]):
         return None
     start, stop, step = entries[p.dim].indices(sum(p.parts))
@@ -143,7 +147,8 @@ def sliced_part_range(node: fx.Node, p: Placement) -> tuple[int, int] | None:
 
 
 def split_dim(node: fx.Node) -> int:
-    return norm_dim(arg(node, 2, "dim", 0), tensor_val(node.args[0]).dim())
+    given = arguments(node)
+    return norm_dim(given["dim"], tensor_val(given["input"]).dim())
 
 
 def split_rule(node, ins, cur, env):
@@ -161,7 +166,7 @@ def split_rule(node, ins, cur, env):
 
 def unbind_rule(node, ins, cur, env):
     p, pieces = cur[0], node.meta["val"]
-    dim = norm_dim(arg(node, 1, "dim", 0), tensor_val(ins[0]).dim())
+    dim = norm_dim(arguments(node)["dim"], tensor_val(ins[0]).dim())
     if shard_dim(p) is None:
         return NodeSharding(tuple(p for _ in pieces), (p,))
     if p.dim == dim:
@@ -171,7 +176,7 @@ def unbind_rule(node, ins, cur, env):
 
 
 def cat_dim(node: fx.Node) -> int:
-    return norm_dim(arg(node, 1, "dim", 0), tensor_val(node).dim())
+    return norm_dim(arguments(node)["dim"], tensor_val(node).dim())
 
 
 def cat_rule(node, ins, cur, env):
@@ -212,7 +217,8 @@ def embedding_rule(node, ins, cur, env):
 
 def localize_getitem(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     """A slice of whole parts of an interleaved dim takes this rank's bounds of those parts."""
-    if not isinstance(node.args[1], (tuple, slice)):
+    given = arguments(node)
+    if not isinstance(given["index"], (tuple, slice)):
         return
     entries = None
     for name, sharding in shardings(node).items():
@@ -220,23 +226,24 @@ def localize_getitem(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
         kept_parts = sliced_part_range(node, p)
         if kept_parts is None:
             continue
-        entries = entries or per_dim(node.args[1], len(node.args[0].meta["val"].shape))
+        entries = entries or per_dim(given["index"], tensor_val(given["input"]).dim())
         local = [shard_length(part, mesh.size(name), mesh.dims[name].chunks_per_rank) for part in p.parts]
         entries[p.dim] = slice(sum(local[:kept_parts[0]]), sum(local[:kept_parts[1]]))
     if entries is not None:
-        node.args = (node.args[0], tuple(entries))
+        node.args = (given["input"], tuple(entries))
 
 
 def localize_split(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     """Split sizes along a sharded dim become this rank's sizes (chunk counts stay)."""
     if node.target not in ("split", "split_with_sizes", torch.split):
         return
-    sizes = node.args[1]
+    given = arguments(node)
+    sizes = given.get("split_sizes", given.get("split_size"))  # split_with_sizes names them sizes
     for name, sharding in shardings(node).items():
         if shard_dim(sharding.inputs[0]) == split_dim(node):
             n = mesh.size(name)
             sizes = sizes // n if isinstance(sizes, int) else [s // n for s in sizes]
-    node.args = (node.args[0], sizes) + tuple(node.args[2:])
+    node.args, node.kwargs = (given["input"], sizes, given["dim"]), {}
 
 
 register("getitem", "indexing", getitem_rule, functions=[operator.getitem], localize=localize_getitem)

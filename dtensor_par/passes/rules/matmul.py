@@ -8,7 +8,7 @@ import torch
 
 from ...placements import InterleavedShard, Partial, Shard, shard_dim
 from ..meta import NodeSharding
-from ..nodes import tensor_val
+from ..nodes import arguments, tensor_val
 from .core import R, moved, replicate_all, resolve_partial
 from .registry import register
 
@@ -67,7 +67,8 @@ def matmul_rule(node, ins, cur, env):
 def _einsum_subscripts(node) -> tuple[list[str], str] | None:
     """``(["bhsd", "bhtd"], "bhst")`` for an explicit equation without ``...`` or repeated
     letters in one operand; None otherwise."""
-    equation = node.args[0].replace(" ", "")
+    given = arguments(node)  # torch.einsum(equation, *operands), or the operands as one list
+    equation = (given["equation"] if "equation" in given else given["args"][0]).replace(" ", "")
     if "->" not in equation or "." in equation:
         return None
     inputs, output = equation.split("->")

@@ -14,7 +14,7 @@ from ...ops.cache_attention import cache_buffer
 from ...ops.dropout import sharded_dropout
 from ...placements import Partial, Placement, Shard, shard_dim
 from ..meta import NodeSharding, placements, planned_local_shape
-from ..nodes import tensor_val
+from ..nodes import arguments, tensor_val
 from .core import R, moved, resolve_partial
 from .registry import op_kind, register
 
@@ -31,15 +31,13 @@ def _partial_passes(node: fx.Node, ins: list[fx.Node], cur: list[Placement]) -> 
     kind = op_kind(node)
     partial = [i for i, p in zip(ins, cur) if isinstance(p, Partial)]
     others_replicated = all(p == R for p in cur if not isinstance(p, Partial))
-    if kind == "neg":
-        return partial == [node.args[0]] and others_replicated
+    if kind in ("neg", "div"):
+        return partial == [arguments(node)["input"]] and others_replicated
     if kind in ("add", "sub"):
-        operands = node.args[:2]
-        return all(isinstance(a, fx.Node) and a in partial for a in operands)
+        given = arguments(node)
+        return all(isinstance(a, fx.Node) and a in partial for a in (given["input"], given["other"]))
     if kind == "mul":
         return len(partial) == 1 and others_replicated
-    if kind == "div":
-        return partial == [node.args[0]] and others_replicated
     return False
 
 
@@ -84,14 +82,15 @@ def new_tensor_rule(node, ins, cur, env):
 def cache_buffer_rule(node, ins, cur, env):
     """A static kv cache's buffer is cut as the rows written into it are, on a dim it has whole
     (heads; the sequence it is written along stays whole)."""
-    p, size = cur[0], node.args[1]
+    p, size = cur[0], arguments(node)["size"]
     d = shard_dim(p)
     keep = isinstance(p, Shard) and d is not None and size[d] == tensor_val(ins[0]).shape[d]
     return NodeSharding(p if keep else R, (p,))
 
 
 def localize_cache_buffer(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
-    node.args = (node.args[0], list(planned_local_shape(node, mesh)), *node.args[2:])
+    given = arguments(node)
+    node.args, node.kwargs = (given["source"], list(planned_local_shape(node, mesh)), given["dtype"]), {}
 
 
 def localize_dropout(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:

@@ -15,13 +15,13 @@ from ...placements import Partial, parts_of, shard_dim
 from ...symbolic import hint
 from ..meta import (Communication, NodeSharding, global_shape, planned_local_shape, set_communications, shardings,
                     site_role)
-from ..nodes import arg, tensor_val
+from ..nodes import arguments, tensor_val
 from .core import R, moved, norm_dim, replicate_all, resolve_partial
 from .registry import register
 
 
 def _normalized_ndim(node: fx.Node) -> int:
-    shape = arg(node, 1, "normalized_shape")
+    shape = arguments(node)["normalized_shape"]
     return 1 if isinstance(shape, int) else len(shape)
 
 
@@ -47,10 +47,10 @@ def localize_norm(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
         return
     mesh_dim = mesh.dims[across[0]]
     rms = node.target in (F.rms_norm, torch.rms_norm)
-    eps = arg(node, 3 if rms else 4, "eps", None if rms else 1e-5)
-    weight, bias = arg(node, 2, "weight"), None if rms else arg(node, 3, "bias")
+    given = arguments(node)
     with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(sharded_norm, (node.args[0], normalized, weight, bias, eps),
+        new = gm.graph.call_function(sharded_norm, (given["input"], normalized, given["weight"], given.get("bias"),
+                                                    given["eps"]),
                                      {"rms": rms, "mesh_dim": mesh_dim})
     new.meta = node.meta
     local = planned_local_shape(node, mesh)
@@ -65,7 +65,7 @@ def localize_norm(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
 def softmax_rule(node, ins, cur, env):
     cur = resolve_partial(ins, cur, env)
     p, ndim = cur[0], tensor_val(ins[0]).dim()
-    if shard_dim(p) is not None and p.dim != norm_dim(arg(node, 1, "dim"), ndim):
+    if shard_dim(p) is not None and p.dim != norm_dim(arguments(node)["dim"], ndim):
         return NodeSharding(p, (p,))
     return replicate_all(node, ins, cur, "softmax over the sharded dim")
 
@@ -75,7 +75,7 @@ _LINEAR = ("sum", "mean", torch.sum, torch.mean)
 
 
 def _reduced_dims(node: fx.Node, ndim: int) -> set[int]:
-    dims = arg(node, 1, "dim")
+    dims = arguments(node).get("dim")  # x.sum(): an overload without dims
     return set(range(ndim)) if dims is None else {norm_dim(d, ndim) for d in
                                                   (dims if isinstance(dims, (tuple, list)) else [dims])}
 
@@ -93,7 +93,7 @@ def reduce_rule(node, ins, cur, env):
         return NodeSharding(Partial(), (p,))
     if shard_dim(p) is None or p.dim in reduced:
         return replicate_all(node, ins, [p], "reduction over the sharded dim")
-    keepdim = arg(node, 2, "keepdim", False)
+    keepdim = arguments(node).get("keepdim", False)
     out_dim = p.dim if keepdim else p.dim - sum(1 for d in reduced if d < p.dim)
     return NodeSharding(moved(p, out_dim), (p,))
 
@@ -112,9 +112,9 @@ def localize_mean(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     ranks = math.prod(mesh.dims[d].size for d, s in shardings(node).items()
                       if isinstance(s.out, Partial) and not isinstance(s.inputs[0], Partial))
     if ranks > 1:
+        given = arguments(node)
         node.op, node.target = "call_function", mean_of_shards
-        node.args = tuple(arg(node, i, name, default) for i, (name, default) in
-                          enumerate((("input", None), ("dim", None), ("keepdim", False), ("dtype", None))))
+        node.args = (given["input"], given.get("dim"), given.get("keepdim", False), given.get("dtype"))
         node.kwargs = {"ranks": ranks}
 
 

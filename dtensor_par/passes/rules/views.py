@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ...mesh import MeshInfo
 from ...placements import InterleavedShard, Placement, Shard, shard_dim
 from ..meta import NodeSharding, planned_local_shape, shardings
-from ..nodes import arg, tensor_val
+from ..nodes import arguments, tensor_val
 from .core import R, moved, norm_dim, replicate_all, resolve_partial
 from .registry import op_kind, register
 
@@ -82,7 +82,7 @@ def expand_rule(node, ins, cur, env):
 
 def repeat_interleave_rule(node, ins, cur, env):
     """Each element repeated in place: the shard of the repeated tensor is the repeated shard."""
-    p, dim = cur[0], arg(node, 2, "dim")
+    p, dim = cur[0], arguments(node)["dim"]
     if len(ins) != 1 or dim is None:
         return replicate_all(node, ins, cur, "repeat_interleave of a flattened tensor or with tensor repeats")
     repeated = shard_dim(p) == norm_dim(dim, tensor_val(ins[0]).dim())
@@ -98,14 +98,14 @@ def _dim_order(node: fx.Node, ndim: int) -> list[int]:
     if op_kind(node) == "transpose":
         if node.target in ("t", torch.t):
             return list(reversed(range(ndim)))
-        a, b = (norm_dim(d, ndim) for d in (arg(node, 1, "dim0"), arg(node, 2, "dim1")))
+        given = arguments(node)
+        swapped = ("axis0", "axis1") if "axis0" in given else ("dim0", "dim1")  # swapaxes names them axes
+        a, b = (norm_dim(given[name], ndim) for name in swapped)
         order = list(range(ndim))
         order[a], order[b] = order[b], order[a]
         return order
-    dims = node.args[1:] if len(node.args) > 2 or isinstance(node.args[1], int) else node.args[1]
-    if not dims:
-        dims = node.kwargs["dims"]
-    return [norm_dim(d, ndim) for d in dims]
+    dims = arguments(node)["dims"]
+    return [norm_dim(d, ndim) for d in ((dims,) if isinstance(dims, int) else dims)]
 
 
 def permute_rule(node, ins, cur, env):
@@ -128,7 +128,7 @@ def complex_rule(node, ins, cur, env):
 def pad_rule(node, ins, cur, env):
     """``F.pad`` pads trailing dims: a shard of an unpadded dim stays where it is."""
     p = resolve_partial(ins, cur, env)[0]
-    widths = arg(node, 1, "pad")
+    widths = arguments(node)["pad"]
     ndim = tensor_val(ins[0]).dim()
     padded = {ndim - 1 - i // 2 for i, w in enumerate(widths) if w}
     if shard_dim(p) is not None and p.dim in padded:
@@ -143,7 +143,7 @@ def localize_view(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     local = planned_local_shape(node, mesh)
     method = "expand" if op_kind(node) == "expand" else "reshape"
     with gm.graph.inserting_before(node):
-        new = gm.graph.call_method(method, (node.args[0], *local))
+        new = gm.graph.call_method(method, (arguments(node)["input"], *local))
     new.meta = node.meta
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
