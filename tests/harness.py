@@ -108,11 +108,13 @@ def _entry(rank: int, world: int, store: str, out_dir: str, fn, kwargs: dict) ->
     os._exit(code)
 
 
-_RANK_PRELOAD = ["torch", "torch._dynamo.backends.debugging", "torch._inductor.compile_fx", "dtensor_par", "tests.cases"]
-"""What the process the ranks fork from imports once (the compilers' modules too): a rank
-spawned afresh takes seconds of CPU to import them, and a suite starts dozens of ranks. Each
-rank still starts with nothing compiled, in the environment and folder this process had at
-its first launch."""
+_RANK_PRELOAD = ["torch", "torch._dynamo.backends.debugging", "torch._inductor.compile_fx", "dtensor_par", "tests.cases",
+                 "transformers.modeling_utils", "transformers.generation", "diffusers.models.transformers"]
+"""What the process the ranks fork from imports once (the compilers' modules too, and the
+real models' libraries where the models extra is installed; one that is not is skipped): a
+rank spawned afresh takes seconds of CPU to import them (transformers and diffusers 3 s), and a
+suite starts dozens of ranks. Each rank still starts with nothing compiled, in the environment
+and folder this process had at its first launch."""
 
 
 def run_ranks(world: int, fn, /, **kwargs) -> list:
