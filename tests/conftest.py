@@ -18,14 +18,15 @@ from tests.harness import start_fork_server
 os.environ.setdefault("DTENSOR_PAR_PLAN_CACHE", "0")
 
 
-def pytest_collection_finish(session):
+@pytest.fixture(scope="session", autouse=True)
+def background_jobs(request):
     """Start the launches and subprocesses of the modules whose tests run (``tests.background``),
-    and the ranks' fork server before any test changes the environment or the folder."""
-    if background.start({item.module.__name__ for item in session.items}):
+    and the ranks' fork server before any test changes the environment or the folder. Set up
+    within pytest's output capture, as a test's own launch is, the ranks' output goes where
+    the tests' output goes (shown when a test fails), not to the terminal."""
+    if background.start({item.module.__name__ for item in request.session.items}):
         start_fork_server()
-
-
-def pytest_sessionfinish(session):
+    yield
     background.stop()
 
 
