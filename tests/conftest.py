@@ -11,9 +11,23 @@ from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.pipeline import parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.config import ParallelConfig
+from tests import background
+from tests.harness import start_fork_server
 
 # every test plans afresh (tests patch passes and count plans); the plan cache's own tests turn it on
 os.environ.setdefault("DTENSOR_PAR_PLAN_CACHE", "0")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_jobs(request):
+    """Start the launches and subprocesses of the modules whose tests run (``tests.background``),
+    and the ranks' fork server before any test changes the environment or the folder. Set up
+    within pytest's output capture, as a test's own launch is, the ranks' output goes where
+    the tests' output goes (shown when a test fails), not to the terminal."""
+    if background.start({item.module.__name__ for item in request.session.items}):
+        start_fork_server()
+    yield
+    background.stop()
 
 
 def _init_fake(world: int) -> None:

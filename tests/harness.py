@@ -9,6 +9,7 @@ import copy
 import json
 import logging
 import math
+import multiprocessing.forkserver
 import os
 import sys
 import tempfile
@@ -108,17 +109,24 @@ def _entry(rank: int, world: int, store: str, out_dir: str, fn, kwargs: dict) ->
     os._exit(code)
 
 
-_RANK_PRELOAD = ["torch", "torch._dynamo.backends.debugging", "torch._inductor.compile_fx", "dtensor_par", "tests.cases"]
-"""What the process the ranks fork from imports once (the compilers' modules too): a rank
-spawned afresh takes seconds of CPU to import them, and a suite starts dozens of ranks. Each
-rank still starts with nothing compiled, in the environment and folder this process had at
-its first launch."""
+_RANK_PRELOAD = ["torch", "torch._dynamo.backends.debugging", "torch._inductor.compile_fx", "dtensor_par", "tests.cases",
+                 "transformers.modeling_utils", "transformers.generation", "diffusers.models.transformers"]
+"""What the process the ranks fork from imports once (the compilers' modules too, and the
+real models' libraries where the models extra is installed; one that is not is skipped): a
+rank spawned afresh takes seconds of CPU to import them (transformers and diffusers 3 s), and a
+suite starts dozens of ranks. Each rank still starts with nothing compiled."""
+
+
+def start_fork_server() -> None:
+    """Start the process the ranks fork from, if it is not running: every rank gets the
+    environment and folder this process has now."""
+    mp.get_context("forkserver").set_forkserver_preload(_RANK_PRELOAD)
+    multiprocessing.forkserver.ensure_running()
 
 
 def run_ranks(world: int, fn, /, **kwargs) -> list:
     """Run ``fn(rank, world, **kwargs)`` on ``world`` gloo ranks; return each rank's result."""
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(_RANK_PRELOAD)
+    start_fork_server()
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), tmp, fn, kwargs), nprocs=world,
                            join=True, start_method="forkserver")

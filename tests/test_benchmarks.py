@@ -7,24 +7,34 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
+from tests.background import in_background
 
-def _quick(module: str, out) -> subprocess.CompletedProcess:
-    """``python -m module --quick --json out`` from the repo root; it must succeed."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", module, "--quick", "--json", str(out)], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=600)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+"""The environment the session started in: tests running meanwhile change this process's."""
+
+
+def _quick(module: str) -> tuple[subprocess.CompletedProcess, str]:
+    """``python -m module --quick --json out`` from the repo root: the run and the JSON it wrote."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "out.json")
+        run = subprocess.run([sys.executable, "-m", module, "--quick", "--json", out], cwd=ROOT, env=ENV,
+                             capture_output=True, text=True, timeout=600)
+        return run, open(out).read() if run.returncode == 0 else ""
+
+
+QUICK = in_background(_quick, "benchmarks")
+QUICK_DECODE = in_background(_quick, "benchmarks.decode")
+
+
+def test_quick_benchmark_writes_json():
+    run, written = QUICK.result()
     assert run.returncode == 0, run.stderr[-3000:]
-    return run
-
-
-def test_quick_benchmark_writes_json(tmp_path):
-    out = tmp_path / "bench.json"
-    run = _quick("benchmarks", out)
-    report = json.loads(out.read_text())
+    report = json.loads(written)
     result, = report["results"]
     assert "error" not in result, result
     assert {"step/ours", "forward/ours", "step/one_device", "forward/torch"} <= set(result["ms"]), result["ms"]
@@ -34,11 +44,11 @@ def test_quick_benchmark_writes_json(tmp_path):
     assert "| model | mesh |" in run.stdout
 
 
-def test_quick_decode_benchmark_decodes_one_devices_tokens_on_half_the_cache(tmp_path):
+def test_quick_decode_benchmark_decodes_one_devices_tokens_on_half_the_cache():
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
-    out = tmp_path / "decode.json"
-    run = _quick("benchmarks.decode", out)
-    report = json.loads(out.read_text())
+    run, written = QUICK_DECODE.result()
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(written)
     one, tp = report["rows"]
     decoded = report["setup"]["warmup"] + report["setup"]["steps"]
     assert (one["mesh"], tp["mesh"]) == ("one device", "tp=2"), (one, tp)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
+from tests.background import in_background
 from tests.cases import run_labelled_cases
 
 PAIRS = {
@@ -36,16 +35,12 @@ RUNS = {
                               mesh_sizes={"ulysses": 2})},
 }
 """World size -> label -> ``run_cases``' keyword arguments; each world's runs share one launch."""
-
-
-@functools.cache
-def _results(world: int) -> dict:
-    return run_labelled_cases(world, RUNS[world])
+LAUNCHES = {world: in_background(run_labelled_cases, world, runs) for world, runs in RUNS.items()}
 
 
 @pytest.mark.parametrize("pair", PAIRS)
 def test_each_pair_of_mesh_dims_at_world_4(pair):
-    result = _results(4)[pair]
+    result = LAUNCHES[4].result()[pair]
     for name, metrics in result.items():
         # Masked attention runs as hybrid attention too, never gathered.
         assert not any("gathered" in w and "attention" in w for w in metrics["warnings"]), (name, metrics)
@@ -62,8 +57,8 @@ def test_each_pair_of_mesh_dims_at_world_4(pair):
 
 
 def test_tp_ring_ulysses_at_world_8_in_a_non_default_order():
-    assert _results(8)["non_default_order"]
+    assert LAUNCHES[8].result()["non_default_order"]
 
 
 def test_small_gradient_buckets_at_world_2():
-    assert _results(2)["small_buckets"]
+    assert LAUNCHES[2].result()["small_buckets"]

@@ -15,6 +15,7 @@ from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.passes.meta import symbolic_inputs
 from dtensor_par.symbolic import hint
 from tests import models
+from tests.background import in_background
 from tests.conftest import GoldenTestCase, _init_fake
 from tests.harness import assert_every_rank_matches, compare, logged, run_ranks
 
@@ -77,11 +78,14 @@ def _run_modes(rank: int, world: int, *, names: list[str]) -> dict:
     return results
 
 
+LAUNCH = in_background(run_ranks, 4, _run_modes, names=list(MODES))
+
+
 def test_one_compile_serves_every_length_and_batch_size():
     """Five lengths (three padded over cp) and two batch sizes through one plan and one inner
     compile per mesh, exact against one device in forward and backward; ``dynamic=False``
     compiles each size."""
-    result = assert_every_rank_matches(run_ranks(4, _run_modes, names=list(MODES)))
+    result = assert_every_rank_matches(LAUNCH.result())
     for name in MODES:
         assert result[name]["compiles"] == 1 and result[name]["symbolic_compiles"] == 1, (name, result[name])
         assert len(result[name]["plans"]) == 1 and "symbolic in L['" in result[name]["plans"][0], result[name]

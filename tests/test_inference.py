@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import dtensor_par
 from tests import models
+from tests.background import in_background
 from tests.harness import FORWARD_ATOL, logged, run_ranks_together
 
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
@@ -73,8 +74,7 @@ def side_effects_once(rank: int, world: int) -> dict:
     return diffs
 
 
-@pytest.fixture(scope="module")
-def world2() -> list[dict]:
+def _world2_launch() -> list[dict]:
     """Every world-2 case of this module in one launch of 2 gloo ranks, each rank's results
     by case (``parallelize`` resets Dynamo's caches: its case runs last)."""
     return run_ranks_together(2, {
@@ -87,8 +87,11 @@ def world2() -> list[dict]:
     })
 
 
-def test_planning_runs_no_side_effect_twice(world2):
-    for diffs in (r["side effects"] for r in world2):
+WORLD2 = in_background(_world2_launch)
+
+
+def test_planning_runs_no_side_effect_twice():
+    for diffs in (r["side effects"] for r in WORLD2.result()):
         assert all(d <= FORWARD_ATOL for d in diffs.values()), diffs
 
 
@@ -133,8 +136,8 @@ def _check_decorated_generate(result: dict) -> None:
     assert result["logits"] <= FORWARD_ATOL, result
 
 
-def test_decorated_transformers_llama_generates_one_devices_tokens(world2):
-    for result in world2:
+def test_decorated_transformers_llama_generates_one_devices_tokens():
+    for result in WORLD2.result():
         _check_decorated_generate(result["decorated tp"])
         _check_decorated_generate(result["decorated ring"])
 
@@ -223,10 +226,10 @@ def decode_plans(rank: int, world: int) -> dict:
     return results
 
 
-def test_decode_is_one_plan_and_holds_this_ranks_heads(world2):
+def test_decode_is_one_plan_and_holds_this_ranks_heads():
     """Prefill and decode plan once each (decode symbolic in the cache length for a
     DynamicCache; a StaticCache's shapes do not change), and each rank holds half the cache."""
-    for results in (r["decode plans"] for r in world2):
+    for results in (r["decode plans"] for r in WORLD2.result()):
         for name, r in results.items():
             assert r["same"] and r["held"] * 2 == r["whole"], (name, r)
             assert len(r["plans"]) == 2, (name, r["plans"])
@@ -242,19 +245,21 @@ def _check_cp_decode(results: dict) -> None:
         assert r["held"] <= r["whole"] / r["ranks"] + block, (name, r)
 
 
-def test_decode_with_the_kv_cache_cut_over_cp_matches_one_device(world2):
+def test_decode_with_the_kv_cache_cut_over_cp_matches_one_device():
     """Prefill under cp leaves each rank its sequence rows; decode (1 and 3 new tokens, a
     padded batch, a sliding window) attends to them and merges: one device's logits, and
     at most 1/(tp x cp) of one device's cache bytes per rank (+ one row per layer)."""
-    for result in world2:
+    for result in WORLD2.result():
         _check_cp_decode(result["cp decode"])
+
+
+WORLD4 = in_background(run_ranks_together, 4, {"decode": (cp_decode, {"meshes": [{"tp": 2, "ring": 2}]}),
+                                               "generate": (decorated_generate, {"tp": 2, "ulysses": 2})})
 
 
 def test_decode_at_tp_x_ring_and_decorated_generate_under_cp():
     """tp=2 x ring=2 decode; the decorator's ``generate`` with a cp prefill and cp decode."""
-    calls = {"decode": (cp_decode, {"meshes": [{"tp": 2, "ring": 2}]}),
-             "generate": (decorated_generate, {"tp": 2, "ulysses": 2})}
-    for result in run_ranks_together(4, calls):
+    for result in WORLD4.result():
         _check_cp_decode(result["decode"])
         _check_decorated_generate(result["generate"])
 
@@ -306,8 +311,8 @@ def generate_entry_points(rank: int, world: int) -> dict:
     return results
 
 
-def test_every_generate_entry_point_gives_one_devices_tokens(world2):
-    for result in (r["entry points"] for r in world2):
+def test_every_generate_entry_point_gives_one_devices_tokens():
+    for result in (r["entry points"] for r in WORLD2.result()):
         assert result.pop("model left uncompiled"), result
         assert result.pop("torch.compile(model).generate, again") == {"same tokens": True, "planned": False}, result
         assert all(outcome == {"same tokens": True, "planned": True} for outcome in result.values()), result

@@ -6,12 +6,14 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import tempfile
 
 import torch
 
 import dtensor_par
 from dtensor_par import plancache
 from tests import models
+from tests.background import in_background
 from tests.harness import compare, logged, run_ranks
 
 LENGTHS = (8, 12, 16)  # the first compiles static, the second symbolic: two plans per rank
@@ -63,12 +65,21 @@ def _runs(rank: int, world: int, *, cache: str) -> dict:
             "corrupt": _corrupt_entries(mesh, cache)}
 
 
-def test_a_warm_start_reads_every_plan_and_a_changed_key_reads_none(tmp_path):
+def _launch() -> list[dict]:
+    """Each rank's runs, with a plan cache in a temporary folder."""
+    with tempfile.TemporaryDirectory() as cache:
+        return run_ranks(2, _runs, cache=cache)
+
+
+LAUNCH = in_background(_launch)
+
+
+def test_a_warm_start_reads_every_plan_and_a_changed_key_reads_none():
     """Each rank: the second run of a job reads both its plans and computes what one device
     does; another plan option, another graph or another dtensor_par source plans afresh. A
     symbolic plan that decided on its sizes (Megatron-SP's divisibility by tp) is not stored,
     and an unreadable entry is planned again, with a warning."""
-    for rank in run_ranks(2, _runs, cache=str(tmp_path)):
+    for rank in LAUNCH.result():
         assert rank["cold"]["plans"] == 2 and rank["cold"]["read"] == 0, rank
         assert rank["warm"]["read"] == rank["warm"]["plans"] == 2, rank
         for name in ("other config", "other graph", "other source", "sp cold"):

@@ -4,7 +4,6 @@ no fallback gathers, exact against one device. Needs the ``models`` extra."""
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 import dtensor_par
 from dtensor_par.passes.meta import global_shape, placements
+from tests.background import in_background
 from tests.harness import FORWARD_ATOL, GRAD_RTOL, loss_of, max_rel, run_ranks, run_ranks_together
 
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
@@ -77,18 +77,16 @@ RUNS = {
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=MODELS)},
 }
 """World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size."""
-
-
-@functools.cache
-def _results(world: int) -> list[dict]:
-    return run_ranks_together(world, {label: (compare_models, kwargs) for label, kwargs in RUNS[world].items()})
+LAUNCHES = {world: in_background(run_ranks_together, world, {label: (compare_models, kwargs)
+                                                              for label, kwargs in runs.items()})
+            for world, runs in RUNS.items()}
 
 
 @pytest.mark.parametrize("world, mesh", [(world, mesh) for world, runs in RUNS.items() for mesh in runs],
                          ids=[mesh for runs in RUNS.values() for mesh in runs])
 def test_real_models_match_one_device(world, mesh):
     names = RUNS[world][mesh]["names"]
-    for result in (rank_results[mesh] for rank_results in _results(world)):
+    for result in (rank_results[mesh] for rank_results in LAUNCHES[world].result()):
         assert set(result) == set(names)
         for name, metrics in result.items():
             assert metrics["forward"] <= FORWARD_ATOL and metrics.get("grad", 0.0) <= GRAD_RTOL, (name, metrics)
@@ -113,8 +111,11 @@ def decorated_llama(rank: int, world: int) -> dict:
             "grad": max(max_rel(p.grad.full_tensor(), r.grad) for p, r in zip(model.parameters(), reference.parameters()))}
 
 
+DECORATED_LAUNCH = in_background(run_ranks, 2, decorated_llama)
+
+
 def test_parallel_decorator_on_transformers_llama():
-    for result in run_ranks(2, decorated_llama):
+    for result in DECORATED_LAUNCH.result():
         assert result["forward"] <= FORWARD_ATOL and result["grad"] <= GRAD_RTOL, result
         assert result["local_rows"] == 32, result
 

@@ -17,6 +17,7 @@ from dtensor_par.mesh import MeshDim, MeshInfo
 from dtensor_par.ops.ring import ring_attention
 from dtensor_par.ops.ring_schedule import ring_step_flops
 from dtensor_par.ops.sequence_layout import zigzag_indices
+from tests.background import in_background
 from tests.harness import FORWARD_ATOL, GRAD_RTOL, capturing_backend, max_rel, run_ranks
 
 BATCH, HEAD_DIM, SEQ = 2, 8, 16
@@ -190,11 +191,8 @@ def _rank_cases(rank: int, world: int, *, with_compiled: bool) -> dict:
     return results
 
 
-@functools.cache
-def _results(world: int) -> list[dict]:
-    """One spawn per world size serves all of that size's tests: process start-up (importing
-    torch on every rank) dominates the runtime."""
-    return run_ranks(world, _rank_cases, with_compiled=world == 2)
+LAUNCHES = {world: in_background(run_ranks, world, _rank_cases, with_compiled=world == 2) for world in (2, 4)}
+"""One launch per world size serves all of that size's tests."""
 
 
 def _assert_close(rank: int, name: str, metrics: dict) -> None:
@@ -205,7 +203,7 @@ def _assert_close(rank: int, name: str, metrics: dict) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_attention_matches_single_device(world):
-    for rank, results in enumerate(_results(world)):
+    for rank, results in enumerate(LAUNCHES[world].result()):
         assert set(results["eager"]) == set(CASES)
         for name, metrics in results["eager"].items():
             _assert_close(rank, name, metrics)
@@ -224,7 +222,7 @@ def test_ring_attention_matches_single_device(world):
 
 
 def test_ring_attention_traces_under_aot_eager():
-    for rank, results in enumerate(_results(2)):
+    for rank, results in enumerate(LAUNCHES[2].result()):
         _assert_close(rank, "compiled", results["compiled"])
         assert results["compiled"]["traced_rotations"] == {"forward": 1, "backward": 1}
 

@@ -4,7 +4,6 @@ optimizer state, trains exactly like one device, and checkpoints with stock PyTo
 from __future__ import annotations
 
 import copy
-import functools
 import glob
 import json
 import os
@@ -17,6 +16,7 @@ import torch.nn as nn
 
 import dtensor_par
 from tests import models
+from tests.background import in_background
 from tests.harness import FUNCTIONAL_OPS, executed_collectives, loss_of, max_rel, run_ranks_together
 
 PARAM_RTOL = 1e-5
@@ -133,16 +133,19 @@ def _calls(world: int, folder: str) -> dict:
             "collectives": (count_collectives, dict(dump_dir=os.path.join(folder, "dump")))}
 
 
-@functools.cache
-def _results(world: int) -> list[dict]:
-    """One launch per world size serves all of that size's tests; each rank's results by label."""
+def _launch(world: int) -> list[dict]:
+    """Each rank's results by label of ``world``'s calls, the checkpoint and dump in a temporary folder."""
     with tempfile.TemporaryDirectory() as folder:
         return run_ranks_together(world, _calls(world, folder))
 
 
+LAUNCHES = {world: in_background(_launch, world) for world in (4, 8, 2)}
+"""One launch per world size serves all of that size's tests (in the order they read them)."""
+
+
 @pytest.mark.parametrize("world", [4, 8], ids=["tp2-ulysses2", "tp2-ring2-ulysses2"])
 def test_training_matches_one_device_holding_one_tp_share(world):
-    for rank_results in _results(world):
+    for rank_results in LAUNCHES[world].result():
         result = rank_results["training"]
         for name, worst in result.items():
             assert worst["sharded_params"] == 2 * len(SHARDED[name]), (name, worst)
@@ -179,7 +182,7 @@ def count_collectives(rank: int, world: int, *, dump_dir: str):
 
 
 def test_every_collective_a_step_runs_is_in_the_table():
-    result = _results(4)[0]["collectives"]
+    result = LAUNCHES[4].result()[0]["collectives"]
     for mode in ("True", "False"):
         assert result[mode]["ran"] == result[mode]["table"], (mode, result[mode])
     assert result["True"]["param_grad_gathers"] == 0
@@ -210,7 +213,7 @@ def full_parameters_stay_fresh(rank: int, world: int):
 
 
 def test_full_parameters_changed_in_any_way_are_seen():
-    for diffs in (rank_results["fresh"] for rank_results in _results(2)):
+    for diffs in (rank_results["fresh"] for rank_results in LAUNCHES[2].result()):
         assert max(diffs) <= 1e-6, diffs
 
 
@@ -304,6 +307,6 @@ def decorated_model(rank: int, world: int):
 
 
 def test_parallel_decorator_on_a_model_class():
-    for result in (rank_results["decorated"] for rank_results in _results(2)):
+    for result in (rank_results["decorated"] for rank_results in LAUNCHES[2].result()):
         assert result["forward"] <= 1e-5 and result["grad"] <= 1e-4, result
         assert result["local_rows"] == 32 and result["name"] == "Llama"

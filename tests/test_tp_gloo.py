@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
+from tests.background import in_background
 from tests.cases import run_labelled_cases
 
 TP_CASES = ["gpt_fused_qkv", "llama_gqa_rope", "llama_enable_gqa", "graph_break", "odd_mlp_width", "unshardable_op"]
@@ -27,16 +26,12 @@ RUNS = {
         "sequence_parallel": dict(names=["gpt_fused_qkv"], options=SEQUENCE_PARALLEL)},
 }
 """World size -> label -> ``run_cases``' keyword arguments; each world's runs share one launch."""
-
-
-@functools.cache
-def _results(world: int) -> dict:
-    return run_labelled_cases(world, RUNS[world])
+LAUNCHES = {world: in_background(run_labelled_cases, world, runs) for world, runs in RUNS.items()}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_matches_single_device(world):
-    result = _results(world)["tp"]
+    result = LAUNCHES[world].result()["tp"]
     if world == 4:
         assert any("fc" in w and "18" in w and "replicated" in w for w in result["odd_mlp_width"]["warnings"])
         assert any("2 kv heads" in w and "k_proj" in w for w in result["llama_gqa_rope"]["warnings"])
@@ -46,19 +41,19 @@ def test_tensor_parallel_matches_single_device(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_matches_single_device(world):
-    assert _results(world)["sequence_parallel"]
+    assert LAUNCHES[world].result()["sequence_parallel"]
 
 
 def test_inductor_matches_single_device():
-    assert _results(2)["inductor"]
+    assert LAUNCHES[2].result()["inductor"]
 
 
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_new_batch_and_sequence_sizes_stay_correct(dynamic):
     """Automatic dynamic shapes recompile with symbolic sizes; ``dynamic=True`` also lifts
     float attributes to inputs. Each size is planned on its own."""
-    assert _results(2)[f"dynamic={dynamic}"]
+    assert LAUNCHES[2].result()[f"dynamic={dynamic}"]
 
 
 def test_local_output_is_dtensor_of_the_same_values():
-    assert _results(2)["local_output"]
+    assert LAUNCHES[2].result()["local_output"]

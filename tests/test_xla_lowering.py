@@ -28,6 +28,7 @@ from dtensor_par.passes.plan import plan_pass
 from dtensor_par.passes.rewrite import rewrite_pass
 from dtensor_par.params import local_value
 from tests import factories, models, xm_gloo
+from tests.background import in_background
 from tests.cases import run_cases
 from tests.conftest import GoldenTestCase, _init_fake
 from tests.harness import assert_every_rank_matches, run_ranks
@@ -229,10 +230,14 @@ RUNS = {
 }
 
 
+LAUNCHES = {world: in_background(run_ranks, world, _runs, runs=runs) for world, runs in RUNS.items()}
+"""One launch per world size for all of its runs."""
+
+
 @functools.cache
 def _results(world: int) -> dict:
-    """One launch per world size for all of its runs; rank 0's results, every rank checked."""
-    results = run_ranks(world, _runs, runs=RUNS[world])
+    """Rank 0's results of the launch of ``world`` ranks, every rank checked."""
+    results = LAUNCHES[world].result()
     for label, (_, _, cases) in RUNS[world].items():
         metrics = assert_every_rank_matches([rank_results[label]["metrics"] for rank_results in results])
         assert set(metrics) == set(cases), label
