@@ -36,7 +36,7 @@ class Job:
         fn, args, kwargs = self._call
         try:
             self._future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001: handed to the test that reads the result
+        except BaseException as e:  # noqa: BLE001  (handed to the test that reads the result)
             self._future.set_exception(e)
 
     def result(self):

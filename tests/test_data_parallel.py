@@ -15,6 +15,7 @@ import torch
 import dtensor_par
 from dtensor_par.mesh import MeshInfo
 from tests import models
+from tests.background import in_background
 from tests.cases import run_cases
 from tests.harness import FUNCTIONAL_OPS, assert_every_rank_matches, executed_collectives, max_rel, run_ranks_together
 
@@ -112,11 +113,14 @@ def _world4() -> dict:
     }
 
 
+LAUNCHES = {world: in_background(run_ranks_together, world, calls()) for world, calls in ((2, _world2), (4, _world4))}
+"""Every multi-process case of this file, one launch per world size (``tests.background``)."""
+
+
 @pytest.fixture(scope="module")
 def launched() -> dict:
-    """Every multi-process case of this file: rank results by world size and label."""
-    torch.manual_seed(0)
-    return {2: run_ranks_together(2, _world2()), 4: run_ranks_together(4, _world4())}
+    """Rank results by world size and label."""
+    return {world: job.result() for world, job in LAUNCHES.items()}
 
 
 def _matching(launched, world: int, label: str) -> dict:
