@@ -108,12 +108,14 @@ def _tiny_llama():
     return config, LlamaForCausalLM(config).eval(), torch.randint(0, 128, (1, 8))
 
 
-def decorated_generate(rank: int, world: int, **sizes) -> dict:
+def decorated_generate(rank: int, world: int, batch: int = 1, **sizes) -> dict:
     """``parallel(**sizes)(LlamaForCausalLM)``: ``generate`` as the first call (greedy, 16 new
-    tokens, a DynamicCache), and a prefill's cache length, against one device."""
+    tokens, a DynamicCache), and a prefill's cache length, against one device; ``batch``
+    prompts (cut over the dp dims, whose ranks keep the whole cache)."""
     from transformers import DynamicCache, LlamaForCausalLM
 
     config, reference, ids = _tiny_llama()
+    ids = torch.cat([ids, torch.randint(0, 128, (batch - 1, ids.shape[1]))]) if batch > 1 else ids
     Parallel = dtensor_par.parallel(**sizes, inner_backend="aot_eager")(LlamaForCausalLM)
     model = Parallel(config).eval()
     model.load_state_dict(reference.state_dict())
@@ -253,15 +255,19 @@ def test_decode_with_the_kv_cache_cut_over_cp_matches_one_device():
         _check_cp_decode(result["cp decode"])
 
 
-WORLD4 = in_background(run_ranks_together, 4, {"decode": (cp_decode, {"meshes": [{"tp": 2, "ring": 2}]}),
-                                               "generate": (decorated_generate, {"tp": 2, "ulysses": 2})})
+WORLD4 = in_background(run_ranks_together, 4, {
+    "decode": (cp_decode, {"meshes": [{"tp": 2, "ring": 2}]}),
+    "generate": (decorated_generate, {"tp": 2, "ulysses": 2}),
+    "generate dp": (decorated_generate, {"dp_replicate": 2, "ring": 2, "batch": 2})})
 
 
 def test_decode_at_tp_x_ring_and_decorated_generate_under_cp():
-    """tp=2 x ring=2 decode; the decorator's ``generate`` with a cp prefill and cp decode."""
+    """tp=2 x ring=2 decode; the decorator's ``generate`` with a cp prefill and cp decode, also
+    with two prompts cut over dp_replicate=2 beside ring=2."""
     for result in WORLD4.result():
         _check_cp_decode(result["decode"])
         _check_decorated_generate(result["generate"])
+        _check_decorated_generate(result["generate dp"])
 
 
 def _compiled_forward(model: nn.Module, backend) -> nn.Module:
