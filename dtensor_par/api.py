@@ -18,10 +18,12 @@ def hybrid_parallel(mesh: DeviceMesh, **options) -> ParallelBackend:
     """A ``torch.compile`` backend that runs the model tensor- and context-parallel over ``mesh``.
 
     Heads are sharded over tp; with ``ring`` or ``ulysses`` > 1, activations are sharded along
-    the sequence over ring x ulysses and attention runs as Ulysses x ring hybrid attention.
-    ``options`` are ``config.ParallelConfig``'s fields (``inner_backend``, ``output``,
-    ``sequence_parallel``, ``collectives``, ``ulysses_impl``, ``replica_group_limit``,
-    ``grad_bucket_mb``, ``dump_dir``, ``plan_cache``, ``cache_limit``), each documented there.
+    the sequence over ring x ulysses and attention runs as Ulysses x ring hybrid attention;
+    with ``dp_replicate`` or ``dp_shard`` > 1, the batch is cut over them (``batch``).
+    ``options`` are ``config.ParallelConfig``'s fields (``batch``, ``check_inputs``,
+    ``inner_backend``, ``output``, ``sequence_parallel``, ``collectives``, ``ulysses_impl``,
+    ``replica_group_limit``, ``grad_bucket_mb``, ``dump_dir``, ``plan_cache``, ``cache_limit``),
+    each documented there.
 
     Sizes Dynamo made symbolic (``dynamic=True``, ``mark_dynamic``, or its automatic dynamic
     shapes at the second size) are planned and compiled once, for every size; ``dynamic=False``
