@@ -41,9 +41,9 @@ def batch_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
               and same_size(tensor_val(n).shape[0], batch)]
     for node in inputs:
         if hint(batch) < dp:
-            raise InvalidPlan(f"plan: input {node.name!r} of shape {list(tensor_val(node).shape)} holds a batch of "
-                             f"{hint(batch)}, smaller than mesh dims 'dp_replicate' x 'dp_shard' = {dp}: some ranks "
-                             f"would hold no sample; use a batch of at least {dp} or a smaller dp")
+            raise InvalidPlan(f"batch: input {node.name!r} of shape {list(tensor_val(node).shape)} holds a batch of "
+                              f"{hint(batch)}, smaller than mesh dims 'dp_replicate' x 'dp_shard' = {dp}: some ranks "
+                              f"would hold no sample; use a batch of at least {dp} or a smaller dp")
     ctx.batch_placements = {node.name: Shard(0) for node in inputs}
     if not inputs:
         ctx.warn(f"no graph input holds the batch of {hint(batch)} the sites run on along dim 0: mesh dims "
@@ -57,8 +57,8 @@ def site_batch_size(ctx: ParallelContext):
     attention = [s for s in ctx.sites if isinstance(s, AttentionSite)]
     batches = {s.name: tensor_val(tensor_inputs(s.core)[0]).shape[0] for s in attention}
     if any(not same_size(b, batches[attention[0].name]) for b in batches.values()):
-        raise InvalidPlan(f"plan: the attention sites run on batches of different sizes ({batches}): which graph "
-                         f"input holds the batch to cut over dp cannot be told; use batch='local'")
+        raise InvalidPlan(f"batch: the attention sites run on batches of different sizes ({batches}): which graph "
+                          f"input holds the batch to cut over dp cannot be told; use batch='local'")
     if attention:
         return batches[attention[0].name]
     if ctx.sites:
