@@ -28,8 +28,9 @@ from .passes.meta import communications, global_shape, param_fqn, placements, sh
 from .passes.nodes import target_name
 from .placements import Replicate, describe, local_shape, local_shape_on
 
-PLAN_VERSION = 4  # 2: parameter_state, coverage, bytes_per_rank is what the rank holds; 3: lowering, replica-group sets;
-# 4: batch (the dp dims)
+PLAN_VERSION = 4
+"""2: parameter_state, coverage, bytes_per_rank is what the rank holds; 3: lowering, replica-group
+sets; 4: batch (the dp dims)."""
 
 
 def _format_arg(a) -> str:

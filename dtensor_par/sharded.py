@@ -204,9 +204,10 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
                              f"with {state.config}; it cannot be parallelized again over {mesh} with {config}")
         return model
     MeshInfo.check_names(mesh, entry)
-    config.check_mesh(MeshInfo.for_planning(dict(zip(mesh.mesh_dim_names, mesh.shape)), mesh.device_type), entry)
+    info = MeshInfo.for_planning(dict(zip(mesh.mesh_dim_names, mesh.shape)), mesh.device_type)
+    config.check_mesh(info, entry)
     placements = plan_placements(model, mesh, example_args, example_kwargs, config)
-    if "dp_shard" in mesh.mesh_dim_names and mesh.size(mesh.mesh_dim_names.index("dp_shard")) > 1:
+    if info.size("dp_shard") > 1:
         logger.warning("%s: parameters are not sharded over mesh dim 'dp_shard' yet (FSDP in the graph is not "
                        "implemented): every dp_shard rank holds the parameters as tp cuts them, and dp_shard runs as "
                        "dp_replicate does", entry)

@@ -39,11 +39,10 @@ def batch_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name not in state
               and n.name not in ctx.cache_inputs and tensor_val(n) is not None and tensor_val(n).dim() >= 1
               and same_size(tensor_val(n).shape[0], batch)]
-    for node in inputs:
-        if hint(batch) < dp:
-            raise InvalidPlan(f"batch: input {node.name!r} of shape {list(tensor_val(node).shape)} holds a batch of "
-                              f"{hint(batch)}, smaller than mesh dims 'dp_replicate' x 'dp_shard' = {dp}: some ranks "
-                              f"would hold no sample; use a batch of at least {dp} or a smaller dp")
+    if inputs and hint(batch) < dp:
+        raise InvalidPlan(f"batch: input {inputs[0].name!r} of shape {list(tensor_val(inputs[0]).shape)} holds a batch "
+                          f"of {hint(batch)}, smaller than mesh dims 'dp_replicate' x 'dp_shard' = {dp}: some ranks "
+                          f"would hold no sample; use a batch of at least {dp} or a smaller dp")
     ctx.batch_placements = {node.name: Shard(0) for node in inputs}
     if not inputs:
         ctx.warn(f"no graph input holds the batch of {hint(batch)} the sites run on along dim 0: mesh dims "

@@ -163,8 +163,8 @@ def _over_last_dim(softmax: fx.Node) -> bool:
     return arguments(softmax).get("dim") in (-1, tensor_val(softmax).dim() - 1)
 
 
-def find_written_attention(gm: fx.GraphModule, ctx: ParallelContext) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
-    """``(q @ kT, softmax, probabilities @ v)`` of each attention written out by hand: a softmax
+def find_written_attention(gm: fx.GraphModule, ctx: ParallelContext) -> list[tuple[fx.Node, fx.Node]]:
+    """``(q @ kT, probabilities @ v)`` of each attention written out by hand: a softmax
     over the last dim of one matmul's output (through score modifiers) whose probabilities are
     multiplied with the values. A softmax over a matmul's output that does not read so is warned
     of by name: a report must not look complete when it is not."""
@@ -175,7 +175,7 @@ def find_written_attention(gm: fx.GraphModule, ctx: ParallelContext) -> list[tup
             continue
         weighted = _weighted_values(softmax)
         if len(products) == 1 and weighted is not None and _over_last_dim(softmax) and tensor_val(weighted).dim() >= 4:
-            found.append((products[0], softmax, weighted))
+            found.append((products[0], weighted))
         else:
             ctx.warn(f"{softmax.name}: a softmax over the product {products[0].name} is not read as attention "
                      f"(softmax(q @ kT) @ v over [batch, heads, seq, dim]); it is planned op by op, its heads not "
@@ -187,7 +187,7 @@ def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[Atten
     """SDPA calls and attention written out by hand, in graph order."""
     cores = [(n, arguments(n)) for n in gm.graph.nodes if op_kind(n) == "sdpa"]
     cores += [(weighted, {"query": tensor_inputs(scores)[0], "key": tensor_inputs(scores)[1],
-                          "value": tensor_inputs(weighted)[1]}) for scores, _, weighted in find_written_attention(gm, ctx)]
+                          "value": tensor_inputs(weighted)[1]}) for scores, weighted in find_written_attention(gm, ctx)]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     sites = []
     for node, inputs in sorted(cores, key=lambda c: order[c[0]]):

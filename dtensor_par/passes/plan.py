@@ -148,8 +148,8 @@ def _plan_outputs(output: fx.Node, cur: list[Placement], env: RuleEnv, ctx: Para
     caches = {output.args[0][c.index] for c in ctx.cache_outputs}
     if ctx.config.output == "local":
         _check_local_outputs(tensors, cur, env)
-    kept = [p if (ctx.config.output == "local" or (o in caches and env.dim != "dp")) and isinstance(p, (Shard, Replicate))
-            else R
+    kept = [p if (ctx.config.output == "local" or (o in caches and env.dim != "dp"))
+            and isinstance(p, (Shard, Replicate)) else R
             for o, p in zip(tensors, cur)]
     return NodeSharding(None, tuple(kept))
 
