@@ -43,7 +43,10 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
     for f in [*ParallelConfig.plan_options(), fields["dump_dir"]]:
         flag, default = "--" + f.name.replace("_", "-"), getattr(ParallelConfig(), f.name)
         if isinstance(default, bool):
-            parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+        elif f.name == "fsdp_dims":
+            parser.add_argument(flag, type=lambda names: tuple(n for n in names.split(",") if n), default=default,
+                                help=f.metadata["help"] + " (comma-separated)")
         else:
             shown = f" (default: {default})" if default is not None else ""
             parser.add_argument(flag, type=type(default) if default is not None else str, default=default,

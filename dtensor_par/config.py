@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .mesh import MeshInfo
+from .mesh import FSDP_DIMS, MeshInfo
 from .ops.attention import ULYSSES_IMPLS
 from .ops.lowerings import LOWERINGS
 
@@ -38,6 +38,13 @@ class ParallelConfig:
                   "over dp_replicate x dp_shard (CFG parallelism: every rank gets the whole result); 'local': each "
                   "dp coordinate is given its own slice and gradients are averaged over dp (DDP, FSDP)",
         choices=BATCHES)
+    fsdp_dims: tuple | None = _option(
+        None, "with parallelize: the mesh dims each parameter is also sharded over, as FSDP (its tp piece cut "
+              "along a dim tp does not cut), gathered in the graph at use and its gradient reduce-scattered "
+              "(default: dp_shard, ring and ulysses, every one the mesh has; () for none)")
+    reshard_after_forward: bool = _option(
+        True, "with FSDP: free each gathered parameter after its last forward use and gather it again in "
+              "backward (False: keep it from forward to backward)")
     sequence_parallel: bool = _option(
         False, "Megatron sequence parallelism: norms, residuals and pointwise ops between sites run on sequence "
                "shards over tp; each all-reduce becomes reduce-scatter + all-gather")
@@ -78,7 +85,11 @@ class ParallelConfig:
             choices, value = f.metadata["choices"], getattr(self, f.name)
             if choices is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
-        for name in ("sequence_parallel", "plan_cache", "check_inputs"):
+        if self.fsdp_dims is not None:
+            if not isinstance(self.fsdp_dims, (tuple, list)) or any(n not in FSDP_DIMS for n in self.fsdp_dims):
+                raise ValueError(f"fsdp_dims must be a tuple of names from {FSDP_DIMS}, got {self.fsdp_dims!r}")
+            object.__setattr__(self, "fsdp_dims", tuple(self.fsdp_dims))
+        for name in ("sequence_parallel", "plan_cache", "check_inputs", "reshard_after_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("replica_group_limit", "cache_limit"):
@@ -113,6 +124,10 @@ class ParallelConfig:
 
     def check_mesh(self, mesh: MeshInfo, entry: str) -> None:
         """Options that the mesh rules out."""
+        try:
+            mesh.fsdp(self.fsdp_dims)
+        except (ValueError, NotImplementedError) as e:
+            raise type(e)(f"{entry}: {e}") from None
         if self.sequence_parallel and mesh.size("cp") > 1:
             raise NotImplementedError(
                 f"{entry}: sequence_parallel=True with context parallelism (ring={mesh.size('ring')}, "

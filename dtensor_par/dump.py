@@ -26,7 +26,8 @@ from .passes.detect import AttentionSite, module_name
 from .passes.localize import graph_communications
 from .passes.meta import communications, global_shape, param_fqn, placements, shardings, site_role, weight_name
 from .passes.nodes import target_name
-from .placements import Replicate, describe, local_shape, local_shape_on
+from .params import held_layouts
+from .placements import Replicate, describe, local_shape_on
 
 PLAN_VERSION = 4
 """2: parameter_state, coverage, bytes_per_rank is what the rank holds; 3: lowering, replica-group
@@ -121,17 +122,14 @@ def collectives_markdown(rows: list[dict]) -> str:
 
 def parameter_rows(ctx: ParallelContext) -> list[dict]:
     """Each parameter: its placement, the local shape the graph computes with and the bytes
-    this rank holds (the local piece once parallelized, the whole parameter before)."""
-    size = ctx.mesh.size("tp")
+    this rank holds (its piece once parallelized, FSDP's cut included; the whole parameter before)."""
     rows = []
-    for name, info in ctx.params.items():
-        p = ctx.param_placements.get(name)
-        shape = tuple(info.tensor.shape)
-        local = local_shape(shape, p, size) if p is not None else shape
-        element = info.tensor.element_size()
-        held = local if ctx.feeding.sharded else shape
-        rows.append({"name": info.fqn, "shape": list(shape), "placement": {"tp": describe(p or Replicate())},
-                     "local_shape": list(local), "bytes_per_rank": math.prod(held) * element,
+    for name, layout in held_layouts(ctx).items():
+        info = ctx.params[name]
+        shape, element = tuple(info.tensor.shape), info.tensor.element_size()
+        held = layout.held_shape(shape) if ctx.feeding.sharded else shape
+        rows.append({"name": info.fqn, "shape": list(shape), "placement": layout.describe(),
+                     "local_shape": list(layout.tp_local_shape(shape)), "bytes_per_rank": math.prod(held) * element,
                      "bytes": math.prod(shape) * element})
     return rows
 

@@ -19,10 +19,14 @@ MESH_DIMS = (*DP_DIMS, "tp", "ring", "ulysses")
 PLAN_DIMS = ("tp", "cp", "dp")
 """The dims the planner shards over: tp (heads, features), cp = ring x ulysses (sequence) and
 dp = dp_replicate x dp_shard (the batch)."""
+FSDP_DIMS = ("dp_shard", "ring", "ulysses")
+"""The mesh dims ``parallelize`` may shard parameters over (FSDP): every rank of them holds the
+same parameters, as tp cuts them."""
 SPANS = {"dp_replicate": ("dp_replicate",), "dp_shard": ("dp_shard",), "tp": ("tp",), "ring": ("ring",),
-         "ulysses": ("ulysses",), "cp": ("ring", "ulysses"), "dp": DP_DIMS}
-"""The mesh dims each dim of MeshInfo flattens, the last fastest: cp is ring-major, dp replicate-major."""
-FLATTENED = ("cp", "dp")
+         "ulysses": ("ulysses",), "cp": ("ring", "ulysses"), "dp": DP_DIMS, "fsdp": FSDP_DIMS}
+"""The mesh dims each dim of MeshInfo flattens, the last fastest: cp is ring-major, dp replicate-major,
+fsdp in the mesh's own order (the order in which DTensor nests Shard placements on them)."""
+FLATTENED = ("cp", "dp", "fsdp")
 
 
 def default_device_type() -> str:
@@ -158,6 +162,33 @@ class MeshInfo:
     def world_size(self) -> int:
         return math.prod(self.size(n) for n in MESH_DIMS)
 
+    def fsdp(self, names: tuple[str, ...] | None) -> MeshDim | None:
+        """The mesh dim ``parallelize`` shards parameters over for FSDP over the mesh dims ``names``
+        (None: every one of FSDP_DIMS the mesh has); None where no two ranks share parameters.
+
+        The group must be one MeshInfo holds, with the ranks in the mesh's order: "fsdp" (all of
+        FSDP_DIMS of size > 1), cp (ring and ulysses, where ring is the outer) or a single dim.
+        """
+        if names is None:
+            names = tuple(n for n in FSDP_DIMS if n in self.order)
+        lacking = [n for n in names if n not in self.order]
+        if lacking:
+            raise ValueError(f"fsdp_dims names {lacking}, which the mesh {self.described()} lacks")
+        wanted = {n for n in names if self.size(n) > 1}
+        if not wanted:
+            return None
+        for name in ("fsdp", "cp", *FSDP_DIMS):
+            ring_major = name != "cp" or self.order.index("ring") < self.order.index("ulysses")
+            if ring_major and wanted == {n for n in SPANS[name] if self.size(n) > 1}:
+                return self.dims[name]
+        raise NotImplementedError(
+            f"fsdp_dims={names} on the mesh {self.described()}: parameters can be sharded over all of "
+            f"{[n for n in FSDP_DIMS if self.size(n) > 1]} or over one of them, not over {sorted(wanted)} alone")
+
+    def described(self) -> str:
+        """``dp_shard=2 x ring=1 x ulysses=2 x tp=2``: the mesh's dims in order, with their sizes."""
+        return " x ".join(f"{n}={self.size(n)}" for n in self.order)
+
     @property
     def plan_dims(self) -> list[MeshDim]:
         """The planner's dims that shard anything (size > 1)."""
@@ -195,11 +226,15 @@ class MeshInfo:
         groups, index)`` names the process group of ``groups[index]``."""
         dims: dict[str, MeshDim] = {}
         for name, spans in SPANS.items():
+            if name == "fsdp":
+                spans = tuple(sorted(spans, key=lambda d: names.index(d) if d in names else -1))
             groups = partition(ranks, names, spans)
             index = next(i for i, g in enumerate(groups) if me in g)
             ring = dims["ring"].size if name == "cp" else 1  # zigzag: load-balanced causal attention (ops.sequence_layout)
-            dims[name] = MeshDim(name, len(groups[index]), groups[index].index(me), group_name(name, groups, index),
-                                 groups, index, zigzag=ring if ring > 1 else 0)
+            same = [d.group_name for d in dims.values() if d.groups == groups] if name == "fsdp" else []
+            dims[name] = MeshDim(name, len(groups[index]), groups[index].index(me),
+                                 same[0] if same else group_name(name, groups, index), groups, index,
+                                 zigzag=ring if ring > 1 else 0)
         return MeshInfo(device_type, dims, MeshInfo.full_order(names))
 
     @staticmethod

@@ -15,6 +15,8 @@ Inputs that are not parameters are sliced to this rank's shard the same way in b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,10 +26,10 @@ from torch.distributed.tensor import Shard as DTensorShard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .kv_cache import cache_shard
-from .mesh import MeshDim, MeshInfo
+from .mesh import SPANS, MeshDim, MeshInfo
 from .ops.collectives import gather_param_grad, shard_local
 from .placements import InterleavedShard, Placement, Replicate, Shard, describe, interleaved_parts, local_chunk, \
-    shard_dim
+    local_shape, shard_dim
 
 STANDIN_OF = "_dtensor_par_param"
 """The attribute of a stand-in (``sharded.py``) naming the DTensor parameter it stands for."""
@@ -38,22 +40,78 @@ def standin_param(value) -> nn.Parameter | None:
     return getattr(value, STANDIN_OF, None) if isinstance(value, nn.Parameter) else None
 
 
-def dtensor_placements(p: Placement, mesh: DeviceMesh) -> tuple[DTensorPlacement, ...]:
-    """DTensor placements over ``mesh`` of a parameter planned ``p`` on tp, replicated elsewhere.
+@dataclass(frozen=True)
+class HeldLayout:
+    """How each rank holds a parameter once parallelized: its tp piece (``tp``), cut further into
+    equal chunks along ``fsdp_dim`` over the mesh dim ``fsdp`` (FSDP), or not (``fsdp_dim`` None).
 
-    An InterleavedShard of equal parts is a ``_StridedShard``: rank r holds chunks r, r + tp,
-    ... of the tensor cut into parts x tp chunks, which is its slice of every part.
+    FSDP cuts a dim that tp does not, so the two placements never nest on one tensor dim (no
+    ``_StridedShard``), and only a dim whose length divides: no padding to keep in step.
     """
+
+    tp: Placement
+    tp_size: int
+    fsdp: MeshDim | None = None
+    fsdp_dim: int | None = None
+
+    @classmethod
+    def of(cls, shape, tp: Placement | None, mesh: MeshInfo, fsdp_dims: tuple[str, ...] | None) -> HeldLayout:
+        """The layout of a parameter of ``shape`` planned ``tp`` on tp; FSDP over ``fsdp_dims``
+        cuts the first dim that tp does not cut and that divides over it (none: held as tp cuts it)."""
+        tp, fsdp = tp or Replicate(), mesh.fsdp(fsdp_dims)
+        local = local_shape(shape, tp, mesh.size("tp"))
+        dim = None if fsdp is None else next(
+            (d for d, n in enumerate(local) if d != shard_dim(tp) and n and n % fsdp.size == 0), None)
+        return cls(tp, mesh.size("tp"), fsdp if dim is not None else None, dim)
+
+    def tp_local_shape(self, shape) -> tuple[int, ...]:
+        """The shape the graph computes with: the tp piece, gathered over fsdp."""
+        return tuple(local_shape(shape, self.tp, self.tp_size))
+
+    def held_shape(self, shape) -> tuple[int, ...]:
+        local = list(self.tp_local_shape(shape))
+        if self.fsdp_dim is not None:
+            local[self.fsdp_dim] //= self.fsdp.size
+        return tuple(local)
+
+    def held_piece(self, full: torch.Tensor, tp_rank: int) -> torch.Tensor:
+        """This rank's piece of the whole parameter ``full``."""
+        local = local_chunk(full, self.tp, tp_rank, self.tp_size)
+        if self.fsdp_dim is None:
+            return local
+        return local.chunk(self.fsdp.size, self.fsdp_dim)[self.fsdp.rank]
+
+    def dtensor_placements(self, mesh: DeviceMesh, info: MeshInfo) -> tuple[DTensorPlacement, ...]:
+        """DTensor placements over ``mesh``: the tp placement on tp, ``Shard(fsdp_dim)`` on each
+        mesh dim of fsdp (DTensor nests them in the mesh's order, as the fsdp group is laid out),
+        Replicate elsewhere. An InterleavedShard of equal parts is a ``_StridedShard``: rank r
+        holds chunks r, r + tp, ... of the tensor cut into parts x tp chunks, which is its slice
+        of every part."""
+        per_dim = {"tp": _tp_dtensor_placement(self.tp)}
+        if self.fsdp_dim is not None:
+            per_dim.update((n, DTensorShard(self.fsdp_dim)) for n in SPANS[self.fsdp.name] if info.size(n) > 1)
+        return tuple(per_dim.get(name, DTensorReplicate()) for name in mesh.mesh_dim_names)
+
+    def describe(self) -> dict[str, str]:
+        return {"tp": describe(self.tp), **({"fsdp": describe(Shard(self.fsdp_dim))} if self.fsdp_dim is not None
+                                            else {})}
+
+
+def _tp_dtensor_placement(p: Placement) -> DTensorPlacement:
     if isinstance(p, InterleavedShard):
         if len(set(p.parts)) != 1:
             raise ValueError(f"parallelize: a fused projection with unequal parts {list(p.parts)} has no DTensor "
                              f"placement")
-        tp = _StridedShard(p.dim, split_factor=len(p.parts))
-    elif isinstance(p, Shard):
-        tp = DTensorShard(p.dim)
-    else:
-        tp = DTensorReplicate()
-    return tuple(tp if name == "tp" else DTensorReplicate() for name in mesh.mesh_dim_names)
+        return _StridedShard(p.dim, split_factor=len(p.parts))
+    return DTensorShard(p.dim) if isinstance(p, Shard) else DTensorReplicate()
+
+
+def held_layouts(ctx) -> dict[str, HeldLayout]:
+    """Each parameter placeholder's layout, as the plan's parameters are held: FSDP only once
+    parallelized (whole parameters are only ever sliced on tp)."""
+    fsdp_dims = ctx.config.fsdp_dims if ctx.feeding.sharded else ()
+    return {name: HeldLayout.of(info.tensor.shape, ctx.param_placements.get(name), ctx.mesh, fsdp_dims)
+            for name, info in ctx.params.items()}
 
 
 class _LocalShard(torch.autograd.Function):
@@ -106,7 +164,7 @@ class WholeParameters:
             return local_value(value, placements, mesh, comm)
         return value
 
-    def check(self, params: dict, param_placements: dict[str, Placement], args, mesh: DeviceMesh) -> None:
+    def check(self, params: dict, layouts: dict[str, HeldLayout], args, mesh: DeviceMesh, info: MeshInfo) -> None:
         """Whole parameters fit any plan."""
 
 
@@ -120,19 +178,18 @@ class ShardedParameters(WholeParameters):
         param = standin_param(value)
         return param.to_local() if param is not None else super().local_input(value, placements, mesh, comm)
 
-    def check(self, params: dict, param_placements: dict[str, Placement], args, mesh: DeviceMesh) -> None:
+    def check(self, params: dict, layouts: dict[str, HeldLayout], args, mesh: DeviceMesh, info: MeshInfo) -> None:
         """DTensor parameters must be laid out as this plan needs them, on this mesh."""
-        for name, info in params.items():
-            param = standin_param(args[info.index])
+        for name, param_info in params.items():
+            param = standin_param(args[param_info.index])
             if param is None:
                 continue
-            planned = param_placements.get(name, Replicate())
-            needed = dtensor_placements(planned, mesh)
+            needed = layouts[name].dtensor_placements(mesh, info)
             if param.device_mesh != mesh or tuple(param.placements) != needed:
                 raise ValueError(
-                    f"hybrid_parallel: parameter {info.fqn!r} is a DTensor with placements {param.placements} over "
-                    f"{param.device_mesh}, but this plan needs {needed} (tp: {describe(planned)}) over {mesh}; "
-                    f"parallelize the model with the mesh and options you compile it with")
+                    f"hybrid_parallel: parameter {param_info.fqn!r} is a DTensor with placements {param.placements} "
+                    f"over {param.device_mesh}, but this plan needs {needed} ({layouts[name].describe()}) over "
+                    f"{mesh}; parallelize the model with the mesh and options you compile it with")
 
 
 WHOLE = WholeParameters()

@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .logs import logger
+from .params import HeldLayout, held_layouts
 from .passes import meta
 from .passes.context import ParallelContext, ParamInfo
 from .pipeline import on_captured
@@ -68,7 +69,7 @@ class Plan:
     input_placements: list[dict[str, Placement]]
     output_placements: list[dict[str, Placement] | None]
     comm: str
-    param_placements: dict[str, Placement]
+    param_layouts: dict[str, HeldLayout]  # how each parameter is held once parallelized
     param_positions: dict[str, tuple[str, int]]  # parameter placeholder -> (fqn, input index)
     warnings: list[str]
     cache_outputs: tuple = ()  # passes.kv_cache.CacheOutput per output held as a kv cache shard
@@ -80,7 +81,7 @@ class Plan:
         index = {n.name: i for i, n in enumerate(placeholders)}
         positions_of = tuple(index[ctx.positions_of[n.name]] for n in placeholders if n.name in ctx.positions_of)
         return cls([meta.placements(n) for n in placeholders], ctx.output_placements, ctx.comm,
-                   dict(ctx.param_placements), {name: (p.fqn, p.index) for name, p in ctx.params.items()},
+                   held_layouts(ctx), {name: (p.fqn, p.index) for name, p in ctx.params.items()},
                    list(ctx.warnings), ctx.cache_outputs, positions_of)
 
     def params(self, args) -> dict[str, ParamInfo]:

@@ -399,7 +399,7 @@ class ParallelRuntime:
         store = self._plan_store(args, key, spec, feeding)
         cached = store.load(self.gm, spec, fake_mode) if store else None
         local_gm, plan = cached or self._plan(args, spec, feeding)
-        feeding.check(plan.params(args), plan.param_placements, args, self.mesh)
+        feeding.check(plan.params(args), plan.param_layouts, args, self.mesh, self.info)
         examples = self._local_examples(args, spec, plan, feeding, fake_mode)
         if cached:
             logger.info("hybrid_parallel: graph %d: plan read from the plan cache (%s)", self.id, store.path)

@@ -2,8 +2,9 @@
 
 ``parallelize`` plans a model once (as ``explain`` does) and replaces, in place and under
 the same names, each parameter by an ``nn.Parameter`` holding a DTensor with the plan's
-placements (``Shard`` or, for fused projections, ``_StridedShard`` on tp; ``Replicate`` on
-every other mesh dim and for every unsharded parameter). The optimizer, ``clip_grad_norm_``
+placements (``Shard`` or, for fused projections, ``_StridedShard`` on tp; with FSDP,
+``Shard`` on each of ``fsdp_dims`` along a dim tp does not cut, ``params.HeldLayout``;
+``Replicate`` elsewhere). The optimizer, ``clip_grad_norm_``
 and ``torch.distributed.checkpoint`` then work as they do for FSDP2/TP models.
 
 Dynamo must not trace the model on DTensors: DTensor would propagate its own placements
@@ -32,11 +33,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .pipeline import PLANNING_PASSES, parallelize_graph
 from .config import ParallelConfig
-from .logs import logger
 from .mesh import MeshInfo
-from .params import SHARDED, STANDIN_OF, dtensor_placements
+from .params import SHARDED, STANDIN_OF, HeldLayout
 from .passes.capture import capture_graphs
-from .placements import Placement, Replicate, describe, local_chunk, local_shape
+from .placements import Placement, Replicate, describe
 
 _STATE = "_dtensor_par_sharded"  # the root module's attribute holding its ShardedState
 
@@ -141,7 +141,7 @@ def sharded_state(model: nn.Module) -> ShardedState | None:
 
 def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, example_kwargs: dict,
                     config: ParallelConfig) -> dict[str, Placement]:
-    """The tp placement of every parameter of the plan (by FQN); its warnings are logged.
+    """The tp placement of every parameter the plan shards on tp (by FQN); its warnings are logged.
 
     Plans as ``explain`` does: one process, no communication, any device (meta included).
     """
@@ -158,22 +158,13 @@ def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, exa
     return placements
 
 
-def _tp_coordinate(mesh: DeviceMesh) -> tuple[int, int]:
-    """(this rank's index, size) along the mesh's tp dim; (0, 1) without one."""
-    if "tp" not in mesh.mesh_dim_names:
-        return 0, 1
-    i = mesh.mesh_dim_names.index("tp")
-    return mesh.get_coordinate()[i], mesh.size(i)
-
-
-def _as_dtensor(param: nn.Parameter, p: Placement, mesh: DeviceMesh) -> nn.Parameter:
+def _as_dtensor(param: nn.Parameter, layout: HeldLayout, mesh: DeviceMesh, info: MeshInfo) -> nn.Parameter:
     """This rank's piece of ``param`` as a DTensor parameter; its storage holds only that piece."""
-    rank, size = _tp_coordinate(mesh)
     if param.is_meta:  # materialize the local piece only, uninitialized (as ``Module.to_empty``)
-        local = torch.empty(local_shape(param.shape, p, size), dtype=param.dtype, device=mesh.device_type)
+        local = torch.empty(layout.held_shape(param.shape), dtype=param.dtype, device=mesh.device_type)
     else:
-        local = local_chunk(param.detach(), p, rank, size).clone(memory_format=torch.contiguous_format)
-    dtensor = DTensor.from_local(local, mesh, dtensor_placements(p, mesh), run_check=False,
+        local = layout.held_piece(param.detach(), info.dims["tp"].rank).clone(memory_format=torch.contiguous_format)
+    dtensor = DTensor.from_local(local, mesh, layout.dtensor_placements(mesh, info), run_check=False,
                                  shape=param.shape, stride=torch.empty(param.shape, device="meta").stride())
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
 
@@ -186,7 +177,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), 
     running the model (it may be on the ``meta`` device: then only the local pieces are
     materialized, with uninitialized values to load or initialize), and replaces every
     parameter, in place and under the same FQN, by an ``nn.Parameter(DTensor)``: the plan's
-    placement on tp, Replicate on the other mesh dims. Run the model with
+    placement on tp, and cut again over ``fsdp_dims`` (FSDP: dp_shard, ring and ulysses by
+    default), Replicate on the other mesh dims. Run the model with
     ``torch.compile(model, backend=hybrid_parallel(mesh, **options))``; build the optimizer
     afterwards. ``options``: those of ``hybrid_parallel`` (``config.ParallelConfig``).
     """
@@ -203,14 +195,9 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
             raise ValueError(f"{entry}: {type(model).__name__} was already parallelized over {state.mesh} "
                              f"with {state.config}; it cannot be parallelized again over {mesh} with {config}")
         return model
-    MeshInfo.check_names(mesh, entry)
-    info = MeshInfo.for_planning(dict(zip(mesh.mesh_dim_names, mesh.shape)), mesh.device_type)
+    info = MeshInfo.from_mesh(mesh, entry)
     config.check_mesh(info, entry)
     placements = plan_placements(model, mesh, example_args, example_kwargs, config)
-    if info.size("dp_shard") > 1:
-        logger.warning("%s: parameters are not sharded over mesh dim 'dp_shard' yet (FSDP in the graph is not "
-                       "implemented): every dp_shard rank holds the parameters as tp cuts them, and dp_shard runs as "
-                       "dp_replicate does", entry)
     state = ShardedState(mesh, config, [])
     # id(old) -> (DTensor param, stand-in): tied weights share them
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
@@ -218,7 +205,8 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
         owner_name, _, name = fqn.rpartition(".")
         owner = model.get_submodule(owner_name)
         if id(old) not in replaced:
-            param = _as_dtensor(old, placements.get(fqn, Replicate()), mesh)
+            layout = HeldLayout.of(old.shape, placements.get(fqn), info, config.fsdp_dims)
+            param = _as_dtensor(old, layout, mesh, info)
             replaced[id(old)] = (param, _standin(param))
             state.remember_replaced(old, fqn)
         param, standin = replaced[id(old)]

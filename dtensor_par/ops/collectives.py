@@ -19,6 +19,10 @@ grad_all_reduce         Replicate used by a    all_reduce (the gradient
 grad_all_reduce_bucket  as grad_all_reduce,    one all_reduce of the
 (identity)              for several inputs     gradients, flattened into
                                                one bucket
+grad_as_partial         Replicate used where   the gradient on coordinate
+(identity)              its gradient is summed 0, zeros elsewhere
+gather_params           FSDP: parameter        one reduce_scatter of the
+                        pieces -> whole        gradients, flattened
 ======================  =====================  ==========================
 
 A sequence dim whose length does not divide over cp is padded at the end to equal chunks
@@ -269,6 +273,44 @@ def _unflatten(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
     return _split_copies(flat, shapes)
 
 
+class _GradAsPartial(torch.autograd.Function):
+    """Identity; in backward only coordinate 0 of ``mesh_dim`` keeps the gradient, the others
+    send zeros: a gradient every rank holds whole becomes a partial sum that equals it."""
+
+    @staticmethod
+    def forward(ctx, x, mesh_dim):
+        ctx.keeps = mesh_dim.rank == 0
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.keeps else torch.zeros_like(grad)), None
+
+
+class _GatherParams(torch.autograd.Function):
+    """FSDP's gather of parameter pieces, many in one flat all-gather; backward reduce-scatters
+    their gradients in one flat bucket, divided by ``divisor`` (the dp size, under
+    ``batch="local"``: DDP's average)."""
+
+    @staticmethod
+    def forward(ctx, dims, mesh_dim, comm, divisor, *pieces):
+        ctx.args = (dims, mesh_dim, comm, divisor)
+        by_chunk = LOWERINGS[comm].all_gather(_flatten(list(pieces)), mesh_dim)
+        columns = by_chunk.split([p.numel() for p in pieces], dim=1)
+        return tuple(_assemble(c.reshape(mesh_dim.size, *p.shape), d, None, mesh_dim, None)
+                     for c, p, d in zip(columns, pieces, dims))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dims, mesh_dim, comm, divisor = ctx.args
+        by_chunk = torch.cat([_pieces(g, Shard(d), mesh_dim, edge=False).reshape(mesh_dim.size, -1)
+                              for g, d in zip(grads, dims)], dim=1)
+        flat = LOWERINGS[comm].reduce_scatter(by_chunk, mesh_dim)
+        flat = flat / divisor if divisor != 1 else flat
+        shapes = [g.shape[:d] + (g.shape[d] // mesh_dim.size,) + g.shape[d + 1:] for g, d in zip(grads, dims)]
+        return None, None, None, None, *_unflatten(flat, shapes)
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, parts, mesh_dim, length, comm):
@@ -368,6 +410,16 @@ def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, mesh_dim: MeshDim, l
     return _AllToAll.apply(x, src_dim, dst_dim, mesh_dim, length, comm)
 
 
+def grad_as_partial(x: torch.Tensor, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
+    return _GradAsPartial.apply(x, mesh_dim)
+
+
+def gather_params(xs: list[torch.Tensor], dims: list[int], mesh_dim: MeshDim, comm: str = FUNCTIONAL,
+                  divisor: int = 1) -> tuple:
+    """Each piece ``xs[i]`` (this rank's chunk of dim ``dims[i]``) gathered whole over ``mesh_dim``."""
+    return _GatherParams.apply(tuple(dims), mesh_dim, comm, divisor, *xs)
+
+
 def gather_param_grad(grad: torch.Tensor, p: Placement, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
     """Full gradient of a parameter from every rank's gradient of its local shard."""
     return _gather(grad, p.dim, interleaved_parts(p), mesh_dim, None, comm)
@@ -382,5 +434,7 @@ COMMUNICATION = {
     all_to_all: ("all_to_all", "all_to_all"),
     grad_all_reduce: (None, "all_reduce"),
     grad_all_reduce_bucket: (None, "all_reduce"),
+    grad_as_partial: (None, None),
+    gather_params: ("all_gather", "reduce_scatter"),
 }
 """The collective each function a localized graph calls issues in (forward, backward)."""

@@ -14,13 +14,15 @@ each, rather than one per input (``bucket_input_grad_reductions``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 
 import torch.fx as fx
 
-from ..mesh import MeshDim
+from ..mesh import SPANS, MeshDim
 from ..ops import collectives as C
+from ..params import HeldLayout, held_layouts
 from ..placements import (Partial, Placement, Replicate, Shard, interleaved_parts, is_padded, local_shape,
                           local_shape_on, shard_dim)
 from ..symbolic import hint, is_symbolic, materialize_sizes
@@ -84,10 +86,18 @@ def _outputs(p) -> tuple:
     return p if isinstance(p, tuple) else (p,)
 
 
-def _edge(insert: _Inserter, cached, x: fx.Node, src: Placement, dst: Placement, partial_grad: bool) -> fx.Node:
+def _edge(insert: _Inserter, cached, x: fx.Node, src: Placement, dst: Placement, partial_grad: bool,
+          summed_at_gather: bool = False) -> fx.Node:
     """The ops one input edge needs on one mesh dim; ``partial_grad``: the consumer computes
-    rank-locally from a replicated input, so that input's gradient is a per-rank partial."""
+    rank-locally from a replicated input, so that input's gradient is a per-rank partial.
+    ``summed_at_gather``: ``x`` is an FSDP-held parameter, whose gradient is summed over this
+    dim where it is gathered (``gather_fsdp_params``): a partial gradient is left partial, and
+    one that every rank computes whole is made partial, so that the sum counts it once."""
     dim = insert.dim
+    if summed_at_gather:
+        if not partial_grad and insert.requires_grad:
+            x = cached((x, dim.name, "grad_as_partial"), lambda: _plain(insert.graph, C.grad_as_partial, (x, dim)))
+        return x if src == dst else cached((x, dim.name, dst), lambda: redistribute(insert, x, src, dst))
     if partial_grad and shard_dim(src) is not None:
         return cached((x, dim.name, "gather_partial_grad"), lambda: insert(
             C.all_gather_partial_grad, (x, src.dim, interleaved_parts(src), dim), src, R,
@@ -97,6 +107,53 @@ def _edge(insert: _Inserter, cached, x: fx.Node, src: Placement, dst: Placement,
     if partial_grad:
         x = cached((x, dim.name, "grad_all_reduce"), lambda: insert(C.grad_all_reduce, (x, dim), R, R))
     return x
+
+
+def _plain(graph: fx.Graph, fn, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """A call that communicates nothing (before the graph's cursor), with its input's value."""
+    node = graph.call_function(fn, args, kwargs or {})
+    node.meta["val"] = args[0].meta.get("val")
+    return node
+
+
+def _summing_dims(plan_dim: str, fsdp: MeshDim, mesh) -> MeshDim | None:
+    """The part of plan dim ``plan_dim`` (cp or dp) that an FSDP gather's reduce-scatter over
+    ``fsdp`` does not sum a gradient over, as a mesh dim; None if it sums over all of it."""
+    rest = [n for n in SPANS[plan_dim] if mesh.size(n) > 1 and n not in SPANS[fsdp.name]]
+    if not rest:
+        return None
+    return mesh.dims[plan_dim] if len(rest) == len([n for n in SPANS[plan_dim] if mesh.size(n) > 1]) else \
+        mesh.dims[rest[0]]
+
+
+def gather_fsdp_param(gm: fx.GraphModule, ctx: ParallelContext, node: fx.Node, layout: HeldLayout) -> fx.Node:
+    """This rank's piece of an FSDP-held parameter placeholder gathered whole (its tp piece)
+    over the layout's fsdp dim, inserted at the start of the graph.
+
+    Every consumer's gradient is a partial sum over cp and dp (``_edge``): the gather's
+    reduce-scatter sums the parts of cp and dp that fsdp spans, and an all-reduce of this
+    rank's piece, before it, the rest (HSDP's all-reduce over dp_replicate). Under
+    ``batch="local"`` the reduce-scatter also divides by the dp size (DDP's average).
+    """
+    graph, mesh, val, grad = gm.graph, ctx.mesh, tensor_val(node), node.meta["requires_grad"]
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    held = hint(math.prod(layout.held_shape(val.shape)) * val.element_size())
+    x = node
+    with graph.inserting_before(first), at_node("localize", node):
+        for plan_dim in ("cp", "dp"):
+            rest = _summing_dims(plan_dim, layout.fsdp, mesh)
+            if rest is not None and mesh.size(plan_dim) > 1 and grad:
+                x = _plain(graph, C.grad_all_reduce, (x, rest))
+                set_communications(x, [Communication(None, "all_reduce", rest.name, rest.size, 0, held,
+                                                     "parameter gradient")])
+        divisor = mesh.size("dp") if ctx.config.batch == "local" else 1
+        gather = graph.call_function(C.gather_params, ([x], [layout.fsdp_dim], layout.fsdp),
+                                     {"divisor": divisor} if divisor != 1 else {})
+        whole = held * layout.fsdp.size
+        set_communications(gather, [Communication("all_gather", "reduce_scatter" if grad else None, layout.fsdp.name,
+                                                  layout.fsdp.size, held, whole if grad else 0, "fsdp parameters")])
+        piece = graph.call_function(operator.getitem, (gather, 0))
+    return piece
 
 
 def record_runtime_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
@@ -140,10 +197,8 @@ def _bucket_sizes(reductions: list[fx.Node], limit: int) -> list[list[fx.Node]]:
     return buckets
 
 
-def _reduced_input(reduction: fx.Node) -> fx.Node:
-    """What a ``grad_all_reduce`` reduces the gradient of, through the reductions over other
-    mesh dims that it follows."""
-    x = arguments(reduction)["x"]
+def _reduced_input(x: fx.Node) -> fx.Node:
+    """What ``x`` is, through the ``grad_all_reduce``s (over other mesh dims) that it is."""
     while x.target is C.grad_all_reduce:
         x = arguments(x)["x"]
     return x
@@ -164,7 +219,7 @@ def bucket_input_grad_reductions(gm: fx.GraphModule, ctx: ParallelContext) -> No
     groups: dict[tuple, list[fx.Node]] = {}
     for n in graph.nodes:
         given = arguments(n) if n.target is C.grad_all_reduce else None
-        if given and _reduced_input(n).op == "placeholder":
+        if given and _reduced_input(given["x"]).op == "placeholder":
             groups.setdefault((given["mesh_dim"], tensor_val(given["x"]).dtype, given["mean"]), []).append(n)
     limit = int(ctx.config.grad_bucket_mb * 2**20)
     for (dim, _, mean), nodes in groups.items():
@@ -186,15 +241,53 @@ def bucket_input_grad_reductions(gm: fx.GraphModule, ctx: ParallelContext) -> No
                     graph.erase_node(n)
 
 
-def average_gradients_over_dp(gm: fx.GraphModule, ctx: ParallelContext) -> None:
+def _block_of(fqn: str) -> str:
+    """The repeated block a parameter belongs to: its FQN up to the first index (``layers.3``);
+    "" outside the blocks."""
+    parts = fqn.split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return "" if index is None else ".".join(parts[:index + 1])
+
+
+def bucket_fsdp_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
+    """Merge the FSDP gathers of each block's parameters into one flat gather (FSDP2 wraps each
+    block), placed before the first use of any of them; its backward reduce-scatters the
+    block's gradients in one flat bucket."""
+    graph, groups = gm.graph, {}
+    for n in graph.nodes:
+        if n.target is C.gather_params:
+            (x,), _, mesh_dim = n.args
+            fqn = ctx.params[_reduced_input(x).name].fqn
+            groups.setdefault((_block_of(fqn), tensor_val(x).dtype, mesh_dim, n.kwargs.get("divisor", 1)), []).append(n)
+    for (block, _, mesh_dim, divisor), gathers in groups.items():
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        pieces = [next(iter(g.users)) for g in gathers]
+        first_use = min((u for p in pieces for u in p.users), key=order.__getitem__)
+        comms = [communications(g)[0] for g in gathers]
+        with graph.inserting_before(first_use):
+            merged = graph.call_function(C.gather_params, ([g.args[0][0] for g in gathers],
+                                                           [g.args[1][0] for g in gathers], mesh_dim),
+                                         {"divisor": divisor} if divisor != 1 else {})
+            set_communications(merged, [dataclasses.replace(comms[0], 
+                forward_bytes=sum(c.forward_bytes for c in comms), backward_bytes=sum(c.backward_bytes for c in comms),
+                site=f"fsdp parameters of {block or 'the model outside its blocks'} ({len(gathers)})")])
+            for i, (gather, piece) in enumerate(zip(gathers, pieces)):
+                bucketed = graph.call_function(operator.getitem, (merged, i))
+                piece.replace_all_uses_with(bucketed)
+                graph.erase_node(piece)
+                graph.erase_node(gather)
+
+
+def average_gradients_over_dp(gm: fx.GraphModule, ctx: ParallelContext, fsdp: dict[str, HeldLayout]) -> None:
     """Under ``batch="local"`` each dp coordinate computes on its own slice of the batch, so each
     parameter's gradient is averaged over dp (DDP's and FSDP2's reduction); ``grad_bucket_mb``
-    buckets these as it does any input's gradient reduction."""
+    buckets these as it does any input's gradient reduction. An FSDP-held parameter's gather
+    averages its own (``gather_fsdp_param``)."""
     dp = ctx.mesh.dims["dp"]
     if ctx.config.batch != "local" or dp.size == 1:
         return
     for node in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in ctx.params]:
-        if not node.meta["requires_grad"]:
+        if not node.meta["requires_grad"] or node.name in fsdp:
             continue
         val = tensor_val(node)
         shape = local_shape_on(val.shape, {d: s.out for d, s in shardings(node).items()}, ctx.mesh)
@@ -211,6 +304,8 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     dims = ctx.mesh.plan_dims
     graph = gm.graph
     cache: dict = {}  # one redistribution per producer, mesh dim and target placement
+    fsdp = {name: layout for name, layout in held_layouts(ctx).items() if layout.fsdp_dim is not None}
+    local_batch = ctx.config.batch == "local"
 
     def cached(key, make) -> fx.Node:
         if key not in cache:
@@ -231,15 +326,20 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             site = site_role(node) or site_role(arg)
             current = {d.name: shardings(arg)[d.name].out for d in dims}
             val, new = tensor_val(arg), arg
+            held_fsdp = arg.op == "placeholder" and arg.name in fsdp
+            if held_fsdp:
+                new = cached((arg, "fsdp"), lambda: gather_fsdp_param(gm, ctx, arg, fsdp[arg.name]))
             for dim in dims:
                 src, dst = current[dim.name], plans[dim.name].inputs[i]
                 computes_locally = any(p != R for p in _outputs(plans[dim.name].out) if p is not None)
                 partial_grad = dst == R and computes_locally and arg.meta["requires_grad"]
+                summed_at_gather = held_fsdp and dim.name != "tp"
+                partial_grad = partial_grad or (summed_at_gather and local_batch and dim.name == "dp")
                 others = {d: p for d, p in current.items() if d != dim.name}
                 insert = _Inserter(graph, dim, local_shape_on(val.shape, others, ctx.mesh), val.element_size(), site,
                                    arg.meta["requires_grad"])
                 with graph.inserting_before(node):
-                    new = _edge(insert, cached, new, src, dst, partial_grad)
+                    new = _edge(insert, cached, new, src, dst, partial_grad, summed_at_gather)
                 current[dim.name] = dst
             return new
 
@@ -252,7 +352,8 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     if ctx.specialization is not None:
         materialize_sizes(gm, {v.node.expr: n for n in graph.nodes if n.op == "placeholder"
                                for v in [n.meta.get("val")] if is_symbolic(v)})
-    average_gradients_over_dp(gm, ctx)
+    average_gradients_over_dp(gm, ctx, fsdp)
+    bucket_fsdp_gathers(gm, ctx)
     bucket_input_grad_reductions(gm, ctx)
     for node in graph.nodes:
         for key in ("val", "example_value", "tensor_meta"):
