@@ -228,10 +228,13 @@ def site_placement_lines(ctx: ParallelContext) -> list[str]:
 def aten_code(gm: fx.GraphModule, ctx: ParallelContext) -> str:
     """The local graph's forward at aten level, traced on fake tensors (nothing is sent)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    held = held_layouts(ctx) if ctx.feeding.sharded else {}
     inputs = []
     for node, value in zip(placeholders, ctx.example_inputs):
         if isinstance(value, torch.Tensor):
-            value = torch.empty(local_shape_on(value.shape, placements(node), ctx.mesh), dtype=value.dtype)
+            shape = held[node.name].held_shape(value.shape) if node.name in held else \
+                local_shape_on(value.shape, placements(node), ctx.mesh)
+            value = torch.empty(shape, dtype=value.dtype)
         inputs.append(value)
     with torch.no_grad():
         return make_fx(gm, tracing_mode="fake")(*inputs).code

@@ -1,5 +1,6 @@
-"""Sharded state (``parallelize``): each rank holds 1/tp of sharded parameters, gradients and
-optimizer state, trains exactly like one device, and checkpoints with stock PyTorch."""
+"""Sharded state (``parallelize``): each rank holds 1/tp of the parameters tp shards, and of
+every parameter 1/(dp_shard x ring x ulysses) more (FSDP), of their gradients and optimizer state;
+it trains exactly like one device and checkpoints with stock PyTorch."""
 
 from __future__ import annotations
 
@@ -41,14 +42,16 @@ def _storage_bytes(t) -> int:
     return t.to_local().untyped_storage().nbytes()
 
 
-def _check_storage(model: nn.Module, optimizer, name: str, tp: int) -> int:
-    """Every parameter, gradient and AdamW state tensor holds exactly its share; returns how
-    many parameters are sharded."""
+def _check_storage(model: nn.Module, optimizer, name: str, tp: int, fsdp: int) -> int:
+    """Every parameter, gradient and AdamW state tensor holds exactly its share: 1/tp where tp
+    shards it, and 1/fsdp more, but for a tp-sharded bias (its only dim is tp's; every other
+    parameter of these models has a dim that divides); returns how many are tp-sharded."""
     sharded = 0
     for fqn, p in model.named_parameters():
         full = p.numel() * p.element_size()
-        expected = full // tp if fqn.endswith(SHARDED[name]) else full
-        sharded += fqn.endswith(SHARDED[name])
+        on_tp = fqn.endswith(SHARDED[name])
+        expected = full // (tp if on_tp else 1) // (1 if on_tp and p.dim() == 1 else fsdp)
+        sharded += on_tp
         state = optimizer.state[p]
         for what, t in (("parameter", p), ("gradient", p.grad), ("exp_avg", state["exp_avg"]),
                         ("exp_avg_sq", state["exp_avg_sq"])):
@@ -89,7 +92,8 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, names: list[
             worst["param"] = max(worst["param"], max(max_rel(p.full_tensor(), q)
                                                      for p, q in zip(model.parameters(), reference.parameters())))
             if _ == 2:
-                worst["sharded_params"] = _check_storage(model, opt, name, mesh["tp"].size())
+                fsdp = mesh.size() // mesh["tp"].size()  # every other dim of these meshes is an fsdp dim
+                worst["sharded_params"] = _check_storage(model, opt, name, mesh["tp"].size(), fsdp)
             opt.zero_grad()
             opt_ref.zero_grad()
 
@@ -124,8 +128,8 @@ def _calls(world: int, folder: str) -> dict:
     """The rank functions one launch of ``world`` ranks runs, by label, with their arguments."""
     if world == 2:
         return {"fresh": (full_parameters_stay_fresh, {}), "decorated": (decorated_model, {})}
-    if world == 8:
-        return {"training": (train_against_one_device, dict(sizes={"tp": 2, "ring": 2, "ulysses": 2},
+    if world == 8:  # FSDP over dp_shard x ring beside tp, on causal attention
+        return {"training": (train_against_one_device, dict(sizes={"dp_shard": 2, "ring": 2, "tp": 2},
                                                             names=["llama"], checkpoint_dir=None))}
     # The fused (strided) case once, at world 4: CI time on 2 cores.
     return {"training": (train_against_one_device, dict(sizes={"tp": 2, "ulysses": 2}, names=["gpt", "llama"],
@@ -143,8 +147,8 @@ LAUNCHES = {world: in_background(_launch, world) for world in (4, 8, 2)}
 """One launch per world size serves all of that size's tests (in the order they read them)."""
 
 
-@pytest.mark.parametrize("world", [4, 8], ids=["tp2-ulysses2", "tp2-ring2-ulysses2"])
-def test_training_matches_one_device_holding_one_tp_share(world):
+@pytest.mark.parametrize("world", [4, 8], ids=["tp2-ulysses2", "dp_shard2-ring2-tp2"])
+def test_training_matches_one_device_holding_one_tp_and_fsdp_share(world):
     for rank_results in LAUNCHES[world].result():
         result = rank_results["training"]
         for name, worst in result.items():

@@ -27,8 +27,8 @@ from ..placements import (Partial, Placement, Replicate, Shard, interleaved_part
                           local_shape_on, shard_dim)
 from ..symbolic import hint, is_symbolic, materialize_sizes
 from .context import ParallelContext, at_node
-from .meta import (Communication, clear_communications, communications, placements, set_communications, shardings,
-                   site_role)
+from .meta import (Communication, clear_communications, communications, mark_fsdp_gather, placements,
+                   set_communications, shardings, site_role)
 from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.registry import lookup
 
@@ -252,7 +252,8 @@ def _block_of(fqn: str) -> str:
 def bucket_fsdp_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
     """Merge the FSDP gathers of each block's parameters into one flat gather (FSDP2 wraps each
     block), placed before the first use of any of them; its backward reduce-scatters the
-    block's gradients in one flat bucket."""
+    block's gradients in one flat bucket. With ``reshard_after_forward`` the partitioner
+    gathers them again in backward rather than keep them whole from forward to backward."""
     graph, groups = gm.graph, {}
     for n in graph.nodes:
         if n.target is C.gather_params:
@@ -268,6 +269,7 @@ def bucket_fsdp_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
             merged = graph.call_function(C.gather_params, ([g.args[0][0] for g in gathers],
                                                            [g.args[1][0] for g in gathers], mesh_dim),
                                          {"divisor": divisor} if divisor != 1 else {})
+            mark_fsdp_gather(merged, ctx.config.reshard_after_forward)
             set_communications(merged, [dataclasses.replace(comms[0], 
                 forward_bytes=sum(c.forward_bytes for c in comms), backward_bytes=sum(c.backward_bytes for c in comms),
                 site=f"fsdp parameters of {block or 'the model outside its blocks'} ({len(gathers)})")])

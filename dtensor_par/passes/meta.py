@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from ..placements import Placement, local_shape_on
 
@@ -28,6 +29,7 @@ _PARAM_FQN = "dtensor_par_fqn"
 _WEIGHT_NAME = "dtensor_par_weight"
 _MODULE_PATHS = "dtensor_par_fqns"  # on the graph module
 SYMBOLIC = "dtensor_par_symbolic"  # on the graph module
+_FSDP_GATHER = "dtensor_par_fsdp_gather"  # in node.meta["custom"], which AOTAutograd copies to the ops it traces
 
 
 @dataclass(frozen=True)
@@ -144,3 +146,18 @@ def record_capture(gm: fx.GraphModule, paths: dict[str, str], symbolic: Symbolic
     """Keep what capture read off Dynamo's graph; a graph recorded once keeps its first record."""
     gm.meta.setdefault(_MODULE_PATHS, paths)
     gm.meta.setdefault(SYMBOLIC, symbolic)
+
+
+def mark_fsdp_gather(node: fx.Node, reshard_after_forward: bool) -> None:
+    """Localize marks an FSDP gather (``bucket_fsdp_gathers``), so that the ops AOTAutograd traces
+    from it carry the mark (``custom`` is one of the fields it copies) and the overlap pass
+    prefetches it one block ahead, not earlier. ``reshard_after_forward``: also tagged for the
+    partitioner to recompute in backward, as activation checkpointing tags ops."""
+    node.meta["custom"] = {**node.meta.get("custom", {}), _FSDP_GATHER: True}
+    if reshard_after_forward:
+        node.meta.update(recompute=CheckpointPolicy.MUST_RECOMPUTE, ac_graph_id=0)
+
+
+def is_fsdp_gather(node: fx.Node) -> bool:
+    """Whether ``node`` is, or was traced from, an FSDP gather (``mark_fsdp_gather``)."""
+    return bool(node.meta.get("custom", {}).get(_FSDP_GATHER))

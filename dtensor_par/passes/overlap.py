@@ -30,6 +30,7 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ..ops.collectives import unflatten_copy
+from .meta import is_fsdp_gather
 from .nodes import arguments
 
 aten = torch.ops.aten
@@ -64,15 +65,33 @@ def _keeps_its_place(node: fx.Node) -> bool:
     return node.op == "call_function" and (seeded or node.is_impure())
 
 
+def _prefetch_points(nodes: list[fx.Node], position: dict[fx.Node, int]) -> dict[fx.Node, fx.Node]:
+    """FSDP gather issue -> the node it must follow: the first op reading the previous FSDP
+    gather's result. Each block's parameters are gathered while the block before computes, not
+    all at once (FSDP2's prefetch of one block); in backward, the recomputed gathers likewise."""
+    gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default and is_fsdp_gather(n)]
+    points = {}
+    for previous, gather in zip(gathers, gathers[1:]):
+        readers = []
+        for wait in (u for u in previous.users if u.target is WAIT):
+            group = _followers(wait)
+            readers += [u for n in group for u in n.users if u not in group]
+        if readers:
+            points[gather] = min(readers, key=position.__getitem__)
+    return points
+
+
 def raise_issues(gm: fx.GraphModule) -> fx.GraphModule:
     """Move each collective's issue, and the nodes it needs, ahead of every node it does not
-    need. Collectives keep their order, and so do random and side-effecting ops among
-    themselves (each is placed after the one before it)."""
+    need, but an FSDP gather no further than the block before it (``_prefetch_points``).
+    Collectives keep their order (FSDP gathers aside), and so do random and side-effecting ops
+    among themselves (each is placed after the one before it)."""
     graph = gm.graph
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     ordered = [n for n in nodes if _keeps_its_place(n)]
     after = dict(zip(ordered[1:], ordered))
+    prefetch = _prefetch_points(nodes, position)
     order: list[fx.Node] = []
     placed: set[fx.Node] = set()
 
@@ -88,10 +107,13 @@ def raise_issues(gm: fx.GraphModule) -> fx.GraphModule:
                 order.append(n)
                 continue
             stack.append((n, True))
-            needs = n.all_input_nodes + ([after[n]] if n in after else [])
+            needs = n.all_input_nodes + [m for m in (after.get(n), prefetch.get(n)) if m is not None]
             stack += [(i, False) for i in sorted(needs, key=position.__getitem__, reverse=True) if i not in placed]
 
-    for n in [n for n in nodes if _is_issue(n)] + nodes:
+    # FSDP gathers first: each is issued as soon as its block's predecessor starts, ahead of that
+    # block's own collectives (over other groups; every rank runs this same order)
+    gathers = list(dict.fromkeys(g for pair in prefetch.items() for g in pair if _is_issue(g)))
+    for n in gathers + [n for n in nodes if _is_issue(n)] + nodes:
         place(n)
     output = next(n for n in reversed(nodes) if n.op == "output")
     for n in order:
