@@ -26,12 +26,13 @@ from .passes.detect import AttentionSite, module_name
 from .passes.localize import graph_communications
 from .passes.meta import communications, global_shape, param_fqn, placements, shardings, site_role, weight_name
 from .passes.nodes import target_name
+from .mesh import SPANS
 from .params import held_layouts
 from .placements import Replicate, describe, local_shape_on
 
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 """2: parameter_state, coverage, bytes_per_rank is what the rank holds; 3: lowering, replica-group
-sets; 4: batch (the dp dims)."""
+sets; 4: batch (the dp dims); 5: fsdp, and each parameter's fsdp placement."""
 
 
 def _format_arg(a) -> str:
@@ -100,6 +101,20 @@ def batch_line(ctx: ParallelContext) -> str | None:
     return f"batch: global, cut over {dp} along {cut or 'no input (warned)'}; other inputs whole"
 
 
+def fsdp_line(ctx: ParallelContext) -> str | None:
+    """Which parameters FSDP cuts, over which mesh dims, and which it holds as tp cuts them
+    (no dim of theirs divides); None where nothing is cut (not parallelized, or no fsdp dim)."""
+    layouts = held_layouts(ctx)
+    cut = [name for name, layout in layouts.items() if layout.fsdp_dim is not None]
+    if not cut:
+        return None
+    fsdp = layouts[cut[0]].fsdp
+    spans = " x ".join(n for n in SPANS[fsdp.name] if ctx.mesh.size(n) > 1)
+    whole = [ctx.params[name].fqn for name in layouts if name not in cut]
+    return (f"fsdp: {len(cut)} of {len(layouts)} parameters cut over {spans} = {fsdp.size}, gathered at use one "
+            f"block at a time" + (f"; held as tp cuts them (no dim divides): {', '.join(whole)}" if whole else ""))
+
+
 def collective_rows(gm: fx.GraphModule) -> list[dict]:
     """Collectives of a localized graph grouped by (direction, op, dim, size, bytes, site)."""
     counts = Counter()
@@ -155,6 +170,7 @@ def plan_dict(nodes: list[dict], local_gm: fx.GraphModule, ctx: ParallelContext)
         "parameter_state": ctx.feeding.state,
         "sites": sites_text(ctx).splitlines(),
         "batch": batch_line(ctx),
+        "fsdp": fsdp_line(ctx),
         "parameters": parameter_rows(ctx),
         "nodes": nodes,
         "collectives": collective_rows(local_gm),

@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass, field
 
 from .config import ParallelConfig
-from .dump import GraphDump, batch_line, collective_rows, mesh_svg, parameter_rows, site_placement_lines, sites_text
+from .dump import (GraphDump, batch_line, collective_rows, fsdp_line, mesh_svg, parameter_rows, site_placement_lines,
+                   sites_text)
 from .gcpause import paused_gc
 from .pipeline import parallelize_graph
 from .mesh import MeshInfo
@@ -34,6 +35,7 @@ class GraphReport:
     symbolic: list[str] = field(default_factory=list)  # the sizes the plan is symbolic in; empty: static
     specialized: list[str] = field(default_factory=list)  # conditions the plan put on them, and the op that did
     batch: str | None = None  # how the batch is cut over the dp dims (dump.batch_line); None without dp
+    fsdp: str | None = None  # which parameters FSDP cuts (dump.fsdp_line); None where it cuts none
 
 
 @dataclass
@@ -64,13 +66,12 @@ class Report:
         mesh = " x ".join(f"{d}={self.sizes[d]}" for d in self.order)
         local, full = self.parameter_bytes
         out = [f"dtensor_par plan: mesh {mesh} ({self.world_size} ranks, {self.device_type}, last dim contiguous)",
-               f"parameters: {local:,} bytes held per rank of {full:,} ({local / max(full, 1):.1%}); "
-               f"state {self.parameter_state}"]
+               f"parameters: {local:,} bytes held per rank of {full:,} ({local / max(full, 1):.1%}); their "
+               f"gradients as much, AdamW's exp_avg and exp_avg_sq {2 * local:,}; state {self.parameter_state}"]
         for i, g in enumerate(self.graphs):
             out.append(f"\ngraph {i}: {len(g.sites)} sites; {g.coverage.summary()}")
             out += [f"  {s}" for s in g.sites]
-            if g.batch:
-                out.append(f"  {g.batch}")
+            out += [f"  {line}" for line in (g.batch, g.fsdp) if line]
             out.append("  weight placements:")
             out += [f"    {p}" for p in g.placements]
             out.append("  collectives (direction op mesh-dim[group] bytes-per-rank x count, site):")
@@ -134,4 +135,4 @@ def _graph_report(gm, inputs: list, info: MeshInfo, config: ParallelConfig, feed
     return GraphReport(sites_text(ctx).splitlines(), site_placement_lines(ctx), parameter_rows(ctx),
                        collective_rows(local_gm), list(ctx.warnings), time.perf_counter() - start, ctx.coverage,
                        ctx.comm, len(ctx.replica_group_sets), spec.symbolic_names() if spec else [],
-                       spec.specialized() if spec else [], batch_line(ctx))
+                       spec.specialized() if spec else [], batch_line(ctx), fsdp_line(ctx))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dtensor_par
-from dtensor_par.mesh import MeshInfo
+from dtensor_par.mesh import MESH_DIMS, MeshInfo
 from tests import models
 from tests.background import in_background
 from tests.cases import run_cases
@@ -184,14 +184,53 @@ def test_a_step_runs_what_explain_reports(sizes, batch, fake_world):
     dp_buckets = [c for c in report.graphs[0].collectives if c["mesh_dims"] == "dp" and c["direction"] == "backward"]
     assert len(dp_buckets) == 1 and dp_buckets[0]["site"].startswith("gradient bucket of")
     assert report.graphs[0].batch.startswith(f"batch: {batch}")
+    _assert_a_step_runs(model, ids, report, fake_world, batch=batch, inner_backend="aot_eager", **sizes)
+
+
+def _assert_a_step_runs(model, ids, report, fake_world, **options) -> None:
+    """One step of ``model`` compiled on a fake world runs exactly the collectives ``report`` lists."""
+    sizes = {d: options.pop(d) for d in MESH_DIMS if d in options}
     fake_world(report.world_size)
-    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(**sizes), batch=batch,
-                                                                        inner_backend="aot_eager"))
+    mesh = dtensor_par.init_mesh(**sizes)
+    if report.parameter_state.startswith("sharded"):
+        dtensor_par.parallelize(model, mesh, (ids,), **options)
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, **options))
     compiled(ids).sum().backward()  # compiles
     loss = {}
     ran = {"forward": Counter(executed_collectives(lambda: loss.setdefault("step", compiled(ids).sum())))}
     ran["backward"] = Counter(executed_collectives(loss["step"].backward))
     assert ran == _reported(report)
+
+
+@pytest.mark.parametrize("sizes,reshard", [({"dp_shard": 2, "tp": 2}, True), ({"dp_replicate": 2, "dp_shard": 2}, False),
+                                           ({"dp_shard": 2, "ulysses": 2}, True)])
+def test_fsdp_gathers_each_block_once_and_a_step_runs_what_explain_reports(sizes, reshard, fake_world):
+    """Parallelized, each parameter is cut over the fsdp dims too: one flat all-gather per block
+    (and one for the rest of the model), again in backward unless reshard_after_forward=False,
+    and one reduce-scatter of its gradients; HSDP all-reduces the pieces over dp_replicate.
+    explain reports the bytes held, and a step runs exactly the collectives it reports."""
+    torch.manual_seed(0)
+    model = models.Llama(layers=2)
+    ids = torch.randint(0, 50, (2, 8))
+    options = {"batch": "local", "reshard_after_forward": reshard, **sizes}
+    report = dtensor_par.explain(model, (ids,), device_type="cpu", parallelized=True, **options)
+    graph = report.graphs[0]
+    fsdp = [c for c in graph.collectives if c["mesh_dims"] == "fsdp"]
+    assert Counter((c["direction"], c["op"]) for c in fsdp for _ in range(c["count"])) == Counter(
+        {("forward", "all_gather"): 3, ("backward", "reduce_scatter"): 3, **({("backward", "all_gather"): 3} if reshard
+                                                                           else {})})
+    assert {c["site"].split(" (")[0] for c in fsdp} == {"fsdp parameters of blocks.0", "fsdp parameters of blocks.1",
+                                                         "fsdp parameters of the model outside its blocks"}
+    shard = sizes.get("dp_shard", 1) * sizes.get("ulysses", 1)
+    assert graph.fsdp.startswith(f"fsdp: 21 of 21 parameters cut over ") and graph.fsdp.endswith(f"= {shard}, "
+                                                                                                  "gathered at use one "
+                                                                                                  "block at a time")
+    held, full = report.parameter_bytes
+    tp_cut = sum(r["bytes"] for r in graph.parameters if r["placement"]["tp"] != "R")
+    assert held == (tp_cut // sizes.get("tp", 1) + full - tp_cut) // shard
+    replicate = [c for c in graph.collectives if c["mesh_dims"] == "dp_replicate"]
+    assert [c["site"] for c in replicate] == (["gradient bucket of 21 inputs"] if "dp_replicate" in sizes else [])
+    _assert_a_step_runs(model, ids, report, fake_world, inner_backend="aot_eager", **options)
 
 
 def test_explain_names_the_batch_cut_and_the_default_order_puts_dp_outermost():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import glob
 import json
+import math
 import os
 import tempfile
 from collections import Counter
@@ -16,6 +17,7 @@ import torch
 import torch.nn as nn
 
 import dtensor_par
+from dtensor_par.mesh import FSDP_DIMS, MeshInfo
 from tests import models
 from tests.background import in_background
 from tests.harness import FUNCTIONAL_OPS, executed_collectives, loss_of, max_rel, run_ranks_together
@@ -35,7 +37,7 @@ def _model(name: str):
     torch.manual_seed(0)
     if name == "gpt":  # fused qkv: a _StridedShard parameter
         return models.GPT(layers=2), torch.randn(2, 8, 32)
-    return models.Llama(layers=2), torch.randint(0, 50, (2, 8))
+    return models.Llama(layers=2), torch.randint(0, 50, (4, 8))
 
 
 def _storage_bytes(t) -> int:
@@ -59,8 +61,24 @@ def _check_storage(model: nn.Module, optimizer, name: str, tp: int, fsdp: int) -
     return sharded
 
 
-def train_against_one_device(rank: int, world: int, *, sizes: dict, names: list[str], checkpoint_dir: str | None):
-    """3 AdamW steps with clipping, parallelized vs one device; storage shares; state dicts."""
+def _my_rows(mesh, batch: str, size: int) -> slice:
+    """The rows of a batch of ``size`` this rank is given: all of them, or under ``batch="local"``
+    its dp coordinate's share (as a DistributedSampler feeds DDP/FSDP2)."""
+    dp = MeshInfo.from_mesh(mesh).dims["dp"]
+    return slice(None) if batch == "global" else slice(dp.rank * size // dp.size, (dp.rank + 1) * size // dp.size)
+
+
+def _rows_loss(out: torch.Tensor, rows: slice, batch_size: int) -> torch.Tensor:
+    """``loss_of`` the whole batch's output, over this rank's ``rows`` of it: the mean over the dp
+    ranks (what batch="local" averages gradients by) is one device's ``loss_of``."""
+    weights = torch.linspace(-1.0, 1.0, out[0].numel() * batch_size, dtype=out.dtype)
+    return (out * weights.view(batch_size, *out.shape[1:])[rows]).mean()
+
+
+def train_against_one_device(rank: int, world: int, *, sizes: dict, names: list[str], checkpoint_dir: str | None,
+                             batch: str = "global", reshard_after_forward: bool = True):
+    """3 AdamW steps with clipping, parallelized vs one device on the whole batch (a mean loss);
+    storage shares; state dicts."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
@@ -71,15 +89,18 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, names: list[
         torch._dynamo.reset()
         model, x = _model(name)
         reference = copy.deepcopy(model)
-        dtensor_par.parallelize(model, mesh, (x,))
-        compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager"))
+        options = {"batch": batch, "reshard_after_forward": reshard_after_forward}
+        rows = _my_rows(mesh, batch, len(x))
+        dtensor_par.parallelize(model, mesh, (x[rows],), **options)
+        compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager",
+                                                                            **options))
         # eps bounds Adam's normalization of near-zero gradient entries: an entry at fp32 rounding
         # noise (reordered sums) would otherwise get a full-size step of either sign on each side.
         make_opt = lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-3, foreach=True)  # noqa: E731
         opt, opt_ref = make_opt(model.parameters()), make_opt(reference.parameters())
         worst = Counter()
         for _ in range(3):
-            loss, loss_ref = loss_of(compiled(x)), loss_of(reference(x))
+            loss, loss_ref = _rows_loss(compiled(x[rows]), rows, len(x)), loss_of(reference(x))
             loss.backward()
             loss_ref.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
@@ -87,12 +108,13 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, names: list[
             assert all(isinstance(p.grad, torch.distributed.tensor.DTensor) for p in model.parameters())
             opt.step()
             opt_ref.step()
-            worst["loss"] = max(worst["loss"], abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()))
+            if batch == "global":  # under "local" each rank's loss is its rows' (their mean is one device's)
+                worst["loss"] = max(worst["loss"], abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()))
             worst["norm"] = max(worst["norm"], abs(norm.full_tensor().item() - norm_ref.item()) / norm_ref.item())
             worst["param"] = max(worst["param"], max(max_rel(p.full_tensor(), q)
                                                      for p, q in zip(model.parameters(), reference.parameters())))
             if _ == 2:
-                fsdp = mesh.size() // mesh["tp"].size()  # every other dim of these meshes is an fsdp dim
+                fsdp = math.prod(mesh[n].size() for n in mesh.mesh_dim_names if n in FSDP_DIMS)
                 worst["sharded_params"] = _check_storage(model, opt, name, mesh["tp"].size(), fsdp)
             opt.zero_grad()
             opt_ref.zero_grad()
@@ -134,6 +156,12 @@ def _calls(world: int, folder: str) -> dict:
     # The fused (strided) case once, at world 4: CI time on 2 cores.
     return {"training": (train_against_one_device, dict(sizes={"tp": 2, "ulysses": 2}, names=["gpt", "llama"],
                                                         checkpoint_dir=os.path.join(folder, "checkpoint"))),
+            # each dp rank given its own rows: FSDP beside tp, and HSDP keeping gathered weights
+            "fsdp_local": (train_against_one_device, dict(sizes={"dp_shard": 2, "tp": 2}, names=["llama"],
+                                                          checkpoint_dir=None, batch="local")),
+            "hsdp_local": (train_against_one_device, dict(sizes={"dp_replicate": 2, "dp_shard": 2}, names=["llama"],
+                                                          checkpoint_dir=None, batch="local",
+                                                          reshard_after_forward=False)),
             "collectives": (count_collectives, dict(dump_dir=os.path.join(folder, "dump")))}
 
 
@@ -147,15 +175,16 @@ LAUNCHES = {world: in_background(_launch, world) for world in (4, 8, 2)}
 """One launch per world size serves all of that size's tests (in the order they read them)."""
 
 
-@pytest.mark.parametrize("world", [4, 8], ids=["tp2-ulysses2", "dp_shard2-ring2-tp2"])
-def test_training_matches_one_device_holding_one_tp_and_fsdp_share(world):
+@pytest.mark.parametrize("world,label", [(4, "training"), (8, "training"), (4, "fsdp_local"), (4, "hsdp_local")],
+                         ids=["tp2-ulysses2", "dp_shard2-ring2-tp2", "local-dp_shard2-tp2", "local-hsdp2x2"])
+def test_training_matches_one_device_holding_one_tp_and_fsdp_share(world, label):
     for rank_results in LAUNCHES[world].result():
-        result = rank_results["training"]
+        result = rank_results[label]
         for name, worst in result.items():
             assert worst["sharded_params"] == 2 * len(SHARDED[name]), (name, worst)
             for key in ("loss", "norm", "param", "full_state_dict", "loaded_full", "dcp_params", "dcp_exp_avg"):
                 assert worst.get(key, 0.0) <= PARAM_RTOL, (name, key, worst)
-        if world == 4:
+        if label == "training" and world == 4:
             assert "dcp_params" in result["llama"]
 
 

@@ -269,10 +269,14 @@ def bucket_fsdp_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
             merged = graph.call_function(C.gather_params, ([g.args[0][0] for g in gathers],
                                                            [g.args[1][0] for g in gathers], mesh_dim),
                                          {"divisor": divisor} if divisor != 1 else {})
-            mark_fsdp_gather(merged, ctx.config.reshard_after_forward)
-            set_communications(merged, [dataclasses.replace(comms[0], 
-                forward_bytes=sum(c.forward_bytes for c in comms), backward_bytes=sum(c.backward_bytes for c in comms),
-                site=f"fsdp parameters of {block or 'the model outside its blocks'} ({len(gathers)})")])
+            reshard = ctx.config.reshard_after_forward
+            mark_fsdp_gather(merged, reshard)
+            site = f"fsdp parameters of {block or 'the model outside its blocks'} ({len(gathers)})"
+            held = sum(c.forward_bytes for c in comms)
+            gather = dataclasses.replace(comms[0], forward_bytes=held,
+                                         backward_bytes=sum(c.backward_bytes for c in comms), site=site)
+            again = Communication(None, "all_gather", mesh_dim.name, mesh_dim.size, 0, held, f"{site}, again")
+            set_communications(merged, [gather, again] if reshard else [gather])
             for i, (gather, piece) in enumerate(zip(gathers, pieces)):
                 bucketed = graph.call_function(operator.getitem, (merged, i))
                 piece.replace_all_uses_with(bucketed)
