@@ -268,6 +268,18 @@ def test_bad_data_parallel_input_is_named(fake_world):
         dtensor_par.hybrid_parallel(mesh)
     mesh = dtensor_par.init_mesh(dp_shard=2, tp=2)
     assert mesh.mesh_dim_names == ("dp_shard", "ring", "ulysses", "tp")
+    with pytest.raises(ValueError, match=r"parallelize: fsdp_dims names \['dp_shard'\], which the mesh "
+                                         r"ring=1 x ulysses=1 x tp=4 lacks"):
+        dtensor_par.parallelize(model, dtensor_par.init_mesh(tp=4), (torch.randn(2, 8, 32),), fsdp_dims=("dp_shard",))
+    with pytest.raises(ValueError, match=r"fsdp_dims must be a tuple of names from \('dp_shard', 'ring', 'ulysses'\), "
+                                         r"got \('tp',\)"):
+        dtensor_par.hybrid_parallel(mesh, fsdp_dims=("tp",))
+    with pytest.raises(NotImplementedError, match=r"explain: fsdp_dims=\('dp_shard', 'ring'\) on the mesh dp_shard=2 x "
+                                                  r"ring=2 x ulysses=2 x tp=1: parameters can be sharded over all of "
+                                                  r"\['dp_shard', 'ring', 'ulysses'\] or over one of them, not over "
+                                                  r"\['dp_shard', 'ring'\] alone"):
+        dtensor_par.explain(model, (torch.randn(2, 8, 32),), dp_shard=2, ring=2, ulysses=2, fsdp_dims=("dp_shard", "ring"),
+                            device_type="cpu")
 
 
 def test_cfg_example_latents_equal_one_device(launched):
