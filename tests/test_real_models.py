@@ -20,7 +20,7 @@ pytest.importorskip("diffusers", reason="the models extra (pip install -e '.[mod
 from tests import real_models  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
-BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom"}
+BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "falcon"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
