@@ -155,22 +155,23 @@ def _head_splits(linear: fx.Node, path: set[fx.Node]) -> list[fx.Node]:
     return splits
 
 
-def projected_heads(attention_input: fx.Node, heads: int, ctx: ParallelContext) -> int | str | None:
-    """The heads (or groups of heads) one attention input's projections make, read off the
-    views that split their features: tp shards them unit by unit, so each unit must group whole
-    heads of the ``heads`` the attention reads. None without such a view; where the layout
-    cannot be read, why: the views and the sizes they split into."""
+def projected_heads(attention_input: fx.Node, heads: int, ctx: ParallelContext) -> tuple[int | None, str | None]:
+    """``(units, problem)``: the heads (or groups of heads) one attention input's projections
+    make, read off the views that split their features (None without such a view). tp shards
+    them unit by unit, so each unit must group whole heads of the ``heads`` the attention reads;
+    where they do not, the layout cannot be read, and ``problem`` names the views and sizes."""
     linears, walked = find_producers(attention_input, TO_ATTENTION, ctx)
     views = list(dict.fromkeys(v for linear in linears for v in _head_splits(linear, set(walked))))
     units = {_feature_split(v)[0] for v in views}
     if not views:
-        return None
+        return None, None
     if len(units) == 1 and heads % next(iter(units)) == 0:
-        return units.pop()
-    seen = ", ".join(f"{v.name} {list(tensor_val(arguments(v)['input']).shape)} -> {list(tensor_val(v).shape)}"
+        return units.pop(), None
+    seen = ", ".join(f"{v.name!r} {list(tensor_val(arguments(v)['input']).shape)} -> {list(tensor_val(v).shape)}"
                      for v in views)
-    return (f"the head layout of {attention_input.name} cannot be read: its projection's features are split by "
-            f"the view {seen}, whose outer sizes {sorted(units)} do not group the {heads} heads the attention reads")
+    return None, (f"the head layout of {attention_input.name!r} cannot be read: its projection's features are split "
+                  f"by the view {seen}, whose outer sizes {sorted(units)} do not group the {heads} heads the attention "
+                  f"reads")
 
 
 def _heads_of(x: fx.Node) -> int:
@@ -226,7 +227,8 @@ def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[Atten
         inputs = arguments(sdpa)
         cores.append((sdpa, inputs, (_heads_of(inputs["query"]), _heads_of(inputs["key"]))))
     for scores, softmax, weighted in find_written_attention(gm, ctx):
-        inputs = {"query": tensor_inputs(scores)[0], "key": tensor_inputs(scores)[1], "value": tensor_inputs(weighted)[1]}
+        (query, key), value = tensor_inputs(scores), tensor_inputs(weighted)[1]
+        inputs = {"query": query, "key": key, "value": value}
         cores.append((weighted, inputs, (_heads_of(softmax),) * 2))
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     sites = []
@@ -243,8 +245,8 @@ def attention_site(site_name: str, node: fx.Node, sdpa: dict, heads: tuple[int, 
     the projections its output feeds."""
     q, k, v = (find_producers(sdpa[name], TO_ATTENTION, ctx)[0] for name in ("query", "key", "value"))
     layouts = {name: projected_heads(sdpa[name], heads[0], ctx) for name in ("query", "key", "value")}
-    problem = next((layout for layout in layouts.values() if isinstance(layout, str)), None)
-    kv_heads = layouts["key"] if isinstance(layouts["key"], int) else heads[1]
+    problem = next((problem for _, problem in layouts.values() if problem), None)
+    kv_heads = layouts["key"][0] or heads[1]
     out = find_consumers(node, _FROM_ATTENTION, ctx)
     branch = [linear for o in out for part in (concatenated_features(o) or ())
               for linear in find_producers(part, _INSIDE_MLP, ctx)[0]]
