@@ -8,7 +8,7 @@
   weight stored ``[in, out]``) becomes ``linear(x, weight.t(), bias)``: the batch and
   sequence dims are never flattened together, so a sequence sharded over cp stays sharded,
   and the projection is found and sharded like any other (its weight transposed).
-- A product with a transposed weight (Falcon's ``FalconLinear``: ``x @ self.weight.T``)
+- A product with a parameter's ``.T`` (Falcon's ``FalconLinear``: ``x @ self.weight.T``)
   becomes ``linear(x, weight)``, found and sharded as any projection.
 - Any other ``addmm``/``baddbmm`` (function or method) becomes
   ``beta * input + alpha * (a @ b)``: a matmul and an add, which have rules.
@@ -76,19 +76,17 @@ def conv1d_linear(gm: fx.GraphModule, addmm: fx.Node) -> bool:
 
 
 def _transposed_parameter(node, ctx: ParallelContext) -> fx.Node | None:
-    """``W`` when ``node`` is ``W.T`` or ``W.t()`` of a 2-d parameter ``W``."""
-    if not isinstance(node, fx.Node):
+    """``W`` when ``node`` is ``W.T`` (as Dynamo records it: ``getattr(W, "T")``) of a 2-d parameter."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is getattr and node.args[1] == "T"):
         return None
-    transposed = (node.op == "call_function" and node.target is getattr and node.args[1] == "T") or \
-        (node.op == "call_method" and node.target == "t")
-    weight = node.args[0] if transposed else None
-    if not isinstance(weight, fx.Node) or weight.name not in ctx.params or tensor_val(weight).dim() != 2:
-        return None
-    return weight
+    weight = node.args[0]
+    return weight if isinstance(weight, fx.Node) and weight.name in ctx.params and tensor_val(weight).dim() == 2 \
+        else None
 
 
 def transposed_weight_linear(gm: fx.GraphModule, matmul: fx.Node, ctx: ParallelContext) -> None:
-    """Rewrite ``x @ W.T`` of a parameter ``W`` into ``linear(x, W)``; anything else stays."""
+    """Rewrite ``x @ W.T`` of a parameter ``W`` into ``linear(x, W)``; anything else (``x @ W.t()``
+    too) stays the matmul it is."""
     given = arguments(matmul)
     weight = _transposed_parameter(given["other"], ctx)
     if weight is None or tensor_val(given["input"]).dim() < 2:
