@@ -115,5 +115,15 @@ def bloom():
     return BloomForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def falcon():
+    """The new decoder architecture: a fused qkv viewed as (groups, q heads per group + 2, head_dim),
+    a key and value per group broadcast to its query heads; ``x @ weight.T`` projections."""
+    from transformers import FalconConfig, FalconForCausalLM
+    config = FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_kv_heads=2,
+                          new_decoder_architecture=True, hidden_dropout=0.0, attention_dropout=0.0)
+    return FalconForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
-             "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3, "bloom": bloom}
+             "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3, "bloom": bloom,
+             "falcon": falcon}

@@ -4,10 +4,12 @@ built from positions. Their numerics run in tests/test_cp_gloo.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 
 import dtensor_par
+from dtensor_par.errors import InvalidPlan
 from dtensor_par.passes.rewrite import PositionalMask, positional_mask
 from tests import models
 
@@ -179,3 +181,26 @@ def test_a_fused_projection_cut_by_narrow_is_cut_part_by_part():
     graph = _explain(_NarrowedQKV(), (torch.randn(2, 8, 32),), tp=2)
     assert graph.placements == ["attention0: qkv.weight=IS(0,[32, 16, 16]), out.weight=S(1)"], graph.placements
     assert graph.coverage.fallback_gathers == []
+
+
+class _HeadDimOuterProjection(torch.nn.Module):
+    """A projection viewed with its head dim outermost, ``(head_dim, heads)``: no grouping of
+    heads that tp could shard by."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, 8, 4).permute(0, 3, 1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.out(a.transpose(1, 2).reshape(b, s, 32))
+
+
+def test_a_head_layout_that_cannot_be_read_names_its_view_under_tp():
+    with pytest.raises(InvalidPlan, match=r"attention 'a': the head layout of 'q' cannot be read: .* split by the "
+                                          r"view 'view' \[2, 8, 32\] -> \[2, 8, 8, 4\], whose outer sizes \[8\] do not "
+                                          r"group the 4 heads the attention reads, so tp=2 cannot shard them"):
+        _explain(_HeadDimOuterProjection(), (torch.randn(2, 8, 32),), tp=2)
+    assert _explain(_HeadDimOuterProjection(), (torch.randn(2, 8, 32),), ulysses=2).sites  # no heads sharded by tp

@@ -239,6 +239,24 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
         assert sdpa["enable_gqa"] is True and (sdpa["key"], sdpa["value"]) == ("l_inputs_1_", "l_inputs_2_"), sdpa
 
 
+class TransposedWeight(torch.nn.Module):
+    """Falcon's ``FalconLinear``: ``x @ self.weight.T``."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+def test_canonicalize_turns_a_product_with_a_transposed_weight_into_a_linear():
+    model, x = TransposedWeight(), torch.randn(2, 6, 8)
+    gm, ctx = _passes_on(model, (x,), (capture_pass, canonicalize_pass), tp=2)
+    assert [op for op, _, _ in _canonical_form(gm)] == ["linear"]
+    torch.testing.assert_close(gm(*ctx.example_inputs)[0], model(x), atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("heads, kv_heads, divisor, repeat", [
     (8, 2, 2, 1), (8, 2, 4, 2), (8, 2, 8, 4), (12, 3, 2, 2), (8, 1, 4, 4), (12, 4, 8, 3),
 ])

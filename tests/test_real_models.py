@@ -20,7 +20,7 @@ pytest.importorskip("diffusers", reason="the models extra (pip install -e '.[mod
 from tests import real_models  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
-BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom"}
+BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "falcon"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -70,10 +70,11 @@ def compare_models(rank: int, world: int, *, sizes: dict, names: list[str]) -> d
 RUNS = {
     # diffusers' in-graph tokens: once, on tp2-ulysses2; a window and key padding as ring blocks.
     # gemma2's attention is written out (soft-capping): tp shards its heads, cp runs it whole.
-    # Bloom: its keyword baddbmm plans; its attention (heads folded into the batch) is not a site yet, so it runs whole.
+    # Bloom's attention (ALiBi by a keyword baddbmm, heads folded into the batch) is written out too: tp shards
+    # its heads and the ALiBi bias with them. Falcon's fused qkv is sharded by kv group.
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
-                             names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "bloom"]),
-        "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=MODELS + ["mistral_padded", "bloom"])},
+                             names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "bloom", "falcon"]),
+        "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=MODELS + ["mistral_padded", "bloom", "falcon"])},
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=MODELS)},
 }
 """World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size."""
@@ -189,3 +190,25 @@ def test_attention_written_out_by_hand_is_a_site_sharded_on_heads():
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ulysses=2).graphs
     assert any("attention written out by hand runs op by op on the whole sequence over cp" in w
                for w in graph.warnings), graph.warnings
+
+
+@pytest.mark.parametrize("name, heads", [("falcon", "8 heads, 2 kv heads"), ("bloom", "4 heads, 4 kv heads")])
+def test_head_layouts_are_read_from_the_graph(name, heads):
+    """Falcon's fused qkv viewed as (2 kv groups, 4 query heads + key + value, head_dim) is
+    sharded by group, whole groups to a rank; Bloom's (heads, q/k/v, head_dim), its attention
+    written out with the heads folded into the batch, by head: every block linear sharded at
+    tp=2. At tp=4 Falcon's 2 groups do not divide, and its fused qkv stays replicated, said so."""
+    torch.manual_seed(0)
+    model, args, kwargs = real_models.FACTORIES[name]()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    cov = graph.coverage
+    assert cov.fallback_gathers == [] and cov.sharded_block_linear_flops >= 0.95 * cov.block_linear_flops > 0, cov
+    attention = [s for s in graph.sites if s.startswith("attention")]
+    assert len(attention) == 2 and all(heads in s for s in attention), attention
+    assert cov.parallel_sites == len(graph.sites) == 4, graph.sites
+    attention_weights = [p for p in graph.placements if p.startswith("attention")]
+    assert all("query_key_value.weight=S(0)" in p for p in attention_weights), attention_weights
+    if name == "falcon":
+        (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=4).graphs
+        assert any("fused projection with 2 kv heads at tp=4 stays replicated" in w for w in graph.warnings), \
+            graph.warnings

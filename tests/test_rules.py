@@ -129,6 +129,7 @@ OPS = {
     "cat_empty": (lambda e, x: torch.cat([e, x], 1), [_t(0), _t(2, 4, 6)]),
     "stack": (lambda x, y: torch.stack([x, y], 1), [_t(2, 4), _t(2, 4)]),
     "transpose": (lambda x: x.transpose(1, 2), [_t(2, 4, 6)]),
+    "index_by_list": (lambda x: x[:, :, [-2]], [_t(2, 4, 6, 2)]),  # Falcon's key of each kv group
     "t": (lambda x: x.t(), [_t(4, 6)]),
     "complex": (lambda x: torch.view_as_complex(x), [_t(2, 4, 2)]),
     "pad": (lambda x: F.pad(x, (0, 2)), [_t(2, 4, 6)]),
@@ -169,6 +170,16 @@ def test_a_fused_projection_stays_interleaved_through_an_einsum():
     fused = InterleavedShard(0, (4, 8))
     sharding = check_rule(lambda x, w: torch.einsum("bsd,fd->bsf", x, w), [x, w], [R, fused])
     assert sharding.out == InterleavedShard(2, (4, 8))
+
+
+def test_heads_folded_into_the_batch_stay_sharded_through_a_matmul():
+    """Bloom's attention on ``[batch * heads, seq, dim]``: each rank holds its heads of every
+    batch entry (an interleaved batch dim), and so does the product."""
+    folded = InterleavedShard(0, (4, 4))
+    bmm = lambda a, b: torch.bmm(a, b)  # noqa: E731
+    assert check_rule(bmm, [_t(8, 4, 6), _t(8, 6, 4)], [folded, folded]) == NodeSharding(folded, (folded, folded))
+    assert check_rule(bmm, [_t(8, 4, 6), _t(8, 6, 4)], [R, folded]) == NodeSharding(folded, (folded, folded))
+    assert check_rule(bmm, [_t(8, 4, 6), _t(8, 6, 4)], [InterleavedShard(1, (2, 2)), R]).note  # interleaved rows: gathered
 
 
 def test_setitem_writes_each_shard_in_place_or_is_refused():

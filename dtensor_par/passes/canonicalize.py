@@ -8,6 +8,8 @@
   weight stored ``[in, out]``) becomes ``linear(x, weight.t(), bias)``: the batch and
   sequence dims are never flattened together, so a sequence sharded over cp stays sharded,
   and the projection is found and sharded like any other (its weight transposed).
+- A product with a parameter's ``.T`` (Falcon's ``FalconLinear``: ``x @ self.weight.T``)
+  becomes ``linear(x, weight)``, found and sharded as any projection.
 - Any other ``addmm``/``baddbmm`` (function or method) becomes
   ``beta * input + alpha * (a @ b)``: a matmul and an add, which have rules.
 - ``x.narrow(dim, start, length)`` becomes the slice ``x[..., start:start + length, ...]``, so
@@ -71,6 +73,29 @@ def conv1d_linear(gm: fx.GraphModule, addmm: fx.Node) -> bool:
     if not flat.users:
         graph.erase_node(flat)
     return True
+
+
+def _transposed_parameter(node, ctx: ParallelContext) -> fx.Node | None:
+    """``W`` when ``node`` is ``W.T`` (as Dynamo records it: ``getattr(W, "T")``) of a 2-d parameter."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is getattr and node.args[1] == "T"):
+        return None
+    weight = node.args[0]
+    return weight if isinstance(weight, fx.Node) and weight.name in ctx.params and tensor_val(weight).dim() == 2 \
+        else None
+
+
+def transposed_weight_linear(gm: fx.GraphModule, matmul: fx.Node, ctx: ParallelContext) -> None:
+    """Rewrite ``x @ W.T`` of a parameter ``W`` into ``linear(x, W)``; anything else (``x @ W.t()``
+    too) stays the matmul it is."""
+    given = arguments(matmul)
+    weight = _transposed_parameter(given["other"], ctx)
+    if weight is None or tensor_val(given["input"]).dim() < 2:
+        return
+    with gm.graph.inserting_before(matmul):
+        linear = with_val(gm.graph.call_function(F.linear, (given["input"], weight)), tensor_val(matmul))
+    matmul.replace_all_uses_with(linear)
+    gm.graph.erase_node(matmul)
+    erase_unused(gm, given["other"])
 
 
 _ADD_PRODUCT = {torch.addmm, torch.baddbmm, "addmm", "baddbmm"}
@@ -196,6 +221,8 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
     elif node.op in ("call_function", "call_method") and node.target in _ADD_PRODUCT:
         if not (node.target in (torch.addmm, "addmm") and conv1d_linear(gm, node)):
             add_product_as_matmul(gm, node)
+    elif node.op in ("call_function", "call_method") and node.target in (operator.matmul, torch.matmul, "matmul"):
+        transposed_weight_linear(gm, node, ctx)
     elif op_kind(node) == "sdpa" and ctx.mesh.size("cp") > 1:
         grouped_kv_attention(gm, node)
 

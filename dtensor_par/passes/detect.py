@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -21,8 +22,9 @@ _FROM_ATTENTION = kinds_in("pointwise", "views", "indexing")
 _INSIDE_MLP = kinds_in("pointwise") | {"split", "getitem"}
 # Ops allowed between attention written out by hand's q @ kT and its softmax: scale, soft-capping
 # (tanh), an additive bias or mask, masked_fill, where, upcasts; and between softmax and @ v.
-_SCORE_MODIFIERS = kinds_in("pointwise") | {"cast"}
-_AFTER_SOFTMAX = {"cast", "dropout"}
+# Views fold the heads into the batch and back (Bloom's [batch * heads, seq, keys] scores).
+_SCORE_MODIFIERS = kinds_in("pointwise") | {"cast", "view"}
+_AFTER_SOFTMAX = {"cast", "dropout", "view"}
 
 
 @dataclass
@@ -36,6 +38,7 @@ class AttentionSite:
     num_heads: int
     num_kv_heads: int
     branch: list[fx.Node] = field(default_factory=list)  # an MLP beside attention, sharing its out projection
+    layout_problem: str | None = None  # why the heads cannot be read off the projections' views: tp refuses it
 
     @property
     def colwise(self) -> list[fx.Node]:
@@ -124,25 +127,56 @@ def find_consumers(start: fx.Node, through: set[str], ctx: ParallelContext) -> l
     return _walk_to_linears(list(start.users), lambda n: n.users, through, ctx)[0]
 
 
-def _split_heads(node: fx.Node) -> int | None:
-    """Head count of a view that splits the feature dim of activations into (heads, head_dim)
-    (integer positions viewed on the way to RoPE are no heads)."""
+def _feature_split(node: fx.Node) -> tuple[int, ...] | None:
+    """The sizes a view splits the feature (last) dim of activations into: ``(heads, head_dim)``,
+    or a grouped layout's ``(groups, members, head_dim)`` (Falcon's fused qkv; Bloom's
+    ``(heads, 3, head_dim)``). Integer positions viewed on the way to RoPE are no heads."""
     if op_kind(node) != "view" or not tensor_val(node).is_floating_point():
         return None
     src, dst = tensor_val(arguments(node)["input"]).shape, tensor_val(node).shape
-    if len(dst) == len(src) + 1 and src[-1] == dst[-2] * dst[-1] and src[:-1] == dst[:-2]:
-        return dst[-2]
+    lead = len(src) - 1
+    if len(dst) > len(src) and src[:-1] == dst[:lead] and math.prod(dst[lead:]) == src[-1]:
+        return tuple(dst[lead:])
     return None
 
 
-def projected_heads(attention_input: fx.Node, ctx: ParallelContext) -> int:
-    """Heads of one attention input as its projection makes them (before any repeat-kv)."""
+def _head_splits(linear: fx.Node, path: set[fx.Node]) -> list[fx.Node]:
+    """The first view splitting features on each way from a projection through ``path``."""
+    splits, stack, seen = [], list(linear.users), set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node not in path:
+            continue
+        seen.add(node)
+        if _feature_split(node) is not None:
+            splits.append(node)
+        else:
+            stack.extend(node.users)
+    return splits
+
+
+def projected_heads(attention_input: fx.Node, heads: int, ctx: ParallelContext) -> tuple[int | None, str | None]:
+    """``(units, problem)``: the heads (or groups of heads) one attention input's projections
+    make, read off the views that split their features (None without such a view). tp shards
+    them unit by unit, so each unit must group whole heads of the ``heads`` the attention reads;
+    where they do not, the layout cannot be read, and ``problem`` names the views and sizes."""
     linears, walked = find_producers(attention_input, TO_ATTENTION, ctx)
-    counts = {h for h in map(_split_heads, walked) if h is not None}
-    if len(counts) == 1:
-        return counts.pop()
-    val = tensor_val(attention_input)
-    return val.shape[-3] if val.dim() >= 4 else 1
+    views = list(dict.fromkeys(v for linear in linears for v in _head_splits(linear, set(walked))))
+    units = {_feature_split(v)[0] for v in views}
+    if not views:
+        return None, None
+    if len(units) == 1 and heads % next(iter(units)) == 0:
+        return units.pop(), None
+    seen = ", ".join(f"{v.name!r} {list(tensor_val(arguments(v)['input']).shape)} -> {list(tensor_val(v).shape)}"
+                     for v in views)
+    return None, (f"the head layout of {attention_input.name!r} cannot be read: its projection's features are split "
+                  f"by the view {seen}, whose outer sizes {sorted(units)} do not group the {heads} heads the attention "
+                  f"reads")
+
+
+def _heads_of(x: fx.Node) -> int:
+    """The heads of ``[batch, heads, seq, dim]`` attention operands; 1 without a heads dim."""
+    return tensor_val(x).shape[-3] if tensor_val(x).dim() >= 4 else 1
 
 
 def _score_products(scores: fx.Node) -> list[fx.Node]:
@@ -151,7 +185,8 @@ def _score_products(scores: fx.Node) -> list[fx.Node]:
 
 
 def _weighted_values(softmax: fx.Node) -> fx.Node | None:
-    """The matmul that weighs values by a softmax's probabilities (through casts and dropout)."""
+    """The matmul that weighs values by a softmax's probabilities (through casts, dropout and
+    views)."""
     probabilities = softmax
     while len(probabilities.users) == 1 and op_kind(next(iter(probabilities.users))) in _AFTER_SOFTMAX:
         probabilities = next(iter(probabilities.users))
@@ -163,48 +198,59 @@ def _over_last_dim(softmax: fx.Node) -> bool:
     return arguments(softmax).get("dim") in (-1, tensor_val(softmax).dim() - 1)
 
 
-def find_written_attention(gm: fx.GraphModule, ctx: ParallelContext) -> list[tuple[fx.Node, fx.Node]]:
-    """``(q @ kT, probabilities @ v)`` of each attention written out by hand: a softmax
-    over the last dim of one matmul's output (through score modifiers) whose probabilities are
-    multiplied with the values. A softmax over a matmul's output that does not read so is warned
-    of by name: a report must not look complete when it is not."""
+def find_written_attention(gm: fx.GraphModule, ctx: ParallelContext) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
+    """``(q @ kT, softmax, probabilities @ v)`` of each attention written out by hand: a softmax
+    over the last dim of ``[batch, heads, seq, keys]`` scores made from one matmul's output
+    (through score modifiers and views folding the heads into the batch, as Bloom's ``baddbmm``
+    does) whose probabilities are multiplied with the values. A softmax over a matmul's output
+    that does not read so is warned of by name: a report must not look complete when it is not."""
     found = []
     for softmax in (n for n in gm.graph.nodes if op_kind(n) == "softmax"):
         products = _score_products(tensor_inputs(softmax)[0])
         if not products:
             continue
         weighted = _weighted_values(softmax)
-        if len(products) == 1 and weighted is not None and _over_last_dim(softmax) and tensor_val(weighted).dim() >= 4:
-            found.append((products[0], weighted))
+        if len(products) == 1 and weighted is not None and _over_last_dim(softmax) and tensor_val(softmax).dim() >= 4:
+            found.append((products[0], softmax, weighted))
         else:
             ctx.warn(f"{softmax.name}: a softmax over the product {products[0].name} is not read as attention "
-                     f"(softmax(q @ kT) @ v over [batch, heads, seq, dim]); it is planned op by op, its heads not "
-                     f"sharded as a site's")
+                     f"(softmax(q @ kT) @ v, the scores [batch, heads, seq, keys]); it is planned op by op, its heads "
+                     f"not sharded as a site's")
     return found
 
 
 def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[AttentionSite]:
-    """SDPA calls and attention written out by hand, in graph order."""
-    cores = [(n, arguments(n)) for n in gm.graph.nodes if op_kind(n) == "sdpa"]
-    cores += [(weighted, {"query": tensor_inputs(scores)[0], "key": tensor_inputs(scores)[1],
-                          "value": tensor_inputs(weighted)[1]}) for scores, weighted in find_written_attention(gm, ctx)]
+    """SDPA calls and attention written out by hand, in graph order, each with the heads its
+    query and key are read with."""
+    cores = []
+    for sdpa in (n for n in gm.graph.nodes if op_kind(n) == "sdpa"):
+        inputs = arguments(sdpa)
+        cores.append((sdpa, inputs, (_heads_of(inputs["query"]), _heads_of(inputs["key"]))))
+    for scores, softmax, weighted in find_written_attention(gm, ctx):
+        (query, key), value = tensor_inputs(scores), tensor_inputs(weighted)[1]
+        inputs = {"query": query, "key": key, "value": value}
+        cores.append((weighted, inputs, (_heads_of(softmax),) * 2))
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     sites = []
-    for node, inputs in sorted(cores, key=lambda c: order[c[0]]):
+    for node, inputs, heads in sorted(cores, key=lambda c: order[c[0]]):
         with at_node("detect", node):
-            sites.append(attention_site(f"attention{len(sites)}", node, inputs, ctx))
+            sites.append(attention_site(f"attention{len(sites)}", node, inputs, heads, ctx))
     return sites
 
 
-def attention_site(site_name: str, node: fx.Node, sdpa: dict, ctx: ParallelContext) -> AttentionSite:
-    """The site of one attention call (its ``query``, ``key`` and ``value`` inputs in ``sdpa``):
-    the projections it reads and the ones its output feeds."""
+def attention_site(site_name: str, node: fx.Node, sdpa: dict, heads: tuple[int, int],
+                   ctx: ParallelContext) -> AttentionSite:
+    """The site of one attention call (its ``query``, ``key`` and ``value`` inputs in ``sdpa``,
+    read with ``heads`` query and key heads): the projections it reads, the heads they make and
+    the projections its output feeds."""
     q, k, v = (find_producers(sdpa[name], TO_ATTENTION, ctx)[0] for name in ("query", "key", "value"))
-    heads, kv_heads = (projected_heads(sdpa[name], ctx) for name in ("query", "key"))
+    layouts = {name: projected_heads(sdpa[name], heads[0], ctx) for name in ("query", "key", "value")}
+    problem = next((problem for _, problem in layouts.values() if problem), None)
+    kv_heads = layouts["key"][0] or heads[1]
     out = find_consumers(node, _FROM_ATTENTION, ctx)
     branch = [linear for o in out for part in (concatenated_features(o) or ())
               for linear in find_producers(part, _INSIDE_MLP, ctx)[0]]
-    return AttentionSite(site_name, node, q, k, v, out, heads, kv_heads, branch)
+    return AttentionSite(site_name, node, q, k, v, out, heads[0], kv_heads, branch, problem)
 
 
 def concatenated_features(linear: fx.Node) -> list[fx.Node] | None:

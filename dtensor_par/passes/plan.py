@@ -62,6 +62,9 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
     tp = ctx.mesh.size("tp")
     colwise = list(site.colwise)
     if isinstance(site, AttentionSite):
+        if site.layout_problem:
+            raise InvalidPlan(f"plan: attention {site.core.name!r}: {site.layout_problem}, so tp={tp} cannot shard "
+                              f"them")
         if site.num_heads % tp:
             raise InvalidPlan(
                 f"plan: attention {site.core.name!r} has {site.num_heads} heads, not divisible "

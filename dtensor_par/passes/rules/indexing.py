@@ -35,10 +35,19 @@ def _whole(e: slice, size: int) -> bool:
     return e.indices(size) == (0, size, 1)
 
 
+def _picks(e) -> bool:
+    """Whether an index entry picks positions by a list of ints (Falcon's ``qkv[:, :, :, [-2]]``)."""
+    return isinstance(e, list) and all(isinstance(i, int) for i in e)
+
+
 def _index_map(index, shape: tuple[int, ...]) -> dict[int, int] | None:
-    """Input dim -> output dim for the dims a basic index keeps whole; None if not basic."""
+    """Input dim -> output dim for the dims an index keeps whole; None unless it is basic, or
+    picks positions by a list on one dim only among slices (which keeps that dim in place)."""
     ndim = len(shape)
     entries = index if isinstance(index, tuple) else (index,)
+    picks = sum(map(_picks, entries))
+    if picks > 1 or (picks and any(isinstance(e, int) for e in entries)):
+        return None
     consumed = sum(1 for e in entries if e is not None and e is not Ellipsis)
     kept, src, dst = {}, 0, 0
     for e in entries:
@@ -52,6 +61,8 @@ def _index_map(index, shape: tuple[int, ...]) -> dict[int, int] | None:
         elif isinstance(e, slice):
             if _static_slice(e) and _whole(e, shape[src]):
                 kept[src] = dst
+            src += 1; dst += 1
+        elif _picks(e):
             src += 1; dst += 1
         else:
             return None

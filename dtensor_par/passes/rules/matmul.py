@@ -31,6 +31,12 @@ def linear_rule(node, ins, cur, env):
     return replicate_all(node, ins, [x_p, w_p] + cur[2:], "linear over the sharded feature dim")
 
 
+def _splits_batch_or_matrix(p, ndim: int) -> bool:
+    """Whether a matmul operand's shard has a rule: a shard of any dim, or an interleaved one of
+    a batch dim (Bloom's heads folded into the batch: each rank's heads of every batch entry)."""
+    return shard_dim(p) is not None and not (isinstance(p, InterleavedShard) and p.dim >= ndim - 2)
+
+
 def matmul_rule(node, ins, cur, env):
     a, b = ins
     if tensor_val(a).dim() < 2 or tensor_val(b).dim() < 2:
@@ -43,24 +49,24 @@ def matmul_rule(node, ins, cur, env):
     contracted = tensor_val(a).shape[-1]
     if env.padded(contracted) and (shard_dim(pa) == nd_a - 1 or shard_dim(pb) == nd_b - 2):
         return replicate_all(node, ins, [pa, pb], "contraction over the padded sequence dim")
-    if shard_dim(pa) is not None and not isinstance(pa, InterleavedShard):
+    if _splits_batch_or_matrix(pa, nd_a):
         if pa.dim == nd_a - 1:  # contraction dim
             return NodeSharding(Partial(), (pa, Shard(nd_b - 2)))
         if pa.dim == nd_a - 2:
             return NodeSharding(Shard(nd_out - 2), (pa, R))
         d_out = pa.dim + nd_out - nd_a  # a batch dim: the other operand must match it
         d_b = d_out - (nd_out - nd_b)
-        pb_need = R if d_b < 0 or tensor_val(b).shape[d_b] == 1 else Shard(d_b)
-        return NodeSharding(Shard(d_out), (pa, pb_need))
-    if shard_dim(pb) is not None and not isinstance(pb, InterleavedShard):
+        pb_need = R if d_b < 0 or tensor_val(b).shape[d_b] == 1 else moved(pa, d_b)
+        return NodeSharding(moved(pa, d_out), (pa, pb_need))
+    if _splits_batch_or_matrix(pb, nd_b):
         if pb.dim == nd_b - 1:
             return NodeSharding(Shard(nd_out - 1), (R, pb))
         if pb.dim == nd_b - 2:
             return NodeSharding(Partial(), (Shard(nd_a - 1), pb))
         d_out = pb.dim + nd_out - nd_b
         d_a = d_out - (nd_out - nd_a)
-        pa_need = R if d_a < 0 or tensor_val(a).shape[d_a] == 1 else Shard(d_a)
-        return NodeSharding(Shard(d_out), (pa_need, pb))
+        pa_need = R if d_a < 0 or tensor_val(a).shape[d_a] == 1 else moved(pb, d_a)
+        return NodeSharding(moved(pb, d_out), (pa_need, pb))
     return replicate_all(node, ins, [pa, pb], "matmul of an interleaved operand")
 
 

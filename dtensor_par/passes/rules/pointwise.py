@@ -14,8 +14,8 @@ from ...ops.cache_attention import cache_buffer
 from ...ops.dropout import sharded_dropout
 from ...placements import Partial, Placement, Shard, shard_dim
 from ..meta import NodeSharding, placements, planned_local_shape
-from ..nodes import arguments, tensor_val
-from .core import R, moved, resolve_partial
+from ..nodes import arguments, tensor_inputs, tensor_val
+from .core import R, moved, replicate_all, resolve_partial
 from .registry import op_kind, register
 
 ACTIVATIONS = {F.gelu, F.silu, F.relu, F.tanh, F.sigmoid, torch._C._nn.gelu, torch._C._nn.silu,
@@ -23,7 +23,23 @@ ACTIVATIONS = {F.gelu, F.silu, F.relu, F.tanh, F.sigmoid, torch._C._nn.gelu, tor
 
 
 def is_activation(node: fx.Node) -> bool:
-    return node.op in ("call_function", "call_method") and node.target in ACTIVATIONS
+    return (node.op in ("call_function", "call_method") and node.target in ACTIVATIONS) or elementwise_function(node)
+
+
+_ELEMENTWISE = {"add", "sub", "mul", "div", "neg", "unary", "where", "logical", "cast"}
+"""The pointwise kinds that take no sizes and draw no random numbers: computed alike on any shard."""
+
+
+def elementwise_function(node: fx.Node) -> bool:
+    """Whether a node applies a custom autograd Function (Dynamo's ``autograd_function_apply``)
+    to one tensor whose forward and backward compute elementwise (Bloom's GeLU): pointwise
+    ops only, so each rank applies it to its shard."""
+    if node.op != "call_function" or node.target is not torch.ops.higher_order.autograd_function_apply:
+        return False
+    bodies = [getattr(node.graph.owning_module, body.target) for body in node.args[:2]]
+    return len(tensor_inputs(node)) == 1 and all(
+        n.op in ("placeholder", "output", "get_attr") or n.target is torch._C._set_grad_enabled
+        or op_kind(n) in _ELEMENTWISE for body in bodies for n in body.graph.nodes)
 
 
 def _partial_passes(node: fx.Node, ins: list[fx.Node], cur: list[Placement]) -> bool:
@@ -71,6 +87,14 @@ def cast_rule(node, ins, cur, env):
     if isinstance(p, Partial) and not tensor_val(node).is_floating_point():
         p = resolve_partial(ins[:1], cur[:1], env)[0]
     return NodeSharding(p, (p,) + tuple(cur[1:]))
+
+
+def elementwise_function_rule(node, ins, cur, env):
+    """Each output of an elementwise Function is placed as its input; any other Function gathers."""
+    if not elementwise_function(node):
+        return replicate_all(node, ins, cur, "a custom autograd Function that is not elementwise")
+    p = resolve_partial(ins, cur, env)[0]
+    return NodeSharding(tuple(p for _ in node.meta["val"]), (p,))
 
 
 def new_tensor_rule(node, ins, cur, env):
@@ -121,6 +145,8 @@ _SPELLINGS = {  # kind: (functions, Tensor methods)
 }
 for _kind, (_functions, _methods) in _SPELLINGS.items():
     register(_kind, "pointwise", pointwise_rule, functions=_functions, methods=_methods)
+register("elementwise_function", "pointwise", elementwise_function_rule,
+         functions=[torch.ops.higher_order.autograd_function_apply])
 register("new_tensor", "pointwise", new_tensor_rule, methods=["new_zeros", "new_ones", "new_full", "new_empty"])
 register("cast", "pointwise", cast_rule, methods=["contiguous", "clone", "float", "half", "bfloat16", "double", "to",
                                                   "type_as", "detach"])

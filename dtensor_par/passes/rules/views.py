@@ -166,7 +166,8 @@ register("view", "views", view_rule, functions=[torch.reshape, torch.flatten, to
                                                  torch.unsqueeze],
          methods=["view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"],
          localize=localize_view)
-register("expand", "views", expand_rule, methods=["expand", "expand_as"], localize=localize_view)
+register("expand", "views", expand_rule, functions=[torch.broadcast_to], methods=["expand", "expand_as"],
+         localize=localize_view)
 register("transpose", "views", permute_rule, functions=[torch.transpose, torch.swapaxes, torch.t],
          methods=["transpose", "swapaxes", "t"])
 register("permute", "views", permute_rule, functions=[torch.permute], methods=["permute"])
