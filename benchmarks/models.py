@@ -52,3 +52,21 @@ def tp_anchor(model: nn.Module, mesh) -> nn.Module:
                     "o_proj": RowwiseParallel(), "down_proj": RowwiseParallel()}
         parallelize_module(block, mesh, plan)
     return anchor
+
+
+def fsdp_anchor(model: nn.Module, mesh) -> WithLoss:
+    """FSDP2 + TP as torchtitan builds it: ``tp_anchor`` over mesh["tp"], then ``fully_shard``
+    over mesh["dp_shard"] on each block and on the root, with its loss."""
+    from torch.distributed.fsdp import fully_shard
+
+    anchor = tp_anchor(model, mesh["tp"])
+    for block in anchor.blocks:
+        fully_shard(block, mesh=mesh["dp_shard"])
+    return WithLoss(fully_shard(anchor, mesh=mesh["dp_shard"]))
+
+
+def ddp_anchor(model: nn.Module) -> nn.Module:
+    """``DistributedDataParallel`` over the whole world, its loss inside."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(WithLoss(copy.deepcopy(model)))

@@ -51,8 +51,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import dtensor_par
+from dtensor_par.mesh import MeshInfo
 from benchmarks import decode, gpu, overlap
-from benchmarks.models import TP_HAND_EDITS, WithLoss, tp_anchor
+from benchmarks.models import TP_HAND_EDITS, WithLoss, ddp_anchor, fsdp_anchor, tp_anchor
 from benchmarks.report import failure
 from tests.harness import executed_collectives, logged, run_ranks
 from tests.models import DiT, Llama
@@ -61,17 +62,27 @@ FULL = {"dit": {"layers": 2, "dim": 256, "heads": 8, "mlp": 1024},
         "llama": {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 4, "mlp": 768, "vocab": 512}}
 QUICK = {"dit": {"layers": 1, "dim": 64, "heads": 4, "mlp": 128},
          "llama": {"layers": 1, "hidden": 64, "heads": 4, "kv_heads": 2, "mlp": 96, "vocab": 64}}
-CONFIGS = {2: [("dit", {"tp": 2}), ("llama", {"tp": 2}), ("dit", {"ring": 2}), ("llama", {"ulysses": 2})],
-           4: [("dit", {"tp": 4}), ("dit", {"ring": 4}), ("llama", {"tp": 2, "ulysses": 2})]}
+CONFIGS = {2: [("dit", {"tp": 2}), ("llama", {"tp": 2}), ("dit", {"ring": 2}), ("llama", {"ulysses": 2}),
+               ("llama", {"dp_replicate": 2})],
+           4: [("dit", {"tp": 4}), ("dit", {"ring": 4}), ("llama", {"tp": 2, "ulysses": 2}),
+               ("llama", {"dp_shard": 2, "tp": 2})]}
 QUICK_CONFIGS = {2: [("dit", {"tp": 2})]}
 
 
-def build(name: str, sizes: dict, seq: int):
-    """The model (seeded: the same weights on every rank) and its input."""
+def build(name: str, sizes: dict, seq: int, mesh: dict):
+    """The model (seeded: the same weights on every rank) and its input: one sequence per dp rank."""
     torch.manual_seed(0)
+    batch = mesh.get("dp_replicate", 1) * mesh.get("dp_shard", 1)
     if name == "dit":
-        return DiT(**sizes), torch.randn(1, seq, sizes["dim"])
-    return Llama(**sizes), torch.randint(0, sizes["vocab"], (1, seq))
+        return DiT(**sizes), torch.randn(batch, seq, sizes["dim"])
+    return Llama(**sizes), torch.randint(0, sizes["vocab"], (batch, seq))
+
+
+def dp_rows(fn, mesh, x):
+    """``fn`` given this rank's sequence of the batch, as a DistributedSampler feeds DDP and
+    FSDP2 (ours is given the whole batch and cuts it over dp itself)."""
+    rank = MeshInfo.from_mesh(mesh).dims["dp"].rank
+    return lambda _: fn(x[rank:rank + 1])
 
 
 def train_step(fn, opt, x) -> None:
@@ -154,7 +165,7 @@ def _variants(name, sizes, seq, mesh_sizes, mesh, inner):
     """(model, loss callable, note) per variant, all from the same weights; ``inner``: the
     backend that compiles ours, the one-device model and the tp anchor. Each compiles the
     model with its loss (``WithLoss``), as a training script does."""
-    model, x = build(name, sizes, seq)
+    model, x = build(name, sizes, seq, mesh_sizes)
     out = {"one_device": (*one_device(model, inner), f"torch.compile(backend={inner!r})")}
     if set(mesh_sizes) == {"tp"}:
         anchor = WithLoss(tp_anchor(model, mesh["tp"]))
@@ -165,6 +176,15 @@ def _variants(name, sizes, seq, mesh_sizes, mesh, inner):
         out["torch"] = (anchor, context_parallel_variant(anchor, mesh["ring"], x),
                         "context_parallel (eager; compiled: not tried, its tracing took over 12 minutes in "
                         "issue 11's measurement)")
+    elif set(mesh_sizes) == {"dp_shard", "tp"}:
+        anchor = fsdp_anchor(model, mesh)
+        out["torch"] = (anchor, dp_rows(torch.compile(anchor, backend=inner), mesh, x),
+                        f"fully_shard per block and root over dp_shard + parallelize_module over tp, "
+                        f"torch.compile(backend={inner!r}); each rank given its own sequence")
+    elif set(mesh_sizes) == {"dp_replicate"}:
+        anchor = ddp_anchor(model)
+        out["torch"] = (anchor, dp_rows(torch.compile(anchor, backend=inner), mesh, x),
+                        f"DistributedDataParallel, torch.compile(backend={inner!r}); each rank given its own sequence")
     out["ours"] = (*ours(model, mesh, x, inner), f"dtensor_par.parallelize + hybrid_parallel(inner_backend={inner!r})")
     return out, x
 
@@ -189,13 +209,13 @@ def slowest(seconds: float) -> float:
     return t.item()
 
 
-def first_call_seconds(name, sizes, seq, mesh, inner, reps) -> tuple[dict, dict]:
+def first_call_seconds(name, sizes, seq, mesh_sizes, mesh, inner, reps) -> tuple[dict, dict]:
     """Compile overhead: the first forward and backward of a model compiled afresh (Dynamo's
     caches reset, garbage collected), on the slowest rank, median of ``reps`` alternated
     between one device and ours, each in turn first (one device, ours, ours, one device...:
     a compile's time depends on what the process compiled before it); and our passes' mean
     time per compile (ms)."""
-    model, x = build(name, sizes, seq)
+    model, x = build(name, sizes, seq, mesh_sizes)
     makers = {"one_device": lambda: one_device(model, inner),
               "ours": lambda: ours(copy.deepcopy(model), mesh, x, inner)}
     times, records = defaultdict(list), []
@@ -223,7 +243,8 @@ def measure_config(world, name, sizes, seq, mesh_sizes, reps, compile_reps, inne
     mesh = dtensor_par.init_mesh(**mesh_sizes)
     result = {"model": name, "mesh": mesh_sizes, "world": world, "seq": seq, "notes": {}, "failed": {},
               "first_call_s": {}, "ms": {}, "memory": {}, "collectives": {}}
-    result["first_call_s"], result["pass_ms"] = first_call_seconds(name, sizes, seq, mesh, inner, compile_reps)
+    result["first_call_s"], result["pass_ms"] = first_call_seconds(name, sizes, seq, mesh_sizes, mesh, inner,
+                                                                   compile_reps)
 
     torch._dynamo.reset()
     variants, x = _variants(name, sizes, seq, mesh_sizes, mesh, inner)
@@ -306,8 +327,11 @@ def analytic_bytes(name: str, sizes: dict, seq: int, mesh: dict, param_bytes: in
     ulysses: q/k/v (kv with the model's kv heads) in and the output back, forward and
     backward; ring: ring - 1 kv-block rotations forward, and backward ring - 1 transfers of
     the blocks' partial dk, dv (the kv blocks kept from forward); cp: every parameter's local
-    gradient reduced once, and the loss's partial sums (one float) combined."""
-    tp, ring, ulysses = (mesh.get(d, 1) for d in ("tp", "ring", "ulysses"))
+    gradient reduced once, and the loss's partial sums (one float) combined; dp_shard (FSDP,
+    ``param_bytes`` the pieces held): the pieces all-gathered forward and again backward, the
+    gradients (dp_shard times the pieces) reduce-scattered; dp_replicate: the gradients
+    all-reduced."""
+    tp, ring, ulysses, fsdp = (mesh.get(d, 1) for d in ("tp", "ring", "ulysses", "dp_shard"))
     cp = ring * ulysses
     layers, dim = sizes["layers"], sizes.get("dim", sizes.get("hidden"))
     heads, kv_heads = sizes["heads"], sizes.get("kv_heads", sizes["heads"])
@@ -325,7 +349,11 @@ def analytic_bytes(name: str, sizes: dict, seq: int, mesh: dict, param_bytes: in
         kv_block = 2 * rows * kv_heads * head_dim // tp * 4
         forward += layers * (ring - 1) * kv_block
         backward += layers * (ring - 1) * kv_block
-    gradients = param_bytes if cp > 1 else 0
+    gradients = param_bytes if cp > 1 or mesh.get("dp_replicate", 1) > 1 else 0
+    if fsdp > 1:
+        forward += param_bytes
+        backward += param_bytes
+        gradients = param_bytes * fsdp
     forward += 4 if cp > 1 else 0
     return {"forward": forward, "backward": backward + gradients, "gradient_reductions": gradients}
 
@@ -333,7 +361,7 @@ def analytic_bytes(name: str, sizes: dict, seq: int, mesh: dict, param_bytes: in
 def gradient_buckets(name: str, sizes: dict, seq: int, mesh: dict) -> dict:
     """Gradient reductions a step issues for the parameters, from ``explain`` (fake group):
     flat buckets now, against one reduction per parameter (``grad_bucket_mb=0``)."""
-    model, x = build(name, sizes, seq)
+    model, x = build(name, sizes, seq, mesh)
     out = {}
     for label, mb in (("buckets", 25.0), ("per_parameter", 0.0)):
         report = dtensor_par.explain(model, (x,), device_type="cpu", parallelized=True, grad_bucket_mb=mb, **mesh)

@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     ex.add_argument("--order", help="the mesh dims, comma-separated, the last fastest (default: by device type)")
     ex.add_argument("--device-type", default="cuda")
     ex.add_argument("--svg", help="write the mesh picture to this file")
+    ex.add_argument("--parallelized", action="store_true",
+                    help="report parameters as dtensor_par.parallelize holds them (tp and FSDP pieces), not whole")
     add_option_flags(ex)
     args = vars(parser.parse_args(argv))
 
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
     order = tuple(args["order"].split(",")) if args["order"] else None
     try:
         report = explain(model, example_inputs, **{d: args[d] for d in MESH_DIMS}, order=order,
-                         device_type=args["device_type"], **options)
+                         device_type=args["device_type"], parallelized=args["parallelized"] or None, **options)
     except (ValueError, NotImplementedError, TypeError) as e:
         print(e, file=sys.stderr)
         return 2

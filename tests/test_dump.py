@@ -105,15 +105,15 @@ add_1 = _operator.add(x, add_2)  # [2, 16, 64]  tp: R <- (R, R)
 return (add_1,)  # tp: - <- (R)
 """)
         plan = json.loads(read("plan.json"))
-        assert sorted(plan) == ["batch", "collectives", "collectives_lowering", "coverage", "mesh", "nodes",
+        assert sorted(plan) == ["batch", "collectives", "collectives_lowering", "coverage", "fsdp", "mesh", "nodes",
                                 "parameter_state", "parameters", "replica_group_sets", "sites", "version", "warnings",
                                 "world_size"]
-        assert plan["batch"] is None  # no dp dims
+        assert plan["batch"] is None and plan["fsdp"] is None  # no dp dims; not parallelized
         assert plan["coverage"]["fallback_gathers"] == [] and plan["coverage"]["parallel_sites"] == 2
         assert plan["coverage"]["sharded_linear_flops"] == plan["coverage"]["linear_flops"] > 0
         assert plan["collectives_lowering"] == "functional"
         assert plan["replica_group_sets"] == {"tp groups": [list(range(8))]}
-        assert plan["version"] == 4 and plan["parameter_state"].startswith("full (model not parallelized)")
+        assert plan["version"] == 5 and plan["parameter_state"].startswith("full (model not parallelized)")
         assert plan["mesh"] == {"tp": 8, "ring": 1, "ulysses": 1} and plan["world_size"] == 8
         assert {p["name"]: p["placement"]["tp"] for p in plan["parameters"]}["qkv.weight"] == "IS(0,[64, 64, 64])"
         ET.fromstring(read("mesh.svg"))
