@@ -16,7 +16,9 @@ from dtensor_par.mesh import MeshInfo
 from dtensor_par.ops import collectives as C
 from dtensor_par.passes.context import ParallelContext
 from dtensor_par.passes.cost import cost_pass, link_classes
-from dtensor_par.passes.meta import Communication, Work, set_communications, set_work
+from dtensor_par.passes.capture import capture_graphs
+from dtensor_par.passes.meta import Communication, Work, set_communications, set_work, work
+from dtensor_par.pipeline import parallelize_graph
 from tests import models
 
 RATE = 1e12  # FLOP/s
@@ -97,6 +99,27 @@ def test_machine_profiles_round_trip_as_json_and_unknown_names_list_the_known(tm
         machine("h300")
     seconds = H100_SXM.collective_seconds("all_gather", 2**20, 8, "inter_node")
     assert seconds == pytest.approx(25.5e-6 + 7 * 2**20 / 50e9)
+
+
+def test_work_is_each_ranks_share_of_the_flops_coverage_counts():
+    """Every linear of a GPT is cut 8 ways at tp=2 x ring=2 x ulysses=2, and zigzag gives every
+    ring rank the same attention; at tp=2 alone, SDPA runs half the heads; dp=2 x ring=2 cuts
+    the batch too (each rank's attention: a quarter)."""
+    torch.manual_seed(0)
+    (gm, inputs), = capture_graphs(models.GPT(layers=1, hidden=64, heads=8, mlp=128), torch.randn(2, 16, 64))
+    flops = {}
+    for sizes in ({"tp": 2, "ring": 2, "ulysses": 2}, {"dp_replicate": 2, "ring": 2}, {"tp": 2}, {"tp": 1}):
+        local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning(sizes, "cuda"))
+        done = [work(n) for n in local.graph.nodes if work(n) is not None]
+        ranks = math.prod(sizes.values())
+        flops[ranks] = {e: sum(w.flops for w in done if w.engine == e) for e in ("matmul", "attention")}
+        if ctx.coverage.ring_attention_flops:
+            (per_ring_rank,) = ctx.coverage.ring_attention_flops.values()
+            assert flops[ranks]["attention"] == max(per_ring_rank) == min(per_ring_rank)
+    assert flops[8]["matmul"] * 8 == flops[4]["matmul"] * 4 == flops[2]["matmul"] * 2 == ctx.coverage.linear_flops
+    whole = 4 * 2 * 8 * 8 * 16 * 17 // 2  # batch 2, 8 heads of 8, 16 x 17 / 2 causal pairs
+    assert flops[8]["attention"] * 8 == flops[4]["attention"] * 4 == flops[2]["attention"] * 2 == whole
+    assert flops[1] == {"matmul": ctx.coverage.linear_flops, "attention": whole}
 
 
 @pytest.fixture(scope="module")
