@@ -9,6 +9,7 @@ their links and, on Neuron, whether they are legal: each order is judged on the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import operator
@@ -23,7 +24,7 @@ from .mesh import MESH_DIMS, MeshInfo, mesh_order
 from .ops.lowerings import FUNCTIONAL
 from .params import SHARDED
 from .passes.capture import capture_graphs
-from .passes.cost import StepTime, Traffic, activation_bytes, cost_pass, link_classes, traffic_text
+from .passes.cost import StepTime, Traffic, activation_bytes, bytes_text, cost_pass, link_classes, traffic_text
 from .passes.localize import graph_communications
 from .passes.lower import check_all_to_all_contiguous, check_replica_group_limit, lower_pass, replica_group_sets
 from .pipeline import PASSES, parallelize_graph
@@ -33,7 +34,6 @@ PLANNING = tuple(p for p in PASSES if p is not lower_pass)
 """The passes a split is planned with: lower's checks depend on the order, judged per order."""
 ADAM_STATES = 2
 """Optimizer state per gradient byte: Adam's two moments, in the parameters' dtype."""
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,8 @@ class MeshChoice:
         return self.predicted.traffic
 
     def __str__(self) -> str:
-        return (f"{_mesh_text(self.degrees, self.order)}: {self.predicted}; {self.memory.total / GIB:,.3g} GiB "
-                f"per rank; {traffic_text(self.collectives)}")
+        return (f"{_mesh_text(self.degrees, self.order)}: {self.predicted}; {bytes_text(self.memory.total)} per rank; "
+                f"{traffic_text(self.collectives)}")
 
 
 @dataclass(frozen=True)
@@ -172,10 +172,9 @@ def _judge(degrees: dict[str, int], planned: list | str, machine: Machine, train
         return [], [Rejection(degrees, None, planned)]
     memory = _memory(planned, training)
     if memory.total > machine.memory_per_device:
-        return [], [Rejection(degrees, None, f"{memory.total / GIB:,.2f} GiB per rank (parameters "
-                              f"{memory.parameters / GIB:,.2f}, gradients {memory.gradients / GIB:,.2f}, optimizer "
-                              f"{memory.optimizer / GIB:,.2f}, activations {memory.activations / GIB:,.2f}), over "
-                              f"the {machine.memory_per_device / GIB:,.2f} GiB of a {machine.name} device")]
+        held = ", ".join(f"{f.name} {bytes_text(getattr(memory, f.name))}" for f in dataclasses.fields(memory))
+        return [], [Rejection(degrees, None, f"{bytes_text(memory.total)} per rank ({held}), over the "
+                              f"{bytes_text(machine.memory_per_device)} of a {machine.name} device")]
     choices, rejected, seen = [], [], set()
     warnings = tuple(w for _, ctx in planned for w in ctx.warnings)
     for order in layouts(degrees, machine.device_type):

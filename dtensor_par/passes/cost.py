@@ -86,6 +86,14 @@ def duration_text(seconds: float) -> str:
     return f"{seconds / 1e-9:.3g} ns"
 
 
+def bytes_text(nbytes: int) -> str:
+    """``1.5 GiB``: three significant digits in the binary unit that keeps them above 1."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} B"
+
+
 @dataclass(frozen=True)
 class _NodeTime:
     compute: float = 0.0
@@ -96,7 +104,7 @@ class _NodeTime:
 
 def traffic_text(traffic: dict[str, Traffic]) -> str:
     """``tp: 16 collectives, 8 MiB, intra_node``: each mesh dim's collectives in a step, and the links they cross."""
-    return ", ".join(f"{d}: {t.collectives} collectives, {t.bytes / 2**20:,.3g} MiB, {t.link}"
+    return ", ".join(f"{d}: {t.collectives} collectives, {bytes_text(t.bytes)}, {t.link}"
                      for d, t in traffic.items()) or "no collectives"
 
 
