@@ -169,7 +169,8 @@ def test_choose_cli_with_a_json_profile_rejects_every_mesh_over_its_memory(tmp_p
     out = capsys.readouterr().out
     assert "meshes of 2 ranks on small, by predicted training step time:\n  none is legal" in out
     rejected = out.splitlines()[out.splitlines().index("rejected (5):") + 1:]
-    assert len(rejected) == 5 and all(" per rank (parameters " in r and "over the 1000 B of a small device" in r for r in rejected), rejected
+    assert len(rejected) == 5, rejected
+    assert all(" per rank (parameters " in r and "over the 1000 B of a small device" in r for r in rejected), rejected
 
 
 def test_choose_mesh_on_neuron_keeps_ulysses_groups_contiguous():
