@@ -1,10 +1,11 @@
 """choose_mesh: plan a model over every mesh of a world size and rank the legal ones by
 their predicted step time on a machine (``passes.cost``), saying why each other was refused.
 
-One process, no process group: the model is captured once, and each distinct split of the
-degrees is planned once (the planner sees tp, ring, ulysses and dp = dp_replicate x
-dp_shard). A mesh order changes no plan, only the groups the collectives run over, hence
-their links and, on Neuron, whether they are legal: each order is judged on the same plan.
+One process, no process group: the model is captured once and each factorization of the
+world over the mesh dims is planned once (dp_replicate and dp_shard apart: FSDP shards
+parameters over dp_shard, not over dp_replicate). A mesh order changes no plan's collectives or
+bytes, only the groups they run over, hence their links and, on Neuron, whether they are
+legal: each order is judged on the same plan.
 """
 
 from __future__ import annotations
@@ -121,12 +122,6 @@ def layouts(degrees: dict[str, int], device_type: str) -> list[tuple[str, ...]]:
     return [ones + p for p in itertools.permutations([d for d in default if degrees[d] > 1])]
 
 
-def _plan_key(degrees: dict[str, int]) -> tuple[int, ...]:
-    """What the planner sees of the degrees: dp_replicate and dp_shard only as their product
-    (the batch is cut over both; parameters are not sharded over dp_shard yet)."""
-    return degrees["tp"], degrees["ring"], degrees["ulysses"], degrees["dp_replicate"] * degrees["dp_shard"]
-
-
 def _plan(captured: list, degrees: dict[str, int], machine: Machine, config: ParallelConfig) -> list | str:
     """Each captured graph planned over ``degrees`` as ``parallelize`` runs it: [(local graph,
     context)], or why the planner refuses the split."""
@@ -203,15 +198,12 @@ def choose_mesh(model, example_inputs, world_size: int, *, machine: str | Machin
     the plan (``config.ParallelConfig``)."""
     profile = machine_profile(machine)
     config = ParallelConfig.of("choose_mesh", {"batch": batch, **options})
-    choices, rejected, plans = [], [], {}
+    choices, rejected = [], []
     with paused_gc():
         captured = [(gm, [hint(a) for a in inputs])
                     for gm, inputs in capture_graphs(model, *example_inputs, **(example_kwargs or {}))]
         for degrees in factorizations(world_size):
-            key = _plan_key(degrees)
-            if key not in plans:
-                plans[key] = _plan(captured, degrees, profile, config)
-            legal, refused = _judge(degrees, plans[key], profile, training)
+            legal, refused = _judge(degrees, _plan(captured, degrees, profile, config), profile, training)
             choices += legal
             rejected += refused
     choices.sort(key=lambda c: c.predicted.total)
