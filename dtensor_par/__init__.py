@@ -4,9 +4,10 @@ from .gcpause import paused_gc
 
 with paused_gc():  # importing torch and Dynamo: ~0.5 s of collections that find no garbage
     from .api import hybrid_parallel, parallel
+    from .choose import choose_mesh
     from .explain import explain
     from .logs import set_verbosity
     from .mesh import init_mesh
     from .sharded import parallelize
 
-__all__ = ["explain", "hybrid_parallel", "init_mesh", "parallel", "parallelize", "set_verbosity"]
+__all__ = ["choose_mesh", "explain", "hybrid_parallel", "init_mesh", "parallel", "parallelize", "set_verbosity"]

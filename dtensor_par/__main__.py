@@ -1,4 +1,6 @@
-"""``python -m dtensor_par explain module.py:factory --tp 8``: the plan, without hardware."""
+"""``python -m dtensor_par explain module.py:factory --tp 8``: the plan, without hardware;
+``python -m dtensor_par choose module.py:factory --world 64 --machine trn2-48xl``: every mesh
+of 64 ranks ranked by predicted step time there, and why the others are refused."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import importlib.util
 import os
 import sys
 
+from .choose import choose_mesh
 from .config import ParallelConfig
 from .explain import explain
+from .machines import MACHINES
 from .mesh import MESH_DIMS
 
 
@@ -53,7 +57,7 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
                                 choices=f.metadata["choices"], help=f.metadata["help"] + shown)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dtensor_par")
     commands = parser.add_subparsers(dest="command", required=True)
     ex = commands.add_parser("explain", help="plan a model at any mesh size and print the plan")
@@ -65,16 +69,33 @@ def main(argv=None) -> int:
     ex.add_argument("--svg", help="write the mesh picture to this file")
     ex.add_argument("--parallelized", action="store_true",
                     help="report parameters as dtensor_par.parallelize holds them (tp and FSDP pieces), not whole")
-    add_option_flags(ex)
-    args = vars(parser.parse_args(argv))
+    ex.add_argument("--machine", help="also predict the step time on this machine profile (a name or a JSON path)")
+    ch = commands.add_parser("choose", help="rank every mesh of a world size by predicted step time on a machine")
+    ch.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (model, example_inputs)")
+    ch.add_argument("--world", type=int, required=True, help="the number of ranks")
+    ch.add_argument("--machine", required=True, help=f"a profile's name ({', '.join(MACHINES)}) or a JSON path")
+    ch.add_argument("--top", type=int, default=5, help="how many legal meshes to list (default: 5)")
+    for sub in (ex, ch):
+        sub.add_argument("--inference", action="store_true", help="predict a forward, not a training step")
+        add_option_flags(sub)
+    return parser
 
+
+def main(argv=None) -> int:
+    args = vars(_parser().parse_args(argv))
     gc.freeze()  # what the imports made lives until exit: no collection need walk it again (~0.2 s)
     model, example_inputs = load_factory(args["factory"])()
     options = {f.name: args[f.name] for f in dataclasses.fields(ParallelConfig) if f.name in args}
-    order = tuple(args["order"].split(",")) if args["order"] else None
+    training = not args["inference"]
     try:
+        if args["command"] == "choose":
+            print(choose_mesh(model, example_inputs, args["world"], machine=args["machine"], training=training,
+                              top=args["top"], **options))
+            return 0
+        order = tuple(args["order"].split(",")) if args["order"] else None
         report = explain(model, example_inputs, **{d: args[d] for d in MESH_DIMS}, order=order,
-                         device_type=args["device_type"], parallelized=args["parallelized"] or None, **options)
+                         device_type=args["device_type"], parallelized=args["parallelized"] or None,
+                         machine=args["machine"], training=training, **options)
     except (ValueError, NotImplementedError, TypeError) as e:
         print(e, file=sys.stderr)
         return 2

@@ -11,11 +11,13 @@ from .config import ParallelConfig
 from .dump import (GraphDump, batch_line, collective_rows, fsdp_line, mesh_svg, parameter_rows, site_placement_lines,
                    sites_text)
 from .gcpause import paused_gc
+from .machines import Machine, machine as machine_profile
 from .pipeline import parallelize_graph
 from .mesh import MeshInfo
 from .params import SHARDED, WHOLE
 from .passes import meta
 from .passes.capture import capture_graphs
+from .passes.cost import StepTime, cost_pass, traffic_text
 from .passes.coverage import Coverage
 from .sharded import sharded_state
 from .symbolic import hint
@@ -36,6 +38,7 @@ class GraphReport:
     specialized: list[str] = field(default_factory=list)  # conditions the plan put on them, and the op that did
     batch: str | None = None  # how the batch is cut over the dp dims (dump.batch_line); None without dp
     fsdp: str | None = None  # which parameters FSDP cuts (dump.fsdp_line); None where it cuts none
+    predicted: StepTime | None = None  # on the machine explain was given (passes.cost); None without one
 
 
 @dataclass
@@ -47,6 +50,8 @@ class Report:
     device_type: str
     parameter_state: str  # which mode the parameter bytes describe: sharded or full
     graphs: list[GraphReport] = field(default_factory=list)
+    machine: str | None = None  # the profile the predicted times are for
+    training: bool = True  # whether they are of a training step or of a forward
 
     @property
     def world_size(self) -> int:
@@ -78,6 +83,9 @@ class Report:
             out += [f"    {c['direction']:8} {c['op']:14} {c['mesh_dims']}[{c['group_size']}] "
                     f"{c['bytes_per_rank']:>12,} B x {c['count']}  {c['site']}" for c in g.collectives]
             out.append(f"  replica-group sets: {g.replica_group_sets} ({g.lowering})")
+            if g.predicted is not None:
+                step = "training step" if self.training else "forward"
+                out.append(f"  predicted {step} on {self.machine}: {g.predicted}; {traffic_text(g.predicted.traffic)}")
             out.append(f"  sizes: symbolic in {', '.join(g.symbolic)} (one plan for every size; bytes at these sizes)"
                        if g.symbolic else "  sizes: static (planned for these sizes only)")
             if g.specialized:
@@ -97,7 +105,8 @@ class Report:
 def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int = 1, dp_replicate: int = 1,
             dp_shard: int = 1, device_type: str = "cuda",
             order: tuple[str, ...] | None = None, parallelized: bool | None = None,
-            example_kwargs: dict | None = None, dynamic: bool | None = None, **options) -> Report:
+            example_kwargs: dict | None = None, dynamic: bool | None = None, machine: str | Machine | None = None,
+            training: bool = True, **options) -> Report:
     """Plan ``model(*example_inputs, **example_kwargs)`` for the given mesh as rank 0 would, without hardware.
 
     The model may live on the ``meta`` device, so a model too large for this machine can be
@@ -108,6 +117,8 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
     ``device_type="neuron"`` or ``collectives="xla"`` the plan is checked as Neuron needs it.
     ``dynamic=True``: capture with symbolic sizes (as ``torch.compile(dynamic=True)``) and
     plan on them, reporting the sizes the plan is symbolic in and any op that specialized it.
+    ``machine`` (a ``machines`` profile, its name or a JSON profile's path): also predict each
+    graph's time there (``passes.cost``), of a training step or, without ``training``, of a forward.
     """
     config = ParallelConfig.of("explain", options)
     sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "ring": ring, "ulysses": ulysses}
@@ -117,16 +128,19 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
     if parallelized is None:
         parallelized = sharded_state(model) is not None
     feeding = SHARDED if parallelized else WHOLE
-    report = Report(sizes, info.order, device_type, feeding.state)
+    profile = machine_profile(machine) if machine is not None else None
+    report = Report(sizes, info.order, device_type, feeding.state, machine=profile and profile.name, training=training)
     with paused_gc():  # capture and passes: ~0.5 s of full collections finding little garbage
         captured = capture_graphs(model, *example_inputs, dynamic=dynamic, **(example_kwargs or {}))
         for i, (gm, inputs) in enumerate(captured):
             dump = GraphDump(os.path.join(config.dump_dir, f"graph{i}"), info.order) if config.dump_dir else None
-            report.graphs.append(_graph_report(gm, [hint(a) for a in inputs], info, config, feeding, dump))
+            graph = _graph_report(gm, [hint(a) for a in inputs], info, config, feeding, dump, profile, training)
+            report.graphs.append(graph)
     return report
 
 
-def _graph_report(gm, inputs: list, info: MeshInfo, config: ParallelConfig, feeding, dump) -> GraphReport:
+def _graph_report(gm, inputs: list, info: MeshInfo, config: ParallelConfig, feeding, dump, machine: Machine | None,
+                  training: bool) -> GraphReport:
     """Plan one captured graph at the example sizes (Dynamo's SymInt inputs at their hints)."""
     start = time.perf_counter()
     symbolic = meta.symbolic_inputs(gm)
@@ -135,4 +149,5 @@ def _graph_report(gm, inputs: list, info: MeshInfo, config: ParallelConfig, feed
     return GraphReport(sites_text(ctx).splitlines(), site_placement_lines(ctx), parameter_rows(ctx),
                        collective_rows(local_gm), list(ctx.warnings), time.perf_counter() - start, ctx.coverage,
                        ctx.comm, len(ctx.replica_group_sets), spec.symbolic_names() if spec else [],
-                       spec.specialized() if spec else [], batch_line(ctx), fsdp_line(ctx))
+                       spec.specialized() if spec else [], batch_line(ctx), fsdp_line(ctx),
+                       cost_pass(local_gm, ctx, machine, training=training) if machine else None)

@@ -13,7 +13,7 @@ PACKAGE = ROOT / "dtensor_par"
 
 # Lowest first: a module may import its own floor and those below, never one above.
 FLOORS = (
-    ("errors", "gcpause", "logs", "mesh", "placements", "same_inputs", "symbolic"),
+    ("errors", "gcpause", "logs", "machines", "mesh", "placements", "same_inputs", "symbolic"),
     ("ops",),
     ("params", "config", "kv_cache"),
     ("passes.nodes", "passes.meta"),
@@ -21,7 +21,7 @@ FLOORS = (
     ("passes.context",),
     ("passes",),  # the passes themselves
     ("dump", "pipeline", "plancache"),
-    ("sharded", "runtime", "api", "explain", "__init__", "__main__"),
+    ("sharded", "runtime", "api", "explain", "choose", "__init__", "__main__"),
 )
 
 

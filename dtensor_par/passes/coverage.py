@@ -16,13 +16,13 @@ import re
 import torch.fx as fx
 
 from ..ops.ring_schedule import ring_step_flops
-from ..placements import Replicate, local_shape_on, shard_dim, shard_length
+from ..placements import Partial, Replicate, local_shape_on, shard_dim, shard_length
 from ..symbolic import hint
 from .context import Coverage, ParallelContext, at_node
 from .detect import AttentionSite
-from .meta import shardings, weight_name
+from .meta import Work, global_shape, placements, planned_local_shape, set_work, shardings, weight_name
 from .nodes import arguments, tensor_val, weight_param
-from .rules.registry import op_kind
+from .rules.registry import lookup, op_kind
 
 _IN_BLOCK = re.compile(r"\.\d+\.")
 
@@ -44,6 +44,7 @@ def record_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> None:
     """Measure ``ctx.coverage`` once the graph is planned (before localize drops the values it
     reads), and warn when no site runs parallel."""
     ctx.coverage = measure_coverage(gm, ctx)
+    record_work(gm, ctx)
     if ctx.mesh.plan_dims and ctx.sites and not ctx.coverage.parallel_sites:
         ctx.warn(f"none of the {len(ctx.sites)} attention and MLP sites runs parallel: every rank computes the whole "
                  f"model (see the warnings above for why)")
@@ -83,12 +84,62 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
     return cov
 
 
+ENGINES = {"linear": "matmul", "matmul": "matmul", "sdpa": "attention", "hybrid_attention": "attention"}
+"""The ops whose FLOPs the cost model counts, and the machine rate each runs at."""
+
+
+def record_work(gm: fx.GraphModule, ctx: ParallelContext) -> None:
+    """Annotate every planned op with a tensor output with the Work one rank does there."""
+    sites = {site.core: site for site in ctx.sites if isinstance(site, AttentionSite)}
+    for node in gm.graph.nodes:
+        val = tensor_val(node)
+        if node.op not in ("call_function", "call_method") or val is None or global_shape(node) is None:
+            continue
+        kind = lookup(node)
+        with at_node("coverage", node):
+            flops = rank_flops(node, sites, ctx)
+            aliases = kind is not None and kind.family == "views"
+            out_bytes = 0 if aliases else hint(math.prod(planned_local_shape(node, ctx.mesh))) * val.element_size()
+        set_work(node, Work(flops, ENGINES.get(kind.name) if kind else None, str(val.dtype).removeprefix("torch."),
+                            out_bytes))
+
+
+def rank_flops(node: fx.Node, sites: dict, ctx: ParallelContext) -> int:
+    """FLOPs one rank spends on a node's forward: a linear's or matmul's share of
+    ``_linear_flops`` (its piece of the output, over the ranks a Partial output splits the
+    contraction among), an attention's by the ring schedule; 0 for any other op."""
+    kind, mesh = op_kind(node), ctx.mesh
+    if kind in ("linear", "matmul"):
+        split = math.prod(mesh.size(d) for d, p in placements(node).items() if isinstance(p, Partial))
+        local, whole = (hint(math.prod(shape)) for shape in (planned_local_shape(node, mesh), global_shape(node)))
+        return _linear_flops(node) * local // (whole * split)
+    if kind == "hybrid_attention":
+        return max(ring_rank_flops(sites[node], ctx))
+    if kind == "sdpa":
+        return _sdpa_rank_flops(node, ctx)
+    return 0
+
+
+def _sdpa_rank_flops(node: fx.Node, ctx: ParallelContext) -> int:
+    """This rank's rows of an SDPA (heads and batch entries it holds) against every key: the
+    schedule of a ring of one where queries and keys are as long, else every pair."""
+    given = arguments(node)
+    *lead, q_len, _ = (hint(n) for n in planned_local_shape(node, ctx.mesh))
+    head_dim, kv_len = (hint(n) for n in (tensor_val(given["query"]).shape[-1], tensor_val(given["key"]).shape[-2]))
+    if q_len != kv_len:
+        return 4 * math.prod(lead) * head_dim * q_len * kv_len
+    return sum(ring_step_flops(q_len, 1, 0, zigzag=False, is_causal=given.get("is_causal", False),
+                               batch=math.prod(lead), head_dim=head_dim))
+
+
 def ring_rank_flops(site: AttentionSite, ctx: ParallelContext) -> list[int]:
     """Attention FLOPs each ring rank spends on one attention, following the ring schedule
     (zigzag; causal blocks computed in part, masked blocks computed whole, blocks outside a
-    sliding window skipped and the rest computed over their box)."""
+    sliding window skipped and the rest computed over their box), on the batch entries the
+    rank holds."""
     given = arguments(site.core)
-    batch, heads, seq, head_dim = (hint(n) for n in tensor_val(given["q"]).shape)
+    _, heads, seq, head_dim = (hint(n) for n in tensor_val(given["q"]).shape)
+    batch = hint(planned_local_shape(site.core, ctx.mesh)[0])  # cut over dp, if the plan cuts the batch
     mesh, cp = ctx.mesh, ctx.mesh.dims["cp"]
     ring = mesh.size("ring")
     local_heads = -(-heads // (mesh.size("tp") * mesh.size("ulysses")))  # padded heads are computed too

@@ -102,13 +102,23 @@ def check_lowering(comms: list[Communication], mesh: MeshInfo, comm: str, limit:
         check_circular(ring_pairs(mesh.dims["ring"]), mesh.dims["ring"])
     sets = replica_group_sets(comms, mesh, comm)
     if comm == "xla" or mesh.device_type == "neuron":
-        for name in sorted({c.mesh_dim for c in comms if "all_to_all" in (c.forward, c.backward)}):
-            check_contiguous(mesh.dims[name], mesh.order)
-        if len(sets) > limit:
-            listed = "; ".join(f"{what}: {list(map(list, key))}" for what, key in sets.items())
-            raise InvalidPlan(f"lower: the program uses {len(sets)} distinct replica-group sets, over the "
-                             f"limit of {limit} (replica_group_limit; Neuron runtimes before 2.32 take 12): {listed}")
+        check_all_to_all_contiguous(comms, mesh)
+        check_replica_group_limit(sets, limit)
     return sets
+
+
+def check_all_to_all_contiguous(comms: list[Communication], mesh: MeshInfo) -> None:
+    """Every mesh dim an all-to-all runs over has groups of contiguous ranks (Neuron)."""
+    for name in sorted({c.mesh_dim for c in comms if "all_to_all" in (c.forward, c.backward)}):
+        check_contiguous(mesh.dims[name], mesh.order)
+
+
+def check_replica_group_limit(sets: dict[str, tuple], limit: int) -> None:
+    """A Neuron program uses at most ``limit`` distinct replica-group sets."""
+    if len(sets) > limit:
+        listed = "; ".join(f"{what}: {list(map(list, key))}" for what, key in sets.items())
+        raise InvalidPlan(f"lower: the program uses {len(sets)} distinct replica-group sets, over the "
+                         f"limit of {limit} (replica_group_limit; Neuron runtimes before 2.32 take 12): {listed}")
 
 
 def lower_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:

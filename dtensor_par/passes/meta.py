@@ -27,6 +27,7 @@ _COMMUNICATIONS = "dtensor_par_comm"
 _SITE_ROLE = "dtensor_par_site"
 _PARAM_FQN = "dtensor_par_fqn"
 _WEIGHT_NAME = "dtensor_par_weight"
+_WORK = "dtensor_par_work"
 _MODULE_PATHS = "dtensor_par_fqns"  # on the graph module
 SYMBOLIC = "dtensor_par_symbolic"  # on the graph module
 _FSDP_GATHER = "dtensor_par_fsdp_gather"  # in node.meta["custom"], which AOTAutograd copies to the ops it traces
@@ -52,6 +53,16 @@ class Communication:
     forward_bytes: int  # bytes this rank puts into the forward collective
     backward_bytes: int  # bytes of the gradient this rank puts into the backward collective
     site: str | None  # the site whose plan needs it
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one rank computes and makes at a node in forward, for the cost model (``passes.cost``)."""
+
+    flops: int
+    engine: str | None  # the rate it runs at: "matmul", "attention", or None (no FLOPs counted)
+    dtype: str  # of its output: "bfloat16"
+    out_bytes: int  # this rank's piece of its output; 0 for a view of its input
 
 
 def shardings(node: fx.Node) -> dict[str, NodeSharding]:
@@ -98,6 +109,16 @@ def set_communications(node: fx.Node, comms: list[Communication]) -> None:
 def clear_communications(node: fx.Node) -> None:
     """Drop the node's communications (a node made from one that communicates, but does not)."""
     node.meta.pop(_COMMUNICATIONS, None)
+
+
+def work(node: fx.Node) -> Work | None:
+    """The node's Work, set by ``coverage.record_coverage`` on each planned op with a tensor
+    output (localize keeps it: it rewrites those nodes' arguments, not the nodes)."""
+    return node.meta.get(_WORK)
+
+
+def set_work(node: fx.Node, done: Work) -> None:
+    node.meta[_WORK] = done
 
 
 def site_role(node: fx.Node) -> str | None:

@@ -1,0 +1,210 @@
+"""choose_mesh: plan a model over every mesh of a world size and rank the legal ones by
+their predicted step time on a machine (``passes.cost``), saying why each other was refused.
+
+One process, no process group: the model is captured once and each factorization of the
+world over the mesh dims is planned once (dp_replicate and dp_shard apart: FSDP shards
+parameters over dp_shard, not over dp_replicate). A mesh order changes no plan's collectives or
+bytes, only the groups they run over, hence their links and, on Neuron, whether they are
+legal: each order is judged on the same plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import operator
+from dataclasses import dataclass
+
+from .config import ParallelConfig
+from .dump import parameter_rows
+from .errors import InvalidPlan
+from .gcpause import paused_gc
+from .machines import Machine, machine as machine_profile
+from .mesh import MESH_DIMS, MeshInfo, mesh_order
+from .ops.lowerings import FUNCTIONAL
+from .params import SHARDED
+from .passes.capture import capture_graphs
+from .passes.cost import StepTime, Traffic, activation_bytes, bytes_text, cost_pass, link_classes, traffic_text
+from .passes.localize import graph_communications
+from .passes.lower import check_all_to_all_contiguous, check_replica_group_limit, lower_pass, replica_group_sets
+from .pipeline import PASSES, parallelize_graph
+from .symbolic import hint
+
+PLANNING = tuple(p for p in PASSES if p is not lower_pass)
+"""The passes a split is planned with: lower's checks depend on the order, judged per order."""
+ADAM_STATES = 2
+"""Optimizer state per gradient byte: Adam's two moments, in the parameters' dtype."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one rank holds: parameters and gradients as ``parallelize`` holds them (what
+    ``explain(parallelized=True)`` reports), the optimizer's states, activations
+    (``cost.activation_bytes``)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class MeshChoice:
+    """A legal mesh: ``init_mesh(**choice.degrees, order=choice.order)`` builds it."""
+
+    degrees: dict[str, int]  # every mesh dim of MESH_DIMS
+    order: tuple[str, ...]  # the last dim fastest
+    predicted: StepTime
+    memory: Memory
+    warnings: tuple[str, ...]  # the plan's (padded heads or sequences, gathers)
+
+    @property
+    def collectives(self) -> dict[str, Traffic]:
+        """By mesh dim, with the link class its groups cross."""
+        return self.predicted.traffic
+
+    def __str__(self) -> str:
+        return (f"{_mesh_text(self.degrees, self.order)}: {self.predicted}; {bytes_text(self.memory.total)} per rank; "
+                f"{traffic_text(self.collectives)}")
+
+
+@dataclass(frozen=True)
+class Rejection:
+    degrees: dict[str, int]
+    order: tuple[str, ...] | None  # None: refused whatever the order
+    reason: str
+
+    def __str__(self) -> str:
+        mesh = _mesh_text(self.degrees, self.order) if self.order else _mesh_text(self.degrees, MESH_DIMS)
+        return f"{mesh}{'' if self.order else ' (every order)'}: {self.reason}"
+
+
+class Ranking(list):
+    """The legal meshes, fastest first (the ``top`` of them), and ``rejected``: every refused mesh."""
+
+    def __init__(self, choices: list[MeshChoice], rejected: list[Rejection], machine: Machine, world_size: int,
+                 training: bool):
+        super().__init__(choices)
+        self.rejected, self.machine, self.world_size, self.training = rejected, machine, world_size, training
+
+    def __str__(self) -> str:
+        step = "training step" if self.training else "forward"
+        out = [f"meshes of {self.world_size} ranks on {self.machine.name}, by predicted {step} time:"]
+        out += [f"  {i}. {c}" for i, c in enumerate(self, 1)] or ["  none is legal"]
+        out.append(f"rejected ({len(self.rejected)}):")
+        out += [f"  {r}" for r in self.rejected]
+        return "\n".join(out)
+
+
+def _mesh_text(degrees: dict[str, int], order) -> str:
+    return " x ".join(f"{d}={degrees[d]}" for d in order if degrees[d] > 1) or "one device"
+
+
+def factorizations(world_size: int, dims: tuple[str, ...] = MESH_DIMS) -> list[dict[str, int]]:
+    """Every assignment of degrees to ``dims`` whose product is ``world_size``."""
+    if not dims:
+        return [{}] if world_size == 1 else []
+    first, rest = dims[0], dims[1:]
+    return [{first: d, **others} for d in range(1, world_size + 1) if world_size % d == 0
+            for others in factorizations(world_size // d, rest)]
+
+
+def layouts(degrees: dict[str, int], device_type: str) -> list[tuple[str, ...]]:
+    """Every order of the dims of degree above 1, the device's default first (dims of degree 1
+    move no rank: they go outermost)."""
+    default = mesh_order("choose_mesh", degrees, device_type, None)
+    ones = tuple(d for d in default if degrees[d] == 1)
+    return [ones + p for p in itertools.permutations([d for d in default if degrees[d] > 1])]
+
+
+def _plan(captured: list, degrees: dict[str, int], machine: Machine, config: ParallelConfig) -> list | str:
+    """Each captured graph planned over ``degrees`` as ``parallelize`` runs it: [(local graph,
+    context)], or why the planner refuses the split."""
+    mesh = MeshInfo.for_planning(degrees, machine.device_type)
+    try:
+        config.check_mesh(mesh, "choose_mesh")
+        return [parallelize_graph(gm, inputs, mesh, config, feeding=SHARDED, passes=PLANNING)
+                for gm, inputs in captured]
+    except (InvalidPlan, NotImplementedError) as e:
+        return str(e)
+
+
+def _memory(planned: list, training: bool) -> Memory:
+    held = {}
+    for _, ctx in planned:
+        for row, info in zip(parameter_rows(ctx), ctx.params.values()):
+            held[row["name"]] = (row["bytes_per_rank"], training and info.tensor.requires_grad)
+    parameters = sum(nbytes for nbytes, _ in held.values())
+    gradients = sum(nbytes for nbytes, trained in held.values() if trained)
+    activations = sum(activation_bytes(gm, training) for gm, _ in planned)
+    return Memory(parameters, gradients, ADAM_STATES * gradients, activations)
+
+
+def _lowering_problem(planned: list, layout: MeshInfo, machine: Machine) -> str | None:
+    """Why the machine cannot run the planned collectives over ``layout``'s groups, if it cannot."""
+    try:
+        for gm, _ in planned:
+            comms = [c for _, c in graph_communications(gm)]
+            if machine.contiguous_all_to_all:
+                check_all_to_all_contiguous(comms, layout)
+            if machine.replica_group_limit is not None:
+                check_replica_group_limit(replica_group_sets(comms, layout, FUNCTIONAL), machine.replica_group_limit)
+    except InvalidPlan as e:
+        return str(e)
+    return None
+
+
+def _judge(degrees: dict[str, int], planned: list | str, machine: Machine, training: bool
+           ) -> tuple[list[MeshChoice], list[Rejection]]:
+    """The legal orders of one split, predicted, and the refused ones; of orders that put
+    every mesh dim on the same links and are alike legal, the first only."""
+    if isinstance(planned, str):
+        return [], [Rejection(degrees, None, planned)]
+    memory = _memory(planned, training)
+    if memory.total > machine.memory_per_device:
+        held = ", ".join(f"{f.name} {bytes_text(getattr(memory, f.name))}" for f in dataclasses.fields(memory))
+        return [], [Rejection(degrees, None, f"{bytes_text(memory.total)} per rank ({held}), over the "
+                              f"{bytes_text(machine.memory_per_device)} of a {machine.name} device")]
+    choices, rejected, seen = [], [], set()
+    warnings = tuple(w for _, ctx in planned for w in ctx.warnings)
+    for order in layouts(degrees, machine.device_type):
+        layout = MeshInfo.for_planning(degrees, machine.device_type, order)
+        problem = _lowering_problem(planned, layout, machine)
+        alike = (tuple(sorted(link_classes(layout, machine.devices_per_node).items())), problem is None)
+        if alike in seen:
+            continue
+        seen.add(alike)
+        if problem:
+            rejected.append(Rejection(degrees, order, problem))
+            continue
+        predicted = functools.reduce(operator.add, (cost_pass(gm, ctx, machine, layout=layout, training=training)
+                                                    for gm, ctx in planned))
+        choices.append(MeshChoice(degrees, order, predicted, memory, warnings))
+    return choices, rejected
+
+
+def choose_mesh(model, example_inputs, world_size: int, *, machine: str | Machine, training: bool = True,
+                example_kwargs: dict | None = None, batch: str = "global", top: int = 5, **options) -> Ranking:
+    """The ``top`` meshes of ``world_size`` ranks for ``model(*example_inputs,
+    **example_kwargs)`` on ``machine`` (a built-in name, a ``machines.Machine`` or a JSON
+    profile's path), fastest first by predicted step time (the forward alone without
+    ``training``); ``.rejected`` says why every other mesh was refused. The model may live on
+    the ``meta`` device; it is not run. ``options``: those of ``hybrid_parallel`` that change
+    the plan (``config.ParallelConfig``)."""
+    profile = machine_profile(machine)
+    config = ParallelConfig.of("choose_mesh", {"batch": batch, **options})
+    choices, rejected = [], []
+    with paused_gc():
+        captured = [(gm, [hint(a) for a in inputs])
+                    for gm, inputs in capture_graphs(model, *example_inputs, **(example_kwargs or {}))]
+        for degrees in factorizations(world_size):
+            legal, refused = _judge(degrees, _plan(captured, degrees, profile, config), profile, training)
+            choices += legal
+            rejected += refused
+    choices.sort(key=lambda c: c.predicted.total)
+    return Ranking(choices[:top], rejected, profile, world_size, training)

@@ -1,0 +1,184 @@
+"""The cost model (passes.cost), machine profiles and choose_mesh: all in one process, no process group
+but the fake one init_mesh is checked on."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.fx as fx
+
+import dtensor_par
+from dtensor_par.choose import choose_mesh
+from dtensor_par.config import ParallelConfig
+from dtensor_par.machines import H100_SXM, KINDS, MACHINES, Link, Machine, machine
+from dtensor_par.mesh import MeshInfo
+from dtensor_par.ops import collectives as C
+from dtensor_par.passes.context import ParallelContext
+from dtensor_par.passes.cost import cost_pass, link_classes
+from dtensor_par.passes.capture import capture_graphs
+from dtensor_par.passes.meta import Communication, Work, set_communications, set_work, work
+from dtensor_par.pipeline import parallelize_graph
+from tests import models
+
+RATE = 1e12  # FLOP/s
+INTRA, INTER = Link(1e9, 1e-6), Link(1e8, 1e-5)  # bytes/s, s
+TOY = Machine("toy", "cuda", devices_per_node=4, memory_per_device=2**30, matmul_flops={"float32": RATE},
+              attention_flops={"float32": RATE},
+              links={"intra_node": {k: INTRA for k in KINDS}, "inter_node": {k: INTER for k in KINDS}})
+SIZES = {"tp": 4, "dp_replicate": 2}
+INNER_TP = MeshInfo.for_planning(SIZES, "cuda", ("dp_replicate", "ring", "ulysses", "tp"))
+OUTER_TP = MeshInfo.for_planning(SIZES, "cuda", ("ring", "ulysses", "tp", "dp_replicate"))
+
+
+def _graph(independent_flops: int = 0, *, backward: str | None = None) -> fx.GraphModule:
+    """x -> a = matmul (1e9 FLOPs) -> r = all_reduce over tp of 1e6 bytes -> b = matmul (2e9 FLOPs)
+    reading r and c, c = matmul (``independent_flops``) of x alone, made after r is issued."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+
+    def op(flops, *args):
+        node = graph.call_function(torch.matmul, args)
+        set_work(node, Work(flops, "matmul", "float32", 0))
+        return node
+
+    a = op(10**9, x, x)
+    r = graph.call_function(C.all_reduce, (a, None))
+    set_communications(r, [Communication("all_reduce", backward, "tp", 4, 10**6, 10**6, None)])
+    c = op(independent_flops, x, x)
+    graph.output(op(2 * 10**9, r, c))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _context(mesh: MeshInfo = INNER_TP) -> ParallelContext:
+    return ParallelContext(ParallelConfig(), mesh, [])
+
+
+def _all_reduce(link: Link) -> float:
+    return link.latency + 2 * 3 / 4 * 10**6 / link.bandwidth
+
+
+def test_cost_pass_adds_compute_and_a_collective_its_reader_waits_for():
+    step = cost_pass(_graph(), _context(), TOY, training=False)
+    assert step.compute == pytest.approx(3e9 / RATE)
+    assert step.exposed_communication == pytest.approx(_all_reduce(INTRA))
+    assert step.total == pytest.approx(3e-3 + 1e-6 + 1.5e-3)
+    traffic = step.traffic["tp"]
+    assert (traffic.link, traffic.collectives, traffic.bytes) == ("intra_node", 1, 10**6)
+
+
+def test_cost_pass_training_adds_twice_the_compute_and_the_backward_collectives():
+    step = cost_pass(_graph(backward="all_reduce"), _context(), TOY, training=True)
+    assert step.compute == pytest.approx(3 * 3e9 / RATE)
+    assert step.exposed_communication == pytest.approx(2 * _all_reduce(INTRA))
+    assert step.traffic["tp"].collectives == 2
+
+
+def test_cost_pass_hides_a_collective_behind_the_compute_issued_after_it():
+    hidden = cost_pass(_graph(independent_flops=2 * 10**9), _context(), TOY, training=False)
+    assert hidden.exposed_communication == pytest.approx(0, abs=1e-12)
+    assert hidden.compute == pytest.approx(5e9 / RATE)
+    part = cost_pass(_graph(independent_flops=10**9), _context(), TOY, training=False)  # 1 ms of 1.501 ms
+    assert part.exposed_communication == pytest.approx(_all_reduce(INTRA) - 1e-3)
+
+
+def test_link_classes_follow_the_mesh_order():
+    inner, outer = link_classes(INNER_TP, 4), link_classes(OUTER_TP, 4)
+    assert (inner["tp"], inner["dp"]) == ("intra_node", "inter_node")  # tp groups (0..3), (4..7)
+    assert (outer["tp"], outer["dp"]) == ("inter_node", "intra_node")  # tp groups (0, 2, 4, 6), (1, 3, 5, 7)
+    across = cost_pass(_graph(), _context(), TOY, layout=OUTER_TP, training=False)
+    assert across.exposed_communication == pytest.approx(_all_reduce(INTER))
+    assert across.traffic["tp"].link == "inter_node"
+
+
+def test_machine_profiles_round_trip_as_json_and_unknown_names_list_the_known(tmp_path):
+    path = str(tmp_path / "profile.json")
+    TOY.save(path)
+    assert machine(path) == TOY and machine(TOY) is TOY and machine("h200-8") is MACHINES["h200-8"]
+    with pytest.raises(ValueError, match="h100-sxm-8"):
+        machine("h300")
+    seconds = H100_SXM.collective_seconds("all_gather", 2**20, 8, "inter_node")
+    assert seconds == pytest.approx(25.5e-6 + 7 * 2**20 / 50e9)
+
+
+def test_work_is_each_ranks_share_of_the_flops_coverage_counts():
+    """Every linear of a GPT is cut 8 ways at tp=2 x ring=2 x ulysses=2, and zigzag gives every
+    ring rank the same attention; at tp=2 alone, SDPA runs half the heads; dp=2 x ring=2 cuts
+    the batch too (each rank's attention: a quarter)."""
+    torch.manual_seed(0)
+    (gm, inputs), = capture_graphs(models.GPT(layers=1, hidden=64, heads=8, mlp=128), torch.randn(2, 16, 64))
+    flops = {}
+    for sizes in ({"tp": 2, "ring": 2, "ulysses": 2}, {"dp_replicate": 2, "ring": 2}, {"tp": 2}, {"tp": 1}):
+        local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning(sizes, "cuda"))
+        done = [work(n) for n in local.graph.nodes if work(n) is not None]
+        ranks = math.prod(sizes.values())
+        flops[ranks] = {e: sum(w.flops for w in done if w.engine == e) for e in ("matmul", "attention")}
+        if ctx.coverage.ring_attention_flops:
+            (per_ring_rank,) = ctx.coverage.ring_attention_flops.values()
+            assert flops[ranks]["attention"] == max(per_ring_rank) == min(per_ring_rank)
+    assert flops[8]["matmul"] * 8 == flops[4]["matmul"] * 4 == flops[2]["matmul"] * 2 == ctx.coverage.linear_flops
+    whole = 4 * 2 * 8 * 8 * 16 * 17 // 2  # batch 2, 8 heads of 8, 16 x 17 / 2 causal pairs
+    assert flops[8]["attention"] * 8 == flops[4]["attention"] * 4 == flops[2]["attention"] * 2 == whole
+    assert flops[1] == {"matmul": ctx.coverage.linear_flops, "attention": whole}
+
+
+@pytest.fixture(scope="module")
+def gpt_ranking():
+    """A GPT of 4 heads over 8 ranks of an H100 node: tp=8 does not divide the heads."""
+    torch.manual_seed(0)
+    model = models.GPT(layers=1, hidden=64, heads=4, mlp=128)
+    inputs = (torch.randn(2, 16, 64),)
+    return model, inputs, choose_mesh(model, inputs, 8, machine="h100-sxm-8", top=50)
+
+
+def test_choose_mesh_rejects_indivisible_heads_and_ranks_the_rest(gpt_ranking):
+    _, _, ranking = gpt_ranking
+    (tp8,) = [r for r in ranking.rejected if r.degrees["tp"] == 8]
+    assert tp8.order is None and "4 heads, not divisible by mesh dim 'tp' of size 8" in tp8.reason
+    totals = [c.predicted.total for c in ranking]
+    assert len(ranking) > 5 and totals == sorted(totals) and totals[0] > 0
+    assert all(math.prod(c.degrees.values()) == 8 for c in ranking)
+    assert any("padded" in w for c in ranking for w in c.warnings)  # ulysses=8 pads 4 heads, legal
+    assert "rejected" in str(ranking) and str(ranking[0]) in str(ranking)
+
+
+def test_choose_mesh_top_choice_builds_and_matches_explain(gpt_ranking, fake_world):
+    model, inputs, ranking = gpt_ranking
+    best = ranking[0]
+    fake_world(8)
+    mesh = dtensor_par.init_mesh(**best.degrees, order=best.order, device_type="cpu")
+    assert dict(zip(mesh.mesh_dim_names, mesh.shape)) == {d: best.degrees[d] for d in best.order}
+    report = dtensor_par.explain(model, inputs, **best.degrees, order=best.order, parallelized=True,
+                                 machine="h100-sxm-8")
+    (graph,) = report.graphs
+    by_dim = {}
+    for row in graph.collectives:
+        by_dim[row["mesh_dims"]] = by_dim.get(row["mesh_dims"], 0) + row["bytes_per_rank"] * row["count"]
+    assert by_dim == {d: t.bytes for d, t in best.collectives.items()}
+    assert report.parameter_bytes[0] == best.memory.parameters
+    assert graph.predicted == best.predicted
+    assert f"predicted training step on h100-sxm-8: {best.predicted}" in str(report)
+
+
+def test_choose_cli_with_a_json_profile_rejects_every_mesh_over_its_memory(tmp_path, capsys):
+    from dtensor_par.__main__ import main
+
+    path = str(tmp_path / "small.json")
+    dataclasses.replace(H100_SXM, name="small", memory_per_device=1000).save(path)
+    assert main(["choose", "tests/factories.py:gpt", "--world", "2", "--machine", path]) == 0
+    out = capsys.readouterr().out
+    assert "meshes of 2 ranks on small, by predicted training step time:\n  none is legal" in out
+    rejected = out.splitlines()[out.splitlines().index("rejected (5):") + 1:]
+    assert len(rejected) == 5, rejected
+    assert all(" per rank (parameters " in r and "over the 1000 B of a small device" in r for r in rejected), rejected
+
+
+def test_choose_mesh_on_neuron_keeps_ulysses_groups_contiguous():
+    torch.manual_seed(0)
+    model = models.GPT(layers=1, hidden=64, heads=4, mlp=128)
+    ranking = choose_mesh(model, (torch.randn(1, 16, 64),), 4, machine="trn2-48xl", top=50)
+    hybrid = {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "ring": 1, "ulysses": 2}
+    (legal,) = [c for c in ranking if c.degrees == hybrid]
+    assert legal.order[-1] == "ulysses"
+    (illegal,) = [r for r in ranking.rejected if r.degrees == hybrid]
+    assert illegal.order[-1] == "tp" and "needs groups of contiguous ranks on Neuron" in illegal.reason
