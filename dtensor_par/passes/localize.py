@@ -358,15 +358,20 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     if ctx.specialization is not None:
         materialize_sizes(gm, {v.node.expr: n for n in graph.nodes if n.op == "placeholder"
                                for v in [n.meta.get("val")] if is_symbolic(v)})
-    average_gradients_over_dp(gm, ctx, fsdp)
-    bucket_fsdp_gathers(gm, ctx)
-    bucket_input_grad_reductions(gm, ctx)
-    for node in graph.nodes:
+    _reduce_gradients(gm, ctx, fsdp)
+    for node in graph.nodes:  # the global values: the local graph's differ
         for key in ("val", "example_value", "tensor_meta"):
             node.meta.pop(key, None)
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _reduce_gradients(gm: fx.GraphModule, ctx: ParallelContext, fsdp: dict[str, HeldLayout]) -> None:
+    """Once every edge is localized: the inputs' gradient averages over dp, and the buckets."""
+    average_gradients_over_dp(gm, ctx, fsdp)
+    bucket_fsdp_gathers(gm, ctx)
+    bucket_input_grad_reductions(gm, ctx)
 
 
 def graph_communications(gm: fx.GraphModule) -> list[tuple[fx.Node, Communication]]:
