@@ -134,6 +134,7 @@ OPS = {
     "complex": (lambda x: torch.view_as_complex(x), [_t(2, 4, 2)]),
     "pad": (lambda x: F.pad(x, (0, 2)), [_t(2, 4, 6)]),
     "embedding": (lambda ids, w: F.embedding(ids, w), [torch.randint(0, 10, (2, 4)), _t(10, 6)]),
+    "conv2d": (lambda x, w, b: F.conv2d(x, w, b, stride=2), [_t(2, 3, 4, 4), _t(6, 3, 2, 2), _t(6)]),
 }
 
 

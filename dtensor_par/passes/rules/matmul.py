@@ -1,4 +1,5 @@
-"""Contractions: linear (colwise, rowwise, or over a sharded batch or sequence), matmul, einsum."""
+"""Contractions: linear (colwise, rowwise, or over a sharded batch or sequence), matmul, einsum,
+and convolutions over a sharded batch."""
 
 from __future__ import annotations
 
@@ -109,6 +110,18 @@ def einsum_rule(node, ins, cur, env):
     return NodeSharding(out, required)
 
 
+def conv_rule(node, ins, cur, env):
+    """A convolution (a DiT's patch embedding) runs on this rank's images of a batch cut over
+    dp; any other cut mixes what it slides over or sums over channels: gathered."""
+    x_p, params = cur[0], cur[1:]
+    if isinstance(x_p, Shard) and x_p.dim == 0 and all(p == R for p in params):
+        return NodeSharding(x_p, tuple(cur))
+    return replicate_all(node, ins, cur, "a convolution runs split along its batch only")
+
+
+register("conv", "matmul", conv_rule, functions=[torch.conv1d, torch.conv2d, torch.conv3d,
+                                                  torch.nn.functional.conv1d, torch.nn.functional.conv2d,
+                                                  torch.nn.functional.conv3d])
 register("linear", "matmul", linear_rule, functions=[torch._C._nn.linear, torch.nn.functional.linear])
 register("matmul", "matmul", matmul_rule, functions=[operator.matmul, torch.matmul, torch.bmm],
          methods=["matmul", "bmm"])
