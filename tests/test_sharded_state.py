@@ -30,11 +30,16 @@ SHARDED = {
 }
 
 
+LAYERS = 1
+"""Layers of each test model: nothing the sharded state does crosses layers, and one layer
+compiles in about half the time of two (CI time on 2 cores)."""
+
+
 def _model(name: str):
     torch.manual_seed(0)
     if name == "gpt":  # fused qkv: a _StridedShard parameter
-        return models.GPT(layers=2), torch.randn(2, 8, 32)
-    return models.Llama(layers=2), torch.randint(0, 50, (2, 8))
+        return models.GPT(layers=LAYERS), torch.randn(2, 8, 32)
+    return models.Llama(layers=LAYERS), torch.randint(0, 50, (2, 8))
 
 
 def _storage_bytes(t) -> int:
@@ -148,7 +153,7 @@ def test_training_matches_one_device_holding_one_tp_share(world):
     for rank_results in LAUNCHES[world].result():
         result = rank_results["training"]
         for name, worst in result.items():
-            assert worst["sharded_params"] == 2 * len(SHARDED[name]), (name, worst)
+            assert worst["sharded_params"] == LAYERS * len(SHARDED[name]), (name, worst)
             for key in ("loss", "norm", "param", "full_state_dict", "loaded_full", "dcp_params", "dcp_exp_avg"):
                 assert worst.get(key, 0.0) <= PARAM_RTOL, (name, key, worst)
         if world == 4:
@@ -205,9 +210,9 @@ def full_parameters_stay_fresh(rank: int, world: int):
     new = torch.randn_like(model.blocks[0].proj.weight)
     model.blocks[0].proj.weight.data, reference.blocks[0].proj.weight.data = new.clone(), new.clone()
     diffs.append(max_rel(compiled(x), reference(x)))
-    new = torch.randn_like(model.blocks[1].qkv.weight)
-    model.blocks[1].qkv.weight = nn.Parameter(new.clone())
-    reference.blocks[1].qkv.weight = nn.Parameter(new.clone())
+    new = torch.randn_like(model.blocks[0].qkv.weight)
+    model.blocks[0].qkv.weight = nn.Parameter(new.clone())
+    reference.blocks[0].qkv.weight = nn.Parameter(new.clone())
     diffs.append(max_rel(compiled(x), reference(x)))
     return diffs
 
