@@ -98,13 +98,11 @@ GREEDY = {"max_new_tokens": 16, "do_sample": False, "pad_token_id": 0}
 
 
 def _tiny_llama():
-    """A 1-layer transformers Llama (GQA: 8 heads, 4 kv heads), its config and a prompt of 8 tokens:
-    the entry points and the decorator do not depend on the layers (``_decoder``'s two layers
-    check the kv cache across layers)."""
+    """A 2-layer transformers Llama (GQA: 8 heads, 4 kv heads), its config and a prompt of 8 tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=4)
     return config, LlamaForCausalLM(config).eval(), torch.randint(0, 128, (1, 8))
 
