@@ -31,7 +31,7 @@ RUNS = {
                                   mesh_sizes={"tp": 2, "ring": 2, "ulysses": 2}, order=("tp", "ulysses", "ring"))},
     # Parameter gradients in many small buckets (1 KiB), each waited for late in backward
     # (aot_eager's backward through passes.overlap.sink_waits): still exact.
-    2: {"small_buckets": dict(names=["llama_gqa_rope"], options={"grad_bucket_mb": 2**-10}, steps=2,
+    2: {"small_buckets": dict(names=["llama_gqa_rope_2_layers"], options={"grad_bucket_mb": 2**-10}, steps=2,
                               mesh_sizes={"ulysses": 2})},
 }
 """World size -> label -> ``run_cases``' keyword arguments; each world's runs share one launch."""

@@ -27,7 +27,7 @@ def _local_batch(rank: int, world: int, *, mesh_sizes: dict, model: str) -> dict
     its output equals one device's rows of it, every gradient one device's on the whole batch."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    net = models.Llama(layers=2) if model == "llama" else models.GPT(layers=2)
+    net = models.Llama(layers=1) if model == "llama" else models.GPT(layers=1)
     reference = copy.deepcopy(net)
     batch = torch.randint(0, 50, (4, 8)) if model == "llama" else torch.randn(4, 8, 32)
     mesh = dtensor_par.init_mesh(**mesh_sizes)

@@ -75,7 +75,8 @@ RUNS = {
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
                              names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "bloom", "falcon"]),
         "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=MODELS + ["mistral_padded", "bloom", "falcon"])},
-    8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=MODELS)},
+    # Ulysses x ring beside tp: causal GQA, a window, joint attention (each model's own layers run at world 4).
+    8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=["llama", "mistral", "flux"])},
 }
 """World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size."""
 LAUNCHES = {world: in_background(run_ranks_together, world, {label: (compare_models, kwargs)
