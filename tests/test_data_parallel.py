@@ -202,13 +202,13 @@ def _assert_a_step_runs(model, ids, report, fake_world, **options) -> None:
     assert ran == _reported(report)
 
 
-@pytest.mark.parametrize("sizes,reshard", [({"dp_shard": 2, "tp": 2}, True), ({"dp_replicate": 2, "dp_shard": 2}, False),
-                                           ({"dp_shard": 2, "ulysses": 2}, True)])
+@pytest.mark.parametrize("sizes,reshard", [({"dp_shard": 2, "tp": 2}, True), ({"dp_replicate": 2, "dp_shard": 2}, False)])
 def test_fsdp_gathers_each_block_once_and_a_step_runs_what_explain_reports(sizes, reshard, fake_world):
     """Parallelized, each parameter is cut over the fsdp dims too: one flat all-gather per block
     (and one for the rest of the model), again in backward unless reshard_after_forward=False,
     and one reduce-scatter of its gradients; HSDP all-reduces the pieces over dp_replicate.
-    explain reports the bytes held, and a step runs exactly the collectives it reports."""
+    explain reports the bytes held, and a step runs exactly the collectives it reports (FSDP
+    over ulysses: tests/test_sharded_state.py, on gloo)."""
     torch.manual_seed(0)
     model = models.Llama(layers=2)
     ids = torch.randint(0, 50, (2, 8))

@@ -91,7 +91,7 @@ def _edge(insert: _Inserter, cached, x: fx.Node, src: Placement, dst: Placement,
     """The ops one input edge needs on one mesh dim; ``partial_grad``: the consumer computes
     rank-locally from a replicated input, so that input's gradient is a per-rank partial.
     ``summed_at_gather``: ``x`` is an FSDP-held parameter, whose gradient is summed over this
-    dim where it is gathered (``gather_fsdp_params``): a partial gradient is left partial, and
+    dim where it is gathered (``gather_fsdp_param``): a partial gradient is left partial, and
     one that every rank computes whole is made partial, so that the sum counts it once."""
     dim = insert.dim
     if summed_at_gather:
@@ -276,7 +276,7 @@ def bucket_fsdp_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
             gather = dataclasses.replace(comms[0], forward_bytes=held,
                                          backward_bytes=sum(c.backward_bytes for c in comms), site=site)
             again = Communication(None, "all_gather", mesh_dim.name, mesh_dim.size, 0, held, f"{site}, again")
-            set_communications(merged, [gather, again] if reshard else [gather])
+            set_communications(merged, [gather, again] if reshard and gather.backward else [gather])
             for i, (gather, piece) in enumerate(zip(gathers, pieces)):
                 bucketed = graph.call_function(operator.getitem, (merged, i))
                 piece.replace_all_uses_with(bucketed)

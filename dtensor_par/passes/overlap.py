@@ -68,7 +68,9 @@ def _keeps_its_place(node: fx.Node) -> bool:
 def _prefetch_points(nodes: list[fx.Node], position: dict[fx.Node, int]) -> dict[fx.Node, fx.Node]:
     """FSDP gather issue -> the node it must follow: the first op reading the previous FSDP
     gather's result. Each block's parameters are gathered while the block before computes, not
-    all at once (FSDP2's prefetch of one block); in backward, the recomputed gathers likewise."""
+    all at once (FSDP2's prefetch of one block); in backward, the recomputed gathers likewise.
+    Only a reader that comes before the gather in the graph is a point: every dependency then
+    points back in graph order, so the schedule has no cycle."""
     gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default and is_fsdp_gather(n)]
     points = {}
     for previous, gather in zip(gathers, gathers[1:]):
@@ -76,8 +78,9 @@ def _prefetch_points(nodes: list[fx.Node], position: dict[fx.Node, int]) -> dict
         for wait in (u for u in previous.users if u.target is WAIT):
             group = _followers(wait)
             readers += [u for n in group for u in n.users if u not in group]
-        if readers:
-            points[gather] = min(readers, key=position.__getitem__)
+        first = min(readers, key=position.__getitem__, default=None)
+        if first is not None and position[first] < position[gather]:
+            points[gather] = first
     return points
 
 
@@ -112,8 +115,7 @@ def raise_issues(gm: fx.GraphModule) -> fx.GraphModule:
 
     # FSDP gathers first: each is issued as soon as its block's predecessor starts, ahead of that
     # block's own collectives (over other groups; every rank runs this same order)
-    gathers = list(dict.fromkeys(g for pair in prefetch.items() for g in pair if _is_issue(g)))
-    for n in gathers + [n for n in nodes if _is_issue(n)] + nodes:
+    for n in list(prefetch) + [n for n in nodes if _is_issue(n)] + nodes:
         place(n)
     output = next(n for n in reversed(nodes) if n.op == "output")
     for n in order:
