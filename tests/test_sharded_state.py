@@ -161,9 +161,7 @@ def _calls(world: int, folder: str) -> dict:
     # The fused (strided) case once, at world 4: CI time on 2 cores.
     return {"training": (train_against_one_device, dict(sizes={"tp": 2, "ulysses": 2}, names=["gpt", "llama"],
                                                         checkpoint_dir=os.path.join(folder, "checkpoint"))),
-            # each dp rank given its own rows: FSDP beside tp, and HSDP keeping gathered weights
-            "fsdp_local": (train_against_one_device, dict(sizes={"dp_shard": 2, "tp": 2}, names=["llama"],
-                                                          checkpoint_dir=None, batch="local")),
+            # each dp rank given its own rows: HSDP keeping gathered weights (FSDP beside tp: world 8)
             "hsdp_local": (train_against_one_device, dict(sizes={"dp_replicate": 2, "dp_shard": 2}, names=["llama"],
                                                           checkpoint_dir=None, batch="local",
                                                           reshard_after_forward=False)),
@@ -180,8 +178,8 @@ LAUNCHES = {world: in_background(_launch, world) for world in (4, 8, 2)}
 """One launch per world size serves all of that size's tests (in the order they read them)."""
 
 
-@pytest.mark.parametrize("world,label", [(4, "training"), (8, "training"), (4, "fsdp_local"), (4, "hsdp_local")],
-                         ids=["tp2-ulysses2", "dp_shard2-ring2-tp2", "local-dp_shard2-tp2", "local-hsdp2x2"])
+@pytest.mark.parametrize("world,label", [(4, "training"), (8, "training"), (4, "hsdp_local")],
+                         ids=["tp2-ulysses2", "dp_shard2-ring2-tp2", "local-hsdp2x2"])
 def test_training_matches_one_device_holding_one_tp_and_fsdp_share(world, label):
     for rank_results in LAUNCHES[world].result():
         result = rank_results[label]
