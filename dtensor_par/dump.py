@@ -26,7 +26,6 @@ from .passes.detect import AttentionSite, module_name
 from .passes.localize import graph_communications
 from .passes.meta import communications, global_shape, param_fqn, placements, shardings, site_role, weight_name
 from .passes.nodes import target_name
-from .mesh import SPANS
 from .params import held_layouts
 from .placements import Replicate, describe, local_shape_on
 
@@ -109,7 +108,7 @@ def fsdp_line(ctx: ParallelContext) -> str | None:
     if not cut:
         return None
     fsdp = layouts[cut[0]].fsdp
-    spans = " x ".join(n for n in SPANS[fsdp.name] if ctx.mesh.size(n) > 1)
+    spans = " x ".join(ctx.mesh.spanned(fsdp.name))
     whole = [ctx.params[name].fqn for name in layouts if name not in cut]
     return (f"fsdp: {len(cut)} of {len(layouts)} parameters cut over {spans} = {fsdp.size}, gathered at use one "
             f"block at a time" + (f"; held as tp cuts them (no dim divides): {', '.join(whole)}" if whole else ""))

@@ -179,11 +179,15 @@ class MeshInfo:
             return None
         for name in ("fsdp", "cp", *FSDP_DIMS):
             ring_major = name != "cp" or self.order.index("ring") < self.order.index("ulysses")
-            if ring_major and wanted == {n for n in SPANS[name] if self.size(n) > 1}:
+            if ring_major and wanted == set(self.spanned(name)):
                 return self.dims[name]
         raise NotImplementedError(
             f"fsdp_dims={names} on the mesh {self.described()}: parameters can be sharded over all of "
-            f"{[n for n in FSDP_DIMS if self.size(n) > 1]} or over one of them, not over {sorted(wanted)} alone")
+            f"{list(self.spanned('fsdp'))} or over one of them, not over {sorted(wanted)} alone")
+
+    def spanned(self, name: str) -> tuple[str, ...]:
+        """The mesh dims of size > 1 that dim ``name`` flattens (SPANS)."""
+        return tuple(n for n in SPANS[name] if self.size(n) > 1)
 
     def described(self) -> str:
         """``dp_shard=2 x ring=1 x ulysses=2 x tp=2``: the mesh's dims in order, with their sizes."""

@@ -26,7 +26,7 @@ from torch.distributed.tensor import Shard as DTensorShard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .kv_cache import cache_shard
-from .mesh import SPANS, MeshDim, MeshInfo
+from .mesh import MeshDim, MeshInfo
 from .ops.collectives import gather_param_grad, shard_local
 from .placements import InterleavedShard, Placement, Replicate, Shard, describe, interleaved_parts, local_chunk, \
     local_shape, shard_dim
@@ -55,10 +55,11 @@ class HeldLayout:
     fsdp_dim: int | None = None
 
     @classmethod
-    def of(cls, shape, tp: Placement | None, mesh: MeshInfo, fsdp_dims: tuple[str, ...] | None) -> HeldLayout:
-        """The layout of a parameter of ``shape`` planned ``tp`` on tp; FSDP over ``fsdp_dims``
-        cuts the first dim that tp does not cut and that divides over it (none: held as tp cuts it)."""
-        tp, fsdp = tp or Replicate(), mesh.fsdp(fsdp_dims)
+    def of(cls, shape, tp: Placement | None, mesh: MeshInfo, fsdp: MeshDim | None) -> HeldLayout:
+        """The layout of a parameter of ``shape`` planned ``tp`` on tp; FSDP over the mesh dim
+        ``fsdp`` (``MeshInfo.fsdp``) cuts the first dim that tp does not cut and that divides over
+        it (none: held as tp cuts it)."""
+        tp = tp or Replicate()
         local = local_shape(shape, tp, mesh.size("tp"))
         dim = None if fsdp is None else next(
             (d for d, n in enumerate(local) if d != shard_dim(tp) and n and n % fsdp.size == 0), None)
@@ -89,7 +90,7 @@ class HeldLayout:
         of every part."""
         per_dim = {"tp": _tp_dtensor_placement(self.tp)}
         if self.fsdp_dim is not None:
-            per_dim.update((n, DTensorShard(self.fsdp_dim)) for n in SPANS[self.fsdp.name] if info.size(n) > 1)
+            per_dim.update((n, DTensorShard(self.fsdp_dim)) for n in info.spanned(self.fsdp.name))
         return tuple(per_dim.get(name, DTensorReplicate()) for name in mesh.mesh_dim_names)
 
     def describe(self) -> dict[str, str]:
@@ -109,8 +110,8 @@ def _tp_dtensor_placement(p: Placement) -> DTensorPlacement:
 def held_layouts(ctx) -> dict[str, HeldLayout]:
     """Each parameter placeholder's layout, as the plan's parameters are held: FSDP only once
     parallelized (whole parameters are only ever sliced on tp)."""
-    fsdp_dims = ctx.config.fsdp_dims if ctx.feeding.sharded else ()
-    return {name: HeldLayout.of(info.tensor.shape, ctx.param_placements.get(name), ctx.mesh, fsdp_dims)
+    fsdp = ctx.mesh.fsdp(ctx.config.fsdp_dims) if ctx.feeding.sharded else None
+    return {name: HeldLayout.of(info.tensor.shape, ctx.param_placements.get(name), ctx.mesh, fsdp)
             for name, info in ctx.params.items()}
 
 

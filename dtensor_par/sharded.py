@@ -198,6 +198,7 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
     info = MeshInfo.from_mesh(mesh, entry)
     config.check_mesh(info, entry)
     placements = plan_placements(model, mesh, example_args, example_kwargs, config)
+    fsdp = info.fsdp(config.fsdp_dims)
     state = ShardedState(mesh, config, [])
     # id(old) -> (DTensor param, stand-in): tied weights share them
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
@@ -205,7 +206,7 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
         owner_name, _, name = fqn.rpartition(".")
         owner = model.get_submodule(owner_name)
         if id(old) not in replaced:
-            layout = HeldLayout.of(old.shape, placements.get(fqn), info, config.fsdp_dims)
+            layout = HeldLayout.of(old.shape, placements.get(fqn), info, fsdp)
             param = _as_dtensor(old, layout, mesh, info)
             replaced[id(old)] = (param, _standin(param))
             state.remember_replaced(old, fqn)

@@ -294,7 +294,7 @@ class _GatherParams(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dims, mesh_dim, comm, divisor, *pieces):
-        ctx.args = (dims, mesh_dim, comm, divisor)
+        ctx.args = (dims, mesh_dim, comm, divisor, [p.shape for p in pieces])
         by_chunk = LOWERINGS[comm].all_gather(_flatten(list(pieces)), mesh_dim)
         columns = by_chunk.split([p.numel() for p in pieces], dim=1)
         return tuple(_assemble(c.reshape(mesh_dim.size, *p.shape), d, None, mesh_dim, None)
@@ -302,12 +302,11 @@ class _GatherParams(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        dims, mesh_dim, comm, divisor = ctx.args
+        dims, mesh_dim, comm, divisor, shapes = ctx.args
         by_chunk = torch.cat([_pieces(g, Shard(d), mesh_dim, edge=False).reshape(mesh_dim.size, -1)
                               for g, d in zip(grads, dims)], dim=1)
         flat = LOWERINGS[comm].reduce_scatter(by_chunk, mesh_dim)
         flat = flat / divisor if divisor != 1 else flat
-        shapes = [g.shape[:d] + (g.shape[d] // mesh_dim.size,) + g.shape[d + 1:] for g, d in zip(grads, dims)]
         return None, None, None, None, *_unflatten(flat, shapes)
 
 

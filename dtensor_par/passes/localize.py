@@ -119,11 +119,11 @@ def _plain(graph: fx.Graph, fn, args: tuple, kwargs: dict | None = None) -> fx.N
 def _summing_dims(plan_dim: str, fsdp: MeshDim, mesh) -> MeshDim | None:
     """The part of plan dim ``plan_dim`` (cp or dp) that an FSDP gather's reduce-scatter over
     ``fsdp`` does not sum a gradient over, as a mesh dim; None if it sums over all of it."""
-    rest = [n for n in SPANS[plan_dim] if mesh.size(n) > 1 and n not in SPANS[fsdp.name]]
+    spanned = mesh.spanned(plan_dim)
+    rest = [n for n in spanned if n not in SPANS[fsdp.name]]
     if not rest:
         return None
-    return mesh.dims[plan_dim] if len(rest) == len([n for n in SPANS[plan_dim] if mesh.size(n) > 1]) else \
-        mesh.dims[rest[0]]
+    return mesh.dims[plan_dim] if len(rest) == len(spanned) else mesh.dims[rest[0]]
 
 
 def gather_fsdp_param(gm: fx.GraphModule, ctx: ParallelContext, node: fx.Node, layout: HeldLayout) -> fx.Node:
