@@ -51,11 +51,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import dtensor_par
-from dtensor_par.mesh import MeshInfo
 from benchmarks import decode, gpu, overlap
 from benchmarks.models import TP_HAND_EDITS, WithLoss, ddp_anchor, fsdp_anchor, tp_anchor
 from benchmarks.report import failure
-from tests.harness import executed_collectives, logged, run_ranks
+from tests.harness import dp_rows, executed_collectives, logged, run_ranks
 from tests.models import DiT, Llama
 
 FULL = {"dit": {"layers": 2, "dim": 256, "heads": 8, "mlp": 1024},
@@ -78,11 +77,11 @@ def build(name: str, sizes: dict, seq: int, mesh: dict):
     return Llama(**sizes), torch.randint(0, sizes["vocab"], (batch, seq))
 
 
-def dp_rows(fn, mesh, x):
-    """``fn`` given this rank's sequence of the batch, as a DistributedSampler feeds DDP and
-    FSDP2 (ours is given the whole batch and cuts it over dp itself)."""
-    rank = MeshInfo.from_mesh(mesh).dims["dp"].rank
-    return lambda _: fn(x[rank:rank + 1])
+def on_own_rows(fn, mesh, x):
+    """``fn`` given this rank's rows of the batch, as a DistributedSampler feeds DDP and FSDP2
+    (ours is given the whole batch and cuts it over dp itself)."""
+    rows = dp_rows(mesh, len(x))
+    return lambda _: fn(x[rows])
 
 
 def train_step(fn, opt, x) -> None:
@@ -178,12 +177,12 @@ def _variants(name, sizes, seq, mesh_sizes, mesh, inner):
                         "issue 11's measurement)")
     elif set(mesh_sizes) == {"dp_shard", "tp"}:
         anchor = fsdp_anchor(model, mesh)
-        out["torch"] = (anchor, dp_rows(torch.compile(anchor, backend=inner), mesh, x),
+        out["torch"] = (anchor, on_own_rows(torch.compile(anchor, backend=inner), mesh, x),
                         f"fully_shard per block and root over dp_shard + parallelize_module over tp, "
                         f"torch.compile(backend={inner!r}); each rank given its own sequence")
     elif set(mesh_sizes) == {"dp_replicate"}:
         anchor = ddp_anchor(model)
-        out["torch"] = (anchor, dp_rows(torch.compile(anchor, backend=inner), mesh, x),
+        out["torch"] = (anchor, on_own_rows(torch.compile(anchor, backend=inner), mesh, x),
                         f"DistributedDataParallel, torch.compile(backend={inner!r}); each rank given its own sequence")
     out["ours"] = (*ours(model, mesh, x, inner), f"dtensor_par.parallelize + hybrid_parallel(inner_backend={inner!r})")
     return out, x

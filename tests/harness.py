@@ -32,6 +32,15 @@ def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
+def dp_rows(mesh, size: int) -> slice:
+    """This rank's rows of a batch of ``size`` under ``batch="local"``: its dp coordinate's share,
+    as a DistributedSampler feeds DDP and FSDP2."""
+    from dtensor_par.mesh import MeshInfo
+
+    dp = MeshInfo.from_mesh(mesh).dims["dp"]
+    return slice(dp.rank * size // dp.size, (dp.rank + 1) * size // dp.size)
+
+
 def loss_of(out: torch.Tensor) -> torch.Tensor:
     """A loss that weighs every output element differently, so any misplaced value shows."""
     weights = torch.linspace(-1.0, 1.0, out.numel(), dtype=out.dtype).view(out.shape)

@@ -17,7 +17,8 @@ from dtensor_par.mesh import MESH_DIMS, MeshInfo
 from tests import models
 from tests.background import in_background
 from tests.cases import run_cases
-from tests.harness import FUNCTIONAL_OPS, assert_every_rank_matches, executed_collectives, max_rel, run_ranks_together
+from tests.harness import (FUNCTIONAL_OPS, assert_every_rank_matches, dp_rows, executed_collectives, max_rel,
+                           run_ranks_together)
 
 GLOBAL_CASES = ["gpt_fused_qkv", "bool_mask", "joint_attention", "mean_loss"]
 
@@ -31,8 +32,7 @@ def _local_batch(rank: int, world: int, *, mesh_sizes: dict, model: str) -> dict
     reference = copy.deepcopy(net)
     batch = torch.randint(0, 50, (4, 8)) if model == "llama" else torch.randn(4, 8, 32)
     mesh = dtensor_par.init_mesh(**mesh_sizes)
-    dp = MeshInfo.from_mesh(mesh).dims["dp"]
-    rows = slice(dp.rank * 4 // dp.size, (dp.rank + 1) * 4 // dp.size)
+    rows = dp_rows(mesh, 4)
     compiled = torch.compile(net, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager", batch="local"))
     out = compiled(batch[rows])
     out.pow(2).mean().backward()

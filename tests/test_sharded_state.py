@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 
 import dtensor_par
-from dtensor_par.mesh import FSDP_DIMS, MeshInfo
+from dtensor_par.mesh import FSDP_DIMS
 from tests import models
 from tests.background import in_background
-from tests.harness import FUNCTIONAL_OPS, executed_collectives, loss_of, max_rel, run_ranks_together
+from tests.harness import FUNCTIONAL_OPS, dp_rows, executed_collectives, loss_of, max_rel, run_ranks_together
 
 PARAM_RTOL = 1e-5
 
@@ -66,13 +66,6 @@ def _check_storage(model: nn.Module, optimizer, name: str, tp: int, fsdp: int) -
     return sharded
 
 
-def _my_rows(mesh, batch: str, size: int) -> slice:
-    """The rows of a batch of ``size`` this rank is given: all of them, or under ``batch="local"``
-    its dp coordinate's share (as a DistributedSampler feeds DDP/FSDP2)."""
-    dp = MeshInfo.from_mesh(mesh).dims["dp"]
-    return slice(None) if batch == "global" else slice(dp.rank * size // dp.size, (dp.rank + 1) * size // dp.size)
-
-
 def _rows_loss(out: torch.Tensor, rows: slice, batch_size: int) -> torch.Tensor:
     """``loss_of`` the whole batch's output, over this rank's ``rows`` of it: the mean over the dp
     ranks (what batch="local" averages gradients by) is one device's ``loss_of``."""
@@ -95,7 +88,7 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, names: list[
         model, x = _model(name)
         reference = copy.deepcopy(model)
         options = {"batch": batch, "reshard_after_forward": reshard_after_forward}
-        rows = _my_rows(mesh, batch, len(x))
+        rows = slice(None) if batch == "global" else dp_rows(mesh, len(x))
         dtensor_par.parallelize(model, mesh, (x[rows],), **options)
         compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager",
                                                                             **options))
