@@ -1,3 +1,4 @@
+import json
 import os
 
 import expecttest
@@ -12,7 +13,7 @@ from dtensor_par.pipeline import parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.config import ParallelConfig
 from tests import background
-from tests.harness import start_fork_server
+from tests.harness import CPU_TIME_LOG, start_fork_server
 
 # every test plans afresh (tests patch passes and count plans); the plan cache's own tests turn it on
 os.environ.setdefault("DTENSOR_PAR_PLAN_CACHE", "0")
@@ -28,6 +29,21 @@ def background_jobs(request):
         start_fork_server()
     yield
     background.stop()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """With ``DTENSOR_PAR_TEST_CPU_LOG`` set: the CPU seconds each launch took, all ranks summed."""
+    path = os.environ.get(CPU_TIME_LOG)
+    if not path or not os.path.exists(path):
+        return
+    totals: dict[str, float] = {}
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            totals[record["what"]] = totals.get(record["what"], 0.0) + record["cpu"]
+    terminalreporter.section("CPU seconds of the ranks, all ranks summed")
+    for what, cpu in totals.items():
+        terminalreporter.write_line(f"{cpu:8.1f}  {what}")
 
 
 def _init_fake(world: int) -> None:

@@ -13,6 +13,7 @@ import multiprocessing.forkserver
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -105,6 +106,7 @@ def _entry(rank: int, world: int, store: str, out_dir: str, fn, kwargs: dict) ->
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         result = fn(rank, world, **kwargs)
+        log_cpu_time(f"launch of {', '.join(kwargs['calls']) if fn is _each else fn.__name__} at world {world}", rank)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
         dist.barrier()
@@ -146,8 +148,24 @@ def run_ranks(world: int, fn, /, **kwargs) -> list:
         return results
 
 
+CPU_TIME_LOG = "DTENSOR_PAR_TEST_CPU_LOG"
+"""An environment variable: a file each rank appends the CPU seconds of its work to (``conftest``
+sums them per launch). A suite on two cores is CPU-bound; wall time under load says little."""
+
+
+def log_cpu_time(what: str, rank: int, since: float = 0.0) -> None:
+    if os.environ.get(CPU_TIME_LOG):
+        with open(os.environ[CPU_TIME_LOG], "a") as f:
+            f.write(json.dumps({"what": what, "rank": rank, "cpu": time.process_time() - since}) + "\n")
+
+
 def _each(rank: int, world: int, *, calls: dict[str, tuple]) -> dict:
-    return {label: fn(rank, world, **kwargs) for label, (fn, kwargs) in calls.items()}
+    results = {}
+    for label, (fn, kwargs) in calls.items():
+        start = time.process_time()
+        results[label] = fn(rank, world, **kwargs)
+        log_cpu_time(f"  {label} at world {world}", rank, start)
+    return results
 
 
 def run_ranks_together(world: int, calls: dict[str, tuple]) -> list[dict]:
