@@ -17,6 +17,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from dtensor_par.mesh import MeshDim
+from dtensor_par.ops.attention import hybrid_attention
 from dtensor_par.passes.meta import NodeSharding, set_sharding
 from dtensor_par.passes.nodes import tensor_inputs
 from dtensor_par.passes.rules.core import RuleEnv
@@ -29,8 +31,9 @@ R = Replicate()
 
 
 def _traced(fn, inputs) -> tuple[fx.GraphModule, fx.Node]:
-    """The graph of ``fn`` with every node's value in ``meta["val"]``, and its one op node."""
-    gm = fx.symbolic_trace(fn)
+    """The graph of ``fn`` (traced, or a graph module built by hand) with every node's value in
+    ``meta["val"]``, and its one op node."""
+    gm = fn if isinstance(fn, fx.GraphModule) else fx.symbolic_trace(fn)
     values = iter(inputs)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -206,3 +209,20 @@ def test_setitem_writes_each_shard_in_place_or_is_refused():
     set_sharding(target, "tp", NodeSharding(Shard(2), ()))
     with pytest.raises(NotImplementedError, match=r"writes in place into out .* S\(2\) on mesh dim 'tp'"):
         lookup(op).rule(op, [target, source], [Shard(2), R], env)
+
+
+def test_a_key_padding_is_cut_with_the_batch_it_pads():
+    """Hybrid attention's key padding ``[B, keys]`` holds the batch on dim 0, not where a mask
+    broadcast from the right would: cut with the queries' batch, whole beside their heads."""
+    graph = fx.Graph()
+    inputs = [graph.placeholder(name) for name in ("q", "k", "v", "keep")]
+    alone = {name: MeshDim(name, 1, 0, None, ((0,),), 0) for name in ("ulysses", "ring")}  # SDPA on each rank
+    graph.output(graph.call_function(hybrid_attention, tuple(inputs[:3]), {"key_padding": inputs[3], **alone}))
+    attention = fx.GraphModule({}, graph)
+    keep = torch.ones(2, 4, dtype=torch.bool)
+    keep[1, -1] = False
+    q, k, v = _t(2, 2, 4, 6), _t(2, 2, 4, 6), _t(2, 2, 4, 6)
+    batch = check_rule(attention, [q, k, v, keep], [Shard(0), Shard(0), Shard(0), Shard(0)])
+    assert batch == NodeSharding(Shard(0), (Shard(0),) * 4)
+    heads = check_rule(attention, [q, k, v, keep], [Shard(1), Shard(1), Shard(1), R])
+    assert heads == NodeSharding(Shard(1), (Shard(1),) * 3 + (R,))

@@ -19,7 +19,9 @@ from .core import R, replicate_all, resolve_partial
 from .registry import register
 
 def sdpa_rule(node, ins, cur, env):
-    """Attention is independent per batch entry and per head: shard either, gather the rest."""
+    """Attention is independent per batch entry and per head: shard either, gather the rest.
+    A mask broadcasts against the scores from the right; hybrid attention's key padding is
+    ``[B|1, keys]``, its batch on dim 0 and no heads."""
     cur = resolve_partial(ins, cur, env)
     q_val = tensor_val(ins[0])
     nd = q_val.dim()
@@ -27,11 +29,15 @@ def sdpa_rule(node, ins, cur, env):
     chosen = next((p for p in cur[:3] if isinstance(p, Shard) and p.dim in batch_like), None)
     if chosen is None:
         return replicate_all(node, ins, cur, "attention sharded along the sequence or head dim")
+    key_padding = arguments(node).get("key_padding")
     expected = []
     for i in ins:
         val = tensor_val(i)
-        d = chosen.dim - (nd - val.dim())
-        broadcast = d < 0 or val.shape[d] == 1
+        if i is key_padding:
+            d = 0 if chosen.dim == 0 else None
+        else:
+            d = chosen.dim - (nd - val.dim())
+        broadcast = d is None or d < 0 or val.shape[d] == 1
         expected.append(R if broadcast else Shard(d))
     return NodeSharding(chosen, tuple(expected))
 
