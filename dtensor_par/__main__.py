@@ -12,6 +12,8 @@ import importlib.util
 import os
 import sys
 
+import torch
+
 from .choose import choose_mesh
 from .config import ParallelConfig
 from .explain import explain
@@ -41,6 +43,13 @@ def load_factory(spec: str):
     return factory
 
 
+def _dtype(name: str):
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise argparse.ArgumentTypeError(f"{name!r} is not a torch dtype (bfloat16, float16, float32)")
+    return dtype
+
+
 def add_option_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per option that changes the plan, and ``--dump-dir``: read from ``ParallelConfig``'s fields."""
     fields = {f.name: f for f in dataclasses.fields(ParallelConfig)}
@@ -51,6 +60,8 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
         elif f.name == "fsdp_dims":
             parser.add_argument(flag, type=lambda names: tuple(n for n in names.split(",") if n), default=default,
                                 help=f.metadata["help"] + " (comma-separated)")
+        elif "torch.dtype" in str(f.type):
+            parser.add_argument(flag, type=_dtype, default=default, help=f.metadata["help"] + " (a torch dtype's name)")
         else:
             shown = f" (default: {default})" if default is not None else ""
             parser.add_argument(flag, type=type(default) if default is not None else str, default=default,

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from .mesh import FSDP_DIMS, MeshInfo
 from .ops.attention import ULYSSES_IMPLS
 from .ops.lowerings import LOWERINGS
@@ -45,6 +47,12 @@ class ParallelConfig:
     reshard_after_forward: bool = _option(
         True, "with FSDP: free each gathered parameter after its last forward use and gather it again in "
               "backward (False: keep it from forward to backward)")
+    param_dtype: torch.dtype | None = _option(
+        None, "with parallelize, as FSDP2's MixedPrecisionPolicy: compute in this dtype (torch.bfloat16), the "
+              "parameters held in theirs: each is cast at use (an FSDP gather sends it cast) and so are the "
+              "floating inputs")
+    reduce_dtype: torch.dtype | None = _option(
+        None, "with param_dtype: reduce the gradients in this dtype (torch.float32), or in param_dtype (default)")
     sequence_parallel: bool = _option(
         False, "Megatron sequence parallelism: norms, residuals and pointwise ops between sites run on sequence "
                "shards over tp; each all-reduce becomes reduce-scatter + all-gather")
@@ -89,6 +97,13 @@ class ParallelConfig:
             if not isinstance(self.fsdp_dims, (tuple, list)) or any(n not in FSDP_DIMS for n in self.fsdp_dims):
                 raise ValueError(f"fsdp_dims must be a tuple of names from {FSDP_DIMS}, got {self.fsdp_dims!r}")
             object.__setattr__(self, "fsdp_dims", tuple(self.fsdp_dims))
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise TypeError(f"{name} must be a floating torch.dtype, got {value!r}")
+        if self.reduce_dtype is not None and self.param_dtype is None:
+            raise ValueError(f"reduce_dtype={self.reduce_dtype} needs param_dtype: without it gradients are "
+                             f"reduced in the parameters' own dtype")
         for name in ("sequence_parallel", "plan_cache", "check_inputs", "reshard_after_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

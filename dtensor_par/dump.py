@@ -26,7 +26,7 @@ from .passes.detect import AttentionSite, module_name
 from .passes.localize import graph_communications
 from .passes.meta import communications, global_shape, param_fqn, placements, shardings, site_role, weight_name
 from .passes.nodes import target_name
-from .params import held_layouts
+from .params import held_layouts, held_tensor
 from .placements import Replicate, describe, local_shape_on
 
 PLAN_VERSION = 5
@@ -140,7 +140,7 @@ def parameter_rows(ctx: ParallelContext) -> list[dict]:
     rows = []
     for name, layout in held_layouts(ctx).items():
         info = ctx.params[name]
-        shape, element = tuple(info.tensor.shape), info.tensor.element_size()
+        shape, element = tuple(info.tensor.shape), held_tensor(info.tensor).element_size()  # param_dtype's stand-in
         held = layout.held_shape(shape) if ctx.feeding.sharded else shape
         rows.append({"name": info.fqn, "shape": list(shape), "placement": layout.describe(),
                      "local_shape": list(layout.tp_local_shape(shape)), "bytes_per_rank": math.prod(held) * element,

@@ -19,7 +19,7 @@ from .passes import meta
 from .passes.capture import capture_graphs
 from .passes.cost import StepTime, cost_pass, traffic_text
 from .passes.coverage import Coverage
-from .sharded import sharded_state
+from .sharded import cast_floating, sharded_state, traced_in
 from .symbolic import hint
 
 
@@ -126,12 +126,17 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
     sizes = {d: info.size(d) for d in info.order}
     config.check_mesh(info, "explain")
     if parallelized is None:
-        parallelized = sharded_state(model) is not None
+        parallelized = sharded_state(model) is not None or config.param_dtype is not None
+    if config.param_dtype is not None and not parallelized:
+        raise ValueError(f"explain: param_dtype={config.param_dtype} is how parallelize holds a model: "
+                         f"parallelized=False contradicts it")
     feeding = SHARDED if parallelized else WHOLE
     profile = machine_profile(machine) if machine is not None else None
     report = Report(sizes, info.order, device_type, feeding.state, machine=profile and profile.name, training=training)
     with paused_gc():  # capture and passes: ~0.5 s of full collections finding little garbage
-        captured = capture_graphs(model, *example_inputs, dynamic=dynamic, **(example_kwargs or {}))
+        args, kwargs = cast_floating((tuple(example_inputs), example_kwargs or {}), config.param_dtype)
+        with traced_in(model, config.param_dtype):
+            captured = capture_graphs(model, *args, dynamic=dynamic, **kwargs)
         for i, (gm, inputs) in enumerate(captured):
             dump = GraphDump(os.path.join(config.dump_dir, f"graph{i}"), info.order) if config.dump_dir else None
             graph = _graph_report(gm, [hint(a) for a in inputs], info, config, feeding, dump, profile, training)

@@ -204,6 +204,18 @@ def _held_rows_examples(fake_mode: FakeTensorMode, args, examples: list, positio
         return examples + [torch.empty(rows[i], dtype=torch.long, device=args[i].device) for i in positions_of]
 
 
+def _check_param_dtype(param_dtype: torch.dtype | None, feeding: WholeParameters, args) -> None:
+    """``param_dtype`` is how ``parallelize`` holds parameters: it makes Dynamo trace stand-ins
+    of that dtype. A model's own parameters were traced in theirs, and the graph computes in it."""
+    whole = [a for a in args if isinstance(a, torch.nn.Parameter) and standin_param(a) is None]
+    if param_dtype is not None and not feeding.sharded and any(a.dtype != param_dtype for a in whole
+                                                               if a.is_floating_point()):
+        raise ValueError(f"hybrid_parallel: param_dtype={param_dtype} needs the model parallelized with it: "
+                         f"dtensor_par.parallelize(model, mesh, example_inputs, param_dtype={param_dtype}) (or "
+                         f"the dtensor_par.parallel decorator), then torch.compile; this graph's parameters are "
+                         f"held and traced in {sorted({str(a.dtype) for a in whole}, key=str)}")
+
+
 def _local_inputs(args, placements: list[dict[str, Placement]], feeding: WholeParameters, mesh: MeshInfo,
                   comm: str) -> list:
     return [feeding.local_input(a, p, mesh, comm) for a, p in zip(args, placements)]
@@ -394,6 +406,7 @@ class ParallelRuntime:
         """Plan (or read the plan from the plan cache) and compile for ``args``; with ``spec``, on
         its symbolic sizes."""
         feeding = feeding_for(args)
+        _check_param_dtype(self.config.param_dtype, feeding, args)
         # static sizes are compiled on fakes too, as Dynamo hands them over: the compile caches need a ShapeEnv
         fake_mode = spec.fake_mode if spec else FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         store = self._plan_store(args, key, spec, feeding)

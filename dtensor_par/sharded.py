@@ -19,12 +19,14 @@ as a DTensor with the parameter's placements and nothing is gathered. Outside
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch._dynamo.eval_frame import skip_code
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,7 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .pipeline import PLANNING_PASSES, parallelize_graph
 from .config import ParallelConfig
 from .mesh import MeshInfo
-from .params import SHARDED, STANDIN_OF, HeldLayout
+from .params import SHARDED, STANDIN_OF, HeldLayout, held_mesh
 from .passes.capture import capture_graphs
 from .placements import Placement, Replicate, describe
 
@@ -82,13 +84,49 @@ def _check_optimizer(replaced: dict[int, tuple[weakref.ref, str]], optimizer: to
                     f"parallelize (or after the first call of a dtensor_par.parallel model)")
 
 
-def _standin(param: nn.Parameter) -> nn.Parameter:
+def _standin(param: nn.Parameter, compute_dtype: torch.dtype | None) -> nn.Parameter:
     """A plain parameter of the DTensor's global shape that owns one element: NaN, so any
-    backend but ours that computes with it shows it at once."""
-    nan = torch.full((), float("nan"), dtype=param.dtype, device=param.to_local().device)
+    backend but ours that computes with it shows it at once. Of ``compute_dtype`` if given
+    (``param_dtype``): Dynamo then traces the model computing in it, as it will run."""
+    dtype = compute_dtype if compute_dtype is not None and param.is_floating_point() else param.dtype
+    device = (param.to_local() if isinstance(param, DTensor) else param).device
+    nan = torch.full((), float("nan"), dtype=dtype, device=device)
     standin = nn.Parameter(nan.expand(param.shape), requires_grad=param.requires_grad)
     setattr(standin, STANDIN_OF, param)
     return standin
+
+
+@contextlib.contextmanager
+def traced_in(model: nn.Module, param_dtype: torch.dtype | None):
+    """While ``explain`` captures a model that is not parallelized: each floating parameter in
+    the place of a stand-in of ``param_dtype``, as ``parallelize``'s hook puts at each call,
+    so that the plan computes in the dtype the runtime will."""
+    if param_dtype is None or sharded_state(model) is not None:
+        yield
+        return
+    slots, standins = [], {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        owner_name, _, name = fqn.rpartition(".")
+        standin = standins.setdefault(id(param), _standin(param, param_dtype))
+        slots.append((model.get_submodule(owner_name), name, param, standin))
+    try:
+        for owner, name, _, standin in slots:
+            owner._parameters[name] = standin
+        yield
+    finally:
+        for owner, name, param, _ in slots:
+            owner._parameters[name] = param
+
+
+def cast_floating(tree, dtype: torch.dtype | None):
+    """Every floating tensor of ``tree`` in ``dtype`` (None: as it is): FSDP2's ``cast_forward_inputs``."""
+    if dtype is None:
+        return tree
+    return pytree.tree_map_only(torch.Tensor, functools.partial(_cast_floating_tensor, dtype=dtype), tree)
+
+
+def _cast_floating_tensor(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype) if x.is_floating_point() else x
 
 
 def _in_compiled_call(module: nn.Module) -> bool:
@@ -106,8 +144,11 @@ def _in_compiled_call(module: nn.Module) -> bool:
     return hasattr(forward, "_torchdynamo_orig_callable") and not getattr(forward, "_torchdynamo_disable", False)
 
 
-def _swap_in(module: nn.Module, args) -> None:
-    slots = getattr(module, _STATE).slots
+def _swap_in(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Put the stand-ins in; with ``param_dtype``, return the floating inputs cast to it (FSDP2's
+    ``cast_forward_inputs``)."""
+    state = getattr(module, _STATE)
+    slots = state.slots
     for slot in slots:
         if slot.module._parameters[slot.name] is not slot.param:
             raise RuntimeError(
@@ -120,6 +161,7 @@ def _swap_in(module: nn.Module, args) -> None:
             f"dtensor_par.parallel class decorator")
     for slot in slots:
         slot.module._parameters[slot.name] = slot.standin
+    return cast_floating((args, kwargs), state.config.param_dtype) if state.config.param_dtype else None
 
 
 def _swap_out(module: nn.Module, args, output) -> None:
@@ -131,7 +173,7 @@ def _swap_out(module: nn.Module, args, output) -> None:
 # compile (a trace of the loop over every parameter, twice per first call): they run eagerly
 # instead. A caller that is traced (the ``parallel`` decorator, an outer compiled function)
 # still inlines them into its graph, with no graph break; ``torch.compiler.disable`` would break.
-for _hook in (_swap_in, _swap_out, _in_compiled_call):
+for _hook in (_swap_in, _swap_out, _in_compiled_call, cast_floating, _cast_floating_tensor):
     skip_code(_hook.__code__)
 
 
@@ -164,6 +206,7 @@ def _as_dtensor(param: nn.Parameter, layout: HeldLayout, mesh: DeviceMesh, info:
         local = torch.empty(layout.held_shape(param.shape), dtype=param.dtype, device=mesh.device_type)
     else:
         local = layout.held_piece(param.detach(), info.dims["tp"].rank).clone(memory_format=torch.contiguous_format)
+    mesh = held_mesh(mesh)
     dtensor = DTensor.from_local(local, mesh, layout.dtensor_placements(mesh, info), run_check=False,
                                  shape=param.shape, stride=torch.empty(param.shape, device="meta").stride())
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
@@ -208,7 +251,7 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
         if id(old) not in replaced:
             layout = HeldLayout.of(old.shape, placements.get(fqn), info, fsdp)
             param = _as_dtensor(old, layout, mesh, info)
-            replaced[id(old)] = (param, _standin(param))
+            replaced[id(old)] = (param, _standin(param, config.param_dtype))
             state.remember_replaced(old, fqn)
         param, standin = replaced[id(old)]
         owner._parameters[name] = param
@@ -218,7 +261,7 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
             if buffer is not None and buffer.is_meta:
                 module._buffers[name] = torch.empty_like(buffer, device=mesh.device_type)
     setattr(model, _STATE, state)
-    model.register_forward_pre_hook(_swap_in)
+    model.register_forward_pre_hook(_swap_in, with_kwargs=True)
     model.register_forward_hook(_swap_out, always_call=True)
     hook = register_optimizer_step_pre_hook(functools.partial(_check_optimizer, state.replaced))
     weakref.finalize(model, hook.remove)  # the check hangs off the model: it goes with it

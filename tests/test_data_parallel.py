@@ -233,6 +233,43 @@ def test_fsdp_gathers_each_block_once_and_a_step_runs_what_explain_reports(sizes
     _assert_a_step_runs(model, ids, report, fake_world, inner_backend="aot_eager", **options)
 
 
+def test_mixed_precision_sends_what_explain_reports(fake_world):
+    """param_dtype=bfloat16, reduce_dtype=float32: the FSDP gathers and the activations' all-reduces
+    send half the float32 plan's bytes, the gradients' reduce-scatters and all-reduces as many;
+    a step runs exactly that."""
+    torch.manual_seed(0)
+    model, x = models.GPT(layers=1), torch.randn(2, 8, 32)
+    sizes = {"dp_shard": 2, "tp": 2}
+    plain = dtensor_par.explain(model, (x,), device_type="cpu", parallelized=True, **sizes)
+    options = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    mixed = dtensor_par.explain(model, (x,), device_type="cpu", **sizes, **options)
+    assert mixed.parameter_state.startswith("sharded") and mixed.parameter_bytes == plain.parameter_bytes
+    halved = {("forward", "all_gather"), ("backward", "all_gather"), ("forward", "all_reduce"),
+              ("backward", "all_reduce")}
+    pairs = list(zip(plain.graphs[0].collectives, mixed.graphs[0].collectives))
+    assert len(pairs) == len(plain.graphs[0].collectives) == len(mixed.graphs[0].collectives) > 0
+    for p, m in pairs:
+        gradients = p["site"].startswith("gradient bucket")  # of the parameters no fsdp dim cuts: in float32
+        share = 2 if (p["direction"], p["op"]) in halved and not gradients else 1
+        assert (p["op"], p["site"], p["bytes_per_rank"]) == (m["op"], m["site"], m["bytes_per_rank"] * share), (p, m)
+    _assert_a_step_runs(model, x, mixed, fake_world, inner_backend="aot_eager", **sizes, **options)
+
+
+def test_mixed_precision_needs_the_parameters_held_by_parallelize(fake_world):
+    fake_world(2)
+    model, x = models.GPT(layers=1), torch.randn(2, 8, 32)
+    mesh = dtensor_par.init_mesh(dp_shard=2)
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, param_dtype=torch.bfloat16,
+                                                                        inner_backend="aot_eager"))
+    with pytest.raises(ValueError, match=r"param_dtype=torch.bfloat16 needs the model parallelized with it: .*"
+                                         r"held and traced in \['torch.float32'\]"):
+        compiled(x)
+    with pytest.raises(ValueError, match="parallelized=False contradicts it"):
+        dtensor_par.explain(model, (x,), dp_shard=2, parallelized=False, param_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="reduce_dtype=torch.float32 needs param_dtype"):
+        dtensor_par.hybrid_parallel(mesh, reduce_dtype=torch.float32)
+
+
 def test_explain_names_the_batch_cut_and_the_default_order_puts_dp_outermost():
     torch.manual_seed(0)
     model = models.JointBlock()

@@ -144,10 +144,48 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, names: list[
     return results
 
 
+def mixed_precision(rank: int, world: int) -> dict:
+    """``param_dtype`` (FSDP2's MixedPrecisionPolicy) over FSDP (dp_shard) and over DDP
+    (dp_replicate, fsdp_dims=()): computing in float64 from float32 pieces equals one device
+    computing in float64, output and gradients (every cast and reduction in its place); in
+    bfloat16, gradients reduced in float32, no further from one device in float32 than that
+    device is in bfloat16. Gradients come back in the parameters' float32."""
+    results = {}
+    for label, sizes, options in (("fsdp", {"dp_shard": 2}, {}), ("ddp", {"dp_replicate": 2}, {"fsdp_dims": ()}),
+                                  ("fsdp bf16", {"dp_shard": 2}, {"reduce_dtype": torch.float32})):
+        torch._dynamo.reset()
+        dtype = torch.bfloat16 if "bf16" in label else torch.float64
+        model, x = _model("gpt")
+        reference = copy.deepcopy(model)
+        mesh = dtensor_par.init_mesh(**sizes)
+        options = {"param_dtype": dtype, **options}
+        dtensor_par.parallelize(model, mesh, (x,), **options)
+        out = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager", **options))(x)
+        loss_of(out.float()).backward()
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+
+        def one_device(dtype):
+            params = {n: p.to(dtype) for n, p in reference.named_parameters()}
+            want = torch.func.functional_call(reference, params, (x.to(dtype),))
+            grads = torch.autograd.grad(loss_of(want.float()), list(reference.parameters()))
+            return want, grads
+        want, want_grads = one_device(dtype)
+        result = {"dtypes": sorted({str(out.dtype)} | {str(g.dtype) for g in grads})}
+        if dtype == torch.float64:
+            result.update(forward=(out - want).abs().max().item(), grad=max(map(max_rel, grads, want_grads)))
+        else:
+            exact, exact_grads = one_device(torch.float32)
+            result.update(grad=max(map(max_rel, grads, exact_grads)),
+                          one_device_grad=max(map(max_rel, want_grads, exact_grads)))
+        results[label] = result
+    return results
+
+
 def _calls(world: int, folder: str) -> dict:
     """The rank functions one launch of ``world`` ranks runs, by label, with their arguments."""
     if world == 2:
-        return {"fresh": (full_parameters_stay_fresh, {}), "decorated": (decorated_model, {})}
+        return {"fresh": (full_parameters_stay_fresh, {}), "decorated": (decorated_model, {}),
+                "mixed precision": (mixed_precision, {})}
     if world == 8:  # FSDP over dp_shard x ring beside tp, on causal attention
         return {"training": (train_against_one_device, dict(sizes={"dp_shard": 2, "ring": 2, "tp": 2},
                                                             names=["llama"], checkpoint_dir=None))}
@@ -246,6 +284,16 @@ def test_full_parameters_changed_in_any_way_are_seen():
         assert max(diffs) <= 1e-6, diffs
 
 
+def test_mixed_precision_computes_in_param_dtype_and_reduces_in_reduce_dtype():
+    for result in (rank_results["mixed precision"] for rank_results in LAUNCHES[2].result()):
+        for label in ("fsdp", "ddp"):
+            assert result[label]["dtypes"] == ["torch.float32", "torch.float64"], result
+            assert result[label]["forward"] <= 1e-12 and result[label]["grad"] <= 1e-6, result
+        bf16 = result["fsdp bf16"]
+        assert bf16["dtypes"] == ["torch.bfloat16", "torch.float32"], result
+        assert 0 < bf16["grad"] <= 2 * bf16["one_device_grad"], result
+
+
 # --- bad input, planned on a fake process group (nothing is sent) ----------------------------
 
 def test_parallelize_errors(fake_world):
@@ -263,9 +311,8 @@ def test_parallelize_errors(fake_world):
         model(x)
     other = torch.compile(model, backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(tp=4),
                                                                      inner_backend="aot_eager"))
-    with pytest.raises(Exception, match=r"parameter 'embed.weight' is a DTensor .* over DeviceMesh\(\(ring=1, "
-                                        r"ulysses=2, tp=2\).* but this plan needs .* over DeviceMesh\(\(ring=1, "
-                                        r"ulysses=1, tp=4\)"):
+    with pytest.raises(Exception, match=r"parameter 'embed.weight' is a DTensor .* over DeviceMesh\(\(ulysses=2, "
+                                        r"tp=2\).* but this plan needs .* over DeviceMesh\(\(tp=4\)"):
         other(x)
 
 

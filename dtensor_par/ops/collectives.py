@@ -288,26 +288,29 @@ class _GradAsPartial(torch.autograd.Function):
 
 
 class _GatherParams(torch.autograd.Function):
-    """FSDP's gather of parameter pieces, many in one flat all-gather; backward reduce-scatters
-    their gradients in one flat bucket, divided by ``divisor`` (the dp size, under
-    ``batch="local"``: DDP's average)."""
+    """FSDP's gather of parameter pieces, many in one flat all-gather, sent cast to ``dtype``
+    (FSDP2's ``param_dtype``); backward reduce-scatters their gradients in one flat bucket in
+    ``grad_dtype`` (``reduce_dtype``), divided by ``divisor`` (the dp size, under
+    ``batch="local"``: DDP's average), and hands each back in its piece's dtype."""
 
     @staticmethod
-    def forward(ctx, dims, mesh_dim, comm, divisor, *pieces):
-        ctx.args = (dims, mesh_dim, comm, divisor, [p.shape for p in pieces])
-        by_chunk = LOWERINGS[comm].all_gather(_flatten(list(pieces)), mesh_dim)
+    def forward(ctx, dims, mesh_dim, comm, divisor, dtype, grad_dtype, *pieces):
+        ctx.args = (dims, mesh_dim, comm, divisor, grad_dtype, [p.shape for p in pieces], [p.dtype for p in pieces])
+        pieces = [p if dtype is None else p.to(dtype) for p in pieces]
+        by_chunk = LOWERINGS[comm].all_gather(_flatten(pieces), mesh_dim)
         columns = by_chunk.split([p.numel() for p in pieces], dim=1)
         return tuple(_assemble(c.reshape(mesh_dim.size, *p.shape), d, None, mesh_dim, None)
                      for c, p, d in zip(columns, pieces, dims))
 
     @staticmethod
     def backward(ctx, *grads):
-        dims, mesh_dim, comm, divisor, shapes = ctx.args
+        dims, mesh_dim, comm, divisor, grad_dtype, shapes, dtypes = ctx.args
+        grads = [g if grad_dtype is None else g.to(grad_dtype) for g in grads]
         by_chunk = torch.cat([_pieces(g, Shard(d), mesh_dim, edge=False).reshape(mesh_dim.size, -1)
                               for g, d in zip(grads, dims)], dim=1)
         flat = LOWERINGS[comm].reduce_scatter(by_chunk, mesh_dim)
         flat = flat / divisor if divisor != 1 else flat
-        return None, None, None, None, *_unflatten(flat, shapes)
+        return None, None, None, None, None, None, *(g.to(t) for g, t in zip(_unflatten(flat, shapes), dtypes))
 
 
 class _AllGather(torch.autograd.Function):
@@ -414,9 +417,16 @@ def grad_as_partial(x: torch.Tensor, mesh_dim: MeshDim, comm: str = FUNCTIONAL) 
 
 
 def gather_params(xs: list[torch.Tensor], dims: list[int], mesh_dim: MeshDim, comm: str = FUNCTIONAL,
-                  divisor: int = 1) -> tuple:
-    """Each piece ``xs[i]`` (this rank's chunk of dim ``dims[i]``) gathered whole over ``mesh_dim``."""
-    return _GatherParams.apply(tuple(dims), mesh_dim, comm, divisor, *xs)
+                  divisor: int = 1, dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None) -> tuple:
+    """Each piece ``xs[i]`` (this rank's chunk of dim ``dims[i]``) gathered whole over ``mesh_dim``,
+    in ``dtype`` if given; the gradients reduced in ``grad_dtype`` if given."""
+    return _GatherParams.apply(tuple(dims), mesh_dim, comm, divisor, dtype, grad_dtype, *xs)
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A parameter cast to the dtype the graph computes in or reduces its gradient in
+    (``param_dtype``, ``reduce_dtype``): its gradient comes back in the parameter's dtype."""
+    return x.to(dtype)
 
 
 def gather_param_grad(grad: torch.Tensor, p: Placement, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
@@ -435,5 +445,6 @@ COMMUNICATION = {
     grad_all_reduce_bucket: (None, "all_reduce"),
     grad_as_partial: (None, None),
     gather_params: ("all_gather", "reduce_scatter"),
+    cast: (None, None),
 }
 """The collective each function a localized graph calls issues in (forward, backward)."""

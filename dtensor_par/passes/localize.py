@@ -18,11 +18,12 @@ import dataclasses
 import math
 import operator
 
+import torch
 import torch.fx as fx
 
 from ..mesh import SPANS, MeshDim
 from ..ops import collectives as C
-from ..params import HeldLayout, held_layouts
+from ..params import HeldLayout, held_layouts, held_tensor
 from ..placements import (Partial, Placement, Replicate, Shard, interleaved_parts, is_padded, local_shape,
                           local_shape_on, shard_dim)
 from ..symbolic import hint, is_symbolic, materialize_sizes
@@ -126,9 +127,12 @@ def _summing_dims(plan_dim: str, fsdp: MeshDim, mesh) -> MeshDim | None:
     return mesh.dims[plan_dim] if len(rest) == len(spanned) else mesh.dims[rest[0]]
 
 
-def gather_fsdp_param(gm: fx.GraphModule, ctx: ParallelContext, node: fx.Node, layout: HeldLayout) -> fx.Node:
+def gather_fsdp_param(gm: fx.GraphModule, ctx: ParallelContext, node: fx.Node, layout: HeldLayout,
+                      compute: torch.dtype | None) -> fx.Node:
     """This rank's piece of an FSDP-held parameter placeholder gathered whole (its tp piece)
-    over the layout's fsdp dim, inserted at the start of the graph.
+    over the layout's fsdp dim, inserted at the start of the graph; sent in ``compute``, the
+    dtype the graph computes in, if it differs from the held one (``param_dtype``), and its
+    gradient reduced in ``reduce_dtype``.
 
     Every consumer's gradient is a partial sum over cp and dp (``_edge``): the gather's
     reduce-scatter sums the parts of cp and dp that fsdp spans, and an all-reduce of this
@@ -137,7 +141,8 @@ def gather_fsdp_param(gm: fx.GraphModule, ctx: ParallelContext, node: fx.Node, l
     """
     graph, mesh, val, grad = gm.graph, ctx.mesh, tensor_val(node), node.meta["requires_grad"]
     first = next(n for n in graph.nodes if n.op != "placeholder")
-    held = hint(math.prod(layout.held_shape(val.shape)) * val.element_size())
+    numel = hint(math.prod(layout.held_shape(val.shape)))
+    held = numel * val.element_size()
     x = node
     with graph.inserting_before(first), at_node("localize", node):
         for plan_dim in ("cp", "dp"):
@@ -147,13 +152,46 @@ def gather_fsdp_param(gm: fx.GraphModule, ctx: ParallelContext, node: fx.Node, l
                 set_communications(x, [Communication(None, "all_reduce", rest.name, rest.size, 0, held,
                                                      "parameter gradient")])
         divisor = mesh.size("dp") if ctx.config.batch == "local" else 1
-        gather = graph.call_function(C.gather_params, ([x], [layout.fsdp_dim], layout.fsdp),
-                                     {"divisor": divisor} if divisor != 1 else {})
-        whole = held * layout.fsdp.size
+        kwargs = {"divisor": divisor} if divisor != 1 else {}
+        sent, reduced = val.dtype, val.dtype
+        if compute is not None:
+            sent, reduced = compute, ctx.config.reduce_dtype or compute
+            kwargs.update(dtype=sent, grad_dtype=reduced)
+        gather = graph.call_function(C.gather_params, ([x], [layout.fsdp_dim], layout.fsdp), kwargs)
+        whole = numel * layout.fsdp.size * reduced.itemsize
         set_communications(gather, [Communication("all_gather", "reduce_scatter" if grad else None, layout.fsdp.name,
-                                                  layout.fsdp.size, held, whole if grad else 0, "fsdp parameters")])
+                                                  layout.fsdp.size, numel * sent.itemsize, whole if grad else 0,
+                                                  "fsdp parameters")])
         piece = graph.call_function(operator.getitem, (gather, 0))
+        piece.meta["val"] = val.to(sent)
     return piece
+
+
+def cast_parameters(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, torch.dtype]:
+    """The parameters held in another dtype than the graph computes in (``param_dtype``: the
+    stand-ins Dynamo traced are of it), each to the dtype it is cast to at use. Their
+    placeholders are given the value the runtime feeds: the held piece's dtype."""
+    compute = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = tensor_val(node)
+        held = held_tensor(ctx.params[node.name].tensor) if node.name in ctx.params else None
+        if held is not None and val is not None and val.dtype != held.dtype:
+            compute[node.name] = val.dtype
+            node.meta["val"] = val.to(held.dtype)
+    return compute
+
+
+def _cast(graph: fx.Graph, cached, x: fx.Node, dtype: torch.dtype, *, before: fx.Node) -> fx.Node:
+    """``x`` in ``dtype`` (itself if it is), cast once, before ``before``."""
+    if tensor_val(x).dtype == dtype:
+        return x
+
+    def make():
+        with graph.inserting_before(before):
+            node = graph.call_function(C.cast, (x, dtype))
+        node.meta["val"] = tensor_val(x).to(dtype)
+        return node
+    return cached((x, "cast", dtype), make)
 
 
 def record_runtime_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
@@ -198,9 +236,10 @@ def _bucket_sizes(reductions: list[fx.Node], limit: int) -> list[list[fx.Node]]:
 
 
 def _reduced_input(x: fx.Node) -> fx.Node:
-    """What ``x`` is, through the ``grad_all_reduce``s (over other mesh dims) that it is."""
-    while x.target is C.grad_all_reduce:
-        x = arguments(x)["x"]
+    """What ``x`` is, through the ``grad_all_reduce``s (over other mesh dims) and the cast to
+    ``reduce_dtype`` that it is."""
+    while x.target is C.grad_all_reduce or x.target is C.cast:
+        x = arguments(x)["x"] if x.target is C.grad_all_reduce else x.args[0]
     return x
 
 
@@ -259,8 +298,8 @@ def bucket_fsdp_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
         if n.target is C.gather_params:
             (x,), _, mesh_dim = n.args
             fqn = ctx.params[_reduced_input(x).name].fqn
-            groups.setdefault((_block_of(fqn), tensor_val(x).dtype, mesh_dim, n.kwargs.get("divisor", 1)), []).append(n)
-    for (block, _, mesh_dim, divisor), gathers in groups.items():
+            groups.setdefault((_block_of(fqn), tensor_val(x).dtype, mesh_dim, tuple(n.kwargs.items())), []).append(n)
+    for (block, _, mesh_dim, kwargs), gathers in groups.items():
         order = {n: i for i, n in enumerate(graph.nodes)}
         pieces = [next(iter(g.users)) for g in gathers]
         first_use = min((u for p in pieces for u in p.users), key=order.__getitem__)
@@ -268,7 +307,7 @@ def bucket_fsdp_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
         with graph.inserting_before(first_use):
             merged = graph.call_function(C.gather_params, ([g.args[0][0] for g in gathers],
                                                            [g.args[1][0] for g in gathers], mesh_dim),
-                                         {"divisor": divisor} if divisor != 1 else {})
+                                         dict(kwargs))
             reshard = ctx.config.reshard_after_forward
             mark_fsdp_gather(merged, reshard)
             site = f"fsdp parameters of {block or 'the model outside its blocks'} ({len(gathers)})"
@@ -312,6 +351,7 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     cache: dict = {}  # one redistribution per producer, mesh dim and target placement
     fsdp = {name: layout for name, layout in held_layouts(ctx).items() if layout.fsdp_dim is not None}
     local_batch = ctx.config.batch == "local"
+    compute = cast_parameters(gm, ctx)
 
     def cached(key, make) -> fx.Node:
         if key not in cache:
@@ -333,8 +373,14 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             current = {d.name: shardings(arg)[d.name].out for d in dims}
             val, new = tensor_val(arg), arg
             held_fsdp = arg.op == "placeholder" and arg.name in fsdp
+            dtype = compute.get(arg.name) if arg.op == "placeholder" else None
             if held_fsdp:
-                new = cached((arg, "fsdp"), lambda: gather_fsdp_param(gm, ctx, arg, fsdp[arg.name]))
+                new = cached((arg, "fsdp"), lambda: gather_fsdp_param(gm, ctx, arg, fsdp[arg.name], dtype))
+            elif dtype is not None:  # the gradient's reductions (the edges' backward) in reduce_dtype;
+                # at the start of the graph, as the placeholder is, before any bucket of them
+                first = next(n for n in graph.nodes if n.op != "placeholder")
+                new = _cast(graph, cached, new, ctx.config.reduce_dtype or dtype, before=first)
+            element_size = tensor_val(new).element_size()
             for dim in dims:
                 src, dst = current[dim.name], plans[dim.name].inputs[i]
                 computes_locally = any(p != R for p in _outputs(plans[dim.name].out) if p is not None)
@@ -342,12 +388,12 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
                 summed_at_gather = held_fsdp and dim.name != "tp"
                 partial_grad = partial_grad or (summed_at_gather and local_batch and dim.name == "dp")
                 others = {d: p for d, p in current.items() if d != dim.name}
-                insert = _Inserter(graph, dim, local_shape_on(val.shape, others, ctx.mesh), val.element_size(), site,
+                insert = _Inserter(graph, dim, local_shape_on(val.shape, others, ctx.mesh), element_size, site,
                                    arg.meta["requires_grad"])
                 with graph.inserting_before(node):
                     new = _edge(insert, cached, new, src, dst, partial_grad, summed_at_gather)
                 current[dim.name] = dst
-            return new
+            return new if dtype is None else _cast(graph, cached, new, dtype, before=node)
 
         with at_node("localize", node):
             node.args = fx.node.map_arg(node.args, localized)
