@@ -81,7 +81,7 @@ def _world2_launch() -> list[dict]:
         "side effects": (side_effects_once, {}),
         "decorated ring": (decorated_generate, {"ring": 2}),
         "decode plans": (decode_plans, {}),
-        "cp decode": (cp_decode, {"meshes": [{"ring": 2}, {"ulysses": 2}]}),
+        "cp decode": (cp_decode, {"runs": [({"ring": 2}, "mistral"), ({"ulysses": 2}, "llama")]}),
         "entry points": (generate_entry_points, {}),
     })
 
@@ -188,18 +188,18 @@ def _decode_steps(model, reference, config) -> dict:
             "whole": sum(t.nbytes for layer in reference_cache.layers for t in (layer.keys, layer.values))}
 
 
-def cp_decode(rank: int, world: int, meshes: list[dict], families: tuple[str, ...] = ("llama", "mistral")) -> dict:
-    """Decode with the kv cache cut over cp (and tp), each of ``families`` on each mesh."""
+def cp_decode(rank: int, world: int, runs: list[tuple[dict, str]]) -> dict:
+    """Decode with the kv cache cut over cp (and tp): each run a mesh's sizes and a model family.
+    Decode is alike over ring and ulysses (both cut the cache over cp); their prefills differ."""
     results = {}
-    for sizes in meshes:
+    for sizes, family in runs:
         mesh = dtensor_par.init_mesh(**sizes)
-        for family in families:
-            torch._dynamo.reset()  # each case compiles from scratch, as a fresh job would
-            config, reference = _decoder(family)
-            model = copy.deepcopy(reference)
-            model.forward = torch.compile(model.forward,
-                                          backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager"))
-            results[f"{family} {sizes}"] = {**_decode_steps(model, reference, config), "ranks": mesh.size()}
+        torch._dynamo.reset()  # each case compiles from scratch, as a fresh job would
+        config, reference = _decoder(family)
+        model = copy.deepcopy(reference)
+        backend = dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager")
+        model.forward = torch.compile(model.forward, backend=backend)
+        results[f"{family} {sizes}"] = {**_decode_steps(model, reference, config), "ranks": mesh.size()}
     return results
 
 
@@ -259,8 +259,8 @@ def test_decode_with_the_kv_cache_cut_over_cp_matches_one_device():
 
 
 WORLD4 = in_background(run_ranks_together, 4, {
-    # Mistral's window under cp: at world 2 (ring, ulysses); under tp: decode_plans.
-    "decode": (cp_decode, {"meshes": [{"tp": 2, "ring": 2}], "families": ("llama",)}),
+    # Mistral's window under cp: at world 2 (ring); under tp: decode_plans.
+    "decode": (cp_decode, {"runs": [({"tp": 2, "ring": 2}, "llama")]}),
     "generate": (decorated_generate, {"tp": 2, "ulysses": 2}),
     "generate dp": (decorated_generate, {"dp_replicate": 2, "ring": 2, "batch": 2})})
 
