@@ -28,7 +28,10 @@ from .passes.capture import capture_graphs
 from .passes.cost import StepTime, Traffic, activation_bytes, bytes_text, cost_pass, link_classes, traffic_text
 from .passes.localize import graph_communications
 from .passes.lower import check_all_to_all_contiguous, check_replica_group_limit, lower_pass, replica_group_sets
-from .pipeline import PASSES, parallelize_graph
+from .passes.context import ParallelContext
+from .passes.kv_cache import kv_cache_pass
+from .passes.plan import plan_pass
+from .pipeline import PASSES, fork, run_passes
 from .symbolic import hint
 
 PLANNING = tuple(p for p in PASSES if p is not lower_pass)
@@ -122,16 +125,45 @@ def layouts(degrees: dict[str, int], device_type: str) -> list[tuple[str, ...]]:
     return [ones + p for p in itertools.permutations([d for d in default if degrees[d] > 1])]
 
 
-def _plan(captured: list, degrees: dict[str, int], machine: Machine, config: ParallelConfig) -> list | str:
+def _dp_apart(degrees: dict[str, int]) -> tuple:
+    """What the passes before plan read of a split: dp_replicate x dp_shard only as dp."""
+    return degrees["dp_replicate"] * degrees["dp_shard"], degrees["tp"], degrees["ring"], degrees["ulysses"]
+
+
+STAGES = ((PASSES[:PASSES.index(kv_cache_pass)], lambda degrees: degrees["ring"] * degrees["ulysses"] > 1),
+          (PASSES[PASSES.index(kv_cache_pass):PASSES.index(plan_pass)], _dp_apart),
+          (PLANNING[PLANNING.index(plan_pass):], lambda degrees: tuple(degrees.values())))
+"""The planning passes in runs, each with what it reads of the degrees: two splits that agree on
+it plan alike up to its end, so a run is done once per value and its result forked
+(``pipeline.fork``). Capture, canonicalize and detect read only whether cp > 1."""
+
+
+def _plan(captured: list, degrees: dict[str, int], machine: Machine, config: ParallelConfig, done: dict
+          ) -> list | str:
     """Each captured graph planned over ``degrees`` as ``parallelize`` runs it: [(local graph,
-    context)], or why the planner refuses the split."""
+    context)], or why the planner refuses the split. ``done``: each stage's result (or refusal)
+    by graph and by what it reads of the degrees, kept across splits."""
     mesh = MeshInfo.for_planning(degrees, machine.device_type)
     try:
         config.check_mesh(mesh, "choose_mesh")
-        return [parallelize_graph(gm, inputs, mesh, config, feeding=SHARDED, passes=PLANNING)
-                for gm, inputs in captured]
     except (InvalidPlan, NotImplementedError) as e:
         return str(e)
+    planned = []
+    for index, (gm, inputs) in enumerate(captured):
+        state = gm, ParallelContext(config, mesh, list(inputs), SHARDED)
+        for depth, (passes, reads) in enumerate(STAGES):
+            key = index, depth, reads(degrees)
+            if key not in done:
+                try:
+                    forked = fork(*state, mesh)
+                    done[key] = run_passes(*forked, passes), forked[1]
+                except (InvalidPlan, NotImplementedError) as e:
+                    done[key] = str(e)
+            state = done[key]
+            if isinstance(state, str):
+                return state
+        planned.append(state)
+    return planned
 
 
 def _memory(planned: list, training: bool) -> Memory:
@@ -198,12 +230,12 @@ def choose_mesh(model, example_inputs, world_size: int, *, machine: str | Machin
     the plan (``config.ParallelConfig``)."""
     profile = machine_profile(machine)
     config = ParallelConfig.of("choose_mesh", {"batch": batch, **options})
-    choices, rejected = [], []
+    choices, rejected, done = [], [], {}
     with paused_gc():
         captured = [(gm, [hint(a) for a in inputs])
                     for gm, inputs in capture_graphs(model, *example_inputs, **(example_kwargs or {}))]
         for degrees in factorizations(world_size):
-            legal, refused = _judge(degrees, _plan(captured, degrees, profile, config), profile, training)
+            legal, refused = _judge(degrees, _plan(captured, degrees, profile, config, done), profile, training)
             choices += legal
             rejected += refused
     choices.sort(key=lambda c: c.predicted.total)
