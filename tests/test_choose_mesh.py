@@ -142,6 +142,14 @@ def test_choose_mesh_rejects_indivisible_heads_and_ranks_the_rest(gpt_ranking):
     assert "rejected" in str(ranking) and str(ranking[0]) in str(ranking)
 
 
+def _explained_bytes(graph) -> dict[str, int]:
+    """Bytes per rank into each mesh dim's collectives in a step, as explain's table lists them."""
+    by_dim = {}
+    for row in graph.collectives:
+        by_dim[row["mesh_dims"]] = by_dim.get(row["mesh_dims"], 0) + row["bytes_per_rank"] * row["count"]
+    return by_dim
+
+
 def test_choose_mesh_top_choice_builds_and_matches_explain(gpt_ranking, fake_world):
     model, inputs, ranking = gpt_ranking
     best = ranking[0]
@@ -151,10 +159,7 @@ def test_choose_mesh_top_choice_builds_and_matches_explain(gpt_ranking, fake_wor
     report = dtensor_par.explain(model, inputs, **best.degrees, order=best.order, parallelized=True,
                                  machine="h100-sxm-8")
     (graph,) = report.graphs
-    by_dim = {}
-    for row in graph.collectives:
-        by_dim[row["mesh_dims"]] = by_dim.get(row["mesh_dims"], 0) + row["bytes_per_rank"] * row["count"]
-    assert by_dim == {d: t.bytes for d, t in best.collectives.items()}
+    assert _explained_bytes(graph) == {d: t.bytes for d, t in best.collectives.items()}
     assert report.parameter_bytes[0] == best.memory.parameters
     assert graph.predicted == best.predicted
     assert f"predicted training step on h100-sxm-8: {best.predicted}" in str(report)
@@ -182,3 +187,14 @@ def test_choose_mesh_on_neuron_keeps_ulysses_groups_contiguous():
     assert legal.order[-1] == "ulysses"
     (illegal,) = [r for r in ranking.rejected if r.degrees == hybrid]
     assert illegal.order[-1] == "tp" and "needs groups of contiguous ranks on Neuron" in illegal.reason
+
+
+def test_every_legal_mesh_predicts_the_collectives_explain_lists(gpt_ranking):
+    """Ring attention and Ulysses issue several collectives from one op: each is counted once."""
+    model, inputs, ranking = gpt_ranking
+    for choice in ranking:
+        (graph,) = dtensor_par.explain(model, inputs, **choice.degrees, order=choice.order, parallelized=True,
+                                       machine="h100-sxm-8").graphs
+        assert _explained_bytes(graph) == {d: t.bytes for d, t in choice.collectives.items()}, choice
+        counts = {d: sum(row["count"] for row in graph.collectives if row["mesh_dims"] == d) for d in choice.collectives}
+        assert counts == {d: t.collectives for d, t in choice.collectives.items()}, choice
