@@ -19,7 +19,13 @@ from dtensor_par.passes.cost import cost_pass, link_classes
 from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.passes.meta import Communication, Work, set_communications, set_work, work
 from dtensor_par.pipeline import parallelize_graph
+from dtensor_par.calibrate import measure
 from tests import models
+from tests.background import in_background
+from tests.harness import run_ranks
+
+CALIBRATED = in_background(run_ranks, 2, measure, sizes=(2**10, 2**14), reps=2, matmul_size=64, attention_length=64)
+"""calibrate's measurement at world 2 in small sizes (its CLI spawns the same on its own ranks)."""
 
 RATE = 1e12  # FLOP/s
 INTRA, INTER = Link(1e9, 1e-6), Link(1e8, 1e-5)  # bytes/s, s
@@ -198,3 +204,18 @@ def test_every_legal_mesh_predicts_the_collectives_explain_lists(gpt_ranking):
         assert _explained_bytes(graph) == {d: t.bytes for d, t in choice.collectives.items()}, choice
         counts = {d: sum(row["count"] for row in graph.collectives if row["mesh_dims"] == d) for d in choice.collectives}
         assert counts == {d: t.collectives for d, t in choice.collectives.items()}, choice
+
+
+def test_calibrate_measures_a_profile_that_machine_loads_and_choose_ranks_on(tmp_path):
+    first, second = CALIBRATED.result()
+    assert first == second  # every rank returns the slowest rank's figures
+    path = str(tmp_path / "profile.json")
+    Machine.from_dict(first).save(path)
+    profile = machine(path)
+    assert profile.devices_per_node == 2 and profile.device_type == "cpu" and set(profile.links["intra_node"]) == set(KINDS)
+    assert all(link.bandwidth > 0 and link.latency >= 0 for kinds in profile.links.values() for link in kinds.values())
+    assert profile.flops_per_second("matmul", "float32") > 0 and profile.flops_per_second("attention", "bfloat16") > 0
+    torch.manual_seed(0)
+    ranking = choose_mesh(models.GPT(layers=1, hidden=64, heads=4, mlp=128), (torch.randn(2, 16, 64),), 2,
+                          machine=path, top=50)
+    assert ranking and ranking.machine == profile
