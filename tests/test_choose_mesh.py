@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 import dtensor_par
-from dtensor_par.choose import choose_mesh
+from dtensor_par.choose import choose_mesh, factorizations
 from dtensor_par.config import ParallelConfig
 from dtensor_par.machines import H100_SXM, KINDS, MACHINES, Link, Machine, machine
 from dtensor_par.mesh import MeshInfo
@@ -219,3 +219,32 @@ def test_calibrate_measures_a_profile_that_machine_loads_and_choose_ranks_on(tmp
     ranking = choose_mesh(models.GPT(layers=1, hidden=64, heads=4, mlp=128), (torch.randn(2, 16, 64),), 2,
                           machine=path, top=50)
     assert ranking and ranking.machine == profile
+
+
+def test_a_world_with_no_legal_mesh_names_why_each_was_refused():
+    """4 heads, 4 tokens, one sequence: no split of 32 ranks fits (tp divides no more than the
+    heads, cp no more than the tokens, dp no more than the batch)."""
+    torch.manual_seed(0)
+    ranking = choose_mesh(models.GPT(layers=1, hidden=64, heads=4, mlp=128), (torch.randn(1, 4, 64),), 32,
+                          machine="h100-sxm-8")
+    assert list(ranking) == []
+    splits = [tuple(d.values()) for d in factorizations(32)]
+    assert sorted(tuple(r.degrees.values()) for r in ranking.rejected) == sorted(splits)
+    reasons = [r.reason for r in ranking.rejected]
+    assert all(reasons), ranking.rejected
+    assert any("not divisible by mesh dim 'tp'" in r for r in reasons)
+    assert any("shorter than mesh dims 'ring' x 'ulysses'" in r for r in reasons)
+    assert any("smaller than mesh dims 'dp_replicate' x 'dp_shard'" in r for r in reasons)
+    text = str(ranking)
+    assert "none is legal" in text and f"rejected ({len(splits)}):" in text
+    assert all(str(r) in text for r in ranking.rejected)
+
+
+def test_an_unknown_machine_name_lists_the_known_ones(capsys):
+    from dtensor_par.__main__ import main
+
+    with pytest.raises(ValueError, match="unknown machine 'h300'.*'h100-sxm-8', 'h200-8', 'trn2-48xl'"):
+        choose_mesh(models.GPT(layers=1, hidden=64, heads=4, mlp=128), (torch.randn(1, 16, 64),), 2, machine="h300")
+    assert main(["choose", "tests/factories.py:gpt", "--world", "2", "--machine", "h300"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown machine 'h300'" in err and all(name in err for name in MACHINES), err
