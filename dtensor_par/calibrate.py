@@ -56,7 +56,7 @@ def _collective(kind: str, nbytes: int, world: int, rank: int):
         return lambda: dist.all_reduce(x)
     if kind == "all_gather":
         gathered = x.new_empty(world * x.numel())
-        return lambda: dist.all_gather_into_tensor(gathered, x)
+        return lambda: dist.all_gather_single(gathered, x)
     out = x.new_empty(x.numel() // world if kind == "reduce_scatter" else x.numel())
     if kind == "reduce_scatter":
         return lambda: dist.reduce_scatter_single(out, x)
@@ -119,8 +119,9 @@ def measure(rank: int, world: int, *, sizes: tuple[int, ...] = SIZES, reps: int 
 
 def describe(machine: Machine) -> str:
     """What a measured profile says, a line per figure."""
-    rates = [f"{engine} {dtype}: {rate / 1e9:.3g} GFLOP/s" for engine, by_dtype in
-             (("matmul", machine.matmul_flops), ("attention", machine.attention_flops)) for dtype, rate in by_dtype.items()]
+    engines = (("matmul", machine.matmul_flops), ("attention", machine.attention_flops))
+    rates = [f"{engine} {dtype}: {rate / 1e9:.3g} GFLOP/s" for engine, by_dtype in engines
+             for dtype, rate in by_dtype.items()]
     links = [f"{kind}: {link.bandwidth / 1e9:.3g} GB/s bus bandwidth, {link.latency * 1e6:.3g} us latency"
              for kind, link in machine.links["intra_node"].items()]
     return "\n".join([f"{machine.name}: {machine.devices_per_node} ranks", *rates, *links])

@@ -202,7 +202,8 @@ def test_every_legal_mesh_predicts_the_collectives_explain_lists(gpt_ranking):
         (graph,) = dtensor_par.explain(model, inputs, **choice.degrees, order=choice.order, parallelized=True,
                                        machine="h100-sxm-8").graphs
         assert _explained_bytes(graph) == {d: t.bytes for d, t in choice.collectives.items()}, choice
-        counts = {d: sum(row["count"] for row in graph.collectives if row["mesh_dims"] == d) for d in choice.collectives}
+        counts = {d: sum(row["count"] for row in graph.collectives if row["mesh_dims"] == d)
+                  for d in choice.collectives}
         assert counts == {d: t.collectives for d, t in choice.collectives.items()}, choice
 
 
@@ -212,7 +213,8 @@ def test_calibrate_measures_a_profile_that_machine_loads_and_choose_ranks_on(tmp
     path = str(tmp_path / "profile.json")
     Machine.from_dict(first).save(path)
     profile = machine(path)
-    assert profile.devices_per_node == 2 and profile.device_type == "cpu" and set(profile.links["intra_node"]) == set(KINDS)
+    assert (profile.devices_per_node, profile.device_type) == (2, "cpu")
+    assert set(profile.links["intra_node"]) == set(KINDS)
     assert all(link.bandwidth > 0 and link.latency >= 0 for kinds in profile.links.values() for link in kinds.values())
     assert profile.flops_per_second("matmul", "float32") > 0 and profile.flops_per_second("attention", "bfloat16") > 0
     torch.manual_seed(0)
