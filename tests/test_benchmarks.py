@@ -58,17 +58,3 @@ def test_quick_decode_benchmark_decodes_one_devices_tokens_on_half_the_cache():
     assert tp["final_cache_length"] == one["final_cache_length"] == one["cache_length"] + decoded, (one, tp)
     assert "| tp=2 | 2 |" in run.stdout
 
-
-def test_ranking_statistics():
-    """benchmarks.ranking's Spearman: tied values share their places; reversed order is -1."""
-    from benchmarks.ranking import compare, ranks, spearman
-
-    assert ranks([3.0, 1.0, 3.0, 2.0]) == [3.5, 1.0, 3.5, 2.0]
-    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-    assert spearman([1, 2], [1, 2]) is None
-    rows = [{"predicted_ms": 1.0, "measured_ms": 11.5}, {"predicted_ms": 2.0, "measured_ms": 10.0},
-            {"predicted_ms": 3.0, "error": "RuntimeError: x"}, {"predicted_ms": 4.0, "measured_ms": 30.0}]
-    result = compare(rows)
-    assert result["top_over_best"] == pytest.approx(1.15) and result["top_within_10pct"] is False
-    assert result["spearman"] == pytest.approx(0.5)
