@@ -57,4 +57,3 @@ def test_quick_decode_benchmark_decodes_one_devices_tokens_on_half_the_cache():
     assert tp["cache_bytes_per_rank"] * 2 == one["cache_bytes_per_rank"] > 0, (one, tp)
     assert tp["final_cache_length"] == one["final_cache_length"] == one["cache_length"] + decoded, (one, tp)
     assert "| tp=2 | 2 |" in run.stdout
-
