@@ -15,6 +15,9 @@ import functools
 import itertools
 import operator
 from dataclasses import dataclass
+from typing import Callable
+
+import torch.fx as fx
 
 from .config import ParallelConfig
 from .dump import parameter_rows
@@ -29,6 +32,7 @@ from .passes.cost import StepTime, Traffic, activation_bytes, bytes_text, cost_p
 from .passes.localize import graph_communications
 from .passes.lower import check_all_to_all_contiguous, check_replica_group_limit, lower_pass, replica_group_sets
 from .passes.context import ParallelContext
+from .passes.batch import batch_pass
 from .passes.kv_cache import kv_cache_pass
 from .passes.plan import plan_pass
 from .pipeline import PASSES, fork, run_passes
@@ -125,17 +129,31 @@ def layouts(degrees: dict[str, int], device_type: str) -> list[tuple[str, ...]]:
     return [ones + p for p in itertools.permutations([d for d in default if degrees[d] > 1])]
 
 
-def _dp_apart(degrees: dict[str, int]) -> tuple:
-    """What the passes before plan read of a split: dp_replicate x dp_shard only as dp."""
-    return degrees["dp_replicate"] * degrees["dp_shard"], degrees["tp"], degrees["ring"], degrees["ulysses"]
+def _dp(degrees: dict[str, int]) -> int:
+    return degrees["dp_replicate"] * degrees["dp_shard"]
 
 
-STAGES = ((PASSES[:PASSES.index(kv_cache_pass)], lambda degrees: degrees["ring"] * degrees["ulysses"] > 1),
-          (PASSES[PASSES.index(kv_cache_pass):PASSES.index(plan_pass)], _dp_apart),
-          (PLANNING[PLANNING.index(plan_pass):], lambda degrees: tuple(degrees.values())))
-"""The planning passes in runs, each with what it reads of the degrees: two splits that agree on
-it plan alike up to its end, so a run is done once per value and its result forked
-(``pipeline.fork``). Capture, canonicalize and detect read only whether cp > 1."""
+@dataclass(frozen=True)
+class Stage:
+    """A run of the planning passes and what it reads of a split's degrees: two splits that agree
+    on it plan alike up to its end, so it runs once per value and its result is forked
+    (``pipeline.fork``). ``refused_by``: what a refusal of its reads alone, where that is less."""
+
+    passes: tuple
+    reads: Callable[[dict[str, int]], object]
+    refused_by: Callable[[dict[str, int]], object] | None = None
+
+
+_AT = {p: PASSES.index(p) for p in (kv_cache_pass, batch_pass, plan_pass)}
+STAGES = (
+    # capture, canonicalize and detect read only whether cp > 1 (canonicalize's grouped kv heads)
+    Stage(PASSES[:_AT[kv_cache_pass]], lambda degrees: degrees["ring"] * degrees["ulysses"] > 1),
+    # the passes before plan read dp_replicate x dp_shard only as dp
+    Stage(PASSES[_AT[kv_cache_pass]:_AT[batch_pass]], lambda d: (_dp(d), d["tp"], d["ring"], d["ulysses"])),
+    # a batch shorter than dp refuses every split of that dp: no pass before changes the batch
+    Stage((batch_pass,), lambda d: (_dp(d), d["tp"], d["ring"], d["ulysses"]), refused_by=_dp),
+    Stage(PLANNING[_AT[plan_pass]:], lambda degrees: tuple(degrees.values())),
+)
 
 
 def _plan(captured: list, degrees: dict[str, int], machine: Machine, config: ParallelConfig, done: dict
@@ -150,20 +168,37 @@ def _plan(captured: list, degrees: dict[str, int], machine: Machine, config: Par
         return str(e)
     planned = []
     for index, (gm, inputs) in enumerate(captured):
+        shared = [done[key] for key in _refusals(index, degrees) if key in done]
+        if shared:
+            return shared[0]
         state = gm, ParallelContext(config, mesh, list(inputs), SHARDED)
-        for depth, (passes, reads) in enumerate(STAGES):
-            key = index, depth, reads(degrees)
+        for depth, stage in enumerate(STAGES):
+            key = index, depth, stage.reads(degrees)
             if key not in done:
-                try:
-                    forked = fork(*state, mesh)
-                    done[key] = run_passes(*forked, passes), forked[1]
-                except (InvalidPlan, NotImplementedError) as e:
-                    done[key] = str(e)
+                done[key] = _run_stage(stage, *state, mesh)
+                if isinstance(done[key], str) and stage.refused_by:
+                    done.update(dict.fromkeys(_refusals(index, degrees, depth), done[key]))
             state = done[key]
             if isinstance(state, str):
                 return state
         planned.append(state)
     return planned
+
+
+def _refusals(index: int, degrees: dict[str, int], depth: int | None = None) -> list[tuple]:
+    """The keys under which ``done`` holds a refusal of graph ``index`` that every split agreeing
+    with ``degrees`` on a stage's ``refused_by`` shares (of the stage at ``depth`` alone, if given)."""
+    return [(index, at, "refused", stage.refused_by(degrees)) for at, stage in enumerate(STAGES)
+            if stage.refused_by and depth in (None, at)]
+
+
+def _run_stage(stage: Stage, gm: fx.GraphModule, ctx: ParallelContext, mesh: MeshInfo) -> tuple | str:
+    """The stage's passes on a fork of (gm, ctx) over ``mesh``, or why they refuse it."""
+    try:
+        forked, ctx = fork(gm, ctx, mesh)
+        return run_passes(forked, ctx, stage.passes), ctx
+    except (InvalidPlan, NotImplementedError) as e:
+        return str(e)
 
 
 def _memory(planned: list, training: bool) -> Memory:
