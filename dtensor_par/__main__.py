@@ -90,7 +90,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = vars(_parser().parse_args(argv))
     if args["command"] == "calibrate":
-        print(describe(calibrate(args["world"], args["out"], reps=args["reps"])) + f"\nwritten to {args['out']}")
+        profile = calibrate(args["world"], args["out"], reps=args["reps"])
+        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, the rank that wrote it
+            print(describe(profile) + f"\nwritten to {args['out']}")
         return 0
     gc.freeze()  # what the imports made lives until exit: no collection need walk it again (~0.2 s)
     model, example_inputs = load_factory(args["factory"])()
