@@ -70,8 +70,12 @@ QUICK_CONFIGS = {2: [("dit", {"tp": 2})]}
 
 def build(name: str, sizes: dict, seq: int, mesh: dict):
     """The model (seeded: the same weights on every rank) and its input: one sequence per dp rank."""
+    return model_and_input(name, sizes, seq, mesh.get("dp_replicate", 1) * mesh.get("dp_shard", 1))
+
+
+def model_and_input(name: str, sizes: dict, seq: int, batch: int):
+    """The model (seeded: the same weights on every rank) and an input of ``batch`` sequences."""
     torch.manual_seed(0)
-    batch = mesh.get("dp_replicate", 1) * mesh.get("dp_shard", 1)
     if name == "dit":
         return DiT(**sizes), torch.randn(batch, seq, sizes["dim"])
     return Llama(**sizes), torch.randint(0, sizes["vocab"], (batch, seq))

@@ -1,6 +1,7 @@
 """``python -m dtensor_par explain module.py:factory --tp 8``: the plan, without hardware;
 ``python -m dtensor_par choose module.py:factory --world 64 --machine trn2-48xl``: every mesh
-of 64 ranks ranked by predicted step time there, and why the others are refused."""
+of 64 ranks ranked by predicted step time there, and why the others are refused;
+``python -m dtensor_par calibrate --world 4 --out profile.json``: a profile of this machine."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 
 import torch
 
+from .calibrate import calibrate, describe
 from .choose import choose_mesh
 from .config import ParallelConfig
 from .explain import explain
@@ -86,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     ch.add_argument("--world", type=int, required=True, help="the number of ranks")
     ch.add_argument("--machine", required=True, help=f"a profile's name ({', '.join(MACHINES)}) or a JSON path")
     ch.add_argument("--top", type=int, default=5, help="how many legal meshes to list (default: 5)")
+    cal = commands.add_parser("calibrate", help="measure this machine into a profile --machine accepts")
+    cal.add_argument("--world", type=int, required=True, help="ranks to measure with (torchrun's, or spawned here)")
+    cal.add_argument("--out", required=True, help="where to write the profile (JSON)")
+    cal.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (median)")
     for sub in (ex, ch):
         sub.add_argument("--inference", action="store_true", help="predict a forward, not a training step")
         add_option_flags(sub)
@@ -94,6 +100,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = vars(_parser().parse_args(argv))
+    if args["command"] == "calibrate":
+        profile = calibrate(args["world"], args["out"], reps=args["reps"])
+        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, the rank that wrote it
+            print(describe(profile) + f"\nwritten to {args['out']}")
+        return 0
     gc.freeze()  # what the imports made lives until exit: no collection need walk it again (~0.2 s)
     model, example_inputs = load_factory(args["factory"])()
     options = {f.name: args[f.name] for f in dataclasses.fields(ParallelConfig) if f.name in args}

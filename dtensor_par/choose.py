@@ -15,6 +15,9 @@ import functools
 import itertools
 import operator
 from dataclasses import dataclass
+from typing import Callable
+
+import torch.fx as fx
 
 from .config import ParallelConfig
 from .dump import parameter_rows
@@ -28,7 +31,11 @@ from .passes.capture import capture_graphs
 from .passes.cost import StepTime, Traffic, activation_bytes, bytes_text, cost_pass, link_classes, traffic_text
 from .passes.localize import graph_communications
 from .passes.lower import check_all_to_all_contiguous, check_replica_group_limit, lower_pass, replica_group_sets
-from .pipeline import PASSES, parallelize_graph
+from .passes.context import ParallelContext
+from .passes.batch import batch_pass
+from .passes.kv_cache import kv_cache_pass
+from .passes.plan import plan_pass
+from .pipeline import PASSES, fork, run_passes
 from .symbolic import hint
 
 PLANNING = tuple(p for p in PASSES if p is not lower_pass)
@@ -122,14 +129,74 @@ def layouts(degrees: dict[str, int], device_type: str) -> list[tuple[str, ...]]:
     return [ones + p for p in itertools.permutations([d for d in default if degrees[d] > 1])]
 
 
-def _plan(captured: list, degrees: dict[str, int], machine: Machine, config: ParallelConfig) -> list | str:
+def _dp(degrees: dict[str, int]) -> int:
+    return degrees["dp_replicate"] * degrees["dp_shard"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A run of the planning passes and what it reads of a split's degrees: two splits that agree
+    on it plan alike up to its end, so it runs once per value and its result is forked
+    (``pipeline.fork``). ``refused_by``: what a refusal of its reads alone, where that is less."""
+
+    passes: tuple
+    reads: Callable[[dict[str, int]], object]
+    refused_by: Callable[[dict[str, int]], object] | None = None
+
+
+_AT = {p: PASSES.index(p) for p in (kv_cache_pass, batch_pass, plan_pass)}
+STAGES = (
+    # capture, canonicalize and detect read only whether cp > 1 (canonicalize's grouped kv heads)
+    Stage(PASSES[:_AT[kv_cache_pass]], lambda degrees: degrees["ring"] * degrees["ulysses"] > 1),
+    # the passes before plan read dp_replicate x dp_shard only as dp
+    Stage(PASSES[_AT[kv_cache_pass]:_AT[batch_pass]], lambda d: (_dp(d), d["tp"], d["ring"], d["ulysses"])),
+    # a batch shorter than dp refuses every split of that dp: no pass before changes the batch
+    Stage((batch_pass,), lambda d: (_dp(d), d["tp"], d["ring"], d["ulysses"]), refused_by=_dp),
+    Stage(PLANNING[_AT[plan_pass]:], lambda degrees: tuple(degrees.values())),
+)
+
+
+def _plan(captured: list, degrees: dict[str, int], machine: Machine, config: ParallelConfig, done: dict
+          ) -> list | str:
     """Each captured graph planned over ``degrees`` as ``parallelize`` runs it: [(local graph,
-    context)], or why the planner refuses the split."""
+    context)], or why the planner refuses the split. ``done``: each stage's result (or refusal)
+    by graph and by what it reads of the degrees, kept across splits."""
     mesh = MeshInfo.for_planning(degrees, machine.device_type)
     try:
         config.check_mesh(mesh, "choose_mesh")
-        return [parallelize_graph(gm, inputs, mesh, config, feeding=SHARDED, passes=PLANNING)
-                for gm, inputs in captured]
+    except (InvalidPlan, NotImplementedError) as e:
+        return str(e)
+    planned = []
+    for index, (gm, inputs) in enumerate(captured):
+        shared = [done[key] for key in _refusals(index, degrees) if key in done]
+        if shared:
+            return shared[0]
+        state = gm, ParallelContext(config, mesh, list(inputs), SHARDED)
+        for depth, stage in enumerate(STAGES):
+            key = index, depth, stage.reads(degrees)
+            if key not in done:
+                done[key] = _run_stage(stage, *state, mesh)
+                if isinstance(done[key], str) and stage.refused_by:
+                    done.update(dict.fromkeys(_refusals(index, degrees, depth), done[key]))
+            state = done[key]
+            if isinstance(state, str):
+                return state
+        planned.append(state)
+    return planned
+
+
+def _refusals(index: int, degrees: dict[str, int], depth: int | None = None) -> list[tuple]:
+    """The keys under which ``done`` holds a refusal of graph ``index`` that every split agreeing
+    with ``degrees`` on a stage's ``refused_by`` shares (of the stage at ``depth`` alone, if given)."""
+    return [(index, at, "refused", stage.refused_by(degrees)) for at, stage in enumerate(STAGES)
+            if stage.refused_by and depth in (None, at)]
+
+
+def _run_stage(stage: Stage, gm: fx.GraphModule, ctx: ParallelContext, mesh: MeshInfo) -> tuple | str:
+    """The stage's passes on a fork of (gm, ctx) over ``mesh``, or why they refuse it."""
+    try:
+        forked, ctx = fork(gm, ctx, mesh)
+        return run_passes(forked, ctx, stage.passes), ctx
     except (InvalidPlan, NotImplementedError) as e:
         return str(e)
 
@@ -198,12 +265,12 @@ def choose_mesh(model, example_inputs, world_size: int, *, machine: str | Machin
     the plan (``config.ParallelConfig``)."""
     profile = machine_profile(machine)
     config = ParallelConfig.of("choose_mesh", {"batch": batch, **options})
-    choices, rejected = [], []
+    choices, rejected, done = [], [], {}
     with paused_gc():
         captured = [(gm, [hint(a) for a in inputs])
                     for gm, inputs in capture_graphs(model, *example_inputs, **(example_kwargs or {}))]
         for degrees in factorizations(world_size):
-            legal, refused = _judge(degrees, _plan(captured, degrees, profile, config), profile, training)
+            legal, refused = _judge(degrees, _plan(captured, degrees, profile, config, done), profile, training)
             choices += legal
             rejected += refused
     choices.sort(key=lambda c: c.predicted.total)

@@ -66,16 +66,23 @@ class Machine:
         rates = self.matmul_flops if engine == "matmul" else self.attention_flops
         return rates.get(dtype, rates["float32"])
 
+    def as_dict(self) -> dict:
+        """Plain values only, as JSON holds them (``from_dict`` reads them back)."""
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(given: dict) -> Machine:
+        links = {c: {k: Link(**v) for k, v in kinds.items()} for c, kinds in given["links"].items()}
+        return Machine(**{**given, "links": links})
+
     def save(self, path: str) -> None:
         with open(path, "w") as f:
-            json.dump(dataclasses.asdict(self), f, indent=1)
+            json.dump(self.as_dict(), f, indent=1)
 
     @staticmethod
     def load(path: str) -> Machine:
         with open(path) as f:
-            given = json.load(f)
-        links = {c: {k: Link(**v) for k, v in kinds.items()} for c, kinds in given.pop("links").items()}
-        return Machine(**given, links=links)
+            return Machine.from_dict(json.load(f))
 
 
 def _links(intra: tuple[float, float], inter: tuple[float, float], *, permute_intra: float | None = None

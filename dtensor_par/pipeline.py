@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
 import warnings
 
@@ -44,12 +46,43 @@ def on_captured(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
     return module
 
 
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy whose graph the passes may mutate; node meta is copied shallowly."""
+def copy_graph_module(gm: fx.GraphModule, copies: dict[fx.Node, fx.Node] | None = None) -> fx.GraphModule:
+    """A copy whose graph the passes may mutate; node meta is copied shallowly. ``copies``, if
+    given, is filled with each node's copy."""
     graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
+    out = graph.graph_copy(gm.graph, {} if copies is None else copies)
     graph.output(out)
     return on_captured(gm, graph)
+
+
+def fork(gm: fx.GraphModule, ctx: ParallelContext, mesh: MeshInfo) -> tuple[fx.GraphModule, ParallelContext]:
+    """A copy of a partly planned ``gm`` and its ``ctx``, over ``mesh``, for the rest of the
+    passes to go on from (``choose_mesh`` runs what two meshes plan alike once): the sites
+    point into the copy, and the copy fills containers of its own."""
+    copies: dict[fx.Node, fx.Node] = {}
+    copied = copy_graph_module(gm, copies)
+
+    def remap(value):
+        if isinstance(value, fx.Node):
+            return copies[value]
+        return [remap(v) for v in value] if isinstance(value, list) else value
+
+    sites = [dataclasses.replace(s, **{f.name: remap(getattr(s, f.name)) for f in dataclasses.fields(s)})
+             for s in ctx.sites]
+    containers = {f.name: copy.copy(value) for f in dataclasses.fields(ctx)
+                  if isinstance(value := getattr(ctx, f.name), (dict, list))}
+    return copied, dataclasses.replace(ctx, **{**containers, "mesh": mesh, "sites": sites})
+
+
+def run_passes(gm: fx.GraphModule, ctx: ParallelContext, passes, dump: GraphDump | None = None) -> fx.GraphModule:
+    """``passes`` in order on ``gm`` itself, coverage recorded once planned."""
+    for run in passes:
+        gm = _step(run, gm, ctx)
+        if run is plan_pass:  # once, on the planned global graph
+            _step(record_coverage, gm, ctx)
+        if dump is not None:
+            dump.after(run.__name__, gm, ctx)
+    return gm
 
 
 def _step(step, gm: fx.GraphModule, ctx: ParallelContext):
@@ -84,12 +117,7 @@ def parallelize_graph(gm: fx.GraphModule, example_inputs: list, mesh: MeshInfo,
         dump.captured(gm)
     gm = copy_graph_module(gm)
     start = time.perf_counter()
-    for run in passes:
-        gm = _step(run, gm, ctx)
-        if run is plan_pass:  # once, on the planned global graph
-            _step(record_coverage, gm, ctx)
-        if dump is not None:
-            dump.after(run.__name__, gm, ctx)
+    gm = run_passes(gm, ctx, passes, dump)
     logger.info("planned a graph of %d nodes: %d sites, %d ops that communicate, %s, %d warnings, %.1f ms",
                 len(gm.graph.nodes), len(ctx.sites), len(graph_communications(gm)),
                 ctx.coverage.summary() if ctx.coverage else "not planned", len(ctx.warnings),

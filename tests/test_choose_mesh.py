@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 import dtensor_par
-from dtensor_par.choose import choose_mesh
+from dtensor_par.choose import choose_mesh, factorizations
 from dtensor_par.config import ParallelConfig
 from dtensor_par.machines import H100_SXM, KINDS, MACHINES, Link, Machine, machine
 from dtensor_par.mesh import MeshInfo
@@ -19,7 +19,13 @@ from dtensor_par.passes.cost import cost_pass, link_classes
 from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.passes.meta import Communication, Work, set_communications, set_work, work
 from dtensor_par.pipeline import parallelize_graph
+from dtensor_par.calibrate import measure
 from tests import models
+from tests.background import in_background
+from tests.harness import run_ranks
+
+CALIBRATED = in_background(run_ranks, 2, measure, sizes=(2**10, 2**14), reps=2, matmul_size=64, attention_length=64)
+"""calibrate's measurement at world 2 in small sizes (its CLI spawns the same on its own ranks)."""
 
 RATE = 1e12  # FLOP/s
 INTRA, INTER = Link(1e9, 1e-6), Link(1e8, 1e-5)  # bytes/s, s
@@ -142,6 +148,14 @@ def test_choose_mesh_rejects_indivisible_heads_and_ranks_the_rest(gpt_ranking):
     assert "rejected" in str(ranking) and str(ranking[0]) in str(ranking)
 
 
+def _explained_bytes(graph) -> dict[str, int]:
+    """Bytes per rank into each mesh dim's collectives in a step, as explain's table lists them."""
+    by_dim = {}
+    for row in graph.collectives:
+        by_dim[row["mesh_dims"]] = by_dim.get(row["mesh_dims"], 0) + row["bytes_per_rank"] * row["count"]
+    return by_dim
+
+
 def test_choose_mesh_top_choice_builds_and_matches_explain(gpt_ranking, fake_world):
     model, inputs, ranking = gpt_ranking
     best = ranking[0]
@@ -151,10 +165,7 @@ def test_choose_mesh_top_choice_builds_and_matches_explain(gpt_ranking, fake_wor
     report = dtensor_par.explain(model, inputs, **best.degrees, order=best.order, parallelized=True,
                                  machine="h100-sxm-8")
     (graph,) = report.graphs
-    by_dim = {}
-    for row in graph.collectives:
-        by_dim[row["mesh_dims"]] = by_dim.get(row["mesh_dims"], 0) + row["bytes_per_rank"] * row["count"]
-    assert by_dim == {d: t.bytes for d, t in best.collectives.items()}
+    assert _explained_bytes(graph) == {d: t.bytes for d, t in best.collectives.items()}
     assert report.parameter_bytes[0] == best.memory.parameters
     assert graph.predicted == best.predicted
     assert f"predicted training step on h100-sxm-8: {best.predicted}" in str(report)
@@ -182,3 +193,60 @@ def test_choose_mesh_on_neuron_keeps_ulysses_groups_contiguous():
     assert legal.order[-1] == "ulysses"
     (illegal,) = [r for r in ranking.rejected if r.degrees == hybrid]
     assert illegal.order[-1] == "tp" and "needs groups of contiguous ranks on Neuron" in illegal.reason
+
+
+def test_every_legal_mesh_predicts_the_collectives_explain_lists(gpt_ranking):
+    """Ring attention and Ulysses issue several collectives from one op: each is counted once."""
+    model, inputs, ranking = gpt_ranking
+    for choice in ranking:
+        (graph,) = dtensor_par.explain(model, inputs, **choice.degrees, order=choice.order, parallelized=True,
+                                       machine="h100-sxm-8").graphs
+        assert _explained_bytes(graph) == {d: t.bytes for d, t in choice.collectives.items()}, choice
+        counts = {d: sum(row["count"] for row in graph.collectives if row["mesh_dims"] == d)
+                  for d in choice.collectives}
+        assert counts == {d: t.collectives for d, t in choice.collectives.items()}, choice
+
+
+def test_calibrate_measures_a_profile_that_machine_loads_and_choose_ranks_on(tmp_path):
+    first, second = CALIBRATED.result()
+    assert first == second  # every rank returns the slowest rank's figures
+    path = str(tmp_path / "profile.json")
+    Machine.from_dict(first).save(path)
+    profile = machine(path)
+    assert (profile.devices_per_node, profile.device_type) == (2, "cpu")
+    assert set(profile.links["intra_node"]) == set(KINDS)
+    assert all(link.bandwidth > 0 and link.latency >= 0 for kinds in profile.links.values() for link in kinds.values())
+    assert profile.flops_per_second("matmul", "float32") > 0 and profile.flops_per_second("attention", "bfloat16") > 0
+    torch.manual_seed(0)
+    ranking = choose_mesh(models.GPT(layers=1, hidden=64, heads=4, mlp=128), (torch.randn(2, 16, 64),), 2,
+                          machine=path, top=50)
+    assert ranking and ranking.machine == profile
+
+
+def test_a_world_with_no_legal_mesh_names_why_each_was_refused():
+    """4 heads, 4 tokens, one sequence: no split of 32 ranks fits (tp divides no more than the
+    heads, cp no more than the tokens, dp no more than the batch)."""
+    torch.manual_seed(0)
+    ranking = choose_mesh(models.GPT(layers=1, hidden=64, heads=4, mlp=128), (torch.randn(1, 4, 64),), 32,
+                          machine="h100-sxm-8")
+    assert list(ranking) == []
+    splits = [tuple(d.values()) for d in factorizations(32)]
+    assert sorted(tuple(r.degrees.values()) for r in ranking.rejected) == sorted(splits)
+    reasons = [r.reason for r in ranking.rejected]
+    assert all(reasons), ranking.rejected
+    assert any("not divisible by mesh dim 'tp'" in r for r in reasons)
+    assert any("shorter than mesh dims 'ring' x 'ulysses'" in r for r in reasons)
+    assert any("smaller than mesh dims 'dp_replicate' x 'dp_shard'" in r for r in reasons)
+    text = str(ranking)
+    assert "none is legal" in text and f"rejected ({len(splits)}):" in text
+    assert all(str(r) in text for r in ranking.rejected)
+
+
+def test_an_unknown_machine_name_lists_the_known_ones(capsys):
+    from dtensor_par.__main__ import main
+
+    with pytest.raises(ValueError, match="unknown machine 'h300'.*'h100-sxm-8', 'h200-8', 'trn2-48xl'"):
+        choose_mesh(models.GPT(layers=1, hidden=64, heads=4, mlp=128), (torch.randn(1, 16, 64),), 2, machine="h300")
+    assert main(["choose", "tests/factories.py:gpt", "--world", "2", "--machine", "h300"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown machine 'h300'" in err and all(name in err for name in MACHINES), err

@@ -114,14 +114,15 @@ def link_classes(mesh: MeshInfo, devices_per_node: int) -> dict[str, str]:
             else "intra_node" for name, dim in mesh.dims.items()}
 
 
+def _issued(c: Communication, direction: str) -> tuple[str, int] | None:
+    """(kind, bytes) of the collective ``c`` issues in ``direction``, if it issues one."""
+    op, nbytes = (c.forward, c.forward_bytes) if direction == "forward" else (c.backward, c.backward_bytes)
+    return None if op is None else (KIND.get(op, op), nbytes)
+
+
 def _collectives(node: fx.Node, direction: str) -> list[tuple[str, int, Communication]]:
     """(kind, bytes, Communication) of each collective the node issues in ``direction``."""
-    out = []
-    for c in communications(node):
-        op, nbytes = (c.forward, c.forward_bytes) if direction == "forward" else (c.backward, c.backward_bytes)
-        if op is not None:
-            out.append((KIND.get(op, op), nbytes, c))
-    return out
+    return [(*issued, c) for c in communications(node) if (issued := _issued(c, direction))]
 
 
 def _node_time(node: fx.Node, machine: Machine, links: dict[str, str], direction: str) -> _NodeTime:
@@ -162,12 +163,11 @@ def _run(nodes: Iterable[fx.Node], needs: Callable[[fx.Node], list[fx.Node]],
 def _traffic(gm: fx.GraphModule, machine: Machine, links: dict[str, str], directions: tuple[str, ...]
              ) -> dict[str, Traffic]:
     traffic: dict[str, Traffic] = {}
-    for node, _ in graph_communications(gm):
-        for direction in directions:
-            for kind, nbytes, c in _collectives(node, direction):
-                t = traffic.get(c.mesh_dim, Traffic(links[c.mesh_dim], 0, 0, 0.0))
-                seconds = machine.collective_seconds(kind, nbytes, c.group_size, t.link)
-                traffic[c.mesh_dim] = Traffic(t.link, t.collectives + 1, t.bytes + nbytes, t.seconds + seconds)
+    for _, c in graph_communications(gm):
+        for kind, nbytes in filter(None, (_issued(c, direction) for direction in directions)):
+            t = traffic.get(c.mesh_dim, Traffic(links[c.mesh_dim], 0, 0, 0.0))
+            seconds = machine.collective_seconds(kind, nbytes, c.group_size, t.link)
+            traffic[c.mesh_dim] = Traffic(t.link, t.collectives + 1, t.bytes + nbytes, t.seconds + seconds)
     return traffic
 
 

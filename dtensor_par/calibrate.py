@@ -1,0 +1,160 @@
+"""calibrate: a machine profile (``machines.Machine``) measured on the machine it runs on.
+
+    python -m dtensor_par calibrate --world 4 --out profile.json    (spawns 4 ranks on this host)
+    torchrun --nproc-per-node 4 -m dtensor_par calibrate --world 4 --out profile.json
+
+Every rank runs at once, as in a parallel step: matmul and SDPA throughput are a device's while
+its peers compute too (CPU ranks share the cores). Each collective kind is timed over the whole
+world at several sizes on the default backend (NCCL on CUDA, gloo on CPU), and ``latency + bus
+bytes / bandwidth`` (``machines.BUS_FACTOR``) is fitted to the slowest rank's medians by least
+squares. The ranks are taken as one node (``devices_per_node`` = the world): ``inter_node`` is
+given the figures measured, and a choice over at most this world never crosses it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .machines import BUS_FACTOR, KINDS, LINK_CLASSES, Link, Machine
+
+SIZES = tuple(4**i for i in range(6, 12))
+"""Bytes a rank puts into each timed collective: 4 KiB to 4 MiB."""
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _slowest_median(run, reps: int) -> float:
+    """Median over ``reps`` of the seconds ``run`` takes on the slowest rank, every rank started
+    together (one call first, untimed: it warms caches and connections)."""
+    run()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    return statistics.median(times)
+
+
+def _collective(kind: str, nbytes: int, world: int, rank: int):
+    """A call of ``kind`` over the world into which this rank puts ``nbytes`` (float32)."""
+    x = torch.ones(max(world, nbytes // 4 // world * world), device=_device())
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x)
+    if kind == "all_gather":
+        gathered = x.new_empty(world * x.numel())
+        return lambda: dist.all_gather_single(gathered, x)
+    out = x.new_empty(x.numel() // world if kind == "reduce_scatter" else x.numel())
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_single(out, x)
+    if kind == "all_to_all":
+        return lambda: dist.all_to_all_single(out, x)
+    # permute: the whole input to the next rank, as a ring rotation runs (ops/lowerings.py)
+    send = [x.numel() if r == (rank + 1) % world else 0 for r in range(world)]
+    receive = [x.numel() if r == (rank - 1) % world else 0 for r in range(world)]
+    return lambda: dist.all_to_all_single(out, x, receive, send)
+
+
+def fit_link(points: list[tuple[float, float]]) -> Link:
+    """``latency + bus_bytes / bandwidth`` fitted by least squares to (bus bytes, seconds);
+    a slope noise made negative gives the bandwidth of the largest point alone."""
+    xs, ys = zip(*points)
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x in xs)
+    if slope <= 0:
+        return Link(max(xs) / ys[xs.index(max(xs))], 0.0)
+    return Link(1 / slope, max(0.0, mean_y - slope * mean_x))
+
+
+def _throughputs(reps: int, matmul_size: int, attention_length: int) -> dict[str, dict[str, float]]:
+    """FLOP/s of a square matmul and of causal SDPA (8 heads of 64) per dtype, every rank at once."""
+    device = _device()
+    rates = {"matmul_flops": {}, "attention_flops": {}}
+    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
+        a = torch.randn(matmul_size, matmul_size, device=device, dtype=dtype)
+        rates["matmul_flops"][str(dtype).removeprefix("torch.")] = (
+            2 * matmul_size**3 / _slowest_median(lambda: a @ a, reps))
+        q = torch.randn(1, 8, attention_length, 64, device=device, dtype=dtype)
+        flops = 4 * 8 * 64 * attention_length * (attention_length + 1) // 2  # as coverage counts causal pairs
+        rates["attention_flops"][str(dtype).removeprefix("torch.")] = flops / _slowest_median(
+            lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), reps)
+    return rates
+
+
+def _memory_per_device(world: int) -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
+
+
+def measure(rank: int, world: int, *, sizes: tuple[int, ...] = SIZES, reps: int = 5, matmul_size: int = 1024,
+            attention_length: int = 1024) -> dict:
+    """The profile of this machine as ``Machine.as_dict`` gives it, measured on every rank of
+    the default process group at once (each rank returns the same)."""
+    links = {}
+    for kind in KINDS:
+        points = [(BUS_FACTOR[kind](world) * nbytes, _slowest_median(_collective(kind, nbytes, world, rank), reps))
+                  for nbytes in sizes]
+        links[kind] = fit_link(points)
+    device = _device()
+    machine = Machine(name=f"calibrated-{os.uname().nodename}-{device.type}-world{world}", device_type=device.type,
+                      devices_per_node=world, memory_per_device=_memory_per_device(world),
+                      **_throughputs(reps, matmul_size, attention_length),
+                      links={c: dict(links) for c in LINK_CLASSES})
+    return machine.as_dict()
+
+
+def describe(machine: Machine) -> str:
+    """What a measured profile says, a line per figure."""
+    engines = (("matmul", machine.matmul_flops), ("attention", machine.attention_flops))
+    rates = [f"{engine} {dtype}: {rate / 1e9:.3g} GFLOP/s" for engine, by_dtype in engines
+             for dtype, rate in by_dtype.items()]
+    links = [f"{kind}: {link.bandwidth / 1e9:.3g} GB/s bus bandwidth, {link.latency * 1e6:.3g} us latency"
+             for kind, link in machine.links["intra_node"].items()]
+    return "\n".join([f"{machine.name}: {machine.devices_per_node} ranks", *rates, *links])
+
+
+def _spawned_rank(rank: int, world: int, store: str, out: str, options: dict) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    profile = Machine.from_dict(measure(rank, world, **options))
+    if rank == 0:
+        profile.save(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def calibrate(world: int, out: str, **options) -> Machine:
+    """Measure this machine over ``world`` ranks and save the profile at ``out``: under torchrun,
+    on the ranks it started (``world`` must be its world size); otherwise on ``world`` ranks this
+    spawns on this host (gloo, on CPU)."""
+    if "RANK" in os.environ:
+        if int(os.environ["WORLD_SIZE"]) != world:
+            raise ValueError(f"calibrate: --world {world}, but torchrun started {os.environ['WORLD_SIZE']} ranks")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group()
+        profile = Machine.from_dict(measure(dist.get_rank(), world, **options))
+        if dist.get_rank() == 0:
+            profile.save(out)
+        dist.destroy_process_group()
+        return profile
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(_spawned_rank, args=(world, os.path.join(folder, "store"), out, options), nprocs=world,
+                           join=True, start_method="spawn")
+    return Machine.load(out)
