@@ -371,15 +371,10 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             i = next(position)
             site = site_role(node) or site_role(arg)
             current = {d.name: shardings(arg)[d.name].out for d in dims}
-            val, new = tensor_val(arg), arg
-            held_fsdp = arg.op == "placeholder" and arg.name in fsdp
-            dtype = compute.get(arg.name) if arg.op == "placeholder" else None
-            if held_fsdp:
-                new = cached((arg, "fsdp"), lambda: gather_fsdp_param(gm, ctx, arg, fsdp[arg.name], dtype))
-            elif dtype is not None:  # the gradient's reductions (the edges' backward) in reduce_dtype;
-                # at the start of the graph, as the placeholder is, before any bucket of them
-                first = next(n for n in graph.nodes if n.op != "placeholder")
-                new = _cast(graph, cached, new, ctx.config.reduce_dtype or dtype, before=first)
+            val = tensor_val(arg)
+            layout, dtype = (fsdp.get(arg.name), compute.get(arg.name)) if arg.op == "placeholder" else (None, None)
+            held_fsdp = layout is not None
+            new = _parameter_at_use(gm, ctx, cached, arg, layout, dtype)
             element_size = tensor_val(new).element_size()
             for dim in dims:
                 src, dst = current[dim.name], plans[dim.name].inputs[i]
@@ -401,6 +396,27 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             kind = lookup(node)
             if kind is not None and kind.localize is not None:
                 kind.localize(gm, node, ctx.mesh)
+    _finish(gm, ctx, fsdp)
+    return gm
+
+
+def _parameter_at_use(gm: fx.GraphModule, ctx: ParallelContext, cached, arg: fx.Node, layout: HeldLayout | None,
+                      dtype: torch.dtype | None) -> fx.Node:
+    """What a graph input's edges start from: an FSDP-held parameter's gather (sent in the
+    dtype the graph computes in), or a parameter held in another dtype than that cast to
+    ``reduce_dtype`` first (the edges' backward reduces its gradient; at the start of the
+    graph, as the placeholder is, before any bucket of them); else the input itself."""
+    if layout is not None:
+        return cached((arg, "fsdp"), lambda: gather_fsdp_param(gm, ctx, arg, layout, dtype))
+    if dtype is None:
+        return arg
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    return _cast(gm.graph, cached, arg, ctx.config.reduce_dtype or dtype, before=first)
+
+
+def _finish(gm: fx.GraphModule, ctx: ParallelContext, fsdp: dict[str, HeldLayout]) -> None:
+    """Once every edge is localized: sizes as graph values, the gradient reductions, no global values left."""
+    graph = gm.graph
     if ctx.specialization is not None:
         materialize_sizes(gm, {v.node.expr: n for n in graph.nodes if n.op == "placeholder"
                                for v in [n.meta.get("val")] if is_symbolic(v)})
@@ -410,7 +426,6 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             node.meta.pop(key, None)
     graph.lint()
     gm.recompile()
-    return gm
 
 
 def _reduce_gradients(gm: fx.GraphModule, ctx: ParallelContext, fsdp: dict[str, HeldLayout]) -> None:
