@@ -163,5 +163,7 @@ def read_written_attention(site: AttentionSite) -> WrittenAttention | str:
     if isinstance(found, str):
         return found
     score_mod, (mask, hides) = found[0], found[1] or (None, False)
+    if mask is not None and mask.meta["requires_grad"]:
+        return f"{mask.name}: a mask that needs a gradient (a learned bias)"
     key = tensor_inputs(key_t)[0] if _swaps_last_two(key_t) else None
     return WrittenAttention(query, key, key_t, value, score_mod, mask, hides)
