@@ -331,3 +331,44 @@ def test_a_softmax_over_a_product_not_read_as_attention_is_warned_of_by_name(pla
     _, ctx = planned(SoftmaxGate(), [torch.randn(2, 8, 32)], tp=2)
     assert any(w.startswith("softmax: a softmax over the product matmul is not read as attention")
                for w in ctx.warnings), ctx.warnings
+
+
+class WrittenOutAttention(nn.Module):
+    """Attention written out by hand as research code has it: scaled, soft-capped scores, a
+    causal mask by ``masked_fill``, and a dropout of the probabilities."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
+        self.dropout = dropout
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, 4, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
+        scores = 5.0 * torch.tanh(q @ k.transpose(-2, -1) / 8 ** 0.5 / 5.0)
+        hidden = torch.ones(s, s, dtype=torch.bool).triu(1)
+        probs = F.dropout(scores.masked_fill(hidden, float("-inf")).softmax(-1), self.dropout, self.training)
+        return self.o((probs @ v).transpose(1, 2).reshape(b, s, 32))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_written_out_attention_on_cp_is_hybrid_attention_with_its_score_function(dropout):
+    """Its scale and soft-capping become the score function, its mask ``is_causal``, and no
+    softmax is left; a dropout that drops something keeps it as written, with a warning
+    naming the dropout."""
+    from dtensor_par.ops.attention import hybrid_attention
+    from dtensor_par.ops.score_mod import ScoreMod
+    from dtensor_par.pipeline import PLANNING_PASSES
+
+    (gm, inputs), = capture_graphs(WrittenOutAttention(dropout), torch.randn(2, 16, 32))
+    local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning({"ulysses": 2}, "cpu"), passes=PLANNING_PASSES)
+    attention = [n for n in local.graph.nodes if n.target is hybrid_attention]
+    if dropout:
+        assert not attention and any("attention written out by hand runs op by op on the whole sequence over cp: "
+                                     "probs (dropout) between the softmax and @ v" in w for w in ctx.warnings), \
+            ctx.warnings
+        return
+    (hybrid,) = attention
+    assert hybrid.kwargs["score_mod"] == ScoreMod((("div", 8 ** 0.5), ("div", 5.0), ("tanh", 0.0), ("mul", 5.0)))
+    assert hybrid.kwargs["is_causal"] and hybrid.kwargs["attn_mask"] is None
+    assert not any(op_kind(n) == "softmax" for n in local.graph.nodes)

@@ -28,7 +28,7 @@ KV_HEADS = {"llama": 4, "qwen2": 2, "mistral": 4, "mistral_padded": 4}
 
 
 @pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
-@pytest.mark.parametrize("name", MODELS + ["mistral_padded", "phi3", "wan", "sd3"])
+@pytest.mark.parametrize("name", MODELS + ["mistral_padded", "phi3", "wan", "sd3", "gemma2"])
 def test_every_block_runs_sharded_without_fallback_gathers(name, mesh):
     torch.manual_seed(0)
     model, args, kwargs = real_models.FACTORIES[name]()
@@ -69,13 +69,14 @@ def compare_models(rank: int, world: int, *, sizes: dict, names: list[str]) -> d
 
 RUNS = {
     # diffusers' in-graph tokens: once, on tp2-ulysses2; a window and key padding as ring blocks.
-    # gemma2's attention is written out (soft-capping): tp shards its heads, cp runs it whole.
+    # gemma2's attention is written out (soft-capping): tp shards its heads, cp runs it as hybrid attention with
+    # its score function, at both meshes (Ulysses' ring of one, and ring blocks).
     # Bloom's attention (ALiBi by a keyword baddbmm, heads folded into the batch) is written out too: tp shards
     # its heads and the ALiBi bias with them. Falcon's fused qkv is sharded by kv group. Both once, beside
     # ulysses (CI time): Falcon's attention is SDPA, as every model's at tp2-ring2; Bloom's runs whole under cp.
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
                              names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "bloom", "falcon"]),
-        "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=MODELS + ["mistral_padded"])},
+        "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=MODELS + ["mistral_padded", "gemma2"])},
     # Ulysses x ring beside tp: causal GQA, a window, joint attention (each model's own layers run at world 4).
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=["llama", "mistral", "flux"])},
 }
@@ -181,7 +182,7 @@ def test_masks_from_positions_hold_no_square_tensor_on_ring_4(model, seq, padded
 def test_attention_written_out_by_hand_is_a_site_sharded_on_heads():
     """Gemma2's soft-capped attention (matmul, scale, tanh, mask, softmax, matmul) is read as an
     attention site: tp=2 shards its q/k/v colwise and o rowwise by heads (4 heads, 2 kv heads),
-    every block linear sharded; under cp it runs op by op, which a warning says."""
+    every block linear sharded."""
     torch.manual_seed(0)
     model, args, kwargs = real_models.gemma2()
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
@@ -189,9 +190,32 @@ def test_attention_written_out_by_hand_is_a_site_sharded_on_heads():
     assert len(attention) == 2 and all("4 heads, 2 kv heads" in s and "o_proj" in s for s in attention), attention
     assert graph.coverage.sharded_block_linear_flops == graph.coverage.block_linear_flops > 0
     assert graph.coverage.fallback_gathers == [] and graph.coverage.parallel_sites == 4
-    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ulysses=2).graphs
-    assert any("attention written out by hand runs op by op on the whole sequence over cp" in w
-               for w in graph.warnings), graph.warnings
+
+
+@pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
+def test_soft_capped_attention_runs_as_hybrid_attention_without_a_square_mask(mesh):
+    """Under cp, Gemma2's written-out attention becomes hybrid attention: its scale and
+    soft-capping a score function each ring block (or Ulysses' ring of one) applies to its own
+    scores; its masks, built from positions, run as is_causal with the sliding window (layer 0)
+    and without: no rank holds an S x S mask."""
+    from dtensor_par.mesh import MeshInfo
+    from dtensor_par.ops.score_mod import ScoreMod
+    from dtensor_par.passes.capture import capture_graphs
+    from dtensor_par.pipeline import PLANNING_PASSES, parallelize_graph
+
+    torch.manual_seed(0)
+    model, _, kwargs = real_models.gemma2()
+    seq = 40  # no other dim of the model has this size
+    (gm, inputs), = capture_graphs(model, torch.randint(0, real_models.VOCAB, (2, seq)), **kwargs)
+    local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning(mesh, "cpu"), passes=PLANNING_PASSES)
+    assert not any("op by op" in w for w in ctx.warnings), ctx.warnings
+    attention = [n for n in local.graph.nodes if n.target is dtensor_par.ops.attention.hybrid_attention]
+    soft_capping = ScoreMod((("mul", 256 ** -0.5), ("div", 0.02), ("tanh", 0.0), ("mul", 0.02)))  # query_pre_attn_scalar 256
+    assert [n.kwargs.get("window") for n in attention] == [12, None]
+    assert all(n.kwargs["score_mod"] == soft_capping and n.kwargs["is_causal"] and n.kwargs["attn_mask"] is None
+               for n in attention), [n.kwargs for n in attention]
+    shapes = [global_shape(n) or () for n in local.graph.nodes]
+    assert not any(shape[-2:] == (seq, seq) for shape in shapes), [s for s in shapes if s[-2:] == (seq, seq)]
 
 
 @pytest.mark.parametrize("name, heads", [("falcon", "8 heads, 2 kv heads"), ("bloom", "4 heads, 4 kv heads")])

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dtensor_par.mesh import MeshDim, MeshInfo
 from dtensor_par.ops.ring import ring_attention
 from dtensor_par.ops.ring_schedule import ring_step_flops
+from dtensor_par.ops.score_mod import ScoreMod
 from dtensor_par.ops.sequence_layout import zigzag_indices
 from tests.background import in_background
 from tests.harness import FORWARD_ATOL, GRAD_RTOL, capturing_backend, max_rel, run_ranks
@@ -46,6 +47,13 @@ CASES = {
     "padded_window_key_padding_zigzag": dict(real=14, is_causal=True, window=4, key_padding=True, zigzag=True),
     # Ring coordinate r is global rank world-1-r: rotations follow coordinates, not group ranks.
     "causal_zigzag_reversed_ring": dict(is_causal=True, zigzag=True, reversed_ring=True),
+    # Soft-capping (Gemma2's tanh(s / c) * c) as a score function each block applies to its
+    # own scores, forward and backward, with a window, GQA, an additive bias and padding.
+    "softcap_causal_zigzag": dict(softcap=2.0, is_causal=True, zigzag=True),
+    "softcap_window_zigzag_gqa": dict(softcap=2.0, is_causal=True, window=3, zigzag=True, heads=4, kv_heads=2,
+                                      enable_gqa=True),
+    "softcap_padded_additive_mask_zigzag": dict(softcap=2.0, real=14, zigzag=True, mask="additive", heads=4,
+                                                kv_heads=4),
 }
 
 _FORWARD_KERNEL = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -107,6 +115,22 @@ def _positional_mask(length: int, window: int | None, keep: torch.Tensor | None)
     return visible if keep is None else visible & keep[:, None, None, :]
 
 
+def _softcap(cap: float) -> ScoreMod:
+    return ScoreMod((("div", cap), ("tanh", 0.0), ("mul", cap)))
+
+
+def _written_out(q, k, v, *, attn_mask, is_causal, scale, enable_gqa, softcap):
+    """Soft-capped attention as Gemma2 writes it out, op by op: the reference of a score function."""
+    if enable_gqa:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.tanh(q @ k.transpose(-2, -1) * (scale or q.shape[-1] ** -0.5) / softcap) * softcap
+    if is_causal:
+        attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return scores.softmax(-1) @ v
+
+
 def _blocks_in_window(seq: int, world: int, rank: int, window: int, zigzag: bool) -> int:
     """Ring blocks holding a key within the window of one of this rank's queries."""
     q = _rank_positions(seq, world, rank, zigzag)
@@ -131,22 +155,24 @@ def _ring(world: int, reversed_ring: bool) -> MeshDim:
 def _compare(world: int, attention, *, heads: int = 2, kv_heads: int = 2, kv_seq: int = SEQ,
              is_causal: bool = False, zigzag: bool = False, enable_gqa: bool = False, scale: float | None = None,
              mask: str | None = None, real: int | None = None, reversed_ring: bool = False,
-             window: int | None = None, key_padding: bool = False, count_ops: bool = True) -> dict:
+             window: int | None = None, key_padding: bool = False, softcap: float | None = None,
+             count_ops: bool = True) -> dict:
     """Run ``attention`` on this rank's blocks; return its differences to the single-device
     SDPA forward and gradients and, if ``count_ops`` (eager only: torch.compile refuses
     dispatch modes), the kernels and rotations it ran.
 
     ``real``: only the first ``real`` positions are the sequence; the rest is padding, whose
-    output rows are not compared and whose gradients must be zero."""
+    output rows are not compared and whose gradients must be zero. ``softcap``: soft-capped
+    scores (a score function), against the attention written out."""
     q, k, v, weights = _full_inputs(heads, kv_heads, kv_seq)
     n, n_kv = real or SEQ, real or kv_seq
     full = [t[:, :, :length].clone().requires_grad_() for t, length in ((q, n), (k, n_kv), (v, n_kv))]
     full_mask = _mask(mask, heads, n)
     keep = _keep(n) if key_padding else None
     positional = window is not None or key_padding
-    reference = F.scaled_dot_product_attention(*full, attn_mask=_positional_mask(n, window, keep) if positional
-                                               else full_mask, is_causal=is_causal and not positional,
-                                               scale=scale, enable_gqa=enable_gqa)
+    attend = F.scaled_dot_product_attention if softcap is None else functools.partial(_written_out, softcap=softcap)
+    reference = attend(*full, attn_mask=_positional_mask(n, window, keep) if positional else full_mask,
+                       is_causal=is_causal and not positional, scale=scale, enable_gqa=enable_gqa)
     (reference * weights[:, :, :n]).sum().backward()
     grads = [F.pad(t.grad, (0, 0, 0, length - t.shape[2])) for t, length in zip(full, (SEQ, kv_seq, kv_seq))]
 
@@ -159,6 +185,8 @@ def _compare(world: int, attention, *, heads: int = 2, kv_heads: int = 2, kv_seq
     counter = _CountOps()
     with counter if count_ops else contextlib.nullcontext():
         extra = {"window": window, "key_padding": keep} if positional else {}
+        if softcap is not None:
+            extra["score_mod"] = _softcap(softcap)
         out = attention(*local, ring=ring, attn_mask=local_mask, is_causal=is_causal, scale=scale,
                         enable_gqa=enable_gqa, zigzag=zigzag, kv_len=real, **extra)
         (out * weights[:, :, q_pos] * real_rows.view(-1, 1)).sum().backward()
@@ -287,25 +315,30 @@ def test_window_flops_skip_blocks_outside_the_window_and_cover_every_visible_pai
     assert ring_step_flops(seq, size, 0, zigzag=True, is_causal=True, window=window) == [4 * 136, 0, 0, 4 * 25]
 
 
-@pytest.mark.parametrize("window, key_padding, real, tile", [
-    (3, False, None, 5), (4, True, 14, 5), (None, True, None, 6), (5, True, 14, 512)])
-def test_a_ring_of_one_runs_windows_and_key_padding_by_query_tiles(window, key_padding, real, tile):
+@pytest.mark.parametrize("window, key_padding, real, tile, softcap", [
+    (3, False, None, 5, None), (4, True, 14, 5, None), (None, True, None, 6, None), (5, True, 14, 512, None),
+    (4, True, 14, 5, 2.0), (None, False, None, 512, 2.0)])
+def test_a_ring_of_one_runs_windows_and_key_padding_by_query_tiles(window, key_padding, real, tile, softcap):
     """Ulysses alone (a ring of one): query tiles, each with the keys its window reaches; a
-    padded sequence's extra query rows see the last real row's keys."""
+    padded sequence's extra query rows see the last real row's keys. A score function
+    (soft-capping) is applied to each tile's scores, and autograd derives its backward."""
     from dtensor_par.ops.ring_kernels import tiled_attention
 
     q, k, v, weights = (t.requires_grad_() for t in _full_inputs(2, 2, SEQ))
     n = real or SEQ
     keep = _keep(n) if key_padding else None
-    reference = F.scaled_dot_product_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n],
-                                               attn_mask=_positional_mask(n, window, keep))
+    attend = F.scaled_dot_product_attention if softcap is None else functools.partial(
+        _written_out, is_causal=False, scale=None, enable_gqa=False, softcap=softcap)
+    reference = attend(q[:, :, :n], k[:, :, :n], v[:, :, :n], attn_mask=_positional_mask(n, window, keep))
     expected = torch.autograd.grad((reference * weights[:, :, :n]).sum(), (q, k, v))
+    score_mod = None if softcap is None else _softcap(softcap)
     if tile == 512:
         one = MeshInfo.for_planning({}, "cpu").dims["ring"]
-        out = ring_attention(q, k, v, ring=one, is_causal=True, window=window, key_padding=keep, kv_len=real)
+        out = ring_attention(q, k, v, ring=one, is_causal=True, window=window, key_padding=keep, kv_len=real,
+                             score_mod=score_mod)
     else:
         out = tiled_attention(q, k[:, :, :n], v[:, :, :n], is_causal=True, window=window, key_padding=keep,
-                              scale=None, tile=tile)
+                              scale=None, score_mod=score_mod, tile=tile)
     assert out.shape == q.shape and (out[:, :, :n] - reference).abs().max() <= FORWARD_ATOL
     grads = torch.autograd.grad((out[:, :, :n] * weights[:, :, :n]).sum(), (q, k, v))
     for got, want in zip(grads, expected):

@@ -34,6 +34,7 @@ from .collectives import all_gather_partial_grad, all_to_all
 from .lowerings import FUNCTIONAL
 from .ring import ring_attention
 from .ring_kernels import as_4d
+from .score_mod import ScoreMod
 from .sequence_layout import zigzag_indices
 
 HEADS, SEQ = -3, -2
@@ -81,8 +82,8 @@ def _mask_for_rank(mask: torch.Tensor, heads: int, padded_heads: int, ulysses_ra
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
                      is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
                      ulysses: MeshDim, ring: MeshDim, kv_len: int | None = None, window: int | None = None,
-                     key_padding: torch.Tensor | None = None, ulysses_impl: str = "all_to_all",
-                     comm: str = FUNCTIONAL) -> torch.Tensor:
+                     key_padding: torch.Tensor | None = None, score_mod: ScoreMod | None = None,
+                     ulysses_impl: str = "all_to_all", comm: str = FUNCTIONAL) -> torch.Tensor:
     """This rank's sequence shard of ``scaled_dot_product_attention(q, k, v, attn_mask)`` over
     the full sequence, forward and backward.
 
@@ -90,7 +91,9 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_
     sharded only by tp). ``window`` (with ``is_causal``) and ``key_padding`` (boolean
     ``[B, keys]``, whole) stand for a causal sliding-window / key-padding mask without one of
     the sequence (``ring_attention``). ``kv_len``: the real key length when an uneven sequence
-    was padded at its end to split evenly; the padded keys are masked. ``ulysses``, ``ring``: the layouts
+    was padded at its end to split evenly; the padded keys are masked. ``score_mod``: the score
+    function of attention written out by hand (``ops.score_mod``), applied by every ring block
+    and at a ring of one to its own tile of scores. ``ulysses``, ``ring``: the layouts
     of the two mesh dims; ``ulysses_impl``: one of ULYSSES_IMPLS; ``comm``: the lowering of
     the collectives (``ops.lowerings``).
     """
@@ -112,7 +115,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_
         attn_mask = _mask_for_rank(attn_mask, heads, padded, ulysses.rank, ulysses_size, rows)
     out = ring_attention(q, k, v, ring=ring, comm=comm, attn_mask=attn_mask,
                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, zigzag=ring_size > 1,
-                         kv_len=kv_len, window=window, key_padding=key_padding)
+                         kv_len=kv_len, window=window, key_padding=key_padding, score_mod=score_mod)
     if ulysses_size > 1:
         out = _trade(out, HEADS, SEQ, ulysses, ulysses_impl, comm)
     return out[:, :heads] if padded != heads else out

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from ..mesh import MeshDim
 from .lowerings import FUNCTIONAL, LOWERINGS
 from .ring_kernels import (add_rows, as_4d, as_additive, block_backward, block_forward, every_row, merge_block,
-                           part, positional_mask, repeat_kv_heads, slice_mask, tiled_attention)
+                           part, positional_mask, repeat_kv_heads, scored_attention, slice_mask, tiled_attention)
 from .ring_schedule import Block, plan_block, source_at
+from .score_mod import ScoreMod
 from .sequence_layout import count_real_keys
 
 
@@ -66,7 +67,7 @@ def _blocks_at(step: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor |
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   key_padding: torch.Tensor | None, *, ring: MeshDim, comm: str, is_causal: bool,
                   scale: float | None, zigzag: bool, kv_len: int | None, window: int | None,
-                  overlap: bool = True, keep_blocks: bool = False
+                  score_mod: ScoreMod | None = None, overlap: bool = True, keep_blocks: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Output (q's dtype) and global log-sum-exp (float32) of this rank's query rows, and, with
     ``keep_blocks``, the stacked key/value block of each step (the backward's; without, each
@@ -87,7 +88,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         if block is not None:
             block_out, block_lse = block_forward(
                 part(q, block.q_rows), part(kv[0], block.kv_rows), part(kv[1], block.kv_rows), block_mask,
-                is_causal=block.is_causal, scale=scale, groups=groups)
+                is_causal=block.is_causal, scale=scale, groups=groups, score_mod=score_mod)
             if out is None and every_row(block.q_rows, q.shape[-2]):
                 out, lse = block_out.float(), block_lse.float()
             else:
@@ -106,7 +107,8 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.Tensor],
                    mask: torch.Tensor | None, key_padding: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
                    *, ring: MeshDim, comm: str, is_causal: bool, scale: float | None, zigzag: bool,
-                   kv_len: int | None, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   kv_len: int | None, window: int | None, score_mod: ScoreMod | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq stays here, and so does this rank's share of its own key/value gradient (step 0).
     ``blocks``: the stacked key/value block of each step, as the forward received them.
 
@@ -130,7 +132,8 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.T
             rows, cols = block.q_rows, block.kv_rows
             dq_block, dk_block, dv_block = block_backward(
                 part(grad_out, rows), part(q, rows), part(kv[0], cols), part(kv[1], cols), block_mask,
-                part(out, rows), part(lse, rows, -1), is_causal=block.is_causal, scale=scale, groups=groups)
+                part(out, rows), part(lse, rows, -1), is_causal=block.is_causal, scale=scale, groups=groups,
+                score_mod=score_mod)
             dq = add_rows(dq, rows, dq_block, q.shape)
         # step 0: this rank's own share; step 1: block (rank - 1)'s accumulator starts here;
         # later: waited only now, so its transfer overlapped this step's compute
@@ -154,10 +157,10 @@ class _RingAttention(torch.autograd.Function):
     collectives (which would rebuild every block's attention matrix)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, key_padding, ring, comm, is_causal, scale, zigzag, kv_len, window, overlap,
-                keep_blocks):
+    def forward(ctx, q, k, v, mask, key_padding, ring, comm, is_causal, scale, zigzag, kv_len, window, score_mod,
+                overlap, keep_blocks):
         options = dict(ring=ring, comm=comm, is_causal=is_causal, scale=scale, zigzag=zigzag, kv_len=kv_len,
-                       window=window)
+                       window=window, score_mod=score_mod)
         out, lse, blocks = _ring_forward(q, k, v, mask, key_padding, **options, overlap=overlap,
                                          keep_blocks=keep_blocks)
         ctx.save_for_backward(q, mask, key_padding, out, lse, *blocks)
@@ -168,7 +171,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, mask, key_padding, out, lse, *blocks = ctx.saved_tensors
         dq, dk, dv = _ring_backward(grad_out, q, blocks, mask, key_padding, out, lse, **ctx.options)
-        return (dq, dk, dv) + (None,) * 11
+        return (dq, dk, dv) + (None,) * 12
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -234,10 +237,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
                    attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
                    enable_gqa: bool = False, zigzag: bool = False, kv_len: int | None = None,
                    window: int | None = None, key_padding: torch.Tensor | None = None,
-                   overlap: bool = True, comm: str = FUNCTIONAL) -> torch.Tensor:
+                   score_mod: ScoreMod | None = None, overlap: bool = True, comm: str = FUNCTIONAL) -> torch.Tensor:
     """This rank's rows of ``F.scaled_dot_product_attention`` over the full sequences, in
     forward and backward. ``overlap=False`` serializes communication and compute in the
-    forward (only to measure what overlap saves).
+    forward (only to measure what overlap saves). ``score_mod``: a score function applied to
+    the scaled scores before the masks (attention written out by hand, ``ops.score_mod``).
 
     ``ring``: the ring's layout (its groups and this rank's coordinate ``rank`` of ``size``);
     ``comm``: the lowering of its rotations (``ops.lowerings``).
@@ -265,10 +269,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
         # CUDA's SDPA has only its flash kernel (half precision, no mask), else the math one.
         groups = q.shape[1] // k.shape[1]
         k, v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)
-        if window is not None or key_padding is not None:
-            return tiled_attention(q, k, v, is_causal=is_causal, window=window, key_padding=key_padding, scale=scale)
+        if score_mod is not None and attn_mask is not None:
+            return scored_attention(q, k, v, attn_mask, is_causal=is_causal, scale=scale, score_mod=score_mod)
+        if window is not None or key_padding is not None or score_mod is not None:
+            return tiled_attention(q, k, v, is_causal=is_causal, window=window, key_padding=key_padding, scale=scale,
+                                   score_mod=score_mod)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
     mask = None if attn_mask is None else as_additive(attn_mask, q.dtype)
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return _RingAttention.apply(q, k, v, mask, key_padding, ring, comm, is_causal, scale, zigzag, kv_len, window,
-                                overlap, backward)
+                                score_mod, overlap, backward)

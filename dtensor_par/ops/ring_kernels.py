@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .ring_schedule import Block
+from .score_mod import ScoreMod
 from .sequence_layout import block_positions
 
 aten = torch.ops.aten
@@ -48,12 +49,64 @@ def _cuda_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> t
     return F.pad(bias, (0, -keys % 16))[..., :keys]
 
 
+def modified_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, *, is_causal: bool,
+                    scale: float | None, score_mod: ScoreMod, derivative: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | float | None]:
+    """One tile's float32 scores: ``q @ kT`` scaled, then its score function, then the additive
+    ``mask`` and the causal mask of the tile; with ``derivative``, also the score function's
+    derivative by the scaled scores (for the backward)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    raw = (q.float() @ k.float().transpose(-2, -1)) * scale
+    scores, slope = score_mod.with_derivative(raw) if derivative else (score_mod(raw), None)
+    if mask is not None:
+        scores = scores + as_additive(mask, scores.dtype)
+    if is_causal:
+        above = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    return scores, slope
+
+
+def scored_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+                     is_causal: bool, scale: float | None, score_mod: ScoreMod) -> torch.Tensor:
+    """Attention with a score function over whole keys, in plain differentiable ops (autograd
+    derives its backward): what a ring of one runs per query tile."""
+    scores, _ = modified_scores(q, k, mask, is_causal=is_causal, scale=scale, score_mod=score_mod)
+    return (scores.softmax(-1) @ v.float()).to(q.dtype)
+
+
+def _scored_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+                          is_causal: bool, scale: float | None, score_mod: ScoreMod) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_forward`` with a score function, on the scores themselves: no fused kernel takes one."""
+    scores, _ = modified_scores(q, k, mask, is_causal=is_causal, scale=scale, score_mod=score_mod)
+    lse = scores.logsumexp(-1)
+    probs = torch.exp(scores - lse.masked_fill(lse.isneginf(), 0.0).unsqueeze(-1))  # a hidden row: all 0
+    return (probs @ v.float()).to(q.dtype), lse
+
+
+def _scored_block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, *, is_causal: bool,
+                           scale: float | None, score_mod: ScoreMod) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``block_backward`` with a score function: the softmax's gradient by the global output
+    and log-sum-exp, through the score function's derivative (soft-capping's ``1 - tanh^2``)."""
+    scores, slope = modified_scores(q, k, mask, is_causal=is_causal, scale=scale, score_mod=score_mod,
+                                    derivative=True)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    grad_out = grad_out.float()
+    grad_probs = grad_out @ v.float().transpose(-2, -1)
+    grad_scores = probs * (grad_probs - (grad_out * out.float()).sum(-1, keepdim=True)) * slope
+    grad_scores = grad_scores * (q.shape[-1] ** -0.5 if scale is None else scale)
+    return grad_scores @ k.float(), grad_scores.transpose(-2, -1) @ q.float(), probs.transpose(-2, -1) @ grad_out
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
-                  is_causal: bool, scale: float | None, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  is_causal: bool, scale: float | None, groups: int,
+                  score_mod: ScoreMod | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's attention output and per-row log-sum-exp ([B, H, Sq], float32); ``mask`` is
     additive. A row the mask hides entirely gets log-sum-exp -inf (the CPU kernel reports 0),
     so it weighs nothing in the merge."""
     k, v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)
+    if score_mod is not None:
+        return _scored_block_forward(q, k, v, mask, is_causal=is_causal, scale=scale, score_mod=score_mod)
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask,
                                                                     scale=scale)
@@ -72,14 +125,18 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 def block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, *, is_causal: bool,
-                   scale: float | None, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   scale: float | None, groups: int,
+                   score_mod: ScoreMod | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block's exact share of dq, dk, dv.
 
     Given the *final* output and *global* log-sum-exp, the kernel's softmax probabilities are
     the global ones, so the per-block gradients sum to the full-attention gradients.
     """
     k_rep, v_rep = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)
-    if q.device.type == "cpu":
+    if score_mod is not None:
+        dq, dk, dv = _scored_block_backward(grad_out, q, k_rep, v_rep, mask, out, lse, is_causal=is_causal,
+                                            scale=scale, score_mod=score_mod)
+    elif q.device.type == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k_rep, v_rep, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
     else:
@@ -199,11 +256,13 @@ def positional_mask(block: Block, key_padding: torch.Tensor | None, *, rank: int
 
 
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, window: int | None,
-                    key_padding: torch.Tensor | None, scale: float | None, tile: int = 512) -> torch.Tensor:
-    """SDPA of whole sequences (a ring of one) under a causal window and/or a key padding,
-    without a mask of the sequence: each tile of ``tile`` query rows attends, in one call, to
-    the keys its (causal) window reaches, with the mask of that tile alone. A padded query
-    row (past the real keys) takes the last real row's keys, so none is left without a key."""
+                    key_padding: torch.Tensor | None, scale: float | None, score_mod: ScoreMod | None = None,
+                    tile: int = 512) -> torch.Tensor:
+    """SDPA (or ``scored_attention`` with a ``score_mod``) of whole sequences (a ring of one)
+    under a causal window and/or a key padding, without a mask of the sequence: each tile of
+    ``tile`` query rows attends, in one call, to the keys its (causal) window reaches, with
+    the mask of that tile alone. A padded query row (past the real keys) takes the last real
+    row's keys, so none is left without a key."""
     q_len, kv_len = q.shape[-2], k.shape[-2]
     out = []
     for start in range(0, q_len, tile):
@@ -214,6 +273,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cau
         rows = torch.arange(start, stop, device=q.device).clamp(max=kv_len - 1)
         cols = torch.arange(lo, hi, device=q.device)
         mask = _visible(rows, cols, causal=is_causal, window=window, key_padding=key_padding)
-        out.append(F.scaled_dot_product_attention(q[..., start:stop, :], k[..., lo:hi, :], v[..., lo:hi, :],
-                                                  attn_mask=mask, scale=scale))
+        tiles = (q[..., start:stop, :], k[..., lo:hi, :], v[..., lo:hi, :])
+        out.append(F.scaled_dot_product_attention(*tiles, attn_mask=mask, scale=scale) if score_mod is None
+                   else scored_attention(*tiles, mask, is_causal=False, scale=scale, score_mod=score_mod))
     return torch.cat(out, dim=-2)

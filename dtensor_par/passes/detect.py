@@ -39,6 +39,8 @@ class AttentionSite:
     num_kv_heads: int
     branch: list[fx.Node] = field(default_factory=list)  # an MLP beside attention, sharing its out projection
     layout_problem: str | None = None  # why the heads cannot be read off the projections' views: tp refuses it
+    scores: fx.Node | None = None  # attention written out by hand: its q @ kT
+    softmax: fx.Node | None = None  # ... and the softmax over its scores
 
     @property
     def colwise(self) -> list[fx.Node]:
@@ -46,8 +48,8 @@ class AttentionSite:
 
     @property
     def written_out(self) -> bool:
-        """Attention written out by hand (``softmax(q @ kT ...) @ v``): its ops are planned one by
-        one, as any op is; SDPA is what rewrite and the kv cache pass turn into hybrid attention."""
+        """Attention written out by hand (``softmax(q @ kT ...) @ v``), still as written: its ops
+        are planned one by one, as any op is, unless rewrite turns it into hybrid attention (cp)."""
         return op_kind(self.core) == "matmul"
 
     @property
@@ -225,16 +227,18 @@ def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[Atten
     cores = []
     for sdpa in (n for n in gm.graph.nodes if op_kind(n) == "sdpa"):
         inputs = arguments(sdpa)
-        cores.append((sdpa, inputs, (_heads_of(inputs["query"]), _heads_of(inputs["key"]))))
+        cores.append((sdpa, inputs, (_heads_of(inputs["query"]), _heads_of(inputs["key"])), (None, None)))
     for scores, softmax, weighted in find_written_attention(gm, ctx):
         (query, key), value = tensor_inputs(scores), tensor_inputs(weighted)[1]
         inputs = {"query": query, "key": key, "value": value}
-        cores.append((weighted, inputs, (_heads_of(softmax),) * 2))
+        cores.append((weighted, inputs, (_heads_of(softmax),) * 2, (scores, softmax)))
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     sites = []
-    for node, inputs, heads in sorted(cores, key=lambda c: order[c[0]]):
+    for node, inputs, heads, (scores, softmax) in sorted(cores, key=lambda c: order[c[0]]):
         with at_node("detect", node):
-            sites.append(attention_site(f"attention{len(sites)}", node, inputs, heads, ctx))
+            site = attention_site(f"attention{len(sites)}", node, inputs, heads, ctx)
+        site.scores, site.softmax = scores, softmax
+        sites.append(site)
     return sites
 
 

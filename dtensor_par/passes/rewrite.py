@@ -11,6 +11,10 @@
   sliding window, either ANDed with a ``[B, S]`` key padding) runs as ``is_causal`` with its
   ``window`` and ``key_padding``, without the ``S x S`` mask. Attention with dropout or a mask that needs
   a gradient stays as it is and runs on the gathered sequence, with a warning.
+- With context parallelism, attention written out by hand becomes ``hybrid_attention`` too: what it
+  does to its scores is read as a score function and a mask (``passes.scores``), the mask then as
+  an SDPA mask. What does not read so runs op by op on the whole sequence, with a warning naming
+  the node.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.fx as fx
 from ..errors import InvalidPlan
 from ..logs import logger
 from ..ops.attention import hybrid_attention
+from ..ops.score_mod import ScoreMod
 from ..placements import is_padded, shard_length
 from ..symbolic import guards_at, hint, is_symbolic
 from .capture import erase_unused, with_val
@@ -33,6 +38,7 @@ from .detect import AttentionSite
 from .meta import Communication, set_communications, set_site_role, site_role
 from .nodes import arguments, tensor_val
 from .rules.registry import op_kind
+from .scores import read_written_attention
 
 
 def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:
@@ -271,31 +277,50 @@ def positional_mask(mask: fx.Node, q_len: int, kv_len: int) -> PositionalMask | 
     return None if found is None else PositionalMask(found.window, padding[0])
 
 
-def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> None:
-    """Replace the site's SDPA call by ``hybrid_attention`` over the cp mesh dims."""
+def _gathered_reason(attention: dict) -> str | None:
+    """Why hybrid attention cannot take these attention arguments (the attention then runs on
+    the gathered sequence), if it cannot."""
+    mask = attention["attn_mask"]
+    if attention["dropout_p"] or tensor_val(attention["query"]).dim() != 4 \
+            or (mask is not None and mask.meta["requires_grad"]):
+        return "attention with dropout, a mask that needs a gradient or no batch dim"
+    return None
+
+
+def _positional(site: AttentionSite, attention: dict) -> dict:
+    """Hybrid attention's ``window`` and ``key_padding`` when the mask is built from positions
+    (``positional_mask``); the mask then goes from ``attention``, which becomes causal."""
+    mask = attention["attn_mask"]
+    if mask is None or attention["is_causal"]:
+        return {}
+    q_len, kv_len = tensor_val(attention["query"]).shape[-2], tensor_val(attention["key"]).shape[-2]
+    with guards_at(f"rewrite at {mask.name} (a mask built from positions, evaluated at one length)"):
+        structure = positional_mask(mask, q_len, kv_len)
+    if structure is None:
+        return {}
+    positional = {name: value for name, value in (("window", structure.window),
+                                                  ("key_padding", structure.key_padding)) if value is not None}
+    window = f" within a window of {structure.window} keys" if structure.window else ""
+    padding = f", with the key padding {structure.key_padding.name}" if structure.key_padding else ""
+    logger.info("%s (%s): its attention mask is causal%s%s: runs as is_causal%s, without the mask",
+                site.name, site.core.name, window, padding, "".join(f" and {name}" for name in positional))
+    attention["attn_mask"], attention["is_causal"] = None, True
+    return positional
+
+
+def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, attention: dict, ctx: ParallelContext,
+                        score_mod: ScoreMod | None = None) -> None:
+    """Replace the site's attention (its arguments as SDPA names them in ``attention``, and its
+    score function if written out by hand) by ``hybrid_attention`` over the cp mesh dims."""
     mesh, core = ctx.mesh, site.core
-    sdpa = arguments(core)
-    mask = original_mask = sdpa["attn_mask"]
-    if sdpa["dropout_p"] or tensor_val(sdpa["query"]).dim() != 4 or (mask is not None and mask.meta["requires_grad"]):
-        ctx.warn(f"{site.name} ({core.name}): attention with dropout, a mask that needs a gradient or no batch dim "
-                 f"runs on the gathered sequence (mesh dims 'ring' x 'ulysses' = {mesh.size('cp')})")
+    reason = _gathered_reason(attention)
+    if reason is not None:
+        ctx.warn(f"{site.name} ({core.name}): {reason} runs on the gathered sequence (mesh dims 'ring' x 'ulysses' "
+                 f"= {mesh.size('cp')})")
         return
-    q_len, kv_len = tensor_val(sdpa["query"]).shape[-2], tensor_val(sdpa["key"]).shape[-2]
-    structure = None
-    if mask is not None and not sdpa["is_causal"]:
-        with guards_at(f"rewrite at {mask.name} (a mask built from positions, evaluated at one length)"):
-            structure = positional_mask(mask, q_len, kv_len)
-    positional = {}
-    if structure is not None:
-        positional = {name: value for name, value in (("window", structure.window),
-                                                      ("key_padding", structure.key_padding)) if value is not None}
-        window = f" within a window of {structure.window} keys" if structure.window else ""
-        padding = f", with the key padding {structure.key_padding.name}" if structure.key_padding else ""
-        logger.info("%s (%s): its attention mask is causal%s%s: runs as is_causal%s, without the mask",
-                    site.name, core.name, window, padding, "".join(f" and {name}" for name in positional))
-        sdpa["attn_mask"], sdpa["is_causal"], mask = None, True, None
+    positional = _positional(site, attention)
     tp, ulysses = mesh.size("tp"), mesh.size("ulysses")
-    kv_heads = tensor_val(sdpa["key"]).shape[-3]
+    kv_heads = tensor_val(attention["key"]).shape[-3]
     kv_heads = kv_heads // tp if kv_heads % tp == 0 else kv_heads
     heads = site.num_heads // tp
     if heads % ulysses or kv_heads % ulysses:
@@ -303,20 +328,40 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
         ctx.warn(f"{site.name} ({core.name}): {heads} query / {kv_heads} kv heads per tp rank (tp={tp}) do not "
                  f"divide by mesh dim 'ulysses' of size {ulysses}; padded to {padded} heads "
                  f"({padded - heads} zero heads computed per {heads})")
-    kwargs = {"attn_mask": mask, "is_causal": sdpa["is_causal"], "scale": sdpa["scale"],
-              "enable_gqa": sdpa["enable_gqa"], "ulysses": mesh.dims["ulysses"], "ring": mesh.dims["ring"],
+    q, k, v = (attention[name] for name in ("query", "key", "value"))
+    kwargs = {"attn_mask": attention["attn_mask"], "is_causal": attention["is_causal"], "scale": attention["scale"],
+              "enable_gqa": attention["enable_gqa"], "ulysses": mesh.dims["ulysses"], "ring": mesh.dims["ring"],
               "ulysses_impl": ctx.config.ulysses_impl, **positional,
-              **_sequence_lengths(site, tensor_val(sdpa["query"]), tensor_val(sdpa["key"]), mesh, ctx)}
+              **({"score_mod": score_mod} if score_mod is not None else {}),
+              **_sequence_lengths(site, tensor_val(q), tensor_val(k), mesh, ctx)}
     with gm.graph.inserting_before(core):
-        hybrid = gm.graph.call_function(hybrid_attention, (sdpa["query"], sdpa["key"], sdpa["value"]), kwargs)
+        hybrid = gm.graph.call_function(hybrid_attention, (q, k, v), kwargs)
     hybrid.meta.update(core.meta)
     set_communications(hybrid, hybrid_attention_communication(
-        site, *(tensor_val(sdpa[name]) for name in ("query", "key", "value")), mesh, ctx.config.ulysses_impl))
+        site, *(tensor_val(n) for n in (q, k, v)), mesh, ctx.config.ulysses_impl))
     core.replace_all_uses_with(hybrid)
-    gm.graph.erase_node(core)
+    erase_unused(gm, core)  # and what only it read: a mask built from positions, written-out scores
     site.core = hybrid
-    if original_mask is not None and mask is None:
-        erase_unused(gm, original_mask)
+
+
+def written_out_to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> None:
+    """Attention written out by hand as hybrid attention with its score function
+    (``passes.scores``); where it does not read as one, it runs op by op, with a warning."""
+    found = read_written_attention(site)
+    if isinstance(found, str):
+        ctx.warn(f"{site.name} ({site.core.name}): attention written out by hand runs op by op on the whole "
+                 f"sequence over cp: {found}")
+        return
+    key, mask = found.key, found.mask
+    with gm.graph.inserting_before(site.core):
+        if key is None:
+            key = with_val(gm.graph.call_method("transpose", (found.key_t, -2, -1)),
+                           tensor_val(found.key_t).transpose(-2, -1))
+        if found.mask_hides:
+            mask = with_val(gm.graph.call_function(torch.logical_not, (mask,)), ~tensor_val(mask))
+    attention = {"query": found.query, "key": key, "value": found.value, "attn_mask": mask,
+                 "dropout_p": 0.0, "is_causal": False, "scale": 1.0, "enable_gqa": False}
+    to_hybrid_attention(gm, site, attention, ctx, found.score_mod)
 
 
 def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
@@ -329,8 +374,8 @@ def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             continue  # attention to a kv cache held cut over cp is rewritten already (passes.kv_cache)
         if site.written_out:
             if ctx.mesh.size("cp") > 1:
-                ctx.warn(f"{site.name} ({site.core.name}): attention written out by hand runs op by op on the "
-                         f"whole sequence over cp: hybrid attention with its score modifiers is not implemented yet")
+                with at_node("rewrite", site.core):
+                    written_out_to_hybrid_attention(gm, site, ctx)
             continue
         with at_node("rewrite", site.core):
             if arguments(site.core)["enable_gqa"] and site.num_kv_heads != site.num_heads:
@@ -339,6 +384,6 @@ def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
                 if repeat > 1:
                     expand_gqa_kv(gm, site, repeat)
             if ctx.mesh.size("cp") > 1:
-                to_hybrid_attention(gm, site, ctx)
+                to_hybrid_attention(gm, site, arguments(site.core), ctx)
     gm.recompile()
     return gm

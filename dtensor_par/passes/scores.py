@@ -1,0 +1,169 @@
+"""scores: read attention written out by hand as hybrid attention's arguments.
+
+Between ``q @ kT`` and the softmax, the ops of one score each (a scale, Gemma2's
+soft-capping ``tanh(s / c) * c``, negation, float casts) become a score function
+(``ops.score_mod.ScoreMod``), which each ring block applies to its own scores; a mask applied
+last (a tensor added, a ``masked_fill`` or ``where`` of the scores with -inf or the dtype's
+lowest value) becomes the attention's mask, which rewrite then reads as it reads an SDPA mask
+(built from positions: no ``S x S`` tensor kept). Between the softmax and ``@ v``:
+float casts and a dropout that drops nothing. Anything else is a reason, naming its node,
+why the attention stays as written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..ops.score_mod import ScoreMod
+from .detect import AttentionSite
+from .nodes import arguments, tensor_inputs, tensor_val
+from .rules.registry import op_kind
+
+_TANH = {torch.tanh, F.tanh, "tanh"}
+_SOFTMAX = {F.softmax, torch.softmax, "softmax"}
+
+
+@dataclass
+class WrittenAttention:
+    """Hybrid attention's arguments read off attention written out by hand: ``key`` is None
+    where ``q @ kT`` reads no ``key.transpose(-2, -1)`` (rewrite then transposes ``key_t``);
+    ``mask`` as SDPA takes it (additive, or boolean True = attend), unless ``mask_hides``: a
+    boolean True = hidden, which rewrite inverts."""
+
+    query: fx.Node
+    key: fx.Node | None
+    key_t: fx.Node
+    value: fx.Node
+    score_mod: ScoreMod
+    mask: fx.Node | None
+    mask_hides: bool = False
+
+
+def _number(a) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool)
+
+
+def _score_step(node: fx.Node) -> tuple[fx.Node, tuple[str, float] | None] | None:
+    """``(the scores it reads, its step)`` when ``node`` applies one step of a score function
+    to one tensor of scores (a float cast: no step); else None."""
+    kind, given = op_kind(node), arguments(node)
+    if kind == "cast" and node.target != "detach" and len(tensor_inputs(node)) == 1 \
+            and tensor_val(node).is_floating_point():
+        return tensor_inputs(node)[0], None
+    if kind == "neg" or (kind == "unary" and node.target in _TANH):
+        return given["input"], (kind if kind == "neg" else "tanh", 0.0)
+    if kind not in ("mul", "div", "add", "sub") or given.get("alpha", 1) != 1:
+        return None
+    x, c = given["input"], given["other"]
+    if isinstance(x, fx.Node) and _number(c):
+        return x, (kind, float(c))
+    if isinstance(c, fx.Node) and _number(x) and kind != "div":
+        return c, ("rsub" if kind == "sub" else kind, float(x))
+    return None
+
+
+def _hiding(fill, scores: fx.Node) -> bool:
+    """Whether filling the scores with ``fill`` hides them from the softmax (-inf, or the
+    lowest value of their dtype, as transformers fills)."""
+    return _number(fill) and fill <= torch.finfo(tensor_val(scores).dtype).min
+
+
+def _mask_step(node: fx.Node, scores: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
+    """``(the scores it reads, the mask, whether the mask is True where hidden)`` when ``node``
+    masks the scores (read from ``scores``): adds a tensor to them, or fills them by a
+    boolean condition with a value that hides."""
+    kind, given = op_kind(node), arguments(node)
+    if kind == "add" and given.get("alpha", 1) == 1:
+        operands = [a for a in (given["input"], given["other"]) if isinstance(a, fx.Node)]
+        reading = [a for a in operands if _reads(a, scores)]
+        if len(operands) == 2 and len(reading) == 1:
+            return reading[0], next(a for a in operands if a is not reading[0]), False
+    if kind == "where" and "mask" in given and _hiding(given["value"], node):
+        return given["input"], given["mask"], True
+    if kind == "where" and "condition" in given:
+        kept, filled = given["input"], given["other"]
+        if isinstance(kept, fx.Node) and _hiding(filled, node):
+            return kept, given["condition"], False
+        if isinstance(filled, fx.Node) and _hiding(kept, node):
+            return filled, given["condition"], True
+    return None
+
+
+def _reads(node: fx.Node, target: fx.Node) -> bool:
+    """Whether ``node`` is computed from ``target``."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is target:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False
+
+
+def _score_function(site: AttentionSite) -> tuple[ScoreMod, tuple[fx.Node, bool] | None] | str:
+    """The score function, and the mask applied last (with whether it is True where hidden),
+    between the site's ``q @ kT`` and its softmax."""
+    steps, mask = [], None
+    node = tensor_inputs(site.softmax)[0]
+    while True:
+        if len(node.users) != 1:
+            return f"{node.name} is read by more than the softmax"
+        if node is site.scores:
+            return ScoreMod(tuple(reversed(steps))), mask
+        if node.op not in ("call_function", "call_method"):
+            return f"{node.name} is no step of a score function"
+        masking = _mask_step(node, site.scores) if mask is None and not steps else None
+        found = _score_step(node) if masking is None else masking[:2]
+        if found is None:
+            return f"{node.name} ({op_kind(node) or node.target}) is no step of a score function"
+        node, step = found
+        if masking is not None:
+            mask = (step, masking[2])
+        elif step is not None:
+            steps.append(step)
+
+
+def _weights_problem(site: AttentionSite) -> str | None:
+    """Why the probabilities do not reach ``@ v`` as they are (a dropout that drops something)."""
+    if site.softmax.target not in _SOFTMAX:
+        return f"{site.softmax.name} is no softmax"
+    node = next(iter(site.softmax.users))
+    while node is not site.core:
+        given = arguments(node)
+        if op_kind(node) == "view" or (op_kind(node) == "dropout" and given["p"] and given["training"]):
+            return f"{node.name} ({op_kind(node)}) between the softmax and @ v"
+        node = next(iter(node.users))
+    return None
+
+
+def _swaps_last_two(node: fx.Node) -> bool:
+    """Whether ``node`` is ``x.transpose(-2, -1)`` of a 4-d ``x``."""
+    if op_kind(node) != "transpose" or tensor_val(node).dim() != 4:
+        return False
+    dims = [d for name, d in arguments(node).items() if name in ("dim0", "dim1", "axis0", "axis1")]
+    return sorted(d % 4 for d in dims) == [2, 3]
+
+
+def read_written_attention(site: AttentionSite) -> WrittenAttention | str:
+    """The site as hybrid attention's arguments, or why it cannot run as one (naming the node)."""
+    query, key_t = tensor_inputs(site.scores)
+    value = tensor_inputs(site.core)[1]
+    q, k_t, v, out = (tensor_val(n) for n in (query, key_t, value, site.core))
+    if any(t.dim() != 4 for t in (q, k_t, v)) or len({t.dtype for t in (q, k_t, v, out)}) != 1 \
+            or (*k_t.shape[:2], k_t.shape[3], k_t.shape[2]) != tuple(v.shape):
+        return (f"{site.scores.name}: [batch, heads, seq, head_dim] q, k and v of one dtype and shape are needed; "
+                f"got q {list(q.shape)} {q.dtype}, kT {list(k_t.shape)}, v {list(v.shape)} {v.dtype}")
+    found = _weights_problem(site) or _score_function(site)
+    if isinstance(found, str):
+        return found
+    score_mod, (mask, hides) = found[0], found[1] or (None, False)
+    if mask is not None and mask.meta["requires_grad"]:
+        return f"{mask.name}: a mask that needs a gradient (a learned bias)"
+    key = tensor_inputs(key_t)[0] if _swaps_last_two(key_t) else None
+    return WrittenAttention(query, key, key_t, value, score_mod, mask, hides)
