@@ -2,9 +2,9 @@
 
 Dynamo keeps the user's spelling (``x.view``, ``torch.reshape``, ``operator.add``,
 ``torch._C._nn.linear``). Each family module of this package (``pointwise``, ``views``,
-``indexing``, ``matmul``, ``reductions``, ``attention``) registers, for each kind of op, its
-spellings, its placement rule and, when the op needs it, how localize rewrites it for one
-rank (size arguments into local sizes; an op over a sharded dim into its distributed form):
+``indexing``, ``matmul``, ``reductions``, ``routing``, ``attention``) registers, for each kind
+of op, its spellings, its placement rule and, when the op needs it, how localize rewrites it
+for one rank (size arguments into local sizes; an op over a sharded dim into its distributed form):
 adding an op is one ``register`` call in its family's module.
 """
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 Rule = Callable[[fx.Node, list, list, "RuleEnv"], "NodeSharding"]
 Localize = Callable[[fx.GraphModule, fx.Node, "MeshInfo"], None]
 
-FAMILIES = ("pointwise", "views", "indexing", "matmul", "reductions", "attention")
+FAMILIES = ("pointwise", "views", "indexing", "matmul", "reductions", "routing", "attention")
 
 
 @dataclass(frozen=True)
