@@ -133,6 +133,7 @@ OPS = {
     "stack": (lambda x, y: torch.stack([x, y], 1), [_t(2, 4), _t(2, 4)]),
     "transpose": (lambda x: x.transpose(1, 2), [_t(2, 4, 6)]),
     "index_by_list": (lambda x: x[:, :, [-2]], [_t(2, 4, 6, 2)]),  # Falcon's key of each kv group
+    "index_by_tensor": (lambda x, i: x[i], [_t(4, 6), torch.tensor([3, 0, 3, 1])]),  # tokens in expert order
     "t": (lambda x: x.t(), [_t(4, 6)]),
     "complex": (lambda x: torch.view_as_complex(x), [_t(2, 4, 2)]),
     "pad": (lambda x: F.pad(x, (0, 2)), [_t(2, 4, 6)]),
@@ -219,6 +220,20 @@ def test_setitem_writes_each_shard_in_place_or_is_refused():
     set_sharding(target, "tp", NodeSharding(Shard(2), ()))
     with pytest.raises(NotImplementedError, match=r"writes in place into out .* S\(2\) on mesh dim 'tp'"):
         lookup(op).rule(op, [target, source], [Shard(2), R], env)
+
+
+def test_a_grouped_matmul_is_colwise_or_rowwise_over_its_experts_features():
+    """Each expert's weight [E, K, N]: N sharded gives sharded outputs, K (with the tokens'
+    features) partial sums; tokens cut along their rows (their offsets are global) are gathered.
+    Integer values in float32 (the kernel's dtype): every sum is exact."""
+    tokens, experts = torch.randint(-3, 4, (8, 8)).float(), torch.randint(-3, 4, (4, 8, 8)).float()
+    offsets = torch.tensor([2, 3, 6, 8], dtype=torch.int32)
+    grouped = lambda x, w, o: torch._grouped_mm(x, w, offs=o)  # noqa: E731
+    shardings = _check_all(grouped, [tokens, experts, offsets], partial=False)
+    assert check_rule(grouped, [tokens, experts, offsets], [R, Shard(2), R]).out == Shard(1)
+    assert check_rule(grouped, [tokens, experts, offsets], [Shard(1), Shard(1), R]).out == Partial()
+    assert check_rule(grouped, [tokens, experts, offsets], [Shard(0), R, R]).note
+    assert sum(s.note is None and s.out != R for s in shardings) >= 2
 
 
 def test_routing_ops_gather_along_the_dim_they_select_sort_or_count_over():
