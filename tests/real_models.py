@@ -133,8 +133,15 @@ def mixtral():
     return MixtralForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def mixtral_aux():
+    """Mixtral returning its load-balancing loss (``output_router_logits``): first, before the logits."""
+    model, args, kwargs = mixtral()
+    return model, args, {**kwargs, "output_router_logits": True}
+
+
 def qwen2_moe():
-    """Experts beside a shared expert (an MLP gated by a sigmoid of its own linear)."""
+    """Experts beside a shared expert (an MLP gated by a sigmoid of its own linear). The experts'
+    width is the sequence's length (32): a weight dim that long starts no sequence over cp."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
     config = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                             shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
@@ -144,4 +151,5 @@ def qwen2_moe():
 
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
              "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3, "bloom": bloom,
-             "falcon": falcon, "mixtral": mixtral, "qwen2_moe": qwen2_moe}
+             "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
+             "qwen2_moe": qwen2_moe}

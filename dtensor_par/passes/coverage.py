@@ -1,7 +1,8 @@
 """How much of a planned graph actually runs split: the numbers behind every report.
 
-A linear (or matmul) runs sharded on a mesh dim when its output there is not Replicate
-(sharded, or partial sums): each rank then does 1/size of its work on that dim. Block
+A linear (or matmul, or an expert's grouped matmul) runs sharded on a mesh dim when its output
+there is not Replicate (sharded, or partial sums): each rank then does 1/size of its work on
+that dim. Block
 linears are those whose weight lives in a numbered module (``layers.3.mlp.up_proj``), the
 repeated transformer blocks; the LM head or an embedding projection outside them is
 reported on its own. A fallback gather is a node whose inputs the plan had to gather

@@ -342,7 +342,7 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for node in list(graph.nodes):
         plans = shardings(node)
         ins = tensor_inputs(node)
-        if not plans or not (ins or lookup(node)):  # a factory (arange) may take local sizes
+        if not plans or not (ins or node.op == "call_function"):  # a factory (arange) may take local sizes
             continue
         position = iter(range(len(ins)))
 
