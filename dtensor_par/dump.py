@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .ops.lowerings import FUNCTIONAL
 from .passes.context import ParallelContext
-from .passes.detect import AttentionSite, module_name
+from .passes.detect import AttentionSite, MoESite, module_name
 from .passes.localize import graph_communications
 from .passes.meta import communications, global_shape, param_fqn, placements, shardings, site_role, weight_name
 from .passes.nodes import target_name
@@ -82,10 +82,20 @@ def sites_text(ctx: ParallelContext) -> str:
             lines.append(f"{site.name}: attention {site.core.name}, {site.num_heads} heads, "
                          f"{site.num_kv_heads} kv heads; q={names(site.q)} k={names(site.k)} "
                          f"v={names(site.v)} out={names(site.out)}")
+        elif isinstance(site, MoESite):
+            lines.append(f"{site.name}: {site.num_experts} experts, top-{site.top_k}, router={names([site.router])} "
+                         f"(replicated); up={names(site.up)} down={names(site.down)}; {experts_per_rank(site, ctx)}")
         else:
             lines.append(f"{site.name}: mlp up={names(site.up)} down={names([site.down])} "
                          f"activations={[a.name for a in site.activations]}")
     return "".join(f"{line}\n" for line in lines)  # no sites: no line
+
+
+def experts_per_rank(site: MoESite, ctx: ParallelContext) -> str:
+    """How many of a mixture's experts each rank holds, and how much of each."""
+    split = all(weight_name(g) in ctx.param_placements for g in site.colwise + site.rowwise)
+    tp = ctx.mesh.size("tp")
+    return f"experts per rank: {site.num_experts}, " + (f"each 1/{tp} of its features (tp)" if split else "each whole")
 
 
 def batch_line(ctx: ParallelContext) -> str | None:

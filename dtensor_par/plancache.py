@@ -213,7 +213,8 @@ class PlanStore:
                       for n in gm.graph.nodes if "example_value" in n.meta}
             data = pickle.dumps({"graph": _stored_graph(gm), "plan": plan, "symbols": symbols,
                                  "example_values": values})
-        except (_Unstorable, pickle.PicklingError, AttributeError, TypeError) as e:
+        except (_Unstorable, pickle.PicklingError, AttributeError, TypeError, RuntimeError) as e:
+            # RuntimeError: a custom op's packet (transformers' grouped_mm_fallback) refuses pickling so
             logger.info("hybrid_parallel: the plan cache will not keep this plan: %s", e)
             return
         os.makedirs(os.path.dirname(self.path), exist_ok=True)

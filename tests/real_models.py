@@ -126,6 +126,33 @@ def falcon():
     return FalconForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def mixtral(layers: int = 2):
+    """A mixture of 4 experts, top-2: batched expert weights ``[E, 2 * inter, hidden]`` through
+    grouped matmuls (transformers' default experts implementation), tokens sorted by expert."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    config = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                           num_attention_heads=8, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2)
+    return MixtralForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
+def mixtral_aux():
+    """Mixtral returning its load-balancing loss (``output_router_logits``): first, before the logits.
+    One layer: transformers' router-logit hooks break the graph at each router (CI time)."""
+    model, args, kwargs = mixtral(layers=1)
+    return model, args, {**kwargs, "output_router_logits": True}
+
+
+def qwen2_moe():
+    """Experts beside a shared expert (an MLP gated by a sigmoid of its own linear). The experts'
+    width is the sequence's length (32): a weight dim that long starts no sequence over cp."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    config = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+                            num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    return Qwen2MoeForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
              "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3, "bloom": bloom,
-             "falcon": falcon}
+             "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
+             "qwen2_moe": qwen2_moe}

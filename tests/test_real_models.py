@@ -20,7 +20,8 @@ pytest.importorskip("diffusers", reason="the models extra (pip install -e '.[mod
 from tests import real_models  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
-BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "falcon"}
+BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "falcon", "mixtral", "mixtral_aux",
+            "qwen2_moe"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -28,7 +29,7 @@ KV_HEADS = {"llama": 4, "qwen2": 2, "mistral": 4, "mistral_padded": 4}
 
 
 @pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
-@pytest.mark.parametrize("name", MODELS + ["mistral_padded", "phi3", "wan", "sd3", "gemma2"])
+@pytest.mark.parametrize("name", MODELS + ["mistral_padded", "phi3", "wan", "sd3", "gemma2", "mixtral", "qwen2_moe"])
 def test_every_block_runs_sharded_without_fallback_gathers(name, mesh):
     torch.manual_seed(0)
     model, args, kwargs = real_models.FACTORIES[name]()
@@ -74,9 +75,13 @@ RUNS = {
     # Bloom's attention (ALiBi by a keyword baddbmm, heads folded into the batch) is written out too: tp shards
     # its heads and the ALiBi bias with them. Falcon's fused qkv is sharded by kv group. Both once, beside
     # ulysses (CI time): Falcon's attention is SDPA, as every model's at tp2-ring2; Bloom's runs whole under cp.
+    # Mixtral and Qwen2-MoE: experts split over tp, each rank's tokens dispatched on their own over cp; Mixtral's
+    # load-balancing loss (graphs broken by transformers' router-logit hooks) once, beside ulysses.
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
-                             names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "bloom", "falcon"]),
-        "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=MODELS + ["mistral_padded", "gemma2"])},
+                             names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "bloom", "falcon", "mixtral",
+                                             "mixtral_aux", "qwen2_moe"]),
+        "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=MODELS + ["mistral_padded", "gemma2", "mixtral",
+                                                                      "qwen2_moe"])},
     # Ulysses x ring beside tp: causal GQA, a window, joint attention (each model's own layers run at world 4).
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=["llama", "mistral", "flux"])},
 }
@@ -238,3 +243,27 @@ def test_head_layouts_are_read_from_the_graph(name, heads):
         (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=4).graphs
         assert any("fused projection with 2 kv heads at tp=4 stays replicated" in w for w in graph.warnings), \
             graph.warnings
+
+
+@pytest.mark.parametrize("name, shared", [("mixtral", False), ("qwen2_moe", True)])
+def test_experts_split_over_tp_and_dispatched_per_rank_over_cp(name, shared):
+    """Each expert's gate_up colwise (gate and up, each cut) and down rowwise over tp: one
+    all-reduce per MoE layer in forward, with a shared expert's (Qwen2-MoE) partial sums added
+    before it; the router replicated. Over cp each rank sorts and runs its own tokens: nothing
+    is sent inside the dispatch, and the experts' gradients join the one bucket."""
+    torch.manual_seed(0)
+    model, args, kwargs = real_models.FACTORIES[name]()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    experts = [s for s in graph.sites if s.startswith("moe")]
+    assert len(experts) == 2 and all("4 experts, top-2" in s and "experts per rank: 4, each 1/2 of its features (tp)"
+                                     in s and "mlp.gate'] (replicated)" in s for s in experts), experts
+    assert all(f"experts.gate_up_proj=IS(1,[{w}, {w}])" in p and "experts.down_proj=S(2)" in p
+               for p in graph.placements if p.startswith("moe") for w in [32 if shared else 128]), graph.placements
+    forward = [c for c in graph.collectives if c["direction"] == "forward"]
+    assert sum(c["count"] for c in forward) == 4, forward  # attention and experts, each layer
+    assert sum(s.startswith("mlp") for s in graph.sites) == (2 if shared else 0), graph.sites
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ulysses=2).graphs
+    assert graph.coverage.fallback_gathers == [] and graph.coverage.sharded_linear_flops == graph.coverage.linear_flops
+    assert all("experts per rank: 4, each whole" in s for s in graph.sites if s.startswith("moe"))
+    backward = [c for c in graph.collectives if c["direction"] == "backward" and c["op"] == "all_reduce"]
+    assert [c["site"] for c in backward] == [f"gradient bucket of {len(list(model.parameters()))} inputs"], backward

@@ -90,7 +90,10 @@ def check_rule(fn, inputs: list, placements: list) -> NodeSharding:
         args, kwargs = fx.node.map_arg((op.args, op.kwargs), lambda n: pieces[n][r])
         outs.append(op.target(*args, **kwargs) if op.op == "call_function"
                     else getattr(args[0], op.target)(*args[1:], **kwargs))
-    torch.testing.assert_close(_assembled(outs, sharding.out), op.meta["val"], rtol=1e-12, atol=1e-12)
+    several = isinstance(sharding.out, tuple)  # topk's, sort's values and indices
+    for rank_outs, p, expected in zip(zip(*outs) if several else [outs], sharding.out if several else [sharding.out],
+                                      op.meta["val"] if several else [op.meta["val"]]):
+        torch.testing.assert_close(_assembled(list(rank_outs), p), expected, rtol=1e-12, atol=1e-12)
     return sharding
 
 
@@ -133,11 +136,21 @@ OPS = {
     "stack": (lambda x, y: torch.stack([x, y], 1), [_t(2, 4), _t(2, 4)]),
     "transpose": (lambda x: x.transpose(1, 2), [_t(2, 4, 6)]),
     "index_by_list": (lambda x: x[:, :, [-2]], [_t(2, 4, 6, 2)]),  # Falcon's key of each kv group
+    "index_by_tensor": (lambda x, i: x[i], [_t(4, 6), torch.tensor([3, 0, 3, 1])]),  # tokens in expert order
     "t": (lambda x: x.t(), [_t(4, 6)]),
     "complex": (lambda x: torch.view_as_complex(x), [_t(2, 4, 2)]),
     "pad": (lambda x: F.pad(x, (0, 2)), [_t(2, 4, 6)]),
     "embedding": (lambda ids, w: F.embedding(ids, w), [torch.randint(0, 10, (2, 4)), _t(10, 6)]),
     "conv2d": (lambda x, w, b: F.conv2d(x, w, b, stride=2), [_t(2, 3, 4, 4), _t(6, 3, 2, 2), _t(6)]),
+    # A mixture-of-experts router and its dispatch: top-k experts, tokens sorted by expert, counts.
+    "topk": (lambda x: torch.topk(x, 2, dim=-1), [_t(2, 4, 6)]),
+    "sort": (lambda x: torch.sort(x, dim=1), [_t(2, 4, 6)]),
+    "argsort": (lambda x: x.argsort(descending=True), [_t(2, 4, 6)]),
+    "one_hot": (lambda i: F.one_hot(i, 5), [torch.randint(0, 5, (2, 4))]),
+    "scatter_add": (lambda x, i, s: torch.scatter_add(x, 0, i, s),
+                    [_t(4, 6), torch.randint(0, 4, (2, 6)), _t(2, 6)]),
+    "index_add": (lambda x, i, s: torch.index_add(x, 0, i, s), [_t(4, 6), torch.tensor([3, 0, 3]), _t(3, 6)]),
+    "histc": (lambda x: torch.histc(x, bins=4, min=-2, max=2), [_t(2, 4, 6)]),
 }
 
 
@@ -145,7 +158,8 @@ OPS = {
 def test_every_placement_is_exact(name):
     fn, inputs = OPS[name]
     shardings = _check_all(fn, inputs, partial=name != "embedding")
-    assert any(shard_dim(s.out) is not None or isinstance(s.out, Partial) for s in shardings), name
+    firsts = [s.out[0] if isinstance(s.out, tuple) else s.out for s in shardings]
+    assert any(shard_dim(p) is not None or isinstance(p, Partial) for p in firsts), name
 
 
 def test_a_new_tensor_is_whole_and_leaves_its_source_as_it_is():
@@ -226,3 +240,43 @@ def test_a_key_padding_is_cut_with_the_batch_it_pads():
     assert batch == NodeSharding(Shard(0), (Shard(0),) * 4)
     heads = check_rule(attention, [q, k, v, keep], [Shard(1), Shard(1), Shard(1), R])
     assert heads == NodeSharding(Shard(1), (Shard(1),) * 3 + (R,))
+
+
+def test_a_grouped_matmul_is_colwise_or_rowwise_over_its_experts_features():
+    """Each expert's weight [E, K, N]: N sharded gives sharded outputs, K (with the tokens'
+    features) partial sums; tokens cut along their rows (their offsets are global) are gathered.
+    Integer values in float32 (the kernel's dtype): every sum is exact."""
+    tokens, experts = torch.randint(-3, 4, (8, 8)).float(), torch.randint(-3, 4, (4, 8, 8)).float()
+    offsets = torch.tensor([2, 3, 6, 8], dtype=torch.int32)
+    grouped = lambda x, w, o: torch._grouped_mm(x, w, offs=o)  # noqa: E731
+    shardings = _check_all(grouped, [tokens, experts, offsets], partial=False)
+    assert check_rule(grouped, [tokens, experts, offsets], [R, Shard(2), R]).out == Shard(1)
+    assert check_rule(grouped, [tokens, experts, offsets], [Shard(1), Shard(1), R]).out == Partial()
+    assert check_rule(grouped, [tokens, experts, offsets], [Shard(0), R, R]).note
+    assert sum(s.note is None and s.out != R for s in shardings) >= 2
+
+
+def test_routing_ops_gather_along_the_dim_they_select_sort_or_count_over():
+    """A shard of the dim topk, sort or a scatter works along, or of any dim of a count whose
+    length or range the whole tensor decides, is gathered with a note: never a guess."""
+    x, ids = _t(2, 4, 6), torch.randint(0, 5, (8,))
+    for fn, placement in [(lambda x: torch.topk(x, 2, dim=-1), Shard(2)), (lambda x: x.sort(dim=0), Shard(0)),
+                          (lambda x: torch.histc(x, bins=4), Shard(1))]:
+        assert check_rule(fn, [x], [placement]).note
+    assert check_rule(lambda i: F.one_hot(i), [ids], [Shard(0)]).note
+    assert check_rule(lambda i: torch.bincount(i, minlength=5), [ids], [Shard(0)]).note
+    assert check_rule(lambda i: torch.bincount(i, minlength=5), [ids], [R]) == NodeSharding(R, (R,))
+    counts = check_rule(lambda x: torch.histc(x, bins=4, min=-2, max=2), [x], [Shard(0)])
+    assert counts == NodeSharding(Partial(), (Shard(0),))
+
+
+def test_an_in_place_scatter_that_cannot_keep_its_target_is_refused():
+    """``x.index_add_(0, index, rows)`` into an x sharded along dim 0: the positions are global,
+    and a write into a gathered copy would be lost."""
+    graph = fx.Graph()
+    x, index, rows = (graph.placeholder(n) for n in ("x", "index", "rows"))
+    x.meta["val"], index.meta["val"], rows.meta["val"] = _t(4, 6), torch.tensor([3, 0]), _t(2, 6)
+    op = graph.call_method("index_add_", (x, 0, index, rows))
+    op.meta["val"] = x.meta["val"]
+    with pytest.raises(NotImplementedError, match=r"adds in place along dim 0 into x \[4, 6\], which is S\(0\)"):
+        lookup(op).rule(op, [x, index, rows], [Shard(0), R, R], RuleEnv("tp", SIZE, {}, False))

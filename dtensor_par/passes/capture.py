@@ -235,6 +235,14 @@ def _mark_requires_grad(gm: fx.GraphModule, example_inputs: list) -> None:
             example = next(placeholders)
             flows = isinstance(example, torch.Tensor) and example.requires_grad
         else:
-            flows = (node.target != "detach" and isinstance(val, (torch.Tensor, tuple, list))
+            flows = (node.target != "detach" and _differentiable(val)
                      and any(i.meta.get("requires_grad") for i in node.all_input_nodes))
         node.meta["requires_grad"] = flows
+
+
+def _differentiable(val) -> bool:
+    """A floating (or complex) tensor, or a tuple holding one: integers (sort's indices, an
+    expert's token counts) never have a gradient."""
+    if isinstance(val, (tuple, list)):
+        return any(map(_differentiable, val))
+    return isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())

@@ -38,7 +38,7 @@ class ParallelContext:
     example_inputs: list
     feeding: WholeParameters = WHOLE  # how the runtime feeds parameters (params.py): whole, or DTensor shards
     params: dict[str, ParamInfo] = field(default_factory=dict)  # placeholder name -> parameter
-    sites: list = field(default_factory=list)  # AttentionSite | MLPSite, from detect
+    sites: list = field(default_factory=list)  # AttentionSite | MoESite | MLPSite, from detect
     param_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> tp placement
     sequence_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> cp, from sequence
     batch_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> dp, from batch

@@ -1,7 +1,8 @@
 """How much of a planned graph actually runs split: the numbers behind every report.
 
-A linear (or matmul) runs sharded on a mesh dim when its output there is not Replicate
-(sharded, or partial sums): each rank then does 1/size of its work on that dim. Block
+A linear (or matmul, or an expert's grouped matmul) runs sharded on a mesh dim when its output
+there is not Replicate (sharded, or partial sums): each rank then does 1/size of its work on
+that dim. Block
 linears are those whose weight lives in a numbered module (``layers.3.mlp.up_proj``), the
 repeated transformer blocks; the LM head or an embedding projection outside them is
 reported on its own. A fallback gather is a node whose inputs the plan had to gather
@@ -21,16 +22,20 @@ from ..symbolic import hint
 from .context import Coverage, ParallelContext, at_node
 from .detect import AttentionSite
 from .meta import Work, global_shape, placements, planned_local_shape, set_work, shardings, weight_name
-from .nodes import arguments, tensor_val, weight_param
+from .nodes import arguments, tensor_inputs, tensor_val, weight_param
 from .rules.registry import lookup, op_kind
 
 _IN_BLOCK = re.compile(r"\.\d+\.")
 
 
+_CONTRACTIONS = ("linear", "matmul", "grouped_mm")
+"""The ops whose FLOPs coverage counts: a grouped matmul is each expert's linear on its tokens."""
+
+
 def _linear_flops(node: fx.Node) -> int:
-    """2 x output elements x contracted length, for a linear or matmul node."""
+    """2 x output elements x contracted length, for a linear, matmul or grouped matmul node."""
     out = tensor_val(node)
-    contracted = tensor_val(arguments(node)["input"]).shape[-1]
+    contracted = tensor_val(tensor_inputs(node)[0]).shape[-1]
     return hint(2 * math.prod(out.shape) * contracted)  # at the planned sizes, if symbolic
 
 
@@ -63,7 +68,7 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
         for dim, sharding in plans.items():
             if sharding.note:
                 cov.fallback_gathers.append(f"{node.name} on {dim!r}: {sharding.note}")
-        if op_kind(node) not in ("linear", "matmul") or tensor_val(node) is None:
+        if op_kind(node) not in _CONTRACTIONS or tensor_val(node) is None:
             continue
         with at_node("coverage", node):
             flops, fqn = _linear_flops(node), _weight_fqn(node, ctx)
@@ -84,7 +89,8 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
     return cov
 
 
-ENGINES = {"linear": "matmul", "matmul": "matmul", "sdpa": "attention", "hybrid_attention": "attention"}
+ENGINES = {"linear": "matmul", "matmul": "matmul", "grouped_mm": "matmul", "sdpa": "attention",
+           "hybrid_attention": "attention"}
 """The ops whose FLOPs the cost model counts, and the machine rate each runs at."""
 
 
@@ -109,7 +115,7 @@ def rank_flops(node: fx.Node, sites: dict, ctx: ParallelContext) -> int:
     ``_linear_flops`` (its piece of the output, over the ranks a Partial output splits the
     contraction among), an attention's by the ring schedule; 0 for any other op."""
     kind, mesh = op_kind(node), ctx.mesh
-    if kind in ("linear", "matmul"):
+    if kind in _CONTRACTIONS:
         split = math.prod(mesh.size(d) for d, p in placements(node).items() if isinstance(p, Partial))
         local, whole = (hint(math.prod(shape)) for shape in (planned_local_shape(node, mesh), global_shape(node)))
         return _linear_flops(node) * local // (whole * split)

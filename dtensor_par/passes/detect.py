@@ -1,16 +1,18 @@
-"""detect: find attention and MLP sites and the projections that feed them."""
+"""detect: find attention, mixture-of-experts and MLP sites and the projections that feed them."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 from .context import ParallelContext, at_node
 from .meta import set_site_role, set_weight_name, weight_name
 from .nodes import arguments, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.indexing import cat_dim
+from .rules.matmul import grouped_operands
 from .rules.pointwise import is_activation
 from .rules.registry import kinds_in, op_kind
 
@@ -71,6 +73,34 @@ class MLPSite:
     @property
     def rowwise(self) -> list[fx.Node]:
         return [self.down]
+
+
+@dataclass
+class MoESite:
+    """A mixture of experts: a router's top-k choice per token, the tokens sorted by expert
+    through grouped matmuls (each expert's up and gate, then down projection) and their
+    outputs weighted and summed back per token. ``region``: the dispatch, every node computed
+    from the tokens on the way to ``output``, which maps each token's row to its own row."""
+
+    name: str
+    router: fx.Node  # the router's linear: its logits
+    up: list[fx.Node]  # grouped matmuls of the experts' up (and gate) projections
+    down: list[fx.Node]
+    tokens: fx.Node  # [tokens, hidden] the experts read
+    output: fx.Node  # [tokens, hidden] the experts' weighted sum per token
+    region: frozenset[fx.Node]
+    counts: frozenset[fx.Node]  # dispatch nodes made from a histogram of experts: shaped by experts, not tokens
+    expert_order: frozenset[fx.Node]  # dispatch nodes made from a sort by expert: their rows are no token's
+    num_experts: int
+    top_k: int
+
+    @property
+    def colwise(self) -> list[fx.Node]:
+        return self.up
+
+    @property
+    def rowwise(self) -> list[fx.Node]:
+        return self.down
 
 
 def _has_param_weight(linear: fx.Node, ctx: ParallelContext) -> bool:
@@ -281,18 +311,116 @@ def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]
     return sites
 
 
+_FROM_EXPERTS = kinds_in("pointwise", "views", "indexing") | {"reduce"}
+"""Ops between the down projection's grouped matmul and the per-token sum: routing weights,
+the inverse permutation, the sum over the top k."""
+
+
+def _gathered_tokens(grouped: fx.Node) -> fx.Node | None:
+    """The ``[tokens, hidden]`` tensor whose rows a grouped matmul reads in expert order
+    (``x[perm // top_k]``, through casts)."""
+    rows = grouped_operands(grouped)[0]
+    while op_kind(rows) == "cast":
+        rows = arguments(rows)["input"]
+    given = arguments(rows) if op_kind(rows) == "getitem" else {}
+    source = given.get("input")
+    if not isinstance(given.get("index"), fx.Node) or tensor_val(source) is None or tensor_val(source).dim() != 2:
+        return None
+    return source
+
+
+def _per_token_output(down: fx.Node, tokens: fx.Node) -> fx.Node | None:
+    """The first node after the down projection shaped as the tokens: their weighted sum."""
+    node = down
+    while tensor_val(node) is None or tensor_val(node).shape != tensor_val(tokens).shape:
+        users = list(node.users)
+        if len(users) != 1 or op_kind(users[0]) not in _FROM_EXPERTS:
+            return None
+        node = users[0]
+    return node
+
+
+def dispatch_region(tokens: fx.Node, output: fx.Node) -> frozenset[fx.Node]:
+    """The nodes computed from ``tokens`` that ``output`` is computed from, the writes into
+    them (``inv_perm[perm] = arange(n)``) and the fresh tensors written (that ``arange``)."""
+    below, stack = set(), list(tokens.users)
+    while stack:
+        node = stack.pop()
+        if node not in below:
+            below.add(node)
+            stack.extend(node.users)
+    region, stack = set(), [output]
+    while stack:
+        node = stack.pop()
+        if node in below and node not in region:
+            region.add(node)
+            stack.extend(_written_from(node))
+    for write in [u for n in region for u in n.users if op_kind(u) == "setitem" and arguments(u)["input"] in region]:
+        region.add(write)
+        region.update(i for i in write.all_input_nodes if not tensor_inputs(i) and i.op == "call_function")
+    return frozenset(region)
+
+
+def moe_site(site_name: str, ups: list[fx.Node], down: fx.Node, ctx: ParallelContext) -> MoESite | None:
+    """The mixture of experts around one down projection's grouped matmul, or None when it does
+    not read as one (no token gather before it, no per-token sum after, no top-k router)."""
+    tokens = _gathered_tokens(ups[0])
+    output = _per_token_output(down, tokens) if tokens is not None else None
+    if output is None or any(not _has_param_weight(g, ctx) for g in ups + [down]):
+        return None
+    region = dispatch_region(tokens, output)
+    choices = [n for n in region if n.target in (torch.topk, "topk")]
+    if len(choices) != 1:
+        return None
+    logits = arguments(choices[0])["input"]
+    routers = find_producers(logits, kinds_in("pointwise") | {"softmax"}, ctx)[0]
+    if len(routers) != 1:
+        return None
+    counts = _computed_from(region, {n for n in region if op_kind(n) in ("histc", "bincount")}, only=True)
+    expert_order = _computed_from(region, {n for n in region if op_kind(n) == "selection" and n not in choices})
+    return MoESite(site_name, routers[0], ups, [down], tokens, output, region, counts, expert_order,
+                   tensor_val(logits).shape[-1], arguments(choices[0])["k"])
+
+
+def _computed_from(region: frozenset[fx.Node], sources: set[fx.Node], only: bool = False) -> frozenset[fx.Node]:
+    """The nodes of a region computed from ``sources`` (these included): from any of them, or
+    with ``only``, from nothing else (the cumulative sum of a histogram, not a matmul it offsets)."""
+    found, stack = set(), list(sources)
+    while stack:
+        node = stack.pop()
+        inputs = tensor_inputs(node)
+        if node in region and node not in found and (node in sources or not only or all(i in found for i in inputs)):
+            found.add(node)
+            stack.extend(node.users)
+    return frozenset(found)
+
+
+def find_moe_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[MoESite]:
+    """Each grouped matmul whose tokens another one's outputs make (through the activation
+    and gate): the experts' down and up projections, and the mixture around them."""
+    sites = []
+    for down in (n for n in gm.graph.nodes if op_kind(n) == "grouped_mm"):
+        ups, _ = _walk([grouped_operands(down)[0]], _written_from, _INSIDE_MLP, "grouped_mm")
+        with at_node("detect", down):
+            site = moe_site(f"moe{len(sites)}", ups, down, ctx) if ups else None
+        if site is not None:
+            sites.append(site)
+    return sites
+
+
 def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Record sites in ``ctx.sites``; tag their nodes with their site role and each site
     linear with its weight's name (``meta.site_role``, ``meta.weight_name``)."""
-    attention = find_attention_sites(gm, ctx)
-    taken = {n for site in attention for n in site.colwise + site.rowwise}
-    ctx.sites = attention + find_mlp_sites(gm, ctx, taken)
+    attention, experts = find_attention_sites(gm, ctx), find_moe_sites(gm, ctx)
+    taken = {n for site in attention + experts for n in site.colwise + site.rowwise}
+    taken.update(site.router for site in experts)
+    ctx.sites = attention + experts + find_mlp_sites(gm, ctx, taken)
     for site in ctx.sites:
         roles = {"core": [site.core]} if isinstance(site, AttentionSite) else {}
         roles.update({"colwise": site.colwise, "rowwise": site.rowwise})
         for role, nodes in roles.items():
             for n in nodes:
                 set_site_role(n, f"{site.name}.{role}")
-        for linear in site.colwise + site.rowwise:
+        for linear in site.colwise + site.rowwise + ([site.router] if isinstance(site, MoESite) else []):
             set_weight_name(linear, weight_param(linear)[0].name)
     return gm

@@ -243,6 +243,24 @@ def _reduced_input(x: fx.Node) -> fx.Node:
     return x
 
 
+def _reduce_before_view(graph: fx.Graph, reduction: fx.Node) -> None:
+    """The gradient reduction of a view of a graph input (an expert weight read through
+    ``transpose(-2, -1)``), read by nothing else, moved onto the input itself: the same sum,
+    and the input's bucket can take it."""
+    view = arguments(reduction)["x"]
+    if lookup(view) is None or lookup(view).family != "views" or len(view.users) != 1:
+        return
+    (source,) = tensor_inputs(view) or (None,)
+    if source is None or _reduced_input(source).op != "placeholder":
+        return
+    with graph.inserting_before(view):
+        moved = graph.call_function(C.grad_all_reduce, (source,) + reduction.args[1:], dict(reduction.kwargs))
+    moved.meta = {**source.meta, **{k: v for k, v in reduction.meta.items() if k != "val"}}
+    view.replace_input_with(source, moved)
+    reduction.replace_all_uses_with(view)
+    graph.erase_node(reduction)
+
+
 def bucket_input_grad_reductions(gm: fx.GraphModule, ctx: ParallelContext) -> None:
     """Replace the ``grad_all_reduce`` of each graph input by flat buckets.
 
@@ -255,6 +273,9 @@ def bucket_input_grad_reductions(gm: fx.GraphModule, ctx: ParallelContext) -> No
     dims is reduced in a bucket of each.
     """
     graph = gm.graph
+    for n in list(graph.nodes):
+        if n.target is C.grad_all_reduce:
+            _reduce_before_view(graph, n)
     groups: dict[tuple, list[fx.Node]] = {}
     for n in graph.nodes:
         given = arguments(n) if n.target is C.grad_all_reduce else None
@@ -361,7 +382,7 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for node in list(graph.nodes):
         plans = shardings(node)
         ins = tensor_inputs(node)
-        if not plans or not ins:
+        if not plans or not (ins or node.op == "call_function"):  # a factory (arange) may take local sizes
             continue
         position = iter(range(len(ins)))
 

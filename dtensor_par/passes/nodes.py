@@ -178,15 +178,27 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return found
 
 
-_RIGHT_OPERAND = ("weight", "other", "mat2")
-"""A linear's weight, ``matmul``'s and ``bmm``'s right operand: what ``weight_param`` reads."""
+_RIGHT_OPERAND = ("weight", "other", "mat2", "mat_b")
+"""A linear's weight, ``matmul``'s and ``bmm``'s right operand, a grouped matmul's experts:
+what ``weight_param`` reads."""
+
+
+def _swaps_last_two_dims(node: fx.Node) -> bool:
+    """``w.t()``, ``w.transpose(-2, -1)`` (an expert weight ``[E, out, in]`` read as ``[E, in, out]``)."""
+    if node.op != "call_method" or node.target not in ("t", "transpose"):
+        return False
+    if node.target == "t":
+        return True
+    given, ndim = arguments(node), tensor_val(node).dim()
+    return {given["dim0"] % ndim, given["dim1"] % ndim} == {ndim - 2, ndim - 1}
 
 
 def weight_param(linear: fx.Node) -> tuple[fx.Node, bool]:
-    """The tensor a linear's weight is read from, and whether it is stored transposed
-    (``[in, out]``, read through ``t()``: GPT-2's Conv1D after canonicalize)."""
+    """The tensor a linear's weight is read from, and whether it is stored with its last two
+    dims swapped (``[in, out]``, read through ``t()``: GPT-2's Conv1D after canonicalize; an
+    expert weight ``[E, out, in]`` read through ``transpose(-2, -1)``)."""
     given = arguments(linear)
     weight = next(given[name] for name in _RIGHT_OPERAND if name in given)
-    if isinstance(weight, fx.Node) and weight.op == "call_method" and weight.target == "t":
+    if isinstance(weight, fx.Node) and _swaps_last_two_dims(weight):
         return arguments(weight)["input"], True
     return weight, False

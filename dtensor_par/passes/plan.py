@@ -7,17 +7,19 @@ graph order, so the plan covers the whole graph, not just the sites.
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from ..mesh import SPANS
 from ..errors import InvalidPlan, NotSupported
-from ..placements import InterleavedShard, Placement, Replicate, Shard
+from ..placements import InterleavedShard, Placement, Replicate, Shard, parts_of, shard_dim
 from .context import ParallelContext, at_node
-from .detect import AttentionSite, concatenated_features, module_name
+from .detect import AttentionSite, MoESite, concatenated_features, module_name
 from .meta import NodeSharding, set_global_shape, set_sharding, shardings
 from .nodes import arguments, target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.core import RuleEnv, check_divisible, moved, replicate_all
 from .rules.indexing import per_dim, split_dim
+from .rules.matmul import grouped_operands
 from .rules.registry import lookup, op_kind
 
 R = Replicate()
@@ -57,9 +59,29 @@ def colwise_placement(linear: fx.Node, tp: int) -> Placement | None:
     return Shard(0) if out_features % tp == 0 else None
 
 
+def _expert_weights(site: MoESite, ctx: ParallelContext) -> dict[fx.Node, Placement] | None:
+    """Each expert's up (and gate) projection colwise, its down projection rowwise: placements of
+    the grouped matmuls' ``[E, K, N]`` weights (N, parts of a fused gate and up each, then K cut),
+    or None (with a warning) to leave the experts replicated. The router stays replicated."""
+    tp = ctx.mesh.size("tp")
+    placements, features = {}, {}
+    for up in site.up:
+        features[up] = fused_parts(up) or (tensor_val(up).shape[-1],)
+        placements[up] = InterleavedShard(2, features[up]) if len(features[up]) > 1 else Shard(2)
+    for down in site.down:
+        features[down], placements[down] = (tensor_val(grouped_operands(down)[0]).shape[-1],), Shard(1)
+    uneven = {module_name(g, ctx): list(f) for g, f in features.items() if any(n % tp for n in f)}
+    if uneven:
+        ctx.warn(f"{site.name}: the experts' features {uneven} do not divide by tp={tp}; the experts stay replicated")
+        return None
+    return placements
+
+
 def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None:
     """Weight placements for one site, or None (with a warning) to leave it replicated."""
     tp = ctx.mesh.size("tp")
+    if isinstance(site, MoESite):
+        return _expert_weights(site, ctx)
     colwise = list(site.colwise)
     if isinstance(site, AttentionSite):
         if site.layout_problem:
@@ -112,8 +134,9 @@ def assign_weight_placements(ctx: ParallelContext) -> None:
         placements = _site_weights(site, ctx) or {}
         for linear, p in placements.items():
             weight, transposed = weight_param(linear)
-            tensors = [(weight, moved(p, 1 - p.dim) if transposed else p)]
-            bias = arguments(linear)["bias"]
+            ndim = tensor_val(weight).dim()  # transposed: its last two dims swapped
+            tensors = [(weight, moved(p, 2 * ndim - 3 - p.dim) if transposed else p)]
+            bias = arguments(linear).get("bias")
             if bias is not None:
                 tensors.append((bias, p))
             for tensor, placement in tensors:
@@ -157,9 +180,42 @@ def _plan_outputs(output: fx.Node, cur: list[Placement], env: RuleEnv, ctx: Para
     return NodeSharding(None, tuple(kept))
 
 
-def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext) -> NodeSharding:
+def token_local_sharding(node: fx.Node, site: MoESite, ins, cur, env: RuleEnv) -> NodeSharding:
+    """A mixture's dispatch on a dim that cuts its tokens (cp, dp) runs on each rank's tokens
+    as on one device: every token's output row depends on its own row only (no capacity, no
+    token dropped), so the sort, the counts and the grouped matmuls of this rank's tokens give
+    its rows of the output. Each node is placed for its local size only (a shard of its
+    ``m x tokens`` rows, or whole for the experts' counts); nothing is sent inside it. What
+    leaves it (the output, the router's logits) is in token order."""
+    p = env.out_of(site.tokens)
+    tokens = tensor_val(site.tokens).shape[0]
+    for i, q in zip(ins, cur):
+        if i not in site.region and i is not site.tokens and q != R:
+            raise NotSupported(f"plan: {site.name}'s dispatch node {node.name} reads {i.name}, which is {q} on mesh dim "
+                               f"{env.dim!r}: a mixture of experts runs on each rank's tokens only from them and "
+                               f"replicated tensors")
+    leaves = node is not site.output and any(u not in site.region for u in node.users)
+    if leaves and node in site.expert_order:
+        raise NotSupported(f"plan: {node.name} of {site.name}'s dispatch, in expert order, is read outside it "
+                           f"({[u.name for u in node.users if u not in site.region]}): only token order leaves it")
+
+    def placed(val):
+        rows = val.shape[0] if isinstance(val, torch.Tensor) and val.dim() else 0
+        if node in site.counts or rows % tokens or not 0 < rows // tokens <= site.top_k:
+            return R
+        return p if rows == tokens else InterleavedShard(0, parts_of(p, tokens) * (rows // tokens))
+    val = node.meta.get("val")
+    out = tuple(map(placed, val)) if isinstance(val, (tuple, list)) else placed(val) if val is not None else None
+    return NodeSharding(out, tuple(cur))
+
+
+def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext, dispatch: dict[fx.Node, MoESite]) -> NodeSharding:
+    """``dispatch``: the mixture of experts whose dispatch each node is part of, if any."""
     ins = tensor_inputs(node)
     cur = [env.out_of(i) for i in ins]
+    site = dispatch.get(node)
+    if site is not None and env.dim != "tp" and shard_dim(env.out_of(site.tokens)) == 0:
+        return token_local_sharding(node, site, ins, cur, env)
     if node.op == "placeholder":
         return NodeSharding(env.input_placements.get(node.name, R), ())
     if node.op == "get_attr":
@@ -192,12 +248,13 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if tensor_val(node) is not None:
             set_global_shape(node, tuple(tensor_val(node).shape))
+    dispatch = {n: site for site in ctx.sites if isinstance(site, MoESite) for n in site.region}
     for dim in ctx.mesh.plan_dims:
         env = RuleEnv(dim.name, dim.size, seeds[dim.name], ctx.config.sequence_parallel and dim.name == "tp",
                       dim.chunks_per_rank)
         for node in gm.graph.nodes:
             with at_node("plan", node):
-                sharding = plan_node(node, env, ctx)
+                sharding = plan_node(node, env, ctx, dispatch)
             set_sharding(node, dim.name, sharding)
             if sharding.note:
                 ctx.warn(f"{node.name} ({target_name(node)}): inputs gathered on mesh dim {dim.name!r}: "

@@ -42,9 +42,11 @@ from .scores import read_written_attention
 
 
 def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:
+    """A rowwise linear's bias, added once after its partial sums are reduced. (A grouped
+    matmul's bias keeps its experts replicated: ``grouped_mm_rule``.)"""
     given = arguments(linear)
-    bias = given["bias"]
-    if bias is None:
+    bias = given.get("bias")
+    if bias is None or op_kind(linear) != "linear":
         return
     graph = gm.graph
     with graph.inserting_after(linear):

@@ -38,7 +38,7 @@ def sequence_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         return gm
     masks = mask_only_nodes(gm)
     ctx.sequence_placements = sequence_input_placements(gm, ctx, lengths, masks)
-    mark_sequence_starts(gm, lengths, masks)
+    mark_sequence_starts(gm, lengths, masks | made_of_parameters(gm, ctx))
     gm.recompile()
     return gm
 
@@ -62,6 +62,16 @@ def mask_only_nodes(gm: fx.GraphModule) -> set[fx.Node]:
             if node.users and all(u in only or _mask_of(u, node) for u in node.users):
                 only.add(node)
     return only
+
+
+def made_of_parameters(gm: fx.GraphModule, ctx: ParallelContext) -> set[fx.Node]:
+    """Nodes computed from parameters only (an expert weight ``[E, inter, hidden]`` transposed
+    for a grouped matmul): weights, whatever length a dim of theirs has, are no sequence."""
+    made = {n for n in gm.graph.nodes if n.name in ctx.params}
+    for node in gm.graph.nodes:
+        if node.all_input_nodes and all(i in made for i in node.all_input_nodes):
+            made.add(node)
+    return made
 
 
 def _mask_of(attention: fx.Node, node: fx.Node) -> bool:
@@ -94,16 +104,16 @@ def _is_sequence(val, lengths: list[int]) -> bool:
     return val is not None and _sequence_shaped(val) and any(same_size(val.shape[1], n) for n in lengths)
 
 
-def mark_sequence_starts(gm: fx.GraphModule, lengths: list[int], masks: set[fx.Node]) -> None:
+def mark_sequence_starts(gm: fx.GraphModule, lengths: list[int], whole: set[fx.Node]) -> None:
     """Activations made inside the graph (a patch embedding's tokens, transposed out of a conv)
     are cut over cp where they are made, as an input sequence is, so the ops after them run on
     shards too, not only the attention: a ``sequence_start`` after each floating-point
-    sequence-shaped node none of whose inputs is one. Positions stay whole: masks are built
-    from them. A node whose dim 1 has the length of another of its dims too (hidden size =
-    tokens) is ambiguous and left to the attention."""
+    sequence-shaped node none of whose inputs is one, unless it stays ``whole`` (masks, weights).
+    Positions stay whole: masks are built from them. A node whose dim 1 has the length of
+    another of its dims too (hidden size = tokens) is ambiguous and left to the attention."""
     def starts_sequence(node: fx.Node) -> bool:
         val = tensor_val(node)
-        if node.op not in ("call_function", "call_method") or node in masks or op_kind(node) == "hybrid_attention":
+        if node.op not in ("call_function", "call_method") or node in whole or op_kind(node) == "hybrid_attention":
             return False
         if not _is_sequence(val, lengths) or not val.is_floating_point():
             return False

@@ -8,4 +8,4 @@ get their inputs gathered (Replicate), with a warning naming the node: never a g
 Importing the package registers every family.
 """
 
-from . import attention, indexing, matmul, pointwise, reductions, views  # noqa: F401  (they register)
+from . import attention, indexing, matmul, pointwise, reductions, routing, views  # noqa: F401  (they register)

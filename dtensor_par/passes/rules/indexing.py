@@ -77,6 +77,8 @@ def getitem_rule(node, ins, cur, env):
     if isinstance(source.meta.get("val"), (tuple, list)):
         return NodeSharding(env.out_of(source)[index], ())
     kept = _index_map(index, tuple(tensor_val(source).shape))
+    if isinstance(cur[0], Partial) and ins[0] is source and all(p == R for p in cur[1:]):
+        return NodeSharding(cur[0], tuple(cur))  # picking elements of summands: partial sums of the picks
     if kept is None or len(ins) != 1:
         return replicate_all(node, ins, cur, "advanced indexing")
     p = cur[0]

@@ -110,6 +110,38 @@ def einsum_rule(node, ins, cur, env):
     return NodeSharding(out, required)
 
 
+def grouped_operands(node) -> tuple:
+    """``(tokens [M, K], expert weights [E, K, N], offsets [E])`` of a grouped matmul, whatever
+    its spelling names them (``input``/``mat2``, ``mat_a``/``mat_b``, ``input``/``weight``)."""
+    given = arguments(node)
+    tokens, weights = list(given.values())[:2]
+    return tokens, weights, given.get("offs")
+
+
+def grouped_mm_rule(node, ins, cur, env):
+    """Tokens sorted by expert, expert ``e``'s rows ending at ``offs[e]``, each times its expert's
+    weight: as a linear per expert. The experts' output features sharded (N) give sharded
+    outputs (colwise), their input features (K) sharded partial sums (rowwise). Tokens cut
+    along M are gathered here: their offsets would have to be their own (an expert dispatch
+    run on each rank's tokens is planned as a whole: ``plan.token_local_sharding``)."""
+    tokens, weights, _ = grouped_operands(node)
+    if tensor_val(tokens).dim() != 2 or tensor_val(weights).dim() != 3:
+        return replicate_all(node, ins, cur, "grouped matmul of other than tokens [M, K] and experts [E, K, N]")
+    offsets = tuple(R for _ in ins[2:])  # tensor inputs in argument order: tokens, weights, offsets
+    px, pw = cur[:2]
+    if isinstance(px, Partial) and pw == R and offsets == tuple(cur[2:]):
+        return NodeSharding(Partial(), (px, R) + offsets)
+    px, pw = resolve_partial(ins[:2], cur[:2], env)
+    if shard_dim(pw) == 2 and px == R:
+        return NodeSharding(moved(pw, 1), (R, pw) + offsets)
+    contracted = next((p for p in (pw, px) if shard_dim(p) == 1), None)
+    if contracted is not None and all(p in (R, contracted) for p in (px, pw)) and arguments(node).get("bias") is None:
+        return NodeSharding(Partial(), (contracted, contracted) + offsets)
+    if px == pw == R:
+        return NodeSharding(R, (R, R) + offsets)
+    return replicate_all(node, ins, cur, "grouped matmul of tokens cut along their rows or experts cut")
+
+
 def conv_rule(node, ins, cur, env):
     """A convolution (a DiT's patch embedding) runs on this rank's images of a batch cut over
     dp; any other cut mixes what it slides over or sums over channels: gathered."""
@@ -126,3 +158,5 @@ register("linear", "matmul", linear_rule, functions=[torch._C._nn.linear, torch.
 register("matmul", "matmul", matmul_rule, functions=[operator.matmul, torch.matmul, torch.bmm],
          methods=["matmul", "bmm"])
 register("einsum", "matmul", einsum_rule, functions=[torch.einsum])
+register("grouped_mm", "matmul", grouped_mm_rule, functions=[torch._grouped_mm, torch.nn.functional.grouped_mm],
+         custom_ops=["transformers::grouped_mm_fallback"])

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ...errors import NotSupported
 from ...mesh import MeshInfo
 from ...ops.cache_attention import cache_buffer
 from ...ops.dropout import sharded_dropout
@@ -103,6 +104,17 @@ def new_tensor_rule(node, ins, cur, env):
     return NodeSharding(R, tuple(cur))
 
 
+def localize_arange(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """``arange(n)`` planned cut (an expert dispatch run on each rank's tokens numbers its
+    ``tokens x top_k`` rows: ``plan.token_local_sharding``) counts this rank's rows."""
+    if all(p == R for p in placements(node).values()):
+        return
+    if len(node.args) != 1:
+        raise NotSupported(f"localize: {node.name} = arange{tuple(node.args)} is planned cut: only arange(end) is "
+                           f"counted on each rank")
+    node.args = (planned_local_shape(node, mesh)[0],)
+
+
 def cache_buffer_rule(node, ins, cur, env):
     """A static kv cache's buffer is cut as the rows written into it are, on a dim it has whole
     (heads; the sequence it is written along stays whole)."""
@@ -148,6 +160,7 @@ for _kind, (_functions, _methods) in _SPELLINGS.items():
 register("elementwise_function", "pointwise", elementwise_function_rule,
          functions=[torch.ops.higher_order.autograd_function_apply])
 register("new_tensor", "pointwise", new_tensor_rule, methods=["new_zeros", "new_ones", "new_full", "new_empty"])
+register("arange", "pointwise", new_tensor_rule, functions=[torch.arange], localize=localize_arange)
 register("cast", "pointwise", cast_rule, methods=["contiguous", "clone", "float", "half", "bfloat16", "double", "to",
                                                   "type_as", "detach"])
 

@@ -1,0 +1,108 @@
+"""Ops that route tokens to experts: top-k and sorts along a dim, one-hot codes, scatters
+that add rows into place, and histograms. A shard of a dim the op does not select, sort,
+scatter or count along stays; along it the op needs the whole dim, so its inputs are
+gathered (a clear fallback, never a guess), except counts, which add up as partial sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ...errors import NotSupported
+from ...placements import Partial, Placement, parts_of, shard_dim
+from ..meta import NodeSharding
+from ..nodes import arguments, target_name, tensor_val, writes_in_place
+from .core import R, norm_dim, replicate_all, resolve_partial
+from .registry import register
+
+
+def _along(node: fx.Node) -> int:
+    """The dim an op selects, sorts or scatters along."""
+    given = arguments(node)
+    return norm_dim(given.get("dim", -1), tensor_val(given["input"]).dim())
+
+
+def selection_rule(node, ins, cur, env):
+    """``topk``, ``sort``, ``argsort``: each output (values, indices) is placed as the input,
+    whose dim along which they select must be whole."""
+    p = resolve_partial(ins, cur, env)[0]
+    outputs = node.meta["val"]
+    if shard_dim(p) == _along(node):
+        return replicate_all(node, ins, [p], f"{target_name(node)} along the sharded dim {p.dim}")
+    return NodeSharding(tuple(p for _ in outputs) if isinstance(outputs, (tuple, list)) else p, (p,))
+
+
+def one_hot_rule(node, ins, cur, env):
+    """Each index becomes its own code (a new last dim); ``num_classes=-1`` takes the class
+    count from the whole tensor's largest index, which a shard does not know."""
+    p = cur[0]
+    if p != R and arguments(node)["num_classes"] == -1:
+        return replicate_all(node, ins, cur, "one_hot with num_classes=-1 counts the classes of the whole tensor")
+    return NodeSharding(p, (p,))
+
+
+def _refuse_lost_write(node: fx.Node, ins: list[fx.Node], cur: list[Placement], env) -> None:
+    """An in-place scatter into a shard it cannot keep would write into a gathered copy."""
+    if writes_in_place(node) and cur[0] != R:
+        raise NotSupported(
+            f"plan: {node.name} ({target_name(node)}) adds in place along dim {_along(node)} into {ins[0].name} "
+            f"{list(tensor_val(ins[0]).shape)}, which is {cur[0]} on mesh dim {env.dim!r}, with inputs "
+            f"{', '.join(f'{i.name} {p}' for i, p in zip(ins, cur))}: the write cannot run on these shards; write it "
+            f"out of place")
+
+
+def scatter_rule(node, ins, cur, env):
+    """``scatter_add(input, dim, index, src)`` and ``index_add(input, dim, index, source)``.
+    Partial sums stay partial (both are linear in input and the added rows). Off ``dim`` a
+    shard stays where every tensor that spans that dim does so at the same length (``index_add``'s
+    1-D index stays whole); along ``dim`` the positions the index names are global, so the
+    inputs are gathered (an in-place write that cannot keep its target is refused)."""
+    given, along = arguments(node), _along(node)
+    index = given["index"]
+    values = [i for i in ins if i is not index]
+    if all(isinstance(cur[ins.index(i)], Partial) for i in values) and cur[ins.index(index)] == R:
+        return NodeSharding(Partial(), tuple(cur))
+    cur = resolve_partial(ins, cur, env)
+    spanning = [i for i in ins if tensor_val(i).dim() == tensor_val(ins[0]).dim()]
+    sharded = [p for p in cur if shard_dim(p) is not None]
+    if not sharded:
+        return NodeSharding(R, tuple(R for _ in ins))
+    p = sharded[0]
+    fits = (p.dim != along and all(cur[ins.index(i)] in (p, R) for i in spanning)
+            and len({tensor_val(i).shape[p.dim] for i in spanning}) == 1
+            and all(cur[ins.index(i)] == R for i in ins if i not in spanning))
+    if fits:
+        return NodeSharding(p, tuple(p if i in spanning else R for i in ins))
+    _refuse_lost_write(node, ins, cur, env)
+    return replicate_all(node, ins, cur,
+                         f"{target_name(node)} of inputs placed {[str(q) for q in cur]}, along dim {along}")
+
+
+def histc_rule(node, ins, cur, env):
+    """Counts over a fixed range add up: a histogram of shards is partial sums of the whole's
+    (unless the dim is padded: the padding would count). ``min == max`` takes the range from
+    the whole tensor's values, which a shard does not know."""
+    p, given = resolve_partial(ins, cur, env)[0], arguments(node)
+    if p == R:
+        return NodeSharding(R, (R,))
+    if given["min"] == given["max"] or any(env.padded(part) for part in parts_of(p, tensor_val(ins[0]).shape[p.dim])):
+        return replicate_all(node, ins, [p], "histc over a range the shards do not share (min == max) or of padding")
+    return NodeSharding(Partial(), (p,))
+
+
+def bincount_rule(node, ins, cur, env):
+    """The count's length is the whole tensor's largest value + 1: a shard's may differ."""
+    if all(p == R for p in cur):
+        return NodeSharding(R, tuple(cur))
+    return replicate_all(node, ins, cur, "bincount's length follows the largest value of the whole tensor")
+
+
+register("selection", "routing", selection_rule, functions=[torch.topk, torch.sort, torch.argsort],
+         methods=["topk", "sort", "argsort"])
+register("one_hot", "routing", one_hot_rule, functions=[F.one_hot])
+register("scatter_add", "routing", scatter_rule, functions=[torch.scatter_add, torch.index_add],
+         methods=["scatter_add", "scatter_add_", "index_add", "index_add_"])
+register("histc", "routing", histc_rule, functions=[torch.histc], methods=["histc"])
+register("bincount", "routing", bincount_rule, functions=[torch.bincount], methods=["bincount"])
