@@ -21,7 +21,7 @@ FLOORS = (
     ("passes.context",),
     ("passes",),  # the passes themselves
     ("dump", "pipeline", "plancache"),
-    ("sharded", "runtime", "api", "explain", "choose", "__init__", "__main__"),
+    ("sharded", "runtime", "api", "explain", "choose", "calibrate", "__init__", "__main__"),
 )
 
 
