@@ -213,7 +213,7 @@ def _check_param_dtype(param_dtype: torch.dtype | None, feeding: WholeParameters
         raise ValueError(f"hybrid_parallel: param_dtype={param_dtype} needs the model parallelized with it: "
                          f"dtensor_par.parallelize(model, mesh, example_inputs, param_dtype={param_dtype}) (or "
                          f"the dtensor_par.parallel decorator), then torch.compile; this graph's parameters are "
-                         f"held and traced in {sorted({str(a.dtype) for a in whole}, key=str)}")
+                         f"held and traced in {sorted({str(a.dtype) for a in whole})}")
 
 
 def _local_inputs(args, placements: list[dict[str, Placement]], feeding: WholeParameters, mesh: MeshInfo,

@@ -85,7 +85,7 @@ def _check_optimizer(replaced: dict[int, tuple[weakref.ref, str]], optimizer: to
 
 
 def _standin(param: nn.Parameter, compute_dtype: torch.dtype | None) -> nn.Parameter:
-    """A plain parameter of the DTensor's global shape that owns one element: NaN, so any
+    """A plain parameter of ``param``'s global shape that owns one element: NaN, so any
     backend but ours that computes with it shows it at once. Of ``compute_dtype`` if given
     (``param_dtype``): Dynamo then traces the model computing in it, as it will run."""
     dtype = compute_dtype if compute_dtype is not None and param.is_floating_point() else param.dtype
