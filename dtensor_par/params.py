@@ -196,11 +196,11 @@ class ShardedParameters(WholeParameters):
 
     def check(self, params: dict, layouts: dict[str, HeldLayout], args, mesh: DeviceMesh, info: MeshInfo) -> None:
         """DTensor parameters must be laid out as this plan needs them, on this mesh."""
+        held = held_mesh(mesh)
         for name, param_info in params.items():
             param = standin_param(args[param_info.index])
             if param is None:
                 continue
-            held = held_mesh(mesh)
             needed = layouts[name].dtensor_placements(held, info)
             if param.device_mesh != held or tuple(param.placements) != needed:
                 raise ValueError(

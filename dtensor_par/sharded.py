@@ -96,6 +96,13 @@ def _standin(param: nn.Parameter, compute_dtype: torch.dtype | None) -> nn.Param
     return standin
 
 
+def _registered_parameters(model: nn.Module):
+    """Every place a parameter is registered, tied ones at each: (FQN, owning module, name, parameter)."""
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        owner_name, _, name = fqn.rpartition(".")
+        yield fqn, model.get_submodule(owner_name), name, param
+
+
 @contextlib.contextmanager
 def traced_in(model: nn.Module, param_dtype: torch.dtype | None):
     """While ``explain`` captures a model that is not parallelized: each floating parameter in
@@ -105,10 +112,9 @@ def traced_in(model: nn.Module, param_dtype: torch.dtype | None):
         yield
         return
     slots, standins = [], {}
-    for fqn, param in model.named_parameters(remove_duplicate=False):
-        owner_name, _, name = fqn.rpartition(".")
+    for _, owner, name, param in _registered_parameters(model):
         standin = standins.setdefault(id(param), _standin(param, param_dtype))
-        slots.append((model.get_submodule(owner_name), name, param, standin))
+        slots.append((owner, name, param, standin))
     try:
         for owner, name, _, standin in slots:
             owner._parameters[name] = standin
@@ -201,12 +207,12 @@ def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, exa
 
 
 def _as_dtensor(param: nn.Parameter, layout: HeldLayout, mesh: DeviceMesh, info: MeshInfo) -> nn.Parameter:
-    """This rank's piece of ``param`` as a DTensor parameter; its storage holds only that piece."""
+    """This rank's piece of ``param`` as a DTensor parameter over ``mesh`` (``held_mesh``); its
+    storage holds only that piece."""
     if param.is_meta:  # materialize the local piece only, uninitialized (as ``Module.to_empty``)
         local = torch.empty(layout.held_shape(param.shape), dtype=param.dtype, device=mesh.device_type)
     else:
         local = layout.held_piece(param.detach(), info.dims["tp"].rank).clone(memory_format=torch.contiguous_format)
-    mesh = held_mesh(mesh)
     dtensor = DTensor.from_local(local, mesh, layout.dtensor_placements(mesh, info), run_check=False,
                                  shape=param.shape, stride=torch.empty(param.shape, device="meta").stride())
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
@@ -241,16 +247,14 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
     info = MeshInfo.from_mesh(mesh, entry)
     config.check_mesh(info, entry)
     placements = plan_placements(model, mesh, example_args, example_kwargs, config)
-    fsdp = info.fsdp(config.fsdp_dims)
+    fsdp, held = info.fsdp(config.fsdp_dims), held_mesh(mesh)
     state = ShardedState(mesh, config, [])
     # id(old) -> (DTensor param, stand-in): tied weights share them
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
-    for fqn, old in model.named_parameters(remove_duplicate=False):
-        owner_name, _, name = fqn.rpartition(".")
-        owner = model.get_submodule(owner_name)
+    for fqn, owner, name, old in _registered_parameters(model):
         if id(old) not in replaced:
             layout = HeldLayout.of(old.shape, placements.get(fqn), info, fsdp)
-            param = _as_dtensor(old, layout, mesh, info)
+            param = _as_dtensor(old, layout, held, info)
             replaced[id(old)] = (param, _standin(param, config.param_dtype))
             state.remember_replaced(old, fqn)
         param, standin = replaced[id(old)]

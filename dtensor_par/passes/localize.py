@@ -167,7 +167,7 @@ def gather_fsdp_param(gm: fx.GraphModule, ctx: ParallelContext, node: fx.Node, l
     return piece
 
 
-def cast_parameters(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, torch.dtype]:
+def compute_dtypes(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, torch.dtype]:
     """The parameters held in another dtype than the graph computes in (``param_dtype``: the
     stand-ins Dynamo traced are of it), each to the dtype it is cast to at use. Their
     placeholders are given the value the runtime feeds: the held piece's dtype."""
@@ -372,7 +372,7 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     cache: dict = {}  # one redistribution per producer, mesh dim and target placement
     fsdp = {name: layout for name, layout in held_layouts(ctx).items() if layout.fsdp_dim is not None}
     local_batch = ctx.config.batch == "local"
-    compute = cast_parameters(gm, ctx)
+    compute = compute_dtypes(gm, ctx)
 
     def cached(key, make) -> fx.Node:
         if key not in cache:
@@ -436,24 +436,20 @@ def _parameter_at_use(gm: fx.GraphModule, ctx: ParallelContext, cached, arg: fx.
 
 
 def _finish(gm: fx.GraphModule, ctx: ParallelContext, fsdp: dict[str, HeldLayout]) -> None:
-    """Once every edge is localized: sizes as graph values, the gradient reductions, no global values left."""
+    """Once every edge is localized: sizes as graph values, the inputs' gradient averages over
+    dp and the buckets, no global values left."""
     graph = gm.graph
     if ctx.specialization is not None:
         materialize_sizes(gm, {v.node.expr: n for n in graph.nodes if n.op == "placeholder"
                                for v in [n.meta.get("val")] if is_symbolic(v)})
-    _reduce_gradients(gm, ctx, fsdp)
+    average_gradients_over_dp(gm, ctx, fsdp)
+    bucket_fsdp_gathers(gm, ctx)
+    bucket_input_grad_reductions(gm, ctx)
     for node in graph.nodes:  # the global values: the local graph's differ
         for key in ("val", "example_value", "tensor_meta"):
             node.meta.pop(key, None)
     graph.lint()
     gm.recompile()
-
-
-def _reduce_gradients(gm: fx.GraphModule, ctx: ParallelContext, fsdp: dict[str, HeldLayout]) -> None:
-    """Once every edge is localized: the inputs' gradient averages over dp, and the buckets."""
-    average_gradients_over_dp(gm, ctx, fsdp)
-    bucket_fsdp_gathers(gm, ctx)
-    bucket_input_grad_reductions(gm, ctx)
 
 
 def graph_communications(gm: fx.GraphModule) -> list[tuple[fx.Node, Communication]]:
