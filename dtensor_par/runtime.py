@@ -141,6 +141,11 @@ def cacheable_functions(gm: fx.GraphModule) -> dict[str, str]:
     return {**torch._inductor.config.unsafe_marked_cacheable_functions, **dict.fromkeys(ours, source_digest())}
 
 
+NO_COMPILE_CACHES = ("aot_eager", "eager")
+"""Inner backends that never read the compile caches (AOTAutograd's serves inductor's compiler
+only): a graph compiled by one needs no example values, unless the plan cache keeps it."""
+
+
 def record_example_values(gm: fx.GraphModule, examples: list, fake_mode: FakeTensorMode) -> None:
     """Each node's ``example_value`` for these (fake) inputs, as Dynamo's graphs carry them
     (localize drops the global ones): AOTAutograd's cache refuses a graph with a method called
@@ -419,7 +424,8 @@ class ParallelRuntime:
             for warning in plan.warnings:
                 logger.warning(warning)
         else:
-            record_example_values(local_gm, examples, fake_mode)
+            if store or self.config.inner_backend not in NO_COMPILE_CACHES:
+                record_example_values(local_gm, examples, fake_mode)
             if store:
                 store.save(local_gm, plan, spec)
         fn = compile_recorded(self.backend.inner, local_gm, examples, fake_mode)
