@@ -73,7 +73,7 @@ def parallel(tp: int = 1, ring: int = 1, ulysses: int = 1, *, dp_replicate: int 
             return mesh
         degrees, order = given, None
         if profile is not None:
-            ranking = _choose(self, args, kwargs, profile, training is not False, config)
+            ranking = _choose(self, args, kwargs, profile, training is None or training, config)
             self.__dict__[RANKING] = ranking
             degrees, order = ranking[0].degrees, ranking[0].order
         key = (tuple(degrees.values()), order)
