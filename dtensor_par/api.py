@@ -8,9 +8,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .choose import Ranking, choose_mesh, mesh_text
 from .config import ParallelConfig
-from .mesh import init_mesh
+from .errors import InvalidPlan
+from .logs import logger
+from .machines import MACHINES, Machine, machine as machine_profile
+from .mesh import default_world_size, init_mesh
 from .runtime import ParallelBackend
+from .same_inputs import check_every_rank_agrees
 from .sharded import parallelize_with
 
 
@@ -35,10 +40,14 @@ def hybrid_parallel(mesh: DeviceMesh, **options) -> ParallelBackend:
 
 _COMPILED = "_dtensor_par_compiled"
 """The attribute of a decorated instance holding its compiled call, once made."""
+RANKING = "mesh_ranking"
+"""The attribute of an instance of a ``parallel(auto=True)`` class holding the ``choose.Ranking``
+its mesh was chosen from (``[0]`` built), once chosen."""
 
 
 def parallel(tp: int = 1, ring: int = 1, ulysses: int = 1, *, dp_replicate: int = 1, dp_shard: int = 1,
-             mesh: DeviceMesh | None = None, **options):
+             mesh: DeviceMesh | None = None, auto: bool = False, machine: str | Machine | None = None,
+             training: bool | None = None, **options):
     """Class decorator: instances of the decorated ``nn.Module`` class run parallelized.
 
     At an instance's first call (its inputs are known then) ``parallelize`` shards its
@@ -47,18 +56,38 @@ def parallel(tp: int = 1, ring: int = 1, ulysses: int = 1, *, dp_replicate: int 
     ``hybrid_parallel(mesh, **options)``. Before its first call an instance is the plain
     module: load a full ``state_dict`` then, and build the optimizer after. Works on
     third-party classes too: ``parallel(tp=2)(LlamaForCausalLM)``.
+
+    ``auto=True``: no degrees are given; at an instance's first call ``choose_mesh`` ranks every
+    mesh of the default process group's ranks for that call on ``machine`` (a profile's name, a
+    ``Machine`` or a JSON path) for a training step (``training``, default True) or a forward,
+    every rank checks that all chose alike, and the fastest is built: the instance's
+    ``mesh_ranking`` holds the ranking (``mesh_ranking[0]`` the mesh built).
     """
     config = ParallelConfig.of("parallel", options)
-    meshes: list[DeviceMesh] = [mesh] if mesh is not None else []  # made at the first call, shared by instances
+    given = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "ring": ring, "ulysses": ulysses}
+    profile = _auto_machine(auto, machine, training, given, mesh)
+    meshes: dict[tuple, DeviceMesh] = {}  # by degrees and order, made at the first call that needs it, shared
+
+    def mesh_for(self, args, kwargs) -> DeviceMesh:
+        if mesh is not None:
+            return mesh
+        degrees, order = given, None
+        if profile is not None:
+            ranking = _choose(self, args, kwargs, profile, training is None or training, config)
+            self.__dict__[RANKING] = ranking
+            degrees, order = ranking[0].degrees, ranking[0].order
+        key = (tuple(degrees.values()), order)
+        if key not in meshes:
+            meshes[key] = init_mesh(**degrees, order=order)
+        return meshes[key]
 
     def call(self, *args, **kwargs):
         compiled = self.__dict__.get(_COMPILED)
         if compiled is None:
-            if not meshes:
-                meshes.append(init_mesh(tp, ring, ulysses, dp_replicate=dp_replicate, dp_shard=dp_shard))
-            parallelize_with(self, meshes[0], args, kwargs, config, "parallel")
+            built = mesh_for(self, args, kwargs)
+            parallelize_with(self, built, args, kwargs, config, "parallel")
             compiled = torch.compile(types.MethodType(nn.Module.__call__, self),
-                                     backend=ParallelBackend(meshes[0], config))
+                                     backend=ParallelBackend(built, config))
             self.__dict__[_COMPILED] = compiled
         return compiled(*args, **kwargs)
 
@@ -69,3 +98,48 @@ def parallel(tp: int = 1, ring: int = 1, ulysses: int = 1, *, dp_replicate: int 
                                            "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
 
     return decorate
+
+
+def _auto_machine(auto: bool, machine: str | Machine | None, training: bool | None, given: dict[str, int],
+                  mesh: DeviceMesh | None) -> Machine | None:
+    """``parallel``'s profile to choose the mesh on (None: the mesh is given), its arguments
+    refused where they contradict each other."""
+    if not auto:
+        unread = [f"{name}={value!r}" for name, value in (("machine", machine), ("training", training))
+                  if value is not None]
+        if unread:
+            raise ValueError(f"parallel: {', '.join(unread)} only serve auto=True (choosing the mesh)")
+        return None
+    explicit = [f"{name}={size}" for name, size in given.items() if size != 1] + (["mesh="] if mesh is not None else [])
+    if explicit:
+        raise ValueError(f"parallel: auto=True chooses the mesh; it cannot also be given ({', '.join(explicit)})")
+    if machine is None:
+        raise ValueError(f"parallel: auto=True needs machine=, the profile to predict on: one of {sorted(MACHINES)} "
+                         f"or a JSON profile's path (python -m dtensor_par calibrate)")
+    if training is not None and not isinstance(training, bool):
+        raise TypeError(f"parallel: training must be a bool, got {training!r}")
+    try:
+        return machine_profile(machine)
+    except ValueError as e:
+        raise ValueError(f"parallel: {e}") from None
+
+
+def _choose(model: nn.Module, args: tuple, kwargs: dict, profile: Machine, training: bool, config: ParallelConfig
+            ) -> Ranking:
+    """``choose_mesh``'s ranking for ``model``'s first call over the default process group's
+    ranks, its top choice checked to be every rank's; with no legal mesh, every one's reason."""
+    world = default_world_size()
+    options = {f.name: getattr(config, f.name) for f in config.plan_options()}
+    ranking = choose_mesh(model, args, world, machine=profile, training=training, example_kwargs=kwargs, **options)
+    if not ranking:
+        refused = "\n".join(f"  {r}" for r in ranking.rejected)
+        raise InvalidPlan(f"parallel(auto=True): no mesh of {world} ranks is legal for {type(model).__name__} on "
+                          f"{profile.name}; each was refused:\n{refused}")
+    best = ranking[0]
+    check_every_rank_agrees("parallel(auto=True)", "the mesh chosen", (best.degrees, best.order),
+                            lambda layout: mesh_text(*layout), "choose_mesh is deterministic: were the ranks given "
+                            "different models, inputs, options or machine profiles?")
+    logger.info("parallel(auto=True): %s runs on %s of %d ranks, predicted on %s: %s (%d meshes rejected; the "
+                "instance's %s holds the ranking)", type(model).__name__, mesh_text(best.degrees, best.order), world,
+                profile.name, best.predicted, len(ranking.rejected), RANKING)
+    return ranking

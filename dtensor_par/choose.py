@@ -76,7 +76,7 @@ class MeshChoice:
         return self.predicted.traffic
 
     def __str__(self) -> str:
-        return (f"{_mesh_text(self.degrees, self.order)}: {self.predicted}; {bytes_text(self.memory.total)} per rank; "
+        return (f"{mesh_text(self.degrees, self.order)}: {self.predicted}; {bytes_text(self.memory.total)} per rank; "
                 f"{traffic_text(self.collectives)}")
 
 
@@ -87,7 +87,7 @@ class Rejection:
     reason: str
 
     def __str__(self) -> str:
-        mesh = _mesh_text(self.degrees, self.order) if self.order else _mesh_text(self.degrees, MESH_DIMS)
+        mesh = mesh_text(self.degrees, self.order) if self.order else mesh_text(self.degrees, MESH_DIMS)
         return f"{mesh}{'' if self.order else ' (every order)'}: {self.reason}"
 
 
@@ -108,7 +108,8 @@ class Ranking(list):
         return "\n".join(out)
 
 
-def _mesh_text(degrees: dict[str, int], order) -> str:
+def mesh_text(degrees: dict[str, int], order) -> str:
+    """The dims of degree above 1 in ``order``: ``ring=2 x tp=4``."""
     return " x ".join(f"{d}={degrees[d]}" for d in order if degrees[d] > 1) or "one device"
 
 

@@ -82,6 +82,13 @@ def _init_default_group(device_type: str) -> None:
     dist.init_process_group(backend)
 
 
+def default_world_size(device_type: str | None = None) -> int:
+    """The default process group's size, the group started from the torchrun environment if
+    none is (as ``init_mesh`` starts it)."""
+    _init_default_group(device_type or default_device_type())
+    return dist.get_world_size()
+
+
 def init_mesh(tp: int = 1, ring: int = 1, ulysses: int = 1, *, dp_replicate: int = 1, dp_shard: int = 1,
               device_type: str | None = None, order: tuple[str, ...] | None = None) -> DeviceMesh:
     """Build the mesh over the default process group: dims "tp", "ring", "ulysses", and
@@ -92,8 +99,7 @@ def init_mesh(tp: int = 1, ring: int = 1, ulysses: int = 1, *, dp_replicate: int
     device_type = device_type or default_device_type()
     sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "ring": ring, "ulysses": ulysses}
     order = mesh_order("init_mesh", sizes, device_type, order)
-    _init_default_group(device_type)
-    world = dist.get_world_size()
+    world = default_world_size(device_type)
     total = math.prod(sizes.values())
     if total != world:
         degrees = " x ".join(f"{n}={sizes[n]}" for n in MESH_DIMS)

@@ -5,7 +5,8 @@ rank given other inputs (its own data shard, its own noise) would compute a piec
 different problem, and every rank would silently return a different wrong result. So the
 first call of each plan exchanges a fingerprint of every input over the world and compares
 it among the ranks that must agree: all of them, or under ``batch="local"`` the ranks at the
-same data-parallel coordinate.
+same data-parallel coordinate. What each rank decides on its own and all must share (the mesh
+``parallel(auto=True)`` chooses) is compared among all ranks too (``check_every_rank_agrees``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,18 @@ def check_same_inputs(entry: str, inputs: dict[str, object], peers: list[list[in
     if differ:
         raise ValueError(f"{entry}: ranks that must be given the same inputs were given different ones "
                          f"({'; '.join(differ)}). {hint}")
+
+
+def check_every_rank_agrees(entry: str, what: str, mine, describe, hint: str) -> None:
+    """Raise, on every rank alike, unless every rank holds a ``mine`` equal to rank 0's (a
+    picklable value); the error shows each rank's, written by ``describe``."""
+    if dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if any(value != every[0] for value in every):
+        held = "; ".join(f"rank {rank}: {describe(value)}" for rank, value in enumerate(every))
+        raise RuntimeError(f"{entry}: the ranks do not agree on {what} ({held}). {hint}")
 
 
 def _every_rank(mine: torch.Tensor) -> torch.Tensor:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+from unittest import mock
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 import dtensor_par
 from tests import models
-from tests.harness import assert_every_rank_matches, compare, logged, run_ranks_together
+from dtensor_par.choose import Ranking
+from dtensor_par.sharded import sharded_state
+from tests.harness import assert_every_rank_matches, compare, logged, loss_of, max_rel, run_ranks_together
 
 def _keep(seq: int) -> torch.Tensor:
     """Key padding: the second sequence of the batch ends in 5 padding positions."""
@@ -85,3 +88,40 @@ def run_labelled_cases(world: int, runs: dict[str, dict]) -> dict:
         cases = assert_every_rank_matches([rank_results[label] for rank_results in results])
         assert set(cases) == set(run["names"]), label
     return results[0]
+
+
+AUTO = {"machine": "h100-sxm-8", "inner_backend": "aot_eager"}
+"""``parallel(auto=True)``'s arguments in ``auto_mesh``."""
+
+
+def auto_mesh(rank: int, world: int) -> dict:
+    """``parallel(auto=True)`` on a 1-layer GPT: its forward and gradients against one device,
+    the mesh it built, what it logged; then the error when rank 1 chooses another mesh."""
+    torch.manual_seed(0)
+    reference = models.GPT(layers=1)
+    model = dtensor_par.parallel(auto=True, **AUTO)(models.GPT)(layers=1)
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(2, 8, 32)
+    with logged(logging.INFO) as records:
+        out = model(x)
+    loss_of(out).backward()
+    loss_of(reference(x)).backward()
+    mesh = sharded_state(model).mesh
+    result = {"forward": (out - reference(x)).abs().max().item(),
+              "grad": max(max_rel(p.grad.full_tensor(), q.grad) for p, q in zip(model.parameters(),
+                                                                                  reference.parameters())),
+              "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "chosen": str(model.mesh_ranking[0]),
+              "logged": [r.getMessage() for r in records if "auto=True" in r.getMessage()]}
+
+    def other_on_rank_1(*args, **kwargs):
+        ranking = choose(*args, **kwargs)
+        mine = ranking[::-1] if rank == 1 else ranking
+        return Ranking(mine, ranking.rejected, ranking.machine, ranking.world_size, ranking.training)
+
+    choose = dtensor_par.api.choose_mesh
+    with mock.patch.object(dtensor_par.api, "choose_mesh", other_on_rank_1):
+        try:
+            dtensor_par.parallel(auto=True, **AUTO)(models.GPT)(layers=1)(x)
+        except RuntimeError as e:
+            result["disagreement"] = str(e)
+    return result

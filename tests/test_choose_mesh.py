@@ -22,10 +22,14 @@ from dtensor_par.pipeline import parallelize_graph
 from dtensor_par.calibrate import measure
 from tests import models
 from tests.background import in_background
-from tests.harness import run_ranks
+from tests.cases import AUTO, auto_mesh
+from tests.harness import run_ranks_together
 
-CALIBRATED = in_background(run_ranks, 2, measure, sizes=(2**10, 2**14), reps=2, matmul_size=64, attention_length=64)
-"""calibrate's measurement at world 2 in small sizes (its CLI spawns the same on its own ranks)."""
+LAUNCH = in_background(run_ranks_together, 2, {
+    "calibrate": (measure, dict(sizes=(2**10, 2**14), reps=2, matmul_size=64, attention_length=64)),
+    "auto": (auto_mesh, {})})
+"""At world 2: calibrate's measurement in small sizes (its CLI spawns the same on its own ranks),
+then ``parallel(auto=True)`` (``cases.auto_mesh``)."""
 
 RATE = 1e12  # FLOP/s
 INTRA, INTER = Link(1e9, 1e-6), Link(1e8, 1e-5)  # bytes/s, s
@@ -208,7 +212,7 @@ def test_every_legal_mesh_predicts_the_collectives_explain_lists(gpt_ranking):
 
 
 def test_calibrate_measures_a_profile_that_machine_loads_and_choose_ranks_on(tmp_path):
-    first, second = CALIBRATED.result()
+    first, second = (rank["calibrate"] for rank in LAUNCH.result())
     assert first == second  # every rank returns the slowest rank's figures
     path = str(tmp_path / "profile.json")
     Machine.from_dict(first).save(path)
@@ -250,3 +254,52 @@ def test_an_unknown_machine_name_lists_the_known_ones(capsys):
     assert main(["choose", "tests/factories.py:gpt", "--world", "2", "--machine", "h300"]) == 2
     err = capsys.readouterr().err
     assert "unknown machine 'h300'" in err and all(name in err for name in MACHINES), err
+
+
+def test_parallel_auto_builds_choose_meshs_top_choice_and_matches_one_device():
+    results = [rank["auto"] for rank in LAUNCH.result()]
+    torch.manual_seed(0)
+    best = choose_mesh(models.GPT(layers=1), (torch.randn(2, 8, 32),), 2, machine=AUTO["machine"])[0]
+    for result in results:
+        assert result["forward"] <= 1e-5 and result["grad"] <= 1e-4, result
+        assert list(result["mesh"].items()) == [(d, best.degrees[d]) for d in best.order], result
+        assert result["chosen"] == str(best)
+        (line,) = result["logged"]
+        assert f"GPT runs on {dtensor_par.choose.mesh_text(best.degrees, best.order)} of 2 ranks" in line
+        assert f"predicted on h100-sxm-8: {best.predicted}" in line and "mesh_ranking" in line
+    for rank, result in enumerate(results):  # rank 1 was handed choose_mesh's ranking reversed
+        assert result["disagreement"].startswith("parallel(auto=True): the ranks do not agree on the mesh chosen "
+                                                 "(rank 0: "), result
+        assert "; rank 1: " in result["disagreement"]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(auto=True, tp=2, machine="h100-sxm-8"), r"auto=True chooses the mesh; it cannot also be given \(tp=2\)"),
+    (dict(auto=True, machine="h300"), r"parallel: unknown machine 'h300'.*'h100-sxm-8', 'h200-8', 'trn2-48xl'"),
+    (dict(auto=True), r"auto=True needs machine=.*'h100-sxm-8'"),
+    (dict(machine="h100-sxm-8"), r"parallel: machine='h100-sxm-8' only serve auto=True"),
+    (dict(tp=2, training=False), r"parallel: training=False only serve auto=True"),
+])
+def test_parallel_auto_refuses_contradictory_arguments(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        dtensor_par.parallel(**arguments)
+
+
+def test_parallel_auto_refuses_a_given_mesh(fake_world):
+    fake_world(2)
+    with pytest.raises(ValueError, match=r"cannot also be given \(mesh=\)"):
+        dtensor_par.parallel(auto=True, machine="h100-sxm-8", mesh=dtensor_par.init_mesh(tp=2))
+
+
+def test_parallel_auto_with_no_legal_mesh_names_why_each_was_refused(fake_world):
+    """2 heads, 2 tokens, one sequence: tp and cp stop at 2 each, dp at 1, short of 8 ranks."""
+    fake_world(8)
+    model = dtensor_par.parallel(auto=True, machine="h100-sxm-8")(models.GPT)(layers=1, hidden=32, heads=2, mlp=64)
+    with pytest.raises(dtensor_par.errors.InvalidPlan) as refused:
+        model(torch.randn(1, 2, 32))
+    message = str(refused.value)
+    assert message.startswith("parallel(auto=True): no mesh of 8 ranks is legal for GPT on h100-sxm-8; each was "
+                              "refused:\n"), message
+    assert message.count("\n") == len(factorizations(8)), message
+    assert "not divisible by mesh dim 'tp'" in message and "shorter than mesh dims 'ring' x 'ulysses'" in message
+    assert "mesh_ranking" not in model.__dict__
