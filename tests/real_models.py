@@ -152,7 +152,21 @@ def qwen2_moe():
     return Qwen2MoeForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def deepseek_v3():
+    """Multi-head latent attention (q and kv through low-rank latents, a rotary key part
+    shared by every head and filled into the key slice by slice, a value head dim other
+    than the query's) and a mixture of 4 experts beside a shared one, routed by a sigmoid
+    over expert groups whose router reads the hidden states before they become tokens."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    config = DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=1, first_k_dense_replace=0, num_attention_heads=4,
+                              num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                              n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                              qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=64)
+    return DeepseekV3ForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
              "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3, "bloom": bloom,
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
-             "qwen2_moe": qwen2_moe}
+             "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3}

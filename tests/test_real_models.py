@@ -21,7 +21,7 @@ from tests import real_models  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "falcon", "mixtral", "mixtral_aux",
-            "qwen2_moe"}
+            "qwen2_moe", "deepseek_v3"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -75,13 +75,14 @@ RUNS = {
     # Bloom's attention (ALiBi by a keyword baddbmm, heads folded into the batch) is written out too: tp shards
     # its heads and the ALiBi bias with them. Falcon's fused qkv is sharded by kv group. Both once, beside
     # ulysses (CI time): Falcon's attention is SDPA, as every model's at tp2-ring2; Bloom's runs whole under cp.
+    # DeepSeek-V3: latent attention (values of another head dim, through the ring's kernels) and its experts.
     # Mixtral and Qwen2-MoE: experts split over tp, each rank's tokens dispatched on their own over cp; Mixtral's
     # load-balancing loss (graphs broken by transformers' router-logit hooks) once, beside ulysses.
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
                              names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "bloom", "falcon", "mixtral",
-                                             "mixtral_aux", "qwen2_moe"]),
+                                             "mixtral_aux", "qwen2_moe", "deepseek_v3"]),
         "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=MODELS + ["mistral_padded", "gemma2", "mixtral",
-                                                                      "qwen2_moe"])},
+                                                                      "qwen2_moe", "deepseek_v3"])},
     # Ulysses x ring beside tp: causal GQA, a window, joint attention (each model's own layers run at world 4).
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=["llama", "mistral", "flux"])},
 }
@@ -267,3 +268,25 @@ def test_experts_split_over_tp_and_dispatched_per_rank_over_cp(name, shared):
     assert all("experts per rank: 4, each whole" in s for s in graph.sites if s.startswith("moe"))
     backward = [c for c in graph.collectives if c["direction"] == "backward" and c["op"] == "all_reduce"]
     assert [c["site"] for c in backward] == [f"gradient bucket of {len(list(model.parameters()))} inputs"], backward
+
+
+@pytest.mark.parametrize("mesh", [{"tp": 2}, {"ulysses": 2}, {"tp": 2, "ring": 2}], ids=["tp2", "ulysses2", "tp2-ring2"])
+def test_latent_attention_shards_heads_and_keeps_the_latents_whole(mesh):
+    """DeepSeek-V3's multi-head latent attention: q and kv made per head from low-rank latents
+    (``q_b_proj``, ``kv_b_proj``: colwise), the latents themselves and the rotary key part every
+    head shares (``q_a_proj``, ``kv_a_proj_with_mqa``: replicated, as no head owns them), the key
+    filled slice by slice read as a concatenation; its experts, whose router reads the hidden
+    states before they are flattened to tokens, split over tp and dispatched per rank over cp.
+    No fallback gather on any mesh."""
+    torch.manual_seed(0)
+    model, args, kwargs = real_models.deepseek_v3()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, **mesh).graphs
+    assert graph.coverage.fallback_gathers == [], graph.coverage.fallback_gathers
+    attention, moe = ([s for s in graph.sites if s.startswith(kind)] for kind in ("attention", "moe"))
+    assert len(attention) == 1 and "4 heads, 4 kv heads" in attention[0], attention
+    assert "k=['model.layers.0.self_attn.kv_b_proj']" in attention[0], attention  # not the shared latent
+    assert len(moe) == 1 and "4 experts, top-2" in moe[0] and "mlp.gate'] (replicated)" in moe[0], moe
+    if "tp" in mesh:
+        (placed,) = [p for p in graph.placements if p.startswith("attention")]
+        assert placed == ("attention0: model.layers.0.self_attn.q_b_proj.weight=S(0), "
+                          "model.layers.0.self_attn.kv_b_proj.weight=S(0), model.layers.0.self_attn.o_proj.weight=S(1)")

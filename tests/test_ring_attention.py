@@ -54,6 +54,11 @@ CASES = {
                                       enable_gqa=True),
     "softcap_padded_additive_mask_zigzag": dict(softcap=2.0, real=14, zigzag=True, mask="additive", heads=4,
                                                 kv_heads=4),
+    # Values of another head dim than queries and keys (DeepSeek's latent attention): narrower, then
+    # wider (the fused kernel takes one head dim: the shorter side is padded with zeros).
+    "value_dim_6_causal_zigzag": dict(v_dim=6, is_causal=True, zigzag=True),
+    "value_dim_12_padded_additive_mask_gqa": dict(v_dim=12, real=14, zigzag=True, mask="additive", heads=4,
+                                                  kv_heads=2, enable_gqa=True),
 }
 
 _FORWARD_KERNEL = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -75,13 +80,13 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _full_inputs(heads: int, kv_heads: int, kv_seq: int) -> tuple[torch.Tensor, ...]:
+def _full_inputs(heads: int, kv_heads: int, kv_seq: int, v_dim: int) -> tuple[torch.Tensor, ...]:
     """The same full tensors on every rank."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(BATCH, heads, SEQ, HEAD_DIM, generator=gen)
     k = torch.randn(BATCH, kv_heads, kv_seq, HEAD_DIM, generator=gen)
-    v = torch.randn(BATCH, kv_heads, kv_seq, HEAD_DIM, generator=gen)
-    weights = torch.randn(BATCH, heads, SEQ, HEAD_DIM, generator=gen)
+    v = torch.randn(BATCH, kv_heads, kv_seq, v_dim, generator=gen)
+    weights = torch.randn(BATCH, heads, SEQ, v_dim, generator=gen)
     return q, k, v, weights
 
 
@@ -156,15 +161,16 @@ def _compare(world: int, attention, *, heads: int = 2, kv_heads: int = 2, kv_seq
              is_causal: bool = False, zigzag: bool = False, enable_gqa: bool = False, scale: float | None = None,
              mask: str | None = None, real: int | None = None, reversed_ring: bool = False,
              window: int | None = None, key_padding: bool = False, softcap: float | None = None,
-             count_ops: bool = True) -> dict:
+             v_dim: int = HEAD_DIM, count_ops: bool = True) -> dict:
     """Run ``attention`` on this rank's blocks; return its differences to the single-device
     SDPA forward and gradients and, if ``count_ops`` (eager only: torch.compile refuses
     dispatch modes), the kernels and rotations it ran.
 
     ``real``: only the first ``real`` positions are the sequence; the rest is padding, whose
     output rows are not compared and whose gradients must be zero. ``softcap``: soft-capped
-    scores (a score function), against the attention written out."""
-    q, k, v, weights = _full_inputs(heads, kv_heads, kv_seq)
+    scores (a score function), against the attention written out. ``v_dim``: the values' head
+    dim (latent attention's differs from the queries')."""
+    q, k, v, weights = _full_inputs(heads, kv_heads, kv_seq, v_dim)
     n, n_kv = real or SEQ, real or kv_seq
     full = [t[:, :, :length].clone().requires_grad_() for t, length in ((q, n), (k, n_kv), (v, n_kv))]
     full_mask = _mask(mask, heads, n)
@@ -324,7 +330,7 @@ def test_a_ring_of_one_runs_windows_and_key_padding_by_query_tiles(window, key_p
     (soft-capping) is applied to each tile's scores, and autograd derives its backward."""
     from dtensor_par.ops.ring_kernels import tiled_attention
 
-    q, k, v, weights = (t.requires_grad_() for t in _full_inputs(2, 2, SEQ))
+    q, k, v, weights = (t.requires_grad_() for t in _full_inputs(2, 2, SEQ, HEAD_DIM))
     n = real or SEQ
     keep = _keep(n) if key_padding else None
     attend = F.scaled_dot_product_attention if softcap is None else functools.partial(

@@ -151,6 +151,12 @@ OPS = {
                     [_t(4, 6), torch.randint(0, 4, (2, 6)), _t(2, 6)]),
     "index_add": (lambda x, i, s: torch.index_add(x, 0, i, s), [_t(4, 6), torch.tensor([3, 0, 3]), _t(3, 6)]),
     "histc": (lambda x: torch.histc(x, bins=4, min=-2, max=2), [_t(2, 4, 6)]),
+    # DeepSeek's router: expert groups masked by a scatter, the top-k weights gathered, casts by .type and .bool.
+    "scatter_value": (lambda x, i: x.scatter(1, i, 1.0), [_t(4, 6), torch.randint(0, 6, (4, 2))]),
+    "scatter_src": (lambda x, i, s: x.scatter(1, i, s), [_t(4, 6), torch.randint(0, 6, (4, 2)), _t(4, 2)]),
+    "gather": (lambda x, i: x.gather(1, i), [_t(4, 6), torch.randint(0, 6, (4, 2))]),
+    "type_cast": (lambda x: x.type(torch.float64), [_t(2, 4)]),
+    "bool_cast": (lambda x: x.bool(), [_t(2, 4)]),
 }
 
 
@@ -278,5 +284,5 @@ def test_an_in_place_scatter_that_cannot_keep_its_target_is_refused():
     x.meta["val"], index.meta["val"], rows.meta["val"] = _t(4, 6), torch.tensor([3, 0]), _t(2, 6)
     op = graph.call_method("index_add_", (x, 0, index, rows))
     op.meta["val"] = x.meta["val"]
-    with pytest.raises(NotImplementedError, match=r"adds in place along dim 0 into x \[4, 6\], which is S\(0\)"):
+    with pytest.raises(NotImplementedError, match=r"writes in place along dim 0 into x \[4, 6\], which is S\(0\)"):
         lookup(op).rule(op, [x, index, rows], [Shard(0), R, R], RuleEnv("tp", SIZE, {}, False))

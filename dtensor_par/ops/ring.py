@@ -76,7 +76,8 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     size, net = ring.size, LOWERINGS[comm]
     groups = q.shape[1] // k.shape[1]
     masked = mask is not None or key_padding is not None or window is not None
-    kv = torch.stack([k, v])
+    kv = torch.cat([k, v], -1)  # one rotation carries both (their head dims may differ: latent attention)
+    split = k.shape[-1]
     blocks = [kv] if keep_blocks else []
     out = lse = None
     for step in range(size):
@@ -87,13 +88,15 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                                        zigzag=zigzag, kv_len=kv_len, window=window)
         if block is not None:
             block_out, block_lse = block_forward(
-                part(q, block.q_rows), part(kv[0], block.kv_rows), part(kv[1], block.kv_rows), block_mask,
+                part(q, block.q_rows), part(kv[..., :split], block.kv_rows), part(kv[..., split:], block.kv_rows),
+                block_mask,
                 is_causal=block.is_causal, scale=scale, groups=groups, score_mod=score_mod)
             if out is None and every_row(block.q_rows, q.shape[-2]):
                 out, lse = block_out.float(), block_lse.float()
             else:
                 if out is None:  # a window over padded keys can leave padded query rows no key
-                    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+                    out = torch.zeros(block_out.shape[:-2] + (q.shape[-2], v.shape[-1]), dtype=torch.float32,
+                                      device=q.device)
                     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
                 out, lse = merge_block(out, lse, block.q_rows, block_out, block_lse, masked)
         if incoming is not None:
@@ -110,7 +113,8 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.T
                    kv_len: int | None, window: int | None, score_mod: ScoreMod | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq stays here, and so does this rank's share of its own key/value gradient (step 0).
-    ``blocks``: the stacked key/value block of each step, as the forward received them.
+    ``blocks``: the key/value block of each step (keys and values side by side along the last
+    dim), as the forward received them.
 
     The other ranks' shares travel in one fp32 accumulator per block: block ``r - 1``'s
     starts on rank ``r`` at step 1, each later holder adds its share and sends it on, and the
@@ -119,19 +123,20 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.T
     the same rotations in the same order, whatever its mask skips.
     """
     net = LOWERINGS[comm]
-    groups = q.shape[1] // blocks[0].shape[2]
+    groups, split = q.shape[1] // blocks[0].shape[1], q.shape[-1]
     if mask is not None or key_padding is not None or window is not None:
         # A row the mask hides entirely has output 0 and no gradient; 0 keeps its kernel finite.
         lse = lse.masked_fill(lse.isneginf(), 0.0)
     dq = None
     dkv_incoming = None  # the accumulator on its way here, from step 2 on
     for step, kv in enumerate(blocks):
-        block, block_mask = _blocks_at(step, q, kv[0], mask, key_padding, ring=ring, is_causal=is_causal,
+        block, block_mask = _blocks_at(step, q, kv, mask, key_padding, ring=ring, is_causal=is_causal,
                                        zigzag=zigzag, kv_len=kv_len, window=window)
         if block is not None:
             rows, cols = block.q_rows, block.kv_rows
             dq_block, dk_block, dv_block = block_backward(
-                part(grad_out, rows), part(q, rows), part(kv[0], cols), part(kv[1], cols), block_mask,
+                part(grad_out, rows), part(q, rows), part(kv[..., :split], cols), part(kv[..., split:], cols),
+                block_mask,
                 part(out, rows), part(lse, rows, -1), is_causal=block.is_causal, scale=scale, groups=groups,
                 score_mod=score_mod)
             dq = add_rows(dq, rows, dq_block, q.shape)
@@ -139,7 +144,7 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.T
         # later: waited only now, so its transfer overlapped this step's compute
         dkv = None if dkv_incoming is None else net.finish_rotation(dkv_incoming)
         if block is not None:
-            dkv = add_rows(dkv, cols, torch.stack([dk_block, dv_block]), kv.shape)
+            dkv = add_rows(dkv, cols, torch.cat([dk_block, dv_block], -1), kv.shape)
         if dkv is None:
             dkv = torch.zeros_like(kv, dtype=torch.float32)
         if step == 0:
@@ -149,7 +154,7 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.T
     dkv = dkv_own + net.finish_rotation(dkv_incoming)
     if dq is None:  # every block skipped (only padding here)
         dq = torch.zeros_like(q, dtype=torch.float32)
-    return dq.to(q.dtype), dkv[0].to(blocks[0].dtype), dkv[1].to(blocks[0].dtype)
+    return dq.to(q.dtype), dkv[..., :split].to(blocks[0].dtype), dkv[..., split:].to(blocks[0].dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -179,8 +184,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                   zigzag: bool, kv_len: int | None, window: int | None) -> None:
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside a ring of size {size}")
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
-        raise ValueError(f"ring_attention expects q [B, H, S, D] and k, v of one shape [B, Hkv, S, D]; "
+    if q.dim() != 4 or k.dim() != 4 or k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"ring_attention expects q [B, H, S, D], k [B, Hkv, S, D] and v [B, Hkv, S, Dv]; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     q_heads, kv_heads = q.shape[1], k.shape[1]
     if q_heads % kv_heads:

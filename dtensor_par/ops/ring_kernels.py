@@ -98,6 +98,19 @@ def _scored_block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
     return grad_scores @ k.float(), grad_scores.transpose(-2, -1) @ q.float(), probs.transpose(-2, -1) @ grad_out
 
 
+def _one_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """``q``, ``k``, ``v`` padded with zeros to one head dim, and the scale of ``q``'s own: the
+    fused kernels take no value head dim other than the query's (multi-head latent attention:
+    values of 128 against queries and keys of 192). Zeros appended change no score (q . k) and
+    add only output columns of zeros."""
+    d, dv = q.shape[-1], v.shape[-1]
+    scale = d ** -0.5 if scale is None else scale
+    if dv < d:
+        return q, k, F.pad(v, (0, d - dv)), scale
+    return F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d)), v, scale
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
                   is_causal: bool, scale: float | None, groups: int,
                   score_mod: ScoreMod | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +120,9 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     k, v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)
     if score_mod is not None:
         return _scored_block_forward(q, k, v, mask, is_causal=is_causal, scale=scale, score_mod=score_mod)
+    dv = v.shape[-1]
+    if dv != q.shape[-1]:
+        q, k, v, scale = _one_head_dim(q, k, v, scale)
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask,
                                                                     scale=scale)
@@ -114,6 +130,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, _cuda_bias(mask, q, k), True, 0.0,
                                                                       is_causal, scale=scale)
         lse = lse[..., : q.shape[-2]]
+    out = out[..., :dv]
     if mask is not None:
         visible = ~mask.isneginf()
         if is_causal:  # the kernel's causal mask hides the rest
@@ -133,6 +150,14 @@ def block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     the global ones, so the per-block gradients sum to the full-attention gradients.
     """
     k_rep, v_rep = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)
+    if score_mod is None and v.shape[-1] != q.shape[-1]:
+        qk_dim, v_dim = q.shape[-1], v.shape[-1]
+        q, k_rep, v_rep, scale = _one_head_dim(q, k_rep, v_rep, scale)
+        grad_out, out = (F.pad(x, (0, v_rep.shape[-1] - v_dim)) for x in (grad_out, out))
+        dq, dk, dv = block_backward(grad_out, q, k_rep, v_rep, mask, out, lse, is_causal=is_causal, scale=scale,
+                                    groups=1)
+        return (dq[..., :qk_dim], _sum_kv_head_grads(dk[..., :qk_dim], groups),
+                _sum_kv_head_grads(dv[..., :v_dim], groups))
     if score_mod is not None:
         dq, dk, dv = _scored_block_backward(grad_out, q, k_rep, v_rep, mask, out, lse, is_causal=is_causal,
                                             scale=scale, score_mod=score_mod)

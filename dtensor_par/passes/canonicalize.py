@@ -14,6 +14,10 @@
   ``beta * input + alpha * (a @ b)``: a matmul and an add, which have rules.
 - ``x.narrow(dim, start, length)`` becomes the slice ``x[..., start:start + length, ...]``, so
   a fused projection cut by ``narrow`` is cut part by part as by indexing.
+- A tensor made empty and then filled slice by slice along one dim (DeepSeek's multi-head
+  latent attention: ``k = kv.new_empty(...); k[..., :d].copy_(k_nope); k[..., d:].copy_(k_rot)``)
+  becomes the ``torch.cat`` of its pieces: out of place, so each piece keeps its placement
+  and the rules shard the concatenation (a write into a gathered copy would be lost).
 - With context parallelism, attention on key/value heads repeated to the query heads
   (transformers' ``repeat_kv``: ``k[:, :, None].expand(b, kv, rep, s, d).reshape(b, kv * rep,
   s, d)``, or ``k.repeat_interleave(rep, dim=1)``) becomes attention on the kv heads with
@@ -136,6 +140,75 @@ def narrow_as_slice(gm: fx.GraphModule, node: fx.Node) -> None:
     gm.graph.erase_node(node)
 
 
+_EMPTY = {"new_empty", torch.empty_like, "empty_like"}
+
+
+def _one_dim_slice(index, ndim: int) -> tuple[int, slice] | None:
+    """``(dim, slice)`` when ``index`` cuts one dim by a static unit-step slice and leaves
+    every other whole (``x[..., 2:5]``, ``x[:, :4]``); None otherwise."""
+    index = index if isinstance(index, tuple) else (index,)
+    if index.count(Ellipsis) > 1 or not all(isinstance(i, slice) or i is Ellipsis for i in index):
+        return None
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (ndim - len(index) + 1) + index[at + 1:]
+    cut = [(dim, i) for dim, i in enumerate(index) if i != slice(None)]
+    if len(index) > ndim or len(cut) != 1 or cut[0][1].step not in (None, 1) \
+            or not all(isinstance(b, int) or b is None for b in (cut[0][1].start, cut[0][1].stop)):
+        return None
+    return cut[0]
+
+
+def _slice_fills(empty: fx.Node) -> tuple[int, list[fx.Node]] | None:
+    """The dim and the ``copy_`` nodes, in slice order, that fill ``empty`` (a tensor made
+    uninitialized) along one dim: each slice copied into once, by a piece of its shape, the
+    slices covering the dim exactly, and every other reader of ``empty`` after the last copy.
+    None when it is not filled so."""
+    val = tensor_val(empty)
+    if val is None or is_symbolic(val.shape):
+        return None
+    pieces, readers = {}, []
+    for user in empty.users:
+        cut = _one_dim_slice(user.args[1], val.dim()) if user.target is operator.getitem else None
+        if cut is None:
+            readers.append(user)
+            continue
+        copies = list(user.users)
+        if len(copies) != 1 or copies[0].target != "copy_" or copies[0].args[0] is not user or copies[0].users \
+                or getattr(tensor_val(copies[0].args[1]), "shape", None) != tensor_val(user).shape:
+            return None
+        dim, (start, stop, _) = cut[0], cut[1].indices(val.shape[cut[0]])
+        pieces[(dim, start)] = (stop, copies[0])
+    dim, at, fills = next(iter(pieces), (None,))[0], 0, []
+    while (dim, at) in pieces:
+        at, copy = pieces.pop((dim, at))
+        fills.append(copy)
+    order = {n: i for i, n in enumerate(empty.graph.nodes)}
+    if not fills or pieces or at != val.shape[dim] or any(order[r] < max(map(order.get, fills)) for r in readers):
+        return None
+    return dim, fills
+
+
+def slice_fills_as_cat(gm: fx.GraphModule, empty: fx.Node) -> None:
+    """Rewrite an empty tensor filled slice by slice along one dim into the ``cat`` of its
+    pieces, placed after the last copy (so after every piece, before every reader)."""
+    found = _slice_fills(empty)
+    if found is None:
+        return
+    dim, fills = found
+    pieces = [copy.args[1] for copy in fills]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    with gm.graph.inserting_after(max(fills, key=order.get)):
+        joined = with_val(gm.graph.call_function(torch.cat, (pieces, dim)),
+                          torch.cat([tensor_val(p) for p in pieces], dim))
+    empty.replace_all_uses_with(joined, delete_user_cb=lambda user: user.target is not operator.getitem)
+    for copy in fills:
+        view = copy.args[0]
+        gm.graph.erase_node(copy)
+        gm.graph.erase_node(view)
+    gm.graph.erase_node(empty)
+
+
 def _with_new_dim_after_heads(node: fx.Node) -> fx.Node | None:
     """``x`` when ``node`` is a 4-d ``x`` with a size-1 dim inserted after its heads
     (``x[:, :, None]``, ``x.unsqueeze(2)``): a reshape (any view kind) or an index of only
@@ -223,6 +296,8 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
             add_product_as_matmul(gm, node)
     elif node.op in ("call_function", "call_method") and node.target in (operator.matmul, torch.matmul, "matmul"):
         transposed_weight_linear(gm, node, ctx)
+    elif node.op in ("call_function", "call_method") and node.target in _EMPTY:
+        slice_fills_as_cat(gm, node)
     elif op_kind(node) == "sdpa" and ctx.mesh.size("cp") > 1:
         grouped_kv_attention(gm, node)
 

@@ -87,6 +87,7 @@ class MoESite:
     up: list[fx.Node]  # grouped matmuls of the experts' up (and gate) projections
     down: list[fx.Node]
     tokens: fx.Node  # [tokens, hidden] the experts read
+    token_order: fx.Node  # the first of the tokens and the router's scores: the dispatch's rows are placed as it
     output: fx.Node  # [tokens, hidden] the experts' weighted sum per token
     region: frozenset[fx.Node]
     counts: frozenset[fx.Node]  # dispatch nodes made from a histogram of experts: shaped by experts, not tokens
@@ -154,6 +155,27 @@ def find_producers(start: fx.Node, through: set[str], ctx: ParallelContext) -> t
     return _walk_to_linears([start], _written_from, through, ctx)
 
 
+def _broadcast_over_heads(node: fx.Node) -> bool:
+    """A 4-d ``expand`` of one head to many (DeepSeek's rotary key part, shared by every head)."""
+    if op_kind(node) != "expand":
+        return False
+    src, dst = tensor_val(tensor_inputs(node)[0]), tensor_val(node)
+    return src is not None and src.dim() == dst.dim() == 4 and src.shape[1] == 1 != dst.shape[1]
+
+
+def _per_head_inputs(node: fx.Node) -> list[fx.Node]:
+    """What ``node`` is computed from head by head: ``_written_from``, but nothing past a
+    broadcast over the heads, whose source no head owns: the projection making it serves every
+    head and stays whole."""
+    return [] if _broadcast_over_heads(node) else _written_from(node)
+
+
+def find_head_projections(attention_input: fx.Node, ctx: ParallelContext) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Walk back from an attention input to the projections making its heads; return (linears,
+    nodes walked)."""
+    return _walk_to_linears([attention_input], _per_head_inputs, TO_ATTENTION, ctx)
+
+
 def find_consumers(start: fx.Node, through: set[str], ctx: ParallelContext) -> list[fx.Node]:
     """Walk forward from ``start`` through ops of the given kinds to the linears it feeds."""
     return _walk_to_linears(list(start.users), lambda n: n.users, through, ctx)[0]
@@ -192,7 +214,7 @@ def projected_heads(attention_input: fx.Node, heads: int, ctx: ParallelContext) 
     make, read off the views that split their features (None without such a view). tp shards
     them unit by unit, so each unit must group whole heads of the ``heads`` the attention reads;
     where they do not, the layout cannot be read, and ``problem`` names the views and sizes."""
-    linears, walked = find_producers(attention_input, TO_ATTENTION, ctx)
+    linears, walked = find_head_projections(attention_input, ctx)
     views = list(dict.fromkeys(v for linear in linears for v in _head_splits(linear, set(walked))))
     units = {_feature_split(v)[0] for v in views}
     if not views:
@@ -277,7 +299,7 @@ def attention_site(site_name: str, node: fx.Node, sdpa: dict, heads: tuple[int, 
     """The site of one attention call (its ``query``, ``key`` and ``value`` inputs in ``sdpa``,
     read with ``heads`` query and key heads): the projections it reads, the heads they make and
     the projections its output feeds."""
-    q, k, v = (find_producers(sdpa[name], TO_ATTENTION, ctx)[0] for name in ("query", "key", "value"))
+    q, k, v = (find_head_projections(sdpa[name], ctx)[0] for name in ("query", "key", "value"))
     layouts = {name: projected_heads(sdpa[name], heads[0], ctx) for name in ("query", "key", "value")}
     problem = next((problem for _, problem in layouts.values() if problem), None)
     kv_heads = layouts["key"][0] or heads[1]
@@ -340,10 +362,11 @@ def _per_token_output(down: fx.Node, tokens: fx.Node) -> fx.Node | None:
     return node
 
 
-def dispatch_region(tokens: fx.Node, output: fx.Node) -> frozenset[fx.Node]:
-    """The nodes computed from ``tokens`` that ``output`` is computed from, the writes into
-    them (``inv_perm[perm] = arange(n)``) and the fresh tensors written (that ``arange``)."""
-    below, stack = set(), list(tokens.users)
+def dispatch_region(sources: list[fx.Node], output: fx.Node) -> frozenset[fx.Node]:
+    """The nodes computed from ``sources`` (the tokens, and the router's choice where the
+    router reads no tokens) that ``output`` is computed from, the writes into them
+    (``inv_perm[perm] = arange(n)``) and the fresh tensors written (that ``arange``)."""
+    below, stack = set(), [user for source in sources for user in source.users]
     while stack:
         node = stack.pop()
         if node not in below:
@@ -361,6 +384,28 @@ def dispatch_region(tokens: fx.Node, output: fx.Node) -> frozenset[fx.Node]:
     return frozenset(region)
 
 
+_TO_CHOICE = kinds_in("pointwise", "views") | {"getitem", "gather"}
+"""Ops between a router's top-k and the dispatch reading its choice: the indices picked out,
+the weights gathered at them, scaled and cast."""
+
+
+def _is_topk(node: fx.Node) -> bool:
+    return node.target in (torch.topk, "topk")
+
+
+def _routing_choice(region: frozenset[fx.Node]) -> fx.Node | None:
+    """The one top-k that routes a dispatch region's tokens: inside it (the router reads the
+    tokens it dispatches), else the one it reads its choice from (DeepSeek's router reads the
+    hidden states before they are flattened to tokens); None when there is not exactly one."""
+    inside = [n for n in region if _is_topk(n)]
+    if inside:
+        return inside[0] if len(inside) == 1 else None
+    _, walked = _walk([i for n in region for i in n.all_input_nodes if i not in region],
+                      lambda n: n.all_input_nodes, _TO_CHOICE, "")
+    fed = {i for n in walked for i in n.all_input_nodes if _is_topk(i)}
+    return fed.pop() if len(fed) == 1 else None
+
+
 def moe_site(site_name: str, ups: list[fx.Node], down: fx.Node, ctx: ParallelContext) -> MoESite | None:
     """The mixture of experts around one down projection's grouped matmul, or None when it does
     not read as one (no token gather before it, no per-token sum after, no top-k router)."""
@@ -368,18 +413,23 @@ def moe_site(site_name: str, ups: list[fx.Node], down: fx.Node, ctx: ParallelCon
     output = _per_token_output(down, tokens) if tokens is not None else None
     if output is None or any(not _has_param_weight(g, ctx) for g in ups + [down]):
         return None
-    region = dispatch_region(tokens, output)
-    choices = [n for n in region if n.target in (torch.topk, "topk")]
-    if len(choices) != 1:
+    region = dispatch_region([tokens], output)
+    choice = _routing_choice(region)
+    if choice is None:
         return None
-    logits = arguments(choices[0])["input"]
+    token_order = tokens
+    if choice not in region:
+        region = dispatch_region([tokens, choice], output)
+        order = {n: i for i, n in enumerate(tokens.graph.nodes)}
+        token_order = min(tokens, arguments(choice)["input"], key=order.get)
+    logits = arguments(choice)["input"]
     routers = find_producers(logits, kinds_in("pointwise") | {"softmax"}, ctx)[0]
     if len(routers) != 1:
         return None
     counts = _computed_from(region, {n for n in region if op_kind(n) in ("histc", "bincount")}, only=True)
-    expert_order = _computed_from(region, {n for n in region if op_kind(n) == "selection" and n not in choices})
-    return MoESite(site_name, routers[0], ups, [down], tokens, output, region, counts, expert_order,
-                   tensor_val(logits).shape[-1], arguments(choices[0])["k"])
+    expert_order = _computed_from(region, {n for n in region if op_kind(n) == "selection" and n is not choice})
+    return MoESite(site_name, routers[0], ups, [down], tokens, token_order, output, region, counts, expert_order,
+                   tensor_val(logits).shape[-1], arguments(choice)["k"])
 
 
 def _computed_from(region: frozenset[fx.Node], sources: set[fx.Node], only: bool = False) -> frozenset[fx.Node]:

@@ -193,12 +193,19 @@ def _swaps_last_two_dims(node: fx.Node) -> bool:
     return {given["dim0"] % ndim, given["dim1"] % ndim} == {ndim - 2, ndim - 1}
 
 
+_CASTS = ("to", "type", "float", "double", "half", "bfloat16")
+"""Tensor methods that convert a weight's dtype as it is read (DeepSeek's router:
+``F.linear(x.type(torch.float32), self.weight.type(torch.float32))``)."""
+
+
 def weight_param(linear: fx.Node) -> tuple[fx.Node, bool]:
-    """The tensor a linear's weight is read from, and whether it is stored with its last two
-    dims swapped (``[in, out]``, read through ``t()``: GPT-2's Conv1D after canonicalize; an
-    expert weight ``[E, out, in]`` read through ``transpose(-2, -1)``)."""
+    """The tensor a linear's weight is read from (through dtype casts), and whether it is
+    stored with its last two dims swapped (``[in, out]``, read through ``t()``: GPT-2's Conv1D
+    after canonicalize; an expert weight ``[E, out, in]`` read through ``transpose(-2, -1)``)."""
     given = arguments(linear)
     weight = next(given[name] for name in _RIGHT_OPERAND if name in given)
+    while isinstance(weight, fx.Node) and weight.op == "call_method" and weight.target in _CASTS:
+        weight = weight.args[0]
     if isinstance(weight, fx.Node) and _swaps_last_two_dims(weight):
         return arguments(weight)["input"], True
     return weight, False

@@ -185,12 +185,14 @@ def token_local_sharding(node: fx.Node, site: MoESite, ins, cur, env: RuleEnv) -
     as on one device: every token's output row depends on its own row only (no capacity, no
     token dropped), so the sort, the counts and the grouped matmuls of this rank's tokens give
     its rows of the output. Each node is placed for its local size only (a shard of its
-    ``m x tokens`` rows, or whole for the experts' counts); nothing is sent inside it. What
-    leaves it (the output, the router's logits) is in token order."""
-    p = env.out_of(site.tokens)
+    ``m x tokens`` rows, or whole for the experts' counts); nothing is sent inside it. It reads
+    from outside only replicated tensors and rows placed as its tokens (the router's scores).
+    What leaves it (the output, the router's logits) is in token order."""
+    p = env.out_of(site.token_order)
     tokens = tensor_val(site.tokens).shape[0]
     for i, q in zip(ins, cur):
-        if i not in site.region and i is not site.tokens and q != R:
+        as_tokens = q == p and tensor_val(i).dim() and tensor_val(i).shape[0] == tokens
+        if i not in site.region and q != R and not as_tokens:
             raise NotSupported(f"plan: {site.name}'s dispatch node {node.name} reads {i.name}, which is {q} on mesh dim "
                                f"{env.dim!r}: a mixture of experts runs on each rank's tokens only from them and "
                                f"replicated tensors")
@@ -214,7 +216,7 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext, dispatch: dict[
     ins = tensor_inputs(node)
     cur = [env.out_of(i) for i in ins]
     site = dispatch.get(node)
-    if site is not None and env.dim != "tp" and shard_dim(env.out_of(site.tokens)) == 0:
+    if site is not None and env.dim != "tp" and shard_dim(env.out_of(site.token_order)) == 0:
         return token_local_sharding(node, site, ins, cur, env)
     if node.op == "placeholder":
         return NodeSharding(env.input_placements.get(node.name, R), ())

@@ -15,7 +15,7 @@ from ...placements import Partial, Placement, parts_of, shard_dim
 from ..meta import NodeSharding
 from ..nodes import arguments, target_name, tensor_val, writes_in_place
 from .core import R, norm_dim, replicate_all, resolve_partial
-from .registry import register
+from .registry import op_kind, register
 
 
 def _along(node: fx.Node) -> int:
@@ -47,22 +47,26 @@ def _refuse_lost_write(node: fx.Node, ins: list[fx.Node], cur: list[Placement], 
     """An in-place scatter into a shard it cannot keep would write into a gathered copy."""
     if writes_in_place(node) and cur[0] != R:
         raise NotSupported(
-            f"plan: {node.name} ({target_name(node)}) adds in place along dim {_along(node)} into {ins[0].name} "
+            f"plan: {node.name} ({target_name(node)}) writes in place along dim {_along(node)} into {ins[0].name} "
             f"{list(tensor_val(ins[0]).shape)}, which is {cur[0]} on mesh dim {env.dim!r}, with inputs "
             f"{', '.join(f'{i.name} {p}' for i, p in zip(ins, cur))}: the write cannot run on these shards; write it "
             f"out of place")
 
 
-def scatter_rule(node, ins, cur, env):
-    """``scatter_add(input, dim, index, src)`` and ``index_add(input, dim, index, source)``.
-    Partial sums stay partial (both are linear in input and the added rows). Off ``dim`` a
+def along_index_rule(node, ins, cur, env):
+    """``gather(input, dim, index)``, ``scatter(input, dim, index, src or value)`` (DeepSeek's
+    router masks its expert groups so, and picks its top-k weights), ``scatter_add(input, dim,
+    index, src)`` and ``index_add(input, dim, index, source)``: ops that read or write ``input``
+    at the positions ``index`` holds along ``dim``. Partial sums stay partial through the adds
+    (linear in input and the added rows), not through ``scatter``, which overwrites. Off ``dim`` a
     shard stays where every tensor that spans that dim does so at the same length (``index_add``'s
     1-D index stays whole); along ``dim`` the positions the index names are global, so the
     inputs are gathered (an in-place write that cannot keep its target is refused)."""
     given, along = arguments(node), _along(node)
     index = given["index"]
     values = [i for i in ins if i is not index]
-    if all(isinstance(cur[ins.index(i)], Partial) for i in values) and cur[ins.index(index)] == R:
+    if op_kind(node) == "scatter_add" and all(isinstance(cur[ins.index(i)], Partial) for i in values) \
+            and cur[ins.index(index)] == R:
         return NodeSharding(Partial(), tuple(cur))
     cur = resolve_partial(ins, cur, env)
     spanning = [i for i in ins if tensor_val(i).dim() == tensor_val(ins[0]).dim()]
@@ -102,7 +106,9 @@ def bincount_rule(node, ins, cur, env):
 register("selection", "routing", selection_rule, functions=[torch.topk, torch.sort, torch.argsort],
          methods=["topk", "sort", "argsort"])
 register("one_hot", "routing", one_hot_rule, functions=[F.one_hot])
-register("scatter_add", "routing", scatter_rule, functions=[torch.scatter_add, torch.index_add],
+register("scatter_add", "routing", along_index_rule, functions=[torch.scatter_add, torch.index_add],
          methods=["scatter_add", "scatter_add_", "index_add", "index_add_"])
+register("scatter", "routing", along_index_rule, functions=[torch.scatter], methods=["scatter", "scatter_"])
+register("gather", "routing", along_index_rule, functions=[torch.gather], methods=["gather"])
 register("histc", "routing", histc_rule, functions=[torch.histc], methods=["histc"])
 register("bincount", "routing", bincount_rule, functions=[torch.bincount], methods=["bincount"])
