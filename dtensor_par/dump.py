@@ -99,15 +99,17 @@ def experts_per_rank(site: MoESite, ctx: ParallelContext) -> str:
 
 
 def batch_line(ctx: ParallelContext) -> str | None:
-    """How the batch meets the dp dims: which inputs are cut along which dim, or that each dp
-    rank is given its own slice; None without dp."""
+    """How the batch meets the dp dims: which inputs are cut along which dim (and which of the
+    batch's size stay whole), or that each dp rank is given its own slice; None without dp."""
     if ctx.mesh.size("dp") == 1:
         return None
     dp = f"dp_replicate x dp_shard = {ctx.mesh.size('dp')}"
     if ctx.config.batch == "local":
         return f"batch: local, each of {dp} ranks given its own slice; parameter gradients averaged over dp"
     cut = ", ".join(f"{name} dim {p.dim}" for name, p in ctx.batch_placements.items())
-    return f"batch: global, cut over {dp} along {cut or 'no input (warned)'}; other inputs whole"
+    sized = (f" (of the batch's size, but no dim of theirs reaches the sites' batch: {', '.join(ctx.batch_sized_whole)})"
+             if ctx.batch_sized_whole else "")
+    return f"batch: global, cut over {dp} along {cut or 'no input (warned)'}; other inputs whole{sized}"
 
 
 def fsdp_line(ctx: ParallelContext) -> str | None:

@@ -50,6 +50,8 @@ CASES = {
     "complex_rope_pad": (models.ComplexRoPEAttention, lambda: [(torch.randn(2, 16, 32),)]),
     "qk_norm_across_heads": (models.CrossHeadQKNorm, lambda: [(torch.randn(2, 16, 32),)]),
     "flatten_tokens": (models.TokenMLP, lambda: [(torch.randn(2, 16, 32),)]),
+    # [seq, batch, hidden] beside a table of 2 rows at a batch of 2: the batch is dim 1, the table whole
+    "seq_first_table": (models.SequenceFirst, lambda: [(torch.randn(8, 2, 32), torch.randn(2, 32))]),
 }
 
 

@@ -392,3 +392,24 @@ class TokenMLP(nn.Module):
         b, s, d = x.shape
         y = self.down(F.gelu(self.up(x.reshape(-1, d)))).view(b, s, d)
         return x + torch.baddbmm(self.shift, y, self.mix.expand(b, d, d), alpha=0.5)
+
+
+class SequenceFirst(nn.Module):
+    """Megatron's ``[seq, batch, hidden]`` layout, given a table of two rows (a scale and a
+    shift, whole: its rows are no samples) beside a batch of two."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4, mlp: int = 64):
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.fc, self.fc_out = nn.Linear(hidden, mlp), nn.Linear(mlp, hidden)
+
+    def forward(self, x, table):
+        s, b, h = x.shape
+        x = x * table[0] + table[1]
+        q, k, v = (t.view(s, b, self.heads, h // self.heads).permute(1, 2, 0, 3)
+                   for t in self.qkv(self.norm(x)).chunk(3, dim=-1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.permute(2, 0, 1, 3).reshape(s, b, h))
+        return x + self.fc_out(F.gelu(self.fc(x)))

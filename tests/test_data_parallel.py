@@ -20,7 +20,7 @@ from tests.cases import run_cases
 from tests.harness import (FUNCTIONAL_OPS, assert_every_rank_matches, dp_rows, executed_collectives, max_rel,
                            run_ranks_together)
 
-GLOBAL_CASES = ["gpt_fused_qkv", "bool_mask", "joint_attention", "mean_loss"]
+GLOBAL_CASES = ["gpt_fused_qkv", "bool_mask", "joint_attention", "mean_loss", "seq_first_table"]
 
 
 def _local_batch(rank: int, world: int, *, mesh_sizes: dict, model: str) -> dict:
@@ -271,6 +271,8 @@ def test_mixed_precision_needs_the_parameters_held_by_parallelize(fake_world):
 
 
 def test_explain_names_the_batch_cut_and_the_default_order_puts_dp_outermost():
+    """The dp dims outermost; explain names the dim each input is cut along (dim 1 of a [seq,
+    batch, hidden] one), and the inputs of the batch's size that stay whole."""
     torch.manual_seed(0)
     model = models.JointBlock()
     report = dtensor_par.explain(model, (torch.randn(4, 16, 32), torch.randn(4, 8, 32)), dp_replicate=2, dp_shard=2,
@@ -282,6 +284,10 @@ def test_explain_names_the_batch_cut_and_the_default_order_puts_dp_outermost():
     assert "0 fallback gathers" in text
     svg = report.svg()
     assert "dp_replicate=1,dp_shard=1,ring=0" in svg and "same cell across panels: dp_replicate x dp_shard x ring" in svg
+    report = dtensor_par.explain(models.SequenceFirst(), (torch.randn(8, 2, 32), torch.randn(2, 32)), dp_shard=2,
+                                 device_type="cpu")
+    assert report.graphs[0].batch == ("batch: global, cut over dp_replicate x dp_shard = 2 along l_x_ dim 1; other inputs "
+                                      "whole (of the batch's size, but no dim of theirs reaches the sites' batch: l_table_)")
 
 
 def test_bad_data_parallel_input_is_named(fake_world):

@@ -11,8 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dtensor_par
+from dtensor_par.errors import InvalidPlan
+from dtensor_par.passes.batch import batch_pass
 from dtensor_par.passes.capture import capture_graphs
-from dtensor_par.pipeline import parallelize_graph
+from dtensor_par.pipeline import PASSES, parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.passes.canonicalize import canonicalize_pass
 from dtensor_par.passes.capture import capture_pass
@@ -147,6 +149,54 @@ def test_sequence_pass_shards_sequence_inputs_and_cuts_sequences_made_inside():
     assert start.target is sequence_start and [u.target for u in start.users] == [operator.add]
     _, ctx = _passes_on(models.GPTBlock(), [torch.randn(2, 16, 32)], SEQUENCE_PASSES, tp=2)
     assert ctx.sequence_placements == {}  # without cp it does nothing
+
+
+BATCH_PASSES = PASSES[:PASSES.index(batch_pass) + 1]
+
+
+class TimestepBlock(torch.nn.Module):
+    """A block modulated by a ``[batch]`` timestep, which reaches attention only through a broadcast."""
+
+    def __init__(self):
+        super().__init__()
+        self.time, self.block = torch.nn.Linear(16, 64), models.GPTBlock()
+
+    def forward(self, x, t):
+        scale, shift = self.time((t[:, None] * torch.arange(1, 17)).sin()).chunk(2, dim=-1)
+        return self.block(x * (1 + scale[:, None]) + shift[:, None])
+
+
+class SwappedAttention(torch.nn.Module):
+    """Attention along dim 1 of ``x``, then along its dim 0: both dims are batches."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = models.GPTBlock(), models.GPTBlock()
+
+    def forward(self, x):
+        return self.second(self.first(x).transpose(0, 1))
+
+
+def test_batch_pass_cuts_each_input_along_the_dim_its_batch_traces_to():
+    """The batch is traced from the sites, not guessed by size: dim 1 of a [seq, batch, hidden]
+    input, a [batch] timestep and a key-padding mask cut with it; a 2-row table beside a batch
+    of 2 whole; with the batch as long as the sequence, the token ids' dim 0."""
+    keep = torch.ones(2, 16, dtype=torch.bool)
+    cases = [(models.SequenceFirst(), [torch.randn(8, 2, 32), torch.randn(2, 32)], {"l_x_": Shard(1)}, ["l_table_"]),
+             (TimestepBlock(), [torch.randn(2, 8, 32), torch.rand(2)], {"l_x_": Shard(0), "l_t_": Shard(0)}, []),
+             (models.MaskedAttention("bool"), [torch.randn(2, 16, 32), keep], {"l_x_": Shard(0), "l_keep_": Shard(0)},
+              []),
+             (models.Llama(layers=1), [torch.randint(0, 50, (4, 4))], {"l_ids_": Shard(0)}, [])]
+    for model, inputs, cut, whole in cases:
+        _, ctx = _passes_on(model, inputs, BATCH_PASSES, dp_shard=2)
+        assert (ctx.batch_placements, ctx.batch_sized_whole) == (cut, whole), type(model).__name__
+
+
+def test_batch_pass_refuses_an_input_whose_batch_dim_cannot_be_told():
+    with pytest.raises(InvalidPlan, match=r"batch: input 'l_x_' of shape \[2, 2, 32\]: the sites' batch traces back "
+                                          r"to more than one of its dims \(dim 0 of size 2 to attention0; dim 1 of "
+                                          r"size 2 to attention1\).*batch='local'"):
+        _passes_on(SwappedAttention(), [torch.randn(2, 2, 32)], BATCH_PASSES, dp_replicate=2)
 
 
 @pytest.mark.parametrize("spelling", REPEATED_KV)

@@ -42,6 +42,7 @@ class ParallelContext:
     param_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> tp placement
     sequence_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> cp, from sequence
     batch_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> dp, from batch
+    batch_sized_whole: list[str] = field(default_factory=list)  # inputs with the batch's size whole on dp: batch
     cache_inputs: dict[str, dict[str, Placement]] = field(default_factory=dict)  # kv cache stand-in -> its cut
     cache_outputs: tuple = ()  # kv_cache.CacheOutput per output the runtime holds as a cache shard
     positions_of: dict[str, str] = field(default_factory=dict)  # input added for a held cache's positions -> it

@@ -2,10 +2,13 @@
 
 Sites decide the tp weights (Megatron: q/k/v, up and gate colwise; out and down rowwise), and
 ``sequence_pass`` the cp inputs; the rule table then carries placements through every node in
-graph order, so the plan covers the whole graph, not just the sites.
+graph order, so the plan covers the whole graph, not just the sites. ``traced_cuts`` runs the
+same rules from one seed alone, apart from the plan (``batch_pass``: which inputs hold the batch).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -239,6 +242,52 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext, dispatch: dict[
     return sharding
 
 
+def dispatch_regions(ctx: ParallelContext) -> dict[fx.Node, MoESite]:
+    """Each node of a mixture of experts' dispatch, and its mixture (``plan_node``'s ``dispatch``)."""
+    return {n: site for site in ctx.sites if isinstance(site, MoESite) for n in site.region}
+
+
+@dataclass
+class _TracedEnv(RuleEnv):
+    """A RuleEnv whose placements are held apart from the graph's plan (``traced_cuts``): a node
+    it holds none for is whole."""
+
+    traced: dict[fx.Node, Placement | tuple] = field(default_factory=dict)
+
+    def out_of(self, node: fx.Node):
+        if node in self.traced:
+            return self.traced[node]
+        val = node.meta.get("val")
+        return tuple(R for _ in val) if isinstance(val, (tuple, list)) else R
+
+
+def _cut(p) -> bool:
+    """Whether a traced placement is anything but whole."""
+    return any(map(_cut, p)) if isinstance(p, tuple) else p is not None and p != R
+
+
+def traced_cuts(gm: fx.GraphModule, ctx: ParallelContext, dim: str, seeds: dict[str, Placement]
+                ) -> dict[fx.Node, Placement | tuple]:
+    """Where ``seeds`` alone take their cuts on mesh dim ``dim``, by the rules the plan runs but
+    without planning the graph: each node they reach that is not whole, and its placement
+    (``batch_pass`` asks which inputs' cuts reach the sites' batch). A node whose rule refuses
+    the cut is taken as gathered."""
+    mesh_dim = next(d for d in ctx.mesh.plan_dims if d.name == dim)
+    env = _TracedEnv(dim, mesh_dim.size, seeds, False, mesh_dim.chunks_per_rank)
+    dispatch = dispatch_regions(ctx)
+    for node in gm.graph.nodes:
+        if node.name not in seeds and not any(i in env.traced for i in node.all_input_nodes):
+            continue
+        with at_node(f"tracing cuts on {dim!r}", node):
+            try:
+                out = plan_node(node, env, ctx, dispatch).out
+            except NotSupported:
+                out = R
+        if _cut(out):
+            env.traced[node] = out
+    return env.traced
+
+
 def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Annotate every node with its NodeSharding on each planned mesh dim (``meta.shardings``)."""
     if ctx.mesh.size("tp") > 1:
@@ -250,7 +299,7 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if tensor_val(node) is not None:
             set_global_shape(node, tuple(tensor_val(node).shape))
-    dispatch = {n: site for site in ctx.sites if isinstance(site, MoESite) for n in site.region}
+    dispatch = dispatch_regions(ctx)
     for dim in ctx.mesh.plan_dims:
         env = RuleEnv(dim.name, dim.size, seeds[dim.name], ctx.config.sequence_parallel and dim.name == "tp",
                       dim.chunks_per_rank)
