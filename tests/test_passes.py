@@ -289,6 +289,33 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
         assert sdpa["enable_gqa"] is True and (sdpa["key"], sdpa["value"]) == ("l_inputs_1_", "l_inputs_2_"), sdpa
 
 
+def _filled_key(nope, rot):
+    """DeepSeek's key: an empty tensor, its first features copied from one piece, the rest from another."""
+    key = nope.new_empty(*nope.shape[:-1], nope.shape[-1] + rot.shape[-1])
+    key[..., :nope.shape[-1]].copy_(nope)
+    key[..., nope.shape[-1]:].copy_(rot.expand(-1, nope.shape[1], -1, -1))
+    return key * 2
+
+
+def _filled_and_read_between(nope, rot):
+    """Read before it is filled: not a concatenation, left as written."""
+    key = nope.new_empty(*nope.shape[:-1], nope.shape[-1] + rot.shape[-1])
+    key[..., :nope.shape[-1]].copy_(nope)
+    early = key[..., :1].sum()
+    key[..., nope.shape[-1]:].copy_(rot.expand(-1, nope.shape[1], -1, -1))
+    return key * early
+
+
+def test_canonicalize_reads_a_tensor_filled_slice_by_slice_as_their_concatenation():
+    inputs = [torch.randn(2, 4, 6, 16), torch.randn(2, 1, 6, 8)]
+    gm, ctx = _passes_on(Spelled(_filled_key), inputs, (capture_pass, canonicalize_pass), tp=2)
+    ops = [op for op, _, _ in _canonical_form(gm)]
+    assert "cat" in ops and not {"new_tensor", "Tensor.copy_"} & set(ops), ops
+    torch.testing.assert_close(gm(*ctx.example_inputs)[0], _filled_key(*inputs))
+    gm, _ = _passes_on(Spelled(_filled_and_read_between), inputs, (capture_pass, canonicalize_pass), tp=2)
+    assert "Tensor.copy_" in [op for op, _, _ in _canonical_form(gm)]
+
+
 class TransposedWeight(torch.nn.Module):
     """Falcon's ``FalconLinear``: ``x @ self.weight.T``."""
 
