@@ -117,6 +117,15 @@ def bloom():
     return BloomForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def t5():
+    """T5's encoder: a learned relative position bias (an embedding of buckets of ``k - q``) added
+    to unscaled scores written out by hand."""
+    from transformers import T5Config, T5EncoderModel
+    config = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4,
+                      relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0)
+    return T5EncoderModel(config), (_ids(),), {"return_dict": False}
+
+
 def falcon():
     """The new decoder architecture: a fused qkv viewed as (groups, q heads per group + 2, head_dim),
     a key and value per group broadcast to its query heads; ``x @ weight.T`` projections."""
@@ -153,6 +162,6 @@ def qwen2_moe():
 
 
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
-             "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3, "bloom": bloom,
+             "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
              "qwen2_moe": qwen2_moe}
