@@ -6,7 +6,8 @@ A given mask holds this rank's query rows against every key position; each block
 columns of the keys it holds, and a row that a block's mask hides entirely weighs nothing in
 the merge. A causal window and a key-padding mask (``key_padding``, ``[B, keys]``) need no
 mask of the sequence: a block's mask covers its box alone, built from the global positions
-(and the key-padding columns it holds). A ring of one (``tiled_attention``) cuts the
+(and the key-padding columns it holds), and so does a bias built from positions
+(``ops.position_bias``), added to the mask. A ring of one (``tiled_attention``) cuts the
 sequence into query tiles the same way.
 """
 

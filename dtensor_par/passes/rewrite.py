@@ -9,8 +9,11 @@
   all-to-all, ring attention, all-to-all back) over sequence shards, with its mask, and with
   the padded keys of an uneven sequence masked. A mask built from positions (causal, a causal
   sliding window, either ANDed with a ``[B, S]`` key padding) runs as ``is_causal`` with its
-  ``window`` and ``key_padding``, without the ``S x S`` mask. Attention with dropout or a mask that needs
-  a gradient stays as it is and runs on the gathered sequence, with a warning.
+  ``window`` and ``key_padding``, without the ``S x S`` mask. A mask that is, or holds added, a
+  bias built from positions (ALiBi, T5's relative buckets: ``passes.biases``) gives it to hybrid
+  attention as its ``position_bias`` and ``bias_table``, which each ring block evaluates for
+  its own positions. Attention with dropout or another mask that needs a gradient stays as it
+  is and runs on the gathered sequence, with a warning.
 - With context parallelism, attention written out by hand becomes ``hybrid_attention`` too: what it
   does to its scores is read as a score function and a mask (``passes.scores``), the mask then as
   an SDPA mask. What does not read so runs op by op on the whole sequence, with a warning naming
@@ -369,7 +372,8 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, attention: dict
 def written_out_to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> None:
     """Attention written out by hand as hybrid attention with its score function
     (``passes.scores``); where it does not read as one, it runs op by op, with a warning."""
-    found = read_written_attention(site)
+    with guards_at(f"rewrite at {site.scores.name} (a bias built from positions, evaluated at one length)"):
+        found = read_written_attention(site)
     if isinstance(found, str):
         ctx.warn(f"{site.name} ({site.core.name}): attention written out by hand runs op by op on the whole "
                  f"sequence over cp: {found}")
