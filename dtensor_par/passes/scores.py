@@ -175,11 +175,12 @@ def _weights_problem(site: AttentionSite) -> str | None:
 
 
 def _swaps_last_two(node: fx.Node) -> bool:
-    """Whether ``node`` is ``x.transpose(-2, -1)`` of a 4-d ``x``."""
-    if op_kind(node) != "transpose" or tensor_val(node).dim() != 4:
+    """Whether ``node`` is ``x.transpose(-2, -1)`` of a 3-d or 4-d ``x``."""
+    if op_kind(node) != "transpose" or tensor_val(node).dim() not in (3, 4):
         return False
+    n = tensor_val(node).dim()
     dims = [d for name, d in arguments(node).items() if name in ("dim0", "dim1", "axis0", "axis1")]
-    return sorted(d % 4 for d in dims) == [2, 3]
+    return sorted(d % n for d in dims) == [n - 2, n - 1]
 
 
 def _unfolded(node: fx.Node) -> fx.Node | None:
@@ -200,7 +201,7 @@ def _operands(site: AttentionSite, folded: bool) -> tuple[fx.Node, fx.Node | Non
     value = tensor_inputs(site.core)[1]
     if not folded:
         return query, (tensor_inputs(key_t)[0] if _swaps_last_two(key_t) else None), key_t, value
-    key = tensor_inputs(key_t)[0] if op_kind(key_t) == "transpose" else None
+    key = tensor_inputs(key_t)[0] if _swaps_last_two(key_t) else None
     unfolded = [None if n is None else _unfolded(n) for n in (query, key, value)]
     if None in unfolded:
         return f"{site.scores.name}: q, k and v with their heads folded into the batch are views of [batch, heads, ...]"
@@ -218,6 +219,8 @@ def _bias_and_mask(added: list[tuple[fx.Node, bool]], q: torch.Tensor, k: torch.
         (masks if found is None else biases).append((node, hides) if found is None else found)
     if len(biases) > 1 or len(masks) > 1:
         return f"{added[0][0].name}: more than one mask or position bias is added to the scores"
+    if folded and masks and tensor_val(masks[0][0]).dim() == 3 and tensor_val(masks[0][0]).shape[0] > 1:
+        return f"{masks[0][0].name}: a mask of the heads folded into the batch"
     return (biases or [None])[0], (masks or [None])[0]
 
 
