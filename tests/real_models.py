@@ -118,12 +118,14 @@ def bloom():
 
 
 def t5():
-    """T5's encoder: a learned relative position bias (an embedding of buckets of ``k - q``) added
-    to unscaled scores written out by hand."""
-    from transformers import T5Config, T5EncoderModel
+    """T5 (encoder and decoder): a learned relative position bias (an embedding of buckets of
+    ``k - q``, both ways in the encoder, causal in the decoder, where it is kept by the causal
+    mask) passed as SDPA's mask to unscaled scores; cross-attention's bias is zeros."""
+    from transformers import T5Config, T5Model
     config = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4,
                       relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0)
-    return T5EncoderModel(config), (_ids(),), {"return_dict": False}
+    ids = _ids()
+    return T5Model(config), (ids,), {"decoder_input_ids": ids.flip(1), "use_cache": False, "return_dict": False}
 
 
 def falcon():

@@ -227,13 +227,15 @@ def test_soft_capped_attention_runs_as_hybrid_attention_without_a_square_mask(me
 
 
 @pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
-@pytest.mark.parametrize("name, form", [("bloom", "alibi"), ("t5", "buckets")])
-def test_position_biases_are_evaluated_per_block_without_a_square_tensor(name, form, mesh):
+@pytest.mark.parametrize("name, forms", [("bloom", ["alibi", "alibi"]), ("t5", ["buckets", "buckets", "alibi"])])
+def test_position_biases_are_evaluated_per_block_without_a_square_tensor(name, forms, mesh):
     """Under tp x cp, Bloom's ALiBi (slopes x key position, added by a keyword baddbmm to heads
     folded into the batch) and T5's relative position bias (a learned embedding of buckets of
-    k - q, passed as SDPA's mask) become hybrid attention's position bias: each ring block, or
-    Ulysses' query tile, evaluates it from its positions and its rank's heads of the table (cut
-    over tp), and the local graph holds no S x S tensor."""
+    k - q, passed as SDPA's mask; in the decoder kept where the causal mask attends) become
+    hybrid attention's position bias: each ring block, or Ulysses' query tile, evaluates it from
+    its positions and its rank's heads of the table (cut over tp), and the local graph holds no
+    S x S tensor. T5's cross-attention adds zeros: ALiBi of slope 0, never a tensor of the
+    sequences."""
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.passes.capture import capture_graphs
     from dtensor_par.pipeline import parallelize_graph
@@ -241,12 +243,15 @@ def test_position_biases_are_evaluated_per_block_without_a_square_tensor(name, f
     torch.manual_seed(0)
     model, _, kwargs = real_models.FACTORIES[name]()
     seq = 40  # no other dim of the model has this size
-    (gm, inputs), = capture_graphs(model, torch.randint(0, real_models.VOCAB, (2, seq)), **kwargs)
+    ids = torch.randint(0, real_models.VOCAB, (2, seq))
+    if "decoder_input_ids" in kwargs:
+        kwargs = {**kwargs, "decoder_input_ids": ids.flip(1)}
+    (gm, inputs), = capture_graphs(model, ids, **kwargs)
     local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning(mesh, "cpu"))
     assert not any("op by op" in w or "gathered sequence" in w for w in ctx.warnings), ctx.warnings
     attention = [n for n in local.graph.nodes if n.target is dtensor_par.ops.attention.hybrid_attention]
-    assert attention and all(n.kwargs["position_bias"].kind == form and n.kwargs["attn_mask"] is None
-                             for n in attention), [n.kwargs for n in attention]
+    assert [n.kwargs["position_bias"].kind for n in attention] == forms, [n.kwargs for n in attention]
+    assert all(n.kwargs["attn_mask"] is None for n in attention), [n.kwargs for n in attention]
     # The table's heads (its dim 1) cut over tp, whole over cp (Ulysses cuts it inside the kernel).
     assert all(shardings(n)["tp"].inputs[-1] == Shard(1) and shardings(n)["cp"].inputs[-1] == Replicate()
                for n in attention), [shardings(n) for n in attention]

@@ -283,18 +283,24 @@ def _positional(site: AttentionSite, attention: dict) -> dict:
 
 
 def _split_position_bias(attention: dict) -> FoundBias | None:
-    """A position bias an SDPA mask is, or holds added to the rest of it (T5 passes its relative
-    bias as the mask): taken out of ``attention``'s mask, which keeps the rest."""
+    """A position bias an SDPA mask is, or holds added to the rest of it, or kept where a boolean
+    mask attends (T5 passes its relative bias as the mask, its decoder's as
+    ``where(causal, bias, lowest)``): taken out of ``attention``'s mask, which keeps the rest."""
     mask = attention["attn_mask"]
     if mask is None:
         return None
     q, k = tensor_val(attention["query"]), tensor_val(attention["key"])
     sizes = q.shape[-3], q.shape[-2], k.shape[-2]
-    parts = [(mask, None)]
-    if op_kind(mask) == "add" and arguments(mask).get("alpha", 1) == 1:
-        operands = arguments(mask)["input"], arguments(mask)["other"]
+    while mask.op == "call_method" and mask.target == "contiguous":
+        mask = mask.args[0]
+    parts, given = [(mask, None)], arguments(mask) if mask.op in ("call_function", "call_method") else {}
+    if op_kind(mask) == "add" and given.get("alpha", 1) == 1:
+        operands = given["input"], given["other"]
         if all(isinstance(a, fx.Node) for a in operands):
             parts += [operands, operands[::-1]]
+    if op_kind(mask) == "where" and "condition" in given and isinstance(given["input"], fx.Node) \
+            and isinstance(given["other"], float) and given["other"] <= torch.finfo(tensor_val(mask).dtype).min:
+        parts.append((given["input"], given["condition"]))
     with guards_at(f"rewrite at {mask.name} (a bias built from positions, evaluated at one length)"):
         for part, rest in parts:
             found = position_bias(part, *sizes)
