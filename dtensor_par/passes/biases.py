@@ -121,6 +121,10 @@ def position_bias(node: fx.Node, heads: int, q_len: int, kv_len: int,
     heads folded into it (Bloom's ``[batch * heads, 1, keys]``)."""
     while op_kind(node) == "cast" and node.target == "contiguous":
         node = node.args[0]
+    shape = tuple(tensor_val(node).shape) if tensor_val(node) is not None else ()
+    per_head = shape[0] in (1, folded_batch * heads) if folded_batch is not None else shape[-3:-2] == (heads,)
+    if len(shape) < 3 or not per_head:
+        return None  # not one bias per head: nothing to evaluate (a causal mask's [B, 1, S, S])
     nodes = constant_ancestors(node)
     if nodes is None:
         return _relative_buckets(node, heads, q_len, kv_len)
