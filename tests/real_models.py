@@ -117,6 +117,17 @@ def bloom():
     return BloomForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def t5():
+    """T5 (encoder and decoder): a learned relative position bias (an embedding of buckets of
+    ``k - q``, both ways in the encoder, causal in the decoder, where it is kept by the causal
+    mask) passed as SDPA's mask to unscaled scores; cross-attention's bias is zeros."""
+    from transformers import T5Config, T5Model
+    config = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4,
+                      relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0)
+    ids = _ids()
+    return T5Model(config), (ids,), {"decoder_input_ids": ids.flip(1), "use_cache": False, "return_dict": False}
+
+
 def falcon():
     """The new decoder architecture: a fused qkv viewed as (groups, q heads per group + 2, head_dim),
     a key and value per group broadcast to its query heads; ``x @ weight.T`` projections."""
@@ -167,6 +178,6 @@ def deepseek_v3():
 
 
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
-             "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3, "bloom": bloom,
+             "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3}

@@ -19,7 +19,7 @@ from dtensor_par.mesh import MeshInfo
 from dtensor_par.passes.canonicalize import canonicalize_pass
 from dtensor_par.passes.capture import capture_pass
 from dtensor_par.passes.detect import AttentionSite, MLPSite, detect_pass
-from dtensor_par.passes.nodes import arguments, target_name, tensor_inputs
+from dtensor_par.passes.nodes import arguments, target_name, tensor_inputs, tensor_val
 from dtensor_par.passes.rewrite import gqa_repeat, rewrite_pass
 from dtensor_par.passes.rules.registry import op_kind
 from dtensor_par.passes.rules.views import sequence_start
@@ -449,3 +449,66 @@ def test_written_out_attention_on_cp_is_hybrid_attention_with_its_score_function
     assert hybrid.kwargs["score_mod"] == ScoreMod((("div", 8 ** 0.5), ("div", 5.0), ("tanh", 0.0), ("mul", 5.0)))
     assert hybrid.kwargs["is_causal"] and hybrid.kwargs["attn_mask"] is None
     assert not any(op_kind(n) == "softmax" for n in local.graph.nodes)
+
+
+class AlibiAttention(nn.Module):
+    """Attention written out with a per-head ALiBi bias ``slope * (k - q)`` built from positions,
+    computed as ``slope * distance`` (``exact``) or as ``slope * k - slope * q``, which rounds
+    otherwise: not ALiBi as ``PositionBias`` computes it, so a mask kept whole."""
+
+    def __init__(self, exact: bool):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+        self.exact = exact
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]).view(4, 1, 1) * 1.37
+        position = torch.arange(s)
+        if self.exact:
+            bias = slopes * (position[None, :] - position[:, None])
+        else:
+            bias = slopes * position[None, :] - slopes * position[:, None]
+        probs = (q @ k.transpose(-2, -1) / 8 ** 0.5 + bias).softmax(-1)
+        return self.o((probs @ v).transpose(1, 2).reshape(b, s, 32))
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_alibi_is_read_as_a_position_bias_only_where_it_is_exactly_one(exact):
+    """``slope * (k - q)`` becomes hybrid attention's position bias (its slopes a [1, heads]
+    table), with no mask of the sequence; a bias that only equals it in exact arithmetic stays
+    the attention's mask, whole."""
+    from dtensor_par.ops.attention import hybrid_attention
+    from dtensor_par.ops.position_bias import PositionBias
+    from dtensor_par.pipeline import PLANNING_PASSES
+
+    (gm, inputs), = capture_graphs(AlibiAttention(exact), torch.randn(2, 16, 32))
+    local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning({"ring": 2}, "cpu"), passes=PLANNING_PASSES)
+    (hybrid,) = [n for n in local.graph.nodes if n.target is hybrid_attention]
+    if not exact:
+        assert "position_bias" not in hybrid.kwargs and hybrid.kwargs["attn_mask"] is not None
+        return
+    assert hybrid.kwargs["position_bias"] == PositionBias("alibi_relative") and hybrid.kwargs["attn_mask"] is None
+    table = hybrid.kwargs["bias_table"]
+    assert table.target is torch.tensor and torch.equal(torch.tensor(table.args[0]),
+                                                         torch.tensor([[0.5, 0.25, 0.125, 0.0625]]) * 1.37)
+    assert not any(tuple(tensor_val(n).shape[-2:]) == (16, 16) for n in local.graph.nodes
+                   if tensor_val(n) is not None), "an S x S tensor is left in the local graph"
+
+
+def test_t5_buckets_are_read_as_runs_of_the_distance():
+    """T5's bucket of ``k - q`` (bidirectional and causal, distances past max_distance included)
+    read back from its ``[q, k]`` table as runs of the distance, every entry equal."""
+    transformers = pytest.importorskip("transformers")
+    from dtensor_par.passes.biases import _bucket_runs
+
+    bucket = transformers.models.t5.modeling_t5.T5Attention._relative_position_bucket
+    position = torch.arange(300)
+    distance = position[None, :] - position[:, None]
+    for bidirectional in (True, False):
+        buckets = bucket(distance, bidirectional=bidirectional, num_buckets=32, max_distance=128)
+        form = _bucket_runs(buckets)
+        assert form is not None and len(form.starts) <= 32
+        assert torch.equal(form.bucket_of(distance), buckets)
+    assert _bucket_runs(torch.arange(16).view(4, 4)) is None  # not a function of k - q

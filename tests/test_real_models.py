@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import dtensor_par
-from dtensor_par.passes.meta import global_shape, placements
+from dtensor_par.passes.meta import global_shape, placements, shardings
+from dtensor_par.placements import Replicate, Shard
 from tests.background import in_background
 from tests.harness import FORWARD_ATOL, GRAD_RTOL, loss_of, max_rel, run_ranks, run_ranks_together
 
@@ -20,8 +21,8 @@ pytest.importorskip("diffusers", reason="the models extra (pip install -e '.[mod
 from tests import real_models  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
-BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "falcon", "mixtral", "mixtral_aux",
-            "qwen2_moe", "deepseek_v3"}
+BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral",
+            "mixtral_aux", "qwen2_moe", "deepseek_v3"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -29,7 +30,8 @@ KV_HEADS = {"llama": 4, "qwen2": 2, "mistral": 4, "mistral_padded": 4}
 
 
 @pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
-@pytest.mark.parametrize("name", MODELS + ["mistral_padded", "phi3", "wan", "sd3", "gemma2", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", MODELS + ["mistral_padded", "phi3", "wan", "sd3", "gemma2", "bloom", "t5", "mixtral",
+                                  "qwen2_moe"])
 def test_every_block_runs_sharded_without_fallback_gathers(name, mesh):
     torch.manual_seed(0)
     model, args, kwargs = real_models.FACTORIES[name]()
@@ -72,17 +74,20 @@ RUNS = {
     # diffusers' in-graph tokens: once, on tp2-ulysses2; a window and key padding as ring blocks.
     # gemma2's attention is written out (soft-capping): tp shards its heads, cp runs it as hybrid attention with
     # its score function, at both meshes (Ulysses' ring of one, and ring blocks).
-    # Bloom's attention (ALiBi by a keyword baddbmm, heads folded into the batch) is written out too: tp shards
-    # its heads and the ALiBi bias with them. Falcon's fused qkv is sharded by kv group. Both once, beside
-    # ulysses (CI time): Falcon's attention is SDPA, as every model's at tp2-ring2; Bloom's runs whole under cp.
+    # Bloom's attention (ALiBi by a keyword baddbmm, heads folded into the batch) is written out too, T5's
+    # relative position bias a learned table passed as SDPA's mask: tp shards their heads and the bias tables'
+    # with them, cp evaluates each bias per ring block (both meshes). Falcon's fused qkv is sharded by kv group,
+    # once, beside ulysses (CI time): its attention is SDPA, as every model's at tp2-ring2.
     # DeepSeek-V3: latent attention (values of another head dim, through the ring's kernels) and its experts.
     # Mixtral and Qwen2-MoE: experts split over tp, each rank's tokens dispatched on their own over cp; Mixtral's
     # load-balancing loss (graphs broken by transformers' router-logit hooks) once, beside ulysses.
+    # GPT-2's and Qwen2's SDPA attention (no mask beyond causal) once, beside ulysses (CI time): at tp2-ring2 it
+    # is Llama's.
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
-                             names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "bloom", "falcon", "mixtral",
-                                             "mixtral_aux", "qwen2_moe", "deepseek_v3"]),
-        "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=MODELS + ["mistral_padded", "gemma2", "mixtral",
-                                                                      "qwen2_moe", "deepseek_v3"])},
+                             names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "bloom", "t5", "falcon",
+                                             "mixtral", "mixtral_aux", "qwen2_moe", "deepseek_v3"]),
+        "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=["llama", "mistral", "flux", "mistral_padded", "gemma2",
+                                                            "bloom", "t5", "mixtral", "qwen2_moe", "deepseek_v3"])},
     # Ulysses x ring beside tp: causal GQA, a window, joint attention (each model's own layers run at world 4).
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=["llama", "mistral", "flux"])},
 }
@@ -220,6 +225,39 @@ def test_soft_capped_attention_runs_as_hybrid_attention_without_a_square_mask(me
     assert [n.kwargs.get("window") for n in attention] == [12, None]
     assert all(n.kwargs["score_mod"] == soft_capping and n.kwargs["is_causal"] and n.kwargs["attn_mask"] is None
                for n in attention), [n.kwargs for n in attention]
+    shapes = [global_shape(n) or () for n in local.graph.nodes]
+    assert not any(shape[-2:] == (seq, seq) for shape in shapes), [s for s in shapes if s[-2:] == (seq, seq)]
+
+
+@pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
+@pytest.mark.parametrize("name, forms", [("bloom", ["alibi", "alibi"]), ("t5", ["buckets", "buckets", "alibi"])])
+def test_position_biases_are_evaluated_per_block_without_a_square_tensor(name, forms, mesh):
+    """Under tp x cp, Bloom's ALiBi (slopes x key position, added by a keyword baddbmm to heads
+    folded into the batch) and T5's relative position bias (a learned embedding of buckets of
+    k - q, passed as SDPA's mask; in the decoder kept where the causal mask attends) become
+    hybrid attention's position bias: each ring block, or Ulysses' query tile, evaluates it from
+    its positions and its rank's heads of the table (cut over tp), and the local graph holds no
+    S x S tensor. T5's cross-attention adds zeros: ALiBi of slope 0, never a tensor of the
+    sequences."""
+    from dtensor_par.mesh import MeshInfo
+    from dtensor_par.passes.capture import capture_graphs
+    from dtensor_par.pipeline import parallelize_graph
+
+    torch.manual_seed(0)
+    model, _, kwargs = real_models.FACTORIES[name]()
+    seq = 40  # no other dim of the model has this size
+    ids = torch.randint(0, real_models.VOCAB, (2, seq))
+    if "decoder_input_ids" in kwargs:
+        kwargs = {**kwargs, "decoder_input_ids": ids.flip(1)}
+    (gm, inputs), = capture_graphs(model, ids, **kwargs)
+    local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning(mesh, "cpu"))
+    assert not any("op by op" in w or "gathered sequence" in w for w in ctx.warnings), ctx.warnings
+    attention = [n for n in local.graph.nodes if n.target is dtensor_par.ops.attention.hybrid_attention]
+    assert [n.kwargs["position_bias"].kind for n in attention] == forms, [n.kwargs for n in attention]
+    assert all(n.kwargs["attn_mask"] is None for n in attention), [n.kwargs for n in attention]
+    # The table's heads (its dim 1) cut over tp, whole over cp (Ulysses cuts it inside the kernel).
+    assert all(shardings(n)["tp"].inputs[-1] == Shard(1) and shardings(n)["cp"].inputs[-1] == Replicate()
+               for n in attention), [shardings(n) for n in attention]
     shapes = [global_shape(n) or () for n in local.graph.nodes]
     assert not any(shape[-2:] == (seq, seq) for shape in shapes), [s for s in shapes if s[-2:] == (seq, seq)]
 

@@ -9,11 +9,13 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtensor_par.mesh import MeshDim, MeshInfo
+from dtensor_par.ops.position_bias import PositionBias
 from dtensor_par.ops.ring import ring_attention
 from dtensor_par.ops.ring_schedule import ring_step_flops
 from dtensor_par.ops.score_mod import ScoreMod
@@ -203,6 +205,49 @@ def _compare(world: int, attention, *, heads: int = 2, kv_heads: int = 2, kv_seq
     return result
 
 
+# A bias built from positions (ALiBi's slope x (k - q); T5-like buckets of k - q, a learned table)
+# evaluated per block, with causality, GQA and padding; the table's gradient summed over the ranks.
+_BUCKETS = PositionBias("buckets", (-3, -1, 0, 1, 4), (0, 1, 2, 3, 4))
+BIAS_CASES = {
+    "alibi_relative_causal_zigzag_gqa": dict(form=PositionBias("alibi_relative"), is_causal=True, zigzag=True),
+    "buckets_padded_zigzag": dict(form=_BUCKETS, real=14, zigzag=True),
+    "buckets_causal_contiguous": dict(form=_BUCKETS, is_causal=True),
+}
+
+
+def _biased(world: int, *, form: PositionBias, is_causal: bool = False, zigzag: bool = False,
+            real: int | None = None) -> dict:
+    """Ring attention with a position bias against the bias of the whole sequence, written out:
+    the forward, q/k/v's gradients and the bias table's (4 heads, 2 kv heads)."""
+    q, k, v, weights = _full_inputs(4, 2, SEQ)
+    table = torch.randn(1 if form.kind != "buckets" else 5, 4, generator=torch.Generator().manual_seed(1))
+    n = real or SEQ
+    full = [t[:, :, :n].clone().requires_grad_() for t in (q, k, v)] + [table.clone().requires_grad_()]
+    positions = torch.arange(n)
+    scores = full[0] @ full[1].repeat_interleave(2, 1).transpose(-2, -1) * HEAD_DIM ** -0.5
+    scores = scores + form.tile(full[3], positions, positions)
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    reference = scores.softmax(-1) @ full[2].repeat_interleave(2, 1)
+    (reference * weights[:, :, :n]).sum().backward()
+    grads = [F.pad(t.grad, (0, 0, 0, SEQ - n)) for t in full[:3]]
+
+    ring = _ring(world, False)
+    pos = _rank_positions(SEQ, world, ring.rank, zigzag)
+    real_rows = pos < n
+    local = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)] + [table.clone().requires_grad_()]
+    out = ring_attention(*local[:3], ring=ring, is_causal=is_causal, enable_gqa=True, zigzag=zigzag, kv_len=real,
+                         position_bias=form, table=local[3])
+    (out * weights[:, :, pos] * real_rows.view(-1, 1)).sum().backward()
+    table_grad = local[3].grad.clone()
+    dist.all_reduce(table_grad)
+    result = {"forward_abs": (out - reference[:, :, pos.clamp(max=n - 1)])[:, :, real_rows].abs().max().item(),
+              "dtable_rel": max_rel(table_grad, full[3].grad)}
+    for name, got, want in zip("qkv", local, grads):
+        result[f"d{name}_rel"] = max_rel(got.grad, want[:, :, pos])
+    return result
+
+
 def _compiled_case(rank: int, world: int) -> dict:
     """One causal zigzag GQA case under ``aot_eager``, plus the rotations AOTAutograd traces
     into the forward and backward graphs."""
@@ -219,7 +264,8 @@ def _compiled_case(rank: int, world: int) -> dict:
 
 
 def _rank_cases(rank: int, world: int, *, with_compiled: bool) -> dict:
-    results = {"eager": {name: _compare(world, ring_attention, **options) for name, options in CASES.items()}}
+    results = {"eager": {name: _compare(world, ring_attention, **options) for name, options in CASES.items()},
+               "biased": {name: _biased(world, **options) for name, options in BIAS_CASES.items()}}
     if with_compiled:
         results["compiled"] = _compiled_case(rank, world)
     return results
@@ -253,6 +299,15 @@ def test_ring_attention_matches_single_device(world):
                 # Forward: kv rotates world-1 times; backward reuses those blocks, dkv rotates world-1 times.
                 "_c10d_functional::all_to_all_single": 2 * (world - 1),
             }, (rank, name)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_with_a_position_bias_matches_single_device(world):
+    for rank, results in enumerate(LAUNCHES[world].result()):
+        assert set(results["biased"]) == set(BIAS_CASES)
+        for name, metrics in results["biased"].items():
+            _assert_close(rank, name, metrics)
+            assert metrics["dtable_rel"] <= GRAD_RTOL, (rank, name, metrics)
 
 
 def test_ring_attention_traces_under_aot_eager():

@@ -34,6 +34,7 @@ from .collectives import all_gather_partial_grad, all_to_all
 from .lowerings import FUNCTIONAL
 from .ring import ring_attention
 from .ring_kernels import as_4d
+from .position_bias import PositionBias
 from .score_mod import ScoreMod
 from .sequence_layout import zigzag_indices
 
@@ -79,10 +80,18 @@ def _mask_for_rank(mask: torch.Tensor, heads: int, padded_heads: int, ulysses_ra
     return mask
 
 
+def _heads_of_rank(table: torch.Tensor, padded_heads: int, ulysses: MeshDim) -> torch.Tensor:
+    """This ulysses rank's heads of a bias table ``[rows, heads]``: zero heads bias nothing."""
+    table = F.pad(table, (0, padded_heads - table.shape[1]))
+    per_rank = padded_heads // ulysses.size
+    return table.narrow(1, ulysses.rank * per_rank, per_rank)
+
+
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
                      is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
                      ulysses: MeshDim, ring: MeshDim, kv_len: int | None = None, window: int | None = None,
                      key_padding: torch.Tensor | None = None, score_mod: ScoreMod | None = None,
+                     position_bias: PositionBias | None = None, bias_table: torch.Tensor | None = None,
                      ulysses_impl: str = "all_to_all", comm: str = FUNCTIONAL) -> torch.Tensor:
     """This rank's sequence shard of ``scaled_dot_product_attention(q, k, v, attn_mask)`` over
     the full sequence, forward and backward.
@@ -93,7 +102,10 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_
     the sequence (``ring_attention``). ``kv_len``: the real key length when an uneven sequence
     was padded at its end to split evenly; the padded keys are masked. ``score_mod``: the score
     function of attention written out by hand (``ops.score_mod``), applied by every ring block
-    and at a ring of one to its own tile of scores. ``ulysses``, ``ring``: the layouts
+    and at a ring of one to its own tile of scores. ``position_bias``: a bias built from
+    positions (``ops.position_bias``) reading ``bias_table`` ``[rows, heads]`` (heads sharded
+    only by tp), evaluated by each ring block for the heads and positions it holds, and the
+    table's gradient this rank's share (the graph sums it over cp). ``ulysses``, ``ring``: the layouts
     of the two mesh dims; ``ulysses_impl``: one of ULYSSES_IMPLS; ``comm``: the lowering of
     the collectives (``ops.lowerings``).
     """
@@ -108,6 +120,8 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_
             padded = -(-heads // ulysses_size) * ulysses_size
             q, k, v = (F.pad(t, (0, 0, 0, 0, 0, padded - heads)) for t in (q, k, v))
         q, k, v = _seq_to_heads(q, k, v, ulysses, ulysses_impl, comm)
+        if bias_table is not None:
+            bias_table = _heads_of_rank(bias_table, padded, ulysses)
     if attn_mask is not None:
         block = q.shape[SEQ]  # this ring rank's block of (padded) query positions
         rows = (zigzag_indices(block * ring_size, ring_size, ring.rank) if ring_size > 1
@@ -115,7 +129,8 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_
         attn_mask = _mask_for_rank(attn_mask, heads, padded, ulysses.rank, ulysses_size, rows)
     out = ring_attention(q, k, v, ring=ring, comm=comm, attn_mask=attn_mask,
                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, zigzag=ring_size > 1,
-                         kv_len=kv_len, window=window, key_padding=key_padding, score_mod=score_mod)
+                         kv_len=kv_len, window=window, key_padding=key_padding, score_mod=score_mod,
+                         position_bias=position_bias, table=bias_table)
     if ulysses_size > 1:
         out = _trade(out, HEADS, SEQ, ulysses, ulysses_impl, comm)
     return out[:, :heads] if padded != heads else out

@@ -28,8 +28,10 @@ import torch.nn.functional as F
 
 from ..mesh import MeshDim
 from .lowerings import FUNCTIONAL, LOWERINGS
-from .ring_kernels import (add_rows, as_4d, as_additive, block_backward, block_forward, every_row, merge_block,
-                           part, positional_mask, repeat_kv_heads, scored_attention, slice_mask, tiled_attention)
+from .position_bias import PositionBias, TableBias
+from .ring_kernels import (add_rows, as_4d, as_additive, block_backward, block_forward, box_positions, every_row,
+                           merge_block, part, positional_mask, repeat_kv_heads, scored_attention, slice_mask,
+                           tiled_attention)
 from .ring_schedule import Block, plan_block, source_at
 from .score_mod import ScoreMod
 from .sequence_layout import count_real_keys
@@ -46,26 +48,34 @@ def _consume(result: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
 
 
 def _blocks_at(step: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
-               key_padding: torch.Tensor | None, *, ring: MeshDim, is_causal: bool, zigzag: bool,
-               kv_len: int | None, window: int | None) -> tuple[Block | None, torch.Tensor | None]:
-    """What this rank computes at ring step ``step``: the block (None: skipped) and its additive
-    mask. The same in forward and backward."""
+               key_padding: torch.Tensor | None, bias: TableBias | None, *, ring: MeshDim, is_causal: bool,
+               zigzag: bool, kv_len: int | None, window: int | None
+               ) -> tuple[Block | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """What this rank computes at ring step ``step``: the block (None: skipped), its additive
+    mask (with the bias its positions make, if any), and, with a bias, the global positions of
+    its rows and columns. The same in forward and backward."""
     rank, size, block_len = ring.rank, ring.size, k.shape[-2]
     source = source_at(step, rank, size)
     block = plan_block(rank, source, q.shape[-2], block_len, is_causal=is_causal, zigzag=zigzag,
                        real_keys=count_real_keys(source, size, block_len, kv_len, zigzag=zigzag), window=window,
                        size=size)
     if block is None:
-        return None, None
+        return None, None, None
     if mask is not None:
-        return block, slice_mask(mask, block, source, size, block_len, zigzag=zigzag)
-    box_mask = positional_mask(block, key_padding, rank=rank, source=source, size=size, block_len=block_len,
-                               zigzag=zigzag, window=window, dtype=q.dtype, device=q.device)
-    return block, box_mask
+        block_mask = slice_mask(mask, block, source, size, block_len, zigzag=zigzag)
+    else:
+        block_mask = positional_mask(block, key_padding, rank=rank, source=source, size=size, block_len=block_len,
+                                     zigzag=zigzag, window=window, dtype=q.dtype, device=q.device)
+    if bias is None:
+        return block, block_mask, None
+    positions = box_positions(block, rank=rank, source=source, size=size, block_len=block_len, zigzag=zigzag,
+                              device=q.device)
+    tile = bias.tile(*positions)
+    return block, tile if block_mask is None else block_mask + tile, positions
 
 
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  key_padding: torch.Tensor | None, *, ring: MeshDim, comm: str, is_causal: bool,
+                  key_padding: torch.Tensor | None, bias: TableBias | None, *, ring: MeshDim, comm: str, is_causal: bool,
                   scale: float | None, zigzag: bool, kv_len: int | None, window: int | None,
                   score_mod: ScoreMod | None = None, overlap: bool = True, keep_blocks: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -84,8 +94,8 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         incoming = net.start_rotation(kv, ring) if step + 1 < size else None
         if incoming is not None and not overlap:
             incoming = net.finish_rotation(incoming)
-        block, block_mask = _blocks_at(step, q, k, mask, key_padding, ring=ring, is_causal=is_causal,
-                                       zigzag=zigzag, kv_len=kv_len, window=window)
+        block, block_mask, _ = _blocks_at(step, q, k, mask, key_padding, bias, ring=ring, is_causal=is_causal,
+                                          zigzag=zigzag, kv_len=kv_len, window=window)
         if block is not None:
             block_out, block_lse = block_forward(
                 part(q, block.q_rows), part(kv[..., :split], block.kv_rows), part(kv[..., split:], block.kv_rows),
@@ -108,13 +118,16 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 
 def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.Tensor],
-                   mask: torch.Tensor | None, key_padding: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
-                   *, ring: MeshDim, comm: str, is_causal: bool, scale: float | None, zigzag: bool,
-                   kv_len: int | None, window: int | None, score_mod: ScoreMod | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   mask: torch.Tensor | None, key_padding: torch.Tensor | None, bias: TableBias | None,
+                   out: torch.Tensor, lse: torch.Tensor, *, ring: MeshDim, comm: str, is_causal: bool,
+                   scale: float | None, zigzag: bool, kv_len: int | None, window: int | None,
+                   score_mod: ScoreMod | None = None, grad_table: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq stays here, and so does this rank's share of its own key/value gradient (step 0).
     ``blocks``: the key/value block of each step (keys and values side by side along the last
-    dim), as the forward received them.
+    dim), as the forward received them. With ``grad_table``, the bias table's gradient from
+    this rank's query rows, which needs no rotation: the table is whole on every rank, and the
+    graph sums the ranks' shares.
 
     The other ranks' shares travel in one fp32 accumulator per block: block ``r - 1``'s
     starts on rank ``r`` at step 1, each later holder adds its share and sends it on, and the
@@ -127,19 +140,22 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.T
     if mask is not None or key_padding is not None or window is not None:
         # A row the mask hides entirely has output 0 and no gradient; 0 keeps its kernel finite.
         lse = lse.masked_fill(lse.isneginf(), 0.0)
-    dq = None
+    dq = dtable = None
     dkv_incoming = None  # the accumulator on its way here, from step 2 on
     for step, kv in enumerate(blocks):
-        block, block_mask = _blocks_at(step, q, kv, mask, key_padding, ring=ring, is_causal=is_causal,
-                                       zigzag=zigzag, kv_len=kv_len, window=window)
+        block, block_mask, positions = _blocks_at(step, q, kv, mask, key_padding, bias, ring=ring,
+                                                  is_causal=is_causal, zigzag=zigzag, kv_len=kv_len, window=window)
         if block is not None:
             rows, cols = block.q_rows, block.kv_rows
-            dq_block, dk_block, dv_block = block_backward(
+            dq_block, dk_block, dv_block, dmask_block = block_backward(
                 part(grad_out, rows), part(q, rows), part(kv[..., :split], cols), part(kv[..., split:], cols),
                 block_mask,
                 part(out, rows), part(lse, rows, -1), is_causal=block.is_causal, scale=scale, groups=groups,
                 score_mod=score_mod)
             dq = add_rows(dq, rows, dq_block, q.shape)
+            if grad_table:
+                share = bias.table_grad(dmask_block, *positions)
+                dtable = share if dtable is None else dtable + share
         # step 0: this rank's own share; step 1: block (rank - 1)'s accumulator starts here;
         # later: waited only now, so its transfer overlapped this step's compute
         dkv = None if dkv_incoming is None else net.finish_rotation(dkv_incoming)
@@ -154,7 +170,10 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.T
     dkv = dkv_own + net.finish_rotation(dkv_incoming)
     if dq is None:  # every block skipped (only padding here)
         dq = torch.zeros_like(q, dtype=torch.float32)
-    return dq.to(q.dtype), dkv[..., :split].to(blocks[0].dtype), dkv[..., split:].to(blocks[0].dtype)
+    if grad_table and dtable is None:
+        dtable = torch.zeros_like(bias.table, dtype=torch.float32)
+    dtable = dtable.to(bias.table.dtype) if grad_table else None
+    return dq.to(q.dtype), dkv[..., :split].to(blocks[0].dtype), dkv[..., split:].to(blocks[0].dtype), dtable
 
 
 class _RingAttention(torch.autograd.Function):
@@ -162,21 +181,24 @@ class _RingAttention(torch.autograd.Function):
     collectives (which would rebuild every block's attention matrix)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, key_padding, ring, comm, is_causal, scale, zigzag, kv_len, window, score_mod,
-                overlap, keep_blocks):
+    def forward(ctx, q, k, v, mask, key_padding, table, position_bias, ring, comm, is_causal, scale, zigzag, kv_len,
+                window, score_mod, overlap, keep_blocks):
         options = dict(ring=ring, comm=comm, is_causal=is_causal, scale=scale, zigzag=zigzag, kv_len=kv_len,
                        window=window, score_mod=score_mod)
-        out, lse, blocks = _ring_forward(q, k, v, mask, key_padding, **options, overlap=overlap,
+        bias = None if position_bias is None else TableBias(position_bias, table)
+        out, lse, blocks = _ring_forward(q, k, v, mask, key_padding, bias, **options, overlap=overlap,
                                          keep_blocks=keep_blocks)
-        ctx.save_for_backward(q, mask, key_padding, out, lse, *blocks)
-        ctx.options = options
+        ctx.save_for_backward(q, mask, key_padding, table, out, lse, *blocks)
+        ctx.options, ctx.position_bias = options, position_bias
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, mask, key_padding, out, lse, *blocks = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(grad_out, q, blocks, mask, key_padding, out, lse, **ctx.options)
-        return (dq, dk, dv) + (None,) * 12
+        q, mask, key_padding, table, out, lse, *blocks = ctx.saved_tensors
+        bias = None if ctx.position_bias is None else TableBias(ctx.position_bias, table)
+        dq, dk, dv, dtable = _ring_backward(grad_out, q, blocks, mask, key_padding, bias, out, lse, **ctx.options,
+                                            grad_table=ctx.needs_input_grad[5])
+        return (dq, dk, dv, None, None, dtable) + (None,) * 11
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -242,11 +264,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
                    attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
                    enable_gqa: bool = False, zigzag: bool = False, kv_len: int | None = None,
                    window: int | None = None, key_padding: torch.Tensor | None = None,
-                   score_mod: ScoreMod | None = None, overlap: bool = True, comm: str = FUNCTIONAL) -> torch.Tensor:
+                   score_mod: ScoreMod | None = None, position_bias: PositionBias | None = None,
+                   table: torch.Tensor | None = None, overlap: bool = True, comm: str = FUNCTIONAL) -> torch.Tensor:
     """This rank's rows of ``F.scaled_dot_product_attention`` over the full sequences, in
     forward and backward. ``overlap=False`` serializes communication and compute in the
     forward (only to measure what overlap saves). ``score_mod``: a score function applied to
     the scaled scores before the masks (attention written out by hand, ``ops.score_mod``).
+    ``position_bias``: a bias built from positions (``ops.position_bias``) and the ``table``
+    ``[rows, heads]`` it reads, added with the masks; each block evaluates its own tile, and
+    the table gets its gradient.
 
     ``ring``: the ring's layout (its groups and this rank's coordinate ``rank`` of ``size``);
     ``comm``: the lowering of its rotations (``ops.lowerings``).
@@ -263,6 +289,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
     """
     if attn_mask is not None:
         attn_mask = as_4d(attn_mask)
+    if position_bias is not None and score_mod is None:
+        score_mod = ScoreMod(())  # the scores themselves: no fused kernel adds the bias
     if isinstance(kv_len, torch.SymInt):  # only without a window or key padding: those pin the length
         attn_mask, kv_len = _hide_padded_keys(attn_mask, kv_len, k.shape[-2] * ring.size, is_causal, k.device), None
     _check_inputs(q, k, v, attn_mask, key_padding, rank=ring.rank, size=ring.size, is_causal=is_causal,
@@ -275,12 +303,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
         groups = q.shape[1] // k.shape[1]
         k, v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)
         if score_mod is not None and attn_mask is not None:
+            if position_bias is not None:
+                positions = torch.arange(q.shape[-2], device=q.device), torch.arange(k.shape[-2], device=q.device)
+                attn_mask = as_additive(attn_mask, torch.float32) + position_bias.tile(table, *positions)
             return scored_attention(q, k, v, attn_mask, is_causal=is_causal, scale=scale, score_mod=score_mod)
         if window is not None or key_padding is not None or score_mod is not None:
             return tiled_attention(q, k, v, is_causal=is_causal, window=window, key_padding=key_padding, scale=scale,
-                                   score_mod=score_mod)
+                                   score_mod=score_mod, position_bias=position_bias, table=table)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
     mask = None if attn_mask is None else as_additive(attn_mask, q.dtype)
-    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return _RingAttention.apply(q, k, v, mask, key_padding, ring, comm, is_causal, scale, zigzag, kv_len, window,
-                                score_mod, overlap, backward)
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, table) if t is not None)
+    return _RingAttention.apply(q, k, v, mask, key_padding, table, position_bias, ring, comm, is_causal, scale, zigzag,
+                                kv_len, window, score_mod, overlap, backward)

@@ -6,7 +6,8 @@ A given mask holds this rank's query rows against every key position; each block
 columns of the keys it holds, and a row that a block's mask hides entirely weighs nothing in
 the merge. A causal window and a key-padding mask (``key_padding``, ``[B, keys]``) need no
 mask of the sequence: a block's mask covers its box alone, built from the global positions
-(and the key-padding columns it holds). A ring of one (``tiled_attention``) cuts the
+(and the key-padding columns it holds), and so does a bias built from positions
+(``ops.position_bias``), added to the mask. A ring of one (``tiled_attention``) cuts the
 sequence into query tiles the same way.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .position_bias import PositionBias
 from .ring_schedule import Block
 from .score_mod import ScoreMod
 from .sequence_layout import block_positions
@@ -85,17 +87,20 @@ def _scored_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
 
 def _scored_block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, *, is_causal: bool,
-                           scale: float | None, score_mod: ScoreMod) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           scale: float | None, score_mod: ScoreMod
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``block_backward`` with a score function: the softmax's gradient by the global output
-    and log-sum-exp, through the score function's derivative (soft-capping's ``1 - tanh^2``)."""
+    and log-sum-exp, through the score function's derivative (soft-capping's ``1 - tanh^2``);
+    and the gradient of the additive mask (a bias built from positions takes its table's from it)."""
     scores, slope = modified_scores(q, k, mask, is_causal=is_causal, scale=scale, score_mod=score_mod,
                                     derivative=True)
     probs = torch.exp(scores - lse.unsqueeze(-1))
     grad_out = grad_out.float()
     grad_probs = grad_out @ v.float().transpose(-2, -1)
-    grad_scores = probs * (grad_probs - (grad_out * out.float()).sum(-1, keepdim=True)) * slope
-    grad_scores = grad_scores * (q.shape[-1] ** -0.5 if scale is None else scale)
-    return grad_scores @ k.float(), grad_scores.transpose(-2, -1) @ q.float(), probs.transpose(-2, -1) @ grad_out
+    grad_masked = probs * (grad_probs - (grad_out * out.float()).sum(-1, keepdim=True))
+    grad_scores = grad_masked * slope * (q.shape[-1] ** -0.5 if scale is None else scale)
+    return (grad_scores @ k.float(), grad_scores.transpose(-2, -1) @ q.float(),
+            probs.transpose(-2, -1) @ grad_out, grad_masked)
 
 
 def _one_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
@@ -143,8 +148,10 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 def block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, *, is_causal: bool,
                    scale: float | None, groups: int,
-                   score_mod: ScoreMod | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's exact share of dq, dk, dv.
+                   score_mod: ScoreMod | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One block's exact share of dq, dk, dv, and with a ``score_mod`` the gradient of its
+    additive mask (float32; else None).
 
     Given the *final* output and *global* log-sum-exp, the kernel's softmax probabilities are
     the global ones, so the per-block gradients sum to the full-attention gradients.
@@ -154,12 +161,13 @@ def block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         qk_dim, v_dim = q.shape[-1], v.shape[-1]
         q, k_rep, v_rep, scale = _one_head_dim(q, k_rep, v_rep, scale)
         grad_out, out = (F.pad(x, (0, v_rep.shape[-1] - v_dim)) for x in (grad_out, out))
-        dq, dk, dv = block_backward(grad_out, q, k_rep, v_rep, mask, out, lse, is_causal=is_causal, scale=scale,
-                                    groups=1)
+        dq, dk, dv, _ = block_backward(grad_out, q, k_rep, v_rep, mask, out, lse, is_causal=is_causal, scale=scale,
+                                       groups=1)
         return (dq[..., :qk_dim], _sum_kv_head_grads(dk[..., :qk_dim], groups),
-                _sum_kv_head_grads(dv[..., :v_dim], groups))
+                _sum_kv_head_grads(dv[..., :v_dim], groups), None)
+    grad_mask = None
     if score_mod is not None:
-        dq, dk, dv = _scored_block_backward(grad_out, q, k_rep, v_rep, mask, out, lse, is_causal=is_causal,
+        dq, dk, dv, grad_mask = _scored_block_backward(grad_out, q, k_rep, v_rep, mask, out, lse, is_causal=is_causal,
                                             scale=scale, score_mod=score_mod)
     elif q.device.type == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -173,7 +181,7 @@ def block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             grad_out, q, k_rep, v_rep, _cuda_bias(mask, q, k_rep), out, lse, no_rng, no_rng, 0.0,
             [True, True, True, False], is_causal, scale=scale)
-    return dq, _sum_kv_head_grads(dk, groups), _sum_kv_head_grads(dv, groups)
+    return dq, _sum_kv_head_grads(dk, groups), _sum_kv_head_grads(dv, groups), grad_mask
 
 
 def every_row(rows: slice, length: int) -> bool:
@@ -264,6 +272,14 @@ def slice_mask(mask: torch.Tensor | None, block: Block, source: int, size: int, 
     return torch.cat([first, mask.narrow(-1, (2 * size - 1 - source) * chunk, count - chunk)], dim=-1)
 
 
+def box_positions(block: Block, *, rank: int, source: int, size: int, block_len: int, zigzag: bool,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global positions of one block's query rows and key columns."""
+    rows = block_positions(rank, size, block_len, zigzag=zigzag)[block.q_rows].to(device)
+    cols = block_positions(source, size, block_len, zigzag=zigzag)[block.kv_rows].to(device)
+    return rows, cols
+
+
 def positional_mask(block: Block, key_padding: torch.Tensor | None, *, rank: int, source: int, size: int,
                     block_len: int, zigzag: bool, window: int | None, dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor | None:
@@ -273,8 +289,8 @@ def positional_mask(block: Block, key_padding: torch.Tensor | None, *, rank: int
     (``block.is_causal``) applies on top of it."""
     if not block.positional and key_padding is None:
         return None
-    rows = block_positions(rank, size, block_len, zigzag=zigzag)[block.q_rows].to(device)
-    cols = block_positions(source, size, block_len, zigzag=zigzag)[block.kv_rows].to(device)
+    rows, cols = box_positions(block, rank=rank, source=source, size=size, block_len=block_len, zigzag=zigzag,
+                               device=device)
     if not block.positional:
         rows = rows[:1]  # key padding alone: one row broadcasts to all
     return as_additive(_visible(rows, cols, causal=block.positional, window=window, key_padding=key_padding), dtype)
@@ -282,12 +298,14 @@ def positional_mask(block: Block, key_padding: torch.Tensor | None, *, rank: int
 
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, window: int | None,
                     key_padding: torch.Tensor | None, scale: float | None, score_mod: ScoreMod | None = None,
+                    position_bias: PositionBias | None = None, table: torch.Tensor | None = None,
                     tile: int = 512) -> torch.Tensor:
     """SDPA (or ``scored_attention`` with a ``score_mod``) of whole sequences (a ring of one)
     under a causal window and/or a key padding, without a mask of the sequence: each tile of
     ``tile`` query rows attends, in one call, to the keys its (causal) window reaches, with
-    the mask of that tile alone. A padded query row (past the real keys) takes the last real
-    row's keys, so none is left without a key."""
+    the mask of that tile alone, and the bias its positions make from ``table`` (with a
+    ``score_mod``). A padded query row (past the real keys) takes the last real row's keys, so
+    none is left without a key."""
     q_len, kv_len = q.shape[-2], k.shape[-2]
     out = []
     for start in range(0, q_len, tile):
@@ -298,6 +316,8 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cau
         rows = torch.arange(start, stop, device=q.device).clamp(max=kv_len - 1)
         cols = torch.arange(lo, hi, device=q.device)
         mask = _visible(rows, cols, causal=is_causal, window=window, key_padding=key_padding)
+        if position_bias is not None:
+            mask = as_additive(mask, torch.float32) + position_bias.tile(table, rows, cols)
         tiles = (q[..., start:stop, :], k[..., lo:hi, :], v[..., lo:hi, :])
         out.append(F.scaled_dot_product_attention(*tiles, attn_mask=mask, scale=scale) if score_mod is None
                    else scored_attention(*tiles, mask, is_causal=False, scale=scale, score_mod=score_mod))

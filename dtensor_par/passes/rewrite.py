@@ -9,8 +9,11 @@
   all-to-all, ring attention, all-to-all back) over sequence shards, with its mask, and with
   the padded keys of an uneven sequence masked. A mask built from positions (causal, a causal
   sliding window, either ANDed with a ``[B, S]`` key padding) runs as ``is_causal`` with its
-  ``window`` and ``key_padding``, without the ``S x S`` mask. Attention with dropout or a mask that needs
-  a gradient stays as it is and runs on the gathered sequence, with a warning.
+  ``window`` and ``key_padding``, without the ``S x S`` mask. A mask that is, or holds added, a
+  bias built from positions (ALiBi, T5's relative buckets: ``passes.biases``) gives it to hybrid
+  attention as its ``position_bias`` and ``bias_table``, which each ring block evaluates for
+  its own positions. Attention with dropout or another mask that needs a gradient stays as it
+  is and runs on the gathered sequence, with a warning.
 - With context parallelism, attention written out by hand becomes ``hybrid_attention`` too: what it
   does to its scores is read as a score function and a mask (``passes.scores``), the mask then as
   an SDPA mask. What does not read so runs op by op on the whole sequence, with a warning naming
@@ -38,6 +41,7 @@ from .detect import AttentionSite
 from .meta import Communication, set_communications, set_site_role, site_role
 from .nodes import arguments, tensor_val
 from .rules.registry import op_kind
+from .biases import FoundBias, constant_ancestors, evaluate_constant, position_bias
 from .scores import read_written_attention
 
 
@@ -134,38 +138,6 @@ def _sequence_lengths(site: AttentionSite, q, k, mesh, ctx: ParallelContext) -> 
     return {"kv_len": kv_len} if is_padded(kv_len, cp, per_rank) else {}
 
 
-def _constant_ancestors(node: fx.Node) -> list[fx.Node] | None:
-    """The nodes ``node`` is computed from, in graph order, when no graph input is among them."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        if n.op not in ("call_function", "call_method"):
-            return None
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return [n for n in node.graph.nodes if n in seen]
-
-
-def _concrete(a):
-    """An argument the subgraph can run on now: the CPU for the meta device; a symbolic size
-    at its value, which pins the plan to that value (a guard, reported by ``explain``)."""
-    if isinstance(a, torch.SymInt):
-        return int(a)
-    return torch.device("cpu") if isinstance(a, torch.device) and a.type == "meta" else a
-
-
-def _evaluate(nodes: list[fx.Node]) -> torch.Tensor:
-    """Run a constant subgraph now, on the device its constants name (the CPU for a model
-    planned on the meta device)."""
-    env: dict[fx.Node, object] = {}
-    for n in nodes:
-        args, kwargs = fx.node.map_aggregate(fx.node.map_arg((n.args, n.kwargs), env.__getitem__), _concrete)
-        env[n] = n.target(*args, **kwargs) if n.op == "call_function" else getattr(args[0], n.target)(*args[1:], **kwargs)
-    return env[nodes[-1]]
-
-
 @dataclass(frozen=True)
 class PositionalMask:
     """An attention mask found to be exactly causal, within a sliding ``window`` (query ``p``
@@ -240,11 +212,11 @@ def _key_padding_of(leaf: fx.Node, kv_len: int) -> fx.Node | None:
         return keys
     if not (isinstance(index, tuple) and len(index) == 2 and all(isinstance(i, fx.Node) for i in index)):
         return None
-    ancestors = [_constant_ancestors(i) for i in index]
+    ancestors = [constant_ancestors(i) for i in index]
     if None in ancestors:
         return None
     try:
-        rows, cols = torch.broadcast_tensors(*(_evaluate(nodes) for nodes in ancestors))
+        rows, cols = torch.broadcast_tensors(*(evaluate_constant(nodes) for nodes in ancestors))
     except RuntimeError:
         return None
     batch = val.shape[0]
@@ -265,15 +237,15 @@ def positional_mask(mask: fx.Node, q_len: int, kv_len: int) -> PositionalMask | 
     compared with the causal and window patterns; the part that depends on an input must be
     the key-padding indexing above. Recognition is exact, never a guess.
     """
-    nodes = _constant_ancestors(mask)
+    nodes = constant_ancestors(mask)
     if nodes is not None:
-        return _causal_window(_evaluate(nodes), q_len, kv_len)
+        return _causal_window(evaluate_constant(nodes), q_len, kv_len)
     leaves = _and_leaves(mask)
-    constant = [leaf for leaf in leaves if _constant_ancestors(leaf) is not None]
+    constant = [leaf for leaf in leaves if constant_ancestors(leaf) is not None]
     padding = [_key_padding_of(leaf, kv_len) for leaf in leaves if leaf not in constant]
     if len(padding) != 1 or padding[0] is None or not constant:
         return None
-    value = functools.reduce(operator.and_, torch.broadcast_tensors(*(_evaluate(_constant_ancestors(leaf))
+    value = functools.reduce(operator.and_, torch.broadcast_tensors(*(evaluate_constant(constant_ancestors(leaf))
                                                                       for leaf in constant)))
     found = _causal_window(value, q_len, kv_len)
     return None if found is None else PositionalMask(found.window, padding[0])
@@ -310,11 +282,68 @@ def _positional(site: AttentionSite, attention: dict) -> dict:
     return positional
 
 
+def _split_position_bias(attention: dict) -> FoundBias | None:
+    """A position bias an SDPA mask is, or holds added to the rest of it, or kept where a boolean
+    mask attends (T5 passes its relative bias as the mask, its decoder's as
+    ``where(causal, bias, lowest)``): taken out of ``attention``'s mask, which keeps the rest."""
+    mask = attention["attn_mask"]
+    if mask is None:
+        return None
+    q, k = tensor_val(attention["query"]), tensor_val(attention["key"])
+    sizes = q.shape[-3], q.shape[-2], k.shape[-2]
+    while mask.op == "call_method" and mask.target == "contiguous":
+        mask = mask.args[0]
+    parts, given = [(mask, None)], arguments(mask) if mask.op in ("call_function", "call_method") else {}
+    if op_kind(mask) == "add" and given.get("alpha", 1) == 1:
+        operands = given["input"], given["other"]
+        if all(isinstance(a, fx.Node) for a in operands):
+            parts += [operands, operands[::-1]]
+    if op_kind(mask) == "where" and "condition" in given and isinstance(given["input"], fx.Node) \
+            and isinstance(given["other"], float) and given["other"] <= torch.finfo(tensor_val(mask).dtype).min:
+        parts.append((given["input"], given["condition"]))
+    with guards_at(f"rewrite at {mask.name} (a bias built from positions, evaluated at one length)"):
+        for part, rest in parts:
+            found = position_bias(part, *sizes)
+            if found is not None:
+                attention["attn_mask"] = rest
+                return found
+    return None
+
+
+def _bias_kwargs(gm: fx.GraphModule, site: AttentionSite, bias: FoundBias | None, query: fx.Node) -> dict:
+    """Hybrid attention's ``position_bias`` and ``bias_table``: a constant table (ALiBi's
+    slopes) made in the graph, before the attention."""
+    if bias is None:
+        return {}
+    table = bias.table
+    if not isinstance(table, fx.Node):
+        with gm.graph.inserting_before(site.core):
+            node = gm.graph.call_function(torch.tensor, (table.tolist(),),
+                                          {"dtype": table.dtype, "device": tensor_val(query).device})
+        table = with_val(node, tensor_val(query).new_empty(table.shape, dtype=table.dtype))
+    logger.info("%s (%s): its scores' bias is %s, evaluated per ring block from positions", site.name, site.core.name,
+                bias.form.kind)
+    return {"position_bias": bias.form, "bias_table": table}
+
+
+def _refold(gm: fx.GraphModule, hybrid: fx.Node, core: fx.Node, query: fx.Node) -> fx.Node:
+    """The attention's output as its users read it: ``[batch * heads, seq, dim]`` where the heads
+    were folded into the batch (Bloom)."""
+    folded = tensor_val(core)
+    if folded.dim() != 3:
+        return hybrid
+    with_val(hybrid, folded.view(*tensor_val(query).shape[:2], *folded.shape[1:]))
+    with gm.graph.inserting_after(hybrid):
+        return with_val(gm.graph.call_method("reshape", (hybrid, *folded.shape)), folded)
+
+
 def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, attention: dict, ctx: ParallelContext,
-                        score_mod: ScoreMod | None = None) -> None:
-    """Replace the site's attention (its arguments as SDPA names them in ``attention``, and its
-    score function if written out by hand) by ``hybrid_attention`` over the cp mesh dims."""
+                        score_mod: ScoreMod | None = None, bias: FoundBias | None = None) -> None:
+    """Replace the site's attention (its arguments as SDPA names them in ``attention``, its
+    score function and bias built from positions if written out by hand) by
+    ``hybrid_attention`` over the cp mesh dims."""
     mesh, core = ctx.mesh, site.core
+    bias = bias or _split_position_bias(attention)
     reason = _gathered_reason(attention)
     if reason is not None:
         ctx.warn(f"{site.name} ({core.name}): {reason} runs on the gathered sequence (mesh dims 'ring' x 'ulysses' "
@@ -334,14 +363,14 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, attention: dict
     kwargs = {"attn_mask": attention["attn_mask"], "is_causal": attention["is_causal"], "scale": attention["scale"],
               "enable_gqa": attention["enable_gqa"], "ulysses": mesh.dims["ulysses"], "ring": mesh.dims["ring"],
               "ulysses_impl": ctx.config.ulysses_impl, **positional,
-              **({"score_mod": score_mod} if score_mod is not None else {}),
+              **({"score_mod": score_mod} if score_mod is not None else {}), **_bias_kwargs(gm, site, bias, q),
               **_sequence_lengths(site, tensor_val(q), tensor_val(k), mesh, ctx)}
     with gm.graph.inserting_before(core):
         hybrid = gm.graph.call_function(hybrid_attention, (q, k, v), kwargs)
     hybrid.meta.update(core.meta)
     set_communications(hybrid, hybrid_attention_communication(
         site, *(tensor_val(n) for n in (q, k, v)), mesh, ctx.config.ulysses_impl))
-    core.replace_all_uses_with(hybrid)
+    core.replace_all_uses_with(_refold(gm, hybrid, core, q))
     erase_unused(gm, core)  # and what only it read: a mask built from positions, written-out scores
     site.core = hybrid
 
@@ -349,7 +378,8 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, attention: dict
 def written_out_to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> None:
     """Attention written out by hand as hybrid attention with its score function
     (``passes.scores``); where it does not read as one, it runs op by op, with a warning."""
-    found = read_written_attention(site)
+    with guards_at(f"rewrite at {site.scores.name} (a bias built from positions, evaluated at one length)"):
+        found = read_written_attention(site)
     if isinstance(found, str):
         ctx.warn(f"{site.name} ({site.core.name}): attention written out by hand runs op by op on the whole "
                  f"sequence over cp: {found}")
@@ -363,7 +393,7 @@ def written_out_to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx
             mask = with_val(gm.graph.call_function(torch.logical_not, (mask,)), ~tensor_val(mask))
     attention = {"query": found.query, "key": key, "value": found.value, "attn_mask": mask,
                  "dropout_p": 0.0, "is_causal": False, "scale": 1.0, "enable_gqa": False}
-    to_hybrid_attention(gm, site, attention, ctx, found.score_mod)
+    to_hybrid_attention(gm, site, attention, ctx, found.score_mod, found.bias)
 
 
 def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:

@@ -5,7 +5,10 @@ soft-capping ``tanh(s / c) * c``, negation, float casts) become a score function
 (``ops.score_mod.ScoreMod``), which each ring block applies to its own scores; a mask applied
 last (a tensor added, a ``masked_fill`` or ``where`` of the scores with -inf or the dtype's
 lowest value) becomes the attention's mask, which rewrite then reads as it reads an SDPA mask
-(built from positions: no ``S x S`` tensor kept). Between the softmax and ``@ v``:
+(built from positions: no ``S x S`` tensor kept); a tensor added there that is a bias built
+from positions (ALiBi, T5's relative buckets: ``passes.biases``) travels as hybrid attention's
+position bias beside it. Heads folded into the batch around the scores (Bloom's
+``[batch * heads, seq, keys]``) are read unfolded. Between the softmax and ``@ v``:
 float casts and a dropout that drops nothing. Anything else is a reason, naming its node,
 why the attention stays as written.
 """
@@ -19,6 +22,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..ops.score_mod import ScoreMod
+from .biases import FoundBias, position_bias
 from .detect import AttentionSite
 from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.registry import op_kind
@@ -32,7 +36,9 @@ class WrittenAttention:
     """Hybrid attention's arguments read off attention written out by hand: ``key`` is None
     where ``q @ kT`` reads no ``key.transpose(-2, -1)`` (rewrite then transposes ``key_t``);
     ``mask`` as SDPA takes it (additive, or boolean True = attend), unless ``mask_hides``: a
-    boolean True = hidden, which rewrite inverts."""
+    boolean True = hidden, which rewrite inverts; ``bias``: a bias built from positions
+    (``passes.biases``). Where the heads are folded into the batch (Bloom's
+    ``[batch * heads, seq, dim]``), q, k and v are the 4-d tensors they were folded from."""
 
     query: fx.Node
     key: fx.Node | None
@@ -41,6 +47,7 @@ class WrittenAttention:
     score_mod: ScoreMod
     mask: fx.Node | None
     mask_hides: bool = False
+    bias: FoundBias | None = None
 
 
 def _number(a) -> bool:
@@ -106,64 +113,136 @@ def _reads(node: fx.Node, target: fx.Node) -> bool:
     return False
 
 
-def _score_function(site: AttentionSite) -> tuple[ScoreMod, tuple[fx.Node, bool] | None] | str:
-    """The score function, and the mask applied last (with whether it is True where hidden),
-    between the site's ``q @ kT`` and its softmax."""
-    steps, mask = [], None
+def _unfolds_heads(node: fx.Node) -> bool:
+    """Whether ``node`` views ``[batch * heads, q, k]`` scores as ``[batch, heads, q, k]``."""
+    if op_kind(node) != "view" or tensor_val(node).dim() != 4:
+        return False
+    before, after = tensor_val(tensor_inputs(node)[0]).shape, tensor_val(node).shape
+    return len(before) == 3 and before[0] == after[0] * after[1] and tuple(before[1:]) == tuple(after[2:])
+
+
+@dataclass
+class _Scores:
+    """What happens to the scores between ``q @ kT`` and the softmax: the score function, the
+    tensors added (or filled in) last, each with whether it is True where hidden, and whether the
+    heads are folded into the batch before (Bloom)."""
+
+    score_mod: ScoreMod
+    added: list[tuple[fx.Node, bool]]
+    folded: bool
+
+
+def _score_function(site: AttentionSite) -> _Scores | str:
+    """The steps between the site's ``q @ kT`` and its softmax: a score function, then (after
+    it, in order of application) tensors added or a mask filled in, and a view unfolding the
+    heads from the batch, anywhere."""
+    steps, added, folded = [], [], False
     node = tensor_inputs(site.softmax)[0]
     while True:
         if len(node.users) != 1:
             return f"{node.name} is read by more than the softmax"
         if node is site.scores:
-            return ScoreMod(tuple(reversed(steps))), mask
+            return _Scores(ScoreMod(tuple(reversed(steps))), added, folded)
         if node.op not in ("call_function", "call_method"):
             return f"{node.name} is no step of a score function"
-        masking = _mask_step(node, site.scores) if mask is None and not steps else None
+        if not folded and _unfolds_heads(node):
+            node, folded = tensor_inputs(node)[0], True
+            continue
+        masking = _mask_step(node, site.scores) if not steps else None
         found = _score_step(node) if masking is None else masking[:2]
         if found is None:
             return f"{node.name} ({op_kind(node) or node.target}) is no step of a score function"
         node, step = found
         if masking is not None:
-            mask = (step, masking[2])
+            added.append((step, masking[2]))
         elif step is not None:
             steps.append(step)
 
 
 def _weights_problem(site: AttentionSite) -> str | None:
-    """Why the probabilities do not reach ``@ v`` as they are (a dropout that drops something)."""
+    """Why the probabilities do not reach ``@ v`` as they are (a dropout that drops something, a
+    view other than folding the heads into the batch)."""
     if site.softmax.target not in _SOFTMAX:
         return f"{site.softmax.name} is no softmax"
     node = next(iter(site.softmax.users))
     while node is not site.core:
         given = arguments(node)
-        if op_kind(node) == "view" or (op_kind(node) == "dropout" and given["p"] and given["training"]):
+        if (op_kind(node) == "view" and _unfolded(node) is None) \
+                or (op_kind(node) == "dropout" and given["p"] and given["training"]):
             return f"{node.name} ({op_kind(node)}) between the softmax and @ v"
         node = next(iter(node.users))
     return None
 
 
 def _swaps_last_two(node: fx.Node) -> bool:
-    """Whether ``node`` is ``x.transpose(-2, -1)`` of a 4-d ``x``."""
-    if op_kind(node) != "transpose" or tensor_val(node).dim() != 4:
+    """Whether ``node`` is ``x.transpose(-2, -1)`` of a 3-d or 4-d ``x``."""
+    if op_kind(node) != "transpose" or tensor_val(node).dim() not in (3, 4):
         return False
+    n = tensor_val(node).dim()
     dims = [d for name, d in arguments(node).items() if name in ("dim0", "dim1", "axis0", "axis1")]
-    return sorted(d % 4 for d in dims) == [2, 3]
+    return sorted(d % n for d in dims) == [n - 2, n - 1]
+
+
+def _unfolded(node: fx.Node) -> fx.Node | None:
+    """The ``[batch, heads, seq, dim]`` tensor a ``[batch * heads, seq, dim]`` one is viewed from."""
+    if op_kind(node) != "view" or tensor_val(node).dim() != 3:
+        return None
+    source = tensor_inputs(node)[0]
+    before, after = tensor_val(source).shape, tensor_val(node).shape
+    folds = len(before) == 4 and before[0] * before[1] == after[0] and tuple(before[2:]) == tuple(after[1:])
+    return source if folds else None
+
+
+def _operands(site: AttentionSite, folded: bool) -> tuple[fx.Node, fx.Node | None, fx.Node, fx.Node] | str:
+    """``(query, key, kT, value)``, 4-d: where the heads are folded into the batch, the tensors
+    they were folded from (``key`` then from below the transpose); ``key`` None where ``kT`` is
+    no transpose of it."""
+    query, key_t = tensor_inputs(site.scores)
+    value = tensor_inputs(site.core)[1]
+    if not folded:
+        return query, (tensor_inputs(key_t)[0] if _swaps_last_two(key_t) else None), key_t, value
+    key = tensor_inputs(key_t)[0] if _swaps_last_two(key_t) else None
+    unfolded = [None if n is None else _unfolded(n) for n in (query, key, value)]
+    if None in unfolded:
+        return f"{site.scores.name}: q, k and v with their heads folded into the batch are views of [batch, heads, ...]"
+    return unfolded[0], unfolded[1], key_t, unfolded[2]
+
+
+def _bias_and_mask(added: list[tuple[fx.Node, bool]], q: torch.Tensor, k: torch.Tensor,
+                   folded: bool) -> tuple[FoundBias | None, tuple[fx.Node, bool] | None] | str:
+    """The tensors added to the scores as a position bias and one mask (with whether it is True
+    where hidden)."""
+    batch, heads, q_len, _ = q.shape
+    biases, masks = [], []
+    for node, hides in added:
+        found = None if hides else position_bias(node, heads, q_len, k.shape[-2], batch if folded else None)
+        (masks if found is None else biases).append((node, hides) if found is None else found)
+    if len(biases) > 1 or len(masks) > 1:
+        return f"{added[0][0].name}: more than one mask or position bias is added to the scores"
+    if folded and masks and tensor_val(masks[0][0]).dim() == 3 and tensor_val(masks[0][0]).shape[0] > 1:
+        return f"{masks[0][0].name}: a mask of the heads folded into the batch"
+    return (biases or [None])[0], (masks or [None])[0]
 
 
 def read_written_attention(site: AttentionSite) -> WrittenAttention | str:
     """The site as hybrid attention's arguments, or why it cannot run as one (naming the node)."""
-    query, key_t = tensor_inputs(site.scores)
-    value = tensor_inputs(site.core)[1]
-    q, k_t, v, out = (tensor_val(n) for n in (query, key_t, value, site.core))
+    found = _weights_problem(site) or _score_function(site)
+    if isinstance(found, str):
+        return found
+    operands = _operands(site, found.folded)
+    if isinstance(operands, str):
+        return operands
+    query, key, key_t, value = operands
+    q, v, out = (tensor_val(n) for n in (query, value, site.core))
+    k_t = tensor_val(key_t) if key is None else tensor_val(key).transpose(-2, -1)
     if any(t.dim() != 4 for t in (q, k_t, v)) or len({t.dtype for t in (q, k_t, v, out)}) != 1 \
             or (*k_t.shape[:2], k_t.shape[3], k_t.shape[2]) != tuple(v.shape):
         return (f"{site.scores.name}: [batch, heads, seq, head_dim] q, k and v of one dtype and shape are needed; "
                 f"got q {list(q.shape)} {q.dtype}, kT {list(k_t.shape)}, v {list(v.shape)} {v.dtype}")
-    found = _weights_problem(site) or _score_function(site)
-    if isinstance(found, str):
-        return found
-    score_mod, (mask, hides) = found[0], found[1] or (None, False)
+    read = _bias_and_mask(found.added, q, k_t.transpose(-2, -1), found.folded)
+    if isinstance(read, str):
+        return read
+    bias, (mask, hides) = read[0], read[1] or (None, False)
     if mask is not None and mask.meta["requires_grad"]:
         return f"{mask.name}: a mask that needs a gradient (a learned bias)"
-    key = tensor_inputs(key_t)[0] if _swaps_last_two(key_t) else None
-    return WrittenAttention(query, key, key_t, value, score_mod, mask, hides)
+    return WrittenAttention(query, key, key_t, value, found.score_mod, mask, hides, bias)

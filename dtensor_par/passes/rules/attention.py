@@ -21,7 +21,8 @@ from .registry import register
 def sdpa_rule(node, ins, cur, env):
     """Attention is independent per batch entry and per head: shard either, gather the rest.
     A mask broadcasts against the scores from the right; hybrid attention's key padding is
-    ``[B|1, keys]``, its batch on dim 0 and no heads."""
+    ``[B|1, keys]``, its batch on dim 0 and no heads; its bias table ``[rows, heads]`` has the
+    heads on dim 1 and no batch."""
     cur = resolve_partial(ins, cur, env)
     q_val = tensor_val(ins[0])
     nd = q_val.dim()
@@ -29,12 +30,15 @@ def sdpa_rule(node, ins, cur, env):
     chosen = next((p for p in cur[:3] if isinstance(p, Shard) and p.dim in batch_like), None)
     if chosen is None:
         return replicate_all(node, ins, cur, "attention sharded along the sequence or head dim")
-    key_padding = arguments(node).get("key_padding")
+    given = arguments(node)
+    key_padding, bias_table = given.get("key_padding"), given.get("bias_table")
     expected = []
     for i in ins:
         val = tensor_val(i)
         if i is key_padding:
             d = 0 if chosen.dim == 0 else None
+        elif i is bias_table:
+            d = 1 if chosen.dim == nd - 3 else None
         else:
             d = chosen.dim - (nd - val.dim())
         broadcast = d is None or d < 0 or val.shape[d] == 1
