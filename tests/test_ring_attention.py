@@ -82,7 +82,7 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _full_inputs(heads: int, kv_heads: int, kv_seq: int, v_dim: int) -> tuple[torch.Tensor, ...]:
+def _full_inputs(heads: int, kv_heads: int, kv_seq: int, v_dim: int = HEAD_DIM) -> tuple[torch.Tensor, ...]:
     """The same full tensors on every rank."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(BATCH, heads, SEQ, HEAD_DIM, generator=gen)
@@ -385,7 +385,7 @@ def test_a_ring_of_one_runs_windows_and_key_padding_by_query_tiles(window, key_p
     (soft-capping) is applied to each tile's scores, and autograd derives its backward."""
     from dtensor_par.ops.ring_kernels import tiled_attention
 
-    q, k, v, weights = (t.requires_grad_() for t in _full_inputs(2, 2, SEQ, HEAD_DIM))
+    q, k, v, weights = (t.requires_grad_() for t in _full_inputs(2, 2, SEQ))
     n = real or SEQ
     keep = _keep(n) if key_padding else None
     attend = F.scaled_dot_product_attention if softcap is None else functools.partial(

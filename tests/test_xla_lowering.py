@@ -176,7 +176,7 @@ class TestXlaLoweredBlockGolden(GoldenTestCase):
 forward:
 all_to_all [2, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
 all_to_all [2, 2, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
-collective_permute [2, 2, 2, 8, 8] pairs=[[0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]
+collective_permute [2, 2, 8, 16] pairs=[[0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]
 all_to_all [2, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
 all_reduce [2, 4, 64] scale=1.0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
 all_reduce [2, 4, 64] scale=1.0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
@@ -184,7 +184,7 @@ all_gather [1, 2, 4, 64] dim=0 groups=[[0, 1, 4, 5], [2, 3, 6, 7]] pin_layout=Fa
 backward:
 all_reduce [2, 4, 64] scale=1.0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
 all_to_all [2, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
-collective_permute [2, 2, 2, 8, 8] pairs=[[0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]
+collective_permute [2, 2, 8, 16] pairs=[[0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]
 all_to_all [2, 2, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
 all_to_all [2, 2, 2, 4, 8] split_dimension=0 concat_dimension=0 split_count=2 groups=[[0, 1], [2, 3], [4, 5], [6, 7]] pin_layout=False
 all_reduce [2, 4, 64] scale=1.0 groups=[[0, 2], [1, 3], [4, 6], [5, 7]] pin_layout=False
