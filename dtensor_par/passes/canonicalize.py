@@ -159,11 +159,11 @@ def _one_dim_slice(index, ndim: int) -> tuple[int, slice] | None:
     return cut[0]
 
 
-def _slice_fills(empty: fx.Node) -> tuple[int, list[fx.Node]] | None:
-    """The dim and the ``copy_`` nodes, in slice order, that fill ``empty`` (a tensor made
-    uninitialized) along one dim: each slice copied into once, by a piece of its shape, the
-    slices covering the dim exactly, and every other reader of ``empty`` after the last copy.
-    None when it is not filled so."""
+def _slice_fills(empty: fx.Node) -> tuple[int, list[fx.Node], fx.Node] | None:
+    """The dim, the ``copy_`` nodes in slice order and the last of them in graph order, that
+    fill ``empty`` (a tensor made uninitialized) along one dim: each slice copied into once, by
+    a piece of its shape, the slices covering the dim exactly, and every other reader of
+    ``empty`` after the last copy. None when it is not filled so."""
     val = tensor_val(empty)
     if val is None or is_symbolic(val.shape):
         return None
@@ -179,14 +179,18 @@ def _slice_fills(empty: fx.Node) -> tuple[int, list[fx.Node]] | None:
             return None
         dim, (start, stop, _) = cut[0], cut[1].indices(val.shape[cut[0]])
         pieces[(dim, start)] = (stop, copies[0])
-    dim, at, fills = next(iter(pieces), (None,))[0], 0, []
+    dims = {dim for dim, _ in pieces}
+    if len(dims) != 1:
+        return None
+    dim, at, fills = dims.pop(), 0, []
     while (dim, at) in pieces:
         at, copy = pieces.pop((dim, at))
         fills.append(copy)
     order = {n: i for i, n in enumerate(empty.graph.nodes)}
-    if not fills or pieces or at != val.shape[dim] or any(order[r] < max(map(order.get, fills)) for r in readers):
+    last = max(fills, key=order.get) if fills else None
+    if last is None or pieces or at != val.shape[dim] or any(order[r] < order[last] for r in readers):
         return None
-    return dim, fills
+    return dim, fills, last
 
 
 def slice_fills_as_cat(gm: fx.GraphModule, empty: fx.Node) -> None:
@@ -195,10 +199,9 @@ def slice_fills_as_cat(gm: fx.GraphModule, empty: fx.Node) -> None:
     found = _slice_fills(empty)
     if found is None:
         return
-    dim, fills = found
+    dim, fills, last = found
     pieces = [copy.args[1] for copy in fills]
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    with gm.graph.inserting_after(max(fills, key=order.get)):
+    with gm.graph.inserting_after(last):
         joined = with_val(gm.graph.call_function(torch.cat, (pieces, dim)),
                           torch.cat([tensor_val(p) for p in pieces], dim))
     empty.replace_all_uses_with(joined, delete_user_cb=lambda user: user.target is not operator.getitem)

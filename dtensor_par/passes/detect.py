@@ -80,7 +80,8 @@ class MoESite:
     """A mixture of experts: a router's top-k choice per token, the tokens sorted by expert
     through grouped matmuls (each expert's up and gate, then down projection) and their
     outputs weighted and summed back per token. ``region``: the dispatch, every node computed
-    from the tokens on the way to ``output``, which maps each token's row to its own row."""
+    from the tokens (and from the router's choice, where the router reads no tokens) on the way
+    to ``output``, which maps each token's row to its own row."""
 
     name: str
     router: fx.Node  # the router's linear: its logits
