@@ -1,7 +1,10 @@
 """Real models as users have them (transformers, diffusers), built from small configs: no downloads.
 
 Each factory returns ``(model, args, kwargs)``; the model's first output is compared.
-Dropout is off so a parallel run can equal one device exactly.
+Dropout is off so a parallel run can equal one device exactly. One decoder layer, unless the
+model's layers differ (Gemma2's sliding and global ones, SD3's last joint block, which keeps no
+text) or the seam between two is what is checked (Llama): Dynamo's trace of each rank, most of a
+launch's time, grows with the layers.
 """
 
 from __future__ import annotations
@@ -35,21 +38,21 @@ def gemma2():
 
 def gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
-    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=8, n_positions=64, attn_pdrop=0.0,
+    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=8, n_positions=64, attn_pdrop=0.0,
                         resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
 def qwen2():
     from transformers import Qwen2Config, Qwen2Model
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=8, num_key_value_heads=2)
     return Qwen2Model(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
 def mistral():
     from transformers import MistralConfig, MistralModel
-    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                            num_attention_heads=8, num_key_value_heads=4, sliding_window=12, eos_token_id=0)
     return MistralModel(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
@@ -80,7 +83,7 @@ def flux():
 def phi3():
     """A fused qkv projection sliced by index, a fused gate_up projection."""
     from transformers import Phi3Config, Phi3Model
-    config = Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                         num_attention_heads=8, num_key_value_heads=8, pad_token_id=0, bos_token_id=0, eos_token_id=0)
     return Phi3Model(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
@@ -112,7 +115,7 @@ def sd3():
 def bloom():
     """ALiBi scores written out by hand, ``alibi.baddbmm(batch1=q, batch2=k, beta=, alpha=)`` by keyword."""
     from transformers import BloomConfig, BloomForCausalLM
-    config = BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.0,
+    config = BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=1, n_head=4, hidden_dropout=0.0,
                          attention_dropout=0.0)
     return BloomForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
@@ -132,24 +135,24 @@ def falcon():
     """The new decoder architecture: a fused qkv viewed as (groups, q heads per group + 2, head_dim),
     a key and value per group broadcast to its query heads; ``x @ weight.T`` projections."""
     from transformers import FalconConfig, FalconForCausalLM
-    config = FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_kv_heads=2,
+    config = FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=8, num_kv_heads=2,
                           new_decoder_architecture=True, hidden_dropout=0.0, attention_dropout=0.0)
     return FalconForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
-def mixtral(layers: int = 2):
+def mixtral():
     """A mixture of 4 experts, top-2: batched expert weights ``[E, 2 * inter, hidden]`` through
     grouped matmuls (transformers' default experts implementation), tokens sorted by expert."""
     from transformers import MixtralConfig, MixtralForCausalLM
-    config = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+    config = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                            num_attention_heads=8, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2)
     return MixtralForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
 def mixtral_aux():
     """Mixtral returning its load-balancing loss (``output_router_logits``): first, before the logits.
-    One layer: transformers' router-logit hooks break the graph at each router (CI time)."""
-    model, args, kwargs = mixtral(layers=1)
+    transformers' router-logit hooks break the graph at each router."""
+    model, args, kwargs = mixtral()
     return model, args, {**kwargs, "output_router_logits": True}
 
 
@@ -158,7 +161,7 @@ def qwen2_moe():
     width is the sequence's length (32): a weight dim that long starts no sequence over cp."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
     config = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+                            shared_expert_intermediate_size=64, num_hidden_layers=1, num_attention_heads=8,
                             num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
     return Qwen2MoeForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
