@@ -13,10 +13,12 @@ from dtensor_par.pipeline import parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.config import ParallelConfig
 from tests import background
-from tests.harness import CPU_TIME_LOG, start_fork_server
+from tests.harness import CPU_TIME_LOG, RANK_TIMEOUT, start_fork_server
 
 # every test plans afresh (tests patch passes and count plans); the plan cache's own tests turn it on
 os.environ.setdefault("DTENSOR_PAR_PLAN_CACHE", "0")
+# the longest launch takes about 2 minutes on two loaded cores: one still running after 15 hangs
+os.environ.setdefault(RANK_TIMEOUT, "900")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import faulthandler
 import json
 import logging
 import math
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -99,9 +101,18 @@ def logged(level: int):
         logger.setLevel(before)
 
 
+RANK_TIMEOUT = "DTENSOR_PAR_TEST_RANK_TIMEOUT"
+"""An environment variable (``conftest`` sets it; benchmarks' long launches do not): seconds
+after which a rank still running prints every thread's stack and exits, so a launch that hangs
+(a collective one rank never joins) fails with where each rank waits, not at CI's limit."""
+
+
 def _entry(rank: int, world: int, store: str, out_dir: str, fn, kwargs: dict) -> None:
     """One rank. It ends with ``os._exit`` once its result is written and the group torn down:
     C++ destructors of gloo threads at interpreter exit can abort a process whose work is done."""
+    if os.environ.get(RANK_TIMEOUT):
+        faulthandler.dump_traceback_later(float(os.environ[RANK_TIMEOUT]), exit=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <rank>: its stacks now
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:

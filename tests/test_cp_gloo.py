@@ -8,23 +8,36 @@ from tests.background import in_background
 from tests.cases import run_labelled_cases
 
 PAIRS = {
-    "tp2-ring2": dict(mesh_sizes={"tp": 2, "ring": 2}, names=[
+    "tp2-ring2": dict(mesh_sizes={"tp": 2, "ring": 2}, traced=["llama_gqa_rope", "additive_mask"], names=[
         "gpt_fused_qkv", "llama_gqa_rope", "additive_mask", "conv1d", "joint_attention", "flatten_tokens"]),
     # conv1d and flatten_tokens plan alike over ulysses: once, at tp2-ring2 (CI time).
     # Repeated kv heads run as enable_gqa: 4 kv heads split over tp x ulysses as they are; 2
     # (llama_gqa_rope) are each repeated twice first, the fewest that split.
-    "tp2-ulysses2": dict(mesh_sizes={"tp": 2, "ulysses": 2}, names=[
+    "tp2-ulysses2": dict(mesh_sizes={"tp": 2, "ulysses": 2}, traced=["llama_gqa_rope", "uneven_heads_14",
+                                                                      "complex_rope_pad"], names=[
         "llama_enable_gqa", "llama_repeat_interleave_kv4", "llama_gqa_rope", "uneven_heads_14", "bool_mask",
         "joint_attention", "complex_rope_pad", "qk_norm_across_heads"]),
     # Sequence length 30 in 8 chunks (zigzag over ring=2, split by ulysses=2): padded to 32.
-    "ring2-ulysses2": dict(mesh_sizes={"ring": 2, "ulysses": 2}, names=[
-        "keyword_sdpa_scale", "uneven_seq_30", "uneven_seq_30_masked", "uneven_seq_30_bidirectional",
-        "uneven_seq_30_pooling", "mean_loss"]),
+    "ring2-ulysses2": dict(mesh_sizes={"ring": 2, "ulysses": 2}, traced=["uneven_seq_30", "uneven_seq_30_masked"],
+                           names=["keyword_sdpa_scale", "uneven_seq_30", "uneven_seq_30_masked",
+                                  "uneven_seq_30_bidirectional", "uneven_seq_30_pooling", "mean_loss"]),
 }
-"""Each pair of mesh dims at world 4: label -> ``run_cases``' keyword arguments."""
+"""Each pair of mesh dims at world 4: label -> the mesh, the cases, and those ``traced`` through
+AOTAutograd (``aot_eager``): the ones whose local graphs hold the inserted ops of the pair (the
+ring's and Ulysses' autograd, padded heads, a padded zigzag sequence, a mask cut per ring
+block). The others differ from them in planning only and run their local graphs as they are
+(``eager``): AOT's trace is most of a case's time (CI time)."""
+
+
+def _pair_runs(label: str, mesh_sizes: dict, traced: list[str], names: list[str]) -> dict:
+    """A pair's two runs: its traced cases through ``aot_eager``, the others ``eager``."""
+    return {label: dict(mesh_sizes=mesh_sizes, names=traced, steps=1),
+            f"{label} eager": dict(mesh_sizes=mesh_sizes, names=[n for n in names if n not in traced], steps=1,
+                                   options={"inner_backend": "eager"})}
+
 
 RUNS = {
-    4: {label: dict(run, steps=1) for label, run in PAIRS.items()},
+    4: {label: run for pair, spec in PAIRS.items() for label, run in _pair_runs(pair, **spec).items()},
     # Default order (ring, ulysses, tp) is covered at world 4; here ulysses sits outside ring,
     # so the flattened sequence group's rank order differs from its chunk order. The masked
     # case has a per-head mask split by tp, then ulysses, over a padded sequence.
@@ -41,7 +54,9 @@ LAUNCHES = {world: in_background(run_labelled_cases, world, runs) for world, run
 
 @pytest.mark.parametrize("pair", PAIRS)
 def test_each_pair_of_mesh_dims_at_world_4(pair):
-    result = LAUNCHES[4].result()[pair]
+    launched = LAUNCHES[4].result()
+    result = {**launched[pair], **launched[f"{pair} eager"]}
+    assert set(result) == set(PAIRS[pair]["names"]), result.keys()
     for name, metrics in result.items():
         # Masked attention runs as hybrid attention too, never gathered.
         assert not any("gathered" in w and "attention" in w for w in metrics["warnings"]), (name, metrics)

@@ -114,12 +114,13 @@ def _tiny_llama():
 def decorated_generate(rank: int, world: int, batch: int = 1, **sizes) -> dict:
     """``parallel(**sizes)(LlamaForCausalLM)``: ``generate`` as the first call (greedy, 16 new
     tokens, a DynamicCache), and a prefill's cache length, against one device; ``batch``
-    prompts (cut over the dp dims, whose ranks keep the whole cache)."""
+    prompts (cut over the dp dims, whose ranks keep the whole cache). The local graphs run as
+    they are (``eager``): ``cp_decode`` traces prefill and decode under cp through AOTAutograd."""
     from transformers import DynamicCache, LlamaForCausalLM
 
     config, reference, ids = _tiny_llama()
     ids = torch.cat([ids, torch.randint(0, 128, (batch - 1, ids.shape[1]))]) if batch > 1 else ids
-    Parallel = dtensor_par.parallel(**sizes, inner_backend="aot_eager")(LlamaForCausalLM)
+    Parallel = dtensor_par.parallel(**sizes, inner_backend="eager")(LlamaForCausalLM)
     model = Parallel(config).eval()
     model.load_state_dict(reference.state_dict())
     tokens, expected = model.generate(ids, **GREEDY), reference.generate(ids, **GREEDY)
@@ -295,14 +296,15 @@ def _generate(model: nn.Module, ids: torch.Tensor) -> tuple[list, int]:
 def generate_entry_points(rank: int, world: int) -> dict:
     """``generate`` through each entry point, on a fresh copy of one model: whether it gives one
     device's tokens, and whether it planned (no plan: the plain forward ran). ``torch.compile(model)``
-    generates twice (the second plans nothing) and leaves ``model`` itself uncompiled."""
+    generates twice (the second plans nothing) and leaves ``model`` itself uncompiled. The local
+    graphs run as they are (``eager``): what differs between entry points is before them."""
     torch._dynamo.reset()  # the compiles of the cases before would count towards Dynamo's recompile limit
     _, reference, ids = _tiny_llama()
     mesh = dtensor_par.init_mesh(tp=world)
     expected = reference.generate(ids, **GREEDY).tolist()
 
     def backend():
-        return dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager")
+        return dtensor_par.hybrid_parallel(mesh, inner_backend="eager")
 
     results = {}
     compiled = torch.compile(copy.deepcopy(reference), backend=backend())
