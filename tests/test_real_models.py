@@ -88,12 +88,12 @@ RUNS = {
     # Mixtral and Qwen2-MoE: experts split over tp, each rank's tokens dispatched on their own over cp; Mixtral's
     # load-balancing loss (graphs broken by transformers' router-logit hooks) once, beside ulysses.
     # GPT-2's and Qwen2's SDPA attention (no mask beyond causal) once, beside ulysses (CI time): at tp2-ring2 it
-    # is Llama's.
+    # is Llama's, whose ring runs at world 8; Mistral's window runs in the ring as Mistral's padded batch's does.
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
                              names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "bloom", "t5", "falcon",
                                              "mixtral", "mixtral_aux", "qwen2_moe", "deepseek_v3"]),
-        "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=["llama", "mistral", "flux", "mistral_padded", "gemma2",
-                                                            "bloom", "t5", "mixtral", "qwen2_moe", "deepseek_v3"])},
+        "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=["flux", "mistral_padded", "gemma2", "bloom", "t5",
+                                                            "mixtral", "qwen2_moe", "deepseek_v3"])},
     # Ulysses x ring beside tp: causal GQA, joint attention (each model's own layers run at world 4; a window's
     # ring blocks too, Mistral's there).
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=["llama", "flux"])},
