@@ -36,6 +36,20 @@ def gemma2():
     return Gemma2ForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def gemma2_left_padded():
+    """Gemma2 given a left-padded batch: its mask fills the lowest finite value, so the first
+    query rows of the padded sequence see no key and attend to every key evenly."""
+    model, args, kwargs = gemma2()
+    return model, args, {**kwargs, "attention_mask": _left_padding()}
+
+
+def _left_padding() -> torch.Tensor:
+    """The second sequence of the batch starts with 5 padding positions."""
+    keep = torch.ones(BATCH, SEQ, dtype=torch.long)
+    keep[1, :5] = 0
+    return keep
+
+
 def gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=8, n_positions=64, attn_pdrop=0.0,
@@ -131,6 +145,14 @@ def t5():
     return T5Model(config), (ids,), {"decoder_input_ids": ids.flip(1), "use_cache": False, "return_dict": False}
 
 
+def t5_padded():
+    """T5 with a right-padded encoder batch and a left-padded decoder batch: its masks fill the
+    lowest finite value where the padding hides keys, around the position bias."""
+    model, args, kwargs = t5()
+    keep = _left_padding()
+    return model, args, {**kwargs, "attention_mask": keep.flip(1).contiguous(), "decoder_attention_mask": keep}
+
+
 def falcon():
     """The new decoder architecture: a fused qkv viewed as (groups, q heads per group + 2, head_dim),
     a key and value per group broadcast to its query heads; ``x @ weight.T`` projections."""
@@ -180,7 +202,7 @@ def deepseek_v3():
     return DeepseekV3ForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
-FACTORIES = {"llama": llama, "gemma2": gemma2, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
+FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
              "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3}

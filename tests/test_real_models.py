@@ -22,7 +22,7 @@ from tests import real_models  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral",
-            "mixtral_aux", "qwen2_moe", "deepseek_v3"}
+            "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -89,11 +89,15 @@ RUNS = {
     # load-balancing loss (graphs broken by transformers' router-logit hooks) once, beside ulysses.
     # GPT-2's and Qwen2's SDPA attention (no mask beyond causal) once, beside ulysses (CI time): at tp2-ring2 it
     # is Llama's, whose ring runs at world 8; Mistral's window runs in the ring as Mistral's padded batch's does.
+    # Masks that fill the lowest finite value where a padding hides keys (a left-padded batch's first rows see
+    # none and attend to every key evenly): Gemma2's over Ulysses and (gathered) the ring, T5's around its bias.
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
-                             names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "bloom", "t5", "falcon",
-                                             "mixtral", "mixtral_aux", "qwen2_moe", "deepseek_v3"]),
-        "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=["flux", "mistral_padded", "gemma2", "bloom", "t5",
-                                                            "mixtral", "qwen2_moe", "deepseek_v3"])},
+                             names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "gemma2_left_padded", "bloom",
+                                             "t5", "t5_padded", "falcon", "mixtral", "mixtral_aux", "qwen2_moe",
+                                             "deepseek_v3"]),
+        "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=["flux", "mistral_padded", "gemma2", "gemma2_left_padded",
+                                                            "bloom", "t5", "t5_padded", "mixtral", "qwen2_moe",
+                                                            "deepseek_v3"])},
     # Ulysses x ring beside tp: causal GQA, joint attention (each model's own layers run at world 4; a window's
     # ring blocks too, Mistral's there).
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=["llama", "flux"])},
@@ -234,6 +238,36 @@ def test_soft_capped_attention_runs_as_hybrid_attention_without_a_square_mask(me
                for n in attention), [n.kwargs for n in attention]
     shapes = [global_shape(n) or () for n in local.graph.nodes]
     assert not any(shape[-2:] == (seq, seq) for shape in shapes), [s for s in shapes if s[-2:] == (seq, seq)]
+
+
+@pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
+def test_masks_filled_with_the_lowest_finite_value_over_a_padding_run_whole_where_rows_may_see_no_key(mesh):
+    """A mask that is the lowest finite value where a left padding hides keys leaves the padded
+    sequence's first query rows no key, and on one device they attend to every key evenly.
+    Gemma2's (written out, soft-capped) runs as hybrid attention over Ulysses, whose ring of one
+    normalizes whole rows as one device does; over the ring, whose blocks cannot, it runs on
+    the gathered sequence, said so. T5 keeps its bias inside such a mask (one that needs its
+    table's gradient: gathered, said so) rather than as a position bias beside a key padding,
+    under which those rows would attend to no key."""
+    from dtensor_par.mesh import MeshInfo
+    from dtensor_par.passes.capture import capture_graphs
+    from dtensor_par.pipeline import PLANNING_PASSES, parallelize_graph
+
+    planned = {}
+    for name in ("gemma2_left_padded", "t5_padded"):
+        torch.manual_seed(0)
+        model, args, kwargs = real_models.FACTORIES[name]()
+        (gm, inputs), = capture_graphs(model, *args, **kwargs)
+        planned[name] = parallelize_graph(gm, inputs, MeshInfo.for_planning(mesh, "cpu"), passes=PLANNING_PASSES)
+    local, ctx = planned["gemma2_left_padded"]
+    attention = [n for n in local.graph.nodes if n.target is dtensor_par.ops.attention.hybrid_attention]
+    finite = [w for w in ctx.warnings if "fills with the lowest finite value where an input hides keys" in w]
+    assert (len(attention), len(finite)) == ((0, 2) if "ring" in mesh else (2, 0)), (attention, ctx.warnings)
+    local, ctx = planned["t5_padded"]
+    biases = [n.kwargs["position_bias"].kind for n in local.graph.nodes
+              if n.target is dtensor_par.ops.attention.hybrid_attention and "position_bias" in n.kwargs]
+    assert "buckets" not in biases, biases  # neither self-attention splits its bias off a padded mask
+    assert sum("a mask that needs a gradient" in w for w in ctx.warnings) == 2, ctx.warnings
 
 
 @pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())

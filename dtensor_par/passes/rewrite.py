@@ -251,13 +251,31 @@ def positional_mask(mask: fx.Node, q_len: int, kv_len: int) -> PositionalMask | 
     return None if found is None else PositionalMask(found.window, padding[0])
 
 
-def _gathered_reason(attention: dict) -> str | None:
-    """Why hybrid attention cannot take these attention arguments (the attention then runs on
-    the gathered sequence), if it cannot."""
+def _fills_finite_lowest(mask: fx.Node) -> bool:
+    """Whether an additive mask is the lowest finite value where a condition computed from an
+    input hides keys (``where(keep, 0, finfo.min)``, ``masked_fill(hide, finfo.min)``). A query
+    row the condition hides entirely (a left-padded batch's first rows) then scores the same at
+    every key, and on one device attends to all of them evenly; ring blocks, each normalized
+    on its own, cannot reproduce that (its log-sum-exp is lost below the lowest value)."""
+    given = arguments(mask) if op_kind(mask) == "where" else {}
+    condition = given.get("condition", given.get("mask"))
+    fills = [given.get(name) for name in ("input", "other", "value")]
+    lowest = torch.finfo(tensor_val(mask).dtype).min if tensor_val(mask).is_floating_point() else None
+    return isinstance(condition, fx.Node) and constant_ancestors(condition) is None and lowest is not None \
+        and any(isinstance(f, float) and f != float("-inf") and f <= lowest for f in fills)
+
+
+def _gathered_reason(attention: dict, ring: int) -> str | None:
+    """Why hybrid attention over a ring of ``ring`` cannot take these attention arguments (the
+    attention then runs on the gathered sequence), if it cannot."""
     mask = attention["attn_mask"]
     if attention["dropout_p"] or tensor_val(attention["query"]).dim() != 4 \
             or (mask is not None and mask.meta["requires_grad"]):
         return "attention with dropout, a mask that needs a gradient or no batch dim"
+    if ring > 1 and mask is not None and _fills_finite_lowest(mask):
+        return (f"the mask {mask.name} fills with the lowest finite value where an input hides keys, so a query row "
+                f"it hides entirely (a left-padded batch's first rows) attends to every key evenly, which ring blocks "
+                f"cannot reproduce (ulysses can)")
     return None
 
 
@@ -285,7 +303,12 @@ def _positional(site: AttentionSite, attention: dict) -> dict:
 def _split_position_bias(attention: dict) -> FoundBias | None:
     """A position bias an SDPA mask is, or holds added to the rest of it, or kept where a boolean
     mask attends (T5 passes its relative bias as the mask, its decoder's as
-    ``where(causal, bias, lowest)``): taken out of ``attention``'s mask, which keeps the rest."""
+    ``where(causal, bias, lowest)``): taken out of ``attention``'s mask, which keeps the rest.
+
+    ``where(condition, bias, lowest)`` gives a query row the condition hides entirely the same
+    score at every key, so on one device it attends to all of them evenly; the condition as a
+    boolean mask would attend to none. It is split only where no row can be hidden entirely:
+    a causal mask or window without a key padding (a left-padded batch hides its first rows)."""
     mask = attention["attn_mask"]
     if mask is None:
         return None
@@ -298,10 +321,12 @@ def _split_position_bias(attention: dict) -> FoundBias | None:
         operands = given["input"], given["other"]
         if all(isinstance(a, fx.Node) for a in operands):
             parts += [operands, operands[::-1]]
-    if op_kind(mask) == "where" and "condition" in given and isinstance(given["input"], fx.Node) \
-            and isinstance(given["other"], float) and given["other"] <= torch.finfo(tensor_val(mask).dtype).min:
-        parts.append((given["input"], given["condition"]))
     with guards_at(f"rewrite at {mask.name} (a bias built from positions, evaluated at one length)"):
+        if op_kind(mask) == "where" and "condition" in given and isinstance(given["input"], fx.Node) \
+                and isinstance(given["other"], float) and given["other"] <= torch.finfo(tensor_val(mask).dtype).min:
+            kept = positional_mask(given["condition"], *sizes[1:])
+            if kept is not None and kept.key_padding is None:
+                parts.append((given["input"], given["condition"]))
         for part, rest in parts:
             found = position_bias(part, *sizes)
             if found is not None:
@@ -344,7 +369,7 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, attention: dict
     ``hybrid_attention`` over the cp mesh dims."""
     mesh, core = ctx.mesh, site.core
     bias = bias or _split_position_bias(attention)
-    reason = _gathered_reason(attention)
+    reason = _gathered_reason(attention, mesh.size("ring"))
     if reason is not None:
         ctx.warn(f"{site.name} ({core.name}): {reason} runs on the gathered sequence (mesh dims 'ring' x 'ulysses' "
                  f"= {mesh.size('cp')})")
