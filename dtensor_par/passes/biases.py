@@ -54,7 +54,6 @@ def evaluate_constant(nodes: list[fx.Node]) -> torch.Tensor:
     return env[nodes[-1]]
 
 
-
 @dataclass(frozen=True)
 class FoundBias:
     """A position bias and the table it reads: a graph node (T5's learned embedding) or a

@@ -42,7 +42,7 @@ from .meta import Communication, set_communications, set_site_role, site_role
 from .nodes import arguments, tensor_val
 from .rules.registry import op_kind
 from .biases import FoundBias, constant_ancestors, evaluate_constant, position_bias
-from .scores import read_written_attention
+from .scores import hiding_fill, read_written_attention
 
 
 def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:
@@ -257,12 +257,11 @@ def _fills_finite_lowest(mask: fx.Node) -> bool:
     row the condition hides entirely (a left-padded batch's first rows) then scores the same at
     every key, and on one device attends to all of them evenly; ring blocks, each normalized
     on its own, cannot reproduce that (its log-sum-exp is lost below the lowest value)."""
-    given = arguments(mask) if op_kind(mask) == "where" else {}
+    given = arguments(mask) if op_kind(mask) == "where" and tensor_val(mask).is_floating_point() else {}
     condition = given.get("condition", given.get("mask"))
     fills = [given.get(name) for name in ("input", "other", "value")]
-    lowest = torch.finfo(tensor_val(mask).dtype).min if tensor_val(mask).is_floating_point() else None
-    return isinstance(condition, fx.Node) and constant_ancestors(condition) is None and lowest is not None \
-        and any(isinstance(f, float) and f != float("-inf") and f <= lowest for f in fills)
+    return isinstance(condition, fx.Node) and constant_ancestors(condition) is None \
+        and any(f != float("-inf") and hiding_fill(f, mask) for f in fills)
 
 
 def _gathered_reason(attention: dict, ring: int) -> str | None:
@@ -323,7 +322,7 @@ def _split_position_bias(attention: dict) -> FoundBias | None:
             parts += [operands, operands[::-1]]
     with guards_at(f"rewrite at {mask.name} (a bias built from positions, evaluated at one length)"):
         if op_kind(mask) == "where" and "condition" in given and isinstance(given["input"], fx.Node) \
-                and isinstance(given["other"], float) and given["other"] <= torch.finfo(tensor_val(mask).dtype).min:
+                and hiding_fill(given["other"], mask):
             kept = positional_mask(given["condition"], *sizes[1:])
             if kept is not None and kept.key_padding is None:
                 parts.append((given["input"], given["condition"]))

@@ -73,9 +73,9 @@ def _score_step(node: fx.Node) -> tuple[fx.Node, tuple[str, float] | None] | Non
     return None
 
 
-def _hiding(fill, scores: fx.Node) -> bool:
-    """Whether filling the scores with ``fill`` hides them from the softmax (-inf, or the
-    lowest value of their dtype, as transformers fills)."""
+def hiding_fill(fill, scores: fx.Node) -> bool:
+    """Whether filling the (floating) scores with ``fill`` hides them from the softmax (-inf, or
+    the lowest value of their dtype, as transformers fills)."""
     return _number(fill) and fill <= torch.finfo(tensor_val(scores).dtype).min
 
 
@@ -89,13 +89,13 @@ def _mask_step(node: fx.Node, scores: fx.Node) -> tuple[fx.Node, fx.Node, bool] 
         reading = [a for a in operands if _reads(a, scores)]
         if len(operands) == 2 and len(reading) == 1:
             return reading[0], next(a for a in operands if a is not reading[0]), False
-    if kind == "where" and "mask" in given and _hiding(given["value"], node):
+    if kind == "where" and "mask" in given and hiding_fill(given["value"], node):
         return given["input"], given["mask"], True
     if kind == "where" and "condition" in given:
         kept, filled = given["input"], given["other"]
-        if isinstance(kept, fx.Node) and _hiding(filled, node):
+        if isinstance(kept, fx.Node) and hiding_fill(filled, node):
             return kept, given["condition"], False
-        if isinstance(filled, fx.Node) and _hiding(kept, node):
+        if isinstance(filled, fx.Node) and hiding_fill(kept, node):
             return filled, given["condition"], True
     return None
 
@@ -199,9 +199,9 @@ def _operands(site: AttentionSite, folded: bool) -> tuple[fx.Node, fx.Node | Non
     no transpose of it."""
     query, key_t = tensor_inputs(site.scores)
     value = tensor_inputs(site.core)[1]
-    if not folded:
-        return query, (tensor_inputs(key_t)[0] if _swaps_last_two(key_t) else None), key_t, value
     key = tensor_inputs(key_t)[0] if _swaps_last_two(key_t) else None
+    if not folded:
+        return query, key, key_t, value
     unfolded = [None if n is None else _unfolded(n) for n in (query, key, value)]
     if None in unfolded:
         return f"{site.scores.name}: q, k and v with their heads folded into the batch are views of [batch, heads, ...]"
