@@ -19,6 +19,11 @@ from tests.harness import CPU_TIME_LOG, RANK_TIMEOUT, start_fork_server
 os.environ.setdefault("DTENSOR_PAR_PLAN_CACHE", "0")
 # the longest launch takes about 2 minutes on two loaded cores: one still running after 15 hangs
 os.environ.setdefault(RANK_TIMEOUT, "900")
+# The tests in this process run beside a launch's ranks on two cores: one thread, as each rank
+# has. With two, every op's OpenMP workers spin for more work after it, taking the cores the
+# ranks need (a 4-rank launch beside a loop of small matmuls: 40 CPU-s for the loop's work that
+# takes 24 CPU-s on one thread).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -113,6 +113,7 @@ def _entry(rank: int, world: int, store: str, out_dir: str, fn, kwargs: dict) ->
     if os.environ.get(RANK_TIMEOUT):
         faulthandler.dump_traceback_later(float(os.environ[RANK_TIMEOUT]), exit=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <rank>: its stacks now
+    faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT from a heap check) prints where each thread was
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
