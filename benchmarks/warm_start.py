@@ -42,19 +42,25 @@ def _model() -> torch.nn.Module:
     return DiT(layers=2, dim=256, heads=8, mlp=1024).eval()
 
 
-def _isa_check_seconds() -> float:
+def _check_isa() -> None:
     """Inductor's check of the CPU's vector ISA, made once per process before it loads a CPU
     kernel (a dlopen probe in a fresh interpreter per candidate ISA, each under a file lock in
     the cache dir, so ranks sharing the cache take turns); run ahead here, so the calls'
     time is the compile's. Per process, and the same for any job: it is not compile work."""
-    start = time.perf_counter()
     torch._inductor.cpu_vec_isa.valid_vec_isa_list()  # functools.cache: the compile reads this answer
-    return time.perf_counter() - start
 
 
 def _job(rank: int, world: int, *, n: int, backend: str) -> dict:
-    """The call sequence on a fresh compile: ours on more than one rank, plain on one."""
-    isa = _isa_check_seconds() if backend == "inductor" else 0.0
+    """The call sequence on a fresh compile: ours on more than one rank, plain on one. The
+    ranks start the calls together: they take turns at the ISA check's lock, and a rank that
+    started first would count the other's turn as waiting at its first collective, in the
+    calls' time as well as in the ISA check's (``isa_check``: until every rank has made it)."""
+    start = time.perf_counter()
+    if backend == "inductor":
+        _check_isa()
+    if world > 1:
+        torch.distributed.barrier()
+    isa = time.perf_counter() - start
     if world > 1:
         backend = dtensor_par.hybrid_parallel(dtensor_par.init_mesh(tp=world), inner_backend=backend)
     return {**_timed_calls(torch.compile(_model(), backend=backend), _lengths(n)), "isa_check": isa,
