@@ -202,7 +202,23 @@ def deepseek_v3():
     return DeepseekV3ForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def deepseek_v3_published():
+    """One layer of DeepSeek-V3 at its published sizes (hidden 7168, 128 heads, latents of 1536
+    and 512, 256 experts of 2048, top-8, one shared; the vocabulary cut), on the meta device:
+    planned, never run. The tiny config's latents are a larger share of its FLOPs than the
+    real model's, so this is the model whose coverage counts."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    config = DeepseekV3Config(vocab_size=VOCAB, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                              num_hidden_layers=1, first_k_dense_replace=0, num_attention_heads=128,
+                              num_key_value_heads=128, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
+                              n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+                              qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=256)
+    with torch.device("meta"):
+        return DeepseekV3ForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
              "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
-             "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3}
+             "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
+             "deepseek_v3_published": deepseek_v3_published}
