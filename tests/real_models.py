@@ -102,6 +102,14 @@ def phi3():
     return Phi3Model(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def gptj():
+    """Rotary tables made by ``torch.repeat_interleave`` along their last dim, a rotary part of
+    each head narrower than the head (``rotary_dim``), attention and MLP side by side."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+    config = GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=8, rotary_dim=4, n_positions=64)
+    return GPTJForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 def wan():
     """Video tokens made inside the graph (a 3-D patch embedding), q and k normalized across
     every head at once (``rms_norm_across_heads``), RoPE written through ``setitem``."""
@@ -218,7 +226,7 @@ def deepseek_v3_published():
 
 
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
-             "flux": flux, "phi3": phi3, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
+             "flux": flux, "phi3": phi3, "gptj": gptj, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published}

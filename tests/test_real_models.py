@@ -30,7 +30,8 @@ KV_HEADS = {"llama": 4, "qwen2": 2, "mistral": 4, "mistral_padded": 4}
 
 
 EXPLAINED = [(name, "tp2-ulysses2") for name in MODELS + ["mistral_padded", "phi3", "wan", "sd3", "gemma2", "bloom",
-                                                          "t5", "mixtral", "qwen2_moe", "deepseek_v3_published"]]
+                                                          "t5", "mixtral", "qwen2_moe", "deepseek_v3_published",
+                                                          "gptj"]]
 # At tp2-ring2 the models whose attention the ring runs otherwise than Llama's (CI time: the others plan alike).
 EXPLAINED += [(name, "tp2-ring2") for name in ["llama", "mistral_padded", "flux", "gemma2", "bloom", "t5", "mixtral",
                                                "qwen2_moe", "deepseek_v3_published"]]

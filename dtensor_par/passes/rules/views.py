@@ -171,7 +171,8 @@ register("expand", "views", expand_rule, functions=[torch.broadcast_to], methods
 register("transpose", "views", permute_rule, functions=[torch.transpose, torch.swapaxes, torch.t],
          methods=["transpose", "swapaxes", "t"])
 register("permute", "views", permute_rule, functions=[torch.permute], methods=["permute"])
-register("repeat_interleave", "views", repeat_interleave_rule, methods=["repeat_interleave"])
+register("repeat_interleave", "views", repeat_interleave_rule, functions=[torch.repeat_interleave],
+         methods=["repeat_interleave"])
 register("complex", "views", complex_rule, functions=[torch.view_as_complex, torch.view_as_real])
 register("pad", "views", pad_rule, functions=[F.pad, torch._C._nn.pad])
 register("sequence_start", "views", sequence_start_rule, functions=[sequence_start])
