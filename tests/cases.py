@@ -31,6 +31,7 @@ CASES = {
     # kv heads repeated by repeat_interleave (llama_gqa_rope: by transformers' repeat_kv) run as enable_gqa
     "llama_repeat_interleave_kv4": (lambda: models.Llama(layers=1, kv_heads=4, gqa="repeat_interleave"),
                                     lambda: [(torch.randint(0, 50, (2, 8)),)]),
+    "parts_first_qkv": (models.PartsFirstBlock, lambda: [(torch.randn(2, 8, 48),)]),
     "graph_break": (models.GraphBreakModel, lambda: [(torch.randn(2, 8, 32),)]),
     "odd_mlp_width": (models.OddMLPBlock, lambda: [(torch.randn(2, 8, 32),)]),
     "unshardable_op": (models.CumsumMLP, lambda: [(torch.randn(2, 4, 16),)]),

@@ -28,6 +28,23 @@ class GPTBlock(nn.Module):
         return x + self.fc_out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
+class PartsFirstBlock(GPTBlock):
+    """The fused qkv viewed part first, ``(b, s, 3, heads, head_dim)``, then permuted and
+    unbound, as timm's ViT attention and ModernBERT write it. 12 heads: read as 3 groups of
+    heads, the parts would leave tp=2 and 4 no fused projection to shard."""
+
+    def __init__(self):
+        super().__init__(hidden=48, heads=12, mlp=64)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        qkv = self.qkv(self.ln1(x)).reshape(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+
 class GPT(nn.Module):
     def __init__(self, layers: int = 2, **block):
         super().__init__()

@@ -110,6 +110,15 @@ def gptj():
     return GPTJForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def modernbert():
+    """A fused qkv viewed part first, ``(b, s, 3, heads, head_dim)``, then unbound per part."""
+    from transformers import ModernBertConfig, ModernBertModel
+    config = ModernBertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                              num_attention_heads=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                              sep_token_id=2)
+    return ModernBertModel(config), (_ids(),), {"return_dict": False}
+
+
 def wan():
     """Video tokens made inside the graph (a 3-D patch embedding), q and k normalized across
     every head at once (``rms_norm_across_heads``), RoPE written through ``setitem``."""
@@ -226,7 +235,7 @@ def deepseek_v3_published():
 
 
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
-             "flux": flux, "phi3": phi3, "gptj": gptj, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
+             "flux": flux, "phi3": phi3, "gptj": gptj, "modernbert": modernbert, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published}

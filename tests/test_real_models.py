@@ -26,15 +26,15 @@ BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", 
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
-KV_HEADS = {"llama": 4, "qwen2": 2, "mistral": 4, "mistral_padded": 4}
+KV_HEADS = {"llama": 4, "qwen2": 2, "mistral": 4, "mistral_padded": 4, "modernbert": 8}
 
 
 EXPLAINED = [(name, "tp2-ulysses2") for name in MODELS + ["mistral_padded", "phi3", "wan", "sd3", "gemma2", "bloom",
                                                           "t5", "mixtral", "qwen2_moe", "deepseek_v3_published",
-                                                          "gptj"]]
+                                                          "gptj", "modernbert"]]
 # At tp2-ring2 the models whose attention the ring runs otherwise than Llama's (CI time: the others plan alike).
 EXPLAINED += [(name, "tp2-ring2") for name in ["llama", "mistral_padded", "flux", "gemma2", "bloom", "t5", "mixtral",
-                                               "qwen2_moe", "deepseek_v3_published"]]
+                                               "qwen2_moe", "deepseek_v3_published", "modernbert"]]
 
 
 @pytest.mark.parametrize("name, mesh", [(name, MESHES[mesh]) for name, mesh in EXPLAINED],

@@ -8,7 +8,8 @@ import torch
 from tests.background import in_background
 from tests.cases import run_labelled_cases
 
-TP_CASES = ["gpt_fused_qkv", "llama_gqa_rope", "llama_enable_gqa", "graph_break", "odd_mlp_width", "unshardable_op"]
+TP_CASES = ["gpt_fused_qkv", "parts_first_qkv", "llama_gqa_rope", "llama_enable_gqa", "graph_break", "odd_mlp_width",
+            "unshardable_op"]
 SEQUENCE_PARALLEL = {"sequence_parallel": True}
 # New batch and sequence sizes: automatic dynamic shapes recompile with symbolic sizes.
 NEW_SIZES = [(torch.randn(*s),) for s in [(2, 8, 32), (3, 8, 32), (3, 12, 32), (3, 12, 32), (1, 4, 32)]]
@@ -38,6 +39,7 @@ def test_tensor_parallel_matches_single_device(world):
         assert any("2 kv heads" in w and "k_proj" in w for w in result["llama_gqa_rope"]["warnings"])
     else:
         assert result["odd_mlp_width"]["warnings"] == []
+    assert result["parts_first_qkv"]["warnings"] == []  # its 12 heads read as heads, not as 3 kv heads
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -11,10 +11,11 @@ import torch.fx as fx
 from .context import ParallelContext, at_node
 from .meta import set_site_role, set_weight_name, weight_name
 from .nodes import arguments, tensor_inputs, tensor_val, weight_param, writes_in_place
-from .rules.indexing import cat_dim
+from .rules.indexing import cat_dim, per_dim, split_dim
 from .rules.matmul import grouped_operands
 from .rules.pointwise import is_activation
 from .rules.registry import kinds_in, op_kind
+from .rules.views import dim_order
 
 # Ops allowed between a projection and the attention call: head reshapes, RoPE, QK-norm.
 TO_ATTENTION = kinds_in("pointwise", "views", "indexing") | {"norm"}
@@ -195,6 +196,47 @@ def _feature_split(node: fx.Node) -> tuple[int, ...] | None:
     return None
 
 
+def _selects_along(node: fx.Node, dim: int) -> bool:
+    """Whether the first op past views and copies that picks pieces of ``node``'s value picks
+    them along ``dim`` (``unbind``, an integer index, ``split``/``chunk``)."""
+    ndim = tensor_val(node).dim()
+    for user in node.users:
+        kind = op_kind(user)
+        if kind in ("permute", "transpose"):
+            if not _selects_along(user, dim_order(user, ndim).index(dim)):
+                return False
+        elif kind == "cast":
+            if not _selects_along(user, dim):
+                return False
+        elif kind in ("unbind", "split"):
+            if split_dim(user) != dim:
+                return False
+        elif kind == "getitem":
+            entries = per_dim(arguments(user)["index"], ndim)
+            if entries is None or not isinstance(entries[dim], int):
+                return False
+        else:
+            return False
+    return bool(node.users)
+
+
+def parts_major_split(view: fx.Node) -> tuple[int, int, int] | None:
+    """``(parts, heads, head_dim)`` when ``view`` splits a fused projection's features part
+    first, every part (q, k, v) holding all the heads, and what reads it takes one part each:
+    ``qkv.view(b, s, 3, heads, head_dim)``, then ``permute`` and ``unbind`` (timm's attention,
+    ModernBERT). Its units of heads are the heads; the projection is cut part by part."""
+    sizes = _feature_split(view)
+    if sizes is None or len(sizes) != 3 or not _selects_along(view, tensor_val(view).dim() - 3):
+        return None
+    return sizes
+
+
+def _head_units(view: fx.Node) -> int:
+    """What tp cuts a view of a projection's features into: heads, or groups of heads."""
+    parts_major = parts_major_split(view)
+    return parts_major[1] if parts_major else _feature_split(view)[0]
+
+
 def _head_splits(linear: fx.Node, path: set[fx.Node]) -> list[fx.Node]:
     """The first view splitting features on each way from a projection through ``path``."""
     splits, stack, seen = [], list(linear.users), set()
@@ -217,7 +259,7 @@ def projected_heads(attention_input: fx.Node, heads: int, ctx: ParallelContext) 
     where they do not, the layout cannot be read, and ``problem`` names the views and sizes."""
     linears, walked = find_head_projections(attention_input, ctx)
     views = list(dict.fromkeys(v for linear in linears for v in _head_splits(linear, set(walked))))
-    units = {_feature_split(v)[0] for v in views}
+    units = {_head_units(v) for v in views}
     if not views:
         return None, None
     if len(units) == 1 and heads % next(iter(units)) == 0:

@@ -17,7 +17,7 @@ from ..mesh import SPANS
 from ..errors import InvalidPlan, NotSupported
 from ..placements import InterleavedShard, Placement, Replicate, Shard, parts_of, shard_dim
 from .context import ParallelContext, at_node
-from .detect import AttentionSite, MoESite, concatenated_features, module_name
+from .detect import AttentionSite, MoESite, concatenated_features, module_name, parts_major_split
 from .meta import NodeSharding, set_global_shape, set_sharding, shardings
 from .nodes import arguments, target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.core import RuleEnv, check_divisible, moved, replicate_all
@@ -30,9 +30,14 @@ R = Replicate()
 
 def fused_parts(linear: fx.Node) -> tuple[int, ...] | None:
     """Part sizes when the linear's output is only cut along its last dim into parts: by one
-    chunk/split, or by slices that tile it (``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ...)."""
+    chunk/split, by slices that tile it (``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ...), or by
+    a view that splits it part first (``detect.parts_major_split``)."""
     users = list(linear.users)
     out_dim = tensor_val(linear).dim() - 1
+    parts_major = parts_major_split(users[0]) if len(users) == 1 else None
+    if parts_major is not None:
+        parts, heads, head_dim = parts_major
+        return (heads * head_dim,) * parts
     if len(users) == 1 and op_kind(users[0]) == "split":
         split = users[0]
         if arguments(split)["input"] is not linear or split_dim(split) != out_dim:

@@ -93,7 +93,7 @@ def repeat_interleave_rule(node, ins, cur, env):
     return NodeSharding(p, (p,))
 
 
-def _dim_order(node: fx.Node, ndim: int) -> list[int]:
+def dim_order(node: fx.Node, ndim: int) -> list[int]:
     """Output dim i comes from input dim order[i]."""
     if op_kind(node) == "transpose":
         if node.target in ("t", torch.t):
@@ -112,7 +112,7 @@ def permute_rule(node, ins, cur, env):
     p = cur[0]
     if shard_dim(p) is None:
         return NodeSharding(p, tuple(cur))
-    order = _dim_order(node, tensor_val(ins[0]).dim())
+    order = dim_order(node, tensor_val(ins[0]).dim())
     return NodeSharding(moved(p, order.index(p.dim)), tuple(cur))
 
 
