@@ -110,6 +110,14 @@ def gptj():
     return GPTJForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def bert():
+    """An encoder whose pooler reads the first token (``hidden[:, 0]``)."""
+    from transformers import BertConfig, BertModel
+    config = BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertModel(config), (_ids(),), {"return_dict": False}
+
+
 def modernbert():
     """A fused qkv viewed part first, ``(b, s, 3, heads, head_dim)``, then unbound per part."""
     from transformers import ModernBertConfig, ModernBertModel
@@ -235,7 +243,7 @@ def deepseek_v3_published():
 
 
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
-             "flux": flux, "phi3": phi3, "gptj": gptj, "modernbert": modernbert, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
+             "flux": flux, "phi3": phi3, "gptj": gptj, "bert": bert, "modernbert": modernbert, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published}

@@ -70,8 +70,9 @@ def test_each_pair_of_mesh_dims_at_world_4(pair):
         assert not any("gathered" in w for w in result["mean_loss"]["warnings"]), result["mean_loss"]
     if "uneven_seq_30_pooling" in result:
         gathered = " ".join(result["uneven_seq_30_pooling"]["warnings"])
-        for op in ("conv1d", "cumsum", "mean", "getitem"):
+        for op in ("conv1d", "cumsum", "mean"):
             assert op in gathered and "'cp'" in gathered, (op, gathered)
+        assert "getitem" not in gathered, gathered  # the last token: picked by its rank, the others add zeros
 
 
 def test_tp_ring_ulysses_at_world_8_in_a_non_default_order():

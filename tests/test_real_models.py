@@ -31,10 +31,11 @@ KV_HEADS = {"llama": 4, "qwen2": 2, "mistral": 4, "mistral_padded": 4, "modernbe
 
 EXPLAINED = [(name, "tp2-ulysses2") for name in MODELS + ["mistral_padded", "phi3", "wan", "sd3", "gemma2", "bloom",
                                                           "t5", "mixtral", "qwen2_moe", "deepseek_v3_published",
-                                                          "gptj", "modernbert"]]
+                                                          "gptj", "bert", "modernbert"]]
 # At tp2-ring2 the models whose attention the ring runs otherwise than Llama's (CI time: the others plan alike).
 EXPLAINED += [(name, "tp2-ring2") for name in ["llama", "mistral_padded", "flux", "gemma2", "bloom", "t5", "mixtral",
-                                               "qwen2_moe", "deepseek_v3_published", "modernbert"]]
+                                               "qwen2_moe", "deepseek_v3_published", "bert",
+                                               "modernbert"]]
 
 
 @pytest.mark.parametrize("name, mesh", [(name, MESHES[mesh]) for name, mesh in EXPLAINED],

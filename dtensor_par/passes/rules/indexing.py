@@ -16,7 +16,8 @@ from ...errors import NotSupported
 from ...mesh import MeshInfo
 from ...placements import InterleavedShard, Partial, Placement, Shard, shard_dim, shard_length
 from ...symbolic import is_symbolic
-from ..meta import NodeSharding, shardings
+from ...ops.collectives import shard_positions
+from ..meta import NodeSharding, global_shape, shardings
 from ..nodes import arguments, tensor_val
 from .core import R, moved, norm_dim, replicate_all, resolve_partial
 from .registry import op_kind, register
@@ -85,6 +86,8 @@ def getitem_rule(node, ins, cur, env):
     if isinstance(p, Partial) or p == R:
         return NodeSharding(p, (p,))
     if p.dim not in kept:
+        if _picked_position(node, p) is not None:
+            return NodeSharding(Partial(), (p,))  # the rank holding it picks it, the others zeros
         kept_parts = sliced_part_range(node, p)
         if kept_parts is None:
             return replicate_all(node, ins, cur, f"indexing into the sharded dim {p.dim}")
@@ -92,6 +95,18 @@ def getitem_rule(node, ins, cur, env):
         out_dim = p.dim - sum(1 for e in per_dim(index, tensor_val(source).dim())[:p.dim] if isinstance(e, int))
         return NodeSharding(Shard(out_dim) if len(parts) == 1 else InterleavedShard(out_dim, parts), (p,))
     return NodeSharding(moved(p, kept[p.dim]), (p,))
+
+
+def _picked_position(node: fx.Node, p: Placement) -> int | None:
+    """The one position an integer index picks along the dim ``p`` shards evenly (not part by
+    part), of a static length (``x[:, 0]``: BERT's pooler; ``x[:, -1]``); else None."""
+    given = arguments(node)
+    shape = global_shape(given["input"]) or tensor_val(given["input"]).shape
+    entries = per_dim(given["index"], len(shape))
+    if isinstance(p, InterleavedShard) or entries is None or not isinstance(entries[p.dim], int):
+        return None
+    length = shape[p.dim]
+    return None if is_symbolic(length) else entries[p.dim] % length
 
 
 def setitem_rule(node, ins, cur, env):
@@ -229,13 +244,23 @@ def embedding_rule(node, ins, cur, env):
 
 
 def localize_getitem(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
-    """A slice of whole parts of an interleaved dim takes this rank's bounds of those parts."""
+    """A slice of whole parts of an interleaved dim takes this rank's bounds of those parts; a
+    position picked along a sharded dim is this rank's row of it where it holds it, else zeros
+    (the partial sums ``getitem_rule`` planned)."""
     given = arguments(node)
-    if not isinstance(given["index"], (tuple, slice)):
-        return
+    if not isinstance(given["index"], (tuple, slice, int)) or isinstance(given["input"].meta.get("val"), (tuple, list)):
+        return  # an item of a tuple (a split's pieces) is as planned
     entries = None
     for name, sharding in shardings(node).items():
         p = sharding.inputs[0] if sharding.inputs else None
+        picked = _picked_position(node, p) if isinstance(sharding.out, Partial) and shard_dim(p) is not None else None
+        if picked is not None:
+            held = shard_positions(global_shape(given["input"])[p.dim], mesh.dims[name]).tolist()
+            entries = entries or per_dim(given["index"], len(global_shape(given["input"])))
+            entries[p.dim] = held.index(picked) if picked in held else 0
+            if picked not in held:
+                _zeros_in_place_of(gm, node)
+            continue
         kept_parts = sliced_part_range(node, p)
         if kept_parts is None:
             continue
@@ -244,6 +269,18 @@ def localize_getitem(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
         entries[p.dim] = slice(sum(local[:kept_parts[0]]), sum(local[:kept_parts[1]]))
     if entries is not None:
         node.args = (given["input"], tuple(entries))
+
+
+def _zeros_in_place_of(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Every reader of ``node`` reads zeros of its shape instead, computed from it: its
+    gradient is then zeros too, and a rank's output that is only zeros still has a backward."""
+    with gm.graph.inserting_after(node):
+        nowhere = gm.graph.call_function(torch.zeros_like, (node,), {"dtype": torch.bool})
+        with gm.graph.inserting_after(nowhere):
+            zeros = gm.graph.call_function(torch.where, (nowhere, node, 0.0))
+    nowhere.meta.update(node.meta)
+    zeros.meta.update(node.meta)
+    node.replace_all_uses_with(zeros, delete_user_cb=lambda user: user not in (zeros, nowhere))
 
 
 def localize_split(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
