@@ -99,11 +99,13 @@ def getitem_rule(node, ins, cur, env):
 
 def _picked_position(node: fx.Node, p: Placement) -> int | None:
     """The one position an integer index picks along the dim ``p`` shards evenly (not part by
-    part), of a static length (``x[:, 0]``: BERT's pooler; ``x[:, -1]``); else None."""
+    part), of a static length, from floating values (``x[:, 0]``: BERT's pooler; ``x[:, -1]``);
+    else None. Integers and booleans are not summed over ranks: they are gathered."""
     given = arguments(node)
     shape = global_shape(given["input"]) or tensor_val(given["input"]).shape
     entries = per_dim(given["index"], len(shape))
-    if isinstance(p, InterleavedShard) or entries is None or not isinstance(entries[p.dim], int):
+    if (isinstance(p, InterleavedShard) or entries is None or not isinstance(entries[p.dim], int)
+            or not tensor_val(given["input"]).is_floating_point()):
         return None
     length = shape[p.dim]
     return None if is_symbolic(length) else entries[p.dim] % length
@@ -255,10 +257,13 @@ def localize_getitem(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
         p = sharding.inputs[0] if sharding.inputs else None
         picked = _picked_position(node, p) if isinstance(sharding.out, Partial) and shard_dim(p) is not None else None
         if picked is not None:
-            held = shard_positions(global_shape(given["input"])[p.dim], mesh.dims[name]).tolist()
-            entries = entries or per_dim(given["index"], len(global_shape(given["input"])))
-            entries[p.dim] = held.index(picked) if picked in held else 0
-            if picked not in held:
+            shape = global_shape(given["input"])
+            held = shard_positions(shape[p.dim], mesh.dims[name]).tolist()
+            entries = entries or per_dim(given["index"], len(shape))
+            if picked in held:
+                entries[p.dim] = held.index(picked)
+            else:
+                entries[p.dim] = 0  # any row of this rank's: its readers get zeros
                 _zeros_in_place_of(gm, node)
             continue
         kept_parts = sliced_part_range(node, p)
