@@ -20,6 +20,7 @@ from .ops.attention import ULYSSES_IMPLS
 from .ops.lowerings import LOWERINGS
 
 OUTPUTS = ("full", "local")
+EXPERT_PARALLEL = (None, "cp")
 BATCHES = ("global", "local")
 COLLECTIVES = ("auto", *LOWERINGS)
 
@@ -53,6 +54,10 @@ class ParallelConfig:
               "floating inputs")
     reduce_dtype: torch.dtype | None = _option(
         None, "with param_dtype: reduce the gradients in this dtype (torch.float32), or in param_dtype (default)")
+    ep: str | None = _option(
+        None, "expert parallelism: 'cp' cuts each mixture of experts' experts over the cp ranks (ring x ulysses), "
+              "E / cp a rank, and sends each rank's tokens to their experts and back by uneven all-to-alls; None: "
+              "every cp rank holds every expert (tp still cuts each expert's features)", choices=EXPERT_PARALLEL)
     sequence_parallel: bool = _option(
         False, "Megatron sequence parallelism: norms, residuals and pointwise ops between sites run on sequence "
                "shards over tp; each all-reduce becomes reduce-scatter + all-gather")

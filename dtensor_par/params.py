@@ -152,12 +152,16 @@ def local_param(param: nn.Parameter, placement: Placement, dim: MeshDim, comm: s
     return local
 
 
-def local_value(full: torch.Tensor, placements: dict[str, Placement], mesh: MeshInfo, comm: str) -> torch.Tensor:
-    """This rank's piece of a full (replicated) input; its gradient is gathered back whole."""
+def local_value(full: torch.Tensor, placements: dict[str, Placement], mesh: MeshInfo, comm: str, *,
+                parameter: bool = False) -> torch.Tensor:
+    """This rank's piece of a full (replicated) input; its gradient is gathered back whole. A
+    parameter is cut in plain chunks (an expert weight over cp, with ep): the zigzag layout is a
+    sequence's."""
     for name, p in placements.items():
         d = shard_dim(p)
         if d is not None:
-            full = shard_local(full, d, interleaved_parts(p), mesh.dims[name], comm)
+            dim = mesh.dims[name]._replace(zigzag=0) if parameter else mesh.dims[name]
+            full = shard_local(full, d, interleaved_parts(p), dim, comm)
     return full
 
 
@@ -169,15 +173,18 @@ class WholeParameters:
              "all-gathers sharded parameters' gradients; dtensor_par.parallelize holds only the slices")
 
     def local_input(self, value, placements: dict[str, Placement], mesh: MeshInfo, comm: str):
-        """This rank's piece of one graph input (parameters are only ever sharded on tp; a kv
-        cache stand-in's piece is the shard the runtime holds)."""
+        """This rank's piece of one graph input (a parameter's tp piece sliced from it, then cut
+        on the other dims as any input: expert weights over cp, with ep; a kv cache stand-in's
+        piece is the shard the runtime holds)."""
         shard = cache_shard(value)
         if shard is not None:
             return shard.local
-        if isinstance(value, nn.Parameter) and shard_dim(placements.get("tp")) is not None:
-            return local_param(value, placements["tp"], mesh.dims["tp"], comm)
+        parameter = isinstance(value, nn.Parameter)
+        if parameter and shard_dim(placements.get("tp")) is not None:
+            value = local_param(value, placements["tp"], mesh.dims["tp"], comm)
+            placements = {name: p for name, p in placements.items() if name != "tp"}
         if isinstance(value, torch.Tensor):
-            return local_value(value, placements, mesh, comm)
+            return local_value(value, placements, mesh, comm, parameter=parameter)
         return value
 
     def check(self, params: dict, layouts: dict[str, HeldLayout], args, mesh: DeviceMesh, info: MeshInfo) -> None:

@@ -96,6 +96,8 @@ class MoESite:
     expert_order: frozenset[fx.Node]  # dispatch nodes made from a sort by expert: their rows are no token's
     num_experts: int
     top_k: int
+    at_experts: frozenset[fx.Node] = frozenset()  # with ep: what holds rows at their experts' rank (passes.experts)
+    ep_size: int = 1  # the ranks its experts are cut over
 
     @property
     def colwise(self) -> list[fx.Node]:

@@ -37,7 +37,8 @@ from ..placements import is_padded, shard_length
 from ..symbolic import guards_at, hint, is_symbolic
 from .capture import erase_unused, with_val
 from .context import ParallelContext, at_node
-from .detect import AttentionSite
+from .detect import AttentionSite, MoESite
+from .experts import experts_to_ranks
 from .meta import Communication, set_communications, set_site_role, site_role
 from .nodes import arguments, tensor_val
 from .rules.registry import op_kind
@@ -426,6 +427,9 @@ def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         for linear in site.rowwise:
             with at_node("rewrite", linear):
                 split_rowwise_bias(gm, linear)
+        if isinstance(site, MoESite) and ctx.config.ep == "cp" and ctx.mesh.size("cp") > 1:
+            with at_node("rewrite", site.down[0]):
+                experts_to_ranks(gm, site, ctx)
         if not isinstance(site, AttentionSite) or op_kind(site.core) == "cached_attention":
             continue  # attention to a kv cache held cut over cp is rewritten already (passes.kv_cache)
         if site.written_out:

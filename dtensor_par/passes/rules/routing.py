@@ -6,13 +6,18 @@ gathered (a clear fallback, never a guess), except counts, which add up as parti
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from ...errors import NotSupported
+from ...mesh import MeshInfo
+from ...ops.experts import combine_rows, dispatch_rows, exchange_counts, local_offsets
 from ...placements import Partial, Placement, parts_of, shard_dim
-from ..meta import NodeSharding
+from ...symbolic import hint
+from ..meta import Communication, NodeSharding, planned_local_shape, set_communications, site_role
 from ..nodes import arguments, target_name, tensor_val, writes_in_place
 from .core import R, norm_dim, replicate_all, resolve_partial
 from .registry import op_kind, register
@@ -103,6 +108,32 @@ def bincount_rule(node, ins, cur, env):
     return replicate_all(node, ins, cur, "bincount's length follows the largest value of the whole tensor")
 
 
+def expert_exchange_rule(node, ins, cur, env):
+    """Expert parallelism's exchanges (``ops.experts``: the counts, the rows sent to their
+    experts and back) move whole rows between the cp ranks, so a cut of the rows' features (tp),
+    their partial sums, and the rows of one dp rank stay as they are; the counts are whole. Over
+    cp they run only on each rank's own tokens, which the mixture's dispatch places
+    (``plan.token_local_sharding``): here its tokens are not cut over cp."""
+    rows, counts = cur[0], cur[1:]  # exchange_counts' and local_offsets' only input: counts
+    if env.dim == "cp" or shard_dim(rows) == 0 or any(c != R for c in counts):
+        raise NotSupported(f"plan: {node.name} ({target_name(node)}): expert parallelism over cp runs on each cp "
+                           f"rank's own tokens, but its inputs are {[str(c) for c in cur]} on mesh dim {env.dim!r}")
+    return NodeSharding(rows, tuple(cur))
+
+
+def localize_expert_exchange(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """What each exchange sends: the counts, a rank's rows (all of them go in, wherever they go),
+    and, the other way, at most what every rank's rows could send to its experts (the worst
+    case, ``cp`` times its own: the routing decides)."""
+    ep, val = mesh.dims["cp"], tensor_val(node)
+    nbytes = hint(math.prod(planned_local_shape(node, mesh))) * val.element_size()
+    grad = node.meta["requires_grad"]
+    sent = {exchange_counts: (nbytes, 0), dispatch_rows: (nbytes // ep.size, nbytes if grad else 0),
+            combine_rows: (nbytes * ep.size, nbytes if grad else 0)}[node.target]
+    backward = "all_to_all" if sent[1] else None
+    set_communications(node, [Communication("all_to_all", backward, ep.name, ep.size, *sent, site_role(node))])
+
+
 register("selection", "routing", selection_rule, functions=[torch.topk, torch.sort, torch.argsort],
          methods=["topk", "sort", "argsort"])
 register("one_hot", "routing", one_hot_rule, functions=[F.one_hot])
@@ -112,3 +143,6 @@ register("scatter", "routing", along_index_rule, functions=[torch.scatter], meth
 register("gather", "routing", along_index_rule, functions=[torch.gather], methods=["gather"])
 register("histc", "routing", histc_rule, functions=[torch.histc], methods=["histc"])
 register("bincount", "routing", bincount_rule, functions=[torch.bincount], methods=["bincount"])
+register("expert_exchange", "routing", expert_exchange_rule, functions=[exchange_counts, dispatch_rows, combine_rows],
+         localize=localize_expert_exchange)
+register("expert_offsets", "routing", expert_exchange_rule, functions=[local_offsets])
