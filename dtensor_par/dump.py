@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .ops.experts import combine_rows, dispatch_rows
 from .ops.lowerings import FUNCTIONAL
 from .passes.context import ParallelContext
 from .passes.detect import AttentionSite, MoESite, module_name
@@ -92,10 +93,19 @@ def sites_text(ctx: ParallelContext) -> str:
 
 
 def experts_per_rank(site: MoESite, ctx: ParallelContext) -> str:
-    """How many of a mixture's experts each rank holds, and how much of each."""
+    """How many of a mixture's experts each rank holds, and how much of each; with expert
+    parallelism, the rows one rank sends to them and gets back per layer (once localized)."""
     split = all(weight_name(g) in ctx.param_placements for g in site.colwise + site.rowwise)
-    tp = ctx.mesh.size("tp")
-    return f"experts per rank: {site.num_experts}, " + (f"each 1/{tp} of its features (tp)" if split else "each whole")
+    tp, ep = ctx.mesh.size("tp"), site.ep_size
+    held = f"{site.num_experts // ep} of {site.num_experts} (ep over cp={ep})" if ep > 1 else f"{site.num_experts}"
+    line = f"experts per rank: {held}, " + (f"each 1/{tp} of its features (tp)" if split else "each whole")
+    exchanged = {n.target: communications(n)[0] for n in site.region
+                 if n.target in (dispatch_rows, combine_rows) and communications(n)}
+    if len(exchanged) == 2:
+        sent, back = exchanged[dispatch_rows].forward_bytes, exchanged[combine_rows].forward_bytes
+        line += (f"; rows to the experts per layer: {sent} B sent, {back // ep} B back with even routing, {back} B "
+                 f"at most (all-to-alls over cp)")
+    return line
 
 
 def batch_line(ctx: ParallelContext) -> str | None:
@@ -155,7 +165,7 @@ def parameter_rows(ctx: ParallelContext) -> list[dict]:
         shape, element = tuple(info.tensor.shape), held_tensor(info.tensor).element_size()  # param_dtype's stand-in
         held = layout.held_shape(shape) if ctx.feeding.sharded else shape
         rows.append({"name": info.fqn, "shape": list(shape), "placement": layout.describe(),
-                     "local_shape": list(layout.tp_local_shape(shape)), "bytes_per_rank": math.prod(held) * element,
+                     "local_shape": list(layout.computed_shape(shape)), "bytes_per_rank": math.prod(held) * element,
                      "bytes": math.prod(shape) * element})
     return rows
 

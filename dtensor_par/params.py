@@ -26,7 +26,7 @@ from torch.distributed.tensor import Shard as DTensorShard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .kv_cache import cache_shard
-from .mesh import MeshDim, MeshInfo
+from .mesh import FSDP_DIMS, SPANS, MeshDim, MeshInfo
 from .ops.collectives import gather_param_grad, shard_local
 from .placements import InterleavedShard, Placement, Replicate, Shard, describe, interleaved_parts, local_chunk, \
     local_shape, shard_dim
@@ -48,10 +48,12 @@ def held_tensor(value: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class HeldLayout:
-    """How each rank holds a parameter once parallelized: its tp piece (``tp``), cut further into
-    equal chunks along ``fsdp_dim`` over the mesh dim ``fsdp`` (FSDP), or not (``fsdp_dim`` None).
+    """How each rank holds a parameter once parallelized: its tp piece (``tp``), an expert
+    weight's experts cut along dim 0 over ``ep`` (expert parallelism: kept cut, the graph
+    computes on them), then cut further into equal chunks along ``fsdp_dim`` over the mesh dim
+    ``fsdp`` (FSDP), or not (``fsdp_dim`` None).
 
-    FSDP cuts a dim that tp does not, so the two placements never nest on one tensor dim (no
+    FSDP cuts a dim that tp and ep do not, so the placements never nest on one tensor dim (no
     ``_StridedShard``), and only a dim whose length divides: no padding to keep in step.
     """
 
@@ -59,24 +61,30 @@ class HeldLayout:
     tp_size: int
     fsdp: MeshDim | None = None
     fsdp_dim: int | None = None
+    ep: MeshDim | None = None
 
     @classmethod
-    def of(cls, shape, tp: Placement | None, mesh: MeshInfo, fsdp: MeshDim | None) -> HeldLayout:
-        """The layout of a parameter of ``shape`` planned ``tp`` on tp; FSDP over the mesh dim
-        ``fsdp`` (``MeshInfo.fsdp``) cuts the first dim that tp does not cut and that divides over
-        it (none: held as tp cuts it)."""
+    def of(cls, shape, tp: Placement | None, mesh: MeshInfo, fsdp: MeshDim | None,
+           ep: MeshDim | None = None) -> HeldLayout:
+        """The layout of a parameter of ``shape`` planned ``tp`` on tp (and cut over ``ep``); FSDP
+        over the mesh dim ``fsdp`` (``MeshInfo.fsdp``) cuts the first dim that neither cuts and
+        that divides over it (none: held as they cut it)."""
         tp = tp or Replicate()
-        local = local_shape(shape, tp, mesh.size("tp"))
+        local = cls(tp, mesh.size("tp"), ep=ep).computed_shape(shape)
+        cut = {shard_dim(tp), 0 if ep is not None else None}
         dim = None if fsdp is None else next(
-            (d for d, n in enumerate(local) if d != shard_dim(tp) and n and n % fsdp.size == 0), None)
-        return cls(tp, mesh.size("tp"), fsdp if dim is not None else None, dim)
+            (d for d, n in enumerate(local) if d not in cut and n and n % fsdp.size == 0), None)
+        return cls(tp, mesh.size("tp"), fsdp if dim is not None else None, dim, ep)
 
-    def tp_local_shape(self, shape) -> tuple[int, ...]:
-        """The shape the graph computes with: the tp piece, gathered over fsdp."""
-        return tuple(local_shape(shape, self.tp, self.tp_size))
+    def computed_shape(self, shape) -> tuple[int, ...]:
+        """The shape the graph computes with: the tp piece (of this rank's experts), gathered over fsdp."""
+        local = list(local_shape(shape, self.tp, self.tp_size))
+        if self.ep is not None:
+            local[0] //= self.ep.size
+        return tuple(local)
 
     def held_shape(self, shape) -> tuple[int, ...]:
-        local = list(self.tp_local_shape(shape))
+        local = list(self.computed_shape(shape))
         if self.fsdp_dim is not None:
             local[self.fsdp_dim] //= self.fsdp.size
         return tuple(local)
@@ -84,6 +92,8 @@ class HeldLayout:
     def held_piece(self, full: torch.Tensor, tp_rank: int) -> torch.Tensor:
         """This rank's piece of the whole parameter ``full``."""
         local = local_chunk(full, self.tp, tp_rank, self.tp_size)
+        if self.ep is not None:
+            local = local.chunk(self.ep.size)[self.ep.rank]
         if self.fsdp_dim is None:
             return local
         return local.chunk(self.fsdp.size, self.fsdp_dim)[self.fsdp.rank]
@@ -95,13 +105,15 @@ class HeldLayout:
         holds chunks r, r + tp, ... of the tensor cut into parts x tp chunks, which is its slice
         of every part."""
         per_dim = {"tp": _tp_dtensor_placement(self.tp)}
+        if self.ep is not None:  # cp's ranks in ring-major order (passes.experts checks the mesh's order)
+            per_dim.update((n, DTensorShard(0)) for n in info.spanned("cp"))
         if self.fsdp_dim is not None:
             per_dim.update((n, DTensorShard(self.fsdp_dim)) for n in info.spanned(self.fsdp.name))
         return tuple(per_dim.get(name, DTensorReplicate()) for name in mesh.mesh_dim_names)
 
     def describe(self) -> dict[str, str]:
-        return {"tp": describe(self.tp), **({"fsdp": describe(Shard(self.fsdp_dim))} if self.fsdp_dim is not None
-                                            else {})}
+        return {"tp": describe(self.tp), **({"ep": describe(Shard(0))} if self.ep is not None else {}),
+                **({"fsdp": describe(Shard(self.fsdp_dim))} if self.fsdp_dim is not None else {})}
 
 
 def held_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -122,11 +134,23 @@ def _tp_dtensor_placement(p: Placement) -> DTensorPlacement:
     return DTensorShard(p.dim) if isinstance(p, Shard) else DTensorReplicate()
 
 
+def expert_dims(mesh: MeshInfo, fsdp_dims: tuple | None) -> tuple[MeshDim, MeshDim | None]:
+    """With expert parallelism: the dim an expert weight's experts are cut over (cp, in plain
+    chunks), and its FSDP dim, over what ``fsdp_dims`` leaves besides cp."""
+    names = fsdp_dims if fsdp_dims is not None else FSDP_DIMS
+    return mesh.dims["cp"]._replace(zigzag=0), mesh.fsdp(tuple(n for n in names if n in mesh.order and n not in
+                                                               SPANS["cp"]))
+
+
 def held_layouts(ctx) -> dict[str, HeldLayout]:
     """Each parameter placeholder's layout, as the plan's parameters are held: FSDP only once
-    parallelized (whole parameters are only ever sliced on tp)."""
+    parallelized (whole parameters are only ever sliced on tp, and expert weights over cp)."""
     fsdp = ctx.mesh.fsdp(ctx.config.fsdp_dims) if ctx.feeding.sharded else None
-    return {name: HeldLayout.of(info.tensor.shape, ctx.param_placements.get(name), ctx.mesh, fsdp)
+    ep, expert_fsdp = expert_dims(ctx.mesh, ctx.config.fsdp_dims)
+    expert_fsdp = expert_fsdp if ctx.feeding.sharded else None
+    return {name: HeldLayout.of(info.tensor.shape, ctx.param_placements.get(name), ctx.mesh, expert_fsdp, ep)
+            if name in ctx.expert_placements else
+            HeldLayout.of(info.tensor.shape, ctx.param_placements.get(name), ctx.mesh, fsdp)
             for name, info in ctx.params.items()}
 
 

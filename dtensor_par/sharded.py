@@ -36,7 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .pipeline import PLANNING_PASSES, parallelize_graph
 from .config import ParallelConfig
 from .mesh import MeshInfo
-from .params import SHARDED, STANDIN_OF, HeldLayout, held_mesh
+from .params import SHARDED, STANDIN_OF, HeldLayout, expert_dims, held_mesh
 from .passes.capture import capture_graphs
 from .placements import Placement, Replicate, describe
 
@@ -188,21 +188,23 @@ def sharded_state(model: nn.Module) -> ShardedState | None:
 
 
 def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, example_kwargs: dict,
-                    config: ParallelConfig) -> dict[str, Placement]:
-    """The tp placement of every parameter the plan shards on tp (by FQN); its warnings are logged.
+                    config: ParallelConfig) -> dict[str, tuple[Placement, bool]]:
+    """The tp placement of every parameter (by FQN), and whether its experts are cut over cp
+    (``ep``); the plan's warnings are logged.
 
     Plans as ``explain`` does: one process, no communication, any device (meta included).
     """
     mesh_info = MeshInfo.for_planning(dict(zip(mesh.mesh_dim_names, mesh.shape)), mesh.device_type,
                                       MeshInfo.full_order(mesh.mesh_dim_names))
-    placements: dict[str, Placement] = {}
+    placements: dict[str, tuple[Placement, bool]] = {}
     for gm, inputs in capture_graphs(model, *example_args, **example_kwargs):
         _, ctx = parallelize_graph(gm, inputs, mesh_info, config, feeding=SHARDED, passes=PLANNING_PASSES)
         for name, param in ctx.params.items():
-            p = ctx.param_placements.get(name, Replicate())
+            p = (ctx.param_placements.get(name, Replicate()), name in ctx.expert_placements)
             if placements.setdefault(param.fqn, p) != p:
                 raise ValueError(f"parallelize: graphs of {type(model).__name__} shard parameter {param.fqn!r} "
-                                 f"differently ({describe(placements[param.fqn])} and {describe(p)})")
+                                 f"differently ({describe(placements[param.fqn][0])}, experts cut: "
+                                 f"{placements[param.fqn][1]}; and {describe(p[0])}, experts cut: {p[1]})")
     return placements
 
 
@@ -248,12 +250,15 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
     config.check_mesh(info, entry)
     placements = plan_placements(model, mesh, example_args, example_kwargs, config)
     fsdp, held = info.fsdp(config.fsdp_dims), held_mesh(mesh)
+    ep, expert_fsdp = expert_dims(info, config.fsdp_dims)
     state = ShardedState(mesh, config, [])
     # id(old) -> (DTensor param, stand-in): tied weights share them
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     for fqn, owner, name, old in _registered_parameters(model):
         if id(old) not in replaced:
-            layout = HeldLayout.of(old.shape, placements.get(fqn), info, fsdp)
+            tp, experts = placements.get(fqn, (None, False))
+            layout = HeldLayout.of(old.shape, tp, info, expert_fsdp, ep) if experts else HeldLayout.of(
+                old.shape, tp, info, fsdp)
             param = _as_dtensor(old, layout, held, info)
             replaced[id(old)] = (param, _standin(param, config.param_dtype))
             state.remember_replaced(old, fqn)

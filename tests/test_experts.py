@@ -1,15 +1,26 @@
-"""Expert parallelism's row exchange (``ops.experts``) on gloo ranks, against every expert on one
-device: forward, the rows' gradients and the experts'."""
+"""Expert parallelism (``ep="cp"``) on gloo ranks, against one device: the row exchange alone
+(``ops.experts``: forward, the rows' gradients and the experts'), and a mixture of experts
+parallelized, trained with AdamW, its experts held cut over cp and FSDP over dp_shard."""
 
 from __future__ import annotations
 
+import copy
+import glob
+import json
+import logging
+import os
+import tempfile
+from collections import Counter
+
+import pytest
 import torch
 import torch.distributed as dist
 
+import dtensor_par
 from dtensor_par.mesh import MeshDim
 from dtensor_par.ops.experts import combine_rows, dispatch_rows, exchange_counts, local_offsets
 from tests.background import in_background
-from tests.harness import run_ranks
+from tests.harness import FUNCTIONAL_OPS, executed_collectives, loss_of, max_rel, run_ranks
 
 EXPERTS, WIDTH, OUT = 6, 5, 3
 
@@ -60,3 +71,62 @@ def test_rows_reach_their_experts_and_come_back_exactly():
     for rank, result in enumerate(LAUNCH.result()):
         assert result["shape"] == [3 * (4 + 3 * rank), WIDTH], result
         assert result["forward"] < 1e-12 and result["rows_grad"] < 1e-12 and result["experts_grad"] < 1e-12, result
+
+
+def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
+    """Mixtral parallelized at dp_shard2 x ulysses2 with ``ep="cp"``: 2 AdamW steps with clipping
+    against one device, the storage each rank holds of an expert weight and of its gradient and
+    AdamW state, and the collectives a step runs against the dumped table."""
+    from tests import real_models
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    mesh = dtensor_par.init_mesh(dp_shard=2, ulysses=2)
+    torch.manual_seed(0)
+    model, args, kwargs = real_models.mixtral()
+    reference = copy.deepcopy(model)
+    dtensor_par.parallelize(model, mesh, args, example_kwargs=kwargs, ep="cp")
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager", ep="cp",
+                                                                        dump_dir=dump_dir))
+    make_opt = lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-3, foreach=True)  # noqa: E731
+    opt, opt_ref = make_opt(model.parameters()), make_opt(reference.parameters())
+    worst = Counter()
+    for _ in range(2):
+        loss_of(compiled(*args, **kwargs)[0]).backward()
+        loss_of(reference(*args, **kwargs)[0]).backward()
+        worst["grad"] = max(worst["grad"], max(max_rel(p.grad.full_tensor(), q.grad)
+                                               for p, q in zip(model.parameters(), reference.parameters())))
+        for params in (model.parameters(), reference.parameters()):
+            torch.nn.utils.clip_grad_norm_(params, 0.05)
+        opt.step()
+        opt_ref.step()
+        worst["param"] = max(worst["param"], max(max_rel(p.full_tensor(), q)
+                                                 for p, q in zip(model.parameters(), reference.parameters())))
+        if _ == 0:
+            experts = model.model.layers[0].mlp.experts.gate_up_proj
+            held = [t.to_local().untyped_storage().nbytes() for t in (experts, experts.grad, opt.state[experts]["exp_avg"])]
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    ran = Counter(name for name, _ in executed_collectives(lambda: loss_of(compiled(*args, **kwargs)[0]).backward()))
+    table = Counter()
+    for plan in glob.glob(os.path.join(dump_dir, f"dp_shard{rank // 2}_ring0_ulysses{rank % 2}_tp0", "*", "plan.json")):
+        with open(plan) as f:
+            for row in json.load(f)["collectives"]:
+                table[FUNCTIONAL_OPS[row["op"]]] += row["count"]
+    return {**worst, "held": held, "whole": experts.numel() * experts.element_size(), "ran": dict(ran),
+            "table": dict(table)}
+
+
+def _train_launch() -> list:
+    with tempfile.TemporaryDirectory() as folder:
+        return run_ranks(4, train_with_ep, dump_dir=folder)
+
+
+TRAINED = in_background(_train_launch)
+
+
+def test_experts_cut_over_cp_train_as_on_one_device():
+    pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
+    for result in TRAINED.result():
+        assert result["grad"] <= 1e-5 and result["param"] <= 1e-5, result
+        assert result["held"] == [result["whole"] // 4] * 3, result  # E/2 experts over ulysses, halved over dp_shard
+        assert result["ran"] == result["table"] and result["ran"]["all_to_all_single"] >= 5, result

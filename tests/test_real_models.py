@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import Counter
 
 import pytest
 import torch
@@ -54,8 +55,9 @@ def test_every_block_runs_sharded_without_fallback_gathers(name, mesh):
             assert attention and all(f"8 heads, {KV_HEADS[name]} kv heads" in site for site in attention), attention
 
 
-def compare_models(rank: int, world: int, *, sizes: dict, names: list[str]) -> dict:
-    """Each model against one device: forward, and every gradient where asked."""
+def compare_models(rank: int, world: int, *, sizes: dict, names: list[str], options: dict | None = None) -> dict:
+    """Each model against one device: forward, and every gradient where asked; ``options`` of
+    ``hybrid_parallel``."""
     logging.getLogger("transformers").setLevel(logging.ERROR)
     mesh = dtensor_par.init_mesh(**sizes)
     results = {}
@@ -66,7 +68,8 @@ def compare_models(rank: int, world: int, *, sizes: dict, names: list[str]) -> d
         reference = copy.deepcopy(model)
         # The local graphs run as they are ("eager"): AOT tracing is covered by the other suites,
         # and skipping it keeps 8 ranks x 5 models within CI's time on 2 cores.
-        compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="eager"))
+        compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="eager",
+                                                                            **(options or {})))
         out, expected = compiled(*args, **kwargs)[0], reference(*args, **kwargs)[0]
         result = {"forward": (out - expected).abs().max().item()}
         if name in BACKWARD:
@@ -99,7 +102,11 @@ RUNS = {
                                              "deepseek_v3"]),
         "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=["flux", "mistral_padded", "gemma2", "gemma2_left_padded",
                                                             "bloom", "t5", "t5_padded", "mixtral", "qwen2_moe",
-                                                            "deepseek_v3"])},
+                                                            "deepseek_v3"]),
+        # Expert parallelism: the experts cut over cp, each rank's rows sent to them and back (the ring's zigzag
+        # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them).
+        "tp2-ring2 ep": dict(sizes=MESHES["tp2-ring2"], names=["mixtral", "deepseek_v3"], options={"ep": "cp"}),
+        "tp2-ulysses2 ep": dict(sizes=MESHES["tp2-ulysses2"], names=["qwen2_moe"], options={"ep": "cp"})},
     # Ulysses x ring beside tp: causal GQA, joint attention (each model's own layers run at world 4; a window's
     # ring blocks too, Mistral's there).
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=["llama", "flux"])},
@@ -350,6 +357,32 @@ def test_experts_split_over_tp_and_dispatched_per_rank_over_cp(name, shared):
     assert all("experts per rank: 4, each whole" in s for s in graph.sites if s.startswith("moe"))
     backward = [c for c in graph.collectives if c["direction"] == "backward" and c["op"] == "all_reduce"]
     assert [c["site"] for c in backward] == [f"gradient bucket of {len(list(model.parameters()))} inputs"], backward
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3_published"])
+@pytest.mark.parametrize("mesh", ["tp2-ulysses2", "tp2-ring2"])
+def test_experts_cut_over_cp_with_ep(name, mesh):
+    """``ep="cp"``: each rank holds E / cp of the experts, each 1/tp of its features, and sends its
+    tokens' rows to them and back (per layer: the counts, the rows, the results, the last two
+    again in backward); the expert weights are held cut so (parameter bytes a quarter of one
+    device's at cp2 x tp2), their gradients stay on their rank, and every block still runs
+    sharded with no fallback gather."""
+    torch.manual_seed(0)
+    model, args, kwargs = real_models.FACTORIES[name]()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ep="cp", parallelized=True,
+                                   **MESHES[mesh]).graphs
+    cov = graph.coverage
+    assert cov.fallback_gathers == [] and cov.sharded_block_linear_flops >= 0.95 * cov.block_linear_flops, cov.summary()
+    (experts,) = [s for s in graph.sites if s.startswith("moe")]
+    count = int(experts.split(": ")[1].split(" experts")[0])
+    assert f"experts per rank: {count // 2} of {count} (ep over cp=2), each 1/2 of its features (tp)" in experts, experts
+    exchanged = Counter((c["direction"], c["mesh_dims"]) for c in graph.collectives for _ in range(c["count"])
+                        if c["site"] == "moe0.experts" and c["op"] == "all_to_all")
+    assert exchanged == {("forward", "cp"): 3, ("backward", "cp"): 2}, exchanged
+    held = {p["name"]: p for p in graph.parameters if ".experts." in p["name"] and "shared" not in p["name"]}
+    assert len(held) == 2 and all(p["placement"]["ep"] == "S(0)" and "fsdp" not in p["placement"]
+                                  and 4 * p["bytes_per_rank"] == p["bytes"] for p in held.values()), held
+    assert not any(name in str(c["site"]) for c in graph.collectives for name in held), graph.collectives
 
 
 @pytest.mark.parametrize("mesh", [{"tp": 2}, {"ulysses": 2}, {"tp": 2, "ring": 2}], ids=["tp2", "ulysses2", "tp2-ring2"])

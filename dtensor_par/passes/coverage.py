@@ -20,7 +20,7 @@ from ..ops.ring_schedule import ring_step_flops
 from ..placements import Partial, Replicate, local_shape_on, shard_dim, shard_length
 from ..symbolic import hint
 from .context import Coverage, ParallelContext, at_node
-from .detect import AttentionSite
+from .detect import AttentionSite, MoESite
 from .meta import Work, global_shape, placements, planned_local_shape, set_work, shardings, weight_name
 from .nodes import arguments, tensor_inputs, tensor_val, weight_param
 from .rules.registry import lookup, op_kind
@@ -32,11 +32,15 @@ _CONTRACTIONS = ("linear", "matmul", "grouped_mm")
 """The ops whose FLOPs coverage counts: a grouped matmul is each expert's linear on its tokens."""
 
 
-def _linear_flops(node: fx.Node) -> int:
-    """2 x output elements x contracted length, for a linear, matmul or grouped matmul node."""
+def _linear_flops(node: fx.Node, ctx: ParallelContext) -> int:
+    """2 x output elements x contracted length, for a linear, matmul or grouped matmul node. A
+    grouped matmul at its experts' ranks (ep) counts the rows its tokens send, not the
+    worst case its rows are laid out for (``ep_size`` times them): a rank's share is then what
+    it computes when the routing is even."""
     out = tensor_val(node)
     contracted = tensor_val(tensor_inputs(node)[0]).shape[-1]
-    return hint(2 * math.prod(out.shape) * contracted)  # at the planned sizes, if symbolic
+    worst_case = next((s.ep_size for s in ctx.sites if isinstance(s, MoESite) and node in s.at_experts), 1)
+    return hint(2 * math.prod(out.shape) * contracted) // worst_case  # at the planned sizes, if symbolic
 
 
 def _weight_fqn(node: fx.Node, ctx: ParallelContext) -> str | None:
@@ -71,7 +75,7 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
         if op_kind(node) not in _CONTRACTIONS or tensor_val(node) is None:
             continue
         with at_node("coverage", node):
-            flops, fqn = _linear_flops(node), _weight_fqn(node, ctx)
+            flops, fqn = _linear_flops(node, ctx), _weight_fqn(node, ctx)
         sharded = bool(plans) and all(s.out != Replicate() for d, s in plans.items() if d not in _own_slice(ctx))
         cov.linear_flops += flops
         cov.sharded_linear_flops += flops * sharded
@@ -80,7 +84,7 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
             cov.sharded_block_linear_flops += flops * sharded
     for name, info in ctx.params.items():
         cov.parameters += info.tensor.numel()
-        cov.sharded_parameters += info.tensor.numel() * (name in ctx.param_placements)
+        cov.sharded_parameters += info.tensor.numel() * (name in ctx.param_placements or name in ctx.expert_placements)
     cov.parallel_sites = sum(_runs_parallel(site, ctx) for site in ctx.sites)
     cov.cache_bytes_per_rank, cov.cache_bytes = held_cache_bytes(gm, ctx)
     if ctx.mesh.size("ring") > 1:
@@ -118,7 +122,7 @@ def rank_flops(node: fx.Node, sites: dict, ctx: ParallelContext) -> int:
     if kind in _CONTRACTIONS:
         split = math.prod(mesh.size(d) for d, p in placements(node).items() if isinstance(p, Partial))
         local, whole = (hint(math.prod(shape)) for shape in (planned_local_shape(node, mesh), global_shape(node)))
-        return _linear_flops(node) * local // (whole * split)
+        return _linear_flops(node, ctx) * local // (whole * split)
     if kind == "hybrid_attention":
         return max(ring_rank_flops(sites[node], ctx))
     if kind == "sdpa":

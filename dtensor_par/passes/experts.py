@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..mesh import MeshDim
+from ..mesh import MeshInfo
 from ..ops.experts import combine_rows, dispatch_rows, exchange_counts, local_offsets
 from ..placements import Shard
 from ..symbolic import is_symbolic
@@ -52,10 +52,10 @@ def _single(nodes: set[fx.Node], what: str) -> fx.Node | str:
     return next(iter(nodes)) if len(nodes) == 1 else f"its {what} are {sorted(n.name for n in nodes)}, not one node"
 
 
-def expert_chain(site: MoESite, cp: MeshDim) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | str:
+def expert_chain(site: MoESite, mesh: MeshInfo, sharded: bool) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | str:
     """(the rows the experts read, their offsets, the histogram those come from, the chain), or
-    why the experts cannot be cut over cp."""
-    grouped = site.up + site.down
+    why the experts cannot be cut over cp (``sharded``: parameters held as DTensors)."""
+    grouped, cp = site.up + site.down, mesh.dims["cp"]
     if site.num_experts % (cp.size * cp.chunks_per_rank):
         return (f"{site.num_experts} experts do not divide into {cp.size * cp.chunks_per_rank} equal chunks over "
                 f"cp={cp.size}" + (" (the ring's zigzag layout cuts cp's dims in two chunks a rank)" if cp.zigzag else ""))
@@ -67,6 +67,9 @@ def expert_chain(site: MoESite, cp: MeshDim) -> tuple[fx.Node, fx.Node, fx.Node,
             return found
     if any(arguments(g).get("bias") is not None for g in grouped):
         return "its grouped matmuls add a bias"
+    if sharded and 1 not in (mesh.size("ring"), mesh.size("ulysses")) and \
+            mesh.order.index("ring") > mesh.order.index("ulysses"):
+        return "parallelize holds the experts cut over ring then ulysses, but the mesh puts ulysses first"
     if any(is_symbolic(n) for n in tensor_val(rows).shape):
         return "its token count is symbolic (dynamic shapes)"
     chain = _chain(site)
@@ -89,7 +92,7 @@ def experts_to_ranks(gm: fx.GraphModule, site: MoESite, ctx: ParallelContext) ->
     experts stay whole on every cp rank, with a warning that says why."""
     cp = ctx.mesh.dims["cp"]
     ep = cp._replace(zigzag=0)  # experts in plain chunks: e on coordinate e // (E / cp)
-    found = expert_chain(site, cp)
+    found = expert_chain(site, ctx.mesh, ctx.feeding.sharded)
     if isinstance(found, str):
         ctx.warn(f"{site.name}: ep='cp': the experts stay whole on every cp rank: {found}")
         return

@@ -136,8 +136,9 @@ def gather_fsdp_param(gm: fx.GraphModule, ctx: ParallelContext, node: fx.Node, l
 
     Every consumer's gradient is a partial sum over cp and dp (``_edge``): the gather's
     reduce-scatter sums the parts of cp and dp that fsdp spans, and an all-reduce of this
-    rank's piece, before it, the rest (HSDP's all-reduce over dp_replicate). Under
-    ``batch="local"`` the reduce-scatter also divides by the dp size (DDP's average).
+    rank's piece, before it, the rest (HSDP's all-reduce over dp_replicate). An expert weight
+    cut over cp (ep) has its own experts' whole gradient there: it is reduced over dp only.
+    Under ``batch="local"`` the reduce-scatter also divides by the dp size (DDP's average).
     """
     graph, mesh, val, grad = gm.graph, ctx.mesh, tensor_val(node), node.meta["requires_grad"]
     first = next(n for n in graph.nodes if n.op != "placeholder")
@@ -145,7 +146,7 @@ def gather_fsdp_param(gm: fx.GraphModule, ctx: ParallelContext, node: fx.Node, l
     held = numel * val.element_size()
     x = node
     with graph.inserting_before(first), at_node("localize", node):
-        for plan_dim in ("cp", "dp"):
+        for plan_dim in ("dp",) if layout.ep else ("cp", "dp"):  # an expert weight's gradient is its own over cp
             rest = _summing_dims(plan_dim, layout.fsdp, mesh)
             if rest is not None and mesh.size(plan_dim) > 1 and grad:
                 x = _plain(graph, C.grad_all_reduce, (x, rest))
@@ -313,7 +314,9 @@ def bucket_fsdp_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
     """Merge the FSDP gathers of each block's parameters into one flat gather (FSDP2 wraps each
     block), placed before the first use of any of them; its backward reduce-scatters the
     block's gradients in one flat bucket. With ``reshard_after_forward`` the partitioner
-    gathers them again in backward rather than keep them whole from forward to backward."""
+    gathers them again in backward rather than keep them whole from forward to backward, but
+    for a block's experts cut over cp (ep): a grouped matmul's backward reads the gathered
+    experts it saved (transformers' opaque one keeps a view of them), so they are kept."""
     graph, groups = gm.graph, {}
     for n in graph.nodes:
         if n.target is C.gather_params:
@@ -329,7 +332,8 @@ def bucket_fsdp_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
             merged = graph.call_function(C.gather_params, ([g.args[0][0] for g in gathers],
                                                            [g.args[1][0] for g in gathers], mesh_dim),
                                          dict(kwargs))
-            reshard = ctx.config.reshard_after_forward
+            experts = all(_reduced_input(g.args[0][0]).name in ctx.expert_placements for g in gathers)
+            reshard = ctx.config.reshard_after_forward and not experts
             mark_fsdp_gather(merged, reshard)
             site = f"fsdp parameters of {block or 'the model outside its blocks'} ({len(gathers)})"
             held = sum(c.forward_bytes for c in comms)
@@ -342,6 +346,7 @@ def bucket_fsdp_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
                 piece.replace_all_uses_with(bucketed)
                 graph.erase_node(piece)
                 graph.erase_node(gather)
+
 
 
 def average_gradients_over_dp(gm: fx.GraphModule, ctx: ParallelContext, fsdp: dict[str, HeldLayout]) -> None:
@@ -401,7 +406,7 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
                 src, dst = current[dim.name], plans[dim.name].inputs[i]
                 computes_locally = any(p != R for p in _outputs(plans[dim.name].out) if p is not None)
                 partial_grad = dst == R and computes_locally and arg.meta["requires_grad"]
-                summed_at_gather = held_fsdp and dim.name != "tp"
+                summed_at_gather = held_fsdp and dim.name != "tp" and not (layout.ep and dim.name == "cp")
                 partial_grad = partial_grad or (summed_at_gather and local_batch and dim.name == "dp")
                 others = {d: p for d, p in current.items() if d != dim.name}
                 insert = _Inserter(graph, dim, local_shape_on(val.shape, others, ctx.mesh), element_size, site,

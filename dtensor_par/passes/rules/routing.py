@@ -116,8 +116,9 @@ def expert_exchange_rule(node, ins, cur, env):
     (``plan.token_local_sharding``): here its tokens are not cut over cp."""
     rows, counts = cur[0], cur[1:]  # exchange_counts' and local_offsets' only input: counts
     if env.dim == "cp" or shard_dim(rows) == 0 or any(c != R for c in counts):
-        raise NotSupported(f"plan: {node.name} ({target_name(node)}): expert parallelism over cp runs on each cp "
-                           f"rank's own tokens, but its inputs are {[str(c) for c in cur]} on mesh dim {env.dim!r}")
+        raise NotSupported(f"plan: {node.name} ({target_name(node)}): expert parallelism (ep='cp') runs on each "
+                           f"cp rank's own tokens, but the mixture's inputs reach it {[str(c) for c in cur]} on "
+                           f"mesh dim {env.dim!r} (gathered before it: see the warnings); run it with ep=None")
     return NodeSharding(rows, tuple(cur))
 
 
