@@ -385,6 +385,21 @@ def test_experts_cut_over_cp_with_ep(name, mesh):
     assert not any(name in str(c["site"]) for c in graph.collectives for name in held), graph.collectives
 
 
+def test_experts_that_cannot_be_cut_over_cp_stay_whole_or_are_refused():
+    """``ep="cp"`` where the experts do not split into the cp ranks' chunks (4 experts over a ring
+    of 4, two zigzag chunks a rank): whole on every rank, with a warning that says why. Where the
+    tokens reach the mixture gathered over cp (a view that splits a padded sequence), an error
+    that names the node and says what to do."""
+    model, args, kwargs = real_models.mixtral()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ep="cp", ring=4).graphs
+    assert any("moe0: ep='cp': the experts stay whole on every cp rank: 4 experts do not divide into 8 equal "
+               "chunks over cp=4" in w for w in graph.warnings), graph.warnings
+    assert any("experts per rank: 4, each whole" in s for s in graph.sites), graph.sites
+    with pytest.raises(NotImplementedError, match=r"exchange_counts .*: expert parallelism \(ep='cp'\) runs on each "
+                                                  r"cp rank's own tokens.*run it with ep=None"):
+        dtensor_par.explain(model, (args[0][:, :30],), example_kwargs=kwargs, ep="cp", ring=2)
+
+
 @pytest.mark.parametrize("mesh", [{"tp": 2}, {"ulysses": 2}, {"tp": 2, "ring": 2}], ids=["tp2", "ulysses2", "tp2-ring2"])
 def test_latent_attention_shards_heads_and_keeps_the_latents_whole(mesh):
     """DeepSeek-V3's multi-head latent attention: q and kv made per head from low-rank latents

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from dtensor_par.mesh import MeshDim
 from dtensor_par.ops.attention import hybrid_attention
+from dtensor_par.ops.experts import combine_rows, dispatch_rows, exchange_counts
 from dtensor_par.passes.meta import NodeSharding, set_sharding
 from dtensor_par.passes.nodes import tensor_inputs
 from dtensor_par.passes.rules.core import RuleEnv
@@ -289,3 +290,25 @@ def test_an_in_place_scatter_that_cannot_keep_its_target_is_refused():
     op.meta["val"] = x.meta["val"]
     with pytest.raises(NotImplementedError, match=r"writes in place along dim 0 into x \[4, 6\], which is S\(0\)"):
         lookup(op).rule(op, [x, index, rows], [Shard(0), R, R], RuleEnv("tp", SIZE, {}, False))
+
+
+def test_expert_exchanges_keep_feature_cuts_and_partial_sums_and_refuse_tokens_whole_over_cp():
+    """Expert parallelism's exchanges (``ops.experts``) move whole rows between the cp ranks: the
+    rows' features cut over tp, their partial sums and a dp rank's own rows stay as they are, and
+    the counts stay whole; rows cut along themselves, or met over cp (where only each rank's own
+    tokens may be sent, ``plan.token_local_sharding``), are refused, never guessed."""
+    ep = MeshDim("cp", SIZE, 0, None, ((0, 1),), 0)
+    graph = fx.Graph()
+    rows, counts, received = (graph.placeholder(n) for n in ("rows", "counts", "received"))
+    rows.meta["val"], counts.meta["val"], received.meta["val"] = _t(6, 4), _t(4), torch.zeros(SIZE, 2)
+    ops = [graph.call_function(f, (rows, counts, received), {"ep": ep}) for f in (dispatch_rows, combine_rows)]
+    ops.append(graph.call_function(exchange_counts, (counts,), {"ep": ep}))
+    for op in ops:
+        ins = list(op.args)
+        for given in [[R]] if op.target is exchange_counts else [[p, R, R] for p in (R, Partial(), Shard(1))]:
+            for dim in ("tp", "dp"):
+                sharding = lookup(op).rule(op, ins, given, RuleEnv(dim, SIZE, {}, False))
+                assert sharding == NodeSharding(given[0], tuple(given))
+        for given, dim in [([Shard(0), R, R][:len(ins)], "tp"), ([R] * len(ins), "cp")]:
+            with pytest.raises(NotImplementedError, match=r"expert parallelism \(ep='cp'\) runs on each cp rank's own"):
+                lookup(op).rule(op, ins, given, RuleEnv(dim, SIZE, {}, False))

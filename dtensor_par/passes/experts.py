@@ -52,19 +52,23 @@ def _single(nodes: set[fx.Node], what: str) -> fx.Node | str:
     return next(iter(nodes)) if len(nodes) == 1 else f"its {what} are {sorted(n.name for n in nodes)}, not one node"
 
 
-def expert_chain(site: MoESite, mesh: MeshInfo, sharded: bool) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | str:
+def expert_chain(site: MoESite, mesh: MeshInfo, sharded: bool
+                 ) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | str:
     """(the rows the experts read, their offsets, the histogram those come from, the chain), or
     why the experts cannot be cut over cp (``sharded``: parameters held as DTensors)."""
     grouped, cp = site.up + site.down, mesh.dims["cp"]
-    if site.num_experts % (cp.size * cp.chunks_per_rank):
-        return (f"{site.num_experts} experts do not divide into {cp.size * cp.chunks_per_rank} equal chunks over "
-                f"cp={cp.size}" + (" (the ring's zigzag layout cuts cp's dims in two chunks a rank)" if cp.zigzag else ""))
+    chunks = cp.size * cp.chunks_per_rank
+    if site.num_experts % chunks:
+        zigzag = " (the ring's zigzag layout cuts cp's dims in two chunks a rank)" if cp.zigzag else ""
+        return f"{site.num_experts} experts do not divide into {chunks} equal chunks over cp={cp.size}{zigzag}"
     rows = _single({grouped_operands(g)[0] for g in site.up}, "up projections' rows")
     offsets = _single({grouped_operands(g)[2] for g in grouped}, "grouped matmuls' offsets")
     histogram = _single({n for n in site.region if op_kind(n) in ("histc", "bincount")}, "histograms")
     for found in (rows, offsets, histogram):
         if isinstance(found, str):
             return found
+    if offsets.target not in (torch.cumsum, "cumsum") or arguments(offsets)["input"] is not histogram:
+        return f"its offsets {offsets.name} are not the running sum of its histogram {histogram.name}"
     if any(arguments(g).get("bias") is not None for g in grouped):
         return "its grouped matmuls add a bias"
     if sharded and 1 not in (mesh.size("ring"), mesh.size("ulysses")) and \
@@ -76,7 +80,8 @@ def expert_chain(site: MoESite, mesh: MeshInfo, sharded: bool) -> tuple[fx.Node,
     for node in chain:
         outside = [i for i in tensor_inputs(node) if i in site.region and i not in chain and i not in (rows, offsets)]
         if outside:
-            return f"{node.name}, between its up and down projections, reads {[i.name for i in outside]} of the dispatch"
+            return f"{node.name}, between its up and down projections, reads {[i.name for i in outside]} of the " \
+                   f"dispatch"
     return rows, offsets, histogram, chain
 
 
