@@ -13,6 +13,7 @@ from .dump import (GraphDump, batch_line, collective_rows, fsdp_line, mesh_svg, 
 from .gcpause import paused_gc
 from .machines import Machine, machine as machine_profile
 from .pipeline import parallelize_graph
+from .routing import measure_routing, routing_probes
 from .mesh import MeshInfo
 from .params import SHARDED, WHOLE
 from .passes import meta
@@ -106,7 +107,7 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
             dp_shard: int = 1, device_type: str = "cuda",
             order: tuple[str, ...] | None = None, parallelized: bool | None = None,
             example_kwargs: dict | None = None, dynamic: bool | None = None, machine: str | Machine | None = None,
-            training: bool = True, **options) -> Report:
+            training: bool = True, measure_routing: bool = False, **options) -> Report:
     """Plan ``model(*example_inputs, **example_kwargs)`` for the given mesh as rank 0 would, without hardware.
 
     The model may live on the ``meta`` device, so a model too large for this machine can be
@@ -119,6 +120,8 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
     plan on them, reporting the sizes the plan is symbolic in and any op that specialized it.
     ``machine`` (a ``machines`` profile, its name or a JSON profile's path): also predict each
     graph's time there (``passes.cost``), of a training step or, without ``training``, of a forward.
+    ``measure_routing``: with experts cut over cp (``ep="cp"``), run the model once on one device
+    to report what each mixture's routing of the example inputs sends back (``routing``).
     """
     config = ParallelConfig.of("explain", options)
     sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "ring": ring, "ulysses": ulysses}
@@ -137,22 +140,35 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
         args, kwargs = cast_floating((tuple(example_inputs), example_kwargs or {}), config.param_dtype)
         with traced_in(model, config.param_dtype):
             captured = capture_graphs(model, *args, dynamic=dynamic, **kwargs)
+        measured = (model, args, kwargs) if measure_routing else None
         for i, (gm, inputs) in enumerate(captured):
             dump = GraphDump(os.path.join(config.dump_dir, f"graph{i}"), info.order) if config.dump_dir else None
-            graph = _graph_report(gm, [hint(a) for a in inputs], info, config, feeding, dump, profile, training)
+            graph = _graph_report(gm, [hint(a) for a in inputs], info, config, feeding, dump, profile, training,
+                                  measured)
             report.graphs.append(graph)
     return report
 
 
+def _with_measured_routing(sites: list[str], ctx, measured: tuple) -> list[str]:
+    """The site lines, each mixture's whose experts are cut over cp with what a rank got back
+    from them on the example inputs (the most over the ranks)."""
+    back = measure_routing(*measured, routing_probes(ctx))
+    return [f"{line}; measured on the example inputs: {back[name]} B back at most" if name in back else line
+            for line, name in zip(sites, (line.split(":")[0] for line in sites))]
+
+
 def _graph_report(gm, inputs: list, info: MeshInfo, config: ParallelConfig, feeding, dump, machine: Machine | None,
-                  training: bool) -> GraphReport:
-    """Plan one captured graph at the example sizes (Dynamo's SymInt inputs at their hints)."""
+                  training: bool, measured: tuple | None) -> GraphReport:
+    """Plan one captured graph at the example sizes (Dynamo's SymInt inputs at their hints);
+    ``measured``: the model and its inputs, to measure the routing of experts cut over cp on."""
     start = time.perf_counter()
     symbolic = meta.symbolic_inputs(gm)
     spec = symbolic.specialization(inputs) if symbolic.symbolic else None
     local_gm, ctx = parallelize_graph(gm, inputs, info, config, feeding=feeding, dump=dump, specialization=spec)
-    return GraphReport(sites_text(ctx).splitlines(), site_placement_lines(ctx), parameter_rows(ctx),
-                       collective_rows(local_gm), list(ctx.warnings), time.perf_counter() - start, ctx.coverage,
+    sites = sites_text(ctx).splitlines()
+    plan_seconds = time.perf_counter() - start
+    return GraphReport(sites if measured is None else _with_measured_routing(sites, ctx, measured), site_placement_lines(ctx), parameter_rows(ctx),
+                       collective_rows(local_gm), list(ctx.warnings), plan_seconds, ctx.coverage,
                        ctx.comm, len(ctx.replica_group_sets), spec.symbolic_names() if spec else [],
                        spec.specialized() if spec else [], batch_line(ctx), fsdp_line(ctx),
                        cost_pass(local_gm, ctx, machine, training=training) if machine else None)

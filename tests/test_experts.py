@@ -106,14 +106,23 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
             held = [t.to_local().untyped_storage().nbytes() for t in (experts, experts.grad, opt.state[experts]["exp_avg"])]
         opt.zero_grad()
         opt_ref.zero_grad()
-    ran = Counter(name for name, _ in executed_collectives(lambda: loss_of(compiled(*args, **kwargs)[0]).backward()))
+    executed = executed_collectives(lambda: loss_of(compiled(*args, **kwargs)[0]).backward())
+    ran = Counter(name for name, _ in executed)
+    exchanges = [nbytes for name, nbytes in executed if name == "all_to_all_single"]
+    counts = exchanges.index(4 * 8)  # the 4 experts' counts, int64: then the rows sent, then the rows back
+    measured = None
+    if rank == 0:  # explain's routing, measured on one device holding the same weights
+        (graph,) = dtensor_par.explain(reference, args, example_kwargs=kwargs, dp_shard=2, ulysses=2, ep="cp",
+                                       measure_routing=True).graphs
+        (line,) = [s for s in graph.sites if s.startswith("moe0")]
+        measured = int(line.split("measured on the example inputs: ")[1].split(" B")[0])
     table = Counter()
     for plan in glob.glob(os.path.join(dump_dir, f"dp_shard{rank // 2}_ring0_ulysses{rank % 2}_tp0", "*", "plan.json")):
         with open(plan) as f:
             for row in json.load(f)["collectives"]:
                 table[FUNCTIONAL_OPS[row["op"]]] += row["count"]
     return {**worst, "held": held, "whole": experts.numel() * experts.element_size(), "ran": dict(ran),
-            "table": dict(table)}
+            "table": dict(table), "back": exchanges[counts + 2], "measured": measured}
 
 
 def _train_launch() -> list:
@@ -125,8 +134,11 @@ TRAINED = in_background(_train_launch)
 
 
 def test_experts_cut_over_cp_train_as_on_one_device():
+    """And explain's routing measured on one device is what the ranks get back from their experts."""
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
-    for result in TRAINED.result():
+    results = TRAINED.result()
+    assert results[0]["measured"] == max(r["back"] for r in results), results
+    for result in results:
         assert result["grad"] <= 1e-5 and result["param"] <= 1e-5, result
         assert result["held"] == [result["whole"] // 4] * 3, result  # E/2 experts over ulysses, halved over dp_shard
         assert result["ran"] == result["table"] and result["ran"]["all_to_all_single"] >= 5, result

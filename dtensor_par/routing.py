@@ -1,0 +1,95 @@
+"""The routing of a mixture of experts measured on example inputs, for ``explain(measure_routing=True)``.
+
+With expert parallelism (``ep="cp"``) what a rank gets back from its experts depends on which
+experts its tokens choose: ``explain`` reports the exact rows sent, the even and the worst case
+back. Measured, the model runs once on one device; a hook on each mixture's experts module reads
+the choice it is given (its ``[tokens, top_k]`` expert indices), and each rank's tokens are the
+rows the plan gives it (its piece over cp, then over dp).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .mesh import MeshDim
+from .ops.collectives import shard_local
+from .passes.context import ParallelContext
+from .passes.detect import MoESite, module_name
+from .passes.meta import shardings
+from .placements import Placement, interleaved_parts, shard_dim
+
+
+@dataclass(frozen=True)
+class RoutingProbe:
+    """One mixture whose experts are cut over cp: where to read its choice, how its tokens are cut."""
+
+    site: str
+    experts_module: str  # the FQN of the module holding the experts, whose call is given the choice
+    num_experts: int
+    cuts: tuple[tuple[Placement, MeshDim], ...]  # the tokens' cut over cp, then over dp (a batch entry's run)
+
+
+def routing_probes(ctx: ParallelContext) -> list[RoutingProbe]:
+    """A probe per mixture of a planned graph whose experts are cut over cp."""
+    probes = []
+    for site in ctx.sites:
+        if isinstance(site, MoESite) and site.ep_size > 1:
+            cuts = tuple((shardings(site.tokens)[d].out, ctx.mesh.dims[d]) for d in ("cp", "dp")
+                         if d in shardings(site.tokens) and shard_dim(shardings(site.tokens)[d].out) == 0)
+            probes.append(RoutingProbe(site.name, module_name(site.up[0], ctx).rpartition(".")[0], site.num_experts,
+                                       cuts))
+    return probes
+
+
+def _choice(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the tokens ``[T, hidden]``, their chosen experts ``[T, k]``) among a call's arguments."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() == 2]
+    tokens = next((t for t in tensors if t.is_floating_point()), None)
+    chosen = next((t for t in tensors if not t.is_floating_point() and tokens is not None
+                   and t.shape[0] == tokens.shape[0]), None)
+    return None if chosen is None else (tokens, chosen)
+
+
+def _rank_tokens(count: int, cuts: tuple[tuple[Placement, MeshDim], ...], coordinates: tuple[int, ...]) -> torch.Tensor:
+    """The global indices of the tokens one rank holds (its coordinate on each cut dim)."""
+    tokens = torch.arange(count)
+    for (p, dim), c in zip(cuts, coordinates):
+        tokens = shard_local(tokens, 0, interleaved_parts(p), dim._replace(rank=c))
+    return tokens
+
+
+def measured_back_bytes(probe: RoutingProbe, tokens: torch.Tensor, chosen: torch.Tensor) -> int:
+    """The most bytes a rank gets back from its experts (the rows every rank of its cp group
+    sent them), over the ranks, for this routing."""
+    ((_, cp), *outer) = probe.cuts
+    worst = 0
+    for group in itertools.product(*[range(dim.size) for _, dim in outer]):  # each cp group, by its dp coordinate
+        counts = torch.stack([torch.bincount(chosen[_rank_tokens(len(tokens), probe.cuts, (r, *group))].flatten(),
+                                             minlength=probe.num_experts) for r in range(cp.size)])
+        received = counts.view(cp.size, cp.size, -1).sum(dim=(0, 2))  # [sender, holder, expert]: by holder
+        worst = max(worst, received.max().item())
+    return worst * tokens.shape[1] * tokens.element_size()
+
+
+def measure_routing(model: nn.Module, args: tuple, kwargs: dict, probes: list[RoutingProbe]) -> dict[str, int]:
+    """Run ``model`` once on one device; per probe's site, the most bytes a rank gets back."""
+    modules = dict(model.named_modules())
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    hooks = []
+    for probe in probes:
+        def read(module, call_args, call_kwargs, probe=probe):
+            found = _choice(call_args, call_kwargs)
+            if found is not None:
+                seen.setdefault(probe.site, found)
+        hooks.append(modules[probe.experts_module].register_forward_pre_hook(read, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {p.site: measured_back_bytes(p, *seen[p.site]) for p in probes if p.site in seen}
