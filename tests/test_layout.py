@@ -20,7 +20,7 @@ FLOORS = (
     ("passes.rules",),
     ("passes.context",),
     ("passes",),  # the passes themselves
-    ("dump", "pipeline", "plancache"),
+    ("dump", "pipeline", "plancache", "routing"),
     ("sharded", "runtime", "api", "explain", "choose", "calibrate", "__init__", "__main__"),
 )
 
