@@ -287,6 +287,8 @@ def test_calibrate_measures_a_profile_that_machine_loads_and_choose_ranks_on(tmp
     assert set(profile.links["intra_node"]) == set(KINDS)
     assert all(link.bandwidth > 0 and link.latency >= 0 for kinds in profile.links.values() for link in kinds.values())
     assert profile.flops_per_second("matmul", "float32") > 0 and profile.flops_per_second("attention", "bfloat16") > 0
+    assert profile.elementwise.bandwidth > 0 and 0 <= profile.collective_compute_share <= 1
+    assert profile.intra_node_by_group_size == {}  # no group smaller than the world of 2
     torch.manual_seed(0)
     ranking = choose_mesh(models.GPT(layers=1, hidden=64, heads=4, mlp=128), (torch.randn(2, 16, 64),), 2,
                           machine=path, top=50)
