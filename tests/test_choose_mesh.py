@@ -295,6 +295,14 @@ def test_calibrate_measures_a_profile_that_machine_loads_and_choose_ranks_on(tmp
     assert ranking and ranking.machine == profile
 
 
+def test_calibrate_fits_each_kind_over_the_pairs_of_a_world_of_4_too(fake_world):
+    """On a fake group nothing moves: only the profile's shape is checked."""
+    fake_world(4)
+    profile = Machine.from_dict(measure(0, 4, sizes=(2**10, 2**14), reps=1, matmul_size=16, attention_length=16))
+    assert profile.devices_per_node == 4 and set(profile.intra_node_by_group_size) == {2}
+    assert set(profile.intra_node_by_group_size[2]) == set(KINDS)
+
+
 def test_a_world_with_no_legal_mesh_names_why_each_was_refused():
     """4 heads, 4 tokens, one sequence: no split of 32 ranks fits (tp divides no more than the
     heads, cp no more than the tokens, dp no more than the batch)."""
