@@ -7,8 +7,14 @@ Every rank runs at once, as in a parallel step: matmul and SDPA throughput are a
 its peers compute too (CPU ranks share the cores). Each collective kind is timed over the whole
 world at several sizes on the default backend (NCCL on CUDA, gloo on CPU), and ``latency + bus
 bytes / bandwidth`` (``machines.BUS_FACTOR``) is fitted to the slowest rank's medians by least
-squares. The ranks are taken as one node (``devices_per_node`` = the world): ``inter_node`` is
-given the figures measured, and a choice over at most this world never crosses it.
+squares; then alike over groups of each smaller size that divides the world, every group at
+once (``intra_node_by_group_size``). Other ops are timed as a product of two tensors at the
+same sizes, fitted alike to ``latency + output bytes / bandwidth``. A matmul, an all-reduce of
+the largest size and the two side by side are timed in turn: what the pair takes beyond the
+longer alone, over the shorter, is the share of a collective's time that compute beside it
+does not hide (``collective_compute_share``). The ranks are taken as one node
+(``devices_per_node`` = the world): ``inter_node`` is given the figures measured, and a choice
+over at most this world never crosses it.
 """
 
 from __future__ import annotations
@@ -32,44 +38,57 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _slowest_median(run, reps: int) -> float:
-    """Median over ``reps`` of the seconds ``run`` takes on the slowest rank, every rank started
-    together (one call first, untimed: it warms caches and connections)."""
+def _slowest(run) -> float:
+    """The seconds ``run`` takes on the slowest rank, every rank started together."""
+    dist.barrier()
+    start = time.perf_counter()
     run()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start = time.perf_counter()
-        run()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(elapsed.item())
-    return statistics.median(times)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
 
 
-def _collective(kind: str, nbytes: int, world: int, rank: int):
-    """A call of ``kind`` over the world into which this rank puts ``nbytes`` (float32)."""
-    x = torch.ones(max(world, nbytes // 4 // world * world), device=_device())
+def _slowest_median(run, reps: int) -> float:
+    """Median over ``reps`` of ``_slowest(run)`` (one call first, untimed: it warms caches and
+    connections)."""
+    run()
+    return statistics.median(_slowest(run) for _ in range(reps))
+
+
+def _collective(kind: str, nbytes: int, group, size: int, index: int):
+    """A call of ``kind`` over ``group`` (``size`` ranks, this one its ``index``-th) into which
+    this rank puts ``nbytes`` (float32)."""
+    x = torch.ones(max(size, nbytes // 4 // size * size), device=_device())
     if kind == "all_reduce":
-        return lambda: dist.all_reduce(x)
+        return lambda: dist.all_reduce(x, group=group)
     if kind == "all_gather":
-        gathered = x.new_empty(world * x.numel())
-        return lambda: dist.all_gather_single(gathered, x)
-    out = x.new_empty(x.numel() // world if kind == "reduce_scatter" else x.numel())
+        gathered = x.new_empty(size * x.numel())
+        return lambda: dist.all_gather_single(gathered, x, group=group)
+    out = x.new_empty(x.numel() // size if kind == "reduce_scatter" else x.numel())
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_single(out, x)
+        return lambda: dist.reduce_scatter_single(out, x, group=group)
     if kind == "all_to_all":
-        return lambda: dist.all_to_all_single(out, x)
+        return lambda: dist.all_to_all_single(out, x, group=group)
     # permute: the whole input to the next rank, as a ring rotation runs (ops/lowerings.py)
-    send = [x.numel() if r == (rank + 1) % world else 0 for r in range(world)]
-    receive = [x.numel() if r == (rank - 1) % world else 0 for r in range(world)]
-    return lambda: dist.all_to_all_single(out, x, receive, send)
+    send = [x.numel() if r == (index + 1) % size else 0 for r in range(size)]
+    receive = [x.numel() if r == (index - 1) % size else 0 for r in range(size)]
+    return lambda: dist.all_to_all_single(out, x, receive, send, group=group)
+
+
+def _links(rank: int, world: int, size: int, sizes: tuple[int, ...], reps: int) -> dict[str, Link]:
+    """Each kind fitted over the world's groups of ``size`` consecutive ranks, all at once."""
+    group = None
+    if size < world:  # every rank makes every group, in the same order
+        group = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)][rank // size]
+    return {kind: fit_link([(BUS_FACTOR[kind](size) * nbytes,
+                             _slowest_median(_collective(kind, nbytes, group, size, rank % size), reps))
+                            for nbytes in sizes]) for kind in KINDS}
 
 
 def fit_link(points: list[tuple[float, float]]) -> Link:
-    """``latency + bus_bytes / bandwidth`` fitted by least squares to (bus bytes, seconds);
+    """``latency + bytes / bandwidth`` fitted by least squares to (bytes, seconds);
     a slope noise made negative gives the bandwidth of the largest point alone."""
     xs, ys = zip(*points)
     mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
@@ -94,6 +113,36 @@ def _throughputs(reps: int, matmul_size: int, attention_length: int) -> dict[str
     return rates
 
 
+def _elementwise(reps: int, sizes: tuple[int, ...]) -> Link:
+    """A product of two float32 tensors writing each of ``sizes`` bytes, every rank at once."""
+    points = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4, device=_device())
+        points.append((nbytes, _slowest_median(lambda: x * x, reps)))
+    return fit_link(points)
+
+
+def _collective_compute_share(reps: int, matmul_size: int, nbytes: int) -> float:
+    """The share of an all-reduce's time that a matmul issued beside it does not hide, within
+    [0, 1]: 0 when the pair takes as long as the longer alone, 1 when it takes both one after
+    the other. The median over ``reps`` of each rep's matmul, all-reduce and pair, timed in turn
+    (a load that drifts hits all three alike)."""
+    a = torch.randn(matmul_size, matmul_size, device=_device())
+    x = torch.ones(nbytes // 4, device=_device())
+
+    def both():
+        pending = dist.all_reduce(x, async_op=True)
+        a @ a
+        pending.wait()
+
+    def share() -> float:
+        alone = _slowest(lambda: a @ a), _slowest(lambda: dist.all_reduce(x))
+        return min(1.0, max(0.0, (_slowest(both) - max(alone)) / min(alone)))
+
+    both()
+    return statistics.median(share() for _ in range(reps))
+
+
 def _memory_per_device(world: int) -> int:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
@@ -104,16 +153,15 @@ def measure(rank: int, world: int, *, sizes: tuple[int, ...] = SIZES, reps: int 
             attention_length: int = 1024) -> dict:
     """The profile of this machine as ``Machine.as_dict`` gives it, measured on every rank of
     the default process group at once (each rank returns the same)."""
-    links = {}
-    for kind in KINDS:
-        points = [(BUS_FACTOR[kind](world) * nbytes, _slowest_median(_collective(kind, nbytes, world, rank), reps))
-                  for nbytes in sizes]
-        links[kind] = fit_link(points)
+    by_size = {size: _links(rank, world, size, sizes, reps) for size in range(2, world + 1) if world % size == 0}
+    links = by_size.pop(world)
     device = _device()
     machine = Machine(name=f"calibrated-{os.uname().nodename}-{device.type}-world{world}", device_type=device.type,
                       devices_per_node=world, memory_per_device=_memory_per_device(world),
                       **_throughputs(reps, matmul_size, attention_length),
-                      links={c: dict(links) for c in LINK_CLASSES})
+                      links={c: dict(links) for c in LINK_CLASSES}, intra_node_by_group_size=by_size,
+                      elementwise=_elementwise(reps, sizes),
+                      collective_compute_share=_collective_compute_share(reps, matmul_size, max(sizes)))
     return machine.as_dict()
 
 
@@ -122,9 +170,14 @@ def describe(machine: Machine) -> str:
     engines = (("matmul", machine.matmul_flops), ("attention", machine.attention_flops))
     rates = [f"{engine} {dtype}: {rate / 1e9:.3g} GFLOP/s" for engine, by_dtype in engines
              for dtype, rate in by_dtype.items()]
-    links = [f"{kind}: {link.bandwidth / 1e9:.3g} GB/s bus bandwidth, {link.latency * 1e6:.3g} us latency"
-             for kind, link in machine.links["intra_node"].items()]
-    return "\n".join([f"{machine.name}: {machine.devices_per_node} ranks", *rates, *links])
+    groups = {machine.devices_per_node: machine.links["intra_node"], **machine.intra_node_by_group_size}
+    links = [f"{kind} over {size}: {link.bandwidth / 1e9:.3g} GB/s bus bandwidth, {link.latency * 1e6:.3g} us latency"
+             for size, kinds in groups.items() for kind, link in kinds.items()]
+    other = machine.elementwise
+    timed = [f"other ops: {other.bandwidth / 1e9:.3g} GB/s written, {other.latency * 1e6:.3g} us latency",
+             f"share of a collective's time that compute beside it does not hide: "
+             f"{machine.collective_compute_share:.0%}"] if other else []
+    return "\n".join([f"{machine.name}: {machine.devices_per_node} ranks", *rates, *links, *timed])
 
 
 def _spawned_rank(rank: int, world: int, store: str, out: str, options: dict) -> None:

@@ -4,7 +4,12 @@ A profile gives one device's compute rates and memory, and for each link class (
 ranks of one node, ``inter_node``: ranks of different nodes) each collective kind's bandwidth
 and latency. Bandwidths are bus bandwidths, as nccl-tests reports them: a collective of kind
 ``k`` over ``n`` ranks into which a rank puts ``b`` bytes takes
-``latency + BUS_FACTOR[k](n) * b / bandwidth``.
+``latency + BUS_FACTOR[k](n) * b / bandwidth``. A measured profile may also give links of its
+own to groups smaller than the node (``intra_node_by_group_size``: on one host, gloo's pairs
+answer each other far sooner than its groups of every rank), time the other ops
+(``elementwise``) and say how much of a collective's time its rank cannot compute
+(``collective_compute_share``: gloo's collectives on ranks that oversubscribe the CPU cores
+make no progress while the ranks compute).
 
 Built-in profiles are published peak figures, each with its source; a measured profile saved
 as JSON (``Machine.save``) replaces them. ``machine(spec)`` accepts a built-in name, a
@@ -48,6 +53,14 @@ class Machine:
     matmul_flops: dict[str, float]  # dtype name ("bfloat16") -> FLOP/s of one device
     attention_flops: dict[str, float]  # likewise, for fused attention kernels
     links: dict[str, dict[str, Link]]  # link class -> collective kind -> Link
+    # ops other than matmuls and attention: latency per op + output bytes / bandwidth; None: free
+    elementwise: Link | None = None
+    # the share of a collective's time that compute issued beside it cannot hide: 0 where collectives
+    # run on engines of their own (NCCL's, NeuronLink's DMA), 1 where the two take turns
+    collective_compute_share: float = 0.0
+    # group size -> collective kind -> Link inside a node, for groups smaller than ``links`` was
+    # measured over; a size not given uses ``links``
+    intra_node_by_group_size: dict[int, dict[str, Link]] = dataclasses.field(default_factory=dict)
     contiguous_all_to_all: bool = False  # Neuron: all-to-all groups must be runs of contiguous ranks
     replica_group_limit: int | None = None  # Neuron: most distinct replica-group sets a program may use
 
@@ -58,8 +71,15 @@ class Machine:
                 raise ValueError(f"machine {self.name!r}: no {sorted(missing)} for link class {link_class!r}")
 
     def collective_seconds(self, kind: str, nbytes: int, group_size: int, link_class: str) -> float:
-        link = self.links[link_class][kind]
+        by_kind = self.intra_node_by_group_size.get(group_size) if link_class == "intra_node" else None
+        link = (by_kind or self.links[link_class])[kind]
         return link.latency + BUS_FACTOR[kind](group_size) * nbytes / link.bandwidth
+
+    def elementwise_seconds(self, out_bytes: int) -> float:
+        """An op that is neither a matmul nor attention, writing ``out_bytes``: free without ``elementwise``."""
+        if self.elementwise is None or not out_bytes:
+            return 0.0
+        return self.elementwise.latency + out_bytes / self.elementwise.bandwidth
 
     def flops_per_second(self, engine: str, dtype: str) -> float:
         """``engine``: "matmul" or "attention"; a dtype the profile lacks runs at its float32 rate."""
@@ -73,7 +93,10 @@ class Machine:
     @staticmethod
     def from_dict(given: dict) -> Machine:
         links = {c: {k: Link(**v) for k, v in kinds.items()} for c, kinds in given["links"].items()}
-        return Machine(**{**given, "links": links})
+        elementwise = given.get("elementwise") and Link(**given["elementwise"])
+        by_size = {int(n): {k: Link(**v) for k, v in kinds.items()}
+                   for n, kinds in given.get("intra_node_by_group_size", {}).items()}
+        return Machine(**{**given, "links": links, "elementwise": elementwise, "intra_node_by_group_size": by_size})
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

@@ -92,6 +92,72 @@ def test_cost_pass_hides_a_collective_behind_the_compute_issued_after_it():
     assert part.exposed_communication == pytest.approx(_all_reduce(INTRA) - 1e-3)
 
 
+def test_cost_pass_pays_the_share_of_a_collective_that_compute_beside_it_does_not_hide():
+    """The all-reduce of 1.501 ms runs beside 2 ms of compute: hidden at share 0, half paid at 0.5,
+    all at 1 (gloo's on ranks that oversubscribe the CPU cores)."""
+    for share in (0.0, 0.5, 1.0):
+        step = cost_pass(_graph(independent_flops=2 * 10**9), _context(),
+                         dataclasses.replace(TOY, collective_compute_share=share), training=False)
+        assert step.exposed_communication == pytest.approx(share * _all_reduce(INTRA), abs=1e-12), share
+        assert step.compute == pytest.approx(5e9 / RATE)
+
+
+def _other_ops_graph() -> fx.GraphModule:
+    """x -> relu writing 1 MB of float32 -> a comparison writing 1 MB of booleans."""
+    graph = fx.Graph()
+    relu = graph.call_function(torch.relu, (graph.placeholder("x"),))
+    set_work(relu, Work(0, None, "float32", 10**6))
+    positive = graph.call_function(torch.gt, (relu, 0))
+    set_work(positive, Work(0, None, "bool", 10**6))
+    graph.output(positive)
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_cost_pass_times_other_ops_by_the_bytes_they_write_where_the_profile_does():
+    """Forward: latency + bytes / bandwidth per op; backward: twice that, for the floating output only."""
+    assert cost_pass(_other_ops_graph(), _context(), TOY, training=True).total == 0
+    timed = dataclasses.replace(TOY, elementwise=Link(1e9, 1e-5))
+    op = 1e-5 + 10**6 / 1e9
+    assert cost_pass(_other_ops_graph(), _context(), timed, training=False).compute == pytest.approx(2 * op)
+    assert cost_pass(_other_ops_graph(), _context(), timed, training=True).compute == pytest.approx(2 * op + 2 * op)
+
+
+def test_collectives_of_a_smaller_group_use_its_links_inside_a_node(tmp_path):
+    pairs = dataclasses.replace(TOY, intra_node_by_group_size={2: {k: Link(4e9, 1e-7) for k in KINDS}})
+    assert pairs.collective_seconds("all_reduce", 10**6, 2, "intra_node") == pytest.approx(1e-7 + 10**6 / 4e9)
+    assert pairs.collective_seconds("all_reduce", 10**6, 4, "intra_node") == pytest.approx(_all_reduce(INTRA))
+    assert pairs.collective_seconds("all_reduce", 10**6, 2, "inter_node") == pytest.approx(1e-5 + 10**6 / 1e8)
+    path = str(tmp_path / "pairs.json")
+    dataclasses.replace(pairs, elementwise=Link(1e9, 1e-5), collective_compute_share=0.5).save(path)
+    assert machine(path) == dataclasses.replace(pairs, elementwise=Link(1e9, 1e-5), collective_compute_share=0.5)
+
+
+SHARED_CORES = Machine("shared-cores", "cpu", devices_per_node=2, memory_per_device=2**30,
+                       matmul_flops={"float32": 3e9}, attention_flops={"float32": 3e9},
+                       links={c: {k: Link(3e8, 1e-5) for k in KINDS} for c in ("intra_node", "inter_node")})
+"""Two ranks of a CPU: without the fields calibrate measures, tp=2 ranks ahead of Ulysses and
+behind ring attention for the GPT below."""
+
+
+def test_what_calibrate_measures_of_shared_cores_moves_the_ranking_its_way():
+    """Norms and residuals, whole on every tp rank, put tp=2 behind Ulysses once other ops are
+    timed; ring attention's rotations, hidden behind its blocks, put it behind tp=2 once
+    collectives and compute take turns."""
+    torch.manual_seed(0)
+    model, inputs = models.GPT(layers=1, hidden=64, heads=4, mlp=128), (torch.randn(4, 64, 64),)
+
+    def ranked(profile) -> list[str]:
+        return [next(d for d, n in c.degrees.items() if n > 1) for c in choose_mesh(model, inputs, 2,
+                                                                                   machine=profile, top=50)]
+
+    plain = ranked(SHARED_CORES)
+    assert plain.index("ring") < plain.index("tp") < plain.index("ulysses"), plain
+    timed = ranked(dataclasses.replace(SHARED_CORES, elementwise=Link(1e9, 1e-6)))
+    assert timed.index("ulysses") < timed.index("tp"), timed
+    taking_turns = ranked(dataclasses.replace(SHARED_CORES, collective_compute_share=1.0))
+    assert taking_turns.index("tp") < taking_turns.index("ring"), taking_turns
+
+
 def test_link_classes_follow_the_mesh_order():
     inner, outer = link_classes(INNER_TP, 4), link_classes(OUTER_TP, 4)
     assert (inner["tp"], inner["dp"]) == ("intra_node", "inter_node")  # tp groups (0..3), (4..7)
@@ -221,10 +287,20 @@ def test_calibrate_measures_a_profile_that_machine_loads_and_choose_ranks_on(tmp
     assert set(profile.links["intra_node"]) == set(KINDS)
     assert all(link.bandwidth > 0 and link.latency >= 0 for kinds in profile.links.values() for link in kinds.values())
     assert profile.flops_per_second("matmul", "float32") > 0 and profile.flops_per_second("attention", "bfloat16") > 0
+    assert profile.elementwise.bandwidth > 0 and 0 <= profile.collective_compute_share <= 1
+    assert profile.intra_node_by_group_size == {}  # no group smaller than the world of 2
     torch.manual_seed(0)
     ranking = choose_mesh(models.GPT(layers=1, hidden=64, heads=4, mlp=128), (torch.randn(2, 16, 64),), 2,
                           machine=path, top=50)
     assert ranking and ranking.machine == profile
+
+
+def test_calibrate_fits_each_kind_over_the_pairs_of_a_world_of_4_too(fake_world):
+    """On a fake group nothing moves: only the profile's shape is checked."""
+    fake_world(4)
+    profile = Machine.from_dict(measure(0, 4, sizes=(2**10, 2**14), reps=1, matmul_size=16, attention_length=16))
+    assert profile.devices_per_node == 4 and set(profile.intra_node_by_group_size) == {2}
+    assert set(profile.intra_node_by_group_size[2]) == set(KINDS)
 
 
 def test_a_world_with_no_legal_mesh_names_why_each_was_refused():

@@ -13,11 +13,17 @@ run one at a time, in the order they are issued. A collective inside an op holds
 (Ulysses' exchanges, a sharded norm's sums), except ring attention's rotations, which run
 behind the op's own block computations.
 
+Ops other than matmuls and attention (norms, pointwise ops, copies) cost what the profile's
+``elementwise`` says of the bytes they write, and nothing where it has none (the built-in
+profiles). A collective's ``collective_compute_share`` of its time also occupies the compute
+stream: what compute beside a collective does not hide, as calibrate measures it (all of it
+for gloo on ranks that oversubscribe the CPU cores; none in the built-in profiles).
+
 Training adds the backward, after the forward, in reverse graph order: each op computes
-``BACKWARD_FLOPS`` times its forward FLOPs (the gradients of its inputs and of its weights);
-each backward collective a Communication records is issued once the gradients of its node's
-users exist. FLOPs of other ops than matmuls and attention, and memory traffic, are not
-counted.
+``BACKWARD_TIMES`` times its forward (a matmul's or attention's FLOPs: the gradients of its
+inputs and of its weights; another op's bytes, where its output is floating: the gradients of
+its inputs, two for most); each backward collective a Communication records is issued once the
+gradients of its node's users exist.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+import torch
 import torch.fx as fx
 
 from ..machines import Machine
@@ -35,8 +42,8 @@ from .context import ParallelContext
 from .localize import graph_communications
 from .meta import Communication, communications, work
 
-BACKWARD_FLOPS = 2
-"""Backward FLOPs per forward FLOP of a matmul or attention."""
+BACKWARD_TIMES = 2
+"""An op's backward time over its forward time."""
 KIND = {"ring_rotate": "permute"}
 """A Communication's op -> the collective kind a machine profile times, where they differ."""
 
@@ -55,7 +62,7 @@ class Traffic:
 class StepTime:
     """A step's predicted time on one rank."""
 
-    compute: float  # seconds of matmuls and attention
+    compute: float  # seconds of matmuls and attention, and of other ops where the profile times them
     exposed_communication: float  # seconds the step waits for collectives
     traffic: dict[str, Traffic]  # by mesh dim
 
@@ -125,10 +132,23 @@ def _collectives(node: fx.Node, direction: str) -> list[tuple[str, int, Communic
     return [(*issued, c) for c in communications(node) if (issued := _issued(c, direction))]
 
 
-def _node_time(node: fx.Node, machine: Machine, links: dict[str, str], direction: str) -> _NodeTime:
+def _compute_seconds(node: fx.Node, machine: Machine, direction: str) -> float:
+    """The node's own compute in ``direction``: its FLOPs at its engine's rate, or its output
+    at the elementwise rate (backward: only a floating output has a gradient)."""
     done = work(node)
-    flops = (done.flops if direction == "forward" else BACKWARD_FLOPS * done.flops) if done and done.engine else 0
-    compute = flops / machine.flops_per_second(done.engine, done.dtype) if flops else 0.0
+    if done is None:
+        return 0.0
+    if done.engine:
+        seconds = done.flops / machine.flops_per_second(done.engine, done.dtype) if done.flops else 0.0
+    elif direction == "forward" or getattr(torch, done.dtype).is_floating_point:
+        seconds = machine.elementwise_seconds(done.out_bytes)
+    else:
+        return 0.0
+    return seconds if direction == "forward" else BACKWARD_TIMES * seconds
+
+
+def _node_time(node: fx.Node, machine: Machine, links: dict[str, str], direction: str) -> _NodeTime:
+    compute = _compute_seconds(node, machine, direction)
     own = node.op == "placeholder" or node.target in C.COMMUNICATION  # issued ahead (runtime's, localize's)
     held = hidden = issued = 0.0
     for kind, nbytes, c in _collectives(node, direction):
@@ -143,18 +163,20 @@ def _node_time(node: fx.Node, machine: Machine, links: dict[str, str], direction
 
 
 def _run(nodes: Iterable[fx.Node], needs: Callable[[fx.Node], list[fx.Node]],
-         time_of: Callable[[fx.Node], _NodeTime]) -> tuple[float, float]:
+         time_of: Callable[[fx.Node], _NodeTime], share: float) -> tuple[float, float]:
     """(end, compute seconds) of the nodes run in order on one compute and one network stream,
-    each node starting once the nodes it ``needs`` are done."""
+    each node starting once the nodes it ``needs`` are done; ``share`` of each collective's
+    time occupies the compute stream too."""
     done: dict[fx.Node, float] = {}
     computing = networking = compute = 0.0
     for node in nodes:
         t = time_of(node)
         ready = max((done[n] for n in needs(node) if n in done), default=0.0)
         if t.compute or t.held or t.hidden:
-            computing = ready = max(computing, ready) + t.held + max(t.compute, t.hidden)
+            computing = ready = max(computing, ready) + t.held + max(t.compute + share * t.hidden, t.hidden)
         if t.issued:
             networking = ready = max(networking, ready) + t.issued
+            computing += share * t.issued
         done[node] = ready
         compute += t.compute
     return max(computing, networking), compute
@@ -178,10 +200,11 @@ def cost_pass(gm: fx.GraphModule, ctx: ParallelContext, machine: Machine, *, lay
     (default: the planned one; another order of its degrees moves them onto other links)."""
     links = link_classes(layout or ctx.mesh, machine.devices_per_node)
     nodes = list(gm.graph.nodes)
-    runs = [_run(nodes, lambda n: n.all_input_nodes, lambda n: _node_time(n, machine, links, "forward"))]
+    share = machine.collective_compute_share
+    runs = [_run(nodes, lambda n: n.all_input_nodes, lambda n: _node_time(n, machine, links, "forward"), share)]
     if training:
         runs.append(_run(reversed(nodes), lambda n: list(n.users),
-                         lambda n: _node_time(n, machine, links, "backward")))
+                         lambda n: _node_time(n, machine, links, "backward"), share))
     end, compute = (sum(r[i] for r in runs) for i in range(2))
     directions = ("forward", "backward") if training else ("forward",)
     return StepTime(compute, end - compute, _traffic(gm, machine, links, directions))
