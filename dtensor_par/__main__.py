@@ -66,8 +66,9 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=_dtype, default=default, help=f.metadata["help"] + " (a torch dtype's name)")
         else:
             shown = f" (default: {default})" if default is not None else ""
+            choices = f.metadata["choices"] and [c for c in f.metadata["choices"] if c is not None]  # None: left out
             parser.add_argument(flag, type=type(default) if default is not None else str, default=default,
-                                choices=f.metadata["choices"], help=f.metadata["help"] + shown)
+                                choices=choices, help=f.metadata["help"] + shown)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -251,13 +251,14 @@ def mesh_svg(sizes: dict[str, int], order: tuple[str, ...], sites: list[str] | N
 
 
 def site_placement_lines(ctx: ParallelContext) -> list[str]:
-    """Per site, the tp placement of each of its weights."""
+    """Per site, the tp placement of each of its weights (and an expert weight's cut over cp, with ep)."""
     lines = []
     for site in ctx.sites:
         weights = []
         for linear in site.colwise + site.rowwise:
             name = weight_name(linear)
-            weights.append(f"{ctx.params[name].fqn}={describe(ctx.param_placements.get(name, Replicate()))}")
+            experts = f" (cp: {describe(ctx.expert_placements[name])})" if name in ctx.expert_placements else ""
+            weights.append(f"{ctx.params[name].fqn}={describe(ctx.param_placements.get(name, Replicate()))}{experts}")
         lines.append(f"{site.name}: " + ", ".join(weights))
     return lines
 
