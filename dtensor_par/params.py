@@ -199,7 +199,8 @@ class WholeParameters:
 
 
 class ShardedParameters(WholeParameters):
-    """Parameters are DTensor shards (``parallelize``); the graph gets ``param.to_local()``."""
+    """Parameters held by ``parallelize``: DTensor shards, fed as ``param.to_local()``; whole plain
+    ones (``holds_whole``) as they are."""
 
     sharded = True
     state = "sharded (dtensor_par.parallelize): each rank holds its DTensor piece of every sharded parameter"
