@@ -188,7 +188,7 @@ def plan_dict(nodes: list[dict], local_gm: fx.GraphModule, ctx: ParallelContext)
         "version": PLAN_VERSION,
         "mesh": {name: ctx.mesh.size(name) for name in ctx.mesh.order},
         "world_size": ctx.mesh.world_size,
-        "parameter_state": ctx.feeding.state,
+        "parameter_state": ctx.feeding.state_on(ctx.mesh, ctx.config),
         "sites": sites_text(ctx).splitlines(),
         "batch": batch_line(ctx),
         "fsdp": fsdp_line(ctx),

@@ -135,7 +135,8 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
                          f"parallelized=False contradicts it")
     feeding = SHARDED if parallelized else WHOLE
     profile = machine_profile(machine) if machine is not None else None
-    report = Report(sizes, info.order, device_type, feeding.state, machine=profile and profile.name, training=training)
+    report = Report(sizes, info.order, device_type, feeding.state_on(info, config),
+                    machine=profile and profile.name, training=training)
     with paused_gc():  # capture and passes: ~0.5 s of full collections finding little garbage
         args, kwargs = cast_floating((tuple(example_inputs), example_kwargs or {}), config.param_dtype)
         with traced_in(model, config.param_dtype):

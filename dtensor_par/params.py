@@ -8,7 +8,8 @@ Two strategies, one chosen per plan (``feeding_for``, from the graph's inputs):
   back to full size in backward.
 - ``SHARDED`` (after ``parallelize``): parameters are ``nn.Parameter(DTensor)`` shards. Dynamo
   hands the graph their stand-ins (``sharded.py``); the graph is fed ``param.to_local()``, so
-  the gradient comes back as a DTensor shard and nothing is gathered.
+  the gradient comes back as a DTensor shard and nothing is gathered. Where no mesh dim cuts
+  a parameter (``holds_whole``), they are plain parameters held whole, fed as they are.
 
 Inputs that are not parameters are sliced to this rank's shard the same way in both.
 """
@@ -16,10 +17,12 @@ Inputs that are not parameters are sliced to this rank's shard the same way in b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Placement as DTensorPlacement
 from torch.distributed.tensor import Replicate as DTensorReplicate
 from torch.distributed.tensor import Shard as DTensorShard
@@ -31,17 +34,20 @@ from .ops.collectives import gather_param_grad, shard_local
 from .placements import InterleavedShard, Placement, Replicate, Shard, describe, interleaved_parts, local_chunk, \
     local_shape, shard_dim
 
+if TYPE_CHECKING:
+    from .config import ParallelConfig
+
 STANDIN_OF = "_dtensor_par_param"
-"""The attribute of a stand-in (``sharded.py``) naming the DTensor parameter it stands for."""
+"""The attribute of a stand-in (``sharded.py``) naming the held parameter it stands for."""
 
 
 def standin_param(value) -> nn.Parameter | None:
-    """The DTensor parameter a graph input stands for, or None for any other input."""
+    """The held parameter (``parallelize``'s) a graph input stands for, or None for any other input."""
     return getattr(value, STANDIN_OF, None) if isinstance(value, nn.Parameter) else None
 
 
 def held_tensor(value: torch.Tensor) -> torch.Tensor:
-    """What a rank holds for a graph input: the DTensor parameter a stand-in stands for, else the input."""
+    """What a rank holds for a graph input: the parameter a stand-in stands for, else the input."""
     param = standin_param(value)
     return value if param is None else param
 
@@ -123,6 +129,15 @@ def held_mesh(mesh: DeviceMesh) -> DeviceMesh:
     foreach AdamW step of a one-layer model took 20 s of CPU, against 0.3 s on its two."""
     names = tuple(n for n, size in zip(mesh.mesh_dim_names, mesh.shape) if size > 1)
     return mesh if len(names) in (0, mesh.ndim) else mesh[names]
+
+
+def holds_whole(info: MeshInfo, config: ParallelConfig) -> bool:
+    """Whether ``parallelize`` holds every parameter whole, as a plain tensor: no mesh dim cuts
+    one (tp is 1, FSDP cuts over no dim of size > 1 and no expert is cut over cp: dp_replicate
+    alone is DDP). DDP's own state: AdamW and ``clip_grad_norm_`` then run on plain tensors, and
+    no gradient is wrapped back into a DTensor at every step."""
+    experts_cut = config.ep is not None and info.size("cp") > 1
+    return info.size("tp") == 1 and info.fsdp(config.fsdp_dims) is None and not experts_cut
 
 
 def _tp_dtensor_placement(p: Placement) -> DTensorPlacement:
@@ -214,30 +229,50 @@ class WholeParameters:
     def check(self, params: dict, layouts: dict[str, HeldLayout], args, mesh: DeviceMesh, info: MeshInfo) -> None:
         """Whole parameters fit any plan."""
 
+    def state_on(self, info: MeshInfo, config: ParallelConfig) -> str:
+        """What each rank holds of the parameters on this mesh, as reports say it."""
+        return self.state
+
 
 class ShardedParameters(WholeParameters):
-    """Parameters are DTensor shards (``parallelize``); the graph gets ``param.to_local()``."""
+    """Parameters held by ``parallelize``: DTensor shards, fed as ``param.to_local()``; whole plain
+    ones (``holds_whole``) as they are."""
 
     sharded = True
     state = "sharded (dtensor_par.parallelize): each rank holds its DTensor piece of every sharded parameter"
+    whole_state = ("sharded (dtensor_par.parallelize): no mesh dim cuts a parameter, so each rank holds every "
+                   "parameter whole, as a plain tensor (DDP's state)")
 
     def local_input(self, value, placements: dict[str, Placement], mesh: MeshInfo, comm: str):
         param = standin_param(value)
-        return param.to_local() if param is not None else super().local_input(value, placements, mesh, comm)
+        if param is None:
+            return super().local_input(value, placements, mesh, comm)
+        return param.to_local() if isinstance(param, DTensor) else param
 
     def check(self, params: dict, layouts: dict[str, HeldLayout], args, mesh: DeviceMesh, info: MeshInfo) -> None:
-        """DTensor parameters must be laid out as this plan needs them, on this mesh."""
+        """Held parameters must be laid out as this plan needs them, on this mesh: a DTensor with
+        its placements, a plain one (held whole) where the plan cuts none."""
         held = held_mesh(mesh)
         for name, param_info in params.items():
             param = standin_param(args[param_info.index])
             if param is None:
                 continue
             needed = layouts[name].dtensor_placements(held, info)
-            if param.device_mesh != held or tuple(param.placements) != needed:
+            if not isinstance(param, DTensor):
+                if any(not isinstance(p, DTensorReplicate) for p in needed):
+                    raise ValueError(
+                        f"hybrid_parallel: parameter {param_info.fqn!r} is held whole (a plain tensor: it was "
+                        f"parallelized over a mesh that cuts no parameter), but this plan needs {needed} "
+                        f"({layouts[name].describe()}) over {held}; parallelize the model with the mesh and options "
+                        f"you compile it with")
+            elif param.device_mesh != held or tuple(param.placements) != needed:
                 raise ValueError(
                     f"hybrid_parallel: parameter {param_info.fqn!r} is a DTensor with placements {param.placements} "
                     f"over {param.device_mesh}, but this plan needs {needed} ({layouts[name].describe()}) over "
                     f"{held}; parallelize the model with the mesh and options you compile it with")
+
+    def state_on(self, info: MeshInfo, config: ParallelConfig) -> str:
+        return self.whole_state if holds_whole(info, config) else self.state
 
 
 WHOLE = WholeParameters()

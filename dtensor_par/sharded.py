@@ -5,7 +5,9 @@ the same names, each parameter by an ``nn.Parameter`` holding a DTensor with the
 placements (``Shard`` or, for fused projections, ``_StridedShard`` on tp; with FSDP,
 ``Shard`` on each of ``fsdp_dims`` along a dim tp does not cut, ``params.HeldLayout``;
 ``Replicate`` elsewhere). The optimizer, ``clip_grad_norm_``
-and ``torch.distributed.checkpoint`` then work as they do for FSDP2/TP models.
+and ``torch.distributed.checkpoint`` then work as they do for FSDP2/TP models. Where no mesh
+dim cuts a parameter (``params.holds_whole``: dp_replicate alone), each stays a plain
+``nn.Parameter`` held whole, as DDP holds it; everything below applies to it alike.
 
 Dynamo must not trace the model on DTensors: DTensor would propagate its own placements
 through every op (slow, and some ops have no rule). So while a parallelized model is
@@ -36,7 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .pipeline import PLANNING_PASSES, parallelize_graph
 from .config import ParallelConfig
 from .mesh import MeshInfo
-from .params import SHARDED, STANDIN_OF, HeldLayout, expert_dims, held_mesh
+from .params import SHARDED, STANDIN_OF, HeldLayout, expert_dims, held_mesh, holds_whole
 from .passes.capture import capture_graphs
 from .placements import Placement, Replicate, describe
 
@@ -45,12 +47,12 @@ _STATE = "_dtensor_par_sharded"  # the root module's attribute holding its Shard
 
 @dataclass
 class Slot:
-    """One place a DTensor parameter is registered: ``module._parameters[name]``."""
+    """One place a held parameter is registered: ``module._parameters[name]``."""
 
     fqn: str
     module: nn.Module
     name: str
-    param: nn.Parameter  # the DTensor parameter
+    param: nn.Parameter  # the held parameter: a DTensor, or plain where nothing is cut
     standin: nn.Parameter  # what Dynamo sees in its place
 
 
@@ -80,7 +82,7 @@ def _check_optimizer(replaced: dict[int, tuple[weakref.ref, str]], optimizer: to
             if ref is not None and ref() is p:
                 raise RuntimeError(
                     f"{type(optimizer).__name__} holds parameter {fqn!r} as it was before "
-                    f"dtensor_par.parallelize replaced it by its DTensor shard; build the optimizer after "
+                    f"dtensor_par.parallelize replaced it by the parameter each rank holds; build the optimizer after "
                     f"parallelize (or after the first call of a dtensor_par.parallel model)")
 
 
@@ -162,7 +164,7 @@ def _swap_in(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]
                 f"(copy_, torch.distributed.checkpoint.state_dict.set_model_state_dict)")
     if not _in_compiled_call(module):
         raise RuntimeError(
-            f"{type(module).__name__} was parallelized (its parameters are DTensor shards): call it through "
+            f"{type(module).__name__} was parallelized (dtensor_par.parallelize holds its parameters): call it through "
             f"torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh)), or build it with the "
             f"dtensor_par.parallel class decorator")
     for slot in slots:
@@ -208,13 +210,27 @@ def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, exa
     return placements
 
 
+def _held_piece(param: nn.Parameter, layout: HeldLayout, mesh: DeviceMesh, info: MeshInfo) -> torch.Tensor:
+    """This rank's piece of ``param`` in storage of its own; of a meta ``param``, only that piece
+    materialized, uninitialized (as ``Module.to_empty``)."""
+    if param.is_meta:
+        return torch.empty(layout.held_shape(param.shape), dtype=param.dtype, device=mesh.device_type)
+    return layout.held_piece(param.detach(), info.dims["tp"].rank).clone(memory_format=torch.contiguous_format)
+
+
+def _held_param(param: nn.Parameter, layout: HeldLayout, mesh: DeviceMesh, info: MeshInfo,
+                whole: bool) -> nn.Parameter:
+    """What a rank holds of ``param``: the whole of it as a plain parameter where ``whole``
+    (``holds_whole``), else its DTensor piece."""
+    if whole:
+        return nn.Parameter(_held_piece(param, layout, mesh, info), requires_grad=param.requires_grad)
+    return _as_dtensor(param, layout, mesh, info)
+
+
 def _as_dtensor(param: nn.Parameter, layout: HeldLayout, mesh: DeviceMesh, info: MeshInfo) -> nn.Parameter:
     """This rank's piece of ``param`` as a DTensor parameter over ``mesh`` (``held_mesh``); its
     storage holds only that piece."""
-    if param.is_meta:  # materialize the local piece only, uninitialized (as ``Module.to_empty``)
-        local = torch.empty(layout.held_shape(param.shape), dtype=param.dtype, device=mesh.device_type)
-    else:
-        local = layout.held_piece(param.detach(), info.dims["tp"].rank).clone(memory_format=torch.contiguous_format)
+    local = _held_piece(param, layout, mesh, info)
     dtensor = DTensor.from_local(local, mesh, layout.dtensor_placements(mesh, info), run_check=False,
                                  shape=param.shape, stride=torch.empty(param.shape, device="meta").stride())
     return nn.Parameter(dtensor, requires_grad=param.requires_grad)
@@ -229,7 +245,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), 
     materialized, with uninitialized values to load or initialize), and replaces every
     parameter, in place and under the same FQN, by an ``nn.Parameter(DTensor)``: the plan's
     placement on tp, and cut again over ``fsdp_dims`` (FSDP: dp_shard, ring and ulysses by
-    default), Replicate on the other mesh dims. Run the model with
+    default), Replicate on the other mesh dims; by a plain ``nn.Parameter`` held whole where
+    no mesh dim cuts one (dp_replicate alone, as DDP holds them). Run the model with
     ``torch.compile(model, backend=hybrid_parallel(mesh, **options))``; build the optimizer
     afterwards. ``options``: those of ``hybrid_parallel`` (``config.ParallelConfig``).
     """
@@ -249,17 +266,17 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
     info = MeshInfo.from_mesh(mesh, entry)
     config.check_mesh(info, entry)
     placements = plan_placements(model, mesh, example_args, example_kwargs, config)
-    fsdp, held = info.fsdp(config.fsdp_dims), held_mesh(mesh)
+    fsdp, held, whole = info.fsdp(config.fsdp_dims), held_mesh(mesh), holds_whole(info, config)
     ep, expert_fsdp = expert_dims(info, config.fsdp_dims)
     state = ShardedState(mesh, config, [])
-    # id(old) -> (DTensor param, stand-in): tied weights share them
+    # id(old) -> (held param, stand-in): tied weights share them
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     for fqn, owner, name, old in _registered_parameters(model):
         if id(old) not in replaced:
             tp, experts = placements.get(fqn, (None, False))
             layout = HeldLayout.of(old.shape, tp, info, expert_fsdp, ep) if experts else HeldLayout.of(
                 old.shape, tp, info, fsdp)
-            param = _as_dtensor(old, layout, held, info)
+            param = _held_param(old, layout, held, info, whole)
             replaced[id(old)] = (param, _standin(param, config.param_dtype))
             state.remember_replaced(old, fqn)
         param, standin = replaced[id(old)]

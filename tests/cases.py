@@ -12,7 +12,7 @@ import dtensor_par
 from tests import models
 from dtensor_par.choose import Ranking
 from dtensor_par.sharded import sharded_state
-from tests.harness import assert_every_rank_matches, compare, logged, loss_of, max_rel, run_ranks_together
+from tests.harness import assert_every_rank_matches, compare, logged, loss_of, max_rel, run_ranks_together, whole
 
 def _keep(seq: int) -> torch.Tensor:
     """Key padding: the second sequence of the batch ends in 5 padding positions."""
@@ -111,7 +111,7 @@ def auto_mesh(rank: int, world: int) -> dict:
     loss_of(reference(x)).backward()
     mesh = sharded_state(model).mesh
     result = {"forward": (out - reference(x)).abs().max().item(),
-              "grad": max(max_rel(p.grad.full_tensor(), q.grad) for p, q in zip(model.parameters(),
+              "grad": max(max_rel(whole(p.grad), q.grad) for p, q in zip(model.parameters(),
                                                                                   reference.parameters())),
               "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "chosen": str(model.mesh_ranking[0]),
               "logged": [r.getMessage() for r in records if "auto=True" in r.getMessage()]}

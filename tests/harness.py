@@ -35,6 +35,12 @@ def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a parallelized model's tensor: a DTensor's ``full_tensor()``; a plain one is
+    held whole (``parallelize`` over a mesh that cuts no parameter)."""
+    return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
+
+
 def dp_rows(mesh, size: int) -> slice:
     """This rank's rows of a batch of ``size`` under ``batch="local"``: its dp coordinate's share,
     as a DistributedSampler feeds DDP and FSDP2."""

@@ -15,12 +15,13 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 import dtensor_par
 from dtensor_par.mesh import FSDP_DIMS
 from tests import models
 from tests.background import in_background
-from tests.harness import FUNCTIONAL_OPS, dp_rows, executed_collectives, loss_of, max_rel, run_ranks_together
+from tests.harness import FUNCTIONAL_OPS, dp_rows, executed_collectives, loss_of, max_rel, run_ranks_together, whole
 
 PARAM_RTOL = 1e-5
 
@@ -46,7 +47,8 @@ def _model(name: str):
 
 
 def _storage_bytes(t) -> int:
-    return t.to_local().untyped_storage().nbytes()
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.untyped_storage().nbytes()
 
 
 def _check_storage(model: nn.Module, optimizer, name: str, tp: int, fsdp: int) -> int:
@@ -76,7 +78,7 @@ def _rows_loss(out: torch.Tensor, rows: slice, batch_size: int) -> torch.Tensor:
 def train_against_one_device(rank: int, world: int, *, sizes: dict, names: list[str], checkpoint_dir: str | None,
                              batch: str = "global", reshard_after_forward: bool = True):
     """3 AdamW steps with clipping, parallelized vs one device on the whole batch (a mean loss);
-    storage shares; state dicts."""
+    storage shares; state dicts; whether the parameters and gradients are held as plain tensors."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
@@ -103,13 +105,13 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, names: list[
             loss_ref.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
             norm_ref = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
-            assert all(isinstance(p.grad, torch.distributed.tensor.DTensor) for p in model.parameters())
+            plain = {not isinstance(t, DTensor) for p in model.parameters() for t in (p, p.grad)}
             opt.step()
             opt_ref.step()
             if batch == "global":  # under "local" each rank's loss is its rows' (their mean is one device's)
                 worst["loss"] = max(worst["loss"], abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()))
-            worst["norm"] = max(worst["norm"], abs(norm.full_tensor().item() - norm_ref.item()) / norm_ref.item())
-            worst["param"] = max(worst["param"], max(max_rel(p.full_tensor(), q)
+            worst["norm"] = max(worst["norm"], abs(whole(norm).item() - norm_ref.item()) / norm_ref.item())
+            worst["param"] = max(worst["param"], max(max_rel(whole(p), q)
                                                      for p, q in zip(model.parameters(), reference.parameters())))
             if _ == 2:
                 fsdp = math.prod(mesh[n].size() for n in mesh.mesh_dim_names if n in FSDP_DIMS)
@@ -123,24 +125,24 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, names: list[
         torch.nn.init.zeros_(next(fresh.parameters()))
         dtensor_par.parallelize(fresh, mesh, (x,))
         set_model_state_dict(fresh, dict(reference.state_dict()), options=StateDictOptions(full_state_dict=True))
-        worst["loaded_full"] = max(max_rel(p.full_tensor(), q) for p, q in zip(fresh.parameters(), reference.parameters()))
+        worst["loaded_full"] = max(max_rel(whole(p), q) for p, q in zip(fresh.parameters(), reference.parameters()))
 
         if checkpoint_dir is not None and name == "llama":  # DCP: sharded files, optimizer included
             import torch.distributed.checkpoint as dcp
             saved = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
             dcp.save(saved, checkpoint_id=checkpoint_dir)
-            expected = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
-            expected_avg = [opt.state[p]["exp_avg"].full_tensor().clone() for p in model.parameters()]
+            expected = {k: whole(v).clone() for k, v in model.state_dict().items()}
+            expected_avg = [whole(opt.state[p]["exp_avg"]).clone() for p in model.parameters()]
             loss_of(compiled(x)).backward()
             opt.step()  # move weights and state away from the checkpoint
             state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
             dcp.load(state, checkpoint_id=checkpoint_dir)
             set_model_state_dict(model, state["model"])
             set_optimizer_state_dict(model, opt, state["optim"])
-            worst["dcp_params"] = max(max_rel(v.full_tensor(), expected[k]) for k, v in model.state_dict().items())
-            worst["dcp_exp_avg"] = max(max_rel(opt.state[p]["exp_avg"].full_tensor(), e)
+            worst["dcp_params"] = max(max_rel(whole(v), expected[k]) for k, v in model.state_dict().items())
+            worst["dcp_exp_avg"] = max(max_rel(whole(opt.state[p]["exp_avg"]), e)
                                        for p, e in zip(model.parameters(), expected_avg))
-        results[name] = dict(worst)
+        results[name] = {**worst, "plain": sorted(plain)}
     return results
 
 
@@ -162,7 +164,7 @@ def mixed_precision(rank: int, world: int) -> dict:
         dtensor_par.parallelize(model, mesh, (x,), **options)
         out = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager", **options))(x)
         loss_of(out.float()).backward()
-        grads = [p.grad.full_tensor() for p in model.parameters()]
+        grads = [whole(p.grad) for p in model.parameters()]
 
         def one_device(dtype):
             params = {n: p.to(dtype) for n, p in reference.named_parameters()}
@@ -170,7 +172,8 @@ def mixed_precision(rank: int, world: int) -> dict:
             grads = torch.autograd.grad(loss_of(want.float()), list(reference.parameters()))
             return want, grads
         want, want_grads = one_device(dtype)
-        result = {"dtypes": sorted({str(out.dtype)} | {str(g.dtype) for g in grads})}
+        result = {"dtypes": sorted({str(out.dtype)} | {str(g.dtype) for g in grads}),
+                  "plain": sorted({not isinstance(p, DTensor) for p in model.parameters()})}
         if dtype == torch.float64:
             result.update(forward=(out - want).abs().max().item(), grad=max(map(max_rel, grads, want_grads)))
         else:
@@ -183,9 +186,11 @@ def mixed_precision(rank: int, world: int) -> dict:
 
 def _calls(world: int, folder: str) -> dict:
     """The rank functions one launch of ``world`` ranks runs, by label, with their arguments."""
-    if world == 2:
+    if world == 2:  # DDP's layout: every parameter held whole, as a plain tensor, DCP included
         return {"fresh": (full_parameters_stay_fresh, {}), "decorated": (decorated_model, {}),
-                "mixed precision": (mixed_precision, {})}
+                "mixed precision": (mixed_precision, {}),
+                "ddp": (train_against_one_device, dict(sizes={"dp_replicate": 2}, names=["llama"],
+                                                       checkpoint_dir=os.path.join(folder, "checkpoint")))}
     if world == 8:  # FSDP over dp_shard x ring beside tp, on causal attention
         return {"training": (train_against_one_device, dict(sizes={"dp_shard": 2, "ring": 2, "tp": 2},
                                                             names=["llama"], checkpoint_dir=None))}
@@ -209,16 +214,19 @@ LAUNCHES = {world: in_background(_launch, world) for world in (4, 8, 2)}
 """One launch per world size serves all of that size's tests (in the order they read them)."""
 
 
-@pytest.mark.parametrize("world,label", [(4, "training"), (8, "training"), (4, "hsdp_local")],
-                         ids=["tp2-ulysses2", "dp_shard2-ring2-tp2", "local-hsdp2x2"])
+@pytest.mark.parametrize("world,label", [(4, "training"), (8, "training"), (4, "hsdp_local"), (2, "ddp")],
+                         ids=["tp2-ulysses2", "dp_shard2-ring2-tp2", "local-hsdp2x2", "ddp2"])
 def test_training_matches_one_device_holding_one_tp_and_fsdp_share(world, label):
+    """At dp_replicate alone no mesh dim cuts a parameter: each is held whole, as DDP holds it,
+    a plain tensor (as its gradient and optimizer state), and trains and checkpoints alike."""
     for rank_results in LAUNCHES[world].result():
         result = rank_results[label]
         for name, worst in result.items():
             assert worst["sharded_params"] == LAYERS * len(SHARDED[name]), (name, worst)
+            assert worst["plain"] == [label == "ddp"], (name, worst)
             for key in ("loss", "norm", "param", "full_state_dict", "loaded_full", "dcp_params", "dcp_exp_avg"):
                 assert worst.get(key, 0.0) <= PARAM_RTOL, (name, key, worst)
-        if label == "training" and world == 4:
+        if label == "ddp" or (label == "training" and world == 4):
             assert "dcp_params" in result["llama"]
 
 
@@ -288,6 +296,7 @@ def test_mixed_precision_computes_in_param_dtype_and_reduces_in_reduce_dtype():
     for result in (rank_results["mixed precision"] for rank_results in LAUNCHES[2].result()):
         for label in ("fsdp", "ddp"):
             assert result[label]["dtypes"] == ["torch.float32", "torch.float64"], result
+            assert result[label]["plain"] == [label == "ddp"], result
             assert result[label]["forward"] <= 1e-12 and result[label]["grad"] <= 1e-6, result
         bf16 = result["fsdp bf16"]
         assert bf16["dtypes"] == ["torch.bfloat16", "torch.float32"], result
@@ -313,6 +322,23 @@ def test_parallelize_errors(fake_world):
                                                                      inner_backend="aot_eager"))
     with pytest.raises(Exception, match=r"parameter 'embed.weight' is a DTensor .* over DeviceMesh\(\(ulysses=2, "
                                         r"tp=2\).* but this plan needs .* over DeviceMesh\(\(tp=4\)"):
+        other(x)
+
+
+def test_a_mesh_that_cuts_no_parameter_holds_them_whole_as_plain_tensors(fake_world):
+    """dp_replicate alone: parallelize holds every parameter whole, a plain tensor (DDP's state),
+    explain says so, and a plan that cuts a parameter refuses them."""
+    fake_world(2)
+    model, x = _model("llama")
+    report = dtensor_par.explain(model, (x,), device_type="cpu", parallelized=True, dp_replicate=2)
+    assert "each rank holds every parameter whole, as a plain tensor" in report.parameter_state
+    assert report.parameter_bytes[0] == report.parameter_bytes[1]
+    dtensor_par.parallelize(model, dtensor_par.init_mesh(dp_replicate=2), (x,))
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    other = torch.compile(model, backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(tp=2),
+                                                                     inner_backend="aot_eager"))
+    with pytest.raises(Exception, match=r"parameter 'blocks.0.q_proj.weight' is held whole \(a plain tensor: .* "
+                                        r"but this plan needs .*Shard"):
         other(x)
 
 
