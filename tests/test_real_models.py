@@ -385,6 +385,18 @@ def test_experts_cut_over_cp_with_ep(name, mesh):
     assert not any(name in str(c["site"]) for c in graph.collectives for name in held), graph.collectives
 
 
+def test_experts_read_a_row_at_a_time_are_warned_of():
+    """transformers' ``batched_mm`` experts (``W[expert_ids]`` then ``bmm``) are no mixture the
+    planner reads: whole on every rank, and each expert weight named in a warning."""
+    model, args, kwargs = real_models.mixtral()
+    model.config._experts_implementation = "batched_mm"
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    warned = [w for w in graph.warnings if "is read a row at a time" in w]
+    assert [w.split(" is read")[0] for w in warned] == ["model.layers.0.mlp.experts.gate_up_proj",
+                                                         "model.layers.0.mlp.experts.down_proj"], graph.warnings
+    assert not any(s.startswith("moe") for s in graph.sites), graph.sites
+
+
 def test_experts_that_cannot_be_cut_over_cp_stay_whole_or_are_refused():
     """``ep="cp"`` where the experts do not split into the cp ranks' chunks (4 experts over a ring
     of 4, two zigzag chunks a rank): whole on every rank, with a warning that says why. Where the

@@ -503,6 +503,21 @@ def find_moe_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[MoESite]:
     return sites
 
 
+def warn_experts_read_per_row(gm: fx.GraphModule, ctx: ParallelContext) -> None:
+    """Expert weights ``[E, ...]`` indexed by a tensor, each row reading its own expert's copy
+    (``W[expert_ids]`` then ``bmm``: transformers' ``batched_mm`` experts), are no mixture the
+    planner reads: they stay whole on every rank, each rank computing its own rows. Warned of by
+    name, so that a report never counts them parallel in silence."""
+    for node in (n for n in gm.graph.nodes if op_kind(n) == "getitem"):
+        given = arguments(node)
+        weight, index = given.get("input"), given.get("index")
+        if isinstance(weight, fx.Node) and weight.name in ctx.params and isinstance(index, fx.Node) \
+                and tensor_val(weight).dim() == 3:
+            ctx.warn(f"{ctx.params[weight.name].fqn} is read a row at a time through {index.name} ({node.name}): "
+                     f"experts read so (transformers' 'batched_mm' implementation) stay whole on every rank; "
+                     f"the 'grouped_mm' one is sharded over tp and, with ep='cp', over cp")
+
+
 def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Record sites in ``ctx.sites``; tag their nodes with their site role and each site
     linear with its weight's name (``meta.site_role``, ``meta.weight_name``)."""
@@ -510,6 +525,7 @@ def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     taken = {n for site in attention + experts for n in site.colwise + site.rowwise}
     taken.update(site.router for site in experts)
     ctx.sites = attention + experts + find_mlp_sites(gm, ctx, taken)
+    warn_experts_read_per_row(gm, ctx)
     for site in ctx.sites:
         roles = {"core": [site.core]} if isinstance(site, AttentionSite) else {}
         roles.update({"colwise": site.colwise, "rowwise": site.rowwise})
