@@ -348,7 +348,6 @@ def bucket_fsdp_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
                 graph.erase_node(gather)
 
 
-
 def average_gradients_over_dp(gm: fx.GraphModule, ctx: ParallelContext, fsdp: dict[str, HeldLayout]) -> None:
     """Under ``batch="local"`` each dp coordinate computes on its own slice of the batch, so each
     parameter's gradient is averaged over dp (DDP's and FSDP2's reduction); ``grad_bucket_mb``
