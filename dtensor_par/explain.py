@@ -168,7 +168,9 @@ def _graph_report(gm, inputs: list, info: MeshInfo, config: ParallelConfig, feed
     local_gm, ctx = parallelize_graph(gm, inputs, info, config, feeding=feeding, dump=dump, specialization=spec)
     sites = sites_text(ctx).splitlines()
     plan_seconds = time.perf_counter() - start
-    return GraphReport(sites if measured is None else _with_measured_routing(sites, ctx, measured), site_placement_lines(ctx), parameter_rows(ctx),
+    if measured is not None:
+        sites = _with_measured_routing(sites, ctx, measured)
+    return GraphReport(sites, site_placement_lines(ctx), parameter_rows(ctx),
                        collective_rows(local_gm), list(ctx.warnings), plan_seconds, ctx.coverage,
                        ctx.comm, len(ctx.replica_group_sets), spec.symbolic_names() if spec else [],
                        spec.specialized() if spec else [], batch_line(ctx), fsdp_line(ctx),

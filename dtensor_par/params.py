@@ -17,7 +17,7 @@ Inputs that are not parameters are sliced to this rank's shard the same way in b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
@@ -89,6 +89,11 @@ class HeldLayout:
             local[0] //= self.ep.size
         return tuple(local)
 
+    def own_gradient_on(self, plan_dim: str) -> bool:
+        """Whether each rank's piece gets its whole gradient on ``plan_dim``, no partial sum: an
+        expert weight's on cp, where its experts are cut (ep), each rank computing them alone."""
+        return self.ep is not None and plan_dim == "cp"
+
     def held_shape(self, shape) -> tuple[int, ...]:
         local = list(self.computed_shape(shape))
         if self.fsdp_dim is not None:
@@ -149,23 +154,25 @@ def _tp_dtensor_placement(p: Placement) -> DTensorPlacement:
     return DTensorShard(p.dim) if isinstance(p, Shard) else DTensorReplicate()
 
 
-def expert_dims(mesh: MeshInfo, fsdp_dims: tuple | None) -> tuple[MeshDim, MeshDim | None]:
-    """With expert parallelism: the dim an expert weight's experts are cut over (cp, in plain
-    chunks), and its FSDP dim, over what ``fsdp_dims`` leaves besides cp."""
+def layout_maker(mesh: MeshInfo, fsdp_dims: tuple | None, sharded: bool) -> Callable[..., HeldLayout]:
+    """``layout(shape, tp, experts)``: how a parameter planned ``tp`` on tp is held, FSDP over
+    ``fsdp_dims`` once parallelized (``sharded``; whole parameters are only sliced). An expert
+    weight cut over cp (``experts``, with ep) has its experts in plain chunks there, and FSDP
+    over what ``fsdp_dims`` leaves besides cp."""
     names = fsdp_dims if fsdp_dims is not None else FSDP_DIMS
-    return mesh.dims["cp"]._replace(zigzag=0), mesh.fsdp(tuple(n for n in names if n in mesh.order and n not in
-                                                               SPANS["cp"]))
+    fsdp = mesh.fsdp(fsdp_dims) if sharded else None
+    expert_fsdp = mesh.fsdp(tuple(n for n in names if n in mesh.order and n not in SPANS["cp"])) if sharded else None
+    ep = mesh.dims["cp"]._replace(zigzag=0)
+
+    def layout(shape, tp: Placement | None, experts: bool) -> HeldLayout:
+        return HeldLayout.of(shape, tp, mesh, expert_fsdp, ep) if experts else HeldLayout.of(shape, tp, mesh, fsdp)
+    return layout
 
 
 def held_layouts(ctx) -> dict[str, HeldLayout]:
-    """Each parameter placeholder's layout, as the plan's parameters are held: FSDP only once
-    parallelized (whole parameters are only ever sliced on tp, and expert weights over cp)."""
-    fsdp = ctx.mesh.fsdp(ctx.config.fsdp_dims) if ctx.feeding.sharded else None
-    ep, expert_fsdp = expert_dims(ctx.mesh, ctx.config.fsdp_dims)
-    expert_fsdp = expert_fsdp if ctx.feeding.sharded else None
-    return {name: HeldLayout.of(info.tensor.shape, ctx.param_placements.get(name), ctx.mesh, expert_fsdp, ep)
-            if name in ctx.expert_placements else
-            HeldLayout.of(info.tensor.shape, ctx.param_placements.get(name), ctx.mesh, fsdp)
+    """Each parameter placeholder's layout, as the plan's parameters are held."""
+    layout = layout_maker(ctx.mesh, ctx.config.fsdp_dims, ctx.feeding.sharded)
+    return {name: layout(info.tensor.shape, ctx.param_placements.get(name), name in ctx.expert_placements)
             for name, info in ctx.params.items()}
 
 

@@ -38,7 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .pipeline import PLANNING_PASSES, parallelize_graph
 from .config import ParallelConfig
 from .mesh import MeshInfo
-from .params import SHARDED, STANDIN_OF, HeldLayout, expert_dims, held_mesh, holds_whole
+from .params import SHARDED, STANDIN_OF, HeldLayout, held_mesh, holds_whole, layout_maker
 from .passes.capture import capture_graphs
 from .placements import Placement, Replicate, describe
 
@@ -266,17 +266,13 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
     info = MeshInfo.from_mesh(mesh, entry)
     config.check_mesh(info, entry)
     placements = plan_placements(model, mesh, example_args, example_kwargs, config)
-    fsdp, held, whole = info.fsdp(config.fsdp_dims), held_mesh(mesh), holds_whole(info, config)
-    ep, expert_fsdp = expert_dims(info, config.fsdp_dims)
+    layout_of, held, whole = layout_maker(info, config.fsdp_dims, True), held_mesh(mesh), holds_whole(info, config)
     state = ShardedState(mesh, config, [])
     # id(old) -> (held param, stand-in): tied weights share them
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     for fqn, owner, name, old in _registered_parameters(model):
         if id(old) not in replaced:
-            tp, experts = placements.get(fqn, (None, False))
-            layout = HeldLayout.of(old.shape, tp, info, expert_fsdp, ep) if experts else HeldLayout.of(
-                old.shape, tp, info, fsdp)
-            param = _held_param(old, layout, held, info, whole)
+            param = _held_param(old, layout_of(old.shape, *placements.get(fqn, (None, False))), held, info, whole)
             replaced[id(old)] = (param, _standin(param, config.param_dtype))
             state.remember_replaced(old, fqn)
         param, standin = replaced[id(old)]

@@ -18,6 +18,8 @@ read them.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from ..mesh import MeshDim
 from .lowerings import FUNCTIONAL, LOWERINGS
@@ -39,10 +41,7 @@ def local_offsets(received: torch.Tensor) -> torch.Tensor:
 
 def _runs(sizes: list[int]) -> list[tuple[int, int]]:
     """(start, length) of consecutive runs of the given lengths."""
-    starts = [0]
-    for n in sizes[:-1]:
-        starts.append(starts[-1] + n)
-    return list(zip(starts, sizes))
+    return list(zip(itertools.accumulate(sizes, initial=0), sizes))
 
 
 def _reorder(x: torch.Tensor, sizes: list[list[int]], outer_first: bool) -> torch.Tensor:

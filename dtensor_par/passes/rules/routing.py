@@ -126,7 +126,7 @@ def localize_expert_exchange(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) 
     """What each exchange sends: the counts, a rank's rows (all of them go in, wherever they go),
     and, the other way, at most what every rank's rows could send to its experts (the worst
     case, ``cp`` times its own: the routing decides)."""
-    ep, val = mesh.dims["cp"], tensor_val(node)
+    ep, val = node.kwargs["ep"], tensor_val(node)
     nbytes = hint(math.prod(planned_local_shape(node, mesh))) * val.element_size()
     grad = node.meta["requires_grad"]
     sent = {exchange_counts: (nbytes, 0), dispatch_rows: (nbytes // ep.size, nbytes if grad else 0),
