@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import statistics
 import tempfile
@@ -83,22 +84,36 @@ def mesh_text(degrees: dict) -> str:
     return " x ".join(f"{d}{n}" for d, n in degrees.items() if n > 1) or "one device"
 
 
+def _compiled(name, sizes, seq, batch, m, inner):
+    """A training step of ``name`` parallelized over the mesh ``m``, compiled (its first step
+    run), or why it failed."""
+    try:
+        mesh = dtensor_par.init_mesh(**m["degrees"], order=tuple(m["order"]), device_type="cpu")
+        model, x = model_and_input(name, sizes, seq, batch)
+        parallel, fn = ours(model, mesh, x, inner)
+        step = functools.partial(train_step, fn, adamw(parallel), x)
+        step()
+        return step
+    except Exception as e:  # noqa: BLE001  recorded in the table, never hidden
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
 def measure_meshes(rank, world, *, name, sizes, seq, batch, meshes, reps, inner) -> list[dict]:
-    """Each mesh's training step (ms, median of ``reps``, slowest rank), or why it failed."""
-    out = []
-    for m in meshes:
-        torch._dynamo.reset()
-        try:
-            mesh = dtensor_par.init_mesh(**m["degrees"], order=tuple(m["order"]), device_type="cpu")
-            model, x = model_and_input(name, sizes, seq, batch)
-            parallel, fn = ours(model, mesh, x, inner)
-            opt = adamw(parallel)
-            train_step(fn, opt, x)  # compiles
-            out.append({"measured_ms": 1e3 * statistics.median(
-                slowest(timed(lambda: train_step(fn, opt, x))) for _ in range(reps))})
-        except Exception as e:  # noqa: BLE001  recorded in the table, never hidden
-            out.append({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
-    return out
+    """Each mesh's training step (ms, median of ``reps``, slowest rank), or why it failed.
+
+    Every mesh is compiled first, then timed in ``reps`` rounds of one step each: a load that
+    drifts during the run reaches every mesh alike, where timing one mesh after another would
+    charge it to whichever mesh ran then. A round before them is not timed: a mesh's first
+    steps after the other meshes compiled ran up to 20 times slower (253, 44, then 12 ms)."""
+    steps = [_compiled(name, sizes, seq, batch, m, inner) for m in meshes]
+    times = [[] for _ in meshes]
+    for _ in range(1 + reps):
+        for step, seconds in zip(steps, times):
+            if callable(step):
+                seconds.append(slowest(timed(step)))
+    times = [seconds[1:] for seconds in times]
+    return [{"measured_ms": 1e3 * statistics.median(seconds)} if callable(step) else {"error": step}
+            for step, seconds in zip(steps, times)]
 
 
 def compare(rows: list[dict]) -> dict:
@@ -144,11 +159,11 @@ def tables(results: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _profile(path: str | None, folder: str, reps: int):
+def _profile(path: str | None, folder: str):
     """The profile at ``path``, or one measured now (``calibrate --world 4``)."""
     if path:
         return machine_profile(path)
-    return calibrate(WORLD, os.path.join(folder, "profile.json"), reps=reps)
+    return calibrate(WORLD, os.path.join(folder, "profile.json"))
 
 
 def main():
@@ -166,7 +181,7 @@ def main():
     seqs = [int(s) for s in (args.seqs or ("64,128" if args.quick else "1024,2048")).split(",")]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        profile = _profile(args.profile, folder, args.reps)
+        profile = _profile(args.profile, folder)
         results = [run_config(name, shapes[name], seq, args, profile)
                    for name in args.models.split(",") for seq in seqs]
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),

@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     cal = commands.add_parser("calibrate", help="measure this machine into a profile --machine accepts")
     cal.add_argument("--world", type=int, required=True, help="ranks to measure with (torchrun's, or spawned here)")
     cal.add_argument("--out", required=True, help="where to write the profile (JSON)")
-    cal.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (median)")
+    cal.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement (median)")
     for sub in (ex, ch):
         sub.add_argument("--inference", action="store_true", help="predict a forward, not a training step")
         add_option_flags(sub)

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 from .machines import BUS_FACTOR, KINDS, LINK_CLASSES, Link, Machine
 
-SIZES = tuple(4**i for i in range(6, 12))
-"""Bytes a rank puts into each timed collective: 4 KiB to 4 MiB."""
+SIZES = tuple(4**i for i in range(6, 13))
+"""Bytes a rank puts into each timed collective and each other op writes: 4 KiB to 16 MiB, the
+range of a step's activations (a slope fitted below it missed caches that large tensors outgrow)."""
 
 
 def _device() -> torch.device:
@@ -149,7 +150,7 @@ def _memory_per_device(world: int) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
 
 
-def measure(rank: int, world: int, *, sizes: tuple[int, ...] = SIZES, reps: int = 5, matmul_size: int = 1024,
+def measure(rank: int, world: int, *, sizes: tuple[int, ...] = SIZES, reps: int = 10, matmul_size: int = 1024,
             attention_length: int = 1024) -> dict:
     """The profile of this machine as ``Machine.as_dict`` gives it, measured on every rank of
     the default process group at once (each rank returns the same)."""
