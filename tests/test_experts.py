@@ -130,6 +130,8 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
         (graph,) = dtensor_par.explain(reference, args, example_kwargs=kwargs, dp_shard=2, ulysses=2, ep="cp",
                                        measure_routing=True).graphs
         (line,) = [s for s in graph.sites if s.startswith("moe0")]
+        assert "experts per rank: 1 of 4 (ep over dp_shard=2 x cp=2), each whole" in line, line
+        assert "(all-to-alls over dp_shard=2 x cp=2)" in line, line
         measured = int(line.split("measured on the example inputs: ")[1].split(" B")[0])
     table = _collectives_table(dump_dir, f"dp_shard{rank // 2}_ring0_ulysses{rank % 2}_tp0")
     return {**worst, "held": held, "whole": experts.numel() * experts.element_size(), "ran": dict(ran),
