@@ -413,7 +413,8 @@ def test_experts_that_cannot_be_cut_over_cp_stay_whole_or_are_refused():
     # a local batch, which the plan does not cut over dp: the experts cut over cp only, FSDP over dp_shard
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ep="cp", dp_shard=2, ulysses=2, batch="local",
                                    parallelized=True).graphs
-    assert any("the experts are cut over cp only and FSDP-sharded over dp_shard" in w for w in graph.warnings)
+    assert any("the experts are cut over cp only (parallelized, FSDP-sharded over dp_shard)" in w
+               for w in graph.warnings), graph.warnings
     assert any("experts per rank: 2 of 4 (ep over cp=2)" in s for s in graph.sites), graph.sites
     with pytest.raises(NotImplementedError, match=r"exchange_counts .*: expert parallelism \(ep='cp'\) runs on each "
                                                   r"cp rank's own tokens.*run it with ep=None"):

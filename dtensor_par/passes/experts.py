@@ -65,7 +65,8 @@ def expert_chain(site: MoESite, mesh: MeshInfo, ep: MeshDim, sharded: bool
     chunks = math.lcm(ep.size, cp.size * cp.chunks_per_rank)
     if site.num_experts % chunks:
         zigzag = " (the ring's zigzag layout cuts cp's dims in two chunks a rank)" if cp.zigzag else ""
-        return f"{site.num_experts} experts do not divide into {chunks} equal chunks over {group_text(mesh, expert_plan_dims(ep))}{zigzag}"
+        return (f"{site.num_experts} experts do not divide into {chunks} equal chunks over "
+                f"{group_text(mesh, expert_plan_dims(ep))}{zigzag}")
     rows = _single({grouped_operands(g)[0] for g in site.up}, "up projections' rows")
     offsets = _single({grouped_operands(g)[2] for g in grouped}, "grouped matmuls' offsets")
     histogram = _single({n for n in site.region if op_kind(n) in ("histc", "bincount")}, "histograms")
@@ -109,12 +110,13 @@ def experts_to_ranks(gm: fx.GraphModule, site: MoESite, ctx: ParallelContext, ep
     back; where it cannot, the experts stay whole on every rank of it, with a warning that says why."""
     found = expert_chain(site, ctx.mesh, ep, ctx.feeding.sharded)
     if isinstance(found, str):
-        ctx.warn(f"{site.name}: ep='cp': the experts stay whole on every rank of {group_text(ctx.mesh, expert_plan_dims(ep))}: {found}")
+        ctx.warn(f"{site.name}: ep='cp': the experts stay whole on every rank of "
+                 f"{group_text(ctx.mesh, expert_plan_dims(ep))}: {found}")
         return
     if ctx.mesh.size("dp_shard") > 1 and ep.name == "cp":
         ctx.warn(f"{site.name}: ep='cp' on the mesh {ctx.mesh.described()} with batch={ctx.config.batch!r}: the "
-                 f"experts are cut over cp only and FSDP-sharded over dp_shard; they are cut over dp_shard too only "
-                 f"with a global batch and no dp_replicate")
+                 f"experts are cut over cp only (parallelized, FSDP-sharded over dp_shard); they are cut over "
+                 f"dp_shard too only with a global batch and no dp_replicate")
     rows, offsets, histogram, chain = found
     graph, old_down, per_rank = gm.graph, tensor_val(site.down[0]), site.num_experts // ep.size
     with graph.inserting_before(chain[0]):
