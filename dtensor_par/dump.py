@@ -24,6 +24,7 @@ from .ops.experts import combine_rows, dispatch_rows
 from .ops.lowerings import FUNCTIONAL
 from .passes.context import ParallelContext
 from .passes.detect import AttentionSite, MoESite, module_name
+from .passes.experts import group_text
 from .passes.localize import graph_communications
 from .passes.meta import communications, global_shape, param_fqn, placements, shardings, site_role, weight_name
 from .passes.nodes import target_name
@@ -96,15 +97,15 @@ def experts_per_rank(site: MoESite, ctx: ParallelContext) -> str:
     """How many of a mixture's experts each rank holds, and how much of each; with expert
     parallelism, the rows one rank sends to them and gets back per layer (once localized)."""
     split = all(weight_name(g) in ctx.param_placements for g in site.colwise + site.rowwise)
-    tp, ep = ctx.mesh.size("tp"), site.ep_size
-    held = f"{site.num_experts // ep} of {site.num_experts} (ep over cp={ep})" if ep > 1 else f"{site.num_experts}"
+    tp, ep, group = ctx.mesh.size("tp"), site.ep_size, group_text(ctx.mesh, site.ep_over)
+    held = f"{site.num_experts // ep} of {site.num_experts} (ep over {group})" if ep > 1 else f"{site.num_experts}"
     line = f"experts per rank: {held}, " + (f"each 1/{tp} of its features (tp)" if split else "each whole")
     exchanged = {n.target: communications(n)[0] for n in site.region
                  if n.target in (dispatch_rows, combine_rows) and communications(n)}
     if len(exchanged) == 2:
         sent, back = exchanged[dispatch_rows].forward_bytes, exchanged[combine_rows].forward_bytes
         line += (f"; rows to the experts per layer: {sent} B sent, {back // ep} B back with even routing, {back} B "
-                 f"at most (all-to-alls over cp)")
+                 f"at most (all-to-alls over {group})")
     return line
 
 
@@ -251,13 +252,15 @@ def mesh_svg(sizes: dict[str, int], order: tuple[str, ...], sites: list[str] | N
 
 
 def site_placement_lines(ctx: ParallelContext) -> list[str]:
-    """Per site, the tp placement of each of its weights (and an expert weight's cut over cp, with ep)."""
+    """Per site, the tp placement of each of its weights (and an expert weight's cut on each plan
+    dim of its group, with ep)."""
     lines = []
     for site in ctx.sites:
         weights = []
         for linear in site.colwise + site.rowwise:
             name = weight_name(linear)
-            experts = f" (cp: {describe(ctx.expert_placements[name])})" if name in ctx.expert_placements else ""
+            cuts = ctx.expert_placements.get(name, {})
+            experts = f" ({', '.join(f'{d}: {describe(p)}' for d, p in cuts.items())})" if cuts else ""
             weights.append(f"{ctx.params[name].fqn}={describe(ctx.param_placements.get(name, Replicate()))}{experts}")
         lines.append(f"{site.name}: " + ", ".join(weights))
     return lines

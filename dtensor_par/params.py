@@ -91,8 +91,9 @@ class HeldLayout:
 
     def own_gradient_on(self, plan_dim: str) -> bool:
         """Whether each rank's piece gets its whole gradient on ``plan_dim``, no partial sum: an
-        expert weight's on cp, where its experts are cut (ep), each rank computing them alone."""
-        return self.ep is not None and plan_dim == "cp"
+        expert weight's on the plan dims its experts are cut over (ep), each rank computing them
+        alone on every row its group sent them."""
+        return self.ep is not None and plan_dim in expert_plan_dims(self.ep)
 
     def held_shape(self, shape) -> tuple[int, ...]:
         local = list(self.computed_shape(shape))
@@ -116,8 +117,8 @@ class HeldLayout:
         holds chunks r, r + tp, ... of the tensor cut into parts x tp chunks, which is its slice
         of every part."""
         per_dim = {"tp": _tp_dtensor_placement(self.tp)}
-        if self.ep is not None:  # cp's ranks in ring-major order (passes.experts checks the mesh's order)
-            per_dim.update((n, DTensorShard(0)) for n in info.spanned("cp"))
+        if self.ep is not None:  # nested in the mesh's order: "fsdp"'s; cp's ring-major (passes.experts checks)
+            per_dim.update((n, DTensorShard(0)) for n in info.spanned(self.ep.name))
         if self.fsdp_dim is not None:
             per_dim.update((n, DTensorShard(self.fsdp_dim)) for n in info.spanned(self.fsdp.name))
         return tuple(per_dim.get(name, DTensorReplicate()) for name in mesh.mesh_dim_names)
@@ -138,11 +139,30 @@ def held_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def holds_whole(info: MeshInfo, config: ParallelConfig) -> bool:
     """Whether ``parallelize`` holds every parameter whole, as a plain tensor: no mesh dim cuts
-    one (tp is 1, FSDP cuts over no dim of size > 1 and no expert is cut over cp: dp_replicate
+    one (tp is 1, FSDP cuts over no dim of size > 1 and no expert is cut (ep): dp_replicate
     alone is DDP). DDP's own state: AdamW and ``clip_grad_norm_`` then run on plain tensors, and
     no gradient is wrapped back into a DTensor at every step."""
-    experts_cut = config.ep is not None and info.size("cp") > 1
+    experts_cut = config.ep is not None and expert_group(info, config.batch).size > 1
     return info.size("tp") == 1 and info.fsdp(config.fsdp_dims) is None and not experts_cut
+
+
+def expert_group(mesh: MeshInfo, batch: str) -> MeshDim:
+    """The ranks ``ep="cp"`` cuts each mixture's experts over, expert ``e`` at coordinate
+    ``e // (E / size)``: dp_shard x ring x ulysses ("fsdp", in the mesh's order, the order in
+    which DTensor nests ``Shard(0)`` on them) where the mesh has dp_shard, each of whose ranks
+    holds rows of its own (a global batch); else the cp ranks (ring-major, as their tokens).
+    Under dp_replicate the plan's dp dim would cut the experts over the replicas too: there,
+    and with a local batch, which the plan does not cut over dp, the experts are cut over cp
+    and FSDP-sharded over dp_shard."""
+    if mesh.size("dp_shard") > 1 and mesh.size("dp_replicate") == 1 and batch == "global":
+        return mesh.dims["fsdp"]
+    return mesh.dims["cp"]._replace(zigzag=0)
+
+
+def expert_plan_dims(ep: MeshDim) -> tuple[str, ...]:
+    """The plan dims an expert group (``expert_group``) cuts the experts over: cp, and dp (all
+    of it dp_shard) for "fsdp"."""
+    return ("dp", "cp") if ep.name == "fsdp" else ("cp",)
 
 
 def _tp_dtensor_placement(p: Placement) -> DTensorPlacement:
@@ -154,15 +174,26 @@ def _tp_dtensor_placement(p: Placement) -> DTensorPlacement:
     return DTensorShard(p.dim) if isinstance(p, Shard) else DTensorReplicate()
 
 
-def layout_maker(mesh: MeshInfo, fsdp_dims: tuple | None, sharded: bool) -> Callable[..., HeldLayout]:
+def fed_placements(placements: dict[str, Placement], layout: HeldLayout | None) -> dict[str, Placement]:
+    """How the runtime cuts a graph input (``WholeParameters.local_input``): as the plan places
+    it, but an expert weight (with ep) at once over its group, by this rank's coordinate there:
+    the experts ``parallelize`` holds, where a cut plan dim by plan dim (cp, then dp) would hand
+    a rank of "fsdp" another rank's."""
+    if layout is None or layout.ep is None:
+        return placements
+    covered = expert_plan_dims(layout.ep)
+    return {**{d: p for d, p in placements.items() if d not in covered}, layout.ep.name: Shard(0)}
+
+
+def layout_maker(mesh: MeshInfo, config: ParallelConfig, sharded: bool) -> Callable[..., HeldLayout]:
     """``layout(shape, tp, experts)``: how a parameter planned ``tp`` on tp is held, FSDP over
-    ``fsdp_dims`` once parallelized (``sharded``; whole parameters are only sliced). An expert
-    weight cut over cp (``experts``, with ep) has its experts in plain chunks there, and FSDP
-    over what ``fsdp_dims`` leaves besides cp."""
-    names = fsdp_dims if fsdp_dims is not None else FSDP_DIMS
-    fsdp = mesh.fsdp(fsdp_dims) if sharded else None
-    expert_fsdp = mesh.fsdp(tuple(n for n in names if n in mesh.order and n not in SPANS["cp"])) if sharded else None
-    ep = mesh.dims["cp"]._replace(zigzag=0)
+    ``config.fsdp_dims`` once parallelized (``sharded``; whole parameters are only sliced). An
+    expert weight cut over its group (``experts``, with ep: ``expert_group``) has its experts
+    in plain chunks there, and FSDP over what ``fsdp_dims`` leaves besides the group."""
+    names = config.fsdp_dims if config.fsdp_dims is not None else FSDP_DIMS
+    ep = expert_group(mesh, config.batch)
+    fsdp = mesh.fsdp(config.fsdp_dims) if sharded else None
+    expert_fsdp = mesh.fsdp(tuple(n for n in names if n in mesh.order and n not in SPANS[ep.name])) if sharded else None
 
     def layout(shape, tp: Placement | None, experts: bool) -> HeldLayout:
         return HeldLayout.of(shape, tp, mesh, expert_fsdp, ep) if experts else HeldLayout.of(shape, tp, mesh, fsdp)
@@ -171,7 +202,7 @@ def layout_maker(mesh: MeshInfo, fsdp_dims: tuple | None, sharded: bool) -> Call
 
 def held_layouts(ctx) -> dict[str, HeldLayout]:
     """Each parameter placeholder's layout, as the plan's parameters are held."""
-    layout = layout_maker(ctx.mesh, ctx.config.fsdp_dims, ctx.feeding.sharded)
+    layout = layout_maker(ctx.mesh, ctx.config, ctx.feeding.sharded)
     return {name: layout(info.tensor.shape, ctx.param_placements.get(name), name in ctx.expert_placements)
             for name, info in ctx.params.items()}
 

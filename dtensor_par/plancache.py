@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .logs import logger
-from .params import HeldLayout, held_layouts
+from .params import HeldLayout, fed_placements, held_layouts
 from .passes import meta
 from .passes.context import ParallelContext, ParamInfo
 from .pipeline import on_captured
@@ -80,8 +80,9 @@ class Plan:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         index = {n.name: i for i, n in enumerate(placeholders)}
         positions_of = tuple(index[ctx.positions_of[n.name]] for n in placeholders if n.name in ctx.positions_of)
-        return cls([meta.placements(n) for n in placeholders], ctx.output_placements, ctx.comm,
-                   held_layouts(ctx), {name: (p.fqn, p.index) for name, p in ctx.params.items()},
+        layouts = held_layouts(ctx)
+        return cls([fed_placements(meta.placements(n), layouts.get(n.name)) for n in placeholders],
+                   ctx.output_placements, ctx.comm, layouts, {name: (p.fqn, p.index) for name, p in ctx.params.items()},
                    list(ctx.warnings), ctx.cache_outputs, positions_of)
 
     def params(self, args) -> dict[str, ParamInfo]:

@@ -4,7 +4,8 @@ With expert parallelism (``ep="cp"``) what a rank gets back from its experts dep
 experts its tokens choose: ``explain`` reports the exact rows sent, the even and the worst case
 back. Measured, the model runs once on one device; a hook on each mixture's experts module reads
 the choice it is given (its ``[tokens, top_k]`` expert indices), and each rank's tokens are the
-rows the plan gives it (its piece over cp, then over dp).
+rows the plan gives it (its piece over cp, then over dp); a group of ranks that exchange rows
+spans cp, and dp where the experts are cut over dp_shard too.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class RoutingProbe:
     experts_module: str  # the FQN of the module holding the experts, whose call is given the choice
     num_experts: int
     cuts: tuple[tuple[Placement, MeshDim], ...]  # the tokens' cut over cp, then over dp (a batch entry's run)
+    exchanged: tuple[bool, ...]  # per cut: whether its ranks send rows to one another (the experts' group spans it)
+    ep_size: int  # the ranks the experts are cut over
 
 
 def routing_probes(ctx: ParallelContext) -> list[RoutingProbe]:
@@ -38,10 +41,11 @@ def routing_probes(ctx: ParallelContext) -> list[RoutingProbe]:
     probes = []
     for site in ctx.sites:
         if isinstance(site, MoESite) and site.ep_size > 1:
-            cuts = tuple((shardings(site.tokens)[d].out, ctx.mesh.dims[d]) for d in ("cp", "dp")
-                         if d in shardings(site.tokens) and shard_dim(shardings(site.tokens)[d].out) == 0)
+            dims = [d for d in ("cp", "dp") if d in shardings(site.tokens)
+                    and shard_dim(shardings(site.tokens)[d].out) == 0]
             probes.append(RoutingProbe(site.name, module_name(site.up[0], ctx).rpartition(".")[0], site.num_experts,
-                                       cuts))
+                                       tuple((shardings(site.tokens)[d].out, ctx.mesh.dims[d]) for d in dims),
+                                       tuple(d in site.ep_over for d in dims), site.ep_size))
     return probes
 
 
@@ -63,15 +67,15 @@ def _rank_tokens(count: int, cuts: tuple[tuple[Placement, MeshDim], ...], coordi
 
 
 def measured_back_bytes(probe: RoutingProbe, tokens: torch.Tensor, chosen: torch.Tensor) -> int:
-    """The most bytes a rank gets back from its experts (the rows every rank of its cp group
-    sent them), over the ranks, for this routing."""
-    ((_, cp), *outer) = probe.cuts
-    worst = 0
-    for group in itertools.product(*[range(dim.size) for _, dim in outer]):  # each cp group, by its dp coordinate
-        counts = torch.stack([torch.bincount(chosen[_rank_tokens(len(tokens), probe.cuts, (r, *group))].flatten(),
-                                             minlength=probe.num_experts) for r in range(cp.size)])
-        received = counts.view(cp.size, cp.size, -1).sum(dim=(0, 2))  # [sender, holder, expert]: by holder
-        worst = max(worst, received.max().item())
+    """The most bytes a rank gets back from its experts (the rows every rank of its group sent
+    them), over the ranks, for this routing."""
+    per_group: dict[tuple[int, ...], torch.Tensor] = {}
+    for rank in itertools.product(*[range(dim.size) for _, dim in probe.cuts]):  # its coordinate on each cut
+        group = tuple(c for c, exchanged in zip(rank, probe.exchanged) if not exchanged)
+        counts = torch.bincount(chosen[_rank_tokens(len(tokens), probe.cuts, rank)].flatten(),
+                                minlength=probe.num_experts)
+        per_group[group] = per_group.get(group, 0) + counts
+    worst = max(c.view(probe.ep_size, -1).sum(1).max().item() for c in per_group.values())  # by holder
     return worst * tokens.shape[1] * tokens.element_size()
 
 

@@ -266,7 +266,7 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
     info = MeshInfo.from_mesh(mesh, entry)
     config.check_mesh(info, entry)
     placements = plan_placements(model, mesh, example_args, example_kwargs, config)
-    layout_of, held, whole = layout_maker(info, config.fsdp_dims, True), held_mesh(mesh), holds_whole(info, config)
+    layout_of, held, whole = layout_maker(info, config, True), held_mesh(mesh), holds_whole(info, config)
     state = ShardedState(mesh, config, [])
     # id(old) -> (held param, stand-in): tied weights share them
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}

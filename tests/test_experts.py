@@ -1,6 +1,7 @@
 """Expert parallelism (``ep="cp"``) on gloo ranks, against one device: the row exchange alone
 (``ops.experts``: forward, the rows' gradients and the experts'), and a mixture of experts
-parallelized, trained with AdamW, its experts held cut over cp and FSDP over dp_shard."""
+parallelized, trained with AdamW, its experts held cut over dp_shard x cp, and one step of it
+over dp_shard x ring, parallelized and held whole."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import dtensor_par
 from dtensor_par.mesh import MeshDim
 from dtensor_par.ops.experts import combine_rows, dispatch_rows, exchange_counts, local_offsets
 from tests.background import in_background
-from tests.harness import FUNCTIONAL_OPS, executed_collectives, loss_of, max_rel, run_ranks
+from tests.harness import FUNCTIONAL_OPS, executed_collectives, loss_of, max_rel, run_ranks, whole
 
 EXPERTS, WIDTH, OUT = 6, 5, 3
 
@@ -73,10 +74,22 @@ def test_rows_reach_their_experts_and_come_back_exactly():
         assert result["forward"] < 1e-12 and result["rows_grad"] < 1e-12 and result["experts_grad"] < 1e-12, result
 
 
+def _collectives_table(dump_dir: str, rank_folder: str) -> Counter:
+    """The functional collectives a rank's dumped plans say a step runs, by name."""
+    table = Counter()
+    for plan in glob.glob(os.path.join(dump_dir, rank_folder, "*", "plan.json")):
+        with open(plan) as f:
+            for row in json.load(f)["collectives"]:
+                table[FUNCTIONAL_OPS[row["op"]]] += row["count"]
+    return table
+
+
 def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
-    """Mixtral parallelized at dp_shard2 x ulysses2 with ``ep="cp"``: 2 AdamW steps with clipping
-    against one device, the storage each rank holds of an expert weight and of its gradient and
-    AdamW state, and the collectives a step runs against the dumped table."""
+    """Mixtral parallelized at dp_shard2 x ulysses2 with ``ep="cp"``, its 4 experts cut over all
+    4 ranks (dp_shard x cp): 2 AdamW steps with clipping against one device, the storage each
+    rank holds of an expert weight and of its gradient and AdamW state, and the collectives a
+    step runs against the dumped table; then one step at dp_shard2 x ring2, parallelized and not
+    (``one_step_over_ring``)."""
     from tests import real_models
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -91,8 +104,10 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
     opt, opt_ref = make_opt(model.parameters()), make_opt(reference.parameters())
     worst = Counter()
     for _ in range(2):
-        loss_of(compiled(*args, **kwargs)[0]).backward()
-        loss_of(reference(*args, **kwargs)[0]).backward()
+        out, expected = compiled(*args, **kwargs)[0], reference(*args, **kwargs)[0]
+        worst["forward"] = max(worst["forward"], (out - expected).abs().max().item())
+        loss_of(out).backward()
+        loss_of(expected).backward()
         worst["grad"] = max(worst["grad"], max(max_rel(p.grad.full_tensor(), q.grad)
                                                for p, q in zip(model.parameters(), reference.parameters())))
         for params in (model.parameters(), reference.parameters()):
@@ -115,14 +130,46 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
         (graph,) = dtensor_par.explain(reference, args, example_kwargs=kwargs, dp_shard=2, ulysses=2, ep="cp",
                                        measure_routing=True).graphs
         (line,) = [s for s in graph.sites if s.startswith("moe0")]
+        assert "experts per rank: 1 of 4 (ep over dp_shard=2 x cp=2), each whole" in line, line
+        assert "(all-to-alls over dp_shard=2 x cp=2)" in line, line
         measured = int(line.split("measured on the example inputs: ")[1].split(" B")[0])
-    table = Counter()
-    for plan in glob.glob(os.path.join(dump_dir, f"dp_shard{rank // 2}_ring0_ulysses{rank % 2}_tp0", "*", "plan.json")):
-        with open(plan) as f:
-            for row in json.load(f)["collectives"]:
-                table[FUNCTIONAL_OPS[row["op"]]] += row["count"]
+    table = _collectives_table(dump_dir, f"dp_shard{rank // 2}_ring0_ulysses{rank % 2}_tp0")
     return {**worst, "held": held, "whole": experts.numel() * experts.element_size(), "ran": dict(ran),
-            "table": dict(table), "back": exchanges[counts + 2], "measured": measured}
+            "table": dict(table), "back": exchanges[counts + 2], "measured": measured,
+            "ring": one_step_over_ring(rank, os.path.join(dump_dir, "ring"))}
+
+
+def one_step_over_ring(rank: int, dump_dir: str) -> dict:
+    """One step of Mixtral at dp_shard2 x ring2 with ``ep="cp"`` against one device: parallelized
+    (each rank's local expert weights, the collectives run against the dumped table), and with
+    the model held whole (hybrid_parallel alone slices each rank's experts and gathers their
+    gradients back)."""
+    from tests import real_models
+
+    mesh = dtensor_par.init_mesh(dp_shard=2, ring=2)
+    results = {}
+    for parallelized in (True, False):
+        torch.manual_seed(0)
+        model, args, kwargs = real_models.mixtral()
+        reference = copy.deepcopy(model)
+        if parallelized:
+            dtensor_par.parallelize(model, mesh, args, example_kwargs=kwargs, ep="cp")
+        backend = dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager", ep="cp",
+                                              dump_dir=dump_dir if parallelized else None)
+        compiled = torch.compile(model, backend=backend)
+        out, expected = compiled(*args, **kwargs)[0], reference(*args, **kwargs)[0]
+        loss_of(out).backward()
+        loss_of(expected).backward()
+        results["parallelized" if parallelized else "whole"] = {
+            "forward": (out - expected).abs().max().item(),
+            "grad": max(max_rel(whole(p.grad), q.grad) for p, q in zip(model.parameters(), reference.parameters()))}
+        if parallelized:  # a step compiled already
+            executed = executed_collectives(lambda: loss_of(compiled(*args, **kwargs)[0]).backward())
+            results["parallelized"].update(
+                local={n: list(p.to_local().shape) for n, p in model.named_parameters() if ".experts." in n},
+                ran=dict(Counter(name for name, _ in executed)),
+                table=dict(_collectives_table(dump_dir, f"dp_shard{rank // 2}_ring{rank % 2}_ulysses0_tp0")))
+    return results
 
 
 def _train_launch() -> list:
@@ -133,12 +180,25 @@ def _train_launch() -> list:
 TRAINED = in_background(_train_launch)
 
 
-def test_experts_cut_over_cp_train_as_on_one_device():
+def test_experts_cut_over_dp_shard_and_cp_train_as_on_one_device():
     """And explain's routing measured on one device is what the ranks get back from their experts."""
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
     results = TRAINED.result()
     assert results[0]["measured"] == max(r["back"] for r in results), results
     for result in results:
-        assert result["grad"] <= 1e-5 and result["param"] <= 1e-5, result
-        assert result["held"] == [result["whole"] // 4] * 3, result  # E/2 experts over ulysses, halved over dp_shard
+        assert result["forward"] <= 1e-5 and result["grad"] <= 1e-5 and result["param"] <= 1e-5, result
+        assert result["held"] == [result["whole"] // 4] * 3, result  # 1 of the 4 experts, no FSDP cut
         assert result["ran"] == result["table"] and result["ran"]["all_to_all_single"] >= 5, result
+
+
+def test_experts_cut_over_dp_shard_and_ring_as_on_one_device():
+    """At dp_shard2 x ring2 (the ring's zigzag sequence): each rank holds 1 of the 4 experts whole,
+    parallelized; held whole, each rank's slice is the same one."""
+    pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
+    for result in (r["ring"] for r in TRAINED.result()):
+        for case in result.values():
+            assert case["forward"] <= 1e-5 and case["grad"] <= 1e-5, result
+        held = result["parallelized"]
+        assert held["local"] == {"model.layers.0.mlp.experts.gate_up_proj": [1, 256, 64],
+                                 "model.layers.0.mlp.experts.down_proj": [1, 64, 128]}, held["local"]
+        assert held["ran"] == held["table"] and held["ran"]["all_to_all_single"] >= 5, held

@@ -40,7 +40,7 @@ class ParallelContext:
     params: dict[str, ParamInfo] = field(default_factory=dict)  # placeholder name -> parameter
     sites: list = field(default_factory=list)  # AttentionSite | MoESite | MLPSite, from detect
     param_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> tp placement
-    expert_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> cp, with ep
+    expert_placements: dict[str, dict[str, Placement]] = field(default_factory=dict)  # with ep: name -> plan dim -> cut
     sequence_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> cp, from sequence
     batch_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> dp, from batch
     batch_sized_whole: list[str] = field(default_factory=list)  # inputs with the batch's size whole on dp: batch

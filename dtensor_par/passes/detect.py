@@ -98,6 +98,7 @@ class MoESite:
     top_k: int
     at_experts: frozenset[fx.Node] = frozenset()  # with ep: what holds rows at their experts' rank (passes.experts)
     ep_size: int = 1  # the ranks its experts are cut over
+    ep_over: tuple[str, ...] = ()  # the plan dims they are cut over (params.expert_plan_dims)
 
     @property
     def colwise(self) -> list[fx.Node]:

@@ -1,25 +1,30 @@
 """Expert parallelism (``ep="cp"``), a step of ``rewrite``: each mixture of experts' experts are
-cut over the cp ranks, ``E / cp`` a rank, and the rows each rank's tokens send to experts
-travel to the rank holding them and back (``ops.experts``).
+cut over the cp ranks, and the dp_shard ranks where the mesh has them (``params.expert_group``),
+``E / ep`` a rank, and the rows each rank's tokens send to experts travel to the rank holding
+them and back (``ops.experts``).
 
-A mixture's dispatch already runs on each rank's own tokens over cp (``plan.token_local_sharding``).
-Around its expert chain (the up and gate grouped matmuls, what runs between them per row, the
-down grouped matmul) three steps are inserted: the rows per expert are exchanged, the rows sent
-to their experts (``dispatch_rows``) and the chain's results sent back (``combine_rows``). The
-chain then runs on the rows this rank's experts were sent, with offsets of its own experts
-(``local_offsets``); the expert weights are cut along their expert dim over cp (``Shard(0)``), so
-their gradients stay on the rank that holds them. What the chain holds between the two exchanges
-(``MoESite.at_experts``) is laid out for the worst case, every rank's rows sent to this rank's
-experts: ``cp`` times the rows the rank sent, a static shape.
+A mixture's dispatch already runs on each rank's own tokens over cp and dp
+(``plan.token_local_sharding``). Around its expert chain (the up and gate grouped matmuls, what
+runs between them per row, the down grouped matmul) three steps are inserted: the rows per expert
+are exchanged, the rows sent to their experts (``dispatch_rows``) and the chain's results sent
+back (``combine_rows``). The chain then runs on the rows this rank's experts were sent, with
+offsets of its own experts (``local_offsets``); the expert weights are cut along their expert dim
+over the group (``Shard(0)`` on each plan dim it spans), so their gradients stay on the rank that
+holds them: every row of the group that chose an expert reached it. What the chain holds between
+the two exchanges (``MoESite.at_experts``) is laid out for the worst case, every rank's rows sent
+to this rank's experts: ``ep`` times the rows the rank sent, a static shape.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
-from ..mesh import MeshInfo
+from ..mesh import MeshDim, MeshInfo
 from ..ops.experts import combine_rows, dispatch_rows, exchange_counts, local_offsets
+from ..params import expert_plan_dims
 from ..placements import Shard
 from ..symbolic import is_symbolic
 from .capture import erase_unused, with_val
@@ -52,15 +57,16 @@ def _single(nodes: set[fx.Node], what: str) -> fx.Node | str:
     return next(iter(nodes)) if len(nodes) == 1 else f"its {what} are {sorted(n.name for n in nodes)}, not one node"
 
 
-def expert_chain(site: MoESite, mesh: MeshInfo, sharded: bool
+def expert_chain(site: MoESite, mesh: MeshInfo, ep: MeshDim, sharded: bool
                  ) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | str:
     """(the rows the experts read, their offsets, the histogram those come from, the chain), or
-    why the experts cannot be cut over cp (``sharded``: parameters held as DTensors)."""
+    why the experts cannot be cut over ``ep`` (``sharded``: parameters held as DTensors)."""
     grouped, cp = site.up + site.down, mesh.dims["cp"]
-    chunks = cp.size * cp.chunks_per_rank
+    chunks = math.lcm(ep.size, cp.size * cp.chunks_per_rank)
     if site.num_experts % chunks:
         zigzag = " (the ring's zigzag layout cuts cp's dims in two chunks a rank)" if cp.zigzag else ""
-        return f"{site.num_experts} experts do not divide into {chunks} equal chunks over cp={cp.size}{zigzag}"
+        return (f"{site.num_experts} experts do not divide into {chunks} equal chunks over "
+                f"{group_text(mesh, expert_plan_dims(ep))}{zigzag}")
     rows = _single({grouped_operands(g)[0] for g in site.up}, "up projections' rows")
     offsets = _single({grouped_operands(g)[2] for g in grouped}, "grouped matmuls' offsets")
     histogram = _single({n for n in site.region if op_kind(n) in ("histc", "bincount")}, "histograms")
@@ -71,7 +77,7 @@ def expert_chain(site: MoESite, mesh: MeshInfo, sharded: bool
         return f"its offsets {offsets.name} are not the running sum of its histogram {histogram.name}"
     if any(arguments(g).get("bias") is not None for g in grouped):
         return "its grouped matmuls add a bias"
-    if sharded and 1 not in (mesh.size("ring"), mesh.size("ulysses")) and \
+    if sharded and ep.name == "cp" and 1 not in (mesh.size("ring"), mesh.size("ulysses")) and \
             mesh.order.index("ring") > mesh.order.index("ulysses"):
         return "parallelize holds the experts cut over ring then ulysses, but the mesh puts ulysses first"
     if any(is_symbolic(n) for n in tensor_val(rows).shape):
@@ -92,30 +98,39 @@ def _rows_times(value, times: int):
     return value.new_empty(times * value.shape[0], *value.shape[1:])
 
 
-def experts_to_ranks(gm: fx.GraphModule, site: MoESite, ctx: ParallelContext) -> None:
-    """Cut ``site``'s experts over cp and send its rows to them and back; where it cannot, the
-    experts stay whole on every cp rank, with a warning that says why."""
-    cp = ctx.mesh.dims["cp"]
-    ep = cp._replace(zigzag=0)  # experts in plain chunks: e on coordinate e // (E / cp)
-    found = expert_chain(site, ctx.mesh, ctx.feeding.sharded)
+def group_text(mesh: MeshInfo, plan_dims: tuple[str, ...]) -> str:
+    """``dp_shard=2 x cp=2``: what an expert group cut over ``plan_dims`` spans, as reports name
+    it (its dp is all dp_shard: ``params.expert_group``)."""
+    names = {"dp": "dp_shard", "cp": "cp"}
+    return " x ".join(f"{names[d]}={mesh.size(d)}" for d in plan_dims if mesh.size(d) > 1)
+
+
+def experts_to_ranks(gm: fx.GraphModule, site: MoESite, ctx: ParallelContext, ep: MeshDim) -> None:
+    """Cut ``site``'s experts over ``ep`` (``params.expert_group``) and send its rows to them and
+    back; where it cannot, the experts stay whole on every rank of it, with a warning that says why."""
+    found = expert_chain(site, ctx.mesh, ep, ctx.feeding.sharded)
     if isinstance(found, str):
-        ctx.warn(f"{site.name}: ep='cp': the experts stay whole on every cp rank: {found}")
+        ctx.warn(f"{site.name}: ep='cp': the experts stay whole on every rank of "
+                 f"{group_text(ctx.mesh, expert_plan_dims(ep))}: {found}")
         return
+    if ctx.mesh.size("dp_shard") > 1 and ep.name == "cp":
+        ctx.warn(f"{site.name}: ep='cp' on the mesh {ctx.mesh.described()} with batch={ctx.config.batch!r}: the "
+                 f"experts are cut over cp only (parallelized, FSDP-sharded over dp_shard); they are cut over "
+                 f"dp_shard too only with a global batch and no dp_replicate")
     rows, offsets, histogram, chain = found
-    graph, old_down = gm.graph, tensor_val(site.down[0])
+    graph, old_down, per_rank = gm.graph, tensor_val(site.down[0]), site.num_experts // ep.size
     with graph.inserting_before(chain[0]):
         received = with_val(graph.call_function(exchange_counts, (histogram,), {"ep": ep}),
-                            tensor_val(histogram).new_zeros((cp.size, site.num_experts // cp.size), dtype=torch.int64))
-        offs = with_val(graph.call_function(local_offsets, (received,)),
-                        tensor_val(offsets).new_zeros(site.num_experts // cp.size))
+                            tensor_val(histogram).new_zeros((ep.size, per_rank), dtype=torch.int64))
+        offs = with_val(graph.call_function(local_offsets, (received,)), tensor_val(offsets).new_zeros(per_rank))
         sent = with_val(graph.call_function(dispatch_rows, (rows, histogram, received), {"ep": ep}),
-                        _rows_times(tensor_val(rows), cp.size))
+                        _rows_times(tensor_val(rows), ep.size))
     for grouped in site.up + site.down:
         grouped.replace_input_with(offsets, offs)
     for grouped in site.up:
         grouped.replace_input_with(rows, sent)
     for node in chain:
-        node.meta["val"] = _rows_times(node.meta["val"], cp.size)
+        node.meta["val"] = _rows_times(node.meta["val"], ep.size)
     down = site.down[0]
     with graph.inserting_after(down):
         back = with_val(graph.call_function(combine_rows, (down, histogram, received), {"ep": ep}), old_down)
@@ -125,6 +140,6 @@ def experts_to_ranks(gm: fx.GraphModule, site: MoESite, ctx: ParallelContext) ->
         set_site_role(node, f"{site.name}.experts")
     site.region = (site.region - {offsets}) | {received, offs, sent, back}
     site.counts = (site.counts - {offsets}) | {received, offs}
-    site.at_experts, site.ep_size = frozenset([sent, *chain]), cp.size
+    site.at_experts, site.ep_size, site.ep_over = frozenset([sent, *chain]), ep.size, expert_plan_dims(ep)
     for grouped in site.up + site.down:
-        ctx.expert_placements[weight_param(grouped)[0].name] = Shard(0)
+        ctx.expert_placements[weight_param(grouped)[0].name] = {d: Shard(0) for d in site.ep_over}

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from ..mesh import SPANS, MeshDim
 from ..ops import collectives as C
-from ..params import HeldLayout, held_layouts, held_tensor
+from ..params import HeldLayout, fed_placements, held_layouts, held_tensor
 from ..placements import (Partial, Placement, Replicate, Shard, interleaved_parts, is_padded, local_shape,
                           local_shape_on, shard_dim)
 from ..symbolic import hint, is_symbolic, materialize_sizes
@@ -198,19 +198,22 @@ def _cast(graph: fx.Graph, cached, x: fx.Node, dtype: torch.dtype, *, before: fx
 def record_runtime_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
     """The runtime hands the graph this rank's piece of each sharded input and gathers the
     gradient back whole: on each mesh dim it is sharded over for a (sequence-sharded) input;
-    on tp for a full parameter (without ``parallelize`` every rank holds parameters whole)."""
+    on tp for a full parameter (without ``parallelize`` every rank holds parameters whole), and
+    over its group for an expert weight cut by ep (``params.fed_placements``)."""
+    layouts = held_layouts(ctx)
     for node in gm.graph.nodes:
         if node.op != "placeholder" or not node.meta["requires_grad"]:
             continue
         with at_node("localize", node):
-            record_runtime_gather(node, ctx)
+            record_runtime_gather(node, ctx, layouts.get(node.name))
 
 
-def record_runtime_gather(node: fx.Node, ctx: ParallelContext) -> None:
-    """The runtime's gather of one input's gradient (``record_runtime_gathers``), if any."""
+def record_runtime_gather(node: fx.Node, ctx: ParallelContext, layout: HeldLayout | None) -> None:
+    """The runtime's gather of one input's gradient (``record_runtime_gathers``), if any;
+    ``layout``: how a parameter is held."""
     if node.name in ctx.params:
-        p = ctx.param_placements.get(node.name)
-        sharded = {"tp": p} if shard_dim(p) is not None and not ctx.feeding.sharded else {}
+        fed = {} if ctx.feeding.sharded else fed_placements({"tp": ctx.param_placements.get(node.name)}, layout)
+        sharded = {d: p for d, p in fed.items() if shard_dim(p) is not None}
         site = "parameter gradient"
     else:
         sharded = {d: p for d, p in placements(node).items() if shard_dim(p) is not None}

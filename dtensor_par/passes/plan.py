@@ -197,9 +197,10 @@ def token_local_sharding(node: fx.Node, site: MoESite, ins, cur, env: RuleEnv) -
     from outside only replicated tensors and rows placed as its tokens (the router's scores).
     What leaves it (the output, the router's logits) is in token order.
 
-    With expert parallelism what holds rows at their experts (``site.at_experts``) is cut over cp
-    as one rank's rows of all the ranks' (``Shard(0)``), reading the experts cut so too; over dp
-    it is placed as its rows, ``cp`` times a token's share each (``passes.experts``)."""
+    With expert parallelism what holds rows at their experts (``site.at_experts``) is cut over the
+    plan dims its experts are (``site.ep_over``: cp, and dp where they span dp_shard) as one
+    rank's rows of all its group's (``Shard(0)``), reading the experts cut so too; over dp
+    otherwise it is placed as its rows, ``ep`` times a token's share each (``passes.experts``)."""
     p = env.out_of(site.token_order)
     tokens = tensor_val(site.tokens).shape[0]
     at_experts = node in site.at_experts
@@ -208,7 +209,7 @@ def token_local_sharding(node: fx.Node, site: MoESite, ins, cur, env: RuleEnv) -
                            f"{env.dim!r} of size {env.size}; the experts' rows are laid out for equal shares")
     for i, q in zip(ins, cur):
         as_tokens = q == p and tensor_val(i).dim() and tensor_val(i).shape[0] == tokens
-        held_experts = at_experts and env.dim == "cp" and q == Shard(0)
+        held_experts = at_experts and env.dim in site.ep_over and q == Shard(0)
         if i not in site.region and q != R and not as_tokens and not held_experts:
             raise NotSupported(f"plan: {site.name}'s dispatch node {node.name} reads {i.name}, which is {q} on mesh dim "
                                f"{env.dim!r}: a mixture of experts runs on each rank's tokens only from them and "
@@ -220,7 +221,7 @@ def token_local_sharding(node: fx.Node, site: MoESite, ins, cur, env: RuleEnv) -
 
     def placed(val):
         rows = val.shape[0] if isinstance(val, torch.Tensor) and val.dim() else 0
-        if at_experts and env.dim == "cp":
+        if at_experts and env.dim in site.ep_over:
             return Shard(0)
         if node in site.counts or rows % tokens or not 0 < rows // tokens <= site.top_k * site.ep_size:
             return R
@@ -308,9 +309,8 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Annotate every node with its NodeSharding on each planned mesh dim (``meta.shardings``)."""
     if ctx.mesh.size("tp") > 1:
         assign_weight_placements(ctx)
-    seeds = {"tp": dict(ctx.param_placements), "cp": {**ctx.sequence_placements, **ctx.expert_placements},
-             "dp": dict(ctx.batch_placements)}
-    for name, cut in ctx.cache_inputs.items():
+    seeds = {"tp": dict(ctx.param_placements), "cp": dict(ctx.sequence_placements), "dp": dict(ctx.batch_placements)}
+    for name, cut in (*ctx.cache_inputs.items(), *ctx.expert_placements.items()):
         for dim, p in cut.items():
             seeds[dim][name] = p
     for node in gm.graph.nodes:

@@ -33,6 +33,7 @@ from ..errors import InvalidPlan
 from ..logs import logger
 from ..ops.attention import hybrid_attention
 from ..ops.score_mod import ScoreMod
+from ..params import expert_group
 from ..placements import is_padded, shard_length
 from ..symbolic import guards_at, hint, is_symbolic
 from .capture import erase_unused, with_val
@@ -422,14 +423,14 @@ def written_out_to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx
 
 
 def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    tp = ctx.mesh.size("tp")
+    tp, ep = ctx.mesh.size("tp"), expert_group(ctx.mesh, ctx.config.batch)
     for site in ctx.sites:
         for linear in site.rowwise:
             with at_node("rewrite", linear):
                 split_rowwise_bias(gm, linear)
-        if isinstance(site, MoESite) and ctx.config.ep == "cp" and ctx.mesh.size("cp") > 1:
+        if isinstance(site, MoESite) and ctx.config.ep == "cp" and ep.size > 1:
             with at_node("rewrite", site.down[0]):
-                experts_to_ranks(gm, site, ctx)
+                experts_to_ranks(gm, site, ctx, ep)
         if not isinstance(site, AttentionSite) or op_kind(site.core) == "cached_attention":
             continue  # attention to a kv cache held cut over cp is rewritten already (passes.kv_cache)
         if site.written_out:
