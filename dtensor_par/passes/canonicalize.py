@@ -323,8 +323,8 @@ def _gathered_experts(node) -> tuple[fx.Node, fx.Node] | None:
 def row_product(node: fx.Node) -> _RowProduct | None:
     """The expert product ``node`` computes a row at a time, if it is one (transformers'
     ``_batched_linear``): a ``bmm`` or ``matmul`` of ``W[ids]`` and the rows as columns
-    (``W[ids] @ x[..., None]``, W ``[E, N, K]``) or as rows (``x[:, None] @ W[ids]``, W
-    ``[E, K, N]``), read only through a view back to ``[S, N]``."""
+    (``W[ids] @ x.unsqueeze(-1)``, W ``[E, N, K]``) or as rows (``x.unsqueeze(1) @ W[ids]``, W
+    ``[E, K, N]``), both views, read only through a view back to ``[S, N]``."""
     if op_kind(node) != "matmul" or getattr(tensor_val(node), "ndim", 0) != 3 or len(node.users) != 1:
         return None
     given, (out,) = arguments(node), node.users
