@@ -25,6 +25,13 @@
   and Ulysses and the ring then send each kv head once, not ``rep`` times (hybrid attention
   repeats them after the exchange, for the kernels). Without cp nothing would be saved, and
   CUDA's SDPA takes grouped kv only in its flash kernel (half precision, no mask).
+- Experts read a row at a time (transformers' ``batched_mm``: ``W[expert_ids]`` then ``bmm`` with
+  each row, an up (and gate) product, per-row ops, a down product) become the grouped chain the
+  planner knows (transformers' ``grouped_mm`` one): the ids sorted (stable), the tokens' rows
+  gathered in that order, ``histc`` counts, their running sum as offsets, a grouped matmul for each
+  product (``ops.grouped``) and the rows put back by ``argsort`` of the order. Each row's dot
+  products are the same; detect, the tp plan and expert parallelism then apply unchanged, and no
+  ``[S, out, in]`` copy of the weights is made.
 """
 
 from __future__ import annotations
