@@ -203,6 +203,14 @@ def mixtral_aux():
     return model, args, {**kwargs, "output_router_logits": True}
 
 
+def mixtral_batched_mm():
+    """Mixtral's experts read a row at a time (transformers' ``batched_mm``: each row's expert
+    weights gathered, ``W[expert_ids]``, then ``bmm``), which canonicalize makes grouped matmuls."""
+    model, args, kwargs = mixtral()
+    model.config._experts_implementation = "batched_mm"
+    return model, args, kwargs
+
+
 def qwen2_moe():
     """Experts beside a shared expert (an MLP gated by a sigmoid of its own linear). The experts'
     width is the sequence's length (32): a weight dim that long starts no sequence over cp."""
@@ -245,5 +253,6 @@ def deepseek_v3_published():
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
              "flux": flux, "phi3": phi3, "gptj": gptj, "bert": bert, "modernbert": modernbert, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
+             "mixtral_batched_mm": mixtral_batched_mm,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published}

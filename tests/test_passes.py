@@ -234,6 +234,24 @@ def _repeat_heads_by_keyword(q, k, v):
     return F.scaled_dot_product_attention(query=q, key=key, value=value)
 
 
+def _experts_read_per_row(product):
+    """transformers' ``batched_mm`` experts (``top-2`` of 4, ``[E, out, in]`` weights), ``product``
+    spelling its ``bmm(W[expert_ids], rows[..., None])``."""
+
+    def experts(tokens, logits, gate_up, down):
+        weights, chosen = logits.softmax(-1).topk(2)
+        ids = chosen.reshape(-1)
+        rows = product(gate_up[ids], tokens.repeat_interleave(2, dim=0).unsqueeze(-1)).squeeze(-1)
+        gate, up = rows.chunk(2, dim=-1)
+        out = product(down[ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        return (out * weights.reshape(-1, 1)).view(tokens.shape[0], 2, -1).sum(1)
+    return experts
+
+
+EXPERTS = [torch.randn(12, 8), torch.randn(12, 4), torch.randn(4, 32, 8) / 8 ** 0.5, torch.randn(4, 8, 16) / 16 ** 0.5]
+"""Tokens, router logits, gate_up and down weights scaled as initialized: outputs near 1, where
+the grouped matmul's sums (another order than bmm's) stay within a few ulps."""
+
 # Each canonicalize rule: its inputs, and its op spelled by position, by keyword, as a method.
 CANONICALIZED = {
     "keywords_as_positions": ([torch.randn(4, 3), torch.randn(3, 5)], [
@@ -259,6 +277,10 @@ CANONICALIZED = {
     "grouped_kv_attention": ([torch.randn(2, 8, 6, 4), torch.randn(2, 4, 6, 4), torch.randn(2, 4, 6, 4)], [
         lambda q, k, v: F.scaled_dot_product_attention(q, torch.repeat_interleave(k, 2, 1), v.repeat_interleave(2, 1)),
         _repeat_heads_by_keyword]),
+    "experts_as_grouped": (EXPERTS, [
+        _experts_read_per_row(torch.bmm),
+        _experts_read_per_row(lambda w, x: torch.bmm(mat2=x, input=w)),
+        _experts_read_per_row(lambda w, x: w.bmm(mat2=x))]),
 }
 
 
@@ -284,6 +306,8 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
     assert all(form == forms[0] for form in forms[1:]), forms
     ops = [op for op, _, _ in forms[0]]
     assert not {"torch.addmm", "torch.baddbmm", "torch.narrow"} & set(ops), ops
+    if rule == "experts_as_grouped":  # sorted by expert, counted, two grouped matmuls, sorted back; no bmm
+        assert ops.count("grouped_mm") == 2 and "matmul" not in ops and "histc" in ops, ops
     if rule == "grouped_kv_attention":
         (_, sdpa, _), = forms[0]
         assert sdpa["enable_gqa"] is True and (sdpa["key"], sdpa["value"]) == ("l_inputs_1_", "l_inputs_2_"), sdpa
@@ -314,6 +338,35 @@ def test_canonicalize_reads_a_tensor_filled_slice_by_slice_as_their_concatenatio
     torch.testing.assert_close(gm(*ctx.example_inputs)[0], _filled_key(*inputs))
     gm, _ = _passes_on(Spelled(_filled_and_read_between), inputs, (capture_pass, canonicalize_pass), tp=2)
     assert "Tensor.copy_" in [op for op, _, _ in _canonical_form(gm)]
+
+
+def _experts_stored_in_out(tokens, logits, up, down, read_between=False):
+    """Experts stored ``[E, in, out]`` (``is_transposed``): ``rows.unsqueeze(1) @ W[expert_ids]``."""
+    weights, chosen = logits.topk(2)
+    ids = chosen.view(-1)
+    hidden = torch.relu((tokens.repeat_interleave(2, dim=0).unsqueeze(1) @ up[ids]).squeeze(1))
+    out = (hidden.unsqueeze(1) @ down[ids]).squeeze(1).view(tokens.shape[0], 2, -1)
+    return (out * weights[..., None]).sum(1) + (hidden.sum() if read_between else 0)
+
+
+def test_canonicalize_groups_experts_read_a_row_at_a_time():
+    """Experts stored ``[E, in, out]`` too, exact forward and backward; a pair whose rows between
+    are read elsewhere (their order would change) stays as written, with a warning that says why."""
+    tokens, logits = EXPERTS[:2]
+    up, down = (torch.randn(*shape) / shape[1] ** 0.5 for shape in [(4, 8, 16), (4, 16, 8)])
+    up, down = up.requires_grad_(), down.requires_grad_()
+    gm, ctx = _passes_on(Spelled(_experts_stored_in_out), [tokens, logits, up, down], (capture_pass, canonicalize_pass))
+    ops = [op for op, _, _ in _canonical_form(gm)]
+    assert ops.count("grouped_mm") == 2 and "matmul" not in ops, ops
+    out = gm(*ctx.example_inputs)[0]
+    expected = _experts_stored_in_out(tokens, logits, up, down)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    grads = torch.autograd.grad(out.square().sum(), ctx.example_inputs[2:])
+    torch.testing.assert_close(grads, torch.autograd.grad(expected.square().sum(), (up, down)), atol=1e-5, rtol=1e-5)
+    read_between = Spelled(lambda *xs: _experts_stored_in_out(*xs, read_between=True))
+    gm, ctx = _passes_on(read_between, [tokens, logits, up, down], (capture_pass, canonicalize_pass))
+    assert [op for op, _, _ in _canonical_form(gm)].count("matmul") == 2
+    assert any("experts read a row at a time through" in w and "between them" in w for w in ctx.warnings), ctx.warnings
 
 
 class TransposedWeight(torch.nn.Module):

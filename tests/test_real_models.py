@@ -22,7 +22,7 @@ pytest.importorskip("diffusers", reason="the models extra (pip install -e '.[mod
 from tests import real_models  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
-BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral",
+BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
             "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
@@ -31,7 +31,8 @@ KV_HEADS = {"llama": 4, "qwen2": 2, "mistral": 4, "mistral_padded": 4, "modernbe
 
 
 EXPLAINED = [(name, "tp2-ulysses2") for name in MODELS + ["mistral_padded", "phi3", "wan", "sd3", "gemma2", "bloom",
-                                                          "t5", "mixtral", "qwen2_moe", "deepseek_v3_published",
+                                                          "t5", "mixtral", "mixtral_batched_mm", "qwen2_moe",
+                                                          "deepseek_v3_published",
                                                           "gptj", "bert", "modernbert"]]
 # At tp2-ring2 the models whose attention the ring runs otherwise than Llama's (CI time: the others plan alike).
 EXPLAINED += [(name, "tp2-ring2") for name in ["llama", "mistral_padded", "flux", "gemma2", "bloom", "t5", "mixtral",
@@ -91,21 +92,23 @@ RUNS = {
     # once, beside ulysses (CI time): its attention is SDPA, as every model's at tp2-ring2.
     # DeepSeek-V3: latent attention (values of another head dim, through the ring's kernels) and its experts.
     # Mixtral and Qwen2-MoE: experts split over tp, each rank's tokens dispatched on their own over cp; Mixtral's
-    # load-balancing loss (graphs broken by transformers' router-logit hooks) once, beside ulysses.
+    # load-balancing loss (graphs broken by transformers' router-logit hooks) once, beside ulysses. Mixtral's
+    # experts read a row at a time (batched_mm, made grouped matmuls by canonicalize) at both meshes and with ep.
     # GPT-2's and Qwen2's SDPA attention (no mask beyond causal) once, beside ulysses (CI time): at tp2-ring2 it
     # is Llama's, whose ring runs at world 8; Mistral's window runs in the ring as Mistral's padded batch's does.
     # Masks that fill the lowest finite value where a padding hides keys (a left-padded batch's first rows see
     # none and attend to every key evenly): Gemma2's over Ulysses and (gathered) the ring, T5's around its bias.
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
                              names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "gemma2_left_padded", "bloom",
-                                             "t5", "t5_padded", "falcon", "mixtral", "mixtral_aux", "qwen2_moe",
-                                             "deepseek_v3"]),
+                                             "t5", "t5_padded", "falcon", "mixtral", "mixtral_aux",
+                                             "mixtral_batched_mm", "qwen2_moe", "deepseek_v3"]),
         "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=["flux", "mistral_padded", "gemma2", "gemma2_left_padded",
-                                                            "bloom", "t5", "t5_padded", "mixtral", "qwen2_moe",
-                                                            "deepseek_v3"]),
+                                                            "bloom", "t5", "t5_padded", "mixtral",
+                                                            "mixtral_batched_mm", "qwen2_moe", "deepseek_v3"]),
         # Expert parallelism: the experts cut over cp, each rank's rows sent to them and back (the ring's zigzag
         # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them).
-        "tp2-ring2 ep": dict(sizes=MESHES["tp2-ring2"], names=["mixtral", "deepseek_v3"], options={"ep": "cp"}),
+        "tp2-ring2 ep": dict(sizes=MESHES["tp2-ring2"], names=["mixtral", "mixtral_batched_mm", "deepseek_v3"],
+                             options={"ep": "cp"}),
         "tp2-ulysses2 ep": dict(sizes=MESHES["tp2-ulysses2"], names=["qwen2_moe"], options={"ep": "cp"})},
     # Ulysses x ring beside tp: causal GQA, joint attention (each model's own layers run at world 4; a window's
     # ring blocks too, Mistral's there).
@@ -334,7 +337,7 @@ def test_head_layouts_are_read_from_the_graph(name, heads):
             graph.warnings
 
 
-@pytest.mark.parametrize("name, shared", [("mixtral", False), ("qwen2_moe", True)])
+@pytest.mark.parametrize("name, shared", [("mixtral", False), ("mixtral_batched_mm", False), ("qwen2_moe", True)])
 def test_experts_split_over_tp_and_dispatched_per_rank_over_cp(name, shared):
     """Each expert's gate_up colwise (gate and up, each cut) and down rowwise over tp: one
     all-reduce per MoE layer in forward, with a shared expert's (Qwen2-MoE) partial sums added
@@ -351,6 +354,8 @@ def test_experts_split_over_tp_and_dispatched_per_rank_over_cp(name, shared):
                for p in graph.placements if p.startswith("moe") for w in [32 if shared else 128]), graph.placements
     forward = [c for c in graph.collectives if c["direction"] == "forward"]
     assert sum(c["count"] for c in forward) == 2 * layers, forward  # attention and experts, each layer
+    cov = graph.coverage
+    assert cov.fallback_gathers == [] and cov.sharded_block_linear_flops >= 0.95 * cov.block_linear_flops, cov.summary()
     assert sum(s.startswith("mlp") for s in graph.sites) == (layers if shared else 0), graph.sites
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ulysses=2).graphs
     assert graph.coverage.fallback_gathers == [] and graph.coverage.sharded_linear_flops == graph.coverage.linear_flops
@@ -359,7 +364,7 @@ def test_experts_split_over_tp_and_dispatched_per_rank_over_cp(name, shared):
     assert [c["site"] for c in backward] == [f"gradient bucket of {len(list(model.parameters()))} inputs"], backward
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3_published"])
+@pytest.mark.parametrize("name", ["mixtral", "mixtral_batched_mm", "qwen2_moe", "deepseek_v3_published"])
 @pytest.mark.parametrize("mesh", ["tp2-ulysses2", "tp2-ring2"])
 def test_experts_cut_over_cp_with_ep(name, mesh):
     """``ep="cp"``: each rank holds E / cp of the experts, each 1/tp of its features, and sends its
@@ -385,16 +390,18 @@ def test_experts_cut_over_cp_with_ep(name, mesh):
     assert not any(name in str(c["site"]) for c in graph.collectives for name in held), graph.collectives
 
 
-def test_experts_read_a_row_at_a_time_are_warned_of():
-    """transformers' ``batched_mm`` experts (``W[expert_ids]`` then ``bmm``) are no mixture the
-    planner reads: whole on every rank, and each expert weight named in a warning."""
-    model, args, kwargs = real_models.mixtral()
-    model.config._experts_implementation = "batched_mm"
-    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
-    warned = [w for w in graph.warnings if "is read a row at a time" in w]
-    assert [w.split(" is read")[0] for w in warned] == ["model.layers.0.mlp.experts.gate_up_proj",
-                                                         "model.layers.0.mlp.experts.down_proj"], graph.warnings
-    assert not any(s.startswith("moe") for s in graph.sites), graph.sites
+def test_experts_read_a_row_at_a_time_are_planned_as_grouped_ones():
+    """transformers' ``batched_mm`` experts (``W[expert_ids]`` then ``bmm``) are made the grouped
+    chain by canonicalize: at tp2 the same sites, placements and collectives as the default
+    ``grouped_mm`` experts', and no warning of a weight read a row at a time."""
+    graphs = {}
+    for name in ("mixtral", "mixtral_batched_mm"):
+        model, args, kwargs = real_models.FACTORIES[name]()
+        (graphs[name],) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    grouped, batched = graphs.values()
+    assert not any("a row at a time" in w for w in batched.warnings), batched.warnings
+    assert (batched.sites, batched.placements, batched.collectives) == \
+        (grouped.sites, grouped.placements, grouped.collectives)
 
 
 def test_experts_that_cannot_be_cut_over_cp_stay_whole_or_are_refused():

@@ -435,7 +435,7 @@ _TO_CHOICE = kinds_in("pointwise", "views") | {"getitem", "gather"}
 the weights gathered at them, scaled and cast."""
 
 
-def _is_topk(node: fx.Node) -> bool:
+def is_topk(node: fx.Node) -> bool:
     return node.target in (torch.topk, "topk")
 
 
@@ -443,12 +443,12 @@ def _routing_choice(region: frozenset[fx.Node]) -> fx.Node | None:
     """The one top-k that routes a dispatch region's tokens: inside it (the router reads the
     tokens it dispatches), else the one it reads its choice from (DeepSeek's router reads the
     hidden states before they are flattened to tokens); None when there is not exactly one."""
-    inside = [n for n in region if _is_topk(n)]
+    inside = [n for n in region if is_topk(n)]
     if inside:
         return inside[0] if len(inside) == 1 else None
     _, walked = _walk([i for n in region for i in n.all_input_nodes if i not in region],
                       lambda n: n.all_input_nodes, _TO_CHOICE, "")
-    fed = {i for n in walked for i in n.all_input_nodes if _is_topk(i)}
+    fed = {i for n in walked for i in n.all_input_nodes if is_topk(i)}
     return fed.pop() if len(fed) == 1 else None
 
 
@@ -505,18 +505,19 @@ def find_moe_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[MoESite]:
 
 
 def warn_experts_read_per_row(gm: fx.GraphModule, ctx: ParallelContext) -> None:
-    """Expert weights ``[E, ...]`` indexed by a tensor, each row reading its own expert's copy
-    (``W[expert_ids]`` then ``bmm``: transformers' ``batched_mm`` experts), are no mixture the
-    planner reads: they stay whole on every rank, each rank computing its own rows. Warned of by
-    name, so that a report never counts them parallel in silence."""
+    """Expert weights ``[E, ...]`` still indexed by a tensor after canonicalize, each row reading
+    its own expert's copy (``W[expert_ids]`` then ``bmm``), are no mixture the planner reads:
+    canonicalize makes grouped matmuls of an up (and gate) and a down product with only per-row
+    ops between them (transformers' ``batched_mm`` experts), and these were not such a pair. They
+    stay whole on every rank; warned of by name, so that a report never counts them parallel in
+    silence."""
     for node in (n for n in gm.graph.nodes if op_kind(n) == "getitem"):
         given = arguments(node)
         weight, index = given.get("input"), given.get("index")
         if isinstance(weight, fx.Node) and weight.name in ctx.params and isinstance(index, fx.Node) \
                 and tensor_val(weight).dim() == 3:
-            ctx.warn(f"{ctx.params[weight.name].fqn} is read a row at a time through {index.name} ({node.name}): "
-                     f"experts read so (transformers' 'batched_mm' implementation) stay whole on every rank; "
-                     f"the 'grouped_mm' one is sharded over tp and, with ep='cp', over cp")
+            ctx.warn(f"{ctx.params[weight.name].fqn} is read a row at a time through {index.name} ({node.name}) "
+                     f"outside a pair of expert products with only per-row ops between them: whole on every rank")
 
 
 def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:

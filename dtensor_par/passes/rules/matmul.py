@@ -159,4 +159,4 @@ register("matmul", "matmul", matmul_rule, functions=[operator.matmul, torch.matm
          methods=["matmul", "bmm"])
 register("einsum", "matmul", einsum_rule, functions=[torch.einsum])
 register("grouped_mm", "matmul", grouped_mm_rule, functions=[torch._grouped_mm, torch.nn.functional.grouped_mm],
-         custom_ops=["transformers::grouped_mm_fallback"])
+         custom_ops=["transformers::grouped_mm_fallback", "dtensor_par::grouped_mm"])
