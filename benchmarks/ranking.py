@@ -105,6 +105,9 @@ def measure_meshes(rank, world, *, name, sizes, seq, batch, meshes, reps, inner)
     drifts during the run reaches every mesh alike, where timing one mesh after another would
     charge it to whichever mesh ran then. A round before them is not timed: a mesh's first
     steps after the other meshes compiled ran up to 20 times slower (253, 44, then 12 ms)."""
+    # one compiled forward per mesh, alive together; past the limit Dynamo would run a mesh eagerly, unparallelized
+    torch._dynamo.config.recompile_limit = len(meshes)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     steps = [_compiled(name, sizes, seq, batch, m, inner) for m in meshes]
     times = [[] for _ in meshes]
     for _ in range(1 + reps):
