@@ -12,7 +12,7 @@ each sequence length, with the same global batch on every mesh (``batch="global"
    training step (orders that put every dim on the same links are one mesh: on one host, all);
 3. each legal mesh's training step measured on 4 gloo ranks (``dtensor_par.parallelize`` +
    ``hybrid_parallel(inner_backend=...)``, forward + backward + AdamW, median of ``--reps`` on
-   the slowest rank);
+   the slowest rank, every mesh timed once per round: ``measure_meshes``);
 4. the Spearman rank correlation of predicted against measured step times, and whether the
    top choice's measured step is within 10% of the best measured (goals: >= 0.8, yes).
 
