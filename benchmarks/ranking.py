@@ -99,7 +99,8 @@ def _compiled(name, sizes, seq, batch, m, inner):
 
 
 def measure_meshes(rank, world, *, name, sizes, seq, batch, meshes, reps, inner) -> list[dict]:
-    """Each mesh's training step (ms, median of ``reps``, slowest rank), or why it failed.
+    """Each mesh's training step (ms, median of ``reps``, slowest rank; and every round's), or
+    why it failed.
 
     Every mesh is compiled first, then timed in ``reps`` rounds of one step each: a load that
     drifts during the run reaches every mesh alike, where timing one mesh after another would
@@ -115,8 +116,8 @@ def measure_meshes(rank, world, *, name, sizes, seq, batch, meshes, reps, inner)
             if callable(step):
                 seconds.append(slowest(timed(step)))
     times = [seconds[1:] for seconds in times]
-    return [{"measured_ms": 1e3 * statistics.median(seconds)} if callable(step) else {"error": step}
-            for step, seconds in zip(steps, times)]
+    return [{"measured_ms": 1e3 * statistics.median(seconds), "rounds_ms": [1e3 * s for s in seconds]}
+            if callable(step) else {"error": step} for step, seconds in zip(steps, times)]
 
 
 def compare(rows: list[dict]) -> dict:

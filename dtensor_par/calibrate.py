@@ -12,13 +12,18 @@ once (``intra_node_by_group_size``). Other ops are timed as a product of two ten
 same sizes, fitted alike to ``latency + output bytes / bandwidth``. A matmul, an all-reduce of
 the largest size and the two side by side are timed in turn: what the pair takes beyond the
 longer alone, over the shorter, is the share of a collective's time that compute beside it
-does not hide (``collective_compute_share``). The ranks are taken as one node
+does not hide (``collective_compute_share``). Attention is timed forward and backward, as a
+training step runs it: SDPA on each rank alone, and ring attention over a ring of the whole
+world (``ring_attention_flops``: its blocks are smaller than one SDPA call's, it merges their
+results, and its rotations run beside them; what the cost model charges for the rotations is
+taken out of its time, so that model and measurement agree on the ring calibrated). The ranks are taken as one node
 (``devices_per_node`` = the world): ``inter_node`` is given the figures measured, and a choice
 over at most this world never crosses it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import tempfile
@@ -29,6 +34,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .machines import BUS_FACTOR, KINDS, LINK_CLASSES, Link, Machine
+from .mesh import MeshDim
+from .ops.ring import ring_attention
+from .ops.ring_schedule import ring_step_flops
+from .passes.cost import BACKWARD_TIMES
 
 SIZES = tuple(4**i for i in range(6, 13))
 """Bytes a rank puts into each timed collective and each other op writes: 4 KiB to 16 MiB, the
@@ -99,18 +108,57 @@ def fit_link(points: list[tuple[float, float]]) -> Link:
     return Link(1 / slope, max(0.0, mean_y - slope * mean_x))
 
 
-def _throughputs(reps: int, matmul_size: int, attention_length: int) -> dict[str, dict[str, float]]:
-    """FLOP/s of a square matmul and of causal SDPA (8 heads of 64) per dtype, every rank at once."""
-    device = _device()
-    rates = {"matmul_flops": {}, "attention_flops": {}}
-    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
-        a = torch.randn(matmul_size, matmul_size, device=device, dtype=dtype)
-        rates["matmul_flops"][str(dtype).removeprefix("torch.")] = (
-            2 * matmul_size**3 / _slowest_median(lambda: a @ a, reps))
-        q = torch.randn(1, 8, attention_length, 64, device=device, dtype=dtype)
-        flops = 4 * 8 * 64 * attention_length * (attention_length + 1) // 2  # as coverage counts causal pairs
-        rates["attention_flops"][str(dtype).removeprefix("torch.")] = flops / _slowest_median(
-            lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), reps)
+def _dtypes() -> dict[str, torch.dtype]:
+    """The dtypes rates are measured in, by name ("bfloat16")."""
+    dtypes = (torch.float32, torch.bfloat16) if _device().type == "cuda" else (torch.float32,)
+    return {str(dtype).removeprefix("torch."): dtype for dtype in dtypes}
+
+
+def _matmul_rates(reps: int, matmul_size: int) -> dict[str, float]:
+    """FLOP/s of a square matmul per dtype, every rank at once."""
+    rates = {}
+    for name, dtype in _dtypes().items():
+        a = torch.randn(matmul_size, matmul_size, device=_device(), dtype=dtype)
+        rates[name] = 2 * matmul_size**3 / _slowest_median(lambda: a @ a, reps)
+    return rates
+
+
+def _training_seconds(attention, q: torch.Tensor, reps: int) -> float:
+    """Seconds of ``attention(q, q, q)``'s forward and backward on the slowest rank."""
+    return _slowest_median(lambda: attention(q, q, q).sum().backward(), reps)
+
+
+def _attention_heads(length: int, dtype: torch.dtype) -> torch.Tensor:
+    """A causal attention's q (= k = v): 8 heads of 64, as coverage counts them."""
+    return torch.randn(1, 8, length, 64, device=_device(), dtype=dtype, requires_grad=True)
+
+
+def _attention_rates(reps: int, length: int) -> dict[str, float]:
+    """FLOP/s of causal SDPA on each rank, forward and backward, per dtype, every rank at once."""
+    flops = (1 + BACKWARD_TIMES) * 4 * 8 * 64 * length * (length + 1) // 2  # as coverage counts causal pairs
+    sdpa = functools.partial(F.scaled_dot_product_attention, is_causal=True)
+    return {name: flops / _training_seconds(sdpa, _attention_heads(length, dtype), reps)
+            for name, dtype in _dtypes().items()}
+
+
+def _ring_attention_rates(rank: int, world: int, reps: int, length: int, permute: Link, share: float
+                          ) -> dict[str, float]:
+    """FLOP/s of causal ring attention (zigzag) over a ring of the world's ``length`` tokens,
+    forward and backward, per dtype: its slowest rank's FLOPs over its time less what the cost
+    model charges for its rotations (``share`` of each, every one hidden behind the blocks)."""
+    ring = MeshDim("ring", world, rank, dist.group.WORLD.group_name, (tuple(range(world)),), 0, zigzag=world)
+    attention = functools.partial(ring_attention, ring=ring, is_causal=True, zigzag=True)
+    flops = (1 + BACKWARD_TIMES) * max(sum(ring_step_flops(length, world, r, zigzag=True, is_causal=True, heads=8,
+                                                           head_dim=64)) for r in range(world))
+    rates = {}
+    for name, dtype in _dtypes().items():
+        q = _attention_heads(length // world, dtype)
+        # k and v forward, their float32 gradients backward, ring - 1 times each (passes/rewrite.py)
+        rotations = (world - 1) * sum(permute.latency + BUS_FACTOR["permute"](world) * 2 * q.numel() * size
+                                      / permute.bandwidth for size in (q.element_size(), 4))
+        seconds = _training_seconds(attention, q, reps) - share * rotations
+        if seconds > 0:  # else the rotations the model charges explain the whole time: the blocks' own rate stays
+            rates[name] = flops / seconds
     return rates
 
 
@@ -151,24 +199,30 @@ def _memory_per_device(world: int) -> int:
 
 
 def measure(rank: int, world: int, *, sizes: tuple[int, ...] = SIZES, reps: int = 10, matmul_size: int = 1024,
-            attention_length: int = 1024) -> dict:
+            attention_length: int = 2048) -> dict:
     """The profile of this machine as ``Machine.as_dict`` gives it, measured on every rank of
-    the default process group at once (each rank returns the same)."""
+    the default process group at once (each rank returns the same). ``attention_length``: the
+    sequence of SDPA and of the ring alike (so that their rates compare; from 2048 on, SDPA's
+    rate on a CPU no longer grows with it)."""
     by_size = {size: _links(rank, world, size, sizes, reps) for size in range(2, world + 1) if world % size == 0}
     links = by_size.pop(world)
     device = _device()
+    share = _collective_compute_share(reps, matmul_size, max(sizes))
     machine = Machine(name=f"calibrated-{os.uname().nodename}-{device.type}-world{world}", device_type=device.type,
                       devices_per_node=world, memory_per_device=_memory_per_device(world),
-                      **_throughputs(reps, matmul_size, attention_length),
+                      matmul_flops=_matmul_rates(reps, matmul_size),
+                      attention_flops=_attention_rates(reps, attention_length),
+                      ring_attention_flops=_ring_attention_rates(rank, world, reps, attention_length, links["permute"],
+                                                                 share),
                       links={c: dict(links) for c in LINK_CLASSES}, intra_node_by_group_size=by_size,
-                      elementwise=_elementwise(reps, sizes),
-                      collective_compute_share=_collective_compute_share(reps, matmul_size, max(sizes)))
+                      elementwise=_elementwise(reps, sizes), collective_compute_share=share)
     return machine.as_dict()
 
 
 def describe(machine: Machine) -> str:
     """What a measured profile says, a line per figure."""
-    engines = (("matmul", machine.matmul_flops), ("attention", machine.attention_flops))
+    engines = (("matmul", machine.matmul_flops), ("attention", machine.attention_flops),
+               ("ring attention", machine.ring_attention_flops))
     rates = [f"{engine} {dtype}: {rate / 1e9:.3g} GFLOP/s" for engine, by_dtype in engines
              for dtype, rate in by_dtype.items()]
     groups = {machine.devices_per_node: machine.links["intra_node"], **machine.intra_node_by_group_size}

@@ -7,7 +7,8 @@ and latency. Bandwidths are bus bandwidths, as nccl-tests reports them: a collec
 ``latency + BUS_FACTOR[k](n) * b / bandwidth``. A measured profile may also give links of its
 own to groups smaller than the node (``intra_node_by_group_size``: on one host, gloo's pairs
 answer each other far sooner than its groups of every rank), time the other ops
-(``elementwise``) and say how much of a collective's time its rank cannot compute
+(``elementwise``), give ring attention a rate of its own (``ring_attention_flops``) and say
+how much of a collective's time its rank cannot compute
 (``collective_compute_share``: gloo's collectives on ranks that oversubscribe the CPU cores
 make no progress while the ranks compute).
 
@@ -58,6 +59,9 @@ class Machine:
     # the share of a collective's time that compute issued beside it cannot hide: 0 where collectives
     # run on engines of their own (NCCL's, NeuronLink's DMA), 1 where the two take turns
     collective_compute_share: float = 0.0
+    # likewise, for ring attention's blocks with their merges and rotations beside them, where measured
+    # (less what the rotations themselves cost: ``calibrate``); else ``attention_flops``
+    ring_attention_flops: dict[str, float] = dataclasses.field(default_factory=dict)
     # group size -> collective kind -> Link inside a node, for groups smaller than ``links`` was
     # measured over; a size not given uses ``links``
     intra_node_by_group_size: dict[int, dict[str, Link]] = dataclasses.field(default_factory=dict)
@@ -82,8 +86,10 @@ class Machine:
         return self.elementwise.latency + out_bytes / self.elementwise.bandwidth
 
     def flops_per_second(self, engine: str, dtype: str) -> float:
-        """``engine``: "matmul" or "attention"; a dtype the profile lacks runs at its float32 rate."""
-        rates = self.matmul_flops if engine == "matmul" else self.attention_flops
+        """``engine``: "matmul", "attention" or "ring_attention"; a dtype the profile lacks runs
+        at its float32 rate."""
+        rates = {"matmul": self.matmul_flops, "attention": self.attention_flops,
+                 "ring_attention": self.ring_attention_flops or self.attention_flops}[engine]
         return rates.get(dtype, rates["float32"])
 
     def as_dict(self) -> dict:

@@ -128,8 +128,10 @@ def test_collectives_of_a_smaller_group_use_its_links_inside_a_node(tmp_path):
     assert pairs.collective_seconds("all_reduce", 10**6, 4, "intra_node") == pytest.approx(_all_reduce(INTRA))
     assert pairs.collective_seconds("all_reduce", 10**6, 2, "inter_node") == pytest.approx(1e-5 + 10**6 / 1e8)
     path = str(tmp_path / "pairs.json")
-    dataclasses.replace(pairs, elementwise=Link(1e9, 1e-5), collective_compute_share=0.5).save(path)
-    assert machine(path) == dataclasses.replace(pairs, elementwise=Link(1e9, 1e-5), collective_compute_share=0.5)
+    measured = dataclasses.replace(pairs, elementwise=Link(1e9, 1e-5), collective_compute_share=0.5,
+                                   ring_attention_flops={"float32": 2e9})
+    measured.save(path)
+    assert machine(path) == measured
 
 
 SHARED_CORES = Machine("shared-cores", "cpu", devices_per_node=2, memory_per_device=2**30,
@@ -142,7 +144,7 @@ behind ring attention for the GPT below."""
 def test_what_calibrate_measures_of_shared_cores_moves_the_ranking_its_way():
     """Norms and residuals, whole on every tp rank, put tp=2 behind Ulysses once other ops are
     timed; ring attention's rotations, hidden behind its blocks, put it behind tp=2 once
-    collectives and compute take turns."""
+    collectives and compute take turns; a ring rate a third of SDPA's puts it last."""
     torch.manual_seed(0)
     model, inputs = models.GPT(layers=1, hidden=64, heads=4, mlp=128), (torch.randn(4, 64, 64),)
 
@@ -156,6 +158,8 @@ def test_what_calibrate_measures_of_shared_cores_moves_the_ranking_its_way():
     assert timed.index("ulysses") < timed.index("tp"), timed
     taking_turns = ranked(dataclasses.replace(SHARED_CORES, collective_compute_share=1.0))
     assert taking_turns.index("tp") < taking_turns.index("ring"), taking_turns
+    slow_ring = ranked(dataclasses.replace(SHARED_CORES, ring_attention_flops={"float32": 1e9}))
+    assert slow_ring == [d for d in plain if d != "ring"] + ["ring"], slow_ring
 
 
 def test_link_classes_follow_the_mesh_order():
@@ -180,7 +184,7 @@ def test_machine_profiles_round_trip_as_json_and_unknown_names_list_the_known(tm
 def test_work_is_each_ranks_share_of_the_flops_coverage_counts():
     """Every linear of a GPT is cut 8 ways at tp=2 x ring=2 x ulysses=2, and zigzag gives every
     ring rank the same attention; at tp=2 alone, SDPA runs half the heads; dp=2 x ring=2 cuts
-    the batch too (each rank's attention: a quarter)."""
+    the batch too (each rank's attention: a quarter). Over a ring, attention runs at the ring's rate."""
     torch.manual_seed(0)
     (gm, inputs), = capture_graphs(models.GPT(layers=1, hidden=64, heads=8, mlp=128), torch.randn(2, 16, 64))
     flops = {}
@@ -188,7 +192,10 @@ def test_work_is_each_ranks_share_of_the_flops_coverage_counts():
         local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning(sizes, "cuda"))
         done = [work(n) for n in local.graph.nodes if work(n) is not None]
         ranks = math.prod(sizes.values())
-        flops[ranks] = {e: sum(w.flops for w in done if w.engine == e) for e in ("matmul", "attention")}
+        attention = "ring_attention" if sizes.get("ring", 1) > 1 else "attention"
+        assert {w.engine for w in done if w.flops} == {"matmul", attention}, sizes
+        flops[ranks] = {"matmul": sum(w.flops for w in done if w.engine == "matmul"),
+                        "attention": sum(w.flops for w in done if w.engine == attention)}
         if ctx.coverage.ring_attention_flops:
             (per_ring_rank,) = ctx.coverage.ring_attention_flops.values()
             assert flops[ranks]["attention"] == max(per_ring_rank) == min(per_ring_rank)
@@ -287,6 +294,7 @@ def test_calibrate_measures_a_profile_that_machine_loads_and_choose_ranks_on(tmp
     assert set(profile.links["intra_node"]) == set(KINDS)
     assert all(link.bandwidth > 0 and link.latency >= 0 for kinds in profile.links.values() for link in kinds.values())
     assert profile.flops_per_second("matmul", "float32") > 0 and profile.flops_per_second("attention", "bfloat16") > 0
+    assert profile.flops_per_second("ring_attention", "float32") > 0
     assert profile.elementwise.bandwidth > 0 and 0 <= profile.collective_compute_share <= 1
     assert profile.intra_node_by_group_size == {}  # no group smaller than the world of 2
     torch.manual_seed(0)

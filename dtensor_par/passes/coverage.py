@@ -95,7 +95,14 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
 
 ENGINES = {"linear": "matmul", "matmul": "matmul", "grouped_mm": "matmul", "sdpa": "attention",
            "hybrid_attention": "attention"}
-"""The ops whose FLOPs the cost model counts, and the machine rate each runs at."""
+"""The ops whose FLOPs the cost model counts, and the machine rate each runs at (hybrid
+attention over a ring of more than one rank: ``"ring_attention"``)."""
+
+
+def _engine(kind_name: str, ctx: ParallelContext) -> str | None:
+    if kind_name == "hybrid_attention" and ctx.mesh.size("ring") > 1:
+        return "ring_attention"
+    return ENGINES.get(kind_name)
 
 
 def record_work(gm: fx.GraphModule, ctx: ParallelContext) -> None:
@@ -110,7 +117,7 @@ def record_work(gm: fx.GraphModule, ctx: ParallelContext) -> None:
             flops = rank_flops(node, sites, ctx)
             aliases = kind is not None and kind.family == "views"
             out_bytes = 0 if aliases else hint(math.prod(planned_local_shape(node, ctx.mesh))) * val.element_size()
-        set_work(node, Work(flops, ENGINES.get(kind.name) if kind else None, str(val.dtype).removeprefix("torch."),
+        set_work(node, Work(flops, _engine(kind.name, ctx) if kind else None, str(val.dtype).removeprefix("torch."),
                             out_bytes))
 
 

@@ -60,7 +60,7 @@ class Work:
     """What one rank computes and makes at a node in forward, for the cost model (``passes.cost``)."""
 
     flops: int
-    engine: str | None  # the rate it runs at: "matmul", "attention", or None (no FLOPs counted)
+    engine: str | None  # the rate it runs at: "matmul", "attention", "ring_attention", or None (no FLOPs counted)
     dtype: str  # of its output: "bfloat16"
     out_bytes: int  # this rank's piece of its output; 0 for a view of its input
 
