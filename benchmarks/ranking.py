@@ -145,15 +145,16 @@ def _cell(value, fmt: str) -> str:
 
 
 def tables(results: list[dict]) -> str:
-    out = ["| model | seq | mesh (predicted order) | predicted ms | measured ms | predicted rank | measured rank |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| model | seq | mesh (predicted order) | predicted ms | measured ms | slowest / fastest round "
+           "| predicted rank | measured rank |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         ok = [m for m in r["meshes"] if "measured_ms" in m]
         measured_rank = dict(zip(map(id, ok), ranks([m["measured_ms"] for m in ok])))
         for i, m in enumerate(r["meshes"], 1):
             cell = f"{m['measured_ms']:.1f}" if "measured_ms" in m else m["error"]
-            out.append(f"| {r['model']} | {r['seq']} | {m['mesh']} | {m['predicted_ms']:.2f} | {cell} | {i} "
-                       f"| {_cell(measured_rank.get(id(m)), '.1f')} |")
+            spread = max(m["rounds_ms"]) / min(m["rounds_ms"]) if "rounds_ms" in m else None
+            out.append(f"| {r['model']} | {r['seq']} | {m['mesh']} | {m['predicted_ms']:.2f} | {cell} "
+                       f"| {_cell(spread, '.2f')} | {i} | {_cell(measured_rank.get(id(m)), '.1f')} |")
     out += ["", "| model | seq | meshes measured | Spearman (goal >= 0.8) | top choice / best measured "
             "| top within 10% |", "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
