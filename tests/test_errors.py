@@ -138,17 +138,26 @@ def test_in_place_op_without_a_rule_on_a_shard_is_refused(planned):
         planned(_InPlaceMLP(), [torch.randn(2, 4, 16)], tp=4)
 
 
+class _ScaledBySum(torch.nn.Module):
+    def forward(self, x):
+        return x * x.sum().item()
+
+
 def test_a_size_that_depends_on_values_is_refused_naming_the_op_and_the_way_around():
     """Under Dynamo's ``capture_dynamic_output_shape_ops`` an expert loop's ``torch.where`` is
-    captured with a size no plan can lay out: refused on purpose, naming the op and the model's
-    line, not a dtensor_par bug."""
+    captured with a size no plan can lay out (under ``capture_scalar_outputs``, a computed
+    tensor's ``.item()`` a number): refused on purpose, naming the op and the model's line, not
+    a dtensor_par bug."""
     from tests.real_models import LoopedExperts
 
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), \
             pytest.raises(NotSupported, match=r"^capture: where \(torch.where\) of inputs \[\[2, 16\]\] \(.*real_models.py.*"
-                                              r"slot, token = torch.where\(mask\[e\]\)\) makes a size that depends on "
-                                              r"the values of its input .*experts_implementation='grouped_mm'"):
+                                              r"slot, token = torch.where\(mask\[e\]\)\) makes a size \(or number\) that "
+                                              r"depends on the values of its input .*experts_implementation='grouped_mm'"):
         dtensor_par.explain(LoopedExperts(32, 64, 4, 2), (torch.randn(2, 8, 32),), tp=2)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), \
+            pytest.raises(NotSupported, match=r"^capture: item \(Tensor.item\) of inputs \[\[\]\] .*x.sum\(\).item\(\)"):
+        dtensor_par.explain(_ScaledBySum(), (torch.randn(2, 8, 32),), tp=2)
 
 
 # A function each pass calls per node inside its ``at_node``, and the defect it is made to raise.

@@ -144,9 +144,10 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
 
 def refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
     """An op whose output size depends on its input's values (``nonzero``, ``torch.where(mask)``:
-    an expert's tokens), captured whole under Dynamo's ``capture_dynamic_output_shape_ops``, has
-    no size to plan with: every placement and local shape is laid out by sizes. Dynamo marks the
-    node that makes such a size (``unbacked_bindings``)."""
+    an expert's tokens; ``.item()`` of a computed tensor), captured under Dynamo's
+    ``capture_dynamic_output_shape_ops`` or ``capture_scalar_outputs``, has no size to plan with:
+    every placement and local shape is laid out by sizes. Dynamo marks the node that makes such a
+    size (``unbacked_bindings``); an input's ``.item()`` is a constant by then (``scalar_inputs``)."""
     for node in gm.graph.nodes:
         if node.meta.get("unbacked_bindings"):
             shapes = [list(i.meta["example_value"].shape) for i in node.all_input_nodes
@@ -154,9 +155,9 @@ def refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
             code = [line.strip() for line in node.meta.get("stack_trace", "").splitlines() if line.strip(" ^")]
             raise NotSupported(
                 f"capture: {node.name} ({target_name(node)}) of inputs {shapes}"
-                f"{f' ({code[-2]}: {code[-1]})' if len(code) >= 2 else ''} makes a size that depends on the "
-                f"values of its input (Dynamo's capture_dynamic_output_shape_ops), which no plan can lay out. "
-                f"Compile without that option: Dynamo then breaks the graph there and runs the code around it "
+                f"{f' ({code[-2]}: {code[-1]})' if len(code) >= 2 else ''} makes a size (or number) that depends "
+                f"on the values of its input (Dynamo's capture_dynamic_output_shape_ops or capture_scalar_outputs), "
+                f"which no plan can lay out. Compile without those options: Dynamo then breaks the graph there and runs the code around it "
                 f"whole on every rank, between the planned graphs (for a loop over experts, transformers' "
                 f"experts_implementation='grouped_mm' runs them sharded)")
 
