@@ -157,9 +157,9 @@ def refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
                 f"capture: {node.name} ({target_name(node)}) of inputs {shapes}"
                 f"{f' ({code[-2]}: {code[-1]})' if len(code) >= 2 else ''} makes a size (or number) that depends "
                 f"on the values of its input (Dynamo's capture_dynamic_output_shape_ops or capture_scalar_outputs), "
-                f"which no plan can lay out. Compile without those options: Dynamo then breaks the graph there and runs the code around it "
-                f"whole on every rank, between the planned graphs (for a loop over experts, transformers' "
-                f"experts_implementation='grouped_mm' runs them sharded)")
+                f"which no plan can lay out. Compile without those options: Dynamo then breaks the graph there and "
+                f"runs the code around it whole on every rank, between the planned graphs (for a loop over experts, "
+                f"transformers' experts_implementation='grouped_mm' runs them sharded)")
 
 
 def _propagate(gm: fx.GraphModule, ctx: ParallelContext) -> None:
