@@ -220,53 +220,6 @@ def mixtral_eager():
     return model, args, kwargs
 
 
-class GatedExpert(torch.nn.Module):
-    """One expert of ``LoopedExperts``: transformers' ``MixtralBlockSparseTop2MLP`` before 4.57."""
-
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.w1 = torch.nn.Linear(hidden, inter, bias=False)
-        self.w3 = torch.nn.Linear(hidden, inter, bias=False)
-        self.w2 = torch.nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
-
-
-class LoopedExperts(torch.nn.Module):
-    """A mixture as transformers wrote Mixtral's before 4.57, and many models still do: an
-    ``nn.ModuleList`` of gated MLPs looped over by ``range``, each taking its tokens by
-    ``torch.where`` of a one-hot mask and adding its weighted rows back by ``index_add_``."""
-
-    def __init__(self, hidden: int, inter: int, experts: int, top_k: int):
-        super().__init__()
-        self.top_k = top_k
-        self.gate = torch.nn.Linear(hidden, experts, bias=False)
-        self.experts = torch.nn.ModuleList(GatedExpert(hidden, inter) for _ in range(experts))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.reshape(-1, x.shape[-1])
-        weights, chosen = torch.topk(torch.softmax(self.gate(tokens), dim=-1, dtype=torch.float), self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        out = torch.zeros_like(tokens)
-        mask = torch.nn.functional.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
-        for e, expert in enumerate(self.experts):
-            slot, token = torch.where(mask[e])
-            out.index_add_(0, token, expert(tokens[token]) * weights[token, slot, None])
-        return out.reshape(x.shape)
-
-
-def mixtral_module_list():
-    """Mixtral with each layer's mixture a ``LoopedExperts``: Dynamo breaks the graph at its
-    ``torch.where`` and runs its frame, router included, outside any graph but each expert's MLP."""
-    model, args, kwargs = mixtral()
-    config = model.config
-    for layer in model.model.layers:
-        layer.mlp = LoopedExperts(config.hidden_size, config.intermediate_size, config.num_local_experts,
-                                  config.num_experts_per_tok)
-    return model, args, kwargs
-
-
 def qwen2_moe():
     """Experts beside a shared expert (an MLP gated by a sigmoid of its own linear). The experts'
     width is the sequence's length (32): a weight dim that long starts no sequence over cp."""
@@ -310,6 +263,5 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "flux": flux, "phi3": phi3, "gptj": gptj, "bert": bert, "modernbert": modernbert, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
              "mixtral_batched_mm": mixtral_batched_mm, "mixtral_eager": mixtral_eager,
-             "mixtral_module_list": mixtral_module_list,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published}

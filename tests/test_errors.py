@@ -148,13 +148,11 @@ def test_a_size_that_depends_on_values_is_refused_naming_the_op_and_the_way_arou
     captured with a size no plan can lay out (under ``capture_scalar_outputs``, a computed
     tensor's ``.item()`` a number): refused on purpose, naming the op and the model's line, not
     a dtensor_par bug."""
-    from tests.real_models import LoopedExperts
-
-    where = (r"^capture: where \(torch.where\) of inputs \[\[2, 16\]\] \(.*real_models.py.*slot, token = "
+    where = (r"^capture: where \(torch.where\) of inputs \[\[2, 16\]\] \(.*models.py.*slot, token = "
              r"torch.where\(mask\[e\]\)\) makes a size \(or number\) that depends on the values of its input .*"
              r"experts_implementation='grouped_mm'")
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), pytest.raises(NotSupported, match=where):
-        dtensor_par.explain(LoopedExperts(32, 64, 4, 2), (torch.randn(2, 8, 32),), tp=2)
+        dtensor_par.explain(models.LoopedExperts(32, 64, 4, 2), (torch.randn(2, 8, 32),), tp=2)
     item = r"^capture: item \(Tensor.item\) of inputs \[\[\]\] .*x.sum\(\).item\(\)"
     with torch._dynamo.config.patch(capture_scalar_outputs=True), pytest.raises(NotSupported, match=item):
         dtensor_par.explain(_ScaledBySum(), (torch.randn(2, 8, 32),), tp=2)

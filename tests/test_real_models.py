@@ -23,8 +23,7 @@ from tests import real_models  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
-            "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager",
-            "mixtral_module_list"}
+            "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -134,9 +133,9 @@ RUNS = {
     # Ulysses x ring beside tp: causal GQA, joint attention (each model's own layers run at world 4; a window's
     # ring blocks too, Mistral's there).
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=["llama", "flux"])},
-    # Experts looped over (transformers' eager experts; an nn.ModuleList looped over by range): Dynamo breaks the
-    # graph at the loop's nonzero / torch.where, and what it leaves out runs between the planned graphs.
-    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager", "mixtral_module_list"])},
+    # transformers' eager experts: Dynamo breaks the graph at the loop's nonzero, and the experts run between the
+    # planned graphs (an nn.ModuleList looped over: tests.models.LoopedExperts, in test_tp_gloo and test_cp_gloo).
+    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager"])},
 }
 """World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size
 (world 2's runs the ``parallel`` decorator's check too)."""
@@ -158,11 +157,11 @@ def test_real_models_match_one_device(world, mesh):
 
 
 
-def test_experts_looped_over_run_between_graphs_and_are_named():
-    """Experts looped over run where Dynamo breaks the graph, between the planned graphs, whole
-    on every rank (exact: ``test_real_models_match_one_device``). Transformers' ``eager``
-    experts leave the router's choice as a graph output: a warning names the router and the
-    implementations that run sharded."""
+def test_eager_experts_run_between_graphs_and_their_router_is_named():
+    """transformers' ``eager`` experts run where Dynamo breaks the graph, between the planned
+    graphs, whole on every rank (exact: ``test_real_models_match_one_device``), and leave the
+    router's choice as a graph output: a warning names the router and the implementations that
+    run sharded."""
     for rank_results in LAUNCHES[2].result():
         warnings = rank_results["tp2"]["mixtral_eager"]["warnings"]
         assert any("the choice of router gate.weight leaves the graph: the experts it routes to run outside it" in w
