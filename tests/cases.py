@@ -53,6 +53,8 @@ CASES = {
     "flatten_tokens": (models.TokenMLP, lambda: [(torch.randn(2, 16, 32),)]),
     # [seq, batch, hidden] beside a table of 2 rows at a batch of 2: the batch is dim 1, the table whole
     "seq_first_table": (models.SequenceFirst, lambda: [(torch.randn(8, 2, 32), torch.randn(2, 32))]),
+    # experts in an nn.ModuleList looped over: the loop's torch.where breaks the graph; each expert's MLP a graph
+    "looped_experts": (lambda: models.LoopedExperts(32, 64, 4, 2), lambda: [(torch.randn(2, 8, 32),)]),
 }
 
 

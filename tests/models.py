@@ -430,3 +430,39 @@ class SequenceFirst(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.permute(2, 0, 1, 3).reshape(s, b, h))
         return x + self.fc_out(F.gelu(self.fc(x)))
+
+
+class GatedExpert(nn.Module):
+    """One expert of ``LoopedExperts``: transformers' ``MixtralBlockSparseTop2MLP`` before 4.57."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inter, bias=False)
+        self.w3 = nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LoopedExperts(nn.Module):
+    """A mixture as transformers wrote Mixtral's before 4.57, and many models still do: an
+    ``nn.ModuleList`` of gated MLPs looped over by ``range``, each taking its tokens by
+    ``torch.where`` of a one-hot mask and adding its weighted rows back by ``index_add_``."""
+
+    def __init__(self, hidden: int, inter: int, experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(GatedExpert(hidden, inter) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, chosen = torch.topk(torch.softmax(self.gate(tokens), dim=-1, dtype=torch.float), self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(tokens)
+        mask = F.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
+        for e, expert in enumerate(self.experts):
+            slot, token = torch.where(mask[e])
+            out.index_add_(0, token, expert(tokens[token]) * weights[token, slot, None])
+        return out.reshape(x.shape)

@@ -211,6 +211,15 @@ def mixtral_batched_mm():
     return model, args, kwargs
 
 
+def mixtral_eager():
+    """Mixtral's experts as transformers' ``eager`` implementation: a loop over the experts
+    ``nonzero`` finds hit, each taking its tokens by ``torch.where``. Dynamo breaks the graph at
+    ``nonzero``: the experts run between the planned graphs."""
+    model, args, kwargs = mixtral()
+    model.config._experts_implementation = "eager"
+    return model, args, kwargs
+
+
 def qwen2_moe():
     """Experts beside a shared expert (an MLP gated by a sigmoid of its own linear). The experts'
     width is the sequence's length (32): a weight dim that long starts no sequence over cp."""
@@ -253,6 +262,6 @@ def deepseek_v3_published():
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
              "flux": flux, "phi3": phi3, "gptj": gptj, "bert": bert, "modernbert": modernbert, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
-             "mixtral_batched_mm": mixtral_batched_mm,
+             "mixtral_batched_mm": mixtral_batched_mm, "mixtral_eager": mixtral_eager,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published}

@@ -16,7 +16,7 @@ PAIRS = {
     "tp2-ulysses2": dict(mesh_sizes={"tp": 2, "ulysses": 2}, traced=["llama_gqa_rope", "uneven_heads_14",
                                                                       "complex_rope_pad"], names=[
         "llama_enable_gqa", "llama_repeat_interleave_kv4", "llama_gqa_rope", "uneven_heads_14", "bool_mask",
-        "joint_attention", "complex_rope_pad", "qk_norm_across_heads"]),
+        "joint_attention", "complex_rope_pad", "qk_norm_across_heads", "looped_experts"]),
     # Sequence length 30 in 8 chunks (zigzag over ring=2, split by ulysses=2): padded to 32.
     "ring2-ulysses2": dict(mesh_sizes={"ring": 2, "ulysses": 2}, traced=["uneven_seq_30", "uneven_seq_30_masked"],
                            names=["keyword_sdpa_scale", "uneven_seq_30", "uneven_seq_30_masked",

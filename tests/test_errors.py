@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dtensor_par
 from dtensor_par.ops import collectives as C
-from dtensor_par.errors import PlanningError
+from dtensor_par.errors import NotSupported, PlanningError
 from tests import models
 
 
@@ -137,6 +137,25 @@ def test_in_place_op_without_a_rule_on_a_shard_is_refused(planned):
     with pytest.raises(NotImplementedError, match=r"cumsum_ \(Tensor.cumsum_\) writes in place into .* mesh dim 'tp'"):
         planned(_InPlaceMLP(), [torch.randn(2, 4, 16)], tp=4)
 
+
+class _ScaledBySum(torch.nn.Module):
+    def forward(self, x):
+        return x * x.sum().item()
+
+
+def test_a_size_that_depends_on_values_is_refused_naming_the_op_and_the_way_around():
+    """Under Dynamo's ``capture_dynamic_output_shape_ops`` an expert loop's ``torch.where`` is
+    captured with a size no plan can lay out (under ``capture_scalar_outputs``, a computed
+    tensor's ``.item()`` a number): refused on purpose, naming the op and the model's line, not
+    a dtensor_par bug."""
+    where = (r"^capture: where \(torch.where\) of inputs \[\[2, 16\]\] \(.*models.py.*slot, token = "
+             r"torch.where\(mask\[e\]\)\) makes a size \(or number\) that depends on the values of its input .*"
+             r"experts_implementation='grouped_mm'")
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), pytest.raises(NotSupported, match=where):
+        dtensor_par.explain(models.LoopedExperts(32, 64, 4, 2), (torch.randn(2, 8, 32),), tp=2)
+    item = r"^capture: item \(Tensor.item\) of inputs \[\[\]\] .*x.sum\(\).item\(\)"
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), pytest.raises(NotSupported, match=item):
+        dtensor_par.explain(_ScaledBySum(), (torch.randn(2, 8, 32),), tp=2)
 
 
 # A function each pass calls per node inside its ``at_node``, and the defect it is made to raise.

@@ -14,7 +14,7 @@ import dtensor_par
 from dtensor_par.passes.meta import global_shape, placements, shardings
 from dtensor_par.placements import Replicate, Shard
 from tests.background import in_background
-from tests.harness import FORWARD_ATOL, GRAD_RTOL, loss_of, max_rel, run_ranks, run_ranks_together
+from tests.harness import FORWARD_ATOL, GRAD_RTOL, logged, loss_of, max_rel, run_ranks_together
 
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
 pytest.importorskip("diffusers", reason="the models extra (pip install -e '.[models]') is not installed")
@@ -23,7 +23,7 @@ from tests import real_models  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
-            "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded"}
+            "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -71,8 +71,10 @@ def compare_models(rank: int, world: int, *, sizes: dict, names: list[str], opti
         # and skipping it keeps 8 ranks x 5 models within CI's time on 2 cores.
         compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="eager",
                                                                             **(options or {})))
-        out, expected = compiled(*args, **kwargs)[0], reference(*args, **kwargs)[0]
-        result = {"forward": (out - expected).abs().max().item()}
+        with logged(logging.WARNING) as records:
+            out = compiled(*args, **kwargs)[0]
+        expected = reference(*args, **kwargs)[0]
+        result = {"forward": (out - expected).abs().max().item(), "warnings": [r.getMessage() for r in records]}
         if name in BACKWARD:
             loss_of(out).backward()
             loss_of(expected).backward()
@@ -80,6 +82,24 @@ def compare_models(rank: int, world: int, *, sizes: dict, names: list[str], opti
                                  if q.grad is not None)
         results[name] = result
     return results
+
+
+def decorated_llama(rank: int, world: int) -> dict:
+    """``parallel(tp=2)(LlamaForCausalLM)``: a third-party class, loaded with a full state dict
+    before its first call, called with keywords as transformers models are."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    reference, args, kwargs = real_models.llama()
+    model = dtensor_par.parallel(tp=2, inner_backend="eager")(LlamaForCausalLM)(reference.config)
+    model.load_state_dict(reference.state_dict())
+    out = model(input_ids=args[0], **kwargs)[0]
+    expected = reference(input_ids=args[0], **kwargs)[0]
+    loss_of(out).backward()
+    loss_of(expected).backward()
+    q = model.model.layers[0].self_attn.q_proj.weight
+    return {"forward": (out - expected).abs().max().item(), "local_rows": q.to_local().shape[0],
+            "grad": max(max_rel(p.grad.full_tensor(), r.grad) for p, r in zip(model.parameters(), reference.parameters()))}
 
 
 RUNS = {
@@ -113,11 +133,15 @@ RUNS = {
     # Ulysses x ring beside tp: causal GQA, joint attention (each model's own layers run at world 4; a window's
     # ring blocks too, Mistral's there).
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=["llama", "flux"])},
+    # transformers' eager experts: Dynamo breaks the graph at the loop's nonzero, and the experts run between the
+    # planned graphs (an nn.ModuleList looped over: tests.models.LoopedExperts, in test_tp_gloo and test_cp_gloo).
+    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager"])},
 }
-"""World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size."""
-LAUNCHES = {world: in_background(run_ranks_together, world, {label: (compare_models, kwargs)
-                                                              for label, kwargs in runs.items()})
-            for world, runs in RUNS.items()}
+"""World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size
+(world 2's runs the ``parallel`` decorator's check too)."""
+LAUNCHES = {world: in_background(run_ranks_together, world, {
+    **{label: (compare_models, kwargs) for label, kwargs in runs.items()},
+    **({"decorated": (decorated_llama, {})} if world == 2 else {})}) for world, runs in RUNS.items()}
 
 
 @pytest.mark.parametrize("world, mesh", [(world, mesh) for world, runs in RUNS.items() for mesh in runs],
@@ -131,29 +155,21 @@ def test_real_models_match_one_device(world, mesh):
             assert ("grad" in metrics) == (name in BACKWARD)
 
 
-def decorated_llama(rank: int, world: int) -> dict:
-    """``parallel(tp=2)(LlamaForCausalLM)``: a third-party class, loaded with a full state dict
-    before its first call, called with keywords as transformers models are."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    reference, args, kwargs = real_models.llama()
-    model = dtensor_par.parallel(tp=2, inner_backend="eager")(LlamaForCausalLM)(reference.config)
-    model.load_state_dict(reference.state_dict())
-    out = model(input_ids=args[0], **kwargs)[0]
-    expected = reference(input_ids=args[0], **kwargs)[0]
-    loss_of(out).backward()
-    loss_of(expected).backward()
-    q = model.model.layers[0].self_attn.q_proj.weight
-    return {"forward": (out - expected).abs().max().item(), "local_rows": q.to_local().shape[0],
-            "grad": max(max_rel(p.grad.full_tensor(), r.grad) for p, r in zip(model.parameters(), reference.parameters()))}
 
 
-DECORATED_LAUNCH = in_background(run_ranks, 2, decorated_llama)
+def test_eager_experts_run_between_graphs_and_their_router_is_named():
+    """transformers' ``eager`` experts run where Dynamo breaks the graph, between the planned
+    graphs, whole on every rank (exact: ``test_real_models_match_one_device``), and leave the
+    router's choice as a graph output: a warning names the router and the implementations that
+    run sharded."""
+    for rank_results in LAUNCHES[2].result():
+        warnings = rank_results["tp2"]["mixtral_eager"]["warnings"]
+        assert any("the choice of router gate.weight leaves the graph: the experts it routes to run outside it" in w
+                   and "'grouped_mm' or 'batched_mm' experts run sharded" in w for w in warnings), warnings
 
 
 def test_parallel_decorator_on_transformers_llama():
-    for result in DECORATED_LAUNCH.result():
+    for result in (rank_results["decorated"] for rank_results in LAUNCHES[2].result()):
         assert result["forward"] <= FORWARD_ATOL and result["grad"] <= GRAD_RTOL, result
         assert result["local_rows"] == 32, result
 

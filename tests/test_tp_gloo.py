@@ -16,7 +16,8 @@ NEW_SIZES = [(torch.randn(*s),) for s in [(2, 8, 32), (3, 8, 32), (3, 12, 32), (
 
 RUNS = {
     # Two optimizer steps at world 2 (the second runs on re-sliced weight shards); one at 4.
-    2: {"tp": dict(names=TP_CASES, steps=2),
+    # Experts in an nn.ModuleList looped over (each expert's MLP a graph of its own) at world 2 only: CI time.
+    2: {"tp": dict(names=TP_CASES + ["looped_experts"], steps=2),
         "sequence_parallel": dict(names=["gpt_fused_qkv", "llama_gqa_rope"], options=SEQUENCE_PARALLEL),
         "inductor": dict(names=["gpt_fused_qkv"], options={"inner_backend": "inductor"}, steps=1),
         "dynamic=None": dict(names=["gpt_fused_qkv"], steps=1, inputs=NEW_SIZES),

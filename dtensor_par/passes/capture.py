@@ -15,10 +15,11 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import snapshot_fake
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from ..errors import NotSupported
 from ..symbolic import SymbolicInputs, is_symbolic, recording_guards
 from .context import ParallelContext, ParamInfo, at_node
 from .meta import module_paths, record_capture, set_param_fqn
-from .nodes import writes_in_place
+from .nodes import target_name, writes_in_place
 
 _SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)(?:'\])?\['([^']+)'\]")
 
@@ -124,6 +125,7 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             item.replace_all_uses_with(ctx.example_inputs[i].item())
             gm.graph.erase_node(item)
 
+    refuse_data_dependent_sizes(gm)
     if scalars or ctx.fake_inputs is not None or not _values_from_dynamo(gm):
         _propagate(gm, ctx)
 
@@ -138,6 +140,26 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     _mark_requires_grad(gm, ctx.example_inputs)
     gm.recompile()
     return gm
+
+
+def refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
+    """An op whose output size depends on its input's values (``nonzero``, ``torch.where(mask)``:
+    an expert's tokens; ``.item()`` of a computed tensor), captured under Dynamo's
+    ``capture_dynamic_output_shape_ops`` or ``capture_scalar_outputs``, has no size to plan with:
+    every placement and local shape is laid out by sizes. Dynamo marks the node that makes such a
+    size (``unbacked_bindings``); an input's ``.item()`` is a constant by then (``scalar_inputs``)."""
+    for node in gm.graph.nodes:
+        if node.meta.get("unbacked_bindings"):
+            shapes = [list(i.meta["example_value"].shape) for i in node.all_input_nodes
+                      if isinstance(i.meta.get("example_value"), torch.Tensor)]
+            code = [line.strip() for line in node.meta.get("stack_trace", "").splitlines() if line.strip(" ^")]
+            raise NotSupported(
+                f"capture: {node.name} ({target_name(node)}) of inputs {shapes}"
+                f"{f' ({code[-2]}: {code[-1]})' if len(code) >= 2 else ''} makes a size (or number) that depends "
+                f"on the values of its input (Dynamo's capture_dynamic_output_shape_ops or capture_scalar_outputs), "
+                f"which no plan can lay out. Compile without those options: Dynamo then breaks the graph there and "
+                f"runs the code around it whole on every rank, between the planned graphs (for a loop over experts, "
+                f"transformers' experts_implementation='grouped_mm' runs them sharded)")
 
 
 def _propagate(gm: fx.GraphModule, ctx: ParallelContext) -> None:

@@ -520,6 +520,29 @@ def warn_experts_read_per_row(gm: fx.GraphModule, ctx: ParallelContext) -> None:
                      f"outside a pair of expert products with only per-row ops between them: whole on every rank")
 
 
+_CARRY_CHOICE = kinds_in("pointwise", "views") | {"one_hot", "reduce", "getitem"}
+"""Ops that carry a router's choice toward experts without running them: its indices picked out,
+one-hot coded, permuted, counted (transformers' ``eager`` experts, up to ``nonzero``)."""
+
+
+def warn_routing_leaving_graph(gm: fx.GraphModule, ctx: ParallelContext, experts: list[MoESite]) -> None:
+    """A router's top-k whose choice leaves the graph, routing no mixture in it: the experts that
+    read it run where Dynamo broke the graph (a loop over the experts ``nonzero`` finds:
+    transformers' ``eager`` experts), between the planned graphs, whole on every rank. Named, so
+    that a report never counts a graph parallel while its experts run outside it."""
+    routed = {_routing_choice(site.region) for site in experts}
+    output = gm.graph.output_node()
+    for topk in (n for n in gm.graph.nodes if is_topk(n) and n not in routed):
+        indices = [u for u in topk.users if op_kind(u) == "getitem" and arguments(u)["index"] == 1]
+        _, walked = _walk(indices, lambda n: list(n.users), _CARRY_CHOICE, "")
+        routers = find_producers(arguments(topk)["input"], kinds_in("pointwise") | {"softmax"}, ctx)[0]
+        if len(routers) == 1 and any(output in n.users for n in walked):
+            ctx.warn(f"{topk.name}: the choice of router {ctx.params[weight_param(routers[0])[0].name].fqn} leaves "
+                     f"the graph: the experts it routes to run outside it, where Dynamo breaks the graph (a loop "
+                     f"over experts: transformers' experts_implementation='eager'), whole on every rank; "
+                     f"transformers' 'grouped_mm' or 'batched_mm' experts run sharded")
+
+
 def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Record sites in ``ctx.sites``; tag their nodes with their site role and each site
     linear with its weight's name (``meta.site_role``, ``meta.weight_name``)."""
@@ -528,6 +551,7 @@ def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     taken.update(site.router for site in experts)
     ctx.sites = attention + experts + find_mlp_sites(gm, ctx, taken)
     warn_experts_read_per_row(gm, ctx)
+    warn_routing_leaving_graph(gm, ctx, experts)
     for site in ctx.sites:
         roles = {"core": [site.core]} if isinstance(site, AttentionSite) else {}
         roles.update({"colwise": site.colwise, "rowwise": site.rowwise})
