@@ -183,6 +183,33 @@ def test_a_fused_projection_cut_by_narrow_is_cut_part_by_part():
     assert graph.coverage.fallback_gathers == []
 
 
+class _GroupedQKV(torch.nn.Module):
+    """Falcon's fused qkv: per kv group, its query heads then a key and a value, viewed into
+    (groups, members, head_dim) at once, or first into (heads, head_dim) as transformers 5.25
+    does."""
+
+    def __init__(self, at_once: bool):
+        super().__init__()
+        self.at_once = at_once
+        self.qkv, self.out = torch.nn.Linear(32, 48), torch.nn.Linear(32, 32)  # 2 groups of 4 + 2 heads of 4
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(x)
+        grouped = qkv.view(b, s, 2, -1, 4) if self.at_once else qkv.view(b, s, -1, 4).view(b, s, 2, -1, 4)
+        q = grouped[..., :-2, :].flatten(-3, -2).transpose(1, 2)
+        k, v = (grouped[..., i, :].transpose(1, 2) for i in (-2, -1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return self.out(a.transpose(1, 2).reshape(b, s, 32))
+
+
+@pytest.mark.parametrize("at_once", [True, False])
+def test_a_grouped_qkv_viewed_in_one_view_or_two_is_cut_by_group(at_once):
+    graph = _explain(_GroupedQKV(at_once), (torch.randn(2, 8, 32),), tp=2)
+    assert graph.placements == ["attention0: qkv.weight=S(0), out.weight=S(1)"], graph.placements
+    assert graph.coverage.fallback_gathers == [] and "8 heads, 2 kv heads" in graph.sites[0], graph.sites
+
+
 class _HeadDimOuterProjection(torch.nn.Module):
     """A projection viewed with its head dim outermost, ``(head_dim, heads)``: no grouping of
     heads that tp could shard by."""

@@ -189,10 +189,15 @@ def find_consumers(start: fx.Node, through: set[str], ctx: ParallelContext) -> l
 def _feature_split(node: fx.Node) -> tuple[int, ...] | None:
     """The sizes a view splits the feature (last) dim of activations into: ``(heads, head_dim)``,
     or a grouped layout's ``(groups, members, head_dim)`` (Falcon's fused qkv; Bloom's
-    ``(heads, 3, head_dim)``). Integer positions viewed on the way to RoPE are no heads."""
+    ``(heads, 3, head_dim)``), through the views before it that split the same features (Falcon
+    in transformers 5.25: ``(heads, head_dim)``, then ``(groups, members, head_dim)``). Integer
+    positions viewed on the way to RoPE are no heads."""
     if op_kind(node) != "view" or not tensor_val(node).is_floating_point():
         return None
-    src, dst = tensor_val(arguments(node)["input"]).shape, tensor_val(node).shape
+    source = arguments(node)["input"]
+    while _feature_split(source) is not None:
+        source = arguments(source)["input"]
+    src, dst = tensor_val(source).shape, tensor_val(node).shape
     lead = len(src) - 1
     if len(dst) > len(src) and src[:-1] == dst[:lead] and math.prod(dst[lead:]) == src[-1]:
         return tuple(dst[lead:])
@@ -241,14 +246,15 @@ def _head_units(view: fx.Node) -> int:
 
 
 def _head_splits(linear: fx.Node, path: set[fx.Node]) -> list[fx.Node]:
-    """The first view splitting features on each way from a projection through ``path``."""
+    """The view splitting features on each way from a projection through ``path``: the last of
+    a chain of views that split them finer."""
     splits, stack, seen = [], list(linear.users), set()
     while stack:
         node = stack.pop()
         if node in seen or node not in path:
             continue
         seen.add(node)
-        if _feature_split(node) is not None:
+        if _feature_split(node) is not None and not any(u in path and _feature_split(u) for u in node.users):
             splits.append(node)
         else:
             stack.extend(node.users)
