@@ -138,7 +138,7 @@ RUNS = {
     2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager"])},
 }
 """World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size
-(world 2's runs the ``parallel`` decorator's check too)."""
+(world 2's launch runs the ``parallel`` decorator's check too)."""
 LAUNCHES = {world: in_background(run_ranks_together, world, {
     **{label: (compare_models, kwargs) for label, kwargs in runs.items()},
     **({"decorated": (decorated_llama, {})} if world == 2 else {})}) for world, runs in RUNS.items()}
@@ -153,8 +153,6 @@ def test_real_models_match_one_device(world, mesh):
         for name, metrics in result.items():
             assert metrics["forward"] <= FORWARD_ATOL and metrics.get("grad", 0.0) <= GRAD_RTOL, (name, metrics)
             assert ("grad" in metrics) == (name in BACKWARD)
-
-
 
 
 def test_eager_experts_run_between_graphs_and_their_router_is_named():
