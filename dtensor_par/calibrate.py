@@ -16,9 +16,9 @@ does not hide (``collective_compute_share``). Attention is timed forward and bac
 training step runs it: SDPA on each rank alone, and ring attention over a ring of the whole
 world (``ring_attention_flops``: its blocks are smaller than one SDPA call's, it merges their
 results, and its rotations run beside them; what the cost model charges for the rotations is
-taken out of its time, so that model and measurement agree on the ring calibrated). The ranks are taken as one node
-(``devices_per_node`` = the world): ``inter_node`` is given the figures measured, and a choice
-over at most this world never crosses it.
+taken out of its time, so that model and measurement agree on the ring calibrated). The ranks
+are taken as one node (``devices_per_node`` = the world): ``inter_node`` is given the figures
+measured, and a choice over at most this world never crosses it.
 """
 
 from __future__ import annotations
