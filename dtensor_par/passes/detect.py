@@ -195,13 +195,21 @@ def _feature_split(node: fx.Node) -> tuple[int, ...] | None:
     if op_kind(node) != "view" or not tensor_val(node).is_floating_point():
         return None
     source = arguments(node)["input"]
-    while _feature_split(source) is not None:
+    while _regroups(source, node):
         source = arguments(source)["input"]
     src, dst = tensor_val(source).shape, tensor_val(node).shape
     lead = len(src) - 1
     if len(dst) > len(src) and src[:-1] == dst[:lead] and math.prod(dst[lead:]) == src[-1]:
         return tuple(dst[lead:])
     return None
+
+
+def _regroups(view: fx.Node, user: fx.Node) -> bool:
+    """Whether ``user`` views the features ``view`` split, their last dim kept: it can only
+    split their outer parts finer, ``(heads, head_dim)`` into ``(groups, members, head_dim)``,
+    not ``head_dim`` into the pairs of a rotary embedding."""
+    return (_feature_split(view) is not None and op_kind(user) == "view"
+            and tensor_val(user).shape[-1] == tensor_val(view).shape[-1])
 
 
 def _selects_along(node: fx.Node, dim: int) -> bool:
@@ -254,7 +262,8 @@ def _head_splits(linear: fx.Node, path: set[fx.Node]) -> list[fx.Node]:
         if node in seen or node not in path:
             continue
         seen.add(node)
-        if _feature_split(node) is not None and not any(u in path and _feature_split(u) for u in node.users):
+        finer = [u for u in node.users if u in path and _regroups(node, u) and _feature_split(u) is not None]
+        if _feature_split(node) is not None and not finer:
             splits.append(node)
         else:
             stack.extend(node.users)
