@@ -95,14 +95,19 @@ def sites_text(ctx: ParallelContext) -> str:
 
 def experts_per_rank(site: MoESite, ctx: ParallelContext) -> str:
     """How many of a mixture's experts each rank holds, and how much of each; with expert
-    parallelism, the rows one rank sends to them and gets back per layer (once localized)."""
+    parallelism, the rows one rank sends to them and gets back per layer (once localized and
+    lowered)."""
     split = all(weight_name(g) in ctx.param_placements for g in site.colwise + site.rowwise)
     tp, ep, group = ctx.mesh.size("tp"), site.ep_size, group_text(ctx.mesh, site.ep_over)
     held = f"{site.num_experts // ep} of {site.num_experts} (ep over {group})" if ep > 1 else f"{site.num_experts}"
     line = f"experts per rank: {held}, " + (f"each 1/{tp} of its features (tp)" if split else "each whole")
     exchanged = {n.target: communications(n)[0] for n in site.region
                  if n.target in (dispatch_rows, combine_rows) and communications(n)}
-    if len(exchanged) == 2:
+    if len(exchanged) == 2 and ctx.comm != FUNCTIONAL:
+        line += (f"; rows to the experts per layer: {exchanged[dispatch_rows].forward_bytes} B sent and "
+                 f"{exchanged[combine_rows].forward_bytes} B back, padded to the worst case (even all-to-alls over "
+                 f"{group}: the {ctx.comm} lowering)")
+    elif len(exchanged) == 2:
         sent, back = exchanged[dispatch_rows].forward_bytes, exchanged[combine_rows].forward_bytes
         line += (f"; rows to the experts per layer: {sent} B sent, {back // ep} B back with even routing, {back} B "
                  f"at most (all-to-alls over {group})")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import dtensor_par
 from dtensor_par.mesh import MeshDim
 from dtensor_par.ops.experts import combine_rows, dispatch_rows, exchange_counts, local_offsets
+from tests import xm_gloo
 from tests.background import in_background
 from tests.harness import FUNCTIONAL_OPS, executed_collectives, loss_of, max_rel, run_ranks, whole
 
@@ -33,28 +34,36 @@ def _routing(rank: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(rows, WIDTH, generator=g, dtype=torch.float64), experts
 
 
-def exchange_rows(rank: int, world: int, *, coordinates: tuple[int, ...]) -> dict:
+def _row_count(rank: int, comm: str) -> int:
+    return 4 + 3 * rank if comm == "functional" else 7
+
+
+def exchange_rows(rank: int, world: int, *, coordinates: tuple[int, ...], comm: str) -> dict:
     """Each rank's rows through the experts it does not hold, by ``dispatch_rows`` and
-    ``combine_rows`` over a mesh dim whose coordinates are not the ranks' order."""
+    ``combine_rows`` over a mesh dim whose coordinates are not the ranks' order, with the
+    lowering ``comm``: functional's, ranks of different row counts; xla's (the padded exchange,
+    over the xm stand-in), of equal ones, as the plan's equal token shares are."""
+    xm_gloo.install()
+    xm_gloo.calls.clear()
     ep = MeshDim("cp", world, coordinates.index(rank), dist.group.WORLD.group_name, (coordinates,), 0)
     weights = torch.randn(EXPERTS, WIDTH, OUT, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
     per_rank = EXPERTS // world
     mine = weights[ep.rank * per_rank:(ep.rank + 1) * per_rank].clone().requires_grad_()
-    rows, experts = _routing(rank, 4 + 3 * rank)
+    rows, experts = _routing(rank, _row_count(rank, comm))
     rows.requires_grad_()
     counts = torch.histc(experts.float(), bins=EXPERTS, min=0, max=EXPERTS - 1)
-    received = exchange_counts(counts, ep)
-    arrived = dispatch_rows(rows, counts, received, ep)
+    received = exchange_counts(counts, ep, comm)
+    arrived = dispatch_rows(rows, counts, received, ep, comm)
     ends = local_offsets(received).tolist()
     out = torch.cat([arrived[start:end] @ mine[j] for j, (start, end) in enumerate(zip([0] + ends, ends))]
                     + [arrived.new_zeros(arrived.shape[0] - ends[-1], OUT)])
-    back = combine_rows(out, counts, received, ep)
+    back = combine_rows(out, counts, received, ep, comm)
     (back * torch.arange(back.numel(), dtype=back.dtype).view_as(back)).sum().backward()
     # One device: every rank's rows through every expert, the same loss summed over ranks.
     full = weights.clone().requires_grad_()
     total, own = 0.0, None
     for r in range(world):
-        r_rows, r_experts = _routing(r, 4 + 3 * r)
+        r_rows, r_experts = _routing(r, _row_count(r, comm))
         r_rows.requires_grad_(r == rank)
         expected = torch.einsum("nd,ndo->no", r_rows, full[r_experts])
         total = total + (expected * torch.arange(expected.numel(), dtype=expected.dtype).view_as(expected)).sum()
@@ -62,16 +71,28 @@ def exchange_rows(rank: int, world: int, *, coordinates: tuple[int, ...]) -> dic
     total.backward()
     return {"shape": list(arrived.shape), "forward": (back - own[0]).abs().max().item(),
             "rows_grad": (rows.grad - own[1].grad).abs().max().item(),
-            "experts_grad": (mine.grad - full.grad[ep.rank * per_rank:(ep.rank + 1) * per_rank]).abs().max().item()}
+            "experts_grad": (mine.grad - full.grad[ep.rank * per_rank:(ep.rank + 1) * per_rank]).abs().max().item(),
+            "padding": arrived[ends[-1]:].abs().max().item() if ends[-1] < arrived.shape[0] else 0.0,
+            "xm": sorted({c.split()[0] for c in xm_gloo.calls})}
 
 
-LAUNCH = in_background(run_ranks, 3, exchange_rows, coordinates=(2, 0, 1))
+def exchanges(rank: int, world: int, *, coordinates: tuple[int, ...]) -> dict:
+    """``exchange_rows`` with each lowering, in one launch."""
+    return {comm: exchange_rows(rank, world, coordinates=coordinates, comm=comm) for comm in ("functional", "xla")}
 
 
-def test_rows_reach_their_experts_and_come_back_exactly():
-    for rank, result in enumerate(LAUNCH.result()):
-        assert result["shape"] == [3 * (4 + 3 * rank), WIDTH], result
+LAUNCH = in_background(run_ranks, 3, exchanges, coordinates=(2, 0, 1))
+
+
+@pytest.mark.parametrize("comm, xm", [("functional", []), ("xla", ["all_to_all"])])
+def test_rows_reach_their_experts_and_come_back_exactly(comm, xm):
+    """The uneven exchange (functional) and the padded one (xla, every call an xm all-to-all):
+    forward, the rows' and the experts' gradients exact; past the rows that came, zeros."""
+    for rank, results in enumerate(LAUNCH.result()):
+        result = results[comm]
+        assert result["shape"] == [3 * _row_count(rank, comm), WIDTH], result
         assert result["forward"] < 1e-12 and result["rows_grad"] < 1e-12 and result["experts_grad"] < 1e-12, result
+        assert result["padding"] == 0.0 and result["xm"] == xm, result
 
 
 def _collectives_table(dump_dir: str, rank_folder: str) -> Counter:

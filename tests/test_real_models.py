@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from collections import Counter
 
 import pytest
@@ -19,7 +20,7 @@ from tests.harness import FORWARD_ATOL, GRAD_RTOL, logged, loss_of, max_rel, run
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
 pytest.importorskip("diffusers", reason="the models extra (pip install -e '.[models]') is not installed")
 
-from tests import real_models  # noqa: E402
+from tests import real_models, xm_gloo  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
@@ -84,6 +85,12 @@ def compare_models(rank: int, world: int, *, sizes: dict, names: list[str], opti
     return results
 
 
+def compare_models_over_xm(rank: int, world: int, **kwargs) -> dict:
+    """``compare_models`` with the xm stand-in in place of torch_xla's (``collectives="xla"``)."""
+    xm_gloo.install()
+    return compare_models(rank, world, **kwargs)
+
+
 def decorated_llama(rank: int, world: int) -> dict:
     """``parallel(tp=2)(LlamaForCausalLM)``: a third-party class, loaded with a full state dict
     before its first call, called with keywords as transformers models are."""
@@ -129,7 +136,11 @@ RUNS = {
         # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them).
         "tp2-ring2 ep": dict(sizes=MESHES["tp2-ring2"], names=["mixtral", "mixtral_batched_mm", "deepseek_v3"],
                              options={"ep": "cp"}),
-        "tp2-ulysses2 ep": dict(sizes=MESHES["tp2-ulysses2"], names=["qwen2_moe"], options={"ep": "cp"})},
+        "tp2-ulysses2 ep": dict(sizes=MESHES["tp2-ulysses2"], names=["qwen2_moe"], options={"ep": "cp"}),
+        # ... and lowered to xm calls (the stand-in's), each rank's rows sent padded by even all-to-alls over
+        # contiguous cp groups, as Neuron needs them.
+        "tp2-ring2 ep xla": dict(sizes={**MESHES["tp2-ring2"], "order": ("tp", "ring", "ulysses")}, names=["mixtral"],
+                                 options={"ep": "cp", "collectives": "xla"})},
     # Ulysses x ring beside tp: causal GQA, joint attention (each model's own layers run at world 4; a window's
     # ring blocks too, Mistral's there).
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=["llama", "flux"])},
@@ -140,7 +151,8 @@ RUNS = {
 """World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size
 (world 2's launch runs the ``parallel`` decorator's check too)."""
 LAUNCHES = {world: in_background(run_ranks_together, world, {
-    **{label: (compare_models, kwargs) for label, kwargs in runs.items()},
+    **{label: (compare_models_over_xm if label.endswith("xla") else compare_models, kwargs)
+       for label, kwargs in runs.items()},
     **({"decorated": (decorated_llama, {})} if world == 2 else {})}) for world, runs in RUNS.items()}
 
 
@@ -402,6 +414,27 @@ def test_experts_cut_over_cp_with_ep(name, mesh):
     assert len(held) == 2 and all(p["placement"]["ep"] == "S(0)" and "fsdp" not in p["placement"]
                                   and 4 * p["bytes_per_rank"] == p["bytes"] for p in held.values()), held
     assert not any(name in str(c["site"]) for c in graph.collectives for name in held), graph.collectives
+
+
+def test_experts_exchange_padded_rows_under_the_xla_lowering(monkeypatch):
+    """Lowered to xm calls, which have no uneven all-to-all, a rank sends its rows for each rank
+    of the ring in a block of its rows' length, both ways: explain's rows sent are the ring's 2
+    times the uneven exchange's, and the rows back its worst case, in forward and in backward."""
+    xm_gloo.install(lambda name, module: monkeypatch.setitem(sys.modules, name, module))
+    model, args, kwargs = real_models.mixtral()
+    lines, rows = {}, {}
+    for comm in ("functional", "xla"):
+        (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ep="cp", ring=2, collectives=comm).graphs
+        (lines[comm],) = [s for s in graph.sites if s.startswith("moe0")]
+        rows[comm] = Counter((c["direction"], c["bytes_per_rank"]) for c in graph.collectives for _ in range(c["count"])
+                             if c["site"] == "moe0.experts" and c["op"] == "all_to_all" and c["bytes_per_rank"] > 64)
+    own = min(nbytes for _, nbytes in rows["functional"])  # the rows a rank sends (all go in); twice that back at most
+    assert rows["functional"] == {("forward", own): 1, ("forward", 2 * own): 1, ("backward", own): 1,
+                                  ("backward", 2 * own): 1}, rows
+    assert rows["xla"] == {("forward", 2 * own): 2, ("backward", 2 * own): 2}, rows
+    assert f"rows to the experts per layer: {own} B sent, {own} B back with even routing" in lines["functional"]
+    assert (f"rows to the experts per layer: {2 * own} B sent and {2 * own} B back, padded to the worst case "
+            f"(even all-to-alls over cp=2: the xla lowering)") in lines["xla"], lines
 
 
 def test_experts_read_a_row_at_a_time_are_planned_as_grouped_ones():

@@ -14,6 +14,12 @@ How many rows each expert gets from each rank is exchanged first (``exchange_cou
 even all-to-all the compiler sees). The rows' split sizes are data, which a traced graph cannot
 hold as sizes, so the row all-to-alls run inside opaque ops (``torch.library.custom_op``) that
 read them.
+
+A lowering without uneven all-to-alls (``xla``: XLA compiles static shapes only) sends the rows
+padded instead: each rank's rows for each rank in a block of its own rows' length, one even
+all-to-all, and the blocks regrouped by gathers whose indices come from the counts
+(``_padded_dispatch``). Every rank then sends and gets ``ep`` times its rows, the worst case
+the uneven exchange reaches only when every row chooses one rank's experts.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import itertools
 
 import torch
 from ..mesh import MeshDim
+from .collectives import all_to_all
 from .lowerings import FUNCTIONAL, LOWERINGS
 
 _c10d = torch.ops._c10d_functional
@@ -121,10 +128,53 @@ _dispatch_rows.register_autograd(_dispatch_backward, setup_context=_keep_routing
 _combine_rows.register_autograd(_combine_backward, setup_context=_keep_routing)
 
 
-def _functional_only(comm: str) -> None:
-    if comm != FUNCTIONAL:
-        raise NotImplementedError(f"expert parallelism sends rows by uneven all-to-alls, which the {comm!r} lowering "
-                                  f"does not have; run without ep")
+def _run_starts(lengths: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """Where each run of ``lengths[a, b]`` rows starts: one after another, a-major (``block``
+    None), or row ``a``'s runs one after another from ``a * block``."""
+    if block is None:
+        flat = lengths.flatten()
+        return (flat.cumsum(0) - flat).view_as(lengths)
+    return torch.arange(lengths.shape[0], device=lengths.device)[:, None] * block + lengths.cumsum(1) - lengths
+
+
+def _moved(x: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, rows: int) -> torch.Tensor:
+    """``rows`` rows holding each run of ``lengths[i]`` rows of ``x`` from ``src[i]`` at ``dst[i]``,
+    zeros elsewhere: one gather, whatever the lengths. The runs are listed in ``dst``'s order
+    (nondecreasing), so the run holding a row is the last one starting at or before it."""
+    at = torch.arange(rows, device=x.device)
+    run = (torch.searchsorted(dst, at, right=True) - 1).clamp(min=0)
+    within = at - dst[run]
+    found = (within >= 0) & (within < lengths[run])
+    picked = x.index_select(0, torch.where(found, src[run] + within, 0))
+    return torch.where(found.view(-1, *[1] * (x.dim() - 1)), picked, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _exchanged_blocks(x: torch.Tensor, ep: MeshDim, comm: str) -> torch.Tensor:
+    """Block ``c`` of ``x`` (``ep`` blocks of equal rows) sent to coordinate ``c``; the blocks
+    every coordinate sent here, by coordinate. Its backward is the same exchange."""
+    blocks = x.view(ep.size, x.shape[0] // ep.size, *x.shape[1:])
+    return all_to_all(blocks, 1, 0, ep, comm=comm).view_as(x)
+
+
+def _padded_dispatch(rows: torch.Tensor, counts: torch.Tensor, received: torch.Tensor, ep: MeshDim,
+                     comm: str) -> torch.Tensor:
+    """``dispatch_rows`` by one even all-to-all of blocks of ``len(rows)`` rows."""
+    n, sent = rows.shape[0], counts.to(torch.int64).view(ep.size, -1)
+    blocks = _moved(rows, sent.flatten(), _run_starts(sent).flatten(), _run_starts(sent, n).flatten(), ep.size * n)
+    arrived = _exchanged_blocks(blocks, ep, comm)
+    by_expert = received.T  # the result's runs: expert-major, by sender within one
+    return _moved(arrived, by_expert.flatten(), _run_starts(received, n).T.flatten(),
+                  _run_starts(by_expert).flatten(), ep.size * n)
+
+
+def _padded_combine(rows: torch.Tensor, counts: torch.Tensor, received: torch.Tensor, ep: MeshDim,
+                    comm: str) -> torch.Tensor:
+    """``combine_rows`` by one even all-to-all: ``_padded_dispatch`` backwards."""
+    n, sent = rows.shape[0] // ep.size, counts.to(torch.int64).view(ep.size, -1)
+    blocks = _moved(rows, received.flatten(), _run_starts(received.T).T.flatten(),
+                    _run_starts(received, n).flatten(), ep.size * n)
+    returned = _exchanged_blocks(blocks, ep, comm)
+    return _moved(returned, sent.flatten(), _run_starts(sent, n).flatten(), _run_starts(sent).flatten(), n)
 
 
 def dispatch_rows(rows: torch.Tensor, counts: torch.Tensor, received: torch.Tensor, ep: MeshDim,
@@ -132,7 +182,8 @@ def dispatch_rows(rows: torch.Tensor, counts: torch.Tensor, received: torch.Tens
     """``rows`` sorted by expert, ``counts[e]`` of them for expert ``e``: the rows every rank sends
     to this rank's experts, expert by expert (by sender within one), then zero rows up to
     ``ep x len(rows)``. ``received``: ``exchange_counts``' result."""
-    _functional_only(comm)
+    if comm != FUNCTIONAL:
+        return _padded_dispatch(rows, counts, received, ep, comm)
     return _dispatch_rows(rows, counts, received, ep.group_name, list(ep.ranks))
 
 
@@ -140,5 +191,6 @@ def combine_rows(rows: torch.Tensor, counts: torch.Tensor, received: torch.Tenso
                  comm: str = FUNCTIONAL) -> torch.Tensor:
     """``dispatch_rows``' inverse: each row of ``rows`` (as ``dispatch_rows`` laid them out) back
     at the rank and place it came from."""
-    _functional_only(comm)
+    if comm != FUNCTIONAL:
+        return _padded_combine(rows, counts, received, ep, comm)
     return _combine_rows(rows, counts, received, ep.group_name, list(ep.ranks))

@@ -5,7 +5,8 @@ the replica groups that takes.
   them (NCCL, gloo, TorchNeuron's ``neuron`` backend).
 - ``"xla"``: every collective call, and through it its backward, the ring rotations and the
   Ulysses exchange, issues ``torch_xla.core.xla_model`` calls with full replica groups
-  (``ops.lowerings.Xla``); no group name is relied on. Whatever the device.
+  (``ops.lowerings.Xla``); no group name is relied on. Whatever the device. Expert
+  parallelism's rows go padded to the worst case, by even all-to-alls (``ops.experts``).
 - ``"auto"``: ``"xla"`` when an input is on an xla device, else ``"functional"``.
 
 Each collective node already carries its mesh dim's layout (``mesh.MeshDim``), so lowering
@@ -29,6 +30,7 @@ from ..ops.lowerings import FUNCTIONAL, LOWERINGS, ring_pairs, xla_model
 from .context import ParallelContext
 from .localize import graph_communications
 from .meta import Communication, communications
+from .rules.routing import pad_expert_exchange
 
 COLLECTIVES = ("auto", *LOWERINGS)
 
@@ -132,5 +134,6 @@ def lower_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         for node in gm.graph.nodes:
             if node.op == "call_function" and communications(node):
                 node.update_kwarg("comm", ctx.comm)
+                pad_expert_exchange(node)
     gm.recompile()
     return gm

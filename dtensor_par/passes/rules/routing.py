@@ -6,6 +6,7 @@ gathered (a clear fallback, never a guess), except counts, which add up as parti
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -17,7 +18,7 @@ from ...mesh import MeshInfo
 from ...ops.experts import combine_rows, dispatch_rows, exchange_counts, local_offsets
 from ...placements import Partial, Placement, parts_of, shard_dim
 from ...symbolic import hint
-from ..meta import Communication, NodeSharding, planned_local_shape, set_communications, site_role
+from ..meta import Communication, NodeSharding, communications, planned_local_shape, set_communications, site_role
 from ..nodes import arguments, target_name, tensor_val, writes_in_place
 from .core import R, norm_dim, replicate_all, resolve_partial
 from .registry import op_kind, register
@@ -133,6 +134,16 @@ def localize_expert_exchange(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) 
             combine_rows: (nbytes * ep.size, nbytes if grad else 0)}[node.target]
     backward = "all_to_all" if sent[1] else None
     set_communications(node, [Communication("all_to_all", backward, ep.name, ep.size, *sent, site_role(node))])
+
+
+def pad_expert_exchange(node: fx.Node) -> None:
+    """A row exchange lowered without uneven all-to-alls (``lower``; ``ops.experts``' padded
+    form): the worst case both ways, ``ep`` times a rank's rows, whatever the routing."""
+    if node.target in (dispatch_rows, combine_rows):
+        c, = communications(node)
+        worst = c.forward_bytes * (c.group_size if node.target is dispatch_rows else 1)
+        padded = dataclasses.replace(c, forward_bytes=worst, backward_bytes=worst if c.backward else 0)
+        set_communications(node, [padded])
 
 
 register("selection", "routing", selection_rule, functions=[torch.topk, torch.sort, torch.argsort],
