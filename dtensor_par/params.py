@@ -148,15 +148,17 @@ def holds_whole(info: MeshInfo, config: ParallelConfig) -> bool:
 
 def expert_group(mesh: MeshInfo, batch: str) -> MeshDim:
     """The ranks ``ep="cp"`` cuts each mixture's experts over, expert ``e`` at coordinate
-    ``e // (E / size)``: "fsdp", laid out in the mesh's order, the order in which DTensor nests
-    ``Shard(0)`` on them. It is ring x ulysses where the mesh has no dp_shard, and dp_shard x
-    ring x ulysses where each dp_shard rank holds rows of its own (a global batch). Beside
-    dp_shard under dp_replicate (the plan's dp would cut the experts over the replicas too) or
-    with a local batch (which the plan does not cut over dp), they are cut over cp alone
-    (ring-major, as its tokens) and FSDP-sharded over dp_shard."""
-    if mesh.size("dp_shard") == 1 or (mesh.size("dp_replicate") == 1 and batch == "global"):
-        return mesh.dims["fsdp"]
-    return mesh.dims["cp"]._replace(zigzag=0)
+    ``e // (E / size)``, laid out in the mesh's order, the order in which DTensor nests
+    ``Shard(0)`` on them: dp_shard x ring x ulysses ("fsdp") where each dp_shard rank holds rows
+    of its own (a global batch, no dp_replicate); without dp_shard, ring x ulysses: cp where
+    cp's ring-major order is the mesh's (reports then name its collectives cp's), else "fsdp".
+    Beside dp_shard under dp_replicate (the plan's dp would cut the experts over the replicas
+    too) or with a local batch (which the plan does not cut over dp), they are cut over cp
+    alone (ring-major: ``passes.experts`` checks the order) and FSDP-sharded over dp_shard."""
+    fsdp, cp = mesh.dims["fsdp"], mesh.dims["cp"]._replace(zigzag=0)
+    if mesh.size("dp_shard") > 1:
+        return fsdp if mesh.size("dp_replicate") == 1 and batch == "global" else cp
+    return cp if fsdp.groups == cp.groups else fsdp
 
 
 def expert_plan_dims(mesh: MeshInfo, ep: MeshDim) -> tuple[str, ...]:
