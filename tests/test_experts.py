@@ -260,3 +260,5 @@ def test_experts_cut_over_cp_alone_refused_where_ulysses_comes_before_ring():
     (graph,) = plan(order=("ulysses", "ring", "tp")).graphs
     (line,) = [s for s in graph.sites if s.startswith("moe0")]
     assert graph.warnings == [] and "experts per rank: 2 of 8 (ep over cp=4), each whole" in line, (graph.warnings, line)
+    exchanged = {c["mesh_dims"] for c in graph.collectives if c["site"] == "moe0.experts"}
+    assert exchanged == {"fsdp"}, exchanged  # ulysses x ring, the mesh's order, not cp's
