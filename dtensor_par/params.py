@@ -89,11 +89,11 @@ class HeldLayout:
             local[0] //= self.ep.size
         return tuple(local)
 
-    def own_gradient_on(self, plan_dim: str) -> bool:
+    def own_gradient_on(self, plan_dim: str, mesh: MeshInfo) -> bool:
         """Whether each rank's piece gets its whole gradient on ``plan_dim``, no partial sum: an
         expert weight's on the plan dims its experts are cut over (ep), each rank computing them
         alone on every row its group sent them."""
-        return self.ep is not None and plan_dim in expert_plan_dims(self.ep)
+        return self.ep is not None and plan_dim in expert_plan_dims(mesh, self.ep)
 
     def held_shape(self, shape) -> tuple[int, ...]:
         local = list(self.computed_shape(shape))
@@ -117,7 +117,7 @@ class HeldLayout:
         holds chunks r, r + tp, ... of the tensor cut into parts x tp chunks, which is its slice
         of every part."""
         per_dim = {"tp": _tp_dtensor_placement(self.tp)}
-        if self.ep is not None:  # nested in the mesh's order: "fsdp"'s; cp's ring-major (passes.experts checks)
+        if self.ep is not None:  # nested in the mesh's order, "fsdp"'s; cp's is ring-major (passes.experts checks)
             per_dim.update((n, DTensorShard(0)) for n in info.spanned(self.ep.name))
         if self.fsdp_dim is not None:
             per_dim.update((n, DTensorShard(self.fsdp_dim)) for n in info.spanned(self.fsdp.name))
@@ -148,21 +148,24 @@ def holds_whole(info: MeshInfo, config: ParallelConfig) -> bool:
 
 def expert_group(mesh: MeshInfo, batch: str) -> MeshDim:
     """The ranks ``ep="cp"`` cuts each mixture's experts over, expert ``e`` at coordinate
-    ``e // (E / size)``: dp_shard x ring x ulysses ("fsdp", in the mesh's order, the order in
-    which DTensor nests ``Shard(0)`` on them) where the mesh has dp_shard, each of whose ranks
-    holds rows of its own (a global batch); else the cp ranks (ring-major, as their tokens).
-    Under dp_replicate the plan's dp dim would cut the experts over the replicas too: there,
-    and with a local batch, which the plan does not cut over dp, the experts are cut over cp
-    and FSDP-sharded over dp_shard."""
-    if mesh.size("dp_shard") > 1 and mesh.size("dp_replicate") == 1 and batch == "global":
-        return mesh.dims["fsdp"]
-    return mesh.dims["cp"]._replace(zigzag=0)
+    ``e // (E / size)``, laid out in the mesh's order, the order in which DTensor nests
+    ``Shard(0)`` on them: dp_shard x ring x ulysses ("fsdp") where each dp_shard rank holds rows
+    of its own (a global batch, no dp_replicate); without dp_shard, ring x ulysses: cp where
+    cp's ring-major order is the mesh's (reports then name its collectives cp's), else "fsdp".
+    Beside dp_shard under dp_replicate (the plan's dp would cut the experts over the replicas
+    too) or with a local batch (which the plan does not cut over dp), they are cut over cp
+    alone (ring-major: ``passes.experts`` checks the order) and FSDP-sharded over dp_shard."""
+    fsdp, cp = mesh.dims["fsdp"], mesh.dims["cp"]._replace(zigzag=0)
+    if mesh.size("dp_shard") > 1:
+        return fsdp if mesh.size("dp_replicate") == 1 and batch == "global" else cp
+    return cp if fsdp.groups == cp.groups else fsdp
 
 
-def expert_plan_dims(ep: MeshDim) -> tuple[str, ...]:
-    """The plan dims an expert group (``expert_group``) cuts the experts over: cp, and dp (all
-    of it dp_shard) for "fsdp"."""
-    return ("dp", "cp") if ep.name == "fsdp" else ("cp",)
+def expert_plan_dims(mesh: MeshInfo, ep: MeshDim) -> tuple[str, ...]:
+    """The plan dims an expert group (``expert_group``) cuts the experts over: cp, and dp where
+    the group spans dp_shard (its dp is all dp_shard then); not the plan's dp of dp_replicate
+    alone, whose replicas each hold every expert."""
+    return ("dp", "cp") if "dp_shard" in mesh.spanned(ep.name) else ("cp",)
 
 
 def _tp_dtensor_placement(p: Placement) -> DTensorPlacement:
@@ -174,14 +177,15 @@ def _tp_dtensor_placement(p: Placement) -> DTensorPlacement:
     return DTensorShard(p.dim) if isinstance(p, Shard) else DTensorReplicate()
 
 
-def fed_placements(placements: dict[str, Placement], layout: HeldLayout | None) -> dict[str, Placement]:
+def fed_placements(placements: dict[str, Placement], layout: HeldLayout | None, mesh: MeshInfo
+                   ) -> dict[str, Placement]:
     """How the runtime cuts a graph input (``WholeParameters.local_input``): as the plan places
     it, but an expert weight (with ep) at once over its group, by this rank's coordinate there:
     the experts ``parallelize`` holds, where a cut plan dim by plan dim (cp, then dp) would hand
     a rank of "fsdp" another rank's."""
     if layout is None or layout.ep is None:
         return placements
-    covered = expert_plan_dims(layout.ep)
+    covered = expert_plan_dims(mesh, layout.ep)
     return {**{d: p for d, p in placements.items() if d not in covered}, layout.ep.name: Shard(0)}
 
 

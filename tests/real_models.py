@@ -187,12 +187,13 @@ def falcon():
     return FalconForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
-def mixtral():
-    """A mixture of 4 experts, top-2: batched expert weights ``[E, 2 * inter, hidden]`` through
-    grouped matmuls (transformers' default experts implementation), tokens sorted by expert."""
+def mixtral(experts: int = 4):
+    """A mixture of ``experts`` experts, top-2: batched expert weights ``[E, 2 * inter, hidden]``
+    through grouped matmuls (transformers' default experts implementation), tokens sorted by expert."""
     from transformers import MixtralConfig, MixtralForCausalLM
     config = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                           num_attention_heads=8, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2)
+                           num_attention_heads=8, num_key_value_heads=4, num_local_experts=experts,
+                           num_experts_per_tok=2)
     return MixtralForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 

@@ -1,11 +1,12 @@
 """Expert parallelism (``ep="cp"``) on gloo ranks, against one device: the row exchange alone
 (``ops.experts``: forward, the rows' gradients and the experts'), and a mixture of experts
-parallelized, trained with AdamW, its experts held cut over dp_shard x cp, and one step of it
-over dp_shard x ring, parallelized and held whole."""
+parallelized, trained with AdamW, its experts held cut over dp_shard x cp, one step of it over
+dp_shard x ring, parallelized and held whole, and one over a mesh that puts ulysses before ring."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import glob
 import json
 import logging
@@ -110,7 +111,7 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
     4 ranks (dp_shard x cp): 2 AdamW steps with clipping against one device, the storage each
     rank holds of an expert weight and of its gradient and AdamW state, and the collectives a
     step runs against the dumped table; then one step at dp_shard2 x ring2, parallelized and not
-    (``one_step_over_ring``)."""
+    (``one_step_over_ring``), and one at ulysses2 x ring2 (``one_step_ulysses_first``)."""
     from tests import real_models
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -157,7 +158,8 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
     table = _collectives_table(dump_dir, f"dp_shard{rank // 2}_ring0_ulysses{rank % 2}_tp0")
     return {**worst, "held": held, "whole": experts.numel() * experts.element_size(), "ran": dict(ran),
             "table": dict(table), "back": exchanges[counts + 2], "measured": measured,
-            "ring": one_step_over_ring(rank, os.path.join(dump_dir, "ring"))}
+            "ring": one_step_over_ring(rank, os.path.join(dump_dir, "ring")),
+            "ulysses_first": one_step_ulysses_first()}
 
 
 def one_step_over_ring(rank: int, dump_dir: str) -> dict:
@@ -193,6 +195,31 @@ def one_step_over_ring(rank: int, dump_dir: str) -> dict:
     return results
 
 
+def one_step_ulysses_first() -> dict:
+    """One step of Mixtral's 8 experts parallelized at ring2 x ulysses2 on a mesh that puts
+    ulysses first, against one device: the experts are cut over the ranks in the mesh's order,
+    as DTensor nests them, which is not cp's ring-major order. Each rank's local expert weights
+    and their gradients against the chunk of its mesh coordinate (its rank, without tp)."""
+    from tests import real_models
+
+    mesh = dtensor_par.init_mesh(ring=2, ulysses=2, order=("ulysses", "ring", "tp"))
+    torch.manual_seed(0)
+    model, args, kwargs = real_models.mixtral(experts=8)
+    reference = copy.deepcopy(model)
+    dtensor_par.parallelize(model, mesh, args, example_kwargs=kwargs, ep="cp")
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager", ep="cp"))
+    out, expected = compiled(*args, **kwargs)[0], reference(*args, **kwargs)[0]
+    loss_of(out).backward()
+    loss_of(expected).backward()
+    mine = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+    experts = [(p, q) for (n, p), q in zip(model.named_parameters(), reference.parameters()) if ".experts." in n]
+    return {"forward": (out - expected).abs().max().item(),
+            "grad": max(max_rel(whole(p.grad), q.grad) for p, q in zip(model.parameters(), reference.parameters())),
+            "local": [list(p.to_local().shape) for p, _ in experts],
+            "local_weight": max((p.to_local() - q.detach()[mine]).abs().max().item() for p, q in experts),
+            "local_grad": max(max_rel(p.grad.to_local(), q.grad[mine]) for p, q in experts)}
+
+
 def _train_launch() -> list:
     with tempfile.TemporaryDirectory() as folder:
         return run_ranks(4, train_with_ep, dump_dir=folder)
@@ -223,3 +250,36 @@ def test_experts_cut_over_dp_shard_and_ring_as_on_one_device():
         assert held["local"] == {"model.layers.0.mlp.experts.gate_up_proj": [1, 256, 64],
                                  "model.layers.0.mlp.experts.down_proj": [1, 64, 128]}, held["local"]
         assert held["ran"] == held["table"] and held["ran"]["all_to_all_single"] >= 5, held
+
+
+def test_experts_cut_in_the_mesh_order_where_ulysses_comes_before_ring():
+    """Parallelized at ring2 x ulysses2 on a mesh that puts ulysses first: each rank holds the 2
+    of the 8 experts at its coordinate in the mesh's order, and computes as one device does."""
+    pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
+    for result in (r["ulysses_first"] for r in TRAINED.result()):
+        assert result["forward"] <= 1e-5 and result["grad"] <= 1e-5, result
+        assert result["local"] == [[2, 256, 64], [2, 64, 128]], result
+        assert result["local_weight"] == 0 and result["local_grad"] <= 1e-5, result
+
+
+def test_experts_cut_over_cp_alone_refused_where_ulysses_comes_before_ring():
+    """Beside dp_shard with a local batch the experts are cut over cp alone, whose ranks are
+    ring-major: parallelized on a mesh that puts ulysses first they stay whole, with the reason;
+    without dp_shard, on the same order, they are cut over the ranks in the mesh's order."""
+    pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
+    from tests import real_models
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    model, args, kwargs = real_models.mixtral(experts=8)
+    plan = functools.partial(dtensor_par.explain, model, args, example_kwargs=kwargs, ring=2, ulysses=2, ep="cp",
+                             parallelized=True, device_type="cpu")
+    (local,) = plan(dp_shard=2, order=("dp_shard", "ulysses", "ring", "tp"), batch="local").graphs
+    assert local.warnings == [
+        "moe0: ep='cp': the experts stay whole on every rank of cp=4: parallelize nests experts cut over cp alone "
+        "(beside dp_shard=2, with dp_replicate or a local batch) in the mesh's order, but the mesh dp_shard=2 x "
+        "ulysses=2 x ring=2 x tp=1 puts ulysses before ring and cp's ranks are ring-major"], local.warnings
+    (graph,) = plan(order=("ulysses", "ring", "tp")).graphs
+    (line,) = [s for s in graph.sites if s.startswith("moe0")]
+    assert graph.warnings == [] and "experts per rank: 2 of 8 (ep over cp=4), each whole" in line, (graph.warnings, line)
+    exchanged = {c["mesh_dims"] for c in graph.collectives if c["site"] == "moe0.experts"}
+    assert exchanged == {"fsdp"}, exchanged  # ulysses x ring, the mesh's order, not cp's

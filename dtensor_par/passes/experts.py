@@ -66,7 +66,7 @@ def expert_chain(site: MoESite, mesh: MeshInfo, ep: MeshDim, sharded: bool
     if site.num_experts % chunks:
         zigzag = " (the ring's zigzag layout cuts cp's dims in two chunks a rank)" if cp.zigzag else ""
         return (f"{site.num_experts} experts do not divide into {chunks} equal chunks over "
-                f"{group_text(mesh, expert_plan_dims(ep))}{zigzag}")
+                f"{group_text(mesh, expert_plan_dims(mesh, ep))}{zigzag}")
     rows = _single({grouped_operands(g)[0] for g in site.up}, "up projections' rows")
     offsets = _single({grouped_operands(g)[2] for g in grouped}, "grouped matmuls' offsets")
     histogram = _single({n for n in site.region if op_kind(n) in ("histc", "bincount")}, "histograms")
@@ -79,7 +79,9 @@ def expert_chain(site: MoESite, mesh: MeshInfo, ep: MeshDim, sharded: bool
         return "its grouped matmuls add a bias"
     if sharded and ep.name == "cp" and 1 not in (mesh.size("ring"), mesh.size("ulysses")) and \
             mesh.order.index("ring") > mesh.order.index("ulysses"):
-        return "parallelize holds the experts cut over ring then ulysses, but the mesh puts ulysses first"
+        return (f"parallelize nests experts cut over cp alone (beside dp_shard={mesh.size('dp_shard')}, with "
+                f"dp_replicate or a local batch) in the mesh's order, but the mesh {mesh.described()} puts ulysses "
+                f"before ring and cp's ranks are ring-major")
     if any(is_symbolic(n) for n in tensor_val(rows).shape):
         return "its token count is symbolic (dynamic shapes)"
     chain = _chain(site)
@@ -111,7 +113,7 @@ def experts_to_ranks(gm: fx.GraphModule, site: MoESite, ctx: ParallelContext, ep
     found = expert_chain(site, ctx.mesh, ep, ctx.feeding.sharded)
     if isinstance(found, str):
         ctx.warn(f"{site.name}: ep='cp': the experts stay whole on every rank of "
-                 f"{group_text(ctx.mesh, expert_plan_dims(ep))}: {found}")
+                 f"{group_text(ctx.mesh, expert_plan_dims(ctx.mesh, ep))}: {found}")
         return
     if ctx.mesh.size("dp_shard") > 1 and ep.name == "cp":
         ctx.warn(f"{site.name}: ep='cp' on the mesh {ctx.mesh.described()} with batch={ctx.config.batch!r}: the "
@@ -140,6 +142,6 @@ def experts_to_ranks(gm: fx.GraphModule, site: MoESite, ctx: ParallelContext, ep
         set_site_role(node, f"{site.name}.experts")
     site.region = (site.region - {offsets}) | {received, offs, sent, back}
     site.counts = (site.counts - {offsets}) | {received, offs}
-    site.at_experts, site.ep_size, site.ep_over = frozenset([sent, *chain]), ep.size, expert_plan_dims(ep)
+    site.at_experts, site.ep_size, site.ep_over = frozenset([sent, *chain]), ep.size, expert_plan_dims(ctx.mesh, ep)
     for grouped in site.up + site.down:
         ctx.expert_placements[weight_param(grouped)[0].name] = {d: Shard(0) for d in site.ep_over}

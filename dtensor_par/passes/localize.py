@@ -146,7 +146,7 @@ def gather_fsdp_param(gm: fx.GraphModule, ctx: ParallelContext, node: fx.Node, l
     held = numel * val.element_size()
     x = node
     with graph.inserting_before(first), at_node("localize", node):
-        for plan_dim in (d for d in ("cp", "dp") if not layout.own_gradient_on(d)):
+        for plan_dim in (d for d in ("cp", "dp") if not layout.own_gradient_on(d, mesh)):
             rest = _summing_dims(plan_dim, layout.fsdp, mesh)
             if rest is not None and mesh.size(plan_dim) > 1 and grad:
                 x = _plain(graph, C.grad_all_reduce, (x, rest))
@@ -212,7 +212,8 @@ def record_runtime_gather(node: fx.Node, ctx: ParallelContext, layout: HeldLayou
     """The runtime's gather of one input's gradient (``record_runtime_gathers``), if any;
     ``layout``: how a parameter is held."""
     if node.name in ctx.params:
-        fed = {} if ctx.feeding.sharded else fed_placements({"tp": ctx.param_placements.get(node.name)}, layout)
+        tp = {"tp": ctx.param_placements.get(node.name)}
+        fed = {} if ctx.feeding.sharded else fed_placements(tp, layout, ctx.mesh)
         sharded = {d: p for d, p in fed.items() if shard_dim(p) is not None}
         site = "parameter gradient"
     else:
@@ -408,7 +409,7 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
                 src, dst = current[dim.name], plans[dim.name].inputs[i]
                 computes_locally = any(p != R for p in _outputs(plans[dim.name].out) if p is not None)
                 partial_grad = dst == R and computes_locally and arg.meta["requires_grad"]
-                summed_at_gather = held_fsdp and dim.name != "tp" and not layout.own_gradient_on(dim.name)
+                summed_at_gather = held_fsdp and dim.name != "tp" and not layout.own_gradient_on(dim.name, ctx.mesh)
                 partial_grad = partial_grad or (summed_at_gather and local_batch and dim.name == "dp")
                 others = {d: p for d, p in current.items() if d != dim.name}
                 insert = _Inserter(graph, dim, local_shape_on(val.shape, others, ctx.mesh), element_size, site,
