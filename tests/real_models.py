@@ -260,9 +260,19 @@ def deepseek_v3_published():
         return DeepseekV3ForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def gpt_oss():
+    """GPT-OSS: attention with learned sink logits concatenated to the scores (written out), and
+    experts whose grouped matmuls add a bias gathered per row and interleave gate and up."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=8, num_key_value_heads=4, head_dim=8, num_local_experts=4,
+                          num_experts_per_tok=2, layer_types=["full_attention"])
+    return GptOssForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
              "flux": flux, "phi3": phi3, "gptj": gptj, "bert": bert, "modernbert": modernbert, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
              "mixtral_batched_mm": mixtral_batched_mm, "mixtral_eager": mixtral_eager,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
-             "deepseek_v3_published": deepseek_v3_published}
+             "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss}

@@ -437,6 +437,19 @@ def test_experts_exchange_padded_rows_under_the_xla_lowering(monkeypatch):
             f"(even all-to-alls over cp=2: the xla lowering)") in lines["xla"], lines
 
 
+def test_attention_with_sinks_and_experts_with_biases_are_named_where_they_stay_whole():
+    """GPT-OSS, not parallel yet: its attention concatenates sink logits to the scores, and its
+    experts' grouped matmuls add per-row biases and interleave gate and up. A report at tp2 that
+    shards nothing must say what it left whole, by name: the softmax and both grouped matmuls."""
+    model, args, kwargs = real_models.gpt_oss()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    assert graph.sites == [] and graph.coverage.sharded_linear_flops == 0
+    assert any(w.startswith("probs: a softmax over the product matmul is not read as attention") for w in graph.warnings)
+    for grouped, weight in (("out", "gate_up_proj"), ("out_1", "down_proj")):
+        assert any(w.startswith(f"{grouped}: the grouped matmul of model.layers.0.mlp.experts.{weight} is not read as a "
+                                f"mixture of experts") for w in graph.warnings), graph.warnings
+
+
 def test_experts_read_a_row_at_a_time_are_planned_as_grouped_ones():
     """transformers' ``batched_mm`` experts (``W[expert_ids]`` then ``bmm``) are made the grouped
     chain by canonicalize: at tp2 the same sites, placements and collectives as the default

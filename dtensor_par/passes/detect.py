@@ -28,6 +28,9 @@ _INSIDE_MLP = kinds_in("pointwise") | {"split", "getitem"}
 # Views fold the heads into the batch and back (Bloom's [batch * heads, seq, keys] scores).
 _SCORE_MODIFIERS = kinds_in("pointwise") | {"cast", "view"}
 _AFTER_SOFTMAX = {"cast", "dropout", "view"}
+# Ops through which a softmax that is not read as attention may still be made from a matmul's
+# output (GPT-OSS's sink logits concatenated to the scores): enough to name it in a warning.
+_NEAR_SCORES = _SCORE_MODIFIERS | kinds_in("views", "indexing", "reductions")
 
 
 @dataclass
@@ -322,12 +325,12 @@ def find_written_attention(gm: fx.GraphModule, ctx: ParallelContext) -> list[tup
     found = []
     for softmax in (n for n in gm.graph.nodes if op_kind(n) == "softmax"):
         products = _score_products(tensor_inputs(softmax)[0])
-        if not products:
-            continue
         weighted = _weighted_values(softmax)
         if len(products) == 1 and weighted is not None and _over_last_dim(softmax) and tensor_val(softmax).dim() >= 4:
             found.append((products[0], softmax, weighted))
-        else:
+            continue
+        products = products or _walk([tensor_inputs(softmax)[0]], _written_from, _NEAR_SCORES, "matmul")[0]
+        if products:
             ctx.warn(f"{softmax.name}: a softmax over the product {products[0].name} is not read as attention "
                      f"(softmax(q @ kT) @ v, the scores [batch, heads, seq, keys]); it is planned op by op, its heads "
                      f"not sharded as a site's")
@@ -508,7 +511,9 @@ def _computed_from(region: frozenset[fx.Node], sources: set[fx.Node], only: bool
 
 def find_moe_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[MoESite]:
     """Each grouped matmul whose tokens another one's outputs make (through the activation
-    and gate): the experts' down and up projections, and the mixture around them."""
+    and gate): the experts' down and up projections, and the mixture around them. An expert
+    weight's grouped matmul read otherwise is warned of by name: a report must not look
+    complete when it is not."""
     sites = []
     for down in (n for n in gm.graph.nodes if op_kind(n) == "grouped_mm"):
         ups, _ = _walk([grouped_operands(down)[0]], _written_from, _INSIDE_MLP, "grouped_mm")
@@ -516,6 +521,13 @@ def find_moe_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[MoESite]:
             site = moe_site(f"moe{len(sites)}", ups, down, ctx) if ups else None
         if site is not None:
             sites.append(site)
+    read = {g for site in sites for g in site.up + site.down}
+    for grouped in (n for n in gm.graph.nodes if op_kind(n) == "grouped_mm" and n not in read):
+        if _has_param_weight(grouped, ctx):
+            ctx.warn(f"{grouped.name}: the grouped matmul of {ctx.params[weight_param(grouped)[0].name].fqn} is not "
+                     f"read as a mixture of experts (up and down grouped matmuls with per-row ops between them, on "
+                     f"tokens gathered by a top-k router's choice and summed back per token): planned op by op, its "
+                     f"experts whole on every rank")
     return sites
 
 
