@@ -103,12 +103,13 @@ def experts_per_rank(site: MoESite, ctx: ParallelContext) -> str:
     line = f"experts per rank: {held}, " + (f"each 1/{tp} of its features (tp)" if split else "each whole")
     exchanged = {n.target: communications(n)[0] for n in site.region
                  if n.target in (dispatch_rows, combine_rows) and communications(n)}
-    if len(exchanged) == 2 and ctx.comm != FUNCTIONAL:
-        line += (f"; rows to the experts per layer: {exchanged[dispatch_rows].forward_bytes} B sent and "
-                 f"{exchanged[combine_rows].forward_bytes} B back, padded to the worst case (even all-to-alls over "
-                 f"{group}: the {ctx.comm} lowering)")
-    elif len(exchanged) == 2:
-        sent, back = exchanged[dispatch_rows].forward_bytes, exchanged[combine_rows].forward_bytes
+    if len(exchanged) != 2:
+        return line
+    sent, back = exchanged[dispatch_rows].forward_bytes, exchanged[combine_rows].forward_bytes
+    if ctx.comm != FUNCTIONAL:
+        line += (f"; rows to the experts per layer: {sent} B sent and {back} B back, padded to the worst case (even "
+                 f"all-to-alls over {group}: the {ctx.comm} lowering)")
+    else:
         line += (f"; rows to the experts per layer: {sent} B sent, {back // ep} B back with even routing, {back} B "
                  f"at most (all-to-alls over {group})")
     return line
