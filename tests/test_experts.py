@@ -44,7 +44,6 @@ def exchange_rows(rank: int, world: int, *, coordinates: tuple[int, ...], comm: 
     ``combine_rows`` over a mesh dim whose coordinates are not the ranks' order, with the
     lowering ``comm``: functional's, ranks of different row counts; xla's (the padded exchange,
     over the xm stand-in), of equal ones, as the plan's equal token shares are."""
-    xm_gloo.install()
     xm_gloo.calls.clear()
     ep = MeshDim("cp", world, coordinates.index(rank), dist.group.WORLD.group_name, (coordinates,), 0)
     weights = torch.randn(EXPERTS, WIDTH, OUT, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
@@ -79,6 +78,7 @@ def exchange_rows(rank: int, world: int, *, coordinates: tuple[int, ...], comm: 
 
 def exchanges(rank: int, world: int, *, coordinates: tuple[int, ...]) -> dict:
     """``exchange_rows`` with each lowering, in one launch."""
+    xm_gloo.install()
     return {comm: exchange_rows(rank, world, coordinates=coordinates, comm=comm) for comm in ("functional", "xla")}
 
 
