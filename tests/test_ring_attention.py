@@ -61,6 +61,11 @@ CASES = {
     "value_dim_6_causal_zigzag": dict(v_dim=6, is_causal=True, zigzag=True),
     "value_dim_12_padded_additive_mask_gqa": dict(v_dim=12, real=14, zigzag=True, mask="additive", heads=4,
                                                   kv_heads=2, enable_gqa=True),
+    # A sink logit per head (GPT-OSS): a key every query sees, with no value, folded in after the
+    # blocks merge; its gradient summed over the ranks. A boolean mask hides some rows entirely:
+    # there the sink takes all the mass and the output is zero.
+    "sinks_causal_zigzag_gqa": dict(sinks=True, is_causal=True, zigzag=True, heads=4, kv_heads=2, enable_gqa=True),
+    "sinks_softcap_bool_mask_padded_zigzag": dict(sinks=True, softcap=2.0, mask="bool", real=14, zigzag=True),
 }
 
 _FORWARD_KERNEL = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -126,15 +131,21 @@ def _softcap(cap: float) -> ScoreMod:
     return ScoreMod((("div", cap), ("tanh", 0.0), ("mul", cap)))
 
 
-def _written_out(q, k, v, *, attn_mask, is_causal, scale, enable_gqa, softcap):
-    """Soft-capped attention as Gemma2 writes it out, op by op: the reference of a score function."""
+def _written_out(q, k, v, *, attn_mask, is_causal, scale, enable_gqa, softcap, sinks=None):
+    """Attention as Gemma2 (soft-capped) and GPT-OSS (sink logits concatenated to the scores, their
+    probabilities dropped) write it out, op by op: the reference of a score function and of sinks."""
     if enable_gqa:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    scores = torch.tanh(q @ k.transpose(-2, -1) * (scale or q.shape[-1] ** -0.5) / softcap) * softcap
+    scores = q @ k.transpose(-2, -1) * (scale or q.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    if sinks is not None:
+        logits = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
+        return logits.softmax(-1)[..., :-1] @ v
     return scores.softmax(-1) @ v
 
 
@@ -163,22 +174,25 @@ def _compare(world: int, attention, *, heads: int = 2, kv_heads: int = 2, kv_seq
              is_causal: bool = False, zigzag: bool = False, enable_gqa: bool = False, scale: float | None = None,
              mask: str | None = None, real: int | None = None, reversed_ring: bool = False,
              window: int | None = None, key_padding: bool = False, softcap: float | None = None,
-             v_dim: int = HEAD_DIM, count_ops: bool = True) -> dict:
+             sinks: bool = False, v_dim: int = HEAD_DIM, count_ops: bool = True) -> dict:
     """Run ``attention`` on this rank's blocks; return its differences to the single-device
     SDPA forward and gradients and, if ``count_ops`` (eager only: torch.compile refuses
     dispatch modes), the kernels and rotations it ran.
 
     ``real``: only the first ``real`` positions are the sequence; the rest is padding, whose
     output rows are not compared and whose gradients must be zero. ``softcap``: soft-capped
-    scores (a score function), against the attention written out. ``v_dim``: the values' head
-    dim (latent attention's differs from the queries')."""
+    scores (a score function), against the attention written out. ``sinks``: a sink logit per
+    head, likewise, and its gradient summed over the ranks. ``v_dim``: the values' head dim
+    (latent attention's differs from the queries')."""
     q, k, v, weights = _full_inputs(heads, kv_heads, kv_seq, v_dim)
     n, n_kv = real or SEQ, real or kv_seq
     full = [t[:, :, :length].clone().requires_grad_() for t, length in ((q, n), (k, n_kv), (v, n_kv))]
+    sink_logits = torch.randn(heads, generator=torch.Generator().manual_seed(2)).requires_grad_() if sinks else None
     full_mask = _mask(mask, heads, n)
     keep = _keep(n) if key_padding else None
     positional = window is not None or key_padding
-    attend = F.scaled_dot_product_attention if softcap is None else functools.partial(_written_out, softcap=softcap)
+    attend = F.scaled_dot_product_attention if softcap is None and not sinks else functools.partial(
+        _written_out, softcap=softcap, sinks=sink_logits)
     reference = attend(*full, attn_mask=_positional_mask(n, window, keep) if positional else full_mask,
                        is_causal=is_causal and not positional, scale=scale, enable_gqa=enable_gqa)
     (reference * weights[:, :, :n]).sum().backward()
@@ -195,6 +209,8 @@ def _compare(world: int, attention, *, heads: int = 2, kv_heads: int = 2, kv_seq
         extra = {"window": window, "key_padding": keep} if positional else {}
         if softcap is not None:
             extra["score_mod"] = _softcap(softcap)
+        if sinks:
+            extra["sinks"] = local_sinks = sink_logits.detach().clone().requires_grad_()
         out = attention(*local, ring=ring, attn_mask=local_mask, is_causal=is_causal, scale=scale,
                         enable_gqa=enable_gqa, zigzag=zigzag, kv_len=real, **extra)
         (out * weights[:, :, q_pos] * real_rows.view(-1, 1)).sum().backward()
@@ -202,6 +218,9 @@ def _compare(world: int, attention, *, heads: int = 2, kv_heads: int = 2, kv_seq
               "counts": dict(counter.counts)}
     for name, got, want, pos in zip("qkv", local, grads, (q_pos, kv_pos, kv_pos)):
         result[f"d{name}_rel"] = max_rel(got.grad, want[:, :, pos])
+    if sinks:
+        dist.all_reduce(local_sinks.grad)
+        result["dsinks_rel"] = max_rel(local_sinks.grad, sink_logits.grad)
     return result
 
 
@@ -277,8 +296,9 @@ LAUNCHES = {world: in_background(run_ranks, world, _rank_cases, with_compiled=wo
 
 def _assert_close(rank: int, name: str, metrics: dict) -> None:
     assert metrics["forward_abs"] <= FORWARD_ATOL, (rank, name, metrics)
-    for grad in ("dq_rel", "dk_rel", "dv_rel"):
-        assert metrics[grad] <= GRAD_RTOL, (rank, name, grad, metrics)
+    for grad in ("dq_rel", "dk_rel", "dv_rel", "dsinks_rel", "dtable_rel"):
+        assert metrics.get(grad, 0.0) <= GRAD_RTOL, (rank, name, grad, metrics)
+    assert ("dsinks_rel" in metrics) == name.startswith("sinks"), (rank, name, metrics)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -307,7 +327,7 @@ def test_ring_attention_with_a_position_bias_matches_single_device(world):
         assert set(results["biased"]) == set(BIAS_CASES)
         for name, metrics in results["biased"].items():
             _assert_close(rank, name, metrics)
-            assert metrics["dtable_rel"] <= GRAD_RTOL, (rank, name, metrics)
+            assert "dtable_rel" in metrics, (rank, name, metrics)
 
 
 def test_ring_attention_traces_under_aot_eager():
@@ -403,6 +423,22 @@ def test_a_ring_of_one_runs_windows_and_key_padding_by_query_tiles(window, key_p
     assert out.shape == q.shape and (out[:, :, :n] - reference).abs().max() <= FORWARD_ATOL
     grads = torch.autograd.grad((out[:, :, :n] * weights[:, :, :n]).sum(), (q, k, v))
     for got, want in zip(grads, expected):
+        assert max_rel(got, want) <= GRAD_RTOL
+
+
+def test_a_ring_of_one_folds_in_sinks():
+    """Ulysses alone with GPT-OSS's sinks: at a ring of one the ring's kernel runs (the fused ones
+    give no log-sum-exp to fold the sinks into), causal with grouped kv heads, and the sinks get
+    their gradient."""
+    q, k, v, weights = (t.requires_grad_() for t in _full_inputs(4, 2, SEQ))
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    reference = _written_out(q, k, v, attn_mask=None, is_causal=True, scale=None, enable_gqa=True, softcap=None,
+                             sinks=sinks)
+    expected = torch.autograd.grad((reference * weights).sum(), (q, k, v, sinks))
+    one = MeshInfo.for_planning({}, "cpu").dims["ring"]
+    out = ring_attention(q, k, v, ring=one, is_causal=True, enable_gqa=True, sinks=sinks)
+    assert (out - reference).abs().max() <= FORWARD_ATOL
+    for got, want in zip(torch.autograd.grad((out * weights).sum(), (q, k, v, sinks)), expected):
         assert max_rel(got, want) <= GRAD_RTOL
 
 

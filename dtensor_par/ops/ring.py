@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from ..mesh import MeshDim
 from .lowerings import FUNCTIONAL, LOWERINGS
 from .position_bias import PositionBias, TableBias
-from .ring_kernels import (add_rows, as_4d, as_additive, block_backward, block_forward, box_positions, every_row,
-                           merge_block, part, positional_mask, repeat_kv_heads, scored_attention, slice_mask,
-                           tiled_attention)
+from .ring_kernels import (add_rows, add_sinks, as_4d, as_additive, block_backward, block_forward, box_positions,
+                           every_row, merge_block, part, positional_mask, repeat_kv_heads, scored_attention,
+                           sinks_grad, slice_mask, tiled_attention)
 from .ring_schedule import Block, plan_block, source_at
 from .score_mod import ScoreMod
 from .sequence_layout import count_real_keys
@@ -75,14 +75,14 @@ def _blocks_at(step: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor |
 
 
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  key_padding: torch.Tensor | None, bias: TableBias | None, *, ring: MeshDim, comm: str, is_causal: bool,
-                  scale: float | None, zigzag: bool, kv_len: int | None, window: int | None,
-                  score_mod: ScoreMod | None = None, overlap: bool = True, keep_blocks: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Output (q's dtype) and global log-sum-exp (float32) of this rank's query rows, and, with
-    ``keep_blocks``, the stacked key/value block of each step (the backward's; without, each
-    block is freed once computed). ``overlap=False`` waits for each rotation before computing
-    (for benchmarks)."""
+                  key_padding: torch.Tensor | None, bias: TableBias | None, sinks: torch.Tensor | None, *,
+                  ring: MeshDim, comm: str, is_causal: bool, scale: float | None, zigzag: bool, kv_len: int | None,
+                  window: int | None, score_mod: ScoreMod | None = None, overlap: bool = True,
+                  keep_blocks: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Output (q's dtype) and global log-sum-exp (float32) of this rank's query rows, with the
+    ``sinks`` (a logit per head) folded in last, and, with ``keep_blocks``, the stacked
+    key/value block of each step (the backward's; without, each block is freed once computed).
+    ``overlap=False`` waits for each rotation before computing (for benchmarks)."""
     size, net = ring.size, LOWERINGS[comm]
     groups = q.shape[1] // k.shape[1]
     masked = mask is not None or key_padding is not None or window is not None
@@ -113,6 +113,8 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
             kv = net.finish_rotation(incoming)
             if keep_blocks:
                 blocks.append(kv)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
     read_last = block is not None  # else the rotation that brought it must still be kept
     return (out if read_last else _consume(out, kv)).to(q.dtype), lse, blocks
 
@@ -167,7 +169,7 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, blocks: list[torch.T
             dkv_own = dkv
         else:
             dkv_incoming = net.start_rotation(dkv, ring)
-    dkv = dkv_own + net.finish_rotation(dkv_incoming)
+    dkv = dkv_own if dkv_incoming is None else dkv_own + net.finish_rotation(dkv_incoming)
     if dq is None:  # every block skipped (only padding here)
         dq = torch.zeros_like(q, dtype=torch.float32)
     if grad_table and dtable is None:
@@ -181,24 +183,25 @@ class _RingAttention(torch.autograd.Function):
     collectives (which would rebuild every block's attention matrix)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, key_padding, table, position_bias, ring, comm, is_causal, scale, zigzag, kv_len,
-                window, score_mod, overlap, keep_blocks):
+    def forward(ctx, q, k, v, mask, key_padding, table, sinks, position_bias, ring, comm, is_causal, scale, zigzag,
+                kv_len, window, score_mod, overlap, keep_blocks):
         options = dict(ring=ring, comm=comm, is_causal=is_causal, scale=scale, zigzag=zigzag, kv_len=kv_len,
                        window=window, score_mod=score_mod)
         bias = None if position_bias is None else TableBias(position_bias, table)
-        out, lse, blocks = _ring_forward(q, k, v, mask, key_padding, bias, **options, overlap=overlap,
+        out, lse, blocks = _ring_forward(q, k, v, mask, key_padding, bias, sinks, **options, overlap=overlap,
                                          keep_blocks=keep_blocks)
-        ctx.save_for_backward(q, mask, key_padding, table, out, lse, *blocks)
+        ctx.save_for_backward(q, mask, key_padding, table, sinks, out, lse, *blocks)
         ctx.options, ctx.position_bias = options, position_bias
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, mask, key_padding, table, out, lse, *blocks = ctx.saved_tensors
+        q, mask, key_padding, table, sinks, out, lse, *blocks = ctx.saved_tensors
         bias = None if ctx.position_bias is None else TableBias(ctx.position_bias, table)
         dq, dk, dv, dtable = _ring_backward(grad_out, q, blocks, mask, key_padding, bias, out, lse, **ctx.options,
                                             grad_table=ctx.needs_input_grad[5])
-        return (dq, dk, dv, None, None, dtable) + (None,) * 11
+        dsinks = sinks_grad(grad_out, out, lse, sinks) if ctx.needs_input_grad[6] else None
+        return (dq, dk, dv, None, None, dtable, dsinks) + (None,) * 11
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -265,14 +268,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
                    enable_gqa: bool = False, zigzag: bool = False, kv_len: int | None = None,
                    window: int | None = None, key_padding: torch.Tensor | None = None,
                    score_mod: ScoreMod | None = None, position_bias: PositionBias | None = None,
-                   table: torch.Tensor | None = None, overlap: bool = True, comm: str = FUNCTIONAL) -> torch.Tensor:
+                   table: torch.Tensor | None = None, sinks: torch.Tensor | None = None, overlap: bool = True,
+                   comm: str = FUNCTIONAL) -> torch.Tensor:
     """This rank's rows of ``F.scaled_dot_product_attention`` over the full sequences, in
     forward and backward. ``overlap=False`` serializes communication and compute in the
     forward (only to measure what overlap saves). ``score_mod``: a score function applied to
     the scaled scores before the masks (attention written out by hand, ``ops.score_mod``).
     ``position_bias``: a bias built from positions (``ops.position_bias``) and the ``table``
     ``[rows, heads]`` it reads, added with the masks; each block evaluates its own tile, and
-    the table gets its gradient.
+    the table gets its gradient. ``sinks``: a logit per query head (GPT-OSS's attention sinks:
+    a key every query sees, whose value is zero), folded in after the blocks merge, with its
+    gradient from this rank's query rows.
 
     ``ring``: the ring's layout (its groups and this rank's coordinate ``rank`` of ``size``);
     ``comm``: the lowering of its rotations (``ops.lowerings``).
@@ -295,7 +301,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
         attn_mask, kv_len = _hide_padded_keys(attn_mask, kv_len, k.shape[-2] * ring.size, is_causal, k.device), None
     _check_inputs(q, k, v, attn_mask, key_padding, rank=ring.rank, size=ring.size, is_causal=is_causal,
                   enable_gqa=enable_gqa, zigzag=zigzag, kv_len=kv_len, window=window)
-    if ring.size == 1:
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"the sinks must be one logit per query head, [{q.shape[1]}]; got {tuple(sinks.shape)}")
+    if ring.size == 1 and sinks is None:  # the fused kernels; with sinks the ring's, which gives the log-sum-exp
         if kv_len is not None:
             k, v = k[..., :kv_len, :], v[..., :kv_len, :]
         # kv heads repeated here, after the exchange, as each ring block does: with grouped kv,
@@ -312,6 +320,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
                                    score_mod=score_mod, position_bias=position_bias, table=table)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
     mask = None if attn_mask is None else as_additive(attn_mask, q.dtype)
-    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, table) if t is not None)
-    return _RingAttention.apply(q, k, v, mask, key_padding, table, position_bias, ring, comm, is_causal, scale, zigzag,
-                                kv_len, window, score_mod, overlap, backward)
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, table, sinks) if t is not None)
+    return _RingAttention.apply(q, k, v, mask, key_padding, table, sinks, position_bias, ring, comm, is_causal, scale,
+                                zigzag, kv_len, window, score_mod, overlap, backward)

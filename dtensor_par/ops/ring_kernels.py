@@ -216,6 +216,23 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: to
     return out, lse
 
 
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and log-sum-exp with a sink logit per head folded in (GPT-OSS's attention
+    sinks: a key every query sees, whose value is zero). The sink takes its share of the softmax
+    mass, so the keys keep ``exp(lse - merged)``, ``sigmoid(lse - sink)``, of it. The backward
+    reads the merged log-sum-exp as it reads a ring's: the sink's column adds nothing to the
+    gradients of q, k and v."""
+    sink = sinks.float().view(1, -1, 1)
+    return out * torch.sigmoid(lse - sink).unsqueeze(-1), torch.logaddexp(lse, sink)
+
+
+def sinks_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The sinks' gradient from these query rows: each row's probability of its sink times minus
+    ``rowsum(dO * O)`` (the softmax's backward at a column whose value is zero), summed per head."""
+    delta = (grad_out.float() * out.float()).sum(-1)
+    return -(torch.exp(sinks.float().view(1, -1, 1) - lse) * delta).sum((0, 2)).to(sinks.dtype)
+
+
 def add_rows(total: torch.Tensor | None, rows: slice, share: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """``total`` (fp32, of ``shape``; zeros if None) with ``share`` added to ``rows`` of dim -2:
     out of place when ``share`` holds every row."""
