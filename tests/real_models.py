@@ -261,13 +261,19 @@ def deepseek_v3_published():
 
 
 def gpt_oss():
-    """GPT-OSS: attention with learned sink logits concatenated to the scores (written out), and
-    experts whose grouped matmuls add a bias gathered per row and interleave gate and up."""
+    """GPT-OSS: attention with learned sink logits concatenated to the scores (written out), a
+    sliding window on every other layer, and experts whose grouped matmuls add a bias gathered
+    per row and interleave gate and up. The sinks are drawn larger than their init, as trained
+    ones are, so that they take a real share of each softmax."""
     from transformers import GptOssConfig, GptOssForCausalLM
-    config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+    config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=8, num_key_value_heads=4, head_dim=8, num_local_experts=4,
-                          num_experts_per_tok=2, layer_types=["full_attention"])
-    return GptOssForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+                          num_experts_per_tok=2, sliding_window=12, layer_types=["sliding_attention", "full_attention"])
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    return model, (_ids(),), {"use_cache": False, "return_dict": False}
 
 
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,

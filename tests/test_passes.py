@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import re
 
 import pytest
 import torch
@@ -281,6 +282,10 @@ CANONICALIZED = {
         _experts_read_per_row(torch.bmm),
         _experts_read_per_row(lambda w, x: torch.bmm(mat2=x, input=w)),
         _experts_read_per_row(lambda w, x: w.bmm(mat2=x))]),
+    "softmax_of_unshifted": ([torch.randn(2, 4, 6, 7)], [  # GPT-OSS's logits less their rows' max
+        lambda x: F.softmax(x - x.max(dim=-1, keepdim=True).values, dim=-1),
+        lambda x: F.softmax(x - torch.max(x, -1, True)[0], -1),
+        lambda x: F.softmax(x - x.amax(dim=3, keepdim=True), dim=-1)]),
 }
 
 
@@ -308,6 +313,11 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
     assert not {"torch.addmm", "torch.baddbmm", "torch.narrow"} & set(ops), ops
     if rule == "experts_as_grouped":  # sorted by expert, counted, two grouped matmuls, sorted back; no bmm
         assert ops.count("grouped_mm") == 2 and "matmul" not in ops and "histc" in ops, ops
+    if rule == "softmax_of_unshifted":  # a shift along another dim than the softmax's would change it
+        assert ops == ["softmax"], ops
+        gm, _ = _passes_on(Spelled(lambda x: F.softmax(x - x.amax(2, keepdim=True), -1)), inputs,
+                           (capture_pass, canonicalize_pass), ulysses=2)
+        assert [op for op, _, _ in _canonical_form(gm)] == ["reduce", "sub", "softmax"]
     if rule == "grouped_kv_attention":
         (_, sdpa, _), = forms[0]
         assert sdpa["enable_gqa"] is True and (sdpa["key"], sdpa["value"]) == ("l_inputs_1_", "l_inputs_2_"), sdpa
@@ -457,9 +467,20 @@ class SoftmaxGate(nn.Module):
         return torch.softmax(x @ self.score.weight.t(), dim=-1) * 2.0
 
 
-def test_a_softmax_over_a_product_not_read_as_attention_is_warned_of_by_name(planned):
-    _, ctx = planned(SoftmaxGate(), [torch.randn(2, 8, 32)], tp=2)
-    assert any(w.startswith("softmax: a softmax over the product matmul is not read as attention")
+class ScoresBesideTheirMean(nn.Module):
+    """Scores with a column made from them concatenated before the softmax: no sink logits (one a
+    head, the same for every query), so no attention the planner reads."""
+
+    def forward(self, q, k, v):
+        scores = q @ k.transpose(-2, -1)
+        logits = torch.cat([scores, scores.mean(-1, keepdim=True)], dim=-1)
+        return torch.softmax(logits, dim=-1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize("module, inputs", [(SoftmaxGate, [(2, 8, 32)]), (ScoresBesideTheirMean, [(2, 4, 8, 16)] * 3)])
+def test_a_softmax_over_a_product_not_read_as_attention_is_warned_of_by_name(planned, module, inputs):
+    _, ctx = planned(module(), [torch.randn(shape) for shape in inputs], tp=2)
+    assert any(re.match(r"softmax: a softmax over the product \w+ is not read as attention", w)
                for w in ctx.warnings), ctx.warnings
 
 

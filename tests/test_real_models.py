@@ -13,6 +13,7 @@ import torch
 
 import dtensor_par
 from dtensor_par.passes.meta import global_shape, placements, shardings
+from dtensor_par.passes.nodes import tensor_inputs
 from dtensor_par.placements import Replicate, Shard
 from tests.background import in_background
 from tests.harness import FORWARD_ATOL, GRAD_RTOL, logged, loss_of, max_rel, run_ranks_together
@@ -24,7 +25,7 @@ from tests import real_models, xm_gloo  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
-            "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager"}
+            "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -118,6 +119,8 @@ RUNS = {
     # with them, cp evaluates each bias per ring block (both meshes). Falcon's fused qkv is sharded by kv group,
     # once, beside ulysses (CI time): its attention is SDPA, as every model's at tp2-ring2.
     # DeepSeek-V3: latent attention (values of another head dim, through the ring's kernels) and its experts.
+    # GPT-OSS: sink logits per head (tp shards them with the heads; cp folds them in after the ring, Ulysses' ring
+    # of one too) beside a sliding window.
     # Mixtral and Qwen2-MoE: experts split over tp, each rank's tokens dispatched on their own over cp; Mixtral's
     # load-balancing loss (graphs broken by transformers' router-logit hooks) once, beside ulysses. Mixtral's
     # experts read a row at a time (batched_mm, made grouped matmuls by canonicalize) at both meshes and with ep.
@@ -128,10 +131,11 @@ RUNS = {
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
                              names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "gemma2_left_padded", "bloom",
                                              "t5", "t5_padded", "falcon", "mixtral", "mixtral_aux",
-                                             "mixtral_batched_mm", "qwen2_moe", "deepseek_v3"]),
+                                             "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "gpt_oss"]),
         "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=["flux", "mistral_padded", "gemma2", "gemma2_left_padded",
                                                             "bloom", "t5", "t5_padded", "mixtral",
-                                                            "mixtral_batched_mm", "qwen2_moe", "deepseek_v3"]),
+                                                            "mixtral_batched_mm", "qwen2_moe", "deepseek_v3",
+                                                            "gpt_oss"]),
         # Expert parallelism: the experts cut over cp, each rank's rows sent to them and back (the ring's zigzag
         # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them).
         "tp2-ring2 ep": dict(sizes=MESHES["tp2-ring2"], names=["mixtral", "mixtral_batched_mm", "deepseek_v3"],
@@ -146,7 +150,7 @@ RUNS = {
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=["llama", "flux"])},
     # transformers' eager experts: Dynamo breaks the graph at the loop's nonzero, and the experts run between the
     # planned graphs (an nn.ModuleList looped over: tests.models.LoopedExperts, in test_tp_gloo and test_cp_gloo).
-    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager"])},
+    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager", "gpt_oss"])},
 }
 """World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size
 (world 2's launch runs the ``parallel`` decorator's check too)."""
@@ -276,6 +280,42 @@ def test_soft_capped_attention_runs_as_hybrid_attention_without_a_square_mask(me
                for n in attention), [n.kwargs for n in attention]
     shapes = [global_shape(n) or () for n in local.graph.nodes]
     assert not any(shape[-2:] == (seq, seq) for shape in shapes), [s for s in shapes if s[-2:] == (seq, seq)]
+
+
+@pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
+def test_attention_sinks_run_as_hybrid_attention_with_each_ranks_heads(mesh):
+    """GPT-OSS's attention concatenates a sink logit per head to its scores, subtracts the rows'
+    max and drops the sinks' probabilities before ``@ v``. Under cp it becomes hybrid attention
+    given the sinks, one per head of this tp rank, folded in after the ring; its masks run as
+    is_causal with the sliding window (layer 0) and without: no S x S tensor."""
+    from dtensor_par.mesh import MeshInfo
+    from dtensor_par.passes.capture import capture_graphs
+    from dtensor_par.pipeline import PLANNING_PASSES, parallelize_graph
+
+    torch.manual_seed(0)
+    model, _, kwargs = real_models.gpt_oss()
+    seq = 40  # no other dim of the model has this size
+    (gm, inputs), = capture_graphs(model, torch.randint(0, real_models.VOCAB, (2, seq)), **kwargs)
+    local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning(mesh, "cpu"), passes=PLANNING_PASSES)
+    assert not any("softmax" in w or "attention written out" in w for w in ctx.warnings), ctx.warnings
+    attention = [n for n in local.graph.nodes if n.target is dtensor_par.ops.attention.hybrid_attention]
+    assert [n.kwargs.get("window") for n in attention] == [12, None]
+    assert all(n.kwargs["is_causal"] and n.kwargs["attn_mask"] is None for n in attention)
+    for node in attention:  # tp's heads: each rank's own sinks
+        taken = dict(zip(tensor_inputs(node), shardings(node)["tp"].inputs))
+        assert taken[node.kwargs["sinks"]] == Shard(0) and global_shape(node.kwargs["sinks"]) == (8,), taken
+    shapes = [global_shape(n) or () for n in local.graph.nodes]
+    assert not any(shape[-2:] == (seq, seq) for shape in shapes), [s for s in shapes if s[-2:] == (seq, seq)]
+
+
+def test_attention_with_sinks_is_a_site_sharded_on_heads():
+    """At tp2 GPT-OSS's attention, sinks and all, is a site whose heads tp shards: its softmax is
+    named in no warning (before: "not read as attention", its heads whole)."""
+    model, args, kwargs = real_models.gpt_oss()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    attention = [s for s in graph.sites if s.startswith("attention")]
+    assert len(attention) == 2 and all("8 heads, 4 kv heads" in s for s in attention), attention
+    assert not any("softmax" in w for w in graph.warnings), graph.warnings
 
 
 @pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
@@ -438,13 +478,10 @@ def test_experts_exchange_padded_rows_under_the_xla_lowering(monkeypatch):
 
 
 def test_attention_with_sinks_and_experts_with_biases_are_named_where_they_stay_whole():
-    """GPT-OSS, not parallel yet: its attention concatenates sink logits to the scores, and its
-    experts' grouped matmuls add per-row biases and interleave gate and up. A report at tp2 that
-    shards nothing must say what it left whole, by name: the softmax and both grouped matmuls."""
+    """GPT-OSS's experts, not parallel yet: their grouped matmuls add per-row biases and interleave
+    gate and up. A report at tp2 must say what it left whole, by name: both grouped matmuls."""
     model, args, kwargs = real_models.gpt_oss()
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
-    assert graph.sites == [] and graph.coverage.sharded_linear_flops == 0
-    assert any(w.startswith("probs: a softmax over the product matmul is not read as attention") for w in graph.warnings)
     for grouped, weight in (("out", "gate_up_proj"), ("out_1", "down_proj")):
         assert any(w.startswith(f"{grouped}: the grouped matmul of model.layers.0.mlp.experts.{weight} is not read as a "
                                 f"mixture of experts") for w in graph.warnings), graph.warnings

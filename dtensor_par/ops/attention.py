@@ -81,7 +81,8 @@ def _mask_for_rank(mask: torch.Tensor, heads: int, padded_heads: int, ulysses_ra
 
 
 def _heads_of_rank(table: torch.Tensor, padded_heads: int, ulysses: MeshDim) -> torch.Tensor:
-    """This ulysses rank's heads of a bias table ``[rows, heads]``: zero heads bias nothing."""
+    """This ulysses rank's heads of a table ``[rows, heads]`` (a bias's, the sinks'): zero heads
+    read it nowhere."""
     table = F.pad(table, (0, padded_heads - table.shape[1]))
     per_rank = padded_heads // ulysses.size
     return table.narrow(1, ulysses.rank * per_rank, per_rank)
@@ -92,7 +93,8 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_
                      ulysses: MeshDim, ring: MeshDim, kv_len: int | None = None, window: int | None = None,
                      key_padding: torch.Tensor | None = None, score_mod: ScoreMod | None = None,
                      position_bias: PositionBias | None = None, bias_table: torch.Tensor | None = None,
-                     ulysses_impl: str = "all_to_all", comm: str = FUNCTIONAL) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, ulysses_impl: str = "all_to_all",
+                     comm: str = FUNCTIONAL) -> torch.Tensor:
     """This rank's sequence shard of ``scaled_dot_product_attention(q, k, v, attn_mask)`` over
     the full sequence, forward and backward.
 
@@ -105,7 +107,9 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_
     and at a ring of one to its own tile of scores. ``position_bias``: a bias built from
     positions (``ops.position_bias``) reading ``bias_table`` ``[rows, heads]`` (heads sharded
     only by tp), evaluated by each ring block for the heads and positions it holds, and the
-    table's gradient this rank's share (the graph sums it over cp). ``ulysses``, ``ring``: the layouts
+    table's gradient this rank's share (the graph sums it over cp). ``sinks``: a logit per query
+    head (GPT-OSS's attention sinks, heads sharded only by tp), folded in after the ring, its
+    gradient this rank's share likewise. ``ulysses``, ``ring``: the layouts
     of the two mesh dims; ``ulysses_impl``: one of ULYSSES_IMPLS; ``comm``: the lowering of
     the collectives (``ops.lowerings``).
     """
@@ -122,6 +126,8 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_
         q, k, v = _seq_to_heads(q, k, v, ulysses, ulysses_impl, comm)
         if bias_table is not None:
             bias_table = _heads_of_rank(bias_table, padded, ulysses)
+        if sinks is not None:
+            sinks = _heads_of_rank(sinks.unsqueeze(0), padded, ulysses).squeeze(0)
     if attn_mask is not None:
         block = q.shape[SEQ]  # this ring rank's block of (padded) query positions
         rows = (zigzag_indices(block * ring_size, ring_size, ring.rank) if ring_size > 1
@@ -130,7 +136,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_
     out = ring_attention(q, k, v, ring=ring, comm=comm, attn_mask=attn_mask,
                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, zigzag=ring_size > 1,
                          kv_len=kv_len, window=window, key_padding=key_padding, score_mod=score_mod,
-                         position_bias=position_bias, table=bias_table)
+                         position_bias=position_bias, table=bias_table, sinks=sinks)
     if ulysses_size > 1:
         out = _trade(out, HEADS, SEQ, ulysses, ulysses_impl, comm)
     return out[:, :heads] if padded != heads else out

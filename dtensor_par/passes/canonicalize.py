@@ -32,6 +32,10 @@
   product (``ops.grouped``) and the rows put back by ``argsort`` of the order. Each row's dot
   products are the same; detect, the tp plan and expert parallelism then apply unchanged, and no
   ``[S, out, in]`` copy of the weights is made.
+- A softmax of its input less the input's max along the softmax's dim (GPT-OSS's
+  ``logits - logits.max(-1, keepdim=True).values``) becomes the softmax of the input: a
+  softmax subtracts its rows' max itself, and the result is the same. What it reads is then
+  the scores themselves, which attention written out by hand is read from.
 """
 
 from __future__ import annotations
@@ -468,6 +472,33 @@ def _grouped(graph: fx.Graph, old: _RowProduct, rows: fx.Node, offs: fx.Node) ->
     return with_val(graph.call_function(GROUPED_MM, (rows, weight, offs)), tensor_val(old.out))
 
 
+def _is_row_max(node: fx.Node, x: fx.Node, dim: int) -> bool:
+    """Whether ``node`` is the max of ``x`` along ``dim``, the dim kept: ``x.amax(dim, keepdim=True)``
+    or ``x.max(dim, keepdim=True)[0]``."""
+    if op_kind(node) == "getitem" and arguments(node)["index"] == 0:
+        node = arguments(node)["input"]
+        if node.target not in (torch.max, "max"):
+            return False
+    elif node.target not in (torch.amax, "amax"):
+        return False
+    given = arguments(node)
+    dims = given.get("dim")
+    dims = dims if isinstance(dims, (tuple, list)) else [dims]
+    ndim = tensor_val(x).dim()
+    return given["input"] is x and given.get("keepdim") is True and [d % ndim for d in dims] == [dim]
+
+
+def softmax_of_unshifted(gm: fx.GraphModule, softmax: fx.Node) -> None:
+    shifted = arguments(softmax)["input"]
+    if op_kind(shifted) != "sub" or len(shifted.users) != 1 or arguments(shifted).get("alpha", 1) != 1:
+        return
+    x, row_max, dim = arguments(shifted)["input"], arguments(shifted)["other"], arguments(softmax)["dim"]
+    if isinstance(x, fx.Node) and isinstance(row_max, fx.Node) and isinstance(dim, int) \
+            and _is_row_max(row_max, x, dim % tensor_val(softmax).dim()):
+        softmax.replace_input_with(shifted, x)
+        erase_unused(gm, shifted)
+
+
 def _tensor_by_keyword(node: fx.Node) -> bool:
     """Whether a call is given a tensor by keyword (``x.baddbmm(batch1=a, batch2=b)``)."""
     given = []
@@ -492,6 +523,8 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
         slice_fills_as_cat(gm, node)
     elif op_kind(node) == "sdpa" and ctx.mesh.size("cp") > 1:
         grouped_kv_attention(gm, node)
+    elif op_kind(node) == "softmax":
+        softmax_of_unshifted(gm, node)
 
 
 def canonicalize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:

@@ -29,8 +29,18 @@ _INSIDE_MLP = kinds_in("pointwise") | {"split", "getitem"}
 _SCORE_MODIFIERS = kinds_in("pointwise") | {"cast", "view"}
 _AFTER_SOFTMAX = {"cast", "dropout", "view"}
 # Ops through which a softmax that is not read as attention may still be made from a matmul's
-# output (GPT-OSS's sink logits concatenated to the scores): enough to name it in a warning.
+# output: enough to name it in a warning.
 _NEAR_SCORES = _SCORE_MODIFIERS | kinds_in("views", "indexing", "reductions")
+
+
+@dataclass(frozen=True)
+class SinkLogits:
+    """GPT-OSS's attention sinks: a learned logit per head concatenated after the scores' last
+    column (a key every query sees, whose value is zero), its probability dropped before ``@ v``."""
+
+    scores: fx.Node  # the scores the sink column is concatenated to
+    per_head: fx.Node  # [1, heads, 1, 1]: the logits, before they are expanded to the column
+    dropped: fx.Node  # the probabilities without the sink column
 
 
 @dataclass
@@ -47,6 +57,7 @@ class AttentionSite:
     layout_problem: str | None = None  # why the heads cannot be read off the projections' views: tp refuses it
     scores: fx.Node | None = None  # attention written out by hand: its q @ kT
     softmax: fx.Node | None = None  # ... and the softmax over its scores
+    sinks: SinkLogits | None = None  # ... and the sink logits concatenated to them
 
     @property
     def colwise(self) -> list[fx.Node]:
@@ -302,10 +313,34 @@ def _score_products(scores: fx.Node) -> list[fx.Node]:
     return _walk([scores], _written_from, _SCORE_MODIFIERS, "matmul")[0]
 
 
-def _weighted_values(softmax: fx.Node) -> fx.Node | None:
+def _drops_last_column(node: fx.Node) -> bool:
+    """Whether ``node`` is ``x[..., :-1]``: every column of ``x``'s last dim but the last."""
+    entries = per_dim(arguments(node)["index"], tensor_val(node).dim()) if op_kind(node) == "getitem" else None
+    if not entries or any(e != slice(None) for e in entries[:-1]) or not isinstance(entries[-1], slice):
+        return False
+    columns = tensor_val(arguments(node)["input"]).shape[-1]
+    return range(columns)[entries[-1]] == range(columns - 1)
+
+
+def find_sink_logits(softmax: fx.Node) -> SinkLogits | None:
+    """The sink logits of a softmax over ``cat([scores, column], -1)`` whose column is a
+    ``[1, heads, 1, 1]`` tensor expanded, and whose probabilities are read without it."""
+    logits, ndim = tensor_inputs(softmax)[0], tensor_val(softmax).dim()
+    if op_kind(logits) != "cat" or cat_dim(logits) != ndim - 1 or len(logits.users) != 1 or ndim != 4 \
+            or len(arguments(logits)["tensors"]) != 2 or len(softmax.users) != 1:
+        return None
+    scores, column = arguments(logits)["tensors"]
+    per_head = tensor_inputs(column)[0] if op_kind(column) == "expand" else None
+    if per_head is None or tuple(tensor_val(per_head).shape) != (1, tensor_val(scores).shape[1], 1, 1):
+        return None
+    dropped = next(iter(softmax.users))
+    return SinkLogits(scores, per_head, dropped) if _drops_last_column(dropped) else None
+
+
+def _weighted_values(softmax: fx.Node, sinks: SinkLogits | None) -> fx.Node | None:
     """The matmul that weighs values by a softmax's probabilities (through casts, dropout and
-    views)."""
-    probabilities = softmax
+    views, and without the sinks' column)."""
+    probabilities = softmax if sinks is None else sinks.dropped
     while len(probabilities.users) == 1 and op_kind(next(iter(probabilities.users))) in _AFTER_SOFTMAX:
         probabilities = next(iter(probabilities.users))
     users = [u for u in probabilities.users if op_kind(u) == "matmul" and tensor_inputs(u)[0] is probabilities]
@@ -316,18 +351,21 @@ def _over_last_dim(softmax: fx.Node) -> bool:
     return arguments(softmax).get("dim") in (-1, tensor_val(softmax).dim() - 1)
 
 
-def find_written_attention(gm: fx.GraphModule, ctx: ParallelContext) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
-    """``(q @ kT, softmax, probabilities @ v)`` of each attention written out by hand: a softmax
-    over the last dim of ``[batch, heads, seq, keys]`` scores made from one matmul's output
-    (through score modifiers and views folding the heads into the batch, as Bloom's ``baddbmm``
-    does) whose probabilities are multiplied with the values. A softmax over a matmul's output
-    that does not read so is warned of by name: a report must not look complete when it is not."""
+def find_written_attention(gm: fx.GraphModule, ctx: ParallelContext
+                           ) -> list[tuple[fx.Node, fx.Node, fx.Node, SinkLogits | None]]:
+    """``(q @ kT, softmax, probabilities @ v, sink logits)`` of each attention written out by hand:
+    a softmax over the last dim of ``[batch, heads, seq, keys]`` scores made from one matmul's
+    output (through score modifiers and views folding the heads into the batch, as Bloom's
+    ``baddbmm`` does; with sink logits concatenated last) whose probabilities are multiplied with
+    the values. A softmax over a matmul's output that does not read so is warned of by name: a
+    report must not look complete when it is not."""
     found = []
     for softmax in (n for n in gm.graph.nodes if op_kind(n) == "softmax"):
-        products = _score_products(tensor_inputs(softmax)[0])
-        weighted = _weighted_values(softmax)
+        sinks = find_sink_logits(softmax)
+        products = _score_products(tensor_inputs(softmax)[0] if sinks is None else sinks.scores)
+        weighted = _weighted_values(softmax, sinks)
         if len(products) == 1 and weighted is not None and _over_last_dim(softmax) and tensor_val(softmax).dim() >= 4:
-            found.append((products[0], softmax, weighted))
+            found.append((products[0], softmax, weighted, sinks))
             continue
         products = products or _walk([tensor_inputs(softmax)[0]], _written_from, _NEAR_SCORES, "matmul")[0]
         if products:
@@ -343,17 +381,17 @@ def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[Atten
     cores = []
     for sdpa in (n for n in gm.graph.nodes if op_kind(n) == "sdpa"):
         inputs = arguments(sdpa)
-        cores.append((sdpa, inputs, (_heads_of(inputs["query"]), _heads_of(inputs["key"])), (None, None)))
-    for scores, softmax, weighted in find_written_attention(gm, ctx):
+        cores.append((sdpa, inputs, (_heads_of(inputs["query"]), _heads_of(inputs["key"])), (None, None, None)))
+    for scores, softmax, weighted, sinks in find_written_attention(gm, ctx):
         (query, key), value = tensor_inputs(scores), tensor_inputs(weighted)[1]
         inputs = {"query": query, "key": key, "value": value}
-        cores.append((weighted, inputs, (_heads_of(softmax),) * 2, (scores, softmax)))
+        cores.append((weighted, inputs, (_heads_of(softmax),) * 2, (scores, softmax, sinks)))
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     sites = []
-    for node, inputs, heads, (scores, softmax) in sorted(cores, key=lambda c: order[c[0]]):
+    for node, inputs, heads, (scores, softmax, sinks) in sorted(cores, key=lambda c: order[c[0]]):
         with at_node("detect", node):
             site = attention_site(f"attention{len(sites)}", node, inputs, heads, ctx)
-        site.scores, site.softmax = scores, softmax
+        site.scores, site.softmax, site.sinks = scores, softmax, sinks
         sites.append(site)
     return sites
 

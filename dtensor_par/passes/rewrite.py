@@ -16,7 +16,7 @@
   is and runs on the gathered sequence, with a warning.
 - With context parallelism, attention written out by hand becomes ``hybrid_attention`` too: what it
   does to its scores is read as a score function and a mask (``passes.scores``), the mask then as
-  an SDPA mask. What does not read so runs op by op on the whole sequence, with a warning naming
+  an SDPA mask, and sink logits concatenated to the scores (GPT-OSS) as its ``sinks``. What does not read so runs op by op on the whole sequence, with a warning naming
   the node.
 """
 
@@ -363,10 +363,21 @@ def _refold(gm: fx.GraphModule, hybrid: fx.Node, core: fx.Node, query: fx.Node) 
         return with_val(gm.graph.call_method("reshape", (hybrid, *folded.shape)), folded)
 
 
+def _sinks_kwargs(gm: fx.GraphModule, site: AttentionSite, sinks: fx.Node | None) -> dict:
+    """Hybrid attention's ``sinks``: the ``[1, heads, 1, 1]`` logits as one a head."""
+    if sinks is None:
+        return {}
+    with gm.graph.inserting_before(site.core):
+        per_head = with_val(gm.graph.call_method("reshape", (sinks, -1)), tensor_val(sinks).reshape(-1))
+    logger.info("%s (%s): sink logits per head %s, folded in after the ring", site.name, site.core.name, sinks.name)
+    return {"sinks": per_head}
+
+
 def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, attention: dict, ctx: ParallelContext,
-                        score_mod: ScoreMod | None = None, bias: FoundBias | None = None) -> None:
+                        score_mod: ScoreMod | None = None, bias: FoundBias | None = None,
+                        sinks: fx.Node | None = None) -> None:
     """Replace the site's attention (its arguments as SDPA names them in ``attention``, its
-    score function and bias built from positions if written out by hand) by
+    score function, bias built from positions and sink logits if written out by hand) by
     ``hybrid_attention`` over the cp mesh dims."""
     mesh, core = ctx.mesh, site.core
     bias = bias or _split_position_bias(attention)
@@ -390,6 +401,7 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, attention: dict
               "enable_gqa": attention["enable_gqa"], "ulysses": mesh.dims["ulysses"], "ring": mesh.dims["ring"],
               "ulysses_impl": ctx.config.ulysses_impl, **positional,
               **({"score_mod": score_mod} if score_mod is not None else {}), **_bias_kwargs(gm, site, bias, q),
+              **_sinks_kwargs(gm, site, sinks),
               **_sequence_lengths(site, tensor_val(q), tensor_val(k), mesh, ctx)}
     with gm.graph.inserting_before(core):
         hybrid = gm.graph.call_function(hybrid_attention, (q, k, v), kwargs)
@@ -419,7 +431,7 @@ def written_out_to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx
             mask = with_val(gm.graph.call_function(torch.logical_not, (mask,)), ~tensor_val(mask))
     attention = {"query": found.query, "key": key, "value": found.value, "attn_mask": mask,
                  "dropout_p": 0.0, "is_causal": False, "scale": 1.0, "enable_gqa": False}
-    to_hybrid_attention(gm, site, attention, ctx, found.score_mod, found.bias)
+    to_hybrid_attention(gm, site, attention, ctx, found.score_mod, found.bias, found.sinks)
 
 
 def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:

@@ -7,7 +7,8 @@ last (a tensor added, a ``masked_fill`` or ``where`` of the scores with -inf or 
 lowest value) becomes the attention's mask, which rewrite then reads as it reads an SDPA mask
 (built from positions: no ``S x S`` tensor kept); a tensor added there that is a bias built
 from positions (ALiBi, T5's relative buckets: ``passes.biases``) travels as hybrid attention's
-position bias beside it. Heads folded into the batch around the scores (Bloom's
+position bias beside it. Sink logits concatenated after the scores (GPT-OSS: ``detect.SinkLogits``)
+travel as hybrid attention's sinks. Heads folded into the batch around the scores (Bloom's
 ``[batch * heads, seq, keys]``) are read unfolded. Between the softmax and ``@ v``:
 float casts and a dropout that drops nothing. Anything else is a reason, naming its node,
 why the attention stays as written.
@@ -37,8 +38,9 @@ class WrittenAttention:
     where ``q @ kT`` reads no ``key.transpose(-2, -1)`` (rewrite then transposes ``key_t``);
     ``mask`` as SDPA takes it (additive, or boolean True = attend), unless ``mask_hides``: a
     boolean True = hidden, which rewrite inverts; ``bias``: a bias built from positions
-    (``passes.biases``). Where the heads are folded into the batch (Bloom's
-    ``[batch * heads, seq, dim]``), q, k and v are the 4-d tensors they were folded from."""
+    (``passes.biases``); ``sinks``: the ``[1, heads, 1, 1]`` sink logits (GPT-OSS). Where the heads
+    are folded into the batch (Bloom's ``[batch * heads, seq, dim]``), q, k and v are the 4-d
+    tensors they were folded from."""
 
     query: fx.Node
     key: fx.Node | None
@@ -48,6 +50,7 @@ class WrittenAttention:
     mask: fx.Node | None
     mask_hides: bool = False
     bias: FoundBias | None = None
+    sinks: fx.Node | None = None
 
 
 def _number(a) -> bool:
@@ -137,7 +140,7 @@ def _score_function(site: AttentionSite) -> _Scores | str:
     it, in order of application) tensors added or a mask filled in, and a view unfolding the
     heads from the batch, anywhere."""
     steps, added, folded = [], [], False
-    node = tensor_inputs(site.softmax)[0]
+    node = tensor_inputs(site.softmax)[0] if site.sinks is None else site.sinks.scores
     while True:
         if len(node.users) != 1:
             return f"{node.name} is read by more than the softmax"
@@ -245,4 +248,7 @@ def read_written_attention(site: AttentionSite) -> WrittenAttention | str:
     bias, (mask, hides) = read[0], read[1] or (None, False)
     if mask is not None and mask.meta["requires_grad"]:
         return f"{mask.name}: a mask that needs a gradient (a learned bias)"
-    return WrittenAttention(query, key, key_t, value, found.score_mod, mask, hides, bias)
+    if site.sinks is not None and found.folded:
+        return f"{site.sinks.per_head.name}: sink logits beside heads folded into the batch"
+    sinks = None if site.sinks is None else site.sinks.per_head
+    return WrittenAttention(query, key, key_t, value, found.score_mod, mask, hides, bias, sinks)

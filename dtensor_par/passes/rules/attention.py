@@ -22,7 +22,7 @@ def sdpa_rule(node, ins, cur, env):
     """Attention is independent per batch entry and per head: shard either, gather the rest.
     A mask broadcasts against the scores from the right; hybrid attention's key padding is
     ``[B|1, keys]``, its batch on dim 0 and no heads; its bias table ``[rows, heads]`` has the
-    heads on dim 1 and no batch."""
+    heads on dim 1 and its sinks ``[heads]`` on dim 0, and neither a batch."""
     cur = resolve_partial(ins, cur, env)
     q_val = tensor_val(ins[0])
     nd = q_val.dim()
@@ -31,14 +31,14 @@ def sdpa_rule(node, ins, cur, env):
     if chosen is None:
         return replicate_all(node, ins, cur, "attention sharded along the sequence or head dim")
     given = arguments(node)
-    key_padding, bias_table = given.get("key_padding"), given.get("bias_table")
+    key_padding, bias_table, sinks = (given.get(name) for name in ("key_padding", "bias_table", "sinks"))
     expected = []
     for i in ins:
         val = tensor_val(i)
         if i is key_padding:
             d = 0 if chosen.dim == 0 else None
-        elif i is bias_table:
-            d = 1 if chosen.dim == nd - 3 else None
+        elif i is bias_table or i is sinks:
+            d = (1 if i is bias_table else 0) if chosen.dim == nd - 3 else None
         else:
             d = chosen.dim - (nd - val.dim())
         broadcast = d is None or d < 0 or val.shape[d] == 1
