@@ -17,12 +17,19 @@ import torch
 
 from .mesh import FSDP_DIMS, MeshInfo
 from .ops.attention import ULYSSES_IMPLS
-from .ops.lowerings import LOWERINGS
+from .ops.lowerings import FUNCTIONAL, LOWERINGS
 
 OUTPUTS = ("full", "local")
 EXPERT_PARALLEL = (None, "cp")
 BATCHES = ("global", "local")
 COLLECTIVES = ("auto", *LOWERINGS)
+
+
+def resolve_collectives(choice: str, device_types: set[str]) -> str:
+    """The lowering ``choice`` means for inputs on ``device_types``."""
+    if choice != "auto":
+        return choice
+    return "xla" if "xla" in device_types else FUNCTIONAL
 
 
 def _option(default, help: str, *, plan: bool = True, choices: tuple | None = None, factory=None):

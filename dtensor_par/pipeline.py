@@ -63,12 +63,16 @@ def fork(gm: fx.GraphModule, ctx: ParallelContext, mesh: MeshInfo) -> tuple[fx.G
     copied = copy_graph_module(gm, copies)
 
     def remap(value):
+        """``value`` with every node in it the copy's: in lists, sets and dataclasses (a site, its sinks)."""
         if isinstance(value, fx.Node):
             return copies[value]
-        return [remap(v) for v in value] if isinstance(value, list) else value
+        if isinstance(value, (list, frozenset)):
+            return type(value)(remap(v) for v in value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return dataclasses.replace(value, **{f.name: remap(getattr(value, f.name)) for f in dataclasses.fields(value)})
+        return value
 
-    sites = [dataclasses.replace(s, **{f.name: remap(getattr(s, f.name)) for f in dataclasses.fields(s)})
-             for s in ctx.sites]
+    sites = [remap(s) for s in ctx.sites]
     containers = {f.name: copy.copy(value) for f in dataclasses.fields(ctx)
                   if isinstance(value := getattr(ctx, f.name), (dict, list))}
     return copied, dataclasses.replace(ctx, **{**containers, "mesh": mesh, "sites": sites})

@@ -459,7 +459,15 @@ def test_experts_cut_over_cp_with_ep(name, mesh):
 def test_experts_exchange_padded_rows_under_the_xla_lowering(monkeypatch):
     """Lowered to xm calls, which have no uneven all-to-all, a rank sends its rows for each rank
     of the ring in a block of its rows' length, both ways: explain's rows sent are the ring's 2
-    times the uneven exchange's, and the rows back its worst case, in forward and in backward."""
+    times the uneven exchange's, and the rows back its worst case, in forward and in backward.
+    localize counts them so, before lower: choose_mesh, which stops there, prices them alike."""
+    from dtensor_par.choose import PLANNING
+    from dtensor_par.config import ParallelConfig
+    from dtensor_par.mesh import MeshInfo
+    from dtensor_par.passes.capture import capture_graphs
+    from dtensor_par.passes.localize import graph_communications
+    from dtensor_par.pipeline import parallelize_graph
+
     xm_gloo.install(lambda name, module: monkeypatch.setitem(sys.modules, name, module))
     model, args, kwargs = real_models.mixtral()
     lines, rows = {}, {}
@@ -472,6 +480,12 @@ def test_experts_exchange_padded_rows_under_the_xla_lowering(monkeypatch):
     assert rows["functional"] == {("forward", own): 1, ("forward", 2 * own): 1, ("backward", own): 1,
                                   ("backward", 2 * own): 1}, rows
     assert rows["xla"] == {("forward", 2 * own): 2, ("backward", 2 * own): 2}, rows
+    (gm, inputs), = capture_graphs(model, *args, **kwargs)
+    planned, _ = parallelize_graph(gm, inputs, MeshInfo.for_planning({"ring": 2}, "cpu"),
+                                   ParallelConfig.of("test", {"ep": "cp", "collectives": "xla"}), passes=PLANNING)
+    priced = Counter((direction, nbytes) for _, c in graph_communications(planned) if c.site == "moe0.experts"
+                     for direction, nbytes in (("forward", c.forward_bytes), ("backward", c.backward_bytes)) if nbytes > 64)
+    assert priced == rows["xla"], priced
     assert f"rows to the experts per layer: {own} B sent, {own} B back with even routing" in lines["functional"]
     assert (f"rows to the experts per layer: {2 * own} B sent and {2 * own} B back, padded to the worst case "
             f"(even all-to-alls over cp=2: the xla lowering)") in lines["xla"], lines

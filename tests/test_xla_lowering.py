@@ -18,11 +18,10 @@ from dtensor_par.pipeline import parallelize_graph
 from dtensor_par.mesh import MESH_DIMS, SPANS, MeshDim, MeshInfo
 from dtensor_par.ops.lowerings import ring_pairs
 from dtensor_par.passes.capture import capture_graphs, capture_pass
-from dtensor_par.config import ParallelConfig
+from dtensor_par.config import ParallelConfig, resolve_collectives
 from dtensor_par.passes.detect import detect_pass
 from dtensor_par.passes.localize import localize_pass
-from dtensor_par.passes.lower import (check_circular, check_contiguous, check_partition, lower_pass,
-                                      resolve_collectives)
+from dtensor_par.passes.lower import check_circular, check_contiguous, check_partition, lower_pass
 from dtensor_par.passes.meta import communications, placements
 from dtensor_par.passes.plan import plan_pass
 from dtensor_par.passes.rewrite import rewrite_pass
@@ -140,12 +139,11 @@ def test_xla_chosen_by_auto_only_for_xla_tensors(fake_world, xm):
     fake_world(2)
     (gm, inputs), = capture_graphs(models.GPTBlock(), torch.randn(2, 8, 32))
     mesh = MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2))
-    passes = (capture_pass, detect_pass, rewrite_pass, plan_pass, localize_pass)
+    passes = (capture_pass, detect_pass, rewrite_pass, plan_pass, localize_pass, lower_pass)
     for device, lowered in (("cpu", None), ("xla", "xla")):
-        local_gm, ctx = parallelize_graph(gm, inputs, mesh, passes=passes)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            ctx.example_inputs[0] = torch.empty(inputs[0].shape, device=device)  # the input x
-        lower_pass(local_gm, ctx)
+            on_device = [torch.empty(inputs[0].shape, device=device), *inputs[1:]]  # the input x
+        local_gm, ctx = parallelize_graph(gm, on_device, mesh, passes=passes)
         collectives = [n for n in local_gm.graph.nodes if n.op == "call_function" and communications(n)]
         assert ctx.comm == (lowered or "functional") and len(collectives) == 4
         assert {n.kwargs.get("comm") for n in collectives} == {lowered}

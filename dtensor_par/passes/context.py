@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
+from ..config import resolve_collectives
 from ..errors import USER_ERRORS, PlanningError
 from ..logs import logger
 from ..mesh import MeshInfo
-from ..ops.lowerings import FUNCTIONAL
 from ..params import WHOLE, WholeParameters
 from ..placements import Placement, describe
 from ..symbolic import guards_at
@@ -50,10 +50,17 @@ class ParallelContext:
     output_placements: list[dict[str, Placement] | None] = field(default_factory=list)  # per output, by dim
     warnings: list[str] = field(default_factory=list)
     coverage: Coverage | None = None  # measured once planned (coverage.record_coverage)
-    comm: str = FUNCTIONAL  # the lowering lower_pass picked
+    comm: str = field(init=False)  # the lowering: known from the config and the inputs' devices alone
     replica_group_sets: dict[str, tuple] = field(default_factory=dict)  # from lower_pass
     specialization: Specialization | None = None  # a symbolic plan's guards (symbolic.py); None: static sizes
     fake_inputs: list | None = None  # the inputs a symbolic plan is made on: sizes are symbols
+
+    def __post_init__(self) -> None:
+        """The lowering is resolved here, not in ``lower_pass``, so that every pass (localize counting
+        what expert parallelism's padded exchanges send, ``choose_mesh`` which stops before lower)
+        reads the one the graph will run with."""
+        devices = {a.device.type for a in self.example_inputs if isinstance(a, torch.Tensor)}
+        self.comm = resolve_collectives(self.config.collectives, devices)
 
     def warn(self, message: str) -> None:
         if message not in self.warnings:

@@ -122,10 +122,11 @@ def experts_to_ranks(gm: fx.GraphModule, site: MoESite, ctx: ParallelContext, ep
     rows, offsets, histogram, chain = found
     graph, old_down, per_rank = gm.graph, tensor_val(site.down[0]), site.num_experts // ep.size
     with graph.inserting_before(chain[0]):
-        received = with_val(graph.call_function(exchange_counts, (histogram,), {"ep": ep}),
+        lowered = {"ep": ep, "comm": ctx.comm}  # the padded exchanges of a lowering without uneven all-to-alls
+        received = with_val(graph.call_function(exchange_counts, (histogram,), lowered),
                             tensor_val(histogram).new_zeros((ep.size, per_rank), dtype=torch.int64))
         offs = with_val(graph.call_function(local_offsets, (received,)), tensor_val(offsets).new_zeros(per_rank))
-        sent = with_val(graph.call_function(dispatch_rows, (rows, histogram, received), {"ep": ep}),
+        sent = with_val(graph.call_function(dispatch_rows, (rows, histogram, received), lowered),
                         _rows_times(tensor_val(rows), ep.size))
     for grouped in site.up + site.down:
         grouped.replace_input_with(offsets, offs)
@@ -135,13 +136,14 @@ def experts_to_ranks(gm: fx.GraphModule, site: MoESite, ctx: ParallelContext, ep
         node.meta["val"] = _rows_times(node.meta["val"], ep.size)
     down = site.down[0]
     with graph.inserting_after(down):
-        back = with_val(graph.call_function(combine_rows, (down, histogram, received), {"ep": ep}), old_down)
+        back = with_val(graph.call_function(combine_rows, (down, histogram, received), lowered), old_down)
     down.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
     erase_unused(gm, offsets)
     for node in (received, sent, back):
         set_site_role(node, f"{site.name}.experts")
     site.region = (site.region - {offsets}) | {received, offs, sent, back}
     site.counts = (site.counts - {offsets}) | {received, offs}
+    site.expert_order = site.expert_order - {offsets}
     site.at_experts, site.ep_size, site.ep_over = frozenset([sent, *chain]), ep.size, expert_plan_dims(ctx.mesh, ep)
     for grouped in site.up + site.down:
         ctx.expert_placements[weight_param(grouped)[0].name] = {d: Shard(0) for d in site.ep_over}

@@ -21,25 +21,14 @@ xla lowering, all-to-all groups are runs of contiguous ranks and the program use
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from ..errors import InvalidPlan
 from ..mesh import SPANS, MeshDim, MeshInfo
-from ..ops.lowerings import FUNCTIONAL, LOWERINGS, ring_pairs, xla_model
+from ..ops.lowerings import FUNCTIONAL, ring_pairs, xla_model
 from .context import ParallelContext
 from .localize import graph_communications
 from .meta import Communication, communications
-from .rules.routing import pad_expert_exchange
-
-COLLECTIVES = ("auto", *LOWERINGS)
-
-
-def resolve_collectives(choice: str, device_types: set[str]) -> str:
-    """The lowering ``choice`` means for inputs on ``device_types``."""
-    if choice != "auto":
-        return choice
-    return "xla" if "xla" in device_types else FUNCTIONAL
 
 
 def _groups_text(groups) -> str:
@@ -124,8 +113,7 @@ def check_replica_group_limit(sets: dict[str, tuple], limit: int) -> None:
 
 
 def lower_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    devices = {a.device.type for a in ctx.example_inputs if isinstance(a, torch.Tensor)}
-    ctx.comm = resolve_collectives(ctx.config.collectives, devices)
+    """Names ``ctx.comm`` (resolved with the context) on every collective node."""
     if ctx.comm == "xla":
         xla_model()  # fail at plan time, not at the first collective
     ctx.replica_group_sets = check_lowering([c for _, c in graph_communications(gm)], ctx.mesh, ctx.comm,
@@ -134,6 +122,5 @@ def lower_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         for node in gm.graph.nodes:
             if node.op == "call_function" and communications(node):
                 node.update_kwarg("comm", ctx.comm)
-                pad_expert_exchange(node)
     gm.recompile()
     return gm

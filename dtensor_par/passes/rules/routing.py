@@ -6,7 +6,6 @@ gathered (a clear fallback, never a guess), except counts, which add up as parti
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -16,9 +15,10 @@ import torch.nn.functional as F
 from ...errors import NotSupported
 from ...mesh import MeshInfo
 from ...ops.experts import combine_rows, dispatch_rows, exchange_counts, local_offsets
+from ...ops.lowerings import FUNCTIONAL
 from ...placements import Partial, Placement, parts_of, shard_dim
 from ...symbolic import hint
-from ..meta import Communication, NodeSharding, communications, planned_local_shape, set_communications, site_role
+from ..meta import Communication, NodeSharding, planned_local_shape, set_communications, site_role
 from ..nodes import arguments, target_name, tensor_val, writes_in_place
 from .core import R, norm_dim, replicate_all, resolve_partial
 from .registry import op_kind, register
@@ -126,24 +126,16 @@ def expert_exchange_rule(node, ins, cur, env):
 def localize_expert_exchange(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     """What each exchange sends: the counts, a rank's rows (all of them go in, wherever they go),
     and, the other way, at most what every rank's rows could send to its experts (the worst
-    case, ``cp`` times its own: the routing decides)."""
+    case, ``cp`` times its own: the routing decides). A lowering without uneven all-to-alls
+    (``ops.experts``' padded form) sends the worst case both ways, whatever the routing."""
     ep, val = node.kwargs["ep"], tensor_val(node)
     nbytes = hint(math.prod(planned_local_shape(node, mesh))) * val.element_size()
-    grad = node.meta["requires_grad"]
-    sent = {exchange_counts: (nbytes, 0), dispatch_rows: (nbytes // ep.size, nbytes if grad else 0),
-            combine_rows: (nbytes * ep.size, nbytes if grad else 0)}[node.target]
+    grad, padded = node.meta["requires_grad"], node.kwargs["comm"] != FUNCTIONAL
+    own, worst = (nbytes // ep.size, nbytes) if node.target is dispatch_rows else (nbytes, nbytes * ep.size)
+    sent = {exchange_counts: (nbytes, 0), dispatch_rows: (worst if padded else own, worst if grad else 0),
+            combine_rows: (worst, (worst if padded else own) if grad else 0)}[node.target]
     backward = "all_to_all" if sent[1] else None
     set_communications(node, [Communication("all_to_all", backward, ep.name, ep.size, *sent, site_role(node))])
-
-
-def pad_expert_exchange(node: fx.Node) -> None:
-    """A row exchange lowered without uneven all-to-alls (``lower``; ``ops.experts``' padded
-    form): the worst case both ways, ``ep`` times a rank's rows, whatever the routing."""
-    if node.target in (dispatch_rows, combine_rows):
-        c, = communications(node)
-        worst = c.forward_bytes * (c.group_size if node.target is dispatch_rows else 1)
-        padded = dataclasses.replace(c, forward_bytes=worst, backward_bytes=worst if c.backward else 0)
-        set_communications(node, [padded])
 
 
 register("selection", "routing", selection_rule, functions=[torch.topk, torch.sort, torch.argsort],
