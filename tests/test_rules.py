@@ -155,6 +155,10 @@ OPS = {
                     [_t(4, 6), torch.randint(0, 4, (2, 6)), _t(2, 6)]),
     "index_add": (lambda x, i, s: torch.index_add(x, 0, i, s), [_t(4, 6), torch.tensor([3, 0, 3]), _t(3, 6)]),
     "histc": (lambda x: torch.histc(x, bins=4, min=-2, max=2), [_t(2, 4, 6)]),
+    # PhiMoE's router: the top score's margin over the others, by max along the experts (values, indices).
+    "max_dim": (lambda x: x.max(dim=-1), [_t(2, 4, 6)]),
+    "min_dim_keepdim": (lambda x: torch.min(x, 1, keepdim=True), [_t(2, 4, 6)]),
+    "max_elementwise": (lambda x, y: torch.max(x, y), [_t(2, 4, 6), _t(6)]),
     # DeepSeek's router: expert groups masked by a scatter, the top-k weights gathered, casts by .type and .bool.
     "scatter_value": (lambda x, i: x.scatter(1, i, 1.0), [_t(4, 6), torch.randint(0, 6, (4, 2))]),
     "scatter_src": (lambda x, i, s: x.scatter(1, i, s), [_t(4, 6), torch.randint(0, 6, (4, 2)), _t(4, 2)]),
@@ -267,11 +271,12 @@ def test_a_grouped_matmul_is_colwise_or_rowwise_over_its_experts_features():
 
 
 def test_routing_ops_gather_along_the_dim_they_select_sort_or_count_over():
-    """A shard of the dim topk, sort or a scatter works along, or of any dim of a count whose
+    """A shard of the dim topk, sort, max or a scatter works along, or of any dim of a count whose
     length or range the whole tensor decides, is gathered with a note: never a guess."""
     x, ids = _t(2, 4, 6), torch.randint(0, 5, (8,))
     for fn, placement in [(lambda x: torch.topk(x, 2, dim=-1), Shard(2)), (lambda x: x.sort(dim=0), Shard(0)),
-                          (lambda x: torch.histc(x, bins=4), Shard(1))]:
+                          (lambda x: torch.histc(x, bins=4), Shard(1)), (lambda x: x.max(dim=1), Shard(1)),
+                          (lambda x: x.min(), Shard(0))]:
         assert check_rule(fn, [x], [placement]).note
     assert check_rule(lambda i: F.one_hot(i), [ids], [Shard(0)]).note
     assert check_rule(lambda i: torch.bincount(i, minlength=5), [ids], [Shard(0)]).note

@@ -15,8 +15,9 @@ from ...placements import Partial, parts_of, shard_dim
 from ...symbolic import hint
 from ..meta import (Communication, NodeSharding, global_shape, planned_local_shape, set_communications, shardings,
                     site_role)
-from ..nodes import arguments, tensor_val
+from ..nodes import arguments, target_name, tensor_val
 from .core import R, moved, norm_dim, replicate_all, resolve_partial
+from .pointwise import pointwise_rule
 from .registry import register
 
 
@@ -98,6 +99,23 @@ def reduce_rule(node, ins, cur, env):
     return NodeSharding(moved(p, out_dim), (p,))
 
 
+def extreme_rule(node, ins, cur, env):
+    """``max`` and ``min``: along a dim, the values and their indices, each placed as the input
+    with the dim dropped unless kept; a shard of that dim is gathered (an index into a shard is
+    none into the whole). Of two tensors: elementwise. Of the whole tensor: one value, gathered."""
+    given = arguments(node)
+    if "other" in given:
+        return pointwise_rule(node, ins, cur, env)
+    p = resolve_partial(ins, cur, env)[0]
+    if given.get("dim") is None:
+        return NodeSharding(R, (R,)) if p == R else replicate_all(node, ins, [p], f"{target_name(node)} of all")
+    dim = norm_dim(given["dim"], tensor_val(ins[0]).dim())
+    if shard_dim(p) == dim:
+        return replicate_all(node, ins, [p], f"{target_name(node)} along the sharded dim {dim}")
+    out = p if shard_dim(p) is None or given.get("keepdim", False) or p.dim < dim else moved(p, p.dim - 1)
+    return NodeSharding((out, out), (p,))
+
+
 def mean_of_shards(x: torch.Tensor, dim, keepdim: bool, dtype: torch.dtype | None, ranks: int) -> torch.Tensor:
     """This rank's share of a mean over a dim whose equal shards ``ranks`` ranks hold: its own
     mean over ``ranks``, so the shares sum to the mean."""
@@ -125,3 +143,4 @@ register("softmax", "reductions", softmax_rule, functions=[F.softmax, torch.soft
          methods=["softmax", "log_softmax"])
 register("reduce", "reductions", reduce_rule, functions=[torch.sum, torch.mean, torch.amax],
          methods=["sum", "mean", "amax"], localize=localize_mean)
+register("extreme", "reductions", extreme_rule, functions=[torch.max, torch.min], methods=["max", "min"])
