@@ -262,12 +262,20 @@ def deepseek_v3_published():
 
 def gpt_oss():
     """GPT-OSS: attention with learned sink logits concatenated to the scores (written out), and
-    experts whose grouped matmuls add a bias gathered per row and interleave gate and up."""
+    experts whose grouped matmuls add a bias gathered per row and interleave gate and up. The
+    experts' biases, which transformers starts at zero, are drawn at random (each expert's its
+    own, as large as the products they are added to): a bias added once per rank, or another
+    expert's, would show."""
     from transformers import GptOssConfig, GptOssForCausalLM
     config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                           num_attention_heads=8, num_key_value_heads=4, head_dim=8, num_local_experts=4,
                           num_experts_per_tok=2, layer_types=["full_attention"])
-    return GptOssForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+    model = GptOssForCausalLM(config)
+    experts = model.model.layers[0].mlp.experts
+    with torch.no_grad():
+        for bias in (experts.gate_up_proj_bias, experts.down_proj_bias):
+            bias.normal_(std=0.2)
+    return model, (_ids(),), {"use_cache": False, "return_dict": False}
 
 
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
