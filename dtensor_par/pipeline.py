@@ -63,12 +63,20 @@ def fork(gm: fx.GraphModule, ctx: ParallelContext, mesh: MeshInfo) -> tuple[fx.G
     copied = copy_graph_module(gm, copies)
 
     def remap(value):
+        """``value`` with each node its copy's, in lists, sets, dicts and dataclasses (a site and
+        its parts: a mixture's region, its biases)."""
         if isinstance(value, fx.Node):
             return copies[value]
-        return [remap(v) for v in value] if isinstance(value, list) else value
+        if isinstance(value, (list, frozenset)):
+            return type(value)(map(remap, value))
+        if isinstance(value, dict):
+            return {remap(k): remap(v) for k, v in value.items()}
+        if dataclasses.is_dataclass(value):
+            return dataclasses.replace(value, **{f.name: remap(getattr(value, f.name))
+                                                 for f in dataclasses.fields(value)})
+        return value
 
-    sites = [dataclasses.replace(s, **{f.name: remap(getattr(s, f.name)) for f in dataclasses.fields(s)})
-             for s in ctx.sites]
+    sites = [remap(s) for s in ctx.sites]
     containers = {f.name: copy.copy(value) for f in dataclasses.fields(ctx)
                   if isinstance(value := getattr(ctx, f.name), (dict, list))}
     return copied, dataclasses.replace(ctx, **{**containers, "mesh": mesh, "sites": sites})
