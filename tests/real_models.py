@@ -278,9 +278,18 @@ def gpt_oss():
     return model, (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def gpt_oss_sdpa():
+    """GPT-OSS's experts beside attention through SDPA, which drops the sinks (transformers'
+    ``sdpa`` ignores them): attention that runs over cp, so the experts' tokens are cut over it
+    and their expert parallelism over cp is checked while the attention with sinks stays whole."""
+    model, args, kwargs = gpt_oss()
+    model.config._attn_implementation = "sdpa"
+    return model, args, kwargs
+
+
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
              "flux": flux, "phi3": phi3, "gptj": gptj, "bert": bert, "modernbert": modernbert, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
              "mixtral_batched_mm": mixtral_batched_mm, "mixtral_eager": mixtral_eager,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
-             "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss}
+             "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "gpt_oss_sdpa": gpt_oss_sdpa}

@@ -24,7 +24,8 @@ from tests import real_models, xm_gloo  # noqa: E402
 
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
-            "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager"}
+            "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss",
+            "gpt_oss_sdpa"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -133,9 +134,11 @@ RUNS = {
                                                             "bloom", "t5", "t5_padded", "mixtral",
                                                             "mixtral_batched_mm", "qwen2_moe", "deepseek_v3"]),
         # Expert parallelism: the experts cut over cp, each rank's rows sent to them and back (the ring's zigzag
-        # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them).
-        "tp2-ring2 ep": dict(sizes=MESHES["tp2-ring2"], names=["mixtral", "mixtral_batched_mm", "deepseek_v3"],
-                             options={"ep": "cp"}),
+        # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them). GPT-OSS's
+        # experts (per-row biases gathered by local expert ids at the experts) beside SDPA attention, which runs
+        # over cp where its attention with sinks does not yet.
+        "tp2-ring2 ep": dict(sizes=MESHES["tp2-ring2"], names=["mixtral", "mixtral_batched_mm", "deepseek_v3",
+                                                              "gpt_oss_sdpa"], options={"ep": "cp"}),
         "tp2-ulysses2 ep": dict(sizes=MESHES["tp2-ulysses2"], names=["qwen2_moe"], options={"ep": "cp"}),
         # ... and lowered to xm calls (the stand-in's), each rank's rows sent padded by even all-to-alls over
         # contiguous cp groups, as Neuron needs them.
@@ -146,7 +149,8 @@ RUNS = {
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=["llama", "flux"])},
     # transformers' eager experts: Dynamo breaks the graph at the loop's nonzero, and the experts run between the
     # planned graphs (an nn.ModuleList looped over: tests.models.LoopedExperts, in test_tp_gloo and test_cp_gloo).
-    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager"])},
+    # GPT-OSS's experts split over tp (biases per row, gate and up interleaved), its attention with sinks whole.
+    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager", "gpt_oss"])},
 }
 """World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size
 (world 2's launch runs the ``parallel`` decorator's check too)."""
@@ -438,16 +442,46 @@ def test_experts_exchange_padded_rows_under_the_xla_lowering(monkeypatch):
 
 
 def test_attention_with_sinks_and_experts_with_biases_are_named_where_they_stay_whole():
-    """GPT-OSS, not parallel yet: its attention concatenates sink logits to the scores, and its
-    experts' grouped matmuls add per-row biases and interleave gate and up. A report at tp2 that
-    shards nothing must say what it left whole, by name: the softmax and both grouped matmuls."""
+    """GPT-OSS's attention, not parallel yet: it concatenates sink logits to the scores. A report
+    at tp2 must say what it left whole, by name: the softmax."""
     model, args, kwargs = real_models.gpt_oss()
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
-    assert graph.sites == [] and graph.coverage.sharded_linear_flops == 0
+    assert not any(site.startswith("attention") for site in graph.sites), graph.sites
     assert any(w.startswith("probs: a softmax over the product matmul is not read as attention") for w in graph.warnings)
-    for grouped, weight in (("out", "gate_up_proj"), ("out_1", "down_proj")):
-        assert any(w.startswith(f"{grouped}: the grouped matmul of model.layers.0.mlp.experts.{weight} is not read as a "
-                                f"mixture of experts") for w in graph.warnings), graph.warnings
+
+
+def test_experts_with_per_row_biases_and_interleaved_gate_and_up_run_split():
+    """GPT-OSS's experts (``out.add_(bias[expert_ids])`` after each grouped matmul, gate and up
+    interleaved, ``gate_up[..., ::2]``): at tp2 gate_up colwise, its bias table cut along the same
+    features (each rank's even share keeps its (gate, up) pairs), down rowwise, its bias whole and
+    added once, to the reduced sums (one all-reduce of the rows per layer); the router replicated,
+    every expert FLOP sharded, no grouped matmul named as left whole. With ep over cp (beside SDPA
+    attention, which runs over cp where the sinks' does not yet) the bias tables are cut along
+    their experts with the weights."""
+    model, args, kwargs = real_models.gpt_oss()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    assert not any("grouped matmul" in w or "experts" in w for w in graph.warnings), graph.warnings
+    (experts,) = [s for s in graph.sites if s.startswith("moe")]
+    assert ("4 experts, top-2, router=['model.layers.0.mlp.router'] (replicated)" in experts
+            and "experts per rank: 4, each 1/2 of its features (tp)" in experts), experts
+    (placed,) = [p for p in graph.placements if p.startswith("moe")]
+    assert all(f"model.layers.0.mlp.experts.{p}" in placed for p in ("gate_up_proj=S(2)", "down_proj=S(1)",
+                                                                    "gate_up_proj_bias=S(1)", "down_proj_bias=R"))
+    rows, hidden, inner = 2 * real_models.BATCH * real_models.SEQ, 64, 64  # top-2 rows of every token
+    cov = graph.coverage
+    assert cov.fallback_gathers == [] and cov.sharded_block_linear_flops >= 2 * rows * 3 * hidden * inner, cov.summary()
+    reduced = [c for c in graph.collectives if c["direction"] == "forward" and str(c["site"]).startswith("moe0")]
+    assert reduced == [{"direction": "forward", "op": "all_reduce", "mesh_dims": "tp", "group_size": 2,
+                        "bytes_per_rank": rows * hidden * 4, "site": "moe0.rowwise", "count": 1}], reduced
+    model, args, kwargs = real_models.gpt_oss_sdpa()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ep="cp", parallelized=True,
+                                   **MESHES["tp2-ring2"]).graphs
+    assert graph.coverage.fallback_gathers == [], graph.coverage.fallback_gathers
+    assert any("experts per rank: 2 of 4 (ep over cp=2), each 1/2 of its features (tp)" in s for s in graph.sites)
+    tables = {p["name"].rpartition(".")[2]: p for p in graph.parameters if p["name"].endswith("_bias")
+              and ".experts." in p["name"]}
+    assert {name: (p["placement"]["ep"], p["bytes"] // p["bytes_per_rank"]) for name, p in tables.items()} == \
+        {"gate_up_proj_bias": ("S(0)", 4), "down_proj_bias": ("S(0)", 2)}, tables
 
 
 def test_experts_read_a_row_at_a_time_are_planned_as_grouped_ones():
