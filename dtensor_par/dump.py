@@ -258,13 +258,13 @@ def mesh_svg(sizes: dict[str, int], order: tuple[str, ...], sites: list[str] | N
 
 
 def site_placement_lines(ctx: ParallelContext) -> list[str]:
-    """Per site, the tp placement of each of its weights (and an expert weight's cut on each plan
-    dim of its group, with ep)."""
+    """Per site, the tp placement of each of its weights and experts' bias tables (and an expert
+    weight's cut on each plan dim of its group, with ep)."""
     lines = []
     for site in ctx.sites:
-        weights = []
-        for linear in site.colwise + site.rowwise:
-            name = weight_name(linear)
+        weights, names = [], [weight_name(linear) for linear in site.colwise + site.rowwise]
+        names += [bias.table.name for bias in site.biases.values()] if isinstance(site, MoESite) else []
+        for name in names:
             cuts = ctx.expert_placements.get(name, {})
             experts = f" ({', '.join(f'{d}: {describe(p)}' for d, p in cuts.items())})" if cuts else ""
             weights.append(f"{ctx.params[name].fqn}={describe(ctx.param_placements.get(name, Replicate()))}{experts}")

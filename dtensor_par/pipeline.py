@@ -63,13 +63,17 @@ def fork(gm: fx.GraphModule, ctx: ParallelContext, mesh: MeshInfo) -> tuple[fx.G
     copied = copy_graph_module(gm, copies)
 
     def remap(value):
-        """``value`` with every node in it the copy's: in lists, sets and dataclasses (a site, its sinks)."""
+        """``value`` with each node its copy's, in lists, sets, dicts and dataclasses (a site and
+        its parts: a mixture's region, its biases, attention's sinks)."""
         if isinstance(value, fx.Node):
             return copies[value]
         if isinstance(value, (list, frozenset)):
-            return type(value)(remap(v) for v in value)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return dataclasses.replace(value, **{f.name: remap(getattr(value, f.name)) for f in dataclasses.fields(value)})
+            return type(value)(map(remap, value))
+        if isinstance(value, dict):
+            return {remap(k): remap(v) for k, v in value.items()}
+        if dataclasses.is_dataclass(value):
+            return dataclasses.replace(value, **{f.name: remap(getattr(value, f.name))
+                                                 for f in dataclasses.fields(value)})
         return value
 
     sites = [remap(s) for s in ctx.sites]

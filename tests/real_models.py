@@ -264,7 +264,9 @@ def gpt_oss():
     """GPT-OSS: attention with learned sink logits concatenated to the scores (written out), a
     sliding window on every other layer, and experts whose grouped matmuls add a bias gathered
     per row and interleave gate and up. The sinks are drawn larger than their init, as trained
-    ones are, so that they take a real share of each softmax."""
+    ones are, so that they take a real share of each softmax; the experts' biases, which
+    transformers starts at zero, at random (each expert's its own, as large as the products they
+    are added to): a bias added once per rank, or another expert's, would show."""
     from transformers import GptOssConfig, GptOssForCausalLM
     config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=8, num_key_value_heads=4, head_dim=8, num_local_experts=4,
@@ -273,6 +275,8 @@ def gpt_oss():
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_()
+            for bias in (layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias):
+                bias.normal_(std=0.2)
     return model, (_ids(),), {"use_cache": False, "return_dict": False}
 
 

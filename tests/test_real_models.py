@@ -134,12 +134,12 @@ RUNS = {
                                              "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "gpt_oss"]),
         "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=["flux", "mistral_padded", "gemma2", "gemma2_left_padded",
                                                             "bloom", "t5", "t5_padded", "mixtral",
-                                                            "mixtral_batched_mm", "qwen2_moe", "deepseek_v3",
-                                                            "gpt_oss"]),
+                                                            "mixtral_batched_mm", "qwen2_moe", "deepseek_v3"]),
         # Expert parallelism: the experts cut over cp, each rank's rows sent to them and back (the ring's zigzag
-        # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them).
-        "tp2-ring2 ep": dict(sizes=MESHES["tp2-ring2"], names=["mixtral", "mixtral_batched_mm", "deepseek_v3"],
-                             options={"ep": "cp"}),
+        # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them). GPT-OSS's
+        # experts (per-row biases gathered by local expert ids at the experts) beside its sinks' ring attention.
+        "tp2-ring2 ep": dict(sizes=MESHES["tp2-ring2"], names=["mixtral", "mixtral_batched_mm", "deepseek_v3",
+                                                              "gpt_oss"], options={"ep": "cp"}),
         "tp2-ulysses2 ep": dict(sizes=MESHES["tp2-ulysses2"], names=["qwen2_moe"], options={"ep": "cp"}),
         # ... and lowered to xm calls (the stand-in's), each rank's rows sent padded by even all-to-alls over
         # contiguous cp groups, as Neuron needs them.
@@ -491,14 +491,36 @@ def test_experts_exchange_padded_rows_under_the_xla_lowering(monkeypatch):
             f"(even all-to-alls over cp=2: the xla lowering)") in lines["xla"], lines
 
 
-def test_attention_with_sinks_and_experts_with_biases_are_named_where_they_stay_whole():
-    """GPT-OSS's experts, not parallel yet: their grouped matmuls add per-row biases and interleave
-    gate and up. A report at tp2 must say what it left whole, by name: both grouped matmuls."""
+def test_experts_with_per_row_biases_and_interleaved_gate_and_up_run_split():
+    """GPT-OSS's experts (``out.add_(bias[expert_ids])`` after each grouped matmul, gate and up
+    interleaved, ``gate_up[..., ::2]``): at tp2 gate_up colwise, its bias table cut along the same
+    features (each rank's even share keeps its (gate, up) pairs), down rowwise, its bias whole and
+    added once, to the reduced sums (one all-reduce of the rows per layer); the router replicated,
+    every expert FLOP sharded, no grouped matmul named as left whole. With ep over cp the bias
+    tables are cut along their experts with the weights."""
     model, args, kwargs = real_models.gpt_oss()
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
-    for grouped, weight in (("out", "gate_up_proj"), ("out_1", "down_proj")):
-        assert any(w.startswith(f"{grouped}: the grouped matmul of model.layers.0.mlp.experts.{weight} is not read as a "
-                                f"mixture of experts") for w in graph.warnings), graph.warnings
+    assert not any("grouped matmul" in w or "experts" in w for w in graph.warnings), graph.warnings
+    experts = [s for s in graph.sites if s.startswith("moe")]
+    assert len(experts) == 2 and all("4 experts, top-2, router=['model.layers." in s and "(replicated)" in s
+                                     and "experts per rank: 4, each 1/2 of its features (tp)" in s for s in experts)
+    (placed,) = [p for p in graph.placements if p.startswith("moe0")]
+    assert all(f"model.layers.0.mlp.experts.{p}" in placed for p in ("gate_up_proj=S(2)", "down_proj=S(1)",
+                                                                    "gate_up_proj_bias=S(1)", "down_proj_bias=R"))
+    rows, hidden, inner = 2 * real_models.BATCH * real_models.SEQ, 64, 64  # top-2 rows of every token
+    cov = graph.coverage
+    assert cov.fallback_gathers == [] and cov.sharded_block_linear_flops >= 4 * rows * 3 * hidden * inner, cov.summary()
+    reduced = [c for c in graph.collectives if c["direction"] == "forward" and str(c["site"]).startswith("moe0")]
+    assert reduced == [{"direction": "forward", "op": "all_reduce", "mesh_dims": "tp", "group_size": 2,
+                        "bytes_per_rank": rows * hidden * 4, "site": "moe0.rowwise", "count": 1}], reduced
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ep="cp", parallelized=True,
+                                   **MESHES["tp2-ring2"]).graphs
+    assert graph.coverage.fallback_gathers == [], graph.coverage.fallback_gathers
+    assert sum("experts per rank: 2 of 4 (ep over cp=2), each 1/2 of its features (tp)" in s for s in graph.sites) == 2
+    tables = {p["name"].rpartition(".")[2]: p for p in graph.parameters if p["name"].endswith("_bias")
+              and ".layers.0.mlp.experts." in p["name"]}
+    assert {name: (p["placement"]["ep"], p["bytes"] // p["bytes_per_rank"]) for name, p in tables.items()} == \
+        {"gate_up_proj_bias": ("S(0)", 4), "down_proj_bias": ("S(0)", 2)}, tables
 
 
 def test_experts_read_a_row_at_a_time_are_planned_as_grouped_ones():

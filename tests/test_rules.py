@@ -270,6 +270,30 @@ def test_a_grouped_matmul_is_colwise_or_rowwise_over_its_experts_features():
     assert sum(s.note is None and s.out != R for s in shardings) >= 2
 
 
+def test_a_strided_slice_keeps_the_shards_whose_pieces_hold_whole_steps():
+    """GPT-OSS's interleaved gate and up (``gate_up[..., ::2]``, ``gate_up[..., 1::2]``): a rank's
+    piece of a length the step divides starts at a multiple of it, so the piece's own ``::2`` are
+    its share of the whole's: cut alike (part by part of an interleaved dim too). A piece of odd
+    length would keep the other parity: gathered, and the note says why."""
+    x, fused = _t(4, 8), InterleavedShard(1, (4, 8))
+    for fn in (lambda x: x[..., ::2], lambda x: x[..., 1::2], lambda x: x[:, 3::4]):
+        assert check_rule(fn, [x], [Shard(1)]) == NodeSharding(Shard(1), (Shard(1),))
+    assert check_rule(lambda x: x[0, 1::2], [x], [Shard(1)]).out == Shard(0)
+    assert check_rule(lambda x: x[..., 1::2], [_t(4, 12)], [fused]).out == InterleavedShard(1, (2, 4))
+    odd = check_rule(lambda x: x[..., ::2], [_t(4, 6)], [Shard(1)])
+    assert odd.out == R and "a piece's length is not a multiple of the step" in odd.note, odd
+    assert check_rule(lambda x: x[..., 2::2], [x], [Shard(1)]).note == "indexing into the sharded dim 1"
+
+
+def test_rows_of_a_table_cut_along_its_features_are_picked_cut_alike():
+    """An experts' bias table ``[E, N]`` cut along N, a row picked for each expert row by its
+    (whole) expert id: each rank picks its features of every row."""
+    table, ids = _t(4, 8), torch.tensor([0, 0, 1, 3, 3, 3])
+    assert check_rule(lambda t, i: t[i], [table, ids], [Shard(1), R]) == NodeSharding(Shard(1), (Shard(1), R))
+    fused = InterleavedShard(1, (2, 6))
+    assert check_rule(lambda t, i: t[i], [table, ids], [fused, R]).out == fused
+
+
 def test_routing_ops_gather_along_the_dim_they_select_sort_or_count_over():
     """A shard of the dim topk, sort, max or a scatter works along, or of any dim of a count whose
     length or range the whole tensor decides, is gathered with a note: never a guess."""

@@ -46,6 +46,14 @@ def local_offsets(received: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(received.sum(0), 0, dtype=torch.int32)
 
 
+def local_expert_ids(offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Each of ``rows``' rows' expert among this rank's, as ``dispatch_rows`` lays them out expert
+    by expert, ``offsets`` (``local_offsets``) where each expert's end: the index its per-row
+    bias is gathered by. The zero rows past the last take the last expert's (never sent back)."""
+    at = torch.arange(rows.shape[0], device=offsets.device, dtype=offsets.dtype)
+    return torch.searchsorted(offsets, at, right=True).clamp(max=offsets.shape[0] - 1)
+
+
 def _runs(sizes: list[int]) -> list[tuple[int, int]]:
     """(start, length) of consecutive runs of the given lengths."""
     return list(zip(itertools.accumulate(sizes, initial=0), sizes))

@@ -18,6 +18,9 @@
   latent attention: ``k = kv.new_empty(...); k[..., :d].copy_(k_nope); k[..., d:].copy_(k_rot)``)
   becomes the ``torch.cat`` of its pieces: out of place, so each piece keeps its placement
   and the rules shard the concatenation (a write into a gathered copy would be lost).
+- A product's fresh output added to in place before anything reads it (transformers' grouped
+  linear with biases, GPT-OSS's experts: ``out.add_(bias[expert_ids])``) becomes ``out + bias``,
+  read by every later reader: the rules place it as any add, and detect reads the bias.
 - With context parallelism, attention on key/value heads repeated to the query heads
   (transformers' ``repeat_kv``: ``k[:, :, None].expand(b, kv, rep, s, d).reshape(b, kv * rep,
   s, d)``, or ``k.repeat_interleave(rep, dim=1)``) becomes attention on the kv heads with
@@ -225,6 +228,24 @@ def slice_fills_as_cat(gm: fx.GraphModule, empty: fx.Node) -> None:
         gm.graph.erase_node(copy)
         gm.graph.erase_node(view)
     gm.graph.erase_node(empty)
+
+
+def in_place_add_out_of_place(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Rewrite ``y.add_(b)`` into ``y + b`` read in place of ``y`` (and of the write's result),
+    where ``y`` is a product's output (fresh: no other tensor shares its storage) that nothing
+    reads before the write and ``y + b`` keeps its dtype: the same values everywhere."""
+    given = arguments(node)
+    y, other = given["input"], given["other"]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    if op_kind(y) not in kinds_in("matmul") or given.get("alpha", 1) != 1 or not isinstance(other, fx.Node) \
+            or any(order[u] < order[node] for u in y.users) or tensor_val(other) is None \
+            or torch.result_type(tensor_val(y), tensor_val(other)) != tensor_val(y).dtype:
+        return
+    with gm.graph.inserting_before(node):
+        added = with_val(gm.graph.call_function(operator.add, (y, other)), tensor_val(y))
+    for reader in (y, node):
+        reader.replace_all_uses_with(added, delete_user_cb=lambda user: user not in (added, node))
+    gm.graph.erase_node(node)
 
 
 def _with_new_dim_after_heads(node: fx.Node) -> fx.Node | None:
@@ -521,6 +542,8 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
         transposed_weight_linear(gm, node, ctx)
     elif node.op in ("call_function", "call_method") and node.target in _EMPTY:
         slice_fills_as_cat(gm, node)
+    elif node.op == "call_method" and node.target == "add_":
+        in_place_add_out_of_place(gm, node)
     elif op_kind(node) == "sdpa" and ctx.mesh.size("cp") > 1:
         grouped_kv_attention(gm, node)
     elif op_kind(node) == "softmax":

@@ -90,6 +90,17 @@ class MLPSite:
         return [self.down]
 
 
+@dataclass(frozen=True)
+class RowBias:
+    """A bias added to each row of a grouped matmul's output: its expert's row of ``table``
+    ``[E, N]``, gathered by the rows' sorted expert ids that the offsets count (GPT-OSS:
+    ``out.add_(gate_up_proj_bias[expert_ids_g])``, made out of place by canonicalize)."""
+
+    add: fx.Node  # the grouped matmul's output plus ``rows``
+    rows: fx.Node  # table[ids]
+    table: fx.Node  # the parameter
+
+
 @dataclass
 class MoESite:
     """A mixture of experts: a router's top-k choice per token, the tokens sorted by expert
@@ -113,10 +124,15 @@ class MoESite:
     at_experts: frozenset[fx.Node] = frozenset()  # with ep: what holds rows at their experts' rank (passes.experts)
     ep_size: int = 1  # the ranks its experts are cut over
     ep_over: tuple[str, ...] = ()  # the plan dims they are cut over (params.expert_plan_dims)
+    biases: dict[fx.Node, RowBias] = field(default_factory=dict)  # grouped matmul -> the bias its rows get
 
     @property
     def colwise(self) -> list[fx.Node]:
         return self.up
+
+    def out_of(self, grouped: fx.Node) -> fx.Node:
+        """A grouped matmul's output as its readers take it: with its rows' bias, if any."""
+        return self.biases[grouped].add if grouped in self.biases else grouped
 
     @property
     def rowwise(self) -> list[fx.Node]:
@@ -453,6 +469,31 @@ def _gathered_tokens(grouped: fx.Node) -> fx.Node | None:
     return source
 
 
+def _row_bias(grouped: fx.Node, ids: fx.Node | None, ctx: ParallelContext) -> RowBias | None:
+    """The bias ``grouped``'s rows get, if its output is read only by an add of a parameter
+    ``[E, N]`` gathered by ``ids`` (the expert ids its offsets count)."""
+    users = list(grouped.users)
+    add = users[0] if len(users) == 1 and op_kind(users[0]) == "add" else None
+    rows = [i for i in tensor_inputs(add) if i is not grouped] if add is not None else []
+    if len(rows) != 1 or op_kind(rows[0]) != "getitem":
+        return None
+    table, index = arguments(rows[0])["input"], arguments(rows[0])["index"]
+    experts, out = tensor_val(grouped_operands(grouped)[1]).shape[0], tensor_val(grouped).shape[-1]
+    if index is not ids or ids is None or table.name not in ctx.params or tuple(tensor_val(table).shape) != (experts, out):
+        return None
+    return RowBias(add, rows[0], table)
+
+
+def _counted_ids(histograms: list[fx.Node]) -> fx.Node | None:
+    """The ids the one histogram of a dispatch counts (through casts)."""
+    if len(histograms) != 1:
+        return None
+    ids = tensor_inputs(histograms[0])[0]
+    while op_kind(ids) == "cast":
+        ids = arguments(ids)["input"]
+    return ids
+
+
 def _per_token_output(down: fx.Node, tokens: fx.Node) -> fx.Node | None:
     """The first node after the down projection shaped as the tokens: their weighted sum."""
     node = down
@@ -528,10 +569,12 @@ def moe_site(site_name: str, ups: list[fx.Node], down: fx.Node, ctx: ParallelCon
     routers = find_producers(logits, kinds_in("pointwise") | {"softmax"}, ctx)[0]
     if len(routers) != 1:
         return None
-    counts = _computed_from(region, {n for n in region if op_kind(n) in ("histc", "bincount")}, only=True)
+    histograms = [n for n in region if op_kind(n) in ("histc", "bincount")]
+    counts = _computed_from(region, set(histograms), only=True)
     expert_order = _computed_from(region, {n for n in region if op_kind(n) == "selection" and n is not choice})
+    biases = {g: bias for g in ups + [down] if (bias := _row_bias(g, _counted_ids(histograms), ctx)) is not None}
     return MoESite(site_name, routers[0], ups, [down], tokens, token_order, output, region, counts, expert_order,
-                   tensor_val(logits).shape[-1], arguments(choice)["k"])
+                   tensor_val(logits).shape[-1], arguments(choice)["k"], biases=biases)
 
 
 def _computed_from(region: frozenset[fx.Node], sources: set[fx.Node], only: bool = False) -> frozenset[fx.Node]:

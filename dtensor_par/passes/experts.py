@@ -17,13 +17,15 @@ to this rank's experts: ``ep`` times the rows the rank sent, a static shape.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import operator
 
 import torch
 import torch.fx as fx
 
 from ..mesh import MeshDim, MeshInfo
-from ..ops.experts import combine_rows, dispatch_rows, exchange_counts, local_offsets
+from ..ops.experts import combine_rows, dispatch_rows, exchange_counts, local_expert_ids, local_offsets
 from ..params import expert_plan_dims
 from ..placements import Shard
 from ..symbolic import is_symbolic
@@ -37,14 +39,15 @@ from .rules.registry import op_kind
 
 
 def _chain(site: MoESite) -> list[fx.Node]:
-    """The nodes from the up projections to the down projection, in graph order."""
+    """The nodes from the up projections to the down projection's output (with its rows' bias,
+    if any), in graph order."""
     below, stack = set(), list(site.up)
     while stack:
         node = stack.pop()
         if node in site.region and node not in below:
             below.add(node)
             stack.extend(node.users)
-    above, stack = set(), list(site.down)
+    above, stack = set(), [site.out_of(down) for down in site.down]
     while stack:
         node = stack.pop()
         if node in below and node not in above:
@@ -84,9 +87,10 @@ def expert_chain(site: MoESite, mesh: MeshInfo, ep: MeshDim, sharded: bool
                 f"before ring and cp's ranks are ring-major")
     if any(is_symbolic(n) for n in tensor_val(rows).shape):
         return "its token count is symbolic (dynamic shapes)"
-    chain = _chain(site)
+    chain, biases = _chain(site), {bias.rows for bias in site.biases.values()}
     for node in chain:
-        outside = [i for i in tensor_inputs(node) if i in site.region and i not in chain and i not in (rows, offsets)]
+        outside = [i for i in tensor_inputs(node) if i in site.region and i not in chain and i not in (rows, offsets)
+                   and i not in biases]
         if outside:
             return f"{node.name}, between its up and down projections, reads {[i.name for i in outside]} of the " \
                    f"dispatch"
@@ -120,7 +124,8 @@ def experts_to_ranks(gm: fx.GraphModule, site: MoESite, ctx: ParallelContext, ep
                  f"experts are cut over cp only (parallelized, FSDP-sharded over dp_shard); they are cut over "
                  f"dp_shard too only with a global batch and no dp_replicate")
     rows, offsets, histogram, chain = found
-    graph, old_down, per_rank = gm.graph, tensor_val(site.down[0]), site.num_experts // ep.size
+    graph, per_rank, out = gm.graph, site.num_experts // ep.size, site.out_of(site.down[0])
+    old_out, old_biases = tensor_val(out), {bias.rows for bias in site.biases.values()}
     with graph.inserting_before(chain[0]):
         lowered = {"ep": ep, "comm": ctx.comm}  # the padded exchanges of a lowering without uneven all-to-alls
         received = with_val(graph.call_function(exchange_counts, (histogram,), lowered),
@@ -128,22 +133,42 @@ def experts_to_ranks(gm: fx.GraphModule, site: MoESite, ctx: ParallelContext, ep
         offs = with_val(graph.call_function(local_offsets, (received,)), tensor_val(offsets).new_zeros(per_rank))
         sent = with_val(graph.call_function(dispatch_rows, (rows, histogram, received), lowered),
                         _rows_times(tensor_val(rows), ep.size))
+        biases = _biases_by_local_ids(graph, site, offs, sent)
     for grouped in site.up + site.down:
         grouped.replace_input_with(offsets, offs)
     for grouped in site.up:
         grouped.replace_input_with(rows, sent)
     for node in chain:
         node.meta["val"] = _rows_times(node.meta["val"], ep.size)
-    down = site.down[0]
-    with graph.inserting_after(down):
-        back = with_val(graph.call_function(combine_rows, (down, histogram, received), lowered), old_down)
-    down.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
-    erase_unused(gm, offsets)
+    with graph.inserting_after(out):
+        back = with_val(graph.call_function(combine_rows, (out, histogram, received), lowered), old_out)
+    out.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+    for old in (offsets, *old_biases):
+        erase_unused(gm, old)
     for node in (received, sent, back):
         set_site_role(node, f"{site.name}.experts")
-    site.region = (site.region - {offsets}) | {received, offs, sent, back}
+    site.region = (site.region - {offsets, *old_biases}) | {received, offs, sent, back, *biases}
     site.counts = (site.counts - {offsets}) | {received, offs}
-    site.expert_order = site.expert_order - {offsets}
-    site.at_experts, site.ep_size, site.ep_over = frozenset([sent, *chain]), ep.size, expert_plan_dims(ctx.mesh, ep)
-    for grouped in site.up + site.down:
-        ctx.expert_placements[weight_param(grouped)[0].name] = {d: Shard(0) for d in site.ep_over}
+    site.expert_order = site.expert_order - {offsets, *old_biases}
+    site.at_experts, site.ep_size, site.ep_over = frozenset([sent, *biases, *chain]), ep.size, \
+        expert_plan_dims(ctx.mesh, ep)
+    held = [weight_param(grouped)[0] for grouped in site.up + site.down] + [b.table for b in site.biases.values()]
+    for tensor in held:
+        ctx.expert_placements[tensor.name] = {d: Shard(0) for d in site.ep_over}
+
+
+def _biases_by_local_ids(graph: fx.Graph, site: MoESite, offs: fx.Node, sent: fx.Node) -> list[fx.Node]:
+    """Each per-row bias gathered again at the experts, by the rows' ids among this rank's
+    experts (``local_expert_ids``) from its cut of the table: the ids, and the new gathers
+    (before the cursor), read in place of the old ones."""
+    if not site.biases:
+        return []
+    ids = with_val(graph.call_function(local_expert_ids, (offs, sent)),
+                   tensor_val(sent).new_zeros(tensor_val(sent).shape[0], dtype=torch.int64))
+    for grouped, bias in site.biases.items():
+        table = tensor_val(bias.table)
+        rows = with_val(graph.call_function(operator.getitem, (bias.table, ids)),
+                        table.new_empty(tensor_val(ids).shape[0], *table.shape[1:]))
+        bias.add.replace_input_with(bias.rows, rows)
+        site.biases[grouped] = dataclasses.replace(bias, rows=rows)
+    return [ids, *(bias.rows for bias in site.biases.values())]

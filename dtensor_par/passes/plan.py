@@ -74,7 +74,7 @@ def _expert_weights(site: MoESite, ctx: ParallelContext) -> dict[fx.Node, Placem
     tp = ctx.mesh.size("tp")
     placements, features = {}, {}
     for up in site.up:
-        features[up] = fused_parts(up) or (tensor_val(up).shape[-1],)
+        features[up] = fused_parts(site.out_of(up)) or (tensor_val(up).shape[-1],)
         placements[up] = InterleavedShard(2, features[up]) if len(features[up]) > 1 else Shard(2)
     for down in site.down:
         features[down], placements[down] = (tensor_val(grouped_operands(down)[0]).shape[-1],), Shard(1)
@@ -134,6 +134,18 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
     return placements
 
 
+def _bias_placement(site, linear: fx.Node, p: Placement) -> tuple[fx.Node, Placement] | None:
+    """A site linear's bias and its placement: a linear's cut as its output features (a rowwise
+    one has none left: ``rewrite.split_rowwise_bias``); the experts' bias table ``[E, N]`` of a
+    grouped matmul cut along N (colwise) as its weight ``[E, K, N]``, whole where K is cut
+    (rowwise), for it is added once, to the reduced sums."""
+    if isinstance(site, MoESite):
+        bias = site.biases.get(linear)
+        return (bias.table, moved(p, 1)) if bias is not None and p.dim == 2 else None
+    bias = arguments(linear).get("bias")
+    return None if bias is None else (bias, p)
+
+
 def assign_weight_placements(ctx: ParallelContext) -> None:
     """Fill ``ctx.param_placements`` from the sites; a weight shared by two roles stays replicated."""
     chosen: dict[str, Placement] = {}
@@ -144,9 +156,8 @@ def assign_weight_placements(ctx: ParallelContext) -> None:
             weight, transposed = weight_param(linear)
             ndim = tensor_val(weight).dim()  # transposed: its last two dims swapped
             tensors = [(weight, moved(p, 2 * ndim - 3 - p.dim) if transposed else p)]
-            bias = arguments(linear).get("bias")
-            if bias is not None:
-                tensors.append((bias, p))
+            bias = _bias_placement(site, linear, p)
+            tensors += [bias] if bias is not None else []
             for tensor, placement in tensors:
                 if tensor.name in chosen and chosen[tensor.name] != placement:
                     conflicts.add(tensor.name)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ...errors import NotSupported
 from ...mesh import MeshInfo
-from ...placements import InterleavedShard, Partial, Placement, Shard, shard_dim, shard_length
+from ...placements import InterleavedShard, Partial, Placement, Shard, parts_of, shard_dim, shard_length
 from ...symbolic import is_symbolic
 from ...ops.collectives import shard_positions
 from ..meta import NodeSharding, global_shape, shardings
@@ -80,21 +80,67 @@ def getitem_rule(node, ins, cur, env):
     kept = _index_map(index, tuple(tensor_val(source).shape))
     if isinstance(cur[0], Partial) and ins[0] is source and all(p == R for p in cur[1:]):
         return NodeSharding(cur[0], tuple(cur))  # picking elements of summands: partial sums of the picks
+    if _row_index(index) and shard_dim(cur[0]) not in (None, 0) and cur[1:] == [R]:
+        # rows picked by a whole index, cut off the rows (an expert bias table's [E, N] cut along N)
+        return NodeSharding(moved(cur[0], cur[0].dim - 1 + tensor_val(index).dim()), tuple(cur))
     if kept is None or len(ins) != 1:
         return replicate_all(node, ins, cur, "advanced indexing")
     p = cur[0]
     if isinstance(p, Partial) or p == R:
         return NodeSharding(p, (p,))
     if p.dim not in kept:
-        if _picked_position(node, p) is not None:
-            return NodeSharding(Partial(), (p,))  # the rank holding it picks it, the others zeros
-        kept_parts = sliced_part_range(node, p)
-        if kept_parts is None:
-            return replicate_all(node, ins, cur, f"indexing into the sharded dim {p.dim}")
-        parts = p.parts[kept_parts[0]:kept_parts[1]]
-        out_dim = p.dim - sum(1 for e in per_dim(index, tensor_val(source).dim())[:p.dim] if isinstance(e, int))
-        return NodeSharding(Shard(out_dim) if len(parts) == 1 else InterleavedShard(out_dim, parts), (p,))
+        return _indexed_along(node, ins, cur, env)
     return NodeSharding(moved(p, kept[p.dim]), (p,))
+
+
+def _row_index(index) -> bool:
+    """Whether an index is one tensor of integers: it picks rows (dim 0), each a new position."""
+    return isinstance(index, fx.Node) and tensor_val(index) is not None \
+        and not tensor_val(index).is_floating_point() and tensor_val(index).dtype != torch.bool
+
+
+def _indexed_along(node: fx.Node, ins: list[fx.Node], cur: list[Placement], env) -> NodeSharding:
+    """An index that does not keep the dim ``cur[0]`` cuts whole: a position picked, whole parts
+    sliced off, or every step-th position kept; anything else is gathered."""
+    given, p = arguments(node), cur[0]
+    if _picked_position(node, p) is not None:
+        return NodeSharding(Partial(), (p,))  # the rank holding it picks it, the others zeros
+    entries = per_dim(given["index"], tensor_val(given["input"]).dim())
+    if entries is None:
+        return replicate_all(node, ins, cur, f"indexing into the sharded dim {p.dim}")
+    out_dim = p.dim - sum(1 for e in entries[:p.dim] if isinstance(e, int))
+    strided = strided_slice(node, p, env)
+    if strided is not None:
+        return replicate_all(node, ins, cur, strided) if isinstance(strided, str) else \
+            NodeSharding(moved(p, out_dim) if isinstance(p, Shard) else InterleavedShard(out_dim, strided), (p,))
+    kept_parts = sliced_part_range(node, p)
+    if kept_parts is None:
+        return replicate_all(node, ins, cur, f"indexing into the sharded dim {p.dim}")
+    parts = p.parts[kept_parts[0]:kept_parts[1]]
+    return NodeSharding(Shard(out_dim) if len(parts) == 1 else InterleavedShard(out_dim, parts), (p,))
+
+
+def strided_slice(node: fx.Node, p: Placement, env) -> tuple[int, ...] | str | None:
+    """The parts kept (each ``part // step``) where ``node`` keeps every step-th position of the
+    dim ``p`` cuts, from one of the first ``step`` to its end (GPT-OSS's interleaved gate and up:
+    ``gate_up[..., ::2]``, ``gate_up[..., 1::2]``), and each rank's piece of each part holds a
+    multiple of ``step`` positions: every piece then starts at a multiple of ``step``, so the
+    positions a rank keeps are its piece's own ``start::step``, the same slice. Why not, where
+    the pieces do not hold such a multiple; None for any other index."""
+    given = arguments(node)
+    shape = tensor_val(given["input"]).shape
+    entries = per_dim(given["index"], len(shape))
+    if entries is None or not _static_slice(entries[p.dim]) or is_symbolic(shape[p.dim]):
+        return None
+    start, stop, step = entries[p.dim].indices(shape[p.dim])
+    if step <= 1 or start >= step or stop != shape[p.dim]:
+        return None
+    pieces = env.size * env.chunks_per_rank
+    parts = parts_of(p, shape[p.dim])
+    if any(env.padded(part) or part % (pieces * step) for part in parts):
+        return (f"a slice of step {step} of dim {p.dim} (of {list(parts)}) cut over mesh dim {env.dim!r} of size "
+                f"{env.size} into {pieces} pieces: a piece's length is not a multiple of the step")
+    return tuple(part // step for part in parts)
 
 
 def _picked_position(node: fx.Node, p: Placement) -> int | None:

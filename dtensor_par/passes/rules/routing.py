@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ...errors import NotSupported
 from ...mesh import MeshInfo
-from ...ops.experts import combine_rows, dispatch_rows, exchange_counts, local_offsets
+from ...ops.experts import combine_rows, dispatch_rows, exchange_counts, local_expert_ids, local_offsets
 from ...ops.lowerings import FUNCTIONAL
 from ...placements import Partial, Placement, parts_of, shard_dim
 from ...symbolic import hint
@@ -123,6 +123,13 @@ def expert_exchange_rule(node, ins, cur, env):
     return NodeSharding(rows, tuple(cur))
 
 
+def local_expert_ids_rule(node, ins, cur, env):
+    """``local_expert_ids``: whole, from the whole offsets, reading of its rows only how many they
+    are (their features may be cut); what the exchanges refuse, it refuses."""
+    expert_exchange_rule(node, ins[::-1], cur[::-1], env)
+    return NodeSharding(R, tuple(cur))
+
+
 def localize_expert_exchange(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     """What each exchange sends: the counts, a rank's rows (all of them go in, wherever they go),
     and, the other way, at most what every rank's rows could send to its experts (the worst
@@ -150,3 +157,4 @@ register("bincount", "routing", bincount_rule, functions=[torch.bincount], metho
 register("expert_exchange", "routing", expert_exchange_rule, functions=[exchange_counts, dispatch_rows, combine_rows],
          localize=localize_expert_exchange)
 register("expert_offsets", "routing", expert_exchange_rule, functions=[local_offsets])
+register("expert_ids", "routing", local_expert_ids_rule, functions=[local_expert_ids])
