@@ -34,11 +34,11 @@ KV_HEADS = {"llama": 4, "qwen2": 2, "mistral": 4, "mistral_padded": 4, "modernbe
 
 EXPLAINED = [(name, "tp2-ulysses2") for name in MODELS + ["mistral_padded", "phi3", "wan", "sd3", "gemma2", "bloom",
                                                           "t5", "mixtral", "mixtral_batched_mm", "qwen2_moe",
-                                                          "deepseek_v3_published",
+                                                          "deepseek_v3_published", "gpt_oss",
                                                           "gptj", "bert", "modernbert"]]
 # At tp2-ring2 the models whose attention the ring runs otherwise than Llama's (CI time: the others plan alike).
 EXPLAINED += [(name, "tp2-ring2") for name in ["llama", "mistral_padded", "flux", "gemma2", "bloom", "t5", "mixtral",
-                                               "qwen2_moe", "deepseek_v3_published", "bert",
+                                               "qwen2_moe", "deepseek_v3_published", "gpt_oss", "bert",
                                                "modernbert"]]
 
 
