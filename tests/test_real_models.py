@@ -308,6 +308,27 @@ def test_attention_sinks_run_as_hybrid_attention_with_each_ranks_heads(mesh):
     assert not any(shape[-2:] == (seq, seq) for shape in shapes), [s for s in shapes if s[-2:] == (seq, seq)]
 
 
+def test_a_decode_step_of_attention_written_out_over_cp_is_refused_naming_the_site():
+    """A decode step (one query against a kv cache) of attention written out by hand has no cut
+    over cp (``ops.cache_attention`` serves SDPA's): refused, the error saying so and what runs."""
+    from transformers import DynamicCache
+
+    from dtensor_par.errors import InvalidPlan
+    from dtensor_par.mesh import MeshInfo
+    from dtensor_par.passes.capture import capture_graphs
+    from dtensor_par.pipeline import PLANNING_PASSES, parallelize_graph
+
+    model, _, _ = real_models.gpt_oss()
+    cache = DynamicCache(config=model.config)
+    model(torch.randint(0, real_models.VOCAB, (1, 8)), past_key_values=cache, use_cache=True)
+    (gm, inputs), = capture_graphs(model, torch.randint(0, real_models.VOCAB, (1, 1)), past_key_values=cache,
+                                   use_cache=True)
+    with pytest.raises(InvalidPlan, match=r"sequence length 1 \(keys 9\).*a decode step against a kv cache runs over "
+                                          r"cp only where attention is SDPA .*not attention written out by hand as "
+                                          r"attention0's: decode on a mesh without 'ring' and 'ulysses'"):
+        parallelize_graph(gm, inputs, MeshInfo.for_planning({"ring": 2}, "cpu"), passes=PLANNING_PASSES)
+
+
 def test_attention_with_sinks_is_a_site_sharded_on_heads():
     """At tp2 GPT-OSS's attention, sinks and all, is a site whose heads tp shards: its softmax is
     named in no warning (before: "not read as attention", its heads whole)."""

@@ -124,10 +124,13 @@ def _sequence_lengths(site: AttentionSite, q, k, mesh, ctx: ParallelContext) -> 
     cp, per_rank = mesh.size("cp"), mesh.dims["cp"].chunks_per_rank
     q_len, kv_len = q.shape[-2], k.shape[-2]
     if min(q_len, kv_len) < cp:
+        decode = (f"; a decode step against a kv cache runs over cp only where attention is SDPA "
+                  f"(ops.cache_attention), not attention written out by hand as {site.name}'s: decode on a mesh "
+                  f"without 'ring' and 'ulysses'") if site.written_out and q_len < kv_len else ""
         raise InvalidPlan(
             f"rewrite: attention {site.core.name!r} has sequence length {q_len} (keys {kv_len}), "
             f"shorter than mesh dims 'ring' x 'ulysses' = {mesh.size('ring')} x {mesh.size('ulysses')} = {cp}: "
-            f"some ranks would hold only padding; use smaller 'ring' or 'ulysses' dims")
+            f"some ranks would hold only padding; use smaller 'ring' or 'ulysses' dims{decode}")
     if is_symbolic(q_len) or is_symbolic(kv_len):
         ctx.warn(f"{site.name} ({site.core.name}): sequence length {ctx.specialization.named(q_len)} is symbolic: it is "
                  f"padded at the end to a multiple of {cp * per_rank} chunks (ring={mesh.size('ring')}, "
