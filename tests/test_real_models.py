@@ -308,9 +308,10 @@ def test_attention_sinks_run_as_hybrid_attention_with_each_ranks_heads(mesh):
     assert not any(shape[-2:] == (seq, seq) for shape in shapes), [s for s in shapes if s[-2:] == (seq, seq)]
 
 
-def test_a_decode_step_of_attention_written_out_over_cp_is_refused_naming_the_site():
-    """A decode step (one query against a kv cache) of attention written out by hand has no cut
-    over cp (``ops.cache_attention`` serves SDPA's): refused, the error saying so and what runs."""
+def test_a_decode_step_against_a_cache_no_cp_prefill_cut_is_refused_saying_what_runs():
+    """A decode step (one query against a kv cache) whose cache no prefill under cp left cut (the
+    model's own, planned alone) has no cut over cp: refused, the error saying what does run
+    (``test_inference``: GPT-OSS's generate under ring=2)."""
     from transformers import DynamicCache
 
     from dtensor_par.errors import InvalidPlan
@@ -323,9 +324,9 @@ def test_a_decode_step_of_attention_written_out_over_cp_is_refused_naming_the_si
     model(torch.randint(0, real_models.VOCAB, (1, 8)), past_key_values=cache, use_cache=True)
     (gm, inputs), = capture_graphs(model, torch.randint(0, real_models.VOCAB, (1, 1)), past_key_values=cache,
                                    use_cache=True)
-    with pytest.raises(InvalidPlan, match=r"sequence length 1 \(keys 9\).*a decode step against a kv cache runs over "
-                                          r"cp only where attention is SDPA .*not attention written out by hand as "
-                                          r"attention0's: decode on a mesh without 'ring' and 'ulysses'"):
+    with pytest.raises(InvalidPlan, match=r"sequence length 1 \(keys 9\).*a decode step \(queries against a longer kv "
+                                          r"cache\) runs over cp against the cache rows a prefill under cp left on each "
+                                          r"rank \(ops.cache_attention\)"):
         parallelize_graph(gm, inputs, MeshInfo.for_planning({"ring": 2}, "cpu"), passes=PLANNING_PASSES)
 
 

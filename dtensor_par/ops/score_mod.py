@@ -40,6 +40,14 @@ class ScoreMod(NamedTuple):
             scores = _STEPS[name][0](scores, constant)
         return scores
 
+    def codes(self) -> tuple[list[int], list[float]]:
+        """The steps as ``STEPS`` indices and constants: arguments a custom op takes."""
+        return [STEPS.index(name) for name, _ in self.steps], [constant for _, constant in self.steps]
+
+    @classmethod
+    def from_codes(cls, codes: list[int], constants: list[float]) -> "ScoreMod":
+        return cls(tuple((STEPS[code], constant) for code, constant in zip(codes, constants)))
+
     def with_derivative(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
         """The modified scores and their derivative by the raw scores (the chain rule, step by step)."""
         slope = 1.0

@@ -9,7 +9,9 @@ plan starts from those placements. Three rewrites follow from that:
 
 - a static cache's fresh buffer is made cut as the rows written into it (``cache_buffer``);
 - attention to ``cat([cache, new])`` of a cache cut over cp becomes ``cached_attention``,
-  and the graph returns the new rows, which the runtime appends to the shards;
+  and the graph returns the new rows, which the runtime appends to the shards; attention
+  written out by hand too, with its score function and sink logits (``passes.scores``; a bias
+  built from positions is not cut so: that attention stays as written);
 - a window's slice of the cache is left to the runtime (``CacheOutput.keep_last``).
 """
 
@@ -32,6 +34,7 @@ from .detect import AttentionSite
 from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.indexing import cat_dim, per_dim
 from .rules.registry import kinds_in, op_kind
+from .scores import as_sdpa_arguments, sinks_per_head, written_attention
 
 _ALIASES = kinds_in("views") | {"cast", "getitem"}
 """Ops between a cache tensor and the attention that reads it."""
@@ -57,7 +60,7 @@ def kv_cache_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             to_cache_buffer(gm, output.args[0][c.index])
     appended = {}
     for site in ctx.sites:
-        if isinstance(site, AttentionSite) and not site.written_out:
+        if isinstance(site, AttentionSite):
             with at_node("kv_cache", site.core):
                 appended.update(to_cached_attention(gm, site, ctx))
     if appended:
@@ -82,11 +85,17 @@ def cache_input_placements(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str
     return found
 
 
+def _keys_and_values(site: AttentionSite) -> list[fx.Node]:
+    """What an attention reads as its keys (transposed, written out) and values."""
+    if site.written_out:
+        return [tensor_inputs(site.scores)[1], tensor_inputs(site.core)[1]]
+    return [arguments(site.core)[name] for name in ("key", "value")]
+
+
 def _read_as_keys_or_values(ctx: ParallelContext) -> set[fx.Node]:
     """Every node an attention reads as its keys or values through aliasing ops, and those."""
     walked: set[fx.Node] = set()
-    stack = [arguments(site.core)[name] for site in ctx.sites  # SDPA's: attention written out holds none
-             if isinstance(site, AttentionSite) and not site.written_out for name in ("key", "value")]
+    stack = [n for site in ctx.sites if isinstance(site, AttentionSite) for n in _keys_and_values(site)]
     while stack:
         node = stack.pop()
         if node in walked:
@@ -185,12 +194,25 @@ def _positions_input(gm: fx.GraphModule, held: fx.Node, seq: int) -> fx.Node:
     return node
 
 
+def _attention_arguments(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> tuple[dict, dict] | None:
+    """The site's attention as SDPA's arguments and what else ``cached_attention`` takes of it
+    (written out: its score function and sinks), when its keys and values are held cut over cp."""
+    if not site.written_out:
+        return arguments(site.core), {}
+    found = written_attention(site)
+    if isinstance(found, str) or found.bias is not None or found.key is None \
+            or _held_rows(found.key, ctx) is None or _held_rows(found.value, ctx) is None:
+        return None
+    return as_sdpa_arguments(gm, site, found), {"score_mod": found.score_mod, **sinks_per_head(gm, site, found.sinks)}
+
+
 def to_cached_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> dict:
     """Attention reading ``cat([cache, new])`` keys and values of a cache cut over cp becomes
     ``cached_attention`` on this rank's rows of the cache and the new rows. Returns each
     ``cat`` replaced -> (new rows, held input): the model's cache gets the new rows appended."""
-    sdpa = arguments(site.core)
-    keys, values = _held_rows(sdpa["key"], ctx), _held_rows(sdpa["value"], ctx)
+    found = _attention_arguments(gm, site, ctx)
+    sdpa, written = found if found is not None else ({}, {})
+    keys, values = (_held_rows(sdpa[name], ctx) if sdpa else None for name in ("key", "value"))
     if keys is None or values is None:
         return {}
     if sdpa["dropout_p"]:
@@ -198,14 +220,14 @@ def to_cached_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
                                   f"mesh dims 'ring' x 'ulysses'")
     seq = cat_dim(keys[0])
     kwargs = {"past": tensor_val(keys[1]).shape[seq], "attn_mask": sdpa["attn_mask"], "is_causal": sdpa["is_causal"],
-              "scale": sdpa["scale"], "cp": ctx.mesh.dims["cp"]._replace(zigzag=0)}
+              "scale": sdpa["scale"], **written, "cp": ctx.mesh.dims["cp"]._replace(zigzag=0)}
     positions = _positions_input(gm, keys[1], seq)
     with gm.graph.inserting_before(site.core):
         node = gm.graph.call_function(cached_attention, (sdpa["query"], keys[2], values[2], keys[1], values[1],
                                                          positions), kwargs)
     node.meta.update(site.core.meta)
     site.core.replace_all_uses_with(node)
-    gm.graph.erase_node(site.core)
+    erase_unused(gm, site.core)  # and what only it read: written-out scores
     site.core = node
     ctx.positions_of[positions.name] = keys[1].name
     for read in (sdpa["key"], sdpa["value"]):  # a repeat-kv that fed only the attention goes

@@ -44,7 +44,7 @@ from .meta import Communication, set_communications, set_site_role, site_role
 from .nodes import arguments, tensor_val
 from .rules.registry import op_kind
 from .biases import FoundBias, constant_ancestors, evaluate_constant, position_bias
-from .scores import hiding_fill, read_written_attention
+from .scores import as_sdpa_arguments, hiding_fill, sinks_per_head, written_attention
 
 
 def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:
@@ -124,9 +124,9 @@ def _sequence_lengths(site: AttentionSite, q, k, mesh, ctx: ParallelContext) -> 
     cp, per_rank = mesh.size("cp"), mesh.dims["cp"].chunks_per_rank
     q_len, kv_len = q.shape[-2], k.shape[-2]
     if min(q_len, kv_len) < cp:
-        decode = (f"; a decode step against a kv cache runs over cp only where attention is SDPA "
-                  f"(ops.cache_attention), not attention written out by hand as {site.name}'s: decode on a mesh "
-                  f"without 'ring' and 'ulysses'") if site.written_out and q_len < kv_len else ""
+        decode = ("; a decode step (queries against a longer kv cache) runs over cp against the cache rows a "
+                  "prefill under cp left on each rank (ops.cache_attention), for SDPA and for attention written "
+                  "out by hand without a bias built from positions") if q_len < kv_len else ""
         raise InvalidPlan(
             f"rewrite: attention {site.core.name!r} has sequence length {q_len} (keys {kv_len}), "
             f"shorter than mesh dims 'ring' x 'ulysses' = {mesh.size('ring')} x {mesh.size('ulysses')} = {cp}: "
@@ -366,16 +366,6 @@ def _refold(gm: fx.GraphModule, hybrid: fx.Node, core: fx.Node, query: fx.Node) 
         return with_val(gm.graph.call_method("reshape", (hybrid, *folded.shape)), folded)
 
 
-def _sinks_kwargs(gm: fx.GraphModule, site: AttentionSite, sinks: fx.Node | None) -> dict:
-    """Hybrid attention's ``sinks``: the ``[1, heads, 1, 1]`` logits as one a head."""
-    if sinks is None:
-        return {}
-    with gm.graph.inserting_before(site.core):
-        per_head = with_val(gm.graph.call_method("reshape", (sinks, -1)), tensor_val(sinks).reshape(-1))
-    logger.info("%s (%s): sink logits per head %s, folded in after the ring", site.name, site.core.name, sinks.name)
-    return {"sinks": per_head}
-
-
 def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, attention: dict, ctx: ParallelContext,
                         score_mod: ScoreMod | None = None, bias: FoundBias | None = None,
                         sinks: fx.Node | None = None) -> None:
@@ -404,7 +394,7 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, attention: dict
               "enable_gqa": attention["enable_gqa"], "ulysses": mesh.dims["ulysses"], "ring": mesh.dims["ring"],
               "ulysses_impl": ctx.config.ulysses_impl, **positional,
               **({"score_mod": score_mod} if score_mod is not None else {}), **_bias_kwargs(gm, site, bias, q),
-              **_sinks_kwargs(gm, site, sinks),
+              **sinks_per_head(gm, site, sinks),
               **_sequence_lengths(site, tensor_val(q), tensor_val(k), mesh, ctx)}
     with gm.graph.inserting_before(core):
         hybrid = gm.graph.call_function(hybrid_attention, (q, k, v), kwargs)
@@ -419,22 +409,12 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, attention: dict
 def written_out_to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> None:
     """Attention written out by hand as hybrid attention with its score function
     (``passes.scores``); where it does not read as one, it runs op by op, with a warning."""
-    with guards_at(f"rewrite at {site.scores.name} (a bias built from positions, evaluated at one length)"):
-        found = read_written_attention(site)
+    found = written_attention(site)
     if isinstance(found, str):
         ctx.warn(f"{site.name} ({site.core.name}): attention written out by hand runs op by op on the whole "
                  f"sequence over cp: {found}")
         return
-    key, mask = found.key, found.mask
-    with gm.graph.inserting_before(site.core):
-        if key is None:
-            key = with_val(gm.graph.call_method("transpose", (found.key_t, -2, -1)),
-                           tensor_val(found.key_t).transpose(-2, -1))
-        if found.mask_hides:
-            mask = with_val(gm.graph.call_function(torch.logical_not, (mask,)), ~tensor_val(mask))
-    attention = {"query": found.query, "key": key, "value": found.value, "attn_mask": mask,
-                 "dropout_p": 0.0, "is_causal": False, "scale": 1.0, "enable_gqa": False}
-    to_hybrid_attention(gm, site, attention, ctx, found.score_mod, found.bias, found.sinks)
+    to_hybrid_attention(gm, site, as_sdpa_arguments(gm, site, found), ctx, found.score_mod, found.bias, found.sinks)
 
 
 def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:

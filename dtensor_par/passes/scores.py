@@ -23,7 +23,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..ops.score_mod import ScoreMod
+from ..symbolic import guards_at
 from .biases import FoundBias, position_bias
+from .capture import with_val
 from .detect import AttentionSite
 from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.registry import op_kind
@@ -252,3 +254,33 @@ def read_written_attention(site: AttentionSite) -> WrittenAttention | str:
         return f"{site.sinks.per_head.name}: sink logits beside heads folded into the batch"
     sinks = None if site.sinks is None else site.sinks.per_head
     return WrittenAttention(query, key, key_t, value, found.score_mod, mask, hides, bias, sinks)
+
+
+def written_attention(site: AttentionSite) -> WrittenAttention | str:
+    """``read_written_attention``, its bias's sizes evaluated at one length."""
+    with guards_at(f"at {site.scores.name} (a bias built from positions, evaluated at one length)"):
+        return read_written_attention(site)
+
+
+def as_sdpa_arguments(gm: fx.GraphModule, site: AttentionSite, found: WrittenAttention) -> dict:
+    """The attention as SDPA's arguments, its score function aside (``scale`` 1: the score
+    function scales): ``kT`` transposed back where no key is read, a mask True where hidden
+    inverted, by nodes inserted before the site's core."""
+    key, mask = found.key, found.mask
+    with gm.graph.inserting_before(site.core):
+        if key is None:
+            key = with_val(gm.graph.call_method("transpose", (found.key_t, -2, -1)),
+                           tensor_val(found.key_t).transpose(-2, -1))
+        if found.mask_hides:
+            mask = with_val(gm.graph.call_function(torch.logical_not, (mask,)), ~tensor_val(mask))
+    return {"query": found.query, "key": key, "value": found.value, "attn_mask": mask, "dropout_p": 0.0,
+            "is_causal": False, "scale": 1.0, "enable_gqa": False}
+
+
+def sinks_per_head(gm: fx.GraphModule, site: AttentionSite, sinks: fx.Node | None) -> dict:
+    """``{"sinks": ...}``, the ``[1, heads, 1, 1]`` sink logits as one a head (a node inserted
+    before the site's core), for hybrid or cached attention; ``{}`` without."""
+    if sinks is None:
+        return {}
+    with gm.graph.inserting_before(site.core):
+        return {"sinks": with_val(gm.graph.call_method("reshape", (sinks, -1)), tensor_val(sinks).reshape(-1))}
