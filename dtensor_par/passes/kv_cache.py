@@ -211,8 +211,10 @@ def to_cached_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
     ``cached_attention`` on this rank's rows of the cache and the new rows. Returns each
     ``cat`` replaced -> (new rows, held input): the model's cache gets the new rows appended."""
     found = _attention_arguments(gm, site, ctx)
-    sdpa, written = found if found is not None else ({}, {})
-    keys, values = (_held_rows(sdpa[name], ctx) if sdpa else None for name in ("key", "value"))
+    if found is None:
+        return {}
+    sdpa, written = found
+    keys, values = _held_rows(sdpa["key"], ctx), _held_rows(sdpa["value"], ctx)
     if keys is None or values is None:
         return {}
     if sdpa["dropout_p"]:
