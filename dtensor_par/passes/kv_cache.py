@@ -34,7 +34,7 @@ from .detect import AttentionSite
 from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.indexing import cat_dim, per_dim
 from .rules.registry import kinds_in, op_kind
-from .scores import as_sdpa_arguments, sinks_per_head, written_attention
+from .scores import WrittenAttention, as_sdpa_arguments, sinks_per_head, written_attention
 
 _ALIASES = kinds_in("views") | {"cast", "getitem"}
 """Ops between a cache tensor and the attention that reads it."""
@@ -194,35 +194,36 @@ def _positions_input(gm: fx.GraphModule, held: fx.Node, seq: int) -> fx.Node:
     return node
 
 
-def _attention_arguments(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> tuple[dict, dict] | None:
-    """The site's attention as SDPA's arguments and what else ``cached_attention`` takes of it
-    (written out: its score function and sinks), when its keys and values are held cut over cp."""
+def _keys_read(site: AttentionSite) -> tuple[fx.Node, fx.Node, WrittenAttention | None] | None:
+    """The keys (not transposed) and values the site's attention reads, and, written out by hand,
+    the rest of what it reads; None where cached attention cannot take it (a bias built from
+    positions, or keys read only transposed)."""
     if not site.written_out:
-        return arguments(site.core), {}
+        return arguments(site.core)["key"], arguments(site.core)["value"], None
     found = written_attention(site)
-    if isinstance(found, str) or found.bias is not None or found.key is None \
-            or _held_rows(found.key, ctx) is None or _held_rows(found.value, ctx) is None:
+    if isinstance(found, str) or found.bias is not None or found.key is None:
         return None
-    return as_sdpa_arguments(gm, site, found), {"score_mod": found.score_mod, **sinks_per_head(gm, site, found.sinks)}
+    return found.key, found.value, found
 
 
 def to_cached_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> dict:
     """Attention reading ``cat([cache, new])`` keys and values of a cache cut over cp becomes
-    ``cached_attention`` on this rank's rows of the cache and the new rows. Returns each
-    ``cat`` replaced -> (new rows, held input): the model's cache gets the new rows appended."""
-    found = _attention_arguments(gm, site, ctx)
-    if found is None:
-        return {}
-    sdpa, written = found
-    keys, values = _held_rows(sdpa["key"], ctx), _held_rows(sdpa["value"], ctx)
+    ``cached_attention`` on this rank's rows of the cache and the new rows (attention written out
+    by hand with its score function and sinks). Returns each ``cat`` replaced -> (new rows, held
+    input): the model's cache gets the new rows appended."""
+    read = _keys_read(site) if ctx.cache_inputs else None  # no cache held cut: nothing to read
+    keys, values = (None, None) if read is None else (_held_rows(read[0], ctx), _held_rows(read[1], ctx))
     if keys is None or values is None:
         return {}
+    found = read[2]
+    sdpa = arguments(site.core) if found is None else as_sdpa_arguments(gm, site, found)
+    written_out = {} if found is None else {"score_mod": found.score_mod, **sinks_per_head(gm, site, found.sinks)}
     if sdpa["dropout_p"]:
         raise NotSupported(f"kv_cache: attention {site.core.name!r} with dropout against a kv cache cut over "
                                   f"mesh dims 'ring' x 'ulysses'")
     seq = cat_dim(keys[0])
     kwargs = {"past": tensor_val(keys[1]).shape[seq], "attn_mask": sdpa["attn_mask"], "is_causal": sdpa["is_causal"],
-              "scale": sdpa["scale"], **written, "cp": ctx.mesh.dims["cp"]._replace(zigzag=0)}
+              "scale": sdpa["scale"], **written_out, "cp": ctx.mesh.dims["cp"]._replace(zigzag=0)}
     positions = _positions_input(gm, keys[1], seq)
     with gm.graph.inserting_before(site.core):
         node = gm.graph.call_function(cached_attention, (sdpa["query"], keys[2], values[2], keys[1], values[1],
