@@ -466,6 +466,8 @@ def test_zigzag_indices():
                                       attn_mask=torch.ones(4, 8, dtype=torch.bool)), "a mask or a key padding"),
     ((1, 2, 4, 8), (1, 2, 4, 8), dict(is_causal=True, key_padding=torch.ones(1, 6)),
      r"key padding must be boolean \[B\|1, 8\].*torch.float32 \(1, 6\)"),
+    ((1, 4, 4, 8), (1, 2, 4, 8), dict(enable_gqa=True, sinks=torch.zeros(2)),
+     r"sinks must be one logit per query head, \[4\]; got \(2,\)"),
 ])
 def test_clear_errors(q_shape, kv_shape, options, message):
     q, k = torch.zeros(q_shape), torch.zeros(kv_shape)

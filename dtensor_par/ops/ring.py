@@ -205,14 +205,16 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  key_padding: torch.Tensor | None, *, rank: int, size: int, is_causal: bool, enable_gqa: bool,
-                  zigzag: bool, kv_len: int | None, window: int | None) -> None:
+                  key_padding: torch.Tensor | None, sinks: torch.Tensor | None, *, rank: int, size: int,
+                  is_causal: bool, enable_gqa: bool, zigzag: bool, kv_len: int | None, window: int | None) -> None:
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside a ring of size {size}")
     if q.dim() != 4 or k.dim() != 4 or k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"ring_attention expects q [B, H, S, D], k [B, Hkv, S, D] and v [B, Hkv, S, Dv]; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     q_heads, kv_heads = q.shape[1], k.shape[1]
+    if sinks is not None and tuple(sinks.shape) != (q_heads,):
+        raise ValueError(f"the sinks must be one logit per query head, [{q_heads}]; got {tuple(sinks.shape)}")
     if q_heads % kv_heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} key/value heads")
     if q_heads != kv_heads and not enable_gqa:
@@ -299,10 +301,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: M
         score_mod = ScoreMod(())  # the scores themselves: no fused kernel adds the bias
     if isinstance(kv_len, torch.SymInt):  # only without a window or key padding: those pin the length
         attn_mask, kv_len = _hide_padded_keys(attn_mask, kv_len, k.shape[-2] * ring.size, is_causal, k.device), None
-    _check_inputs(q, k, v, attn_mask, key_padding, rank=ring.rank, size=ring.size, is_causal=is_causal,
+    _check_inputs(q, k, v, attn_mask, key_padding, sinks, rank=ring.rank, size=ring.size, is_causal=is_causal,
                   enable_gqa=enable_gqa, zigzag=zigzag, kv_len=kv_len, window=window)
-    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
-        raise ValueError(f"the sinks must be one logit per query head, [{q.shape[1]}]; got {tuple(sinks.shape)}")
     if ring.size == 1 and sinks is None:  # the fused kernels; with sinks the ring's, which gives the log-sum-exp
         if kv_len is not None:
             k, v = k[..., :kv_len, :], v[..., :kv_len, :]

@@ -1,5 +1,6 @@
-"""lower: the last pass. Picks how the local graph's collectives reach the network and checks
-the replica groups that takes.
+"""lower: the last pass. Names on the local graph's collectives how they reach the network (the
+lowering, resolved from the config and the inputs' devices when the context is made, so that
+localize already counts what it sends) and checks the replica groups that takes.
 
 - ``"functional"``: torch's functional collectives over process groups, as localize inserted
   them (NCCL, gloo, TorchNeuron's ``neuron`` backend).
