@@ -256,56 +256,49 @@ def test_attention_written_out_by_hand_is_a_site_sharded_on_heads():
     assert graph.coverage.fallback_gathers == [] and graph.coverage.parallel_sites == 4
 
 
-@pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
-def test_soft_capped_attention_runs_as_hybrid_attention_without_a_square_mask(mesh):
-    """Under cp, Gemma2's written-out attention becomes hybrid attention: its scale and
-    soft-capping a score function each ring block (or Ulysses' ring of one) applies to its own
-    scores; its masks, built from positions, run as is_causal with the sliding window (layer 0)
-    and without: no rank holds an S x S mask."""
+def _written_out_as_hybrid_attention(name: str, mesh: dict) -> list:
+    """The hybrid attention nodes a model's attention written out by hand is planned as over
+    ``mesh`` (2 layers: a sliding window of 12, then none), after asserting what every such
+    model shares: no attention left op by op, its masks built from positions run as is_causal
+    with the window and without, and no rank holds an ``S x S`` tensor."""
     from dtensor_par.mesh import MeshInfo
-    from dtensor_par.ops.score_mod import ScoreMod
     from dtensor_par.passes.capture import capture_graphs
     from dtensor_par.pipeline import PLANNING_PASSES, parallelize_graph
 
     torch.manual_seed(0)
-    model, _, kwargs = real_models.gemma2()
+    model, _, kwargs = real_models.FACTORIES[name]()
     seq = 40  # no other dim of the model has this size
     (gm, inputs), = capture_graphs(model, torch.randint(0, real_models.VOCAB, (2, seq)), **kwargs)
     local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning(mesh, "cpu"), passes=PLANNING_PASSES)
-    assert not any("op by op" in w for w in ctx.warnings), ctx.warnings
+    assert not any("op by op" in w or "softmax" in w for w in ctx.warnings), ctx.warnings
     attention = [n for n in local.graph.nodes if n.target is dtensor_par.ops.attention.hybrid_attention]
-    soft_capping = ScoreMod((("mul", 256 ** -0.5), ("div", 0.02), ("tanh", 0.0), ("mul", 0.02)))  # query_pre_attn_scalar 256
     assert [n.kwargs.get("window") for n in attention] == [12, None]
-    assert all(n.kwargs["score_mod"] == soft_capping and n.kwargs["is_causal"] and n.kwargs["attn_mask"] is None
-               for n in attention), [n.kwargs for n in attention]
+    assert all(n.kwargs["is_causal"] and n.kwargs["attn_mask"] is None for n in attention), [n.kwargs for n in attention]
     shapes = [global_shape(n) or () for n in local.graph.nodes]
     assert not any(shape[-2:] == (seq, seq) for shape in shapes), [s for s in shapes if s[-2:] == (seq, seq)]
+    return attention
+
+
+@pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
+def test_soft_capped_attention_runs_as_hybrid_attention_without_a_square_mask(mesh):
+    """Under cp, Gemma2's written-out attention becomes hybrid attention: its scale and
+    soft-capping a score function each ring block (or Ulysses' ring of one) applies to its own
+    scores."""
+    from dtensor_par.ops.score_mod import ScoreMod
+
+    soft_capping = ScoreMod((("mul", 256 ** -0.5), ("div", 0.02), ("tanh", 0.0), ("mul", 0.02)))  # query_pre_attn_scalar 256
+    attention = _written_out_as_hybrid_attention("gemma2", mesh)
+    assert all(n.kwargs["score_mod"] == soft_capping for n in attention), [n.kwargs for n in attention]
 
 
 @pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
 def test_attention_sinks_run_as_hybrid_attention_with_each_ranks_heads(mesh):
     """GPT-OSS's attention concatenates a sink logit per head to its scores, subtracts the rows'
     max and drops the sinks' probabilities before ``@ v``. Under cp it becomes hybrid attention
-    given the sinks, one per head of this tp rank, folded in after the ring; its masks run as
-    is_causal with the sliding window (layer 0) and without: no S x S tensor."""
-    from dtensor_par.mesh import MeshInfo
-    from dtensor_par.passes.capture import capture_graphs
-    from dtensor_par.pipeline import PLANNING_PASSES, parallelize_graph
-
-    torch.manual_seed(0)
-    model, _, kwargs = real_models.gpt_oss()
-    seq = 40  # no other dim of the model has this size
-    (gm, inputs), = capture_graphs(model, torch.randint(0, real_models.VOCAB, (2, seq)), **kwargs)
-    local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning(mesh, "cpu"), passes=PLANNING_PASSES)
-    assert not any("softmax" in w or "attention written out" in w for w in ctx.warnings), ctx.warnings
-    attention = [n for n in local.graph.nodes if n.target is dtensor_par.ops.attention.hybrid_attention]
-    assert [n.kwargs.get("window") for n in attention] == [12, None]
-    assert all(n.kwargs["is_causal"] and n.kwargs["attn_mask"] is None for n in attention)
-    for node in attention:  # tp's heads: each rank's own sinks
+    given the sinks, one per head of this tp rank, folded in after the ring."""
+    for node in _written_out_as_hybrid_attention("gpt_oss", mesh):  # tp's heads: each rank's own sinks
         taken = dict(zip(tensor_inputs(node), shardings(node)["tp"].inputs))
         assert taken[node.kwargs["sinks"]] == Shard(0) and global_shape(node.kwargs["sinks"]) == (8,), taken
-    shapes = [global_shape(n) or () for n in local.graph.nodes]
-    assert not any(shape[-2:] == (seq, seq) for shape in shapes), [s for s in shapes if s[-2:] == (seq, seq)]
 
 
 def test_a_decode_step_against_a_cache_no_cp_prefill_cut_is_refused_saying_what_runs():
