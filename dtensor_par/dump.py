@@ -28,7 +28,7 @@ from .passes.experts import group_text
 from .passes.localize import graph_communications
 from .passes.meta import communications, global_shape, param_fqn, placements, shardings, site_role, weight_name
 from .passes.nodes import target_name
-from .params import held_layouts, held_tensor
+from .params import expert_group, held_layouts, held_tensor
 from .placements import Replicate, describe, local_shape_on
 
 PLAN_VERSION = 5
@@ -98,7 +98,7 @@ def experts_per_rank(site: MoESite, ctx: ParallelContext) -> str:
     parallelism, the rows one rank sends to them and gets back per layer (once localized and
     lowered)."""
     split = all(weight_name(g) in ctx.param_placements for g in site.colwise + site.rowwise)
-    tp, ep, group = ctx.mesh.size("tp"), site.ep_size, group_text(ctx.mesh, site.ep_over)
+    tp, ep, group = ctx.mesh.size("tp"), site.ep_size, group_text(ctx.mesh, expert_group(ctx.mesh))
     held = f"{site.num_experts // ep} of {site.num_experts} (ep over {group})" if ep > 1 else f"{site.num_experts}"
     line = f"experts per rank: {held}, " + (f"each 1/{tp} of its features (tp)" if split else "each whole")
     exchanged = {n.target: communications(n)[0] for n in site.region
@@ -258,15 +258,15 @@ def mesh_svg(sizes: dict[str, int], order: tuple[str, ...], sites: list[str] | N
 
 
 def site_placement_lines(ctx: ParallelContext) -> list[str]:
-    """Per site, the tp placement of each of its weights and experts' bias tables (and an expert
-    weight's cut on each plan dim of its group, with ep)."""
+    """Per site, the tp placement of each of its weights and experts' bias tables (and, with ep,
+    the mesh dims an expert weight's experts are cut over)."""
     lines = []
     for site in ctx.sites:
         weights, names = [], [weight_name(linear) for linear in site.colwise + site.rowwise]
         names += [bias.table.name for bias in site.biases.values()] if isinstance(site, MoESite) else []
         for name in names:
             cuts = ctx.expert_placements.get(name, {})
-            experts = f" ({', '.join(f'{d}: {describe(p)}' for d, p in cuts.items())})" if cuts else ""
+            experts = f" (experts cut over {group_text(ctx.mesh, expert_group(ctx.mesh))})" if cuts else ""
             weights.append(f"{ctx.params[name].fqn}={describe(ctx.param_placements.get(name, Replicate()))}{experts}")
         lines.append(f"{site.name}: " + ", ".join(weights))
     return lines

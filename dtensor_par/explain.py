@@ -13,13 +13,14 @@ from .dump import (GraphDump, batch_line, collective_rows, fsdp_line, mesh_svg, 
 from .gcpause import paused_gc
 from .machines import Machine, machine as machine_profile
 from .pipeline import parallelize_graph
-from .routing import measure_routing, routing_probes
+from .routing import UNMEASURED, measure_routing, routing_probes
 from .mesh import MeshInfo
 from .params import SHARDED, WHOLE
 from .passes import meta
 from .passes.capture import capture_graphs
 from .passes.cost import StepTime, cost_pass, traffic_text
 from .passes.coverage import Coverage
+from .passes.detect import MoESite
 from .sharded import cast_floating, sharded_state, traced_in
 from .symbolic import hint
 
@@ -153,8 +154,11 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
 def _with_measured_routing(sites: list[str], ctx, measured: tuple) -> list[str]:
     """The site lines, each mixture's whose experts are cut over cp with what a rank got back
     from them on the example inputs (the most over the ranks)."""
-    back = measure_routing(*measured, routing_probes(ctx))
-    return [f"{line}; measured on the example inputs: {back[name]} B back at most" if name in back else line
+    probes = routing_probes(ctx)
+    back = measure_routing(*measured, probes)
+    unmeasured = {s.name for s in ctx.sites if isinstance(s, MoESite) and s.ep_size > 1} - {p.site for p in probes}
+    return [f"{line}; measured on the example inputs: {back[name]} B back at most" if name in back else
+            f"{line}; {UNMEASURED}" if name in unmeasured else line
             for line, name in zip(sites, (line.split(":")[0] for line in sites))]
 
 

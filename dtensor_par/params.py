@@ -29,7 +29,7 @@ from torch.distributed.tensor import Shard as DTensorShard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .kv_cache import cache_shard
-from .mesh import FSDP_DIMS, SPANS, MeshDim, MeshInfo
+from .mesh import MeshDim, MeshInfo
 from .ops.collectives import gather_param_grad, shard_local
 from .placements import InterleavedShard, Placement, Replicate, Shard, describe, interleaved_parts, local_chunk, \
     local_shape, shard_dim
@@ -89,12 +89,6 @@ class HeldLayout:
             local[0] //= self.ep.size
         return tuple(local)
 
-    def own_gradient_on(self, plan_dim: str, mesh: MeshInfo) -> bool:
-        """Whether each rank's piece gets its whole gradient on ``plan_dim``, no partial sum: an
-        expert weight's on the plan dims its experts are cut over (ep), each rank computing them
-        alone on every row its group sent them."""
-        return self.ep is not None and plan_dim in expert_plan_dims(mesh, self.ep)
-
     def held_shape(self, shape) -> tuple[int, ...]:
         local = list(self.computed_shape(shape))
         if self.fsdp_dim is not None:
@@ -142,30 +136,19 @@ def holds_whole(info: MeshInfo, config: ParallelConfig) -> bool:
     one (tp is 1, FSDP cuts over no dim of size > 1 and no expert is cut (ep): dp_replicate
     alone is DDP). DDP's own state: AdamW and ``clip_grad_norm_`` then run on plain tensors, and
     no gradient is wrapped back into a DTensor at every step."""
-    experts_cut = config.ep is not None and expert_group(info, config.batch).size > 1
+    experts_cut = config.ep is not None and expert_group(info).size > 1
     return info.size("tp") == 1 and info.fsdp(config.fsdp_dims) is None and not experts_cut
 
 
-def expert_group(mesh: MeshInfo, batch: str) -> MeshDim:
+def expert_group(mesh: MeshInfo) -> MeshDim:
     """The ranks ``ep="cp"`` cuts each mixture's experts over, expert ``e`` at coordinate
     ``e // (E / size)``, laid out in the mesh's order, the order in which DTensor nests
-    ``Shard(0)`` on them: dp_shard x ring x ulysses ("fsdp") where each dp_shard rank holds rows
-    of its own (a global batch, no dp_replicate); without dp_shard, ring x ulysses: cp where
-    cp's ring-major order is the mesh's (reports then name its collectives cp's), else "fsdp".
-    Beside dp_shard under dp_replicate (the plan's dp would cut the experts over the replicas
-    too) or with a local batch (which the plan does not cut over dp), they are cut over cp
-    alone (ring-major: ``passes.experts`` checks the order) and FSDP-sharded over dp_shard."""
+    ``Shard(0)`` on them: dp_shard x ring x ulysses ("fsdp") where the mesh has dp_shard (each of
+    its ranks holds batch rows of its own; beside dp_replicate each replica holds every expert
+    once); without it, ring x ulysses: cp where cp's ring-major order is the mesh's (reports then
+    name its collectives cp's), else "fsdp"."""
     fsdp, cp = mesh.dims["fsdp"], mesh.dims["cp"]._replace(zigzag=0)
-    if mesh.size("dp_shard") > 1:
-        return fsdp if mesh.size("dp_replicate") == 1 and batch == "global" else cp
-    return cp if fsdp.groups == cp.groups else fsdp
-
-
-def expert_plan_dims(mesh: MeshInfo, ep: MeshDim) -> tuple[str, ...]:
-    """The plan dims an expert group (``expert_group``) cuts the experts over: cp, and dp where
-    the group spans dp_shard (its dp is all dp_shard then); not the plan's dp of dp_replicate
-    alone, whose replicas each hold every expert."""
-    return ("dp", "cp") if "dp_shard" in mesh.spanned(ep.name) else ("cp",)
+    return fsdp if mesh.size("dp_shard") > 1 or fsdp.groups != cp.groups else cp
 
 
 def _tp_dtensor_placement(p: Placement) -> DTensorPlacement:
@@ -177,30 +160,26 @@ def _tp_dtensor_placement(p: Placement) -> DTensorPlacement:
     return DTensorShard(p.dim) if isinstance(p, Shard) else DTensorReplicate()
 
 
-def fed_placements(placements: dict[str, Placement], layout: HeldLayout | None, mesh: MeshInfo
-                   ) -> dict[str, Placement]:
+def fed_placements(placements: dict[str, Placement], layout: HeldLayout | None) -> dict[str, Placement]:
     """How the runtime cuts a graph input (``WholeParameters.local_input``): as the plan places
-    it, but an expert weight (with ep) at once over its group, by this rank's coordinate there:
-    the experts ``parallelize`` holds, where a cut plan dim by plan dim (cp, then dp) would hand
-    a rank of "fsdp" another rank's."""
+    it, but an expert weight (with ep) on tp, then at once over its group, by this rank's
+    coordinate there: the experts ``parallelize`` holds, where a cut plan dim by plan dim (cp,
+    then dp) would hand a rank of "fsdp" another rank's."""
     if layout is None or layout.ep is None:
         return placements
-    covered = expert_plan_dims(mesh, layout.ep)
-    return {**{d: p for d, p in placements.items() if d not in covered}, layout.ep.name: Shard(0)}
+    return {**{d: p for d, p in placements.items() if d == "tp"}, layout.ep.name: Shard(0)}
 
 
 def layout_maker(mesh: MeshInfo, config: ParallelConfig, sharded: bool) -> Callable[..., HeldLayout]:
     """``layout(shape, tp, experts)``: how a parameter planned ``tp`` on tp is held, FSDP over
     ``config.fsdp_dims`` once parallelized (``sharded``; whole parameters are only sliced). An
     expert weight cut over its group (``experts``, with ep: ``expert_group``) has its experts
-    in plain chunks there, and FSDP over what ``fsdp_dims`` leaves besides the group."""
-    names = config.fsdp_dims if config.fsdp_dims is not None else FSDP_DIMS
-    ep = expert_group(mesh, config.batch)
+    in plain chunks there, and no FSDP: the group spans every dim FSDP may cut (of size > 1)."""
+    ep = expert_group(mesh)
     fsdp = mesh.fsdp(config.fsdp_dims) if sharded else None
-    expert_fsdp = mesh.fsdp(tuple(n for n in names if n in mesh.order and n not in SPANS[ep.name])) if sharded else None
 
     def layout(shape, tp: Placement | None, experts: bool) -> HeldLayout:
-        return HeldLayout.of(shape, tp, mesh, expert_fsdp, ep) if experts else HeldLayout.of(shape, tp, mesh, fsdp)
+        return HeldLayout.of(shape, tp, mesh, None, ep) if experts else HeldLayout.of(shape, tp, mesh, fsdp)
     return layout
 
 

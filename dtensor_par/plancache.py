@@ -81,7 +81,7 @@ class Plan:
         index = {n.name: i for i, n in enumerate(placeholders)}
         positions_of = tuple(index[ctx.positions_of[n.name]] for n in placeholders if n.name in ctx.positions_of)
         layouts = held_layouts(ctx)
-        return cls([fed_placements(meta.placements(n), layouts.get(n.name), ctx.mesh) for n in placeholders],
+        return cls([fed_placements(meta.placements(n), layouts.get(n.name)) for n in placeholders],
                    ctx.output_placements, ctx.comm, layouts, {name: (p.fqn, p.index) for name, p in ctx.params.items()},
                    list(ctx.warnings), ctx.cache_outputs, positions_of)
 

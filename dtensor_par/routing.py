@@ -5,7 +5,9 @@ experts its tokens choose: ``explain`` reports the exact rows sent, the even and
 back. Measured, the model runs once on one device; a hook on each mixture's experts module reads
 the choice it is given (its ``[tokens, top_k]`` expert indices), and each rank's tokens are the
 rows the plan gives it (its piece over cp, then over dp); a group of ranks that exchange rows
-spans cp, and dp where the experts are cut over dp_shard too.
+spans cp, and dp_shard (within one dp_replicate coordinate) where the experts are cut over it
+too. With a local batch each dp_shard rank's rows are its own, which the example inputs are not:
+such a mixture is not measured (``UNMEASURED``).
 """
 
 from __future__ import annotations
@@ -32,21 +34,32 @@ class RoutingProbe:
     experts_module: str  # the FQN of the module holding the experts, whose call is given the choice
     num_experts: int
     cuts: tuple[tuple[Placement, MeshDim], ...]  # the tokens' cut over cp, then over dp (a batch entry's run)
-    exchanged: tuple[bool, ...]  # per cut: whether its ranks send rows to one another (the experts' group spans it)
+    spans: tuple[int, ...]  # per cut: how many consecutive coordinates of it one group spans (1: none)
     ep_size: int  # the ranks the experts are cut over
 
 
+UNMEASURED = "not measured: with a local batch the experts' rows come from each dp_shard rank's own batch"
+
+
 def routing_probes(ctx: ParallelContext) -> list[RoutingProbe]:
-    """A probe per mixture of a planned graph whose experts are cut over cp."""
+    """A probe per mixture of a planned graph whose experts are cut over cp (and dp_shard, with a
+    global batch: the plan's dp is replicate-major, so a group spans dp_shard's consecutive
+    coordinates of it)."""
     probes = []
     for site in ctx.sites:
-        if isinstance(site, MoESite) and site.ep_size > 1:
+        if isinstance(site, MoESite) and site.ep_size > 1 and not _own_batches(site, ctx):
             dims = [d for d in ("cp", "dp") if d in shardings(site.tokens)
                     and shard_dim(shardings(site.tokens)[d].out) == 0]
+            spans = {"cp": ctx.mesh.size("cp"), "dp": ctx.mesh.size("dp_shard")}
             probes.append(RoutingProbe(site.name, module_name(site.up[0], ctx).rpartition(".")[0], site.num_experts,
                                        tuple((shardings(site.tokens)[d].out, ctx.mesh.dims[d]) for d in dims),
-                                       tuple(d in site.ep_over for d in dims), site.ep_size))
+                                       tuple(spans[d] if d in site.ep_over else 1 for d in dims), site.ep_size))
     return probes
+
+
+def _own_batches(site: MoESite, ctx: ParallelContext) -> bool:
+    """Whether the experts' group spans dp_shard ranks that each run a batch of their own."""
+    return ctx.mesh.size("dp_shard") > 1 and "dp" not in site.ep_over
 
 
 def _choice(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -71,7 +84,7 @@ def measured_back_bytes(probe: RoutingProbe, tokens: torch.Tensor, chosen: torch
     them), over the ranks, for this routing."""
     per_group: dict[tuple[int, ...], torch.Tensor] = {}
     for rank in itertools.product(*[range(dim.size) for _, dim in probe.cuts]):  # its coordinate on each cut
-        group = tuple(c for c, exchanged in zip(rank, probe.exchanged) if not exchanged)
+        group = tuple(c // span for c, span in zip(rank, probe.spans))
         counts = torch.bincount(chosen[_rank_tokens(len(tokens), probe.cuts, rank)].flatten(),
                                 minlength=probe.num_experts)
         per_group[group] = per_group.get(group, 0) + counts

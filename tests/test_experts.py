@@ -23,7 +23,7 @@ from dtensor_par.mesh import MeshDim
 from dtensor_par.ops.experts import combine_rows, dispatch_rows, exchange_counts, local_offsets
 from tests import xm_gloo
 from tests.background import in_background
-from tests.harness import FUNCTIONAL_OPS, executed_collectives, loss_of, max_rel, run_ranks, whole
+from tests.harness import FUNCTIONAL_OPS, dp_rows, executed_collectives, loss_of, max_rel, run_ranks, whole
 
 EXPERTS, WIDTH, OUT = 6, 5, 3
 
@@ -110,8 +110,9 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
     """Mixtral parallelized at dp_shard2 x ulysses2 with ``ep="cp"``, its 4 experts cut over all
     4 ranks (dp_shard x cp): 2 AdamW steps with clipping against one device, the storage each
     rank holds of an expert weight and of its gradient and AdamW state, and the collectives a
-    step runs against the dumped table; then one step at dp_shard2 x ring2, parallelized and not
-    (``one_step_over_ring``), and one at ulysses2 x ring2 (``one_step_ulysses_first``)."""
+    step runs against the dumped table; then one step at dp_shard2 x ring2, at dp_replicate2 x
+    dp_shard2 and, with a local batch, at dp_shard2 x ulysses2 and dp_replicate2 x dp_shard2
+    (``one_step``), and one at ulysses2 x ring2 (``one_step_ulysses_first``)."""
     from tests import real_models
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -158,40 +159,50 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
     table = _collectives_table(dump_dir, f"dp_shard{rank // 2}_ring0_ulysses{rank % 2}_tp0")
     return {**worst, "held": held, "whole": experts.numel() * experts.element_size(), "ran": dict(ran),
             "table": dict(table), "back": exchanges[counts + 2], "measured": measured,
-            "ring": one_step_over_ring(rank, os.path.join(dump_dir, "ring")),
+            "ring": one_step(os.path.join(dump_dir, "ring"), dp_shard=2, ring=2),
+            "replicas": one_step(os.path.join(dump_dir, "replicas"), rows=4, modes=(True,), dp_replicate=2, dp_shard=2),
+            "local": one_step(os.path.join(dump_dir, "local"), rows=4, batch="local", dp_shard=2, ulysses=2),
+            "local_replicas": one_step(os.path.join(dump_dir, "local_replicas"), rows=4, batch="local",
+                                       modes=(True,), dp_replicate=2, dp_shard=2),
             "ulysses_first": one_step_ulysses_first()}
 
 
-def one_step_over_ring(rank: int, dump_dir: str) -> dict:
-    """One step of Mixtral at dp_shard2 x ring2 with ``ep="cp"`` against one device: parallelized
-    (each rank's local expert weights, the collectives run against the dumped table), and with
-    the model held whole (hybrid_parallel alone slices each rank's experts and gathers their
-    gradients back)."""
+def one_step(dump_dir: str, rows: int = 2, batch: str = "global", modes=(True, False), **sizes) -> dict:
+    """One step of Mixtral with ``ep="cp"`` on the mesh of ``sizes`` against one device on
+    ``rows`` batch rows: parallelized (each rank's local expert weights, the collectives run
+    against the dumped table), and with the model held whole (hybrid_parallel alone slices each
+    rank's experts and gathers their gradients back), as ``modes`` says. With a local batch
+    each dp coordinate runs its own rows, its loss scaled so that dp's average of the gradients
+    is one device's on every row."""
     from tests import real_models
 
-    mesh = dtensor_par.init_mesh(dp_shard=2, ring=2)
+    mesh = dtensor_par.init_mesh(**sizes)
+    folder = "_".join(f"{n}{c}" for n, c in zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    mine = dp_rows(mesh, rows) if batch == "local" else slice(None)
     results = {}
-    for parallelized in (True, False):
+    for parallelized in modes:
         torch.manual_seed(0)
-        model, args, kwargs = real_models.mixtral()
+        model, _, kwargs = real_models.mixtral()
+        args = (torch.randint(0, real_models.VOCAB, (rows, real_models.SEQ)),)
         reference = copy.deepcopy(model)
         if parallelized:
-            dtensor_par.parallelize(model, mesh, args, example_kwargs=kwargs, ep="cp")
-        backend = dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager", ep="cp",
+            dtensor_par.parallelize(model, mesh, args, example_kwargs=kwargs, ep="cp", batch=batch)
+        backend = dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager", ep="cp", batch=batch,
                                               dump_dir=dump_dir if parallelized else None)
         compiled = torch.compile(model, backend=backend)
-        out, expected = compiled(*args, **kwargs)[0], reference(*args, **kwargs)[0]
-        loss_of(out).backward()
-        loss_of(expected).backward()
+        out, expected = compiled(args[0][mine], **kwargs)[0], reference(*args, **kwargs)[0]
+        weights = torch.linspace(-1.0, 1.0, expected.numel()).view(expected.shape)
+        (out * weights[mine]).sum().mul(rows / out.shape[0] / expected.numel()).backward()
+        (expected * weights).mean().backward()
         results["parallelized" if parallelized else "whole"] = {
-            "forward": (out - expected).abs().max().item(),
+            "forward": (out - expected[mine]).abs().max().item(),
             "grad": max(max_rel(whole(p.grad), q.grad) for p, q in zip(model.parameters(), reference.parameters()))}
         if parallelized:  # a step compiled already
-            executed = executed_collectives(lambda: loss_of(compiled(*args, **kwargs)[0]).backward())
+            executed = executed_collectives(lambda: compiled(args[0][mine], **kwargs)[0].sum().backward())
             results["parallelized"].update(
                 local={n: list(p.to_local().shape) for n, p in model.named_parameters() if ".experts." in n},
                 ran=dict(Counter(name for name, _ in executed)),
-                table=dict(_collectives_table(dump_dir, f"dp_shard{rank // 2}_ring{rank % 2}_ulysses0_tp0")))
+                table=dict(_collectives_table(dump_dir, folder)))
     return results
 
 
@@ -252,6 +263,37 @@ def test_experts_cut_over_dp_shard_and_ring_as_on_one_device():
         assert held["ran"] == held["table"] and held["ran"]["all_to_all_single"] >= 5, held
 
 
+def test_experts_cut_over_dp_shard_beside_dp_replicate_as_on_one_device():
+    """At dp_replicate2 x dp_shard2, parallelized: each replica holds the 4 experts once, 2 a
+    rank, and its rows reach only its own replica's experts; the experts' gradients are summed
+    over the replicas (dp_replicate's all-reduce, in the dumped table and run)."""
+    pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
+    for result in (r["replicas"] for r in TRAINED.result()):
+        for case in result.values():
+            assert case["forward"] <= 1e-5 and case["grad"] <= 1e-5, result
+        held = result["parallelized"]
+        assert held["local"] == {"model.layers.0.mlp.experts.gate_up_proj": [2, 256, 64],
+                                 "model.layers.0.mlp.experts.down_proj": [2, 64, 128]}, held["local"]
+        assert held["ran"] == held["table"] and held["ran"]["all_to_all_single"] >= 5, held
+        assert held["ran"]["all_reduce"] == 1, held  # the replicas' sums, the experts' in the others' bucket
+
+
+def test_experts_cut_over_dp_shard_with_a_local_batch_as_on_one_device():
+    """With a local batch (each dp coordinate its own rows) the experts are cut over dp_shard too:
+    at dp_shard2 x ulysses2 one expert a rank, parallelized and held whole; at dp_replicate2 x
+    dp_shard2 two a rank, their gradients summed over the replicas. The experts' gradients are
+    averaged over dp as every other parameter's: one device's on the whole batch."""
+    pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
+    for result in TRAINED.result():
+        for label, experts in (("local", 1), ("local_replicas", 2)):
+            for case in result[label].values():
+                assert case["forward"] <= 1e-5 and case["grad"] <= 1e-5, (label, result[label])
+            held = result[label]["parallelized"]
+            assert held["local"] == {"model.layers.0.mlp.experts.gate_up_proj": [experts, 256, 64],
+                                     "model.layers.0.mlp.experts.down_proj": [experts, 64, 128]}, held["local"]
+            assert held["ran"] == held["table"] and held["ran"]["all_to_all_single"] >= 5, held
+
+
 def test_experts_cut_in_the_mesh_order_where_ulysses_comes_before_ring():
     """Parallelized at ring2 x ulysses2 on a mesh that puts ulysses first: each rank holds the 2
     of the 8 experts at its coordinate in the mesh's order, and computes as one device does."""
@@ -262,24 +304,48 @@ def test_experts_cut_in_the_mesh_order_where_ulysses_comes_before_ring():
         assert result["local_weight"] == 0 and result["local_grad"] <= 1e-5, result
 
 
-def test_experts_cut_over_cp_alone_refused_where_ulysses_comes_before_ring():
-    """Beside dp_shard with a local batch the experts are cut over cp alone, whose ranks are
-    ring-major: parallelized on a mesh that puts ulysses first they stay whole, with the reason;
-    without dp_shard, on the same order, they are cut over the ranks in the mesh's order."""
+def test_experts_cut_in_the_mesh_order_over_ulysses_then_ring():
+    """On a mesh that puts ulysses before ring the experts are cut over the ranks in the mesh's
+    order ("fsdp"), not cp's ring-major one: their exchanges run over "fsdp"."""
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
     from tests import real_models
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     model, args, kwargs = real_models.mixtral(experts=8)
-    plan = functools.partial(dtensor_par.explain, model, args, example_kwargs=kwargs, ring=2, ulysses=2, ep="cp",
-                             parallelized=True, device_type="cpu")
-    (local,) = plan(dp_shard=2, order=("dp_shard", "ulysses", "ring", "tp"), batch="local").graphs
-    assert local.warnings == [
-        "moe0: ep='cp': the experts stay whole on every rank of cp=4: parallelize nests experts cut over cp alone "
-        "(beside dp_shard=2, with dp_replicate or a local batch) in the mesh's order, but the mesh dp_shard=2 x "
-        "ulysses=2 x ring=2 x tp=1 puts ulysses before ring and cp's ranks are ring-major"], local.warnings
-    (graph,) = plan(order=("ulysses", "ring", "tp")).graphs
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ring=2, ulysses=2, ep="cp", parallelized=True,
+                                   device_type="cpu", order=("ulysses", "ring", "tp")).graphs
     (line,) = [s for s in graph.sites if s.startswith("moe0")]
     assert graph.warnings == [] and "experts per rank: 2 of 8 (ep over cp=4), each whole" in line, (graph.warnings, line)
     exchanged = {c["mesh_dims"] for c in graph.collectives if c["site"] == "moe0.experts"}
     assert exchanged == {"fsdp"}, exchanged  # ulysses x ring, the mesh's order, not cp's
+
+
+def test_routing_measured_per_replica_and_not_guessed_for_a_local_batch():
+    """``measure_routing`` at dp_replicate2 x dp_shard2: each replica's rows reach only its own
+    experts, so the most a rank gets back is the most over the replicas' groups, counted here by
+    hand from the choice the experts module is given; with a local batch the other ranks' rows
+    are not given, and the report says it did not measure."""
+    pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
+    from tests import real_models
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    model, _, kwargs = real_models.mixtral()
+    args = (torch.randint(0, real_models.VOCAB, (4, real_models.SEQ)),)
+    seen = []
+    hook = model.model.layers[0].mlp.experts.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.extend(a for a in args if not a.is_floating_point()), with_kwargs=True)
+    with torch.no_grad():
+        model(*args, **kwargs)
+    hook.remove()
+    chosen = seen[0].view(2, 2 * real_models.SEQ, 2)  # per replica: its two dp_shard ranks' rows, top-2
+    rows = max(torch.bincount(c.flatten(), minlength=4).view(2, 2).sum(1).max().item() for c in chosen)
+    explain = functools.partial(dtensor_par.explain, model, args, example_kwargs=kwargs, ep="cp", measure_routing=True,
+                                dp_shard=2)
+    (graph,) = explain(dp_replicate=2).graphs
+    (line,) = [s for s in graph.sites if s.startswith("moe0")]
+    assert line.endswith(f"measured on the example inputs: {rows * 64 * 4} B back at most"), (line, rows)
+    (graph,) = explain(batch="local").graphs
+    (line,) = [s for s in graph.sites if s.startswith("moe0")]
+    assert line.endswith("not measured: with a local batch the experts' rows come from each dp_shard rank's own "
+                         "batch"), line

@@ -555,7 +555,7 @@ def test_experts_read_a_row_at_a_time_are_planned_as_grouped_ones():
 def test_experts_that_cannot_be_cut_over_cp_stay_whole_or_are_refused():
     """``ep="cp"`` where the experts do not split into the cp ranks' chunks (4 experts over a ring
     of 4, two zigzag chunks a rank; and beside dp_shard): whole on every rank, with a warning that
-    says why; with a local batch they are cut over cp only, with a warning. Where the
+    says why; with a local batch they are cut over dp_shard x cp too. Where the
     tokens reach the mixture gathered over cp (a view that splits a padded sequence), an error
     that names the node and says what to do."""
     model, args, kwargs = real_models.mixtral()
@@ -565,12 +565,11 @@ def test_experts_that_cannot_be_cut_over_cp_stay_whole_or_are_refused():
     assert any("experts per rank: 4, each whole" in s for s in graph.sites), graph.sites
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ep="cp", dp_shard=2, ring=4).graphs
     assert any("4 experts do not divide into 8 equal chunks over dp_shard=2 x cp=4" in w for w in graph.warnings)
-    # a local batch, which the plan does not cut over dp: the experts cut over cp only, FSDP over dp_shard
+    # a local batch, which the plan does not cut over dp: its rows still reach the experts over dp_shard x cp
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ep="cp", dp_shard=2, ulysses=2, batch="local",
                                    parallelized=True).graphs
-    assert any("the experts are cut over cp only (parallelized, FSDP-sharded over dp_shard)" in w
-               for w in graph.warnings), graph.warnings
-    assert any("experts per rank: 2 of 4 (ep over cp=2)" in s for s in graph.sites), graph.sites
+    assert graph.warnings == [], graph.warnings
+    assert any("experts per rank: 1 of 4 (ep over dp_shard=2 x cp=2)" in s for s in graph.sites), graph.sites
     with pytest.raises(NotImplementedError, match=r"exchange_counts .*: expert parallelism \(ep='cp'\) runs on each "
                                                   r"cp rank's own tokens.*run it with ep=None"):
         dtensor_par.explain(model, (args[0][:, :30],), example_kwargs=kwargs, ep="cp", ring=2)

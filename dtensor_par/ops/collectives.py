@@ -186,17 +186,18 @@ class _AllReduce(torch.autograd.Function):
         return grad, None, None
 
 
-def _reduced_grad(grad: torch.Tensor, mesh_dim: MeshDim, comm: str, mean: bool) -> torch.Tensor:
-    """The sum over ``mesh_dim`` of every rank's gradient, or with ``mean`` their average (DDP's:
-    each rank's loss is the mean over its own slice of the batch)."""
-    total = LOWERINGS[comm].all_reduce(grad, mesh_dim)
-    return total / mesh_dim.size if mean else total
+def _reduced_grad(grad: torch.Tensor, mesh_dim: MeshDim, comm: str, divisor: int) -> torch.Tensor:
+    """The sum over ``mesh_dim`` of every rank's gradient, divided by ``divisor`` (DDP's average
+    over dp: each rank's loss is the mean over its own slice of the batch); over a mesh dim of
+    one rank, only divided."""
+    total = grad if mesh_dim.size == 1 else LOWERINGS[comm].all_reduce(grad, mesh_dim)
+    return total if divisor == 1 else total / divisor
 
 
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, mesh_dim, comm, mean):
-        ctx.args = (mesh_dim, comm, mean)
+    def forward(ctx, x, mesh_dim, comm, divisor):
+        ctx.args = (mesh_dim, comm, divisor)
         return x.view_as(x)
 
     @staticmethod
@@ -209,8 +210,8 @@ class _GradAllReduceBucket(torch.autograd.Function):
     produced, and reduces them all in one flat all_reduce."""
 
     @staticmethod
-    def forward(ctx, mesh_dim, comm, mean, *xs):
-        ctx.args = (mesh_dim, comm, mean)
+    def forward(ctx, mesh_dim, comm, divisor, *xs):
+        ctx.args = (mesh_dim, comm, divisor)
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
@@ -379,13 +380,13 @@ def all_reduce(x: torch.Tensor, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> to
     return _AllReduce.apply(x, mesh_dim, comm)
 
 
-def grad_all_reduce(x: torch.Tensor, mesh_dim: MeshDim, comm: str = FUNCTIONAL, mean: bool = False) -> torch.Tensor:
-    return _GradAllReduce.apply(x, mesh_dim, comm, mean)
+def grad_all_reduce(x: torch.Tensor, mesh_dim: MeshDim, comm: str = FUNCTIONAL, divisor: int = 1) -> torch.Tensor:
+    return _GradAllReduce.apply(x, mesh_dim, comm, divisor)
 
 
 def grad_all_reduce_bucket(xs: list[torch.Tensor], mesh_dim: MeshDim, comm: str = FUNCTIONAL,
-                           mean: bool = False) -> tuple:
-    return _GradAllReduceBucket.apply(mesh_dim, comm, mean, *xs)
+                           divisor: int = 1) -> tuple:
+    return _GradAllReduceBucket.apply(mesh_dim, comm, divisor, *xs)
 
 
 def all_gather(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, mesh_dim: MeshDim,

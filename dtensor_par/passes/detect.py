@@ -123,7 +123,7 @@ class MoESite:
     top_k: int
     at_experts: frozenset[fx.Node] = frozenset()  # with ep: what holds rows at their experts' rank (passes.experts)
     ep_size: int = 1  # the ranks its experts are cut over
-    ep_over: tuple[str, ...] = ()  # the plan dims they are cut over (params.expert_plan_dims)
+    ep_over: tuple[str, ...] = ()  # the plan dims they are cut over (passes.experts.plan_dims_cut)
     biases: dict[fx.Node, RowBias] = field(default_factory=dict)  # grouped matmul -> the bias its rows get
 
     @property

@@ -26,7 +26,6 @@ import torch.fx as fx
 
 from ..mesh import MeshDim, MeshInfo
 from ..ops.experts import combine_rows, dispatch_rows, exchange_counts, local_expert_ids, local_offsets
-from ..params import expert_plan_dims
 from ..placements import Shard
 from ..symbolic import is_symbolic
 from .capture import erase_unused, with_val
@@ -60,16 +59,15 @@ def _single(nodes: set[fx.Node], what: str) -> fx.Node | str:
     return next(iter(nodes)) if len(nodes) == 1 else f"its {what} are {sorted(n.name for n in nodes)}, not one node"
 
 
-def expert_chain(site: MoESite, mesh: MeshInfo, ep: MeshDim, sharded: bool
-                 ) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | str:
+def expert_chain(site: MoESite, mesh: MeshInfo, ep: MeshDim) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | str:
     """(the rows the experts read, their offsets, the histogram those come from, the chain), or
-    why the experts cannot be cut over ``ep`` (``sharded``: parameters held as DTensors)."""
+    why the experts cannot be cut over ``ep``."""
     grouped, cp = site.up + site.down, mesh.dims["cp"]
     chunks = math.lcm(ep.size, cp.size * cp.chunks_per_rank)
     if site.num_experts % chunks:
         zigzag = " (the ring's zigzag layout cuts cp's dims in two chunks a rank)" if cp.zigzag else ""
         return (f"{site.num_experts} experts do not divide into {chunks} equal chunks over "
-                f"{group_text(mesh, expert_plan_dims(mesh, ep))}{zigzag}")
+                f"{group_text(mesh, ep)}{zigzag}")
     rows = _single({grouped_operands(g)[0] for g in site.up}, "up projections' rows")
     offsets = _single({grouped_operands(g)[2] for g in grouped}, "grouped matmuls' offsets")
     histogram = _single({n for n in site.region if op_kind(n) in ("histc", "bincount")}, "histograms")
@@ -80,11 +78,6 @@ def expert_chain(site: MoESite, mesh: MeshInfo, ep: MeshDim, sharded: bool
         return f"its offsets {offsets.name} are not the running sum of its histogram {histogram.name}"
     if any(arguments(g).get("bias") is not None for g in grouped):
         return "its grouped matmuls add a bias"
-    if sharded and ep.name == "cp" and 1 not in (mesh.size("ring"), mesh.size("ulysses")) and \
-            mesh.order.index("ring") > mesh.order.index("ulysses"):
-        return (f"parallelize nests experts cut over cp alone (beside dp_shard={mesh.size('dp_shard')}, with "
-                f"dp_replicate or a local batch) in the mesh's order, but the mesh {mesh.described()} puts ulysses "
-                f"before ring and cp's ranks are ring-major")
     if any(is_symbolic(n) for n in tensor_val(rows).shape):
         return "its token count is symbolic (dynamic shapes)"
     chain, biases = _chain(site), {bias.rows for bias in site.biases.values()}
@@ -104,25 +97,30 @@ def _rows_times(value, times: int):
     return value.new_empty(times * value.shape[0], *value.shape[1:])
 
 
-def group_text(mesh: MeshInfo, plan_dims: tuple[str, ...]) -> str:
-    """``dp_shard=2 x cp=2``: what an expert group cut over ``plan_dims`` spans, as reports name
-    it (its dp is all dp_shard: ``params.expert_group``)."""
-    names = {"dp": "dp_shard", "cp": "cp"}
-    return " x ".join(f"{names[d]}={mesh.size(d)}" for d in plan_dims if mesh.size(d) > 1)
+def group_text(mesh: MeshInfo, ep: MeshDim) -> str:
+    """``dp_shard=2 x cp=2``: what an expert group (``params.expert_group``) spans, as reports name it."""
+    spanned = mesh.spanned(ep.name)
+    return " x ".join(f"{name}={mesh.size(name)}" for name, parts in (("dp_shard", ("dp_shard",)),
+                                                                      ("cp", ("ring", "ulysses")))
+                      if any(p in spanned for p in parts))
+
+
+def plan_dims_cut(mesh: MeshInfo, ep: MeshDim, batch: str) -> tuple[str, ...]:
+    """The plan dims the experts are cut over, as the plan sees them: cp, and dp where the group
+    spans dp_shard and the plan cuts the batch over dp (a global batch; beside dp_replicate the
+    plan's dp spans the replicas too, each holding every expert, so the experts' gradients are
+    summed over dp_replicate apart: ``localize.reduce_expert_gradients_over_dp``). A local batch
+    is each rank's own, not cut by the plan: its rows still go to the group's ranks over dp_shard."""
+    return ("dp", "cp") if "dp_shard" in mesh.spanned(ep.name) and batch == "global" else ("cp",)
 
 
 def experts_to_ranks(gm: fx.GraphModule, site: MoESite, ctx: ParallelContext, ep: MeshDim) -> None:
     """Cut ``site``'s experts over ``ep`` (``params.expert_group``) and send its rows to them and
     back; where it cannot, the experts stay whole on every rank of it, with a warning that says why."""
-    found = expert_chain(site, ctx.mesh, ep, ctx.feeding.sharded)
+    found = expert_chain(site, ctx.mesh, ep)
     if isinstance(found, str):
-        ctx.warn(f"{site.name}: ep='cp': the experts stay whole on every rank of "
-                 f"{group_text(ctx.mesh, expert_plan_dims(ctx.mesh, ep))}: {found}")
+        ctx.warn(f"{site.name}: ep='cp': the experts stay whole on every rank of {group_text(ctx.mesh, ep)}: {found}")
         return
-    if ctx.mesh.size("dp_shard") > 1 and ep.name == "cp":
-        ctx.warn(f"{site.name}: ep='cp' on the mesh {ctx.mesh.described()} with batch={ctx.config.batch!r}: the "
-                 f"experts are cut over cp only (parallelized, FSDP-sharded over dp_shard); they are cut over "
-                 f"dp_shard too only with a global batch and no dp_replicate")
     rows, offsets, histogram, chain = found
     graph, per_rank, out = gm.graph, site.num_experts // ep.size, site.out_of(site.down[0])
     old_out, old_biases = tensor_val(out), {bias.rows for bias in site.biases.values()}
@@ -151,7 +149,7 @@ def experts_to_ranks(gm: fx.GraphModule, site: MoESite, ctx: ParallelContext, ep
     site.counts = (site.counts - {offsets}) | {received, offs}
     site.expert_order = site.expert_order - {offsets, *old_biases}
     site.at_experts, site.ep_size, site.ep_over = frozenset([sent, *biases, *chain]), ep.size, \
-        expert_plan_dims(ctx.mesh, ep)
+        plan_dims_cut(ctx.mesh, ep, ctx.config.batch)
     held = [weight_param(grouped)[0] for grouped in site.up + site.down] + [b.table for b in site.biases.values()]
     for tensor in held:
         ctx.expert_placements[tensor.name] = {d: Shard(0) for d in site.ep_over}

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from ..mesh import SPANS, MeshDim
 from ..ops import collectives as C
-from ..params import HeldLayout, fed_placements, held_layouts, held_tensor
+from ..params import HeldLayout, expert_group, fed_placements, held_layouts, held_tensor
 from ..placements import (Partial, Placement, Replicate, Shard, interleaved_parts, is_padded, local_shape,
                           local_shape_on, shard_dim)
 from ..symbolic import hint, is_symbolic, materialize_sizes
@@ -136,8 +136,7 @@ def gather_fsdp_param(gm: fx.GraphModule, ctx: ParallelContext, node: fx.Node, l
 
     Every consumer's gradient is a partial sum over cp and dp (``_edge``): the gather's
     reduce-scatter sums the parts of cp and dp that fsdp spans, and an all-reduce of this
-    rank's piece, before it, the rest (HSDP's all-reduce over dp_replicate). An expert weight
-    cut over cp (ep) has its own experts' whole gradient there: it is reduced over dp only.
+    rank's piece, before it, the rest (HSDP's all-reduce over dp_replicate).
     Under ``batch="local"`` the reduce-scatter also divides by the dp size (DDP's average).
     """
     graph, mesh, val, grad = gm.graph, ctx.mesh, tensor_val(node), node.meta["requires_grad"]
@@ -146,7 +145,7 @@ def gather_fsdp_param(gm: fx.GraphModule, ctx: ParallelContext, node: fx.Node, l
     held = numel * val.element_size()
     x = node
     with graph.inserting_before(first), at_node("localize", node):
-        for plan_dim in (d for d in ("cp", "dp") if not layout.own_gradient_on(d, mesh)):
+        for plan_dim in ("cp", "dp"):
             rest = _summing_dims(plan_dim, layout.fsdp, mesh)
             if rest is not None and mesh.size(plan_dim) > 1 and grad:
                 x = _plain(graph, C.grad_all_reduce, (x, rest))
@@ -213,7 +212,7 @@ def record_runtime_gather(node: fx.Node, ctx: ParallelContext, layout: HeldLayou
     ``layout``: how a parameter is held."""
     if node.name in ctx.params:
         tp = {"tp": ctx.param_placements.get(node.name)}
-        fed = {} if ctx.feeding.sharded else fed_placements(tp, layout, ctx.mesh)
+        fed = {} if ctx.feeding.sharded else fed_placements(tp, layout)
         sharded = {d: p for d, p in fed.items() if shard_dim(p) is not None}
         site = "parameter gradient"
     else:
@@ -274,7 +273,7 @@ def bucket_input_grad_reductions(gm: fx.GraphModule, ctx: ParallelContext) -> No
     as its last gradient exists, while backward still computes the earlier layers. Each
     bucket op sits just before the first use of its inputs, so that autograd, which runs the
     latest-created ready node first, runs its backward as soon as it is ready. Buckets are
-    per mesh dim, dtype and reduction (sum, or the mean over dp); an input partial on two mesh
+    per mesh dim, dtype and divisor (1, or dp's size for its mean); an input partial on two mesh
     dims is reduced in a bucket of each.
     """
     graph = gm.graph
@@ -284,17 +283,17 @@ def bucket_input_grad_reductions(gm: fx.GraphModule, ctx: ParallelContext) -> No
     groups: dict[tuple, list[fx.Node]] = {}
     for n in graph.nodes:
         given = arguments(n) if n.target is C.grad_all_reduce else None
-        if given and _reduced_input(given["x"]).op == "placeholder":
-            groups.setdefault((given["mesh_dim"], tensor_val(given["x"]).dtype, given["mean"]), []).append(n)
+        if given and communications(n) and _reduced_input(given["x"]).op == "placeholder":  # not a division alone
+            groups.setdefault((given["mesh_dim"], tensor_val(given["x"]).dtype, given["divisor"]), []).append(n)
     limit = int(ctx.config.grad_bucket_mb * 2**20)
-    for (dim, _, mean), nodes in groups.items():
+    for (dim, _, divisor), nodes in groups.items():
         order = {n: i for i, n in enumerate(graph.nodes)}  # with the buckets made so far
         nodes.sort(key=lambda n: -max(order[u] for u in n.users))
         for bucket in _bucket_sizes(nodes, limit):
             first_use = min((u for n in bucket for u in n.users), key=order.__getitem__)
             with graph.inserting_before(first_use):
                 op = graph.call_function(C.grad_all_reduce_bucket, ([arguments(n)["x"] for n in bucket], dim),
-                                         {"mean": True} if mean else {})
+                                         {"divisor": divisor} if divisor != 1 else {})
                 nbytes = sum(communications(n)[0].backward_bytes for n in bucket)
                 set_communications(op, [Communication(
                     None, "all_reduce", dim.name, dim.size, 0, nbytes, f"gradient bucket of {len(bucket)} inputs")])
@@ -356,21 +355,54 @@ def average_gradients_over_dp(gm: fx.GraphModule, ctx: ParallelContext, fsdp: di
     """Under ``batch="local"`` each dp coordinate computes on its own slice of the batch, so each
     parameter's gradient is averaged over dp (DDP's and FSDP2's reduction); ``grad_bucket_mb``
     buckets these as it does any input's gradient reduction. An FSDP-held parameter's gather
-    averages its own (``gather_fsdp_param``)."""
+    averages its own (``gather_fsdp_param``), an expert weight cut over dp_shard is reduced
+    apart (``reduce_expert_gradients_over_dp``)."""
     dp = ctx.mesh.dims["dp"]
     if ctx.config.batch != "local" or dp.size == 1:
         return
     for node in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in ctx.params]:
-        if not node.meta["requires_grad"] or node.name in fsdp:
+        if not node.meta["requires_grad"] or node.name in fsdp or _experts_cut_over_dp_shard(node, ctx):
             continue
         val = tensor_val(node)
         shape = local_shape_on(val.shape, {d: s.out for d, s in shardings(node).items()}, ctx.mesh)
         insert = _Inserter(gm.graph, dp, shape, val.element_size(), "parameter gradient", True)
         users = list(node.users)
         with gm.graph.inserting_after(node):
-            averaged = insert(C.grad_all_reduce, (node, dp), R, R, mean=True)
+            averaged = insert(C.grad_all_reduce, (node, dp), R, R, divisor=dp.size)
         for user in users:
             user.replace_input_with(node, averaged)
+
+
+def _experts_cut_over_dp_shard(node: fx.Node, ctx: ParallelContext) -> bool:
+    """Whether graph input ``node`` is an expert weight whose experts ep cuts over dp_shard."""
+    return node.name in ctx.expert_placements and "dp_shard" in ctx.mesh.spanned(expert_group(ctx.mesh).name)
+
+
+def reduce_expert_gradients_over_dp(gm: fx.GraphModule, ctx: ParallelContext) -> None:
+    """An expert weight cut over dp_shard (and cp) has, on the rank holding each expert, the sum
+    over every row its replica's ranks sent it: each replica (of dp_replicate) holds every expert
+    once. That sum is all-reduced over dp_replicate, as HSDP reduces any parameter's, and under
+    ``batch="local"`` divided by dp's size, as DDP averages the others'
+    (``average_gradients_over_dp``). Over one replica with a global batch, nothing is left to do."""
+    replicas, dp = ctx.mesh.dims["dp_replicate"], ctx.mesh.dims["dp"]
+    divisor = dp.size if ctx.config.batch == "local" else 1
+    if replicas.size == 1 and divisor == 1:
+        return
+    layouts = held_layouts(ctx)
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder" and _experts_cut_over_dp_shard(n, ctx)]:
+        if not node.meta["requires_grad"]:
+            continue
+        val = tensor_val(node)
+        users = list(node.users)
+        with gm.graph.inserting_after(node):
+            if replicas.size == 1:
+                summed = _plain(gm.graph, C.grad_all_reduce, (node, replicas), {"divisor": divisor})
+            else:
+                insert = _Inserter(gm.graph, replicas, layouts[node.name].computed_shape(val.shape),
+                                   val.element_size(), "parameter gradient", True)
+                summed = insert(C.grad_all_reduce, (node, replicas), R, R, divisor=divisor)
+        for user in users:
+            user.replace_input_with(node, summed)
 
 
 def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
@@ -409,7 +441,7 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
                 src, dst = current[dim.name], plans[dim.name].inputs[i]
                 computes_locally = any(p != R for p in _outputs(plans[dim.name].out) if p is not None)
                 partial_grad = dst == R and computes_locally and arg.meta["requires_grad"]
-                summed_at_gather = held_fsdp and dim.name != "tp" and not layout.own_gradient_on(dim.name, ctx.mesh)
+                summed_at_gather = held_fsdp and dim.name != "tp"
                 partial_grad = partial_grad or (summed_at_gather and local_batch and dim.name == "dp")
                 others = {d: p for d, p in current.items() if d != dim.name}
                 insert = _Inserter(graph, dim, local_shape_on(val.shape, others, ctx.mesh), element_size, site,
@@ -451,6 +483,7 @@ def _finish(gm: fx.GraphModule, ctx: ParallelContext, fsdp: dict[str, HeldLayout
         materialize_sizes(gm, {v.node.expr: n for n in graph.nodes if n.op == "placeholder"
                                for v in [n.meta.get("val")] if is_symbolic(v)})
     average_gradients_over_dp(gm, ctx, fsdp)
+    reduce_expert_gradients_over_dp(gm, ctx)
     bucket_fsdp_gathers(gm, ctx)
     bucket_input_grad_reductions(gm, ctx)
     for node in graph.nodes:  # the global values: the local graph's differ

@@ -209,9 +209,9 @@ def token_local_sharding(node: fx.Node, site: MoESite, ins, cur, env: RuleEnv) -
     What leaves it (the output, the router's logits) is in token order.
 
     With expert parallelism what holds rows at their experts (``site.at_experts``) is cut over the
-    plan dims its experts are (``site.ep_over``: cp, and dp where they span dp_shard) as one
-    rank's rows of all its group's (``Shard(0)``), reading the experts cut so too; over dp
-    otherwise it is placed as its rows, ``ep`` times a token's share each (``passes.experts``)."""
+    plan dims its experts are (``site.ep_over``: cp, and dp where they span dp_shard of a global
+    batch) as one rank's rows of all its group's (``Shard(0)``), reading the experts cut so too;
+    over dp otherwise it is placed as its rows, ``ep`` times a token's share each (``passes.experts``)."""
     p = env.out_of(site.token_order)
     tokens = tensor_val(site.tokens).shape[0]
     at_experts = node in site.at_experts

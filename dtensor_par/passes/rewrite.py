@@ -418,7 +418,7 @@ def written_out_to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx
 
 
 def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    tp, ep = ctx.mesh.size("tp"), expert_group(ctx.mesh, ctx.config.batch)
+    tp, ep = ctx.mesh.size("tp"), expert_group(ctx.mesh)
     for site in ctx.sites:
         for linear in site.rowwise:
             with at_node("rewrite", linear):
