@@ -80,7 +80,8 @@ def _world2_launch() -> list[dict]:
     return run_ranks_together(2, {
         "side effects": (side_effects_once, {}),
         "decorated ring": (decorated_generate, {"ring": 2}),
-        "written out ring": (decorated_gpt_oss_generate, {"ring": 2}),
+        "written out ring": (decorated_written_out_generate, {"name": "gpt_oss", "ring": 2}),
+        "alibi ring": (decorated_written_out_generate, {"name": "bloom", "ring": 2}),
         "decode plans": (decode_plans, {}),
         "cp decode": (cp_decode, {"runs": [({"ring": 2}, "mistral"), ({"ulysses": 2}, "llama")]}),
         "entry points": (generate_entry_points, {}),
@@ -136,19 +137,18 @@ def decorated_generate(rank: int, world: int, batch: int = 1, **sizes) -> dict:
             "logits": (logits - expected_logits).abs().max().item()}
 
 
-def decorated_gpt_oss_generate(rank: int, world: int, **sizes) -> dict:
-    """``parallel(**sizes)(GptOssForCausalLM)``: attention written out by hand, with sink logits,
-    on a sliding window and not; a cp prefill, then each decode step's query against the cache
-    rows each rank holds (``cached_attention`` with the score function and the sinks). Greedy
-    tokens and every step's logits against one device."""
-    from transformers import GptOssForCausalLM
-
+def decorated_written_out_generate(rank: int, world: int, name: str, **sizes) -> dict:
+    """``parallel(**sizes)`` on the class of ``real_models``' ``name``, whose attention is written
+    out by hand: GPT-OSS's with sink logits, on a sliding window and not; Bloom's with ALiBi. A cp
+    prefill, then each decode step's query against the cache rows each rank holds
+    (``cached_attention`` with the score function, the sinks, the bias evaluated at the held
+    rows' positions). Greedy tokens and every step's logits against one device."""
     from tests import real_models
 
     torch.manual_seed(0)
-    reference, _, _ = real_models.gpt_oss()
+    reference, _, _ = real_models.FACTORIES[name]()
     reference.eval()
-    model = dtensor_par.parallel(**sizes, inner_backend="eager")(GptOssForCausalLM)(reference.config).eval()
+    model = dtensor_par.parallel(**sizes, inner_backend="eager")(type(reference))(reference.config).eval()
     model.load_state_dict(reference.state_dict())
     ids, scored = torch.randint(0, 128, (1, 8)), {**GREEDY, "output_scores": True, "return_dict_in_generate": True}
     got, expected = model.generate(ids, **scored), reference.generate(ids, **scored)
@@ -164,13 +164,13 @@ def _check_decorated_generate(result: dict) -> None:
 
 
 def test_decorated_transformers_llama_generates_one_devices_tokens():
-    """Under ring=2 here; under tp (beside ulysses) at world 4. GPT-OSS's attention written out by
-    hand (sink logits, a sliding window) decodes under ring=2 too."""
+    """Under ring=2 here; under tp (beside ulysses) at world 4. Attention written out by hand
+    decodes under ring=2 too: GPT-OSS's (sink logits, a sliding window) and Bloom's (ALiBi)."""
     for result in WORLD2.result():
         _check_decorated_generate(result["decorated ring"])
-        written = result["written out ring"]
-        assert written["tokens"] == written["expected"] and written["steps"] == 16, written
-        assert written["logits"] <= FORWARD_ATOL, written
+        for written in (result["written out ring"], result["alibi ring"]):
+            assert written["tokens"] == written["expected"] and written["steps"] == 16, written
+            assert written["logits"] <= FORWARD_ATOL, written
 
 
 def _decoder(family: str):

@@ -7,8 +7,9 @@ attends them to the cache rows it holds and to the step's new rows (the same on 
 and the partial results merge by their log-sum-exp after one all-gather across cp. Masks
 (causal, sliding window, key padding: any ``attn_mask`` over the global key positions) hold
 for the cached rows: each rank takes the mask columns of the positions it holds. Attention
-written out by hand brings its score function, applied to every row's scores, and its sink
-logits, one more log-sum-exp in the merge whose output is zero.
+written out by hand brings its score function, applied to every row's scores, its sink
+logits, one more log-sum-exp in the merge whose output is zero, and its bias built from
+positions (ALiBi, T5's buckets), evaluated at the queries' and the held keys' positions.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..mesh import MeshDim
 from .collectives import all_gather
 from .lowerings import FUNCTIONAL
 from .ring_kernels import as_4d, as_additive, block_forward
+from .position_bias import PositionBias, TableBias
 from .score_mod import ScoreMod
 
 
@@ -45,43 +47,54 @@ def _columns(mask: torch.Tensor | None, keys: torch.Tensor, q_len: int, is_causa
 @torch.library.custom_op("dtensor_par::held_attention", mutates_args=())
 def held_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    mask: torch.Tensor | None, is_causal: bool, scale: float | None, groups: int,
-                   score_codes: list[int], score_constants: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+                   score_codes: list[int], score_constants: list[float], bias: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` to the cache rows this rank holds: the output and per-row log-sum-exp
     (``-inf`` for a row that sees none of them), the score function given by its codes
-    (``ScoreMod.codes``; none without). An op of its own: the number of rows a rank holds
-    differs between ranks and steps, and no compiled graph depends on it."""
+    (``ScoreMod.codes``; none without), ``bias`` added to the scores (a position bias at the
+    held rows). An op of its own: the number of rows a rank holds differs between ranks and
+    steps, and no compiled graph depends on it."""
     if k.shape[-2] == 0:
         return torch.zeros_like(q), q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
     score_mod = ScoreMod.from_codes(score_codes, score_constants) if score_codes else None
-    out, lse = block_forward(q, k, v, _columns(mask, positions, q.shape[-2], is_causal, q.dtype),
-                             is_causal=False, scale=scale, groups=groups, score_mod=score_mod)
+    cols = _columns(mask, positions, q.shape[-2], is_causal, q.dtype)
+    cols = cols if bias is None else bias if cols is None else cols + bias
+    out, lse = block_forward(q, k, v, cols, is_causal=False, scale=scale, groups=groups, score_mod=score_mod)
     return out, lse.float()
 
 
 @held_attention.register_fake
-def _(q, k, v, positions, mask, is_causal, scale, groups, score_codes, score_constants):
+def _(q, k, v, positions, mask, is_causal, scale, groups, score_codes, score_constants, bias):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_held: torch.Tensor, v_held: torch.Tensor,
                      positions: torch.Tensor, *, past: int, attn_mask: torch.Tensor | None = None,
                      is_causal: bool = False, scale: float | None = None, score_mod: ScoreMod | None = None,
-                     sinks: torch.Tensor | None = None, cp: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, position_bias: PositionBias | None = None,
+                     bias_table: torch.Tensor | None = None, cp: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
     """``scaled_dot_product_attention(q, cat([cache, k]), cat([cache, v]), attn_mask)`` when
     the cache (``past`` rows) is cut over ``cp``: ``k_held``/``v_held`` are this rank's rows
     of it, at global ``positions``; ``k``/``v`` the new rows, at positions ``past, past + 1, ...``.
     Fewer kv heads than query heads serve a group of query heads each (SDPA's ``enable_gqa``).
-    ``score_mod`` and ``sinks`` (a logit per query head): attention written out by hand's
-    (``ops.score_mod``, ``ring_kernels.add_sinks``)."""
+    ``score_mod``, ``sinks`` (a logit per query head) and ``position_bias`` with the table it
+    reads (this rank's heads): attention written out by hand's (``ops.score_mod``,
+    ``ring_kernels.add_sinks``, ``ops.position_bias``)."""
     groups = q.shape[1] // k.shape[1]
     codes = score_mod.codes() if score_mod is not None else ([], [])
-    out, lse = held_attention(q, k_held, v_held, positions, attn_mask, is_causal, scale, groups, *codes)
+    q_len = q.shape[-2]
+    queries = torch.arange(q_len, device=q.device) + past
+    bias = None if position_bias is None else TableBias(position_bias, bias_table)
+    held_bias = None if bias is None else bias.tile(queries, positions).to(q.dtype)
+    out, lse = held_attention(q, k_held, v_held, positions, attn_mask, is_causal, scale, groups, *codes, held_bias)
     outs = all_gather(out.unsqueeze(0), 0, None, cp, comm=comm)
     lses = all_gather(lse.unsqueeze(0), 0, None, cp, comm=comm)
-    q_len = q.shape[-2]
-    new_keys = torch.arange(q_len, device=q.device) + past
-    new_out, new_lse = block_forward(q, k, v, _columns(attn_mask, new_keys, q_len, is_causal, q.dtype),
-                                     is_causal=False, scale=scale, groups=groups, score_mod=score_mod)
+    new_cols = _columns(attn_mask, queries, q_len, is_causal, q.dtype)  # the new rows sit at the queries' positions
+    if bias is not None:
+        tile = bias.tile(queries, queries).to(q.dtype)
+        new_cols = tile if new_cols is None else new_cols + tile
+    new_out, new_lse = block_forward(q, k, v, new_cols, is_causal=False, scale=scale, groups=groups,
+                                     score_mod=score_mod)
     lses = torch.cat([lses, new_lse.float().unsqueeze(0)])
     outs = torch.cat([outs, new_out.unsqueeze(0)]).float()
     if sinks is not None:  # a key every query sees, whose value is zero

@@ -10,8 +10,8 @@ plan starts from those placements. Three rewrites follow from that:
 - a static cache's fresh buffer is made cut as the rows written into it (``cache_buffer``);
 - attention to ``cat([cache, new])`` of a cache cut over cp becomes ``cached_attention``,
   and the graph returns the new rows, which the runtime appends to the shards; attention
-  written out by hand too, with its score function and sink logits (``passes.scores``; a bias
-  built from positions is not cut so: that attention stays as written);
+  written out by hand too, with its score function, sink logits and bias built from positions
+  (``passes.scores``);
 - a window's slice of the cache is left to the runtime (``CacheOutput.keep_last``).
 """
 
@@ -34,7 +34,7 @@ from .detect import AttentionSite
 from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.indexing import cat_dim, per_dim
 from .rules.registry import kinds_in, op_kind
-from .scores import WrittenAttention, as_sdpa_arguments, sinks_per_head, written_attention
+from .scores import WrittenAttention, as_sdpa_arguments, bias_kwargs, sinks_per_head, written_attention
 
 _ALIASES = kinds_in("views") | {"cast", "getitem"}
 """Ops between a cache tensor and the attention that reads it."""
@@ -196,12 +196,12 @@ def _positions_input(gm: fx.GraphModule, held: fx.Node, seq: int) -> fx.Node:
 
 def _keys_read(site: AttentionSite) -> tuple[fx.Node, fx.Node, WrittenAttention | None] | None:
     """The keys (not transposed) and values the site's attention reads, and, written out by hand,
-    the rest of what it reads; None where cached attention cannot take it (a bias built from
-    positions, or keys read only transposed)."""
+    the rest of what it reads; None where cached attention cannot take it (keys read only
+    transposed)."""
     if not site.written_out:
         return arguments(site.core)["key"], arguments(site.core)["value"], None
     found = written_attention(site)
-    if isinstance(found, str) or found.bias is not None or found.key is None:
+    if isinstance(found, str) or found.key is None:
         return None
     return found.key, found.value, found
 
@@ -217,7 +217,8 @@ def to_cached_attention(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelCo
         return {}
     found = read[2]
     sdpa = arguments(site.core) if found is None else as_sdpa_arguments(gm, site, found)
-    written_out = {} if found is None else {"score_mod": found.score_mod, **sinks_per_head(gm, site, found.sinks)}
+    written_out = {} if found is None else {"score_mod": found.score_mod, **sinks_per_head(gm, site, found.sinks),
+                                            **bias_kwargs(gm, site, found.bias, sdpa["query"])}
     if sdpa["dropout_p"]:
         raise NotSupported(f"kv_cache: attention {site.core.name!r} with dropout against a kv cache cut over "
                                   f"mesh dims 'ring' x 'ulysses'")

@@ -44,7 +44,7 @@ from .meta import Communication, set_communications, set_site_role, site_role
 from .nodes import arguments, tensor_val
 from .rules.registry import op_kind
 from .biases import FoundBias, constant_ancestors, evaluate_constant, position_bias
-from .scores import as_sdpa_arguments, hiding_fill, sinks_per_head, written_attention
+from .scores import as_sdpa_arguments, bias_kwargs, hiding_fill, sinks_per_head, written_attention
 
 
 def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:
@@ -126,7 +126,7 @@ def _sequence_lengths(site: AttentionSite, q, k, mesh, ctx: ParallelContext) -> 
     if min(q_len, kv_len) < cp:
         decode = ("; a decode step (queries against a longer kv cache) runs over cp against the cache rows a "
                   "prefill under cp left on each rank (ops.cache_attention), for SDPA and for attention written "
-                  "out by hand without a bias built from positions") if q_len < kv_len else ""
+                  "out by hand") if q_len < kv_len else ""
         raise InvalidPlan(
             f"rewrite: attention {site.core.name!r} has sequence length {q_len} (keys {kv_len}), "
             f"shorter than mesh dims 'ring' x 'ulysses' = {mesh.size('ring')} x {mesh.size('ulysses')} = {cp}: "
@@ -339,22 +339,6 @@ def _split_position_bias(attention: dict) -> FoundBias | None:
     return None
 
 
-def _bias_kwargs(gm: fx.GraphModule, site: AttentionSite, bias: FoundBias | None, query: fx.Node) -> dict:
-    """Hybrid attention's ``position_bias`` and ``bias_table``: a constant table (ALiBi's
-    slopes) made in the graph, before the attention."""
-    if bias is None:
-        return {}
-    table = bias.table
-    if not isinstance(table, fx.Node):
-        with gm.graph.inserting_before(site.core):
-            node = gm.graph.call_function(torch.tensor, (table.tolist(),),
-                                          {"dtype": table.dtype, "device": tensor_val(query).device})
-        table = with_val(node, tensor_val(query).new_empty(table.shape, dtype=table.dtype))
-    logger.info("%s (%s): its scores' bias is %s, evaluated per ring block from positions", site.name, site.core.name,
-                bias.form.kind)
-    return {"position_bias": bias.form, "bias_table": table}
-
-
 def _refold(gm: fx.GraphModule, hybrid: fx.Node, core: fx.Node, query: fx.Node) -> fx.Node:
     """The attention's output as its users read it: ``[batch * heads, seq, dim]`` where the heads
     were folded into the batch (Bloom)."""
@@ -393,7 +377,7 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, attention: dict
     kwargs = {"attn_mask": attention["attn_mask"], "is_causal": attention["is_causal"], "scale": attention["scale"],
               "enable_gqa": attention["enable_gqa"], "ulysses": mesh.dims["ulysses"], "ring": mesh.dims["ring"],
               "ulysses_impl": ctx.config.ulysses_impl, **positional,
-              **({"score_mod": score_mod} if score_mod is not None else {}), **_bias_kwargs(gm, site, bias, q),
+              **({"score_mod": score_mod} if score_mod is not None else {}), **bias_kwargs(gm, site, bias, q),
               **sinks_per_head(gm, site, sinks),
               **_sequence_lengths(site, tensor_val(q), tensor_val(k), mesh, ctx)}
     with gm.graph.inserting_before(core):

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..logs import logger
 from ..ops.score_mod import ScoreMod
 from ..symbolic import guards_at
 from .biases import FoundBias, position_bias
@@ -275,6 +276,22 @@ def as_sdpa_arguments(gm: fx.GraphModule, site: AttentionSite, found: WrittenAtt
             mask = with_val(gm.graph.call_function(torch.logical_not, (mask,)), ~tensor_val(mask))
     return {"query": found.query, "key": key, "value": found.value, "attn_mask": mask, "dropout_p": 0.0,
             "is_causal": False, "scale": 1.0, "enable_gqa": False}
+
+
+def bias_kwargs(gm: fx.GraphModule, site: AttentionSite, bias: FoundBias | None, query: fx.Node) -> dict:
+    """``{"position_bias": ..., "bias_table": ...}`` for hybrid or cached attention, which
+    evaluate the bias from positions; a constant table (ALiBi's slopes) made in the graph,
+    before the site's core. ``{}`` without a bias."""
+    if bias is None:
+        return {}
+    table = bias.table
+    if not isinstance(table, fx.Node):
+        with gm.graph.inserting_before(site.core):
+            node = gm.graph.call_function(torch.tensor, (table.tolist(),),
+                                          {"dtype": table.dtype, "device": tensor_val(query).device})
+        table = with_val(node, tensor_val(query).new_empty(table.shape, dtype=table.dtype))
+    logger.info("%s (%s): its scores' bias is %s, evaluated from positions", site.name, site.core.name, bias.form.kind)
+    return {"position_bias": bias.form, "bias_table": table}
 
 
 def sinks_per_head(gm: fx.GraphModule, site: AttentionSite, sinks: fx.Node | None) -> dict:
