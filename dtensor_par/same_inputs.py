@@ -50,8 +50,13 @@ def check_same_inputs(entry: str, inputs: dict[str, object], peers: list[list[in
     signatures = _every_rank(torch.tensor([[len(inputs), hash(tuple(shapes))]], device=device))
     odd = [r for r, signature in enumerate(signatures) if not torch.equal(signature, signatures[0])]
     if odd:  # a different number of inputs, or shapes: nothing more can be exchanged safely
+        counts = {int(signature[0, 0]) for signature in signatures}
+        symbolic = ("; some ranks' graphs take more inputs: a symbolic size is one, and Dynamo makes a size "
+                    "symbolic where this process saw another one before (automatic dynamic shapes), so ranks that "
+                    "saw other sizes trace other graphs: compile with dynamic=True or dynamic=False on every rank"
+                    ) if len(counts) > 1 else ""
         raise ValueError(f"{entry}: ranks {odd} were given inputs of other shapes than rank 0 (this rank "
-                         f"{dist.get_rank()}: {dict(zip(inputs, map(list, shapes)))}). {hint}")
+                         f"{dist.get_rank()}: {dict(zip(inputs, map(list, shapes)))}){symbolic}. {hint}")
     if not inputs:
         return
     every = _every_rank(torch.stack([fingerprint(v).to(device) for v in inputs.values()]))

@@ -45,7 +45,8 @@ def _local_batch(rank: int, world: int, *, mesh_sizes: dict, model: str) -> dict
 def _mismatch_errors(rank: int, world: int, *, mesh_sizes: dict) -> dict:
     """What each rank is told when ranks are given different inputs: under batch="global" any
     difference, under batch="local" a difference between ranks of one dp coordinate, or
-    inputs of different shapes on different dp ranks; nothing with check_inputs=False."""
+    inputs of different shapes on different dp ranks, or the same inputs traced with a symbolic
+    size on one rank only (it saw another size first); nothing with check_inputs=False."""
     mesh = dtensor_par.init_mesh(**mesh_sizes)
     dp = MeshInfo.from_mesh(mesh).dims["dp"]
     torch.manual_seed(0)
@@ -56,11 +57,14 @@ def _mismatch_errors(rank: int, world: int, *, mesh_sizes: dict) -> dict:
     runs = {"global": ({}, nudged if rank == world - 1 else x),
             "global_unchecked": ({"check_inputs": False}, nudged if rank == world - 1 else x),
             "local_same_coordinate": ({"batch": "local"}, nudged if rank == world - 1 else x),
-            "local_other_sizes": ({"batch": "local"}, x[:1] if dp.rank == 1 else x)}
+            "local_other_sizes": ({"batch": "local"}, x[:1] if dp.rank == 1 else x),
+            "symbolic_on_one_rank": ({"batch": "local"}, x)}
     told = {}
     for label, (options, given) in runs.items():
         torch._dynamo.reset()
         backend = dtensor_par.hybrid_parallel(mesh, inner_backend="eager", **options)  # the inputs are checked
+        if label == "symbolic_on_one_rank" and rank == world - 1:  # it saw another size: its batch is symbolic
+            torch.compile(block, backend="eager")(x[:1])
         try:
             torch.compile(block, backend=backend)(given)
             told[label] = None
@@ -162,6 +166,7 @@ def test_ranks_given_different_inputs_are_told_which(launched, world, label):
             assert f"ranks [{last}] hold other values than rank {last - 1}" in told["local_same_coordinate"]
         assert "were given inputs of other shapes than rank 0" in told["local_other_sizes"]
         assert "'l_x_': [1, 8, 32]" in told["local_other_sizes"] or "'l_x_': [2, 8, 32]" in told["local_other_sizes"]
+        assert "some ranks' graphs take more inputs: a symbolic size is one" in told["symbolic_on_one_rank"], told
 
 
 def _reported(report) -> dict:
