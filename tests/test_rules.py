@@ -163,6 +163,10 @@ OPS = {
     "scatter_value": (lambda x, i: x.scatter(1, i, 1.0), [_t(4, 6), torch.randint(0, 6, (4, 2))]),
     "scatter_src": (lambda x, i, s: x.scatter(1, i, s), [_t(4, 6), torch.randint(0, 6, (4, 2)), _t(4, 2)]),
     "gather": (lambda x, i: x.gather(1, i), [_t(4, 6), torch.randint(0, 6, (4, 2))]),
+    # Apertus' xIELU activation (expm1, softplus), and other ops that act element by element.
+    "expm1": (lambda x: torch.expm1(x), [_t(2, 4, 6)]),
+    "softplus": (lambda x: F.softplus(x), [_t(2, 4, 6)]),
+    "clamp_min_method": (lambda x: x.clamp_min(0.5), [_t(2, 4, 6)]),
     "type_cast": (lambda x: x.type(torch.float64), [_t(2, 4)]),
     "bool_cast": (lambda x: x.bool(), [_t(2, 4)]),
 }

@@ -19,12 +19,10 @@ from ..nodes import arguments, tensor_inputs, tensor_val
 from .core import R, moved, replicate_all, resolve_partial
 from .registry import op_kind, register
 
-ACTIVATIONS = {F.gelu, F.silu, F.relu, F.tanh, F.sigmoid, torch._C._nn.gelu, torch._C._nn.silu,
-               torch.relu, torch.tanh, torch.sigmoid, "relu", "tanh", "sigmoid"}
-
-
 def is_activation(node: fx.Node) -> bool:
-    return (node.op in ("call_function", "call_method") and node.target in ACTIVATIONS) or elementwise_function(node)
+    """Whether ``node`` is a nonlinear elementwise op (GeLU, SiLU, ``tanh``, ``expm1``, a
+    ``where`` picking between branches: Apertus' xIELU), as an MLP has between its projections."""
+    return op_kind(node) in ("unary", "where") or elementwise_function(node)
 
 
 _ELEMENTWISE = {"add", "sub", "mul", "div", "neg", "unary", "where", "logical", "cast"}
@@ -144,12 +142,13 @@ _SPELLINGS = {  # kind: (functions, Tensor methods)
     "mul": ([operator.mul, operator.imul, torch.mul], ["mul", "__mul__", "__rmul__"]),
     "div": ([operator.truediv, operator.itruediv, torch.div], ["div", "__truediv__"]),
     "neg": ([operator.neg, torch.neg], ["neg"]),
-    "unary": ([torch.exp, torch.tanh, torch.sigmoid, torch.rsqrt, torch.sqrt, torch.sin, torch.cos, torch.erf,
-               torch.abs, torch.relu, torch.clamp, torch.pow, operator.pow, torch.square, F.gelu, F.silu, F.relu,
-               F.tanh, F.sigmoid, torch._C._nn.gelu, torch._C._nn.silu, torch.zeros_like,
-               torch.ones_like, torch.full_like, torch.empty_like],
-              ["exp", "tanh", "sigmoid", "rsqrt", "sqrt", "sin", "cos", "pow", "abs", "relu", "clamp", "square",
-               "erf"]),
+    "unary": ([torch.exp, torch.expm1, torch.log, torch.log1p, torch.tanh, torch.sigmoid, torch.rsqrt, torch.sqrt,
+               torch.reciprocal, torch.sin, torch.cos, torch.erf, torch.abs, torch.sign, torch.relu, torch.clamp,
+               torch.clamp_min, torch.clamp_max, torch.pow, operator.pow, torch.square, F.gelu, F.silu, F.relu,
+               F.tanh, F.sigmoid, F.softplus, F.elu, F.leaky_relu, F.mish, torch._C._nn.gelu, torch._C._nn.silu,
+               torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like],
+              ["exp", "expm1", "log", "log1p", "tanh", "sigmoid", "rsqrt", "sqrt", "reciprocal", "sin", "cos", "pow",
+               "abs", "sign", "relu", "clamp", "clamp_min", "clamp_max", "square", "erf"]),
     "where": ([torch.where, torch.masked_fill], ["masked_fill"]),
     "logical": ([operator.and_, operator.or_, operator.xor, operator.invert, operator.lt, operator.le, operator.gt,
                  operator.ge, operator.eq, operator.ne, torch.logical_and, torch.logical_or, torch.logical_not],
