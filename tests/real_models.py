@@ -159,6 +159,23 @@ def bloom():
     return BloomForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def mpt():
+    """ALiBi counted from the last key (``slope * (k - S + 1)``, a ``[heads, 1, S]`` bias) and
+    a causal ``masked_fill``, written out by hand; a fused qkv cut into thirds by ``chunk``."""
+    from transformers import MptConfig, MptForCausalLM
+    config = MptConfig(vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=8)
+    return MptForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
+def apertus():
+    """An MLP with no gate whose activation is xIELU: a ``where`` between a square and an
+    ``expm1`` branch, its two parameters through ``softplus``."""
+    from transformers import ApertusConfig, ApertusForCausalLM
+    config = ApertusConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                           num_attention_heads=8, num_key_value_heads=4)
+    return ApertusForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 def t5():
     """T5 (encoder and decoder): a learned relative position bias (an embedding of buckets of
     ``k - q``, both ways in the encoder, causal in the decoder, where it is kept by the causal
@@ -285,4 +302,4 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
              "mixtral_batched_mm": mixtral_batched_mm, "mixtral_eager": mixtral_eager,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
-             "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss}
+             "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus}

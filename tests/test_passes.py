@@ -17,6 +17,7 @@ from dtensor_par.passes.batch import batch_pass
 from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.pipeline import PASSES, parallelize_graph
 from dtensor_par.mesh import MeshInfo
+from dtensor_par.ops.position_bias import PositionBias
 from dtensor_par.passes.canonicalize import canonicalize_pass
 from dtensor_par.passes.capture import capture_pass
 from dtensor_par.passes.detect import AttentionSite, MLPSite, detect_pass
@@ -526,44 +527,48 @@ def test_written_out_attention_on_cp_is_hybrid_attention_with_its_score_function
 
 
 class AlibiAttention(nn.Module):
-    """Attention written out with a per-head ALiBi bias ``slope * (k - q)`` built from positions,
-    computed as ``slope * distance`` (``exact``) or as ``slope * k - slope * q``, which rounds
-    otherwise: not ALiBi as ``PositionBias`` computes it, so a mask kept whole."""
+    """Attention written out with a per-head ALiBi bias built from positions: ``slope * (k - q)``
+    computed as ``slope * distance`` ("relative"), or as ``slope * k - slope * q``, which rounds
+    otherwise ("rounded": not ALiBi as ``PositionBias`` computes it, so a mask kept whole), or
+    MPT's ``slope * (k - S + 1)`` ("from_last": ALiBi plus a constant a softmax does not see)."""
 
-    def __init__(self, exact: bool):
+    def __init__(self, form: str):
         super().__init__()
         self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
-        self.exact = exact
+        self.form = form
 
     def forward(self, x):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
         slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]).view(4, 1, 1) * 1.37
         position = torch.arange(s)
-        if self.exact:
+        if self.form == "relative":
             bias = slopes * (position[None, :] - position[:, None])
-        else:
+        elif self.form == "rounded":
             bias = slopes * position[None, :] - slopes * position[:, None]
+        else:
+            bias = slopes * torch.arange(1 - s, 1).view(1, 1, s)
         probs = (q @ k.transpose(-2, -1) / 8 ** 0.5 + bias).softmax(-1)
         return self.o((probs @ v).transpose(1, 2).reshape(b, s, 32))
 
 
-@pytest.mark.parametrize("exact", [True, False])
-def test_alibi_is_read_as_a_position_bias_only_where_it_is_exactly_one(exact):
+@pytest.mark.parametrize("form, read", [("relative", PositionBias("alibi_relative")), ("rounded", None),
+                                        ("from_last", PositionBias("alibi", offset=-15))])
+def test_alibi_is_read_as_a_position_bias_only_where_it_is_exactly_one(form, read):
     """``slope * (k - q)`` becomes hybrid attention's position bias (its slopes a [1, heads]
-    table), with no mask of the sequence; a bias that only equals it in exact arithmetic stays
-    the attention's mask, whole."""
+    table), with no mask of the sequence, and so does ``slope * (k - S + 1)`` (MPT's, counted
+    from the last key: an offset); a bias that only equals one in exact arithmetic stays the
+    attention's mask, whole."""
     from dtensor_par.ops.attention import hybrid_attention
-    from dtensor_par.ops.position_bias import PositionBias
     from dtensor_par.pipeline import PLANNING_PASSES
 
-    (gm, inputs), = capture_graphs(AlibiAttention(exact), torch.randn(2, 16, 32))
+    (gm, inputs), = capture_graphs(AlibiAttention(form), torch.randn(2, 16, 32))
     local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning({"ring": 2}, "cpu"), passes=PLANNING_PASSES)
     (hybrid,) = [n for n in local.graph.nodes if n.target is hybrid_attention]
-    if not exact:
+    if read is None:
         assert "position_bias" not in hybrid.kwargs and hybrid.kwargs["attn_mask"] is not None
         return
-    assert hybrid.kwargs["position_bias"] == PositionBias("alibi_relative") and hybrid.kwargs["attn_mask"] is None
+    assert hybrid.kwargs["position_bias"] == read and hybrid.kwargs["attn_mask"] is None
     table = hybrid.kwargs["bias_table"]
     assert table.target is torch.tensor and torch.equal(torch.tensor(table.args[0]),
                                                          torch.tensor([[0.5, 0.25, 0.125, 0.0625]]) * 1.37)

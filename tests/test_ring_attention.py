@@ -224,11 +224,13 @@ def _compare(world: int, attention, *, heads: int = 2, kv_heads: int = 2, kv_seq
     return result
 
 
-# A bias built from positions (ALiBi's slope x (k - q); T5-like buckets of k - q, a learned table)
-# evaluated per block, with causality, GQA and padding; the table's gradient summed over the ranks.
+# A bias built from positions (ALiBi's slope x (k - q), and MPT's slope x (k - S + 1), counted
+# from the last key; T5-like buckets of k - q, a learned table) evaluated per block, with
+# causality, GQA and padding; the table's gradient summed over the ranks.
 _BUCKETS = PositionBias("buckets", (-3, -1, 0, 1, 4), (0, 1, 2, 3, 4))
 BIAS_CASES = {
     "alibi_relative_causal_zigzag_gqa": dict(form=PositionBias("alibi_relative"), is_causal=True, zigzag=True),
+    "alibi_from_last_causal_zigzag": dict(form=PositionBias("alibi", offset=1 - SEQ), is_causal=True, zigzag=True),
     "buckets_padded_zigzag": dict(form=_BUCKETS, real=14, zigzag=True),
     "buckets_causal_contiguous": dict(form=_BUCKETS, is_causal=True),
 }

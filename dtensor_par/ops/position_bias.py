@@ -2,8 +2,8 @@
 the global positions of the query and the key, evaluated per ring block (and per query tile of
 a ring of one) from the positions that block covers, so no ``S x S`` bias is ever kept.
 
-- ALiBi (Bloom): ``slope[h] * k``, the key's position (``"alibi"``), or ``slope[h] * (k - q)``
-  (``"alibi_relative"``);
+- ALiBi: ``slope[h] * (k + offset)``, the key's position (``"alibi"``: Bloom's; MPT's counts
+  from the last key, ``offset = 1 - S``), or ``slope[h] * (k - q)`` (``"alibi_relative"``);
 - T5's relative position bias (``"buckets"``): ``table[bucket(k - q), h]``, a learned embedding
   indexed by the bucket of the distance, a step function of ``k - q`` given by its runs.
 
@@ -24,11 +24,13 @@ KINDS = ("alibi", "alibi_relative", "buckets")
 class PositionBias(NamedTuple):
     """Which bias (one of ``KINDS``); for ``"buckets"``, the distance ``k - q`` at which each
     run of one bucket starts (ascending; the first run reaches down, the last up, without end)
-    and the bucket of each run. A named tuple, so a graph holds it as a call's argument."""
+    and the bucket of each run; for ``"alibi"``, the offset added to the key's position. A
+    named tuple, so a graph holds it as a call's argument."""
 
     kind: str
     starts: tuple[int, ...] = ()
     buckets: tuple[int, ...] = ()
+    offset: int = 0
 
     def bucket_of(self, distance: torch.Tensor) -> torch.Tensor:
         """The table row of each distance ``k - q``."""
@@ -40,7 +42,7 @@ class PositionBias(NamedTuple):
         """The bias of queries at global positions ``rows`` against keys at ``cols``:
         ``[1, heads, len(rows) | 1, len(cols)]``, in the table's dtype."""
         if self.kind == "alibi":
-            return (table[0][:, None, None] * cols.to(table.dtype)[None, None, :])[None]
+            return (table[0][:, None, None] * (cols + self.offset).to(table.dtype)[None, None, :])[None]
         distance = cols[None, :] - rows[:, None]
         if self.kind == "alibi_relative":
             return (table[0][:, None, None] * distance.to(table.dtype)[None])[None]
@@ -52,7 +54,7 @@ class PositionBias(NamedTuple):
         bias: each score's gradient summed into the table entry it read."""
         per_head = grad.float().sum(0)
         if self.kind == "alibi":
-            return (per_head * cols.float()).sum((1, 2))[None]
+            return (per_head * (cols + self.offset).float()).sum((1, 2))[None]
         distance = cols[None, :] - rows[:, None]
         if self.kind == "alibi_relative":
             return (per_head * distance.float()).sum((1, 2))[None]

@@ -64,17 +64,21 @@ class FoundBias:
 
 
 def _alibi(value: torch.Tensor, heads: int, q_len: int, kv_len: int) -> FoundBias | None:
-    """ALiBi, if the bias ``value`` ([B|1, heads, q_len|1, kv_len]) is exactly one."""
+    """ALiBi, if the bias ``value`` ([B|1, heads, q_len|1, kv_len]) is exactly one: zero at one
+    key of query 0's row (its offset: MPT's is the last key), the slope one key on."""
     value = as_4d(value)
     if not value.is_floating_point() or value.shape[1] != heads or value.shape[-2] not in (1, q_len) \
             or value.shape[-1] != kv_len or kv_len < 2:
         return None
-    table = value[0, :, 0, 1].reshape(1, heads)  # key 1 against query 0: the slope
+    zeros = (value[0, 0, 0] == 0).nonzero().flatten().tolist()
+    origin = zeros[0] if len(zeros) == 1 else 0  # every head's row is zero at the same key
+    step = 1 if origin + 1 < kv_len else -1
+    table = (value[0, :, 0, origin + step] * step).reshape(1, heads)  # one key from the origin: the slope
     rows, cols = torch.arange(value.shape[-2]), torch.arange(kv_len)
-    for kind in ("alibi", "alibi_relative"):
-        expected, found = torch.broadcast_tensors(PositionBias(kind).tile(table, rows, cols), value)
+    for form in (PositionBias("alibi", offset=-origin), PositionBias("alibi_relative")):
+        expected, found = torch.broadcast_tensors(form.tile(table, rows, cols), value)
         if torch.equal(expected, found):
-            return FoundBias(PositionBias(kind), table)
+            return FoundBias(form, table)
     return None
 
 
