@@ -251,17 +251,25 @@ def test_experts_cut_over_dp_shard_and_cp_train_as_on_one_device():
         assert result["ran"] == result["table"] and result["ran"]["all_to_all_single"] >= 5, result
 
 
+def _check_one_step(result: dict, experts: int) -> dict:
+    """``one_step``'s result: every mode exact against one device; parallelized, ``experts`` of
+    Mixtral's 4 held a rank and the collectives run those of the dumped table. Returns the
+    parallelized mode's."""
+    for case in result.values():
+        assert case["forward"] <= 1e-5 and case["grad"] <= 1e-5, result
+    held = result["parallelized"]
+    assert held["local"] == {"model.layers.0.mlp.experts.gate_up_proj": [experts, 256, 64],
+                             "model.layers.0.mlp.experts.down_proj": [experts, 64, 128]}, held["local"]
+    assert held["ran"] == held["table"] and held["ran"]["all_to_all_single"] >= 5, held
+    return held
+
+
 def test_experts_cut_over_dp_shard_and_ring_as_on_one_device():
     """At dp_shard2 x ring2 (the ring's zigzag sequence): each rank holds 1 of the 4 experts whole,
     parallelized; held whole, each rank's slice is the same one."""
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
     for result in (r["ring"] for r in TRAINED.result()):
-        for case in result.values():
-            assert case["forward"] <= 1e-5 and case["grad"] <= 1e-5, result
-        held = result["parallelized"]
-        assert held["local"] == {"model.layers.0.mlp.experts.gate_up_proj": [1, 256, 64],
-                                 "model.layers.0.mlp.experts.down_proj": [1, 64, 128]}, held["local"]
-        assert held["ran"] == held["table"] and held["ran"]["all_to_all_single"] >= 5, held
+        _check_one_step(result, experts=1)
 
 
 def test_experts_cut_over_dp_shard_beside_dp_replicate_as_on_one_device():
@@ -270,12 +278,7 @@ def test_experts_cut_over_dp_shard_beside_dp_replicate_as_on_one_device():
     over the replicas (dp_replicate's all-reduce, in the dumped table and run)."""
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
     for result in (r["replicas"] for r in TRAINED.result()):
-        for case in result.values():
-            assert case["forward"] <= 1e-5 and case["grad"] <= 1e-5, result
-        held = result["parallelized"]
-        assert held["local"] == {"model.layers.0.mlp.experts.gate_up_proj": [2, 256, 64],
-                                 "model.layers.0.mlp.experts.down_proj": [2, 64, 128]}, held["local"]
-        assert held["ran"] == held["table"] and held["ran"]["all_to_all_single"] >= 5, held
+        held = _check_one_step(result, experts=2)
         assert held["ran"]["all_reduce"] == 1, held  # the replicas' sums, the experts' in the others' bucket
 
 
@@ -286,13 +289,8 @@ def test_experts_cut_over_dp_shard_with_a_local_batch_as_on_one_device():
     averaged over dp as every other parameter's: one device's on the whole batch."""
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
     for result in TRAINED.result():
-        for label, experts in (("local", 1), ("local_replicas", 2)):
-            for case in result[label].values():
-                assert case["forward"] <= 1e-5 and case["grad"] <= 1e-5, (label, result[label])
-            held = result[label]["parallelized"]
-            assert held["local"] == {"model.layers.0.mlp.experts.gate_up_proj": [experts, 256, 64],
-                                     "model.layers.0.mlp.experts.down_proj": [experts, 64, 128]}, held["local"]
-            assert held["ran"] == held["table"] and held["ran"]["all_to_all_single"] >= 5, held
+        _check_one_step(result["local"], experts=1)
+        _check_one_step(result["local_replicas"], experts=2)
 
 
 def test_experts_cut_in_the_mesh_order_where_ulysses_comes_before_ring():
