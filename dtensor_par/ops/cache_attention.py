@@ -9,7 +9,8 @@ and the partial results merge by their log-sum-exp after one all-gather across c
 for the cached rows: each rank takes the mask columns of the positions it holds. Attention
 written out by hand brings its score function, applied to every row's scores, its sink
 logits, one more log-sum-exp in the merge whose output is zero, and its bias built from
-positions (ALiBi, T5's buckets), evaluated at the queries' and the held keys' positions.
+positions (``ops.position_bias``: Bloom's ALiBi), evaluated at the queries' and the keys'
+positions.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def _columns(mask: torch.Tensor | None, keys: torch.Tensor, q_len: int, is_causa
     return cols
 
 
+def _plus(cols: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """Additive columns with ``bias`` added (either may be None)."""
+    return cols if bias is None else bias if cols is None else cols + bias
+
+
 @torch.library.custom_op("dtensor_par::held_attention", mutates_args=())
 def held_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    mask: torch.Tensor | None, is_causal: bool, scale: float | None, groups: int,
@@ -57,8 +63,7 @@ def held_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     if k.shape[-2] == 0:
         return torch.zeros_like(q), q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
     score_mod = ScoreMod.from_codes(score_codes, score_constants) if score_codes else None
-    cols = _columns(mask, positions, q.shape[-2], is_causal, q.dtype)
-    cols = cols if bias is None else bias if cols is None else cols + bias
+    cols = _plus(_columns(mask, positions, q.shape[-2], is_causal, q.dtype), bias)
     out, lse = block_forward(q, k, v, cols, is_causal=False, scale=scale, groups=groups, score_mod=score_mod)
     return out, lse.float()
 
@@ -89,10 +94,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_held: 
     out, lse = held_attention(q, k_held, v_held, positions, attn_mask, is_causal, scale, groups, *codes, held_bias)
     outs = all_gather(out.unsqueeze(0), 0, None, cp, comm=comm)
     lses = all_gather(lse.unsqueeze(0), 0, None, cp, comm=comm)
-    new_cols = _columns(attn_mask, queries, q_len, is_causal, q.dtype)  # the new rows sit at the queries' positions
-    if bias is not None:
-        tile = bias.tile(queries, queries).to(q.dtype)
-        new_cols = tile if new_cols is None else new_cols + tile
+    new_bias = None if bias is None else bias.tile(queries, queries).to(q.dtype)  # new rows at the queries' positions
+    new_cols = _plus(_columns(attn_mask, queries, q_len, is_causal, q.dtype), new_bias)
     new_out, new_lse = block_forward(q, k, v, new_cols, is_causal=False, scale=scale, groups=groups,
                                      score_mod=score_mod)
     lses = torch.cat([lses, new_lse.float().unsqueeze(0)])
