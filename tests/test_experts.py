@@ -110,9 +110,10 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
     """Mixtral parallelized at dp_shard2 x ulysses2 with ``ep="cp"``, its 4 experts cut over all
     4 ranks (dp_shard x cp): 2 AdamW steps with clipping against one device, the storage each
     rank holds of an expert weight and of its gradient and AdamW state, and the collectives a
-    step runs against the dumped table; then one step at dp_shard2 x ring2, at dp_replicate2 x
-    dp_shard2 and, with a local batch, at dp_shard2 x ulysses2 and dp_replicate2 x dp_shard2
-    (``one_step``), and one at ulysses2 x ring2 (``one_step_ulysses_first``)."""
+    step runs against the dumped table; then one step at dp_shard2 x ring2 (parallelized and
+    held whole), at dp_replicate2 x dp_shard2 and, with a local batch, at dp_shard2 x ulysses2
+    and dp_replicate2 x dp_shard2 (parallelized: ``one_step``), and one at ulysses2 x ring2
+    (``one_step_ulysses_first``)."""
     from tests import real_models
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -162,7 +163,8 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
             "ring": one_step(os.path.join(dump_dir, "ring"), dp_shard=2, ring=2),
             "replicas": one_step(os.path.join(dump_dir, "replicas"), rows=4, modes=(True,), dp_replicate=2,
                                  dp_shard=2),
-            "local": one_step(os.path.join(dump_dir, "local"), rows=4, batch="local", dp_shard=2, ulysses=2),
+            "local": one_step(os.path.join(dump_dir, "local"), rows=4, batch="local", modes=(True,), dp_shard=2,
+                              ulysses=2),
             "local_replicas": one_step(os.path.join(dump_dir, "local_replicas"), rows=4, batch="local",
                                        modes=(True,), dp_replicate=2, dp_shard=2),
             "ulysses_first": one_step_ulysses_first()}
@@ -283,10 +285,10 @@ def test_experts_cut_over_dp_shard_beside_dp_replicate_as_on_one_device():
 
 
 def test_experts_cut_over_dp_shard_with_a_local_batch_as_on_one_device():
-    """With a local batch (each dp coordinate its own rows) the experts are cut over dp_shard too:
-    at dp_shard2 x ulysses2 one expert a rank, parallelized and held whole; at dp_replicate2 x
-    dp_shard2 two a rank, their gradients summed over the replicas. The experts' gradients are
-    averaged over dp as every other parameter's: one device's on the whole batch."""
+    """With a local batch (each dp coordinate its own rows) the experts are cut over dp_shard too,
+    parallelized: at dp_shard2 x ulysses2 one expert a rank; at dp_replicate2 x dp_shard2 two a
+    rank, their gradients summed over the replicas. The experts' gradients are averaged over dp
+    as every other parameter's: one device's on the whole batch."""
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
     for result in TRAINED.result():
         _check_one_step(result["local"], experts=1)
