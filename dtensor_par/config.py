@@ -63,7 +63,7 @@ class ParallelConfig:
         None, "with param_dtype: reduce the gradients in this dtype (torch.float32), or in param_dtype (default)")
     ep: str | None = _option(
         None, "expert parallelism: 'cp' cuts each mixture of experts' experts over the cp ranks (ring x ulysses), "
-              "and the dp_shard ranks where the mesh has them (with a global batch), E / ep a rank, "
+              "and the dp_shard ranks where the mesh has them, E / ep a rank, "
               "and sends each rank's tokens to their experts and back by uneven all-to-alls; None: "
               "every cp rank holds every expert (tp still cuts each expert's features)", choices=EXPERT_PARALLEL)
     sequence_parallel: bool = _option(

@@ -260,13 +260,12 @@ def mesh_svg(sizes: dict[str, int], order: tuple[str, ...], sites: list[str] | N
 def site_placement_lines(ctx: ParallelContext) -> list[str]:
     """Per site, the tp placement of each of its weights and experts' bias tables (and, with ep,
     the mesh dims an expert weight's experts are cut over)."""
-    lines = []
+    lines, experts_cut = [], f" (experts cut over {group_text(ctx.mesh, expert_group(ctx.mesh))})"
     for site in ctx.sites:
         weights, names = [], [weight_name(linear) for linear in site.colwise + site.rowwise]
         names += [bias.table.name for bias in site.biases.values()] if isinstance(site, MoESite) else []
         for name in names:
-            cuts = ctx.expert_placements.get(name, {})
-            experts = f" (experts cut over {group_text(ctx.mesh, expert_group(ctx.mesh))})" if cuts else ""
+            experts = experts_cut if name in ctx.expert_placements else ""
             weights.append(f"{ctx.params[name].fqn}={describe(ctx.param_placements.get(name, Replicate()))}{experts}")
         lines.append(f"{site.name}: " + ", ".join(weights))
     return lines
