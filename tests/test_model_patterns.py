@@ -210,6 +210,30 @@ def test_a_grouped_qkv_viewed_in_one_view_or_two_is_cut_by_group(at_once):
     assert graph.coverage.fallback_gathers == [] and "8 heads, 2 kv heads" in graph.sites[0], graph.sites
 
 
+class _RotaryPairsBeforeHeads(torch.nn.Module):
+    """Rotary embedding on pairs of the projection's features, split before its heads are
+    (LTX-Video's ``unflatten(2, (-1, 2))``): 16 pairs inside the 4 heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        re, im = q.unflatten(2, (-1, 2)).unbind(-1)
+        q = q * 0.5 + torch.stack([-im, re], dim=-1).flatten(2) * 0.25
+        q, k, v = (t.unflatten(2, (4, -1)).transpose(1, 2) for t in (q, k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.out(a.transpose(1, 2).reshape(b, s, 32))
+
+
+def test_a_split_inside_the_heads_beside_them_leaves_them_cut_by_head():
+    graph = _explain(_RotaryPairsBeforeHeads(), (torch.randn(2, 8, 32),), tp=2)
+    assert graph.placements == ["attention0: qkv.weight=IS(0,[32, 32, 32]), out.weight=S(1)"], graph.placements
+    assert graph.coverage.fallback_gathers == [] and "4 heads, 4 kv heads" in graph.sites[0], graph.sites
+
+
 class _HeadDimOuterProjection(torch.nn.Module):
     """A projection viewed with its head dim outermost, ``(head_dim, heads)``: no grouping of
     heads that tp could shard by."""

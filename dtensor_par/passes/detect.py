@@ -304,9 +304,14 @@ def projected_heads(attention_input: fx.Node, heads: int, ctx: ParallelContext) 
     """``(units, problem)``: the heads (or groups of heads) one attention input's projections
     make, read off the views that split their features (None without such a view). tp shards
     them unit by unit, so each unit must group whole heads of the ``heads`` the attention reads;
-    where they do not, the layout cannot be read, and ``problem`` names the views and sizes."""
+    where they do not, the layout cannot be read, and ``problem`` names the views and sizes.
+    Beside a view that groups heads, a split into a multiple of the heads cuts inside each head
+    (rotary pairs: LTX-Video's ``unflatten(2, (-1, 2))`` before the heads are split) and says
+    nothing of how heads group."""
     linears, walked = find_head_projections(attention_input, ctx)
     views = list(dict.fromkeys(v for linear in linears for v in _head_splits(linear, set(walked))))
+    if any(heads % _head_units(v) == 0 for v in views):
+        views = [v for v in views if _head_units(v) <= heads or _head_units(v) % heads]
     units = {_head_units(v) for v in views}
     if not views:
         return None, None
