@@ -142,6 +142,8 @@ OPS = {
     # GPT-J's rotary tables (torch.repeat_interleave(sin, 2, dim=3)), and kv heads repeated by the method
     "repeat_interleave": (lambda x: torch.repeat_interleave(x, 2, dim=2), [_t(2, 4, 6)]),
     "repeat_interleave_method": (lambda x: x.repeat_interleave(3, dim=-1), [_t(2, 4, 6)]),
+    # LTX-Video's rotary grid of positions tiled over the batch (a new leading dim, one tiled dim).
+    "repeat": (lambda x: x.repeat(2, 1, 2, 1), [_t(2, 4, 6)]),
     "complex": (lambda x: torch.view_as_complex(x), [_t(2, 4, 2)]),
     "pad": (lambda x: F.pad(x, (0, 2)), [_t(2, 4, 6)]),
     "embedding": (lambda ids, w: F.embedding(ids, w), [torch.randint(0, 10, (2, 4)), _t(10, 6)]),

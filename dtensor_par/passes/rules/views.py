@@ -80,6 +80,20 @@ def expand_rule(node, ins, cur, env):
     return NodeSharding(moved(p, p.dim + offset), tuple(cur))
 
 
+def repeat_rule(node, ins, cur, env):
+    """``x.repeat(*repeats)``, which tiles each dim (new ones in front): a shard stays where its
+    dim is tiled once, and is gathered where it is tiled more (a shard's tiles are not the
+    tiled whole's shard). LTX-Video's rotary grid of positions, ``grid.repeat(batch, 1, 1, 1)``."""
+    p = resolve_partial(ins, cur, env)[0]
+    if shard_dim(p) is None:
+        return NodeSharding(p, (p,))
+    repeats = arguments(node)["repeats"]
+    offset = len(repeats) - tensor_val(ins[0]).dim()
+    if repeats[p.dim + offset] != 1:
+        return replicate_all(node, ins, [p], f"repeat {list(repeats)} along the sharded dim {p.dim}")
+    return NodeSharding(moved(p, p.dim + offset), (p,))
+
+
 def repeat_interleave_rule(node, ins, cur, env):
     """Each element repeated in place: the shard of the repeated tensor is the repeated shard."""
     p, dim = cur[0], arguments(node)["dim"]
@@ -166,6 +180,7 @@ register("view", "views", view_rule, functions=[torch.reshape, torch.flatten, to
                                                  torch.unsqueeze],
          methods=["view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"],
          localize=localize_view)
+register("repeat", "views", repeat_rule, methods=["repeat"])
 register("expand", "views", expand_rule, functions=[torch.broadcast_to], methods=["expand", "expand_as"],
          localize=localize_view)
 register("transpose", "views", permute_rule, functions=[torch.transpose, torch.swapaxes, torch.t],
