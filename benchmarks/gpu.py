@@ -4,7 +4,7 @@
 
 - Ring step attention against one SDPA call at equal FLOPs, one GPU: the keys split into
   ``ring`` blocks, each block's attention with its log-sum-exp through the kernel the ring
-  uses on CUDA (``ops.ring_kernels.block_forward``: the efficient-attention kernel), merged by
+  uses on CUDA (``ops.ring_kernels.block_forward``: the flash kernel in bf16 with no mask), merged by
   log-sum-exp (``ops.ring_kernels.merge_block``), against ``F.scaled_dot_product_attention`` over all
   keys (flash or efficient, as torch picks). Same q, k, v; the ratio is what splitting costs.
 - Training step at world 1: ``parallelize`` + ``hybrid_parallel(inner_backend="inductor")``

@@ -338,32 +338,130 @@ def test_ring_attention_traces_under_aot_eager():
         assert results["compiled"]["traced_rotations"] == {"forward": 1, "backward": 1}
 
 
-_CUDA_KERNELS = {torch.ops.aten._scaled_dot_product_efficient_attention.default,
-                 torch.ops.aten._scaled_dot_product_efficient_attention_backward.default}
+_FLASH_KERNELS = {torch.ops.aten._scaled_dot_product_flash_attention.default,
+                  torch.ops.aten._scaled_dot_product_flash_attention_backward.default}
+_EFFICIENT_KERNELS = {torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                      torch.ops.aten._scaled_dot_product_efficient_attention_backward.default}
 
 
-@pytest.mark.parametrize("options", [dict(), dict(is_causal=True, zigzag=True), dict(mask=True),
-                                     dict(is_causal=True, enable_gqa=True), dict(is_causal=True, window=3)],
-                         ids=["full", "causal_zigzag", "mask", "causal_gqa", "window"])
-def test_cuda_kernel_path_runs_on_meta_tensors(options, fake_world):
-    """The path a GPU takes (the efficient-attention kernel, its log-sum-exp padded to 32 rows,
-    its backward, the additive bias) on meta tensors, which have shapes and dtypes but no
-    values: forward and backward run the CUDA kernels, none of the CPU ones, and give each
-    input's gradient its shape and dtype. Only the interfaces are checked here; the numbers
-    need a GPU (``python -m benchmarks.gpu``). 40 query rows per rank: not a multiple of 32."""
+@pytest.mark.parametrize("options, kernels", [
+    (dict(), _FLASH_KERNELS), (dict(is_causal=True, zigzag=True), _FLASH_KERNELS),
+    (dict(mask=True), _EFFICIENT_KERNELS), (dict(is_causal=True, enable_gqa=True), _FLASH_KERNELS),
+    (dict(is_causal=True, window=3), _EFFICIENT_KERNELS), (dict(dtype=torch.float32), _EFFICIENT_KERNELS)],
+    ids=["full", "causal_zigzag", "mask", "causal_gqa", "window", "float32"])
+def test_cuda_kernel_path_runs_on_meta_tensors(options, kernels, fake_world):
+    """The path a GPU takes on meta tensors, which have shapes and dtypes but no values: in half
+    precision with no mask the flash kernel, else the efficient-attention kernel (its log-sum-exp
+    padded to 32 rows, its additive bias). Forward and backward run those kernels, none of the CPU
+    ones, and give each input's gradient its shape and dtype. Only the interfaces are checked here;
+    the numbers need a GPU (``test_ring_blocks_run_by_hand_equal_one_attention``). 40 query rows
+    per rank: not a multiple of 32."""
     fake_world(2)
     ring = MeshInfo.from_mesh(DeviceMesh("cpu", [0, 1], mesh_dim_names=("ring",))).dims["ring"]
     kv_heads = 2 if options.get("enable_gqa") else 4
-    q, k, v = (torch.randn(1, h, 40, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    dtype = options.pop("dtype", torch.bfloat16)
+    q, k, v = (torch.randn(1, h, 40, 16, device="meta", dtype=dtype, requires_grad=True)
                for h in (4, kv_heads, kv_heads))
     if options.pop("mask", False):
         options["attn_mask"] = torch.ones(1, 1, 40, 80, dtype=torch.bool, device="meta")
-    with _CountOps(_CUDA_KERNELS | {_FORWARD_KERNEL, _BACKWARD_KERNEL}) as kernels:
+    with _CountOps(_FLASH_KERNELS | _EFFICIENT_KERNELS | {_FORWARD_KERNEL, _BACKWARD_KERNEL}) as counted:
         out = ring_attention(q, k, v, ring=ring, **options)
         out.sum().backward()
-    assert set(kernels.counts) == {op.name() for op in _CUDA_KERNELS}, kernels.counts
-    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert set(counted.counts) == {op.name() for op in kernels}, counted.counts
+    assert out.shape == q.shape and out.dtype == dtype
     assert [(t.grad.shape, t.grad.dtype) for t in (q, k, v)] == [(t.shape, t.dtype) for t in (q, k, v)]
+
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+def _blocks_by_hand(q, k, v, mask, *, causal: bool, groups: int, blocks: int):
+    """A contiguous ring of ``blocks`` ranks run on one device, with no communication: query block
+    i against key block j, causal on the diagonal, whole below it and skipped above it; merged by
+    log-sum-exp; then each block's share of the gradients from the final output and log-sum-exp,
+    for an output gradient that differs in every element."""
+    from dtensor_par.ops.ring_kernels import block_backward, block_forward, merge_block
+
+    rows, cols = q.shape[-2] // blocks, k.shape[-2] // blocks
+    kv = torch.cat([k, v], -1)  # as the ring holds them: one tensor rotated
+    qs, ks, vs = q.split(rows, -2), kv[..., :k.shape[-1]].split(cols, -2), kv[..., k.shape[-1]:].split(cols, -2)
+    grad_out = torch.linspace(-1, 1, q.shape[-2] * v.shape[-1], device=q.device).view(1, 1, -1, v.shape[-1])
+    grad_out = grad_out.expand(q.shape[0], q.shape[1], -1, -1).to(q.dtype)
+    pairs = [(i, j) for i in range(blocks) for j in range(blocks) if not causal or j <= i]
+    tile = {pair: None if mask is None else mask[..., pair[0] * rows:(pair[0] + 1) * rows,
+                                               pair[1] * cols:(pair[1] + 1) * cols] for pair in pairs}
+    outs, lses = [], []
+    for i in range(blocks):
+        out = torch.zeros(*qs[i].shape[:-1], v.shape[-1], device=q.device)
+        lse = torch.full(qs[i].shape[:-1], float("-inf"), device=q.device)
+        for j in (j for i_, j in pairs if i_ == i):
+            block = block_forward(qs[i], ks[j], vs[j], tile[i, j], is_causal=causal and i == j, scale=None,
+                                  groups=groups)
+            out, lse = merge_block(out, lse, slice(0, rows), block[0].float(), block[1], mask is not None)
+        outs.append(out.to(q.dtype))
+        lses.append(lse)
+    grads = [torch.zeros(t.shape, device=q.device) for t in (q, k, v)]
+    for i, j in pairs:
+        g = grad_out[..., i * rows:(i + 1) * rows, :]
+        dq, dk, dv, _ = block_backward(g, qs[i], ks[j], vs[j], tile[i, j], outs[i], lses[i],
+                                       is_causal=causal and i == j, scale=None, groups=groups)
+        grads[0][..., i * rows:(i + 1) * rows, :] += dq.float()
+        grads[1][..., j * cols:(j + 1) * cols, :] += dk.float()
+        grads[2][..., j * cols:(j + 1) * cols, :] += dv.float()
+    return torch.cat(outs, -2).float(), grads, grad_out
+
+
+def _reference(q, k, v, mask, grad_out, *, causal: bool, groups: int):
+    """The same attention in float64, op by op, and its gradients by autograd."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    scores = q @ k.repeat_interleave(groups, 1).transpose(-2, -1) * q.shape[-1] ** -0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
+    if mask is not None:
+        scores = scores + mask.double()
+    out = scores.softmax(-1) @ v.repeat_interleave(groups, 1)
+    return out, torch.autograd.grad((out * grad_out.double()).sum(), (q, k, v))
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("case", ["full", "causal", "mask_hiding_rows", "causal_gqa", "value_dim_8_mask"])
+def test_ring_blocks_run_by_hand_equal_one_attention(device, case):
+    """The kernels a ring runs on this device (CPU flash; on CUDA flash in bf16 with no mask, else
+    the memory-efficient kernel, its log-sum-exp padded to 32 rows and its bias to 16 columns),
+    block by block with the merge and the per-block backward, against float64 attention: 40 query
+    rows a block (no multiple of 32). A boolean mask, as additive, hides whole rows of some blocks.
+    bf16 is held to twice the error of one bf16 SDPA call against the same float64 reference."""
+    gen = torch.Generator().manual_seed(0)
+    heads, groups = 4, 2 if case == "causal_gqa" else 1
+    v_dim = 8 if case == "value_dim_8_mask" else 16
+    mask = None
+    if case in ("mask_hiding_rows", "value_dim_8_mask"):
+        keep = torch.rand(1, heads, 80, 80, generator=gen) < 0.5
+        keep[..., :40, 40:] = False  # the first block's rows see none of the second block's keys
+        keep[..., 40:, :40] &= torch.arange(40).view(40, 1) % 3 != 0  # a third of rows see none of the first
+        keep |= torch.eye(80, dtype=torch.bool)
+        mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")).to(device)
+    causal = "causal" in case
+    full = [torch.randn(1, h, 80, d, generator=gen).to(device)
+            for h, d in ((heads, 16), (heads // groups, 16), (heads // groups, v_dim))]
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (t.to(dtype) for t in full)
+        additive = None if mask is None else mask.to(dtype)
+        out, grads, grad_out = _blocks_by_hand(q, k, v, additive, causal=causal, groups=groups, blocks=2)
+        want, want_grads = _reference(q, k, v, additive, grad_out, causal=causal, groups=groups)
+        if dtype == torch.float32:
+            assert (out - want).abs().max() <= FORWARD_ATOL, (device, case)
+            for got, expected in zip(grads, want_grads):
+                assert max_rel(got.double(), expected) <= GRAD_RTOL, (device, case)
+        elif v_dim == 16:  # SDPA's fused kernels take one head dim
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            sdpa = F.scaled_dot_product_attention(*inputs, attn_mask=additive, is_causal=causal,
+                                                  enable_gqa=groups > 1)
+            sdpa_grads = torch.autograd.grad((sdpa * grad_out).sum(), inputs)
+            assert (out - want).abs().max() <= 2 * (sdpa.double() - want).abs().max() + 1e-3, (device, case)
+            for got, theirs, expected in zip(grads, sdpa_grads, want_grads):
+                assert max_rel(got.double(), expected) <= 2 * max_rel(theirs.double(), expected) + 1e-3, (device, case)
 
 
 def test_zigzag_balances_causal_work_and_contiguous_does_not():

@@ -1,6 +1,7 @@
 """What one ring block computes, with no communication: its attention output and per-row
-log-sum-exp on the fused SDPA kernels (CPU flash, CUDA memory-efficient), the online-softmax
-merge into the running result, its exact share of the gradients, and its mask.
+log-sum-exp on the fused SDPA kernels (CPU flash; CUDA flash, or memory-efficient with a mask
+or in float32), the online-softmax merge into the running result, its exact share of the
+gradients, and its mask.
 
 A given mask holds this rank's query rows against every key position; each block takes the
 columns of the keys it holds, and a row that a block's mask hides entirely weighs nothing in
@@ -49,6 +50,15 @@ def _cuda_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> t
     keys = k.shape[-2]
     bias = mask.expand(q.shape[0], q.shape[1], q.shape[2], keys)
     return F.pad(bias, (0, -keys % 16))[..., :keys]
+
+
+def _flash_fits(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether CUDA's flash kernel takes this block: half precision with no mask, a head dim that
+    is a multiple of 8 up to 256, on Ampere or later. It gives the log-sum-exp unpadded and runs
+    faster than the memory-efficient kernel, which takes the rest."""
+    if mask is not None or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] % 8 or q.shape[-1] > 256:
+        return False
+    return q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) >= (8, 0)
 
 
 def modified_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, *, is_causal: bool,
@@ -131,6 +141,8 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask,
                                                                     scale=scale)
+    elif _flash_fits(q, mask):
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, scale=scale)[:2]
     else:
         out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, _cuda_bias(mask, q, k), True, 0.0,
                                                                       is_causal, scale=scale)
@@ -172,15 +184,23 @@ def block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     elif q.device.type == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k_rep, v_rep, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
-    else:
-        rows = q.shape[-2]
-        padded_rows = -(-rows // _CUDA_LSE_ROW_ALIGNMENT) * _CUDA_LSE_ROW_ALIGNMENT
-        lse = F.pad(lse, (0, padded_rows - rows)).contiguous()
-        # Without dropout the kernel ignores the RNG state; these match what its forward returns.
+    else:  # CUDA: without dropout its kernels read no RNG state
         no_rng = torch.empty((), dtype=torch.long)
-        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k_rep, v_rep, _cuda_bias(mask, q, k_rep), out, lse, no_rng, no_rng, 0.0,
-            [True, True, True, False], is_causal, scale=scale)
+        if _flash_fits(q, mask):
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+                grad_out, q, k_rep, v_rep, out, lse.contiguous(), None, None, q.shape[-2], k_rep.shape[-2], 0.0,
+                is_causal, no_rng, no_rng, scale=scale)
+        else:
+            rows = q.shape[-2]
+            padded_rows = -(-rows // _CUDA_LSE_ROW_ALIGNMENT) * _CUDA_LSE_ROW_ALIGNMENT
+            lse = F.pad(lse, (0, padded_rows - rows)).contiguous()
+            # Its half-precision backward reads ``out`` in the layout its forward writes ([B, S, H, D]
+            # in memory), whatever its strides say: a merged output laid out [B, H, S, D] gave dq and
+            # dk errors as large as themselves (H200, torch 2.11; in float32 it reads the strides).
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)
+            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+                grad_out, q, k_rep, v_rep, _cuda_bias(mask, q, k_rep), out, lse, no_rng, no_rng, 0.0,
+                [True, True, True, False], is_causal, scale=scale)
     return dq, _sum_kv_head_grads(dk, groups), _sum_kv_head_grads(dv, groups), grad_mask
 
 
