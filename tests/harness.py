@@ -18,12 +18,16 @@ import tempfile
 import time
 import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 FORWARD_ATOL = 1e-5
 GRAD_RTOL = 1e-4
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+"""The devices a one-process test of a device-specific path runs on: CUDA where a GPU is present."""
 
 FUNCTIONAL_OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
                   "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single",

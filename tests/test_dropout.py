@@ -15,6 +15,7 @@ from dtensor_par.pipeline import parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.ops.dropout import sharded_dropout
 from dtensor_par.passes.capture import capture_graphs
+from tests.harness import DEVICES
 
 P = 0.3
 SHAPE = (64, 64)
@@ -27,15 +28,15 @@ def _rank_views(sizes: dict) -> list[MeshInfo]:
     return [MeshInfo.build("cpu", ranks, planning.order, me, lambda *_: None) for me in range(planning.world_size)]
 
 
-def _masks(dims: tuple[str, ...], seed: int = 0) -> tuple[list[torch.Tensor], list[float]]:
+def _masks(dims: tuple[str, ...], device: str, seed: int = 0) -> tuple[list[torch.Tensor], list[float]]:
     """Each rank's keep-mask of a shard sharded along ``dims``, and the next number each
-    rank's generator gives afterwards."""
+    rank's generator (the device's) gives afterwards."""
     masks, after = [], []
     for view in _rank_views({"tp": 2, "ulysses": 2}):
         torch.manual_seed(seed)
-        x = torch.ones(SHAPE)
+        x = torch.ones(SHAPE, device=device)
         masks.append(sharded_dropout(x, P, True, dims=tuple(view.dims[d] for d in dims)) != 0)
-        after.append(torch.rand(()).item())
+        after.append(torch.rand((), device=device).item())
     return masks, after
 
 
@@ -43,18 +44,20 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((a == b).all())
 
 
-def test_ranks_holding_the_same_elements_draw_the_same_mask_and_others_differ():
-    masks, after = _masks(("tp",))  # ranks 0, 2 hold tp shard 0; ranks 1, 3 shard 1 (cp replicated)
+@pytest.mark.parametrize("device", DEVICES)
+def test_ranks_holding_the_same_elements_draw_the_same_mask_and_others_differ(device):
+    masks, after = _masks(("tp",), device)  # ranks 0, 2 hold tp shard 0; ranks 1, 3 shard 1 (cp replicated)
     assert _same(masks[0], masks[2]) and _same(masks[1], masks[3])
     assert not _same(masks[0], masks[1])
-    masks, _ = _masks(("tp", "cp"))  # four shards: four masks
+    masks, _ = _masks(("tp", "cp"), device)  # four shards: four masks
     assert all(not _same(masks[i], masks[j]) for i in range(4) for j in range(i + 1, 4))
     # Every rank's generator advanced alike, so later random ops stay in step.
     assert len(set(after)) == 1
 
 
-def test_keep_rate_independence_and_determinism():
-    masks, _ = _masks(("tp", "cp"))
+@pytest.mark.parametrize("device", DEVICES)
+def test_keep_rate_independence_and_determinism(device):
+    masks, _ = _masks(("tp", "cp"), device)
     n = math.prod(SHAPE)
     sigma = math.sqrt(P * (1 - P) / n)
     for mask in masks:
@@ -62,17 +65,18 @@ def test_keep_rate_independence_and_determinism():
     # Independent shards agree on about (1-p)^2 + p^2 of the elements, not on all of them.
     agreement = (masks[0] == masks[1]).float().mean().item()
     assert abs(agreement - ((1 - P) ** 2 + P ** 2)) < 5 * math.sqrt(0.25 / n)
-    again, _ = _masks(("tp", "cp"))
+    again, _ = _masks(("tp", "cp"), device)
     assert all(_same(a, b) for a, b in zip(masks, again))
-    other_seed, _ = _masks(("tp", "cp"), seed=1)
+    other_seed, _ = _masks(("tp", "cp"), device, seed=1)
     assert not _same(masks[0], other_seed[0])
 
 
-def test_forward_and_backward_use_one_mask_under_aot_eager():
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_and_backward_use_one_mask_under_aot_eager(device):
     """The mask op is drawn once: the gradient is the forward's keep-mask / (1 - p)."""
     dims = (_rank_views({"tp": 2})[1].dims["tp"],)
     fn = torch.compile(lambda x: sharded_dropout(x, P, True, dims=dims), backend="aot_eager", fullgraph=True)
-    x = torch.randn(SHAPE, requires_grad=True)
+    x = torch.randn(SHAPE, device=device, requires_grad=True)
     out = fn(x)
     out.sum().backward()
     kept = out != 0

@@ -12,7 +12,7 @@ seeds alike (as with DTensor's RNG tracker).
 - CPU (and any device but CUDA): a seed drawn from the global CPU generator, mixed with the
   shard index, seeds a private generator; the mask is drawn on the CPU and moved. The masks
   are independent per shard, not the single-device mask's slices.
-- CUDA (untested here, no GPU in CI): offset-based Philox, as
+- CUDA (tested on a GPU where one is present; CI has none): offset-based Philox, as
   ``torch.distributed.tensor._random.OffsetBasedRNGTracker``: the shard draws from the
   device generator's seed at offset ``offset + shard * round4(numel)``, and the device
   generator then advances past every shard's draws. Streams never overlap; the single-device
