@@ -217,7 +217,32 @@ def test_heads_folded_into_the_batch_stay_sharded_through_a_matmul():
     bmm = lambda a, b: torch.bmm(a, b)  # noqa: E731
     assert check_rule(bmm, [_t(8, 4, 6), _t(8, 6, 4)], [folded, folded]) == NodeSharding(folded, (folded, folded))
     assert check_rule(bmm, [_t(8, 4, 6), _t(8, 6, 4)], [R, folded]) == NodeSharding(folded, (folded, folded))
-    assert check_rule(bmm, [_t(8, 4, 6), _t(8, 6, 4)], [InterleavedShard(1, (2, 2)), R]).note  # interleaved rows: gathered
+    rows = InterleavedShard(1, (2, 2))  # each product's rows, parts of two runs: they stay so
+    assert check_rule(bmm, [_t(8, 4, 6), _t(8, 6, 4)], [rows, R]) == NodeSharding(rows, (rows, R))
+    assert check_rule(bmm, [_t(8, 4, 6), _t(8, 6, 4)], [R, InterleavedShard(2, (2, 2))]).out == InterleavedShard(2, (2, 2))
+    assert check_rule(bmm, [_t(8, 4, 6), _t(8, 6, 4)], [InterleavedShard(2, (2, 4)), R]).note  # contracted: gathered
+
+
+def test_tokens_tiled_per_expert_stay_cut_through_the_views_and_products_of_dense_experts():
+    """Llama 4's experts run on every token: tokens ``[B * S, H]`` (the sequence cut, so the rows
+    are interleaved parts, one per batch entry) tiled once per expert, viewed ``[E, B * S, H]``,
+    multiplied by each expert's weight and summed back over the experts. Each rank keeps its own
+    rows throughout."""
+    tokens, parts = InterleavedShard(0, (4, 4)), (4, 4)
+    tiled = check_rule(lambda x: x.repeat(3, 1), [_t(8, 6)], [tokens])
+    assert tiled == NodeSharding(InterleavedShard(0, parts * 3), (tokens,))
+    assert check_rule(lambda x: x.repeat(3, 1), [_t(8, 6)], [Shard(0)]).out == InterleavedShard(0, (8, 8, 8))
+    per_expert = check_rule(lambda x: x.view(3, -1, 6), [_t(24, 6)], [InterleavedShard(0, parts * 3)])
+    assert per_expert.out == InterleavedShard(1, parts)
+    assert check_rule(lambda x: x.view(3, -1, 6), [_t(24, 6)], [InterleavedShard(0, (8, 8, 8))]).out == Shard(1)
+    weights = check_rule(lambda s: s.reshape(-1, 1), [_t(3, 8)], [InterleavedShard(1, parts)])  # scores [E, tokens]
+    assert weights.out == InterleavedShard(0, parts * 3)
+    product = check_rule(lambda x, w: torch.bmm(x, w), [_t(3, 8, 6), _t(3, 6, 4)], [InterleavedShard(1, parts), R])
+    assert product.out == InterleavedShard(1, parts)
+    assert check_rule(lambda x: x.sum(0), [_t(3, 8, 6)], [InterleavedShard(1, parts)]).out == tokens
+    assert check_rule(lambda x: x.view(3, -1, 6), [_t(12, 6)], [InterleavedShard(0, (4, 4, 4))]).out == Shard(1)
+    assert check_rule(lambda x: x.view(2, -1, 6), [_t(24, 6)], [InterleavedShard(0, parts * 3)]).out == \
+        InterleavedShard(1, parts + (4,))
 
 
 def test_setitem_writes_each_shard_in_place_or_is_refused():

@@ -32,10 +32,11 @@ def linear_rule(node, ins, cur, env):
     return replicate_all(node, ins, [x_p, w_p] + cur[2:], "linear over the sharded feature dim")
 
 
-def _splits_batch_or_matrix(p, ndim: int) -> bool:
+def _has_rule(p, contracted: int) -> bool:
     """Whether a matmul operand's shard has a rule: a shard of any dim, or an interleaved one of
-    a batch dim (Bloom's heads folded into the batch: each rank's heads of every batch entry)."""
-    return shard_dim(p) is not None and not (isinstance(p, InterleavedShard) and p.dim >= ndim - 2)
+    any but the contracted dim (Bloom's heads folded into the batch: each rank's heads of every
+    batch entry; Llama 4's tokens tiled per expert as rows)."""
+    return shard_dim(p) is not None and not (isinstance(p, InterleavedShard) and p.dim == contracted)
 
 
 def matmul_rule(node, ins, cur, env):
@@ -50,25 +51,25 @@ def matmul_rule(node, ins, cur, env):
     contracted = tensor_val(a).shape[-1]
     if env.padded(contracted) and (shard_dim(pa) == nd_a - 1 or shard_dim(pb) == nd_b - 2):
         return replicate_all(node, ins, [pa, pb], "contraction over the padded sequence dim")
-    if _splits_batch_or_matrix(pa, nd_a):
+    if _has_rule(pa, nd_a - 1):
         if pa.dim == nd_a - 1:  # contraction dim
             return NodeSharding(Partial(), (pa, Shard(nd_b - 2)))
         if pa.dim == nd_a - 2:
-            return NodeSharding(Shard(nd_out - 2), (pa, R))
+            return NodeSharding(moved(pa, nd_out - 2), (pa, R))
         d_out = pa.dim + nd_out - nd_a  # a batch dim: the other operand must match it
         d_b = d_out - (nd_out - nd_b)
         pb_need = R if d_b < 0 or tensor_val(b).shape[d_b] == 1 else moved(pa, d_b)
         return NodeSharding(moved(pa, d_out), (pa, pb_need))
-    if _splits_batch_or_matrix(pb, nd_b):
+    if _has_rule(pb, nd_b - 2):
         if pb.dim == nd_b - 1:
-            return NodeSharding(Shard(nd_out - 1), (R, pb))
+            return NodeSharding(moved(pb, nd_out - 1), (R, pb))
         if pb.dim == nd_b - 2:
             return NodeSharding(Partial(), (Shard(nd_a - 1), pb))
         d_out = pb.dim + nd_out - nd_b
         d_a = d_out - (nd_out - nd_a)
         pa_need = R if d_a < 0 or tensor_val(a).shape[d_a] == 1 else moved(pb, d_a)
         return NodeSharding(moved(pb, d_out), (pa_need, pb))
-    return replicate_all(node, ins, [pa, pb], "matmul of an interleaved operand")
+    return replicate_all(node, ins, [pa, pb], "matmul contracting an interleaved dim")
 
 
 def _einsum_subscripts(node) -> tuple[list[str], str] | None:

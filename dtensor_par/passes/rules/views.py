@@ -9,7 +9,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ...mesh import MeshInfo
-from ...placements import InterleavedShard, Placement, Shard, shard_dim
+from ...placements import InterleavedShard, Placement, Shard, parts_of, shard_dim
 from ..meta import NodeSharding, planned_local_shape, shardings
 from ..nodes import arguments, tensor_val
 from .core import R, moved, norm_dim, replicate_all, resolve_partial
@@ -42,21 +42,34 @@ def view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, size: 
         outer = [d for d in gj if dst[d] != 1]
         before = [src[d] for d in gi[:gi.index(p.dim)] if src[d] != 1]
         if before:  # merged into the dims before it: (batch, seq) -> batch * seq, seq sharded
-            if isinstance(p, InterleavedShard) or len(outer) != 1:
+            if len(outer) != 1:
                 return None
-            # This rank holds its piece of each batch entry's run: the runs are the parts.
-            return InterleavedShard(outer[0], (math.prod(src[d] for d in gi[gi.index(p.dim):]),) * math.prod(before))
+            # This rank holds its piece of each part of each batch entry's run: those are the parts.
+            after = math.prod(src[d] for d in gi[gi.index(p.dim) + 1:])
+            return InterleavedShard(outer[0], tuple(part * after for part in parts_of(p, src[p.dim]))
+                                    * math.prod(before))
         if not outer:
             return None
         if isinstance(p, InterleavedShard):
             if dst[outer[0]] == src[p.dim]:
                 return InterleavedShard(outer[0], p.parts)
-            if dst[outer[0]] == len(p.parts) and len(set(p.parts)) == 1 and len(outer) > 1:
-                return Shard(outer[1]) if dst[outer[1]] % size == 0 else None
-            return None
+            return _split_equal_parts(p, [dst[d] for d in outer], outer, size)
         keeps_length = dst[outer[0]] == src[p.dim]  # the shard's layout is the input's: even or padded
         return Shard(outer[0]) if keeps_length or dst[outer[0]] % size == 0 else None
     return None
+
+
+def _split_equal_parts(p: InterleavedShard, sizes: list[int], outer: list[int], size: int) -> Placement | None:
+    """An interleaved dim of equal parts split into ``(runs, ...)``: each of the first dim's
+    entries holds whole parts, cut alike, along the next dim (tokens of every batch entry
+    tiled once per expert, ``[E * B * S] -> [E, B * S]``); None when the split cuts a part."""
+    part, count = p.parts[0], len(p.parts)
+    if len(set(p.parts)) != 1 or len(sizes) < 2 or count % sizes[0]:
+        return None
+    per_entry = count // sizes[0]
+    if per_entry == 1:
+        return Shard(outer[1]) if sizes[1] % size == 0 else None
+    return InterleavedShard(outer[1], p.parts[:per_entry]) if sizes[1] == per_entry * part else None
 
 
 def view_rule(node, ins, cur, env):
@@ -82,16 +95,21 @@ def expand_rule(node, ins, cur, env):
 
 def repeat_rule(node, ins, cur, env):
     """``x.repeat(*repeats)``, which tiles each dim (new ones in front): a shard stays where its
-    dim is tiled once, and is gathered where it is tiled more (a shard's tiles are not the
-    tiled whole's shard). LTX-Video's rotary grid of positions, ``grid.repeat(batch, 1, 1, 1)``."""
+    dim is tiled once (LTX-Video's rotary grid of positions, ``grid.repeat(batch, 1, 1, 1)``).
+    Tiled more, each tile holds this rank's parts: the shard's parts, once per tile (Llama 4's
+    tokens tiled once per expert, ``x.repeat(E, 1)``); a padded dim is gathered (its padding
+    would sit inside the tiles)."""
     p = resolve_partial(ins, cur, env)[0]
     if shard_dim(p) is None:
         return NodeSharding(p, (p,))
     repeats = arguments(node)["repeats"]
     offset = len(repeats) - tensor_val(ins[0]).dim()
-    if repeats[p.dim + offset] != 1:
-        return replicate_all(node, ins, [p], f"repeat {list(repeats)} along the sharded dim {p.dim}")
-    return NodeSharding(moved(p, p.dim + offset), (p,))
+    tiles, length = repeats[p.dim + offset], tensor_val(ins[0]).shape[p.dim]
+    if tiles == 1:
+        return NodeSharding(moved(p, p.dim + offset), (p,))
+    if env.padded(length):
+        return replicate_all(node, ins, [p], f"repeat {list(repeats)} along the padded dim {p.dim}")
+    return NodeSharding(InterleavedShard(p.dim + offset, parts_of(p, length) * tiles), (p,))
 
 
 def repeat_interleave_rule(node, ins, cur, env):
