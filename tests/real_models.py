@@ -167,6 +167,18 @@ def mpt():
     return MptForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def llama4():
+    """Experts run on every token (the tokens tiled once per expert, weighted by a sigmoid of the
+    top-1 router logit, zero elsewhere, through ``bmm`` with ``[E, in, out]`` weights and summed
+    back over the experts) beside a shared expert; chunked attention (a mask of 12-token chunks)."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    config = Llama4TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=128,
+                              num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+                              num_local_experts=4, num_experts_per_tok=1, attention_chunk_size=12,
+                              interleave_moe_layer_step=1, pad_token_id=0)
+    return Llama4ForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 def apertus():
     """An MLP with no gate whose activation is xIELU: a ``where`` between a square and an
     ``expm1`` branch, its two parameters through ``softplus``."""
@@ -302,4 +314,5 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
              "mixtral_batched_mm": mixtral_batched_mm, "mixtral_eager": mixtral_eager,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
-             "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus}
+             "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,
+             "llama4": llama4}

@@ -26,7 +26,7 @@ from tests import real_models, xm_gloo  # noqa: E402
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
             "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss",
-            "mpt", "apertus"}
+            "mpt", "apertus", "llama4"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -36,11 +36,11 @@ KV_HEADS = {"llama": 4, "qwen2": 2, "mistral": 4, "mistral_padded": 4, "modernbe
 EXPLAINED = [(name, "tp2-ulysses2") for name in MODELS + ["mistral_padded", "phi3", "wan", "sd3", "gemma2", "bloom",
                                                           "t5", "mixtral", "mixtral_batched_mm", "qwen2_moe",
                                                           "deepseek_v3_published", "gpt_oss",
-                                                          "gptj", "bert", "modernbert", "mpt", "apertus"]]
+                                                          "gptj", "bert", "modernbert", "mpt", "apertus", "llama4"]]
 # At tp2-ring2 the models whose attention the ring runs otherwise than Llama's (CI time: the others plan alike).
 EXPLAINED += [(name, "tp2-ring2") for name in ["llama", "mistral_padded", "flux", "gemma2", "bloom", "t5", "mixtral",
                                                "qwen2_moe", "deepseek_v3_published", "gpt_oss", "bert",
-                                               "modernbert", "mpt"]]
+                                               "modernbert", "mpt", "llama4"]]
 
 
 @pytest.mark.parametrize("name, mesh", [(name, MESHES[mesh]) for name, mesh in EXPLAINED],
@@ -130,13 +130,15 @@ RUNS = {
     # Masks that fill the lowest finite value where a padding hides keys (a left-padded batch's first rows see
     # none and attend to every key evenly): Gemma2's over Ulysses and (gathered) the ring, T5's around its bias.
     # MPT's ALiBi counted from the last key in the ring; Apertus' MLP, its xIELU activation a where of two branches.
+    # Llama 4's experts run on every token: cut over tp by their features, each rank's tokens tiled per expert over cp.
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
                              names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "gemma2_left_padded", "bloom",
                                              "t5", "t5_padded", "falcon", "mixtral", "mixtral_aux",
                                              "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "gpt_oss", "apertus"]),
         "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=["flux", "mistral_padded", "gemma2", "gemma2_left_padded",
                                                             "bloom", "t5", "t5_padded", "mixtral",
-                                                            "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "mpt"]),
+                                                            "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "mpt",
+                                                            "llama4"]),
         # Expert parallelism: the experts cut over cp, each rank's rows sent to them and back (the ring's zigzag
         # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them). GPT-OSS's
         # experts (per-row biases gathered by local expert ids at the experts) beside its sinks' ring attention.

@@ -441,13 +441,33 @@ def concatenated_features(linear: fx.Node) -> list[fx.Node] | None:
     return tensor_inputs(x)
 
 
+def is_batched_linear(node: fx.Node, ctx: ParallelContext) -> bool:
+    """Whether ``node`` is a product of ``[E, tokens, in]`` by a parameter ``[E, in, out]``: one
+    linear per expert, each run on every token (Llama 4's experts: the tokens tiled once per
+    expert, weighted by the router's scores, zero where an expert is not chosen)."""
+    if op_kind(node) != "matmul" or not _has_param_weight(node, ctx):
+        return False
+    weight, x = tensor_val(weight_param(node)[0]), tensor_val(arguments(node)["input"])
+    return weight.dim() == 3 and x is not None and x.dim() == 3
+
+
+def _projection_kind(node: fx.Node, ctx: ParallelContext) -> str | None:
+    """The op kind of the projections of an MLP site ``node`` may be the down projection of: a
+    parameter linear, or a batched one (``is_batched_linear``), whose up projections are too."""
+    if op_kind(node) == "linear" and _has_param_weight(node, ctx):
+        return "linear"
+    return "matmul" if is_batched_linear(node, ctx) else None
+
+
 def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]) -> list[MLPSite]:
     sites = []
     for node in gm.graph.nodes:
-        if not op_kind(node) == "linear" or node in taken or not _has_param_weight(node, ctx):
+        kind = _projection_kind(node, ctx)
+        if kind is None or node in taken:
             continue
         with at_node("detect", node):
-            ups, walked = find_producers(arguments(node)["input"], _INSIDE_MLP, ctx)
+            ups, walked = _walk([arguments(node)["input"]], _written_from, _INSIDE_MLP, kind)
+            ups = [up for up in ups if _projection_kind(up, ctx) == kind]
         activations = [n for n in walked if is_activation(n)]
         if ups and activations and not taken.intersection(ups):
             sites.append(MLPSite(f"mlp{len(sites)}", ups, node, activations))

@@ -17,7 +17,7 @@ from ..mesh import SPANS
 from ..errors import InvalidPlan, NotSupported
 from ..placements import InterleavedShard, Placement, Replicate, Shard, parts_of, shard_dim
 from .context import ParallelContext, at_node
-from .detect import AttentionSite, MoESite, concatenated_features, module_name, parts_major_split
+from .detect import AttentionSite, MoESite, concatenated_features, is_batched_linear, module_name, parts_major_split
 from .meta import NodeSharding, set_global_shape, set_sharding, shardings
 from .nodes import arguments, target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.core import RuleEnv, check_divisible, moved, replicate_all
@@ -116,7 +116,7 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
             ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {tensor_val(linear).shape[-1]} output features "
                      f"(parts {fused_parts(linear)}), not divisible by tp={tp}; the site stays replicated")
             return None
-        placements[linear] = p
+        placements[linear] = moved(p, 2) if is_batched_linear(linear, ctx) else p  # [E, in, out]: out
     for linear in site.rowwise:
         parts = tuple(tensor_val(x).shape[-1] for x in concatenated_features(linear) or ())
         in_features = parts or (tensor_val(arguments(linear)["input"]).shape[-1],)
