@@ -71,6 +71,33 @@ def test_detect_finds_gated_mlp_and_gqa_heads(fake_world):
     assert "lm_head.weight" not in {ctx.params[n.args[1].name].fqn for s in ctx.sites for n in s.colwise + s.rowwise}
 
 
+class _DenseExperts(nn.Module):
+    """Llama 4's experts: every token through every expert (``bmm`` by ``[E, in, out]`` weights),
+    summed back over the experts; and a lone product by an ``[E, in, out]`` parameter."""
+
+    def __init__(self, experts: int = 4, hidden: int = 16, inter: int = 8):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(experts, hidden, 2 * inter))
+        self.down = nn.Parameter(torch.randn(experts, inter, hidden))
+        self.lone = nn.Parameter(torch.randn(experts, hidden, hidden))
+
+    def forward(self, x):
+        tiled = x.repeat(self.gate_up.shape[0], 1).view(self.gate_up.shape[0], -1, x.shape[-1])
+        gate, up = torch.bmm(tiled, self.gate_up).chunk(2, dim=-1)
+        out = torch.bmm(up * F.silu(gate), self.down).sum(0)
+        return out + torch.bmm(tiled, self.lone).sum(0)
+
+
+def test_detect_reads_experts_run_on_every_token_as_an_mlp_of_batched_linears(fake_world):
+    _, ctx = plan_graph(_DenseExperts(), [torch.randn(6, 16)], tp=2)
+    mlp, = ctx.sites
+    assert isinstance(mlp, MLPSite)
+    assert [ctx.params[n.args[1].name].fqn for n in mlp.up + [mlp.down]] == ["gate_up", "down"]
+    placements = {ctx.params[name].fqn: p for name, p in ctx.param_placements.items()}
+    assert placements == {"gate_up": InterleavedShard(2, (8, 8)), "down": Shard(1)}
+    assert any(w.startswith("bmm_2: the batched product by lone is not read as part of an MLP") for w in ctx.warnings)
+
+
 def test_rewrite_splits_rowwise_bias_and_expands_gqa_kv(fake_world):
     _, ctx = plan_graph(models.GPTBlock(), [torch.randn(2, 8, 32)], tp=2,
                         passes=(capture_pass, detect_pass, rewrite_pass))

@@ -676,6 +676,17 @@ def warn_routing_leaving_graph(gm: fx.GraphModule, ctx: ParallelContext, experts
                      f"transformers' 'grouped_mm' or 'batched_mm' experts run sharded")
 
 
+def warn_batched_linears_outside_sites(gm: fx.GraphModule, ctx: ParallelContext) -> None:
+    """A product by an ``[E, in, out]`` parameter that no MLP site holds (no activation between
+    it and a second one): its weight stays whole on every rank; named, so that a report never
+    counts it parallel in silence."""
+    held = {n for site in ctx.sites for n in site.colwise + site.rowwise}
+    for node in (n for n in gm.graph.nodes if n not in held and is_batched_linear(n, ctx)):
+        ctx.warn(f"{node.name}: the batched product by {ctx.params[weight_param(node)[0].name].fqn} is not read as "
+                 f"part of an MLP (a product, an activation, a product): planned op by op, its weight whole on "
+                 f"every rank")
+
+
 def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Record sites in ``ctx.sites``; tag their nodes with their site role and each site
     linear with its weight's name (``meta.site_role``, ``meta.weight_name``)."""
@@ -685,6 +696,7 @@ def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     ctx.sites = attention + experts + find_mlp_sites(gm, ctx, taken)
     warn_experts_read_per_row(gm, ctx)
     warn_routing_leaving_graph(gm, ctx, experts)
+    warn_batched_linears_outside_sites(gm, ctx)
     for site in ctx.sites:
         roles = {"core": [site.core]} if isinstance(site, AttentionSite) else {}
         roles.update({"colwise": site.colwise, "rowwise": site.rowwise})
