@@ -448,6 +448,14 @@ def test_view_rule(src, dst, placement, expected):
     assert view_target(src, dst, placement, 4) == expected
 
 
+def test_a_zigzag_sequence_split_into_rows_is_cut_by_its_chunks():
+    """16 tokens unpatchified into a 4 x 4 grid (HunyuanVideo's output): over 4 ranks each
+    holds one row; in the zigzag layout (4 ranks, 8 chunks of 2 tokens) half rows, which no
+    shard of the grid is (before: planned as rows, and the local reshape failed)."""
+    assert view_target((2, 16, 16), (2, 1, 4, 4, 16), Shard(1), 4) == Shard(2)
+    assert view_target((2, 16, 16), (2, 1, 4, 4, 16), Shard(1), 8) is None
+
+
 def test_basic_index_keeps_whole_dims():
     assert _index_map((Ellipsis, slice(None, 4)), (2, 3, 5, 8)) == {0: 0, 1: 1, 2: 2}
     assert _index_map((Ellipsis, slice(None, 8)), (2, 3, 5, 8)) == {0: 0, 1: 1, 2: 2, 3: 3}  # whole

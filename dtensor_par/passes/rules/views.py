@@ -34,8 +34,9 @@ def _view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[
     return groups
 
 
-def view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, size: int) -> Placement | None:
-    """Placement of a view's output given its input's, or None when no shard survives."""
+def view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, pieces: int) -> Placement | None:
+    """Placement of a view's output given its input's, cut into ``pieces`` (ranks times the
+    chunks each holds: a zigzag sequence's two), or None when no shard survives."""
     for gi, gj in _view_groups(src, dst):
         if p.dim not in gi:
             continue
@@ -53,13 +54,13 @@ def view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, size: 
         if isinstance(p, InterleavedShard):
             if dst[outer[0]] == src[p.dim]:
                 return InterleavedShard(outer[0], p.parts)
-            return _split_equal_parts(p, [dst[d] for d in outer], outer, size)
+            return _split_equal_parts(p, [dst[d] for d in outer], outer, pieces)
         keeps_length = dst[outer[0]] == src[p.dim]  # the shard's layout is the input's: even or padded
-        return Shard(outer[0]) if keeps_length or dst[outer[0]] % size == 0 else None
+        return Shard(outer[0]) if keeps_length or dst[outer[0]] % pieces == 0 else None
     return None
 
 
-def _split_equal_parts(p: InterleavedShard, sizes: list[int], outer: list[int], size: int) -> Placement | None:
+def _split_equal_parts(p: InterleavedShard, sizes: list[int], outer: list[int], pieces: int) -> Placement | None:
     """An interleaved dim of equal parts split into ``(runs, ...)``: each of the first dim's
     entries holds whole parts, cut alike, along the next dim (tokens of every batch entry
     tiled once per expert, ``[E * B * S] -> [E, B * S]``); None when the split cuts a part."""
@@ -68,7 +69,7 @@ def _split_equal_parts(p: InterleavedShard, sizes: list[int], outer: list[int], 
         return None
     per_entry = count // sizes[0]
     if per_entry == 1:
-        return Shard(outer[1]) if sizes[1] % size == 0 else None
+        return Shard(outer[1]) if sizes[1] % pieces == 0 else None
     return InterleavedShard(outer[1], p.parts[:per_entry]) if sizes[1] == per_entry * part else None
 
 
@@ -77,7 +78,7 @@ def view_rule(node, ins, cur, env):
     if shard_dim(p) is None:
         return NodeSharding(p, tuple(cur))
     src, dst = tuple(tensor_val(ins[0]).shape), tuple(tensor_val(node).shape)
-    out = view_target(src, dst, p, env.size)
+    out = view_target(src, dst, p, env.size * env.chunks_per_rank)
     if out is not None and env.padded(src[p.dim]) and dst[out.dim] != src[p.dim]:
         out = None  # the padding sits at the end of the sharded dim, not of a merged one
     if out is None:
