@@ -48,6 +48,9 @@ CASES = {
     "mean_loss": (models.MeanLoss, lambda: [(torch.randn(2, 16, 32),)]),
     "conv1d": (models.Conv1DBlock, lambda: [(torch.randn(2, 16, 32),)]),
     "joint_attention": (models.JointBlock, lambda: [(torch.randn(2, 16, 32), torch.randn(2, 8, 32))]),
+    # the text's padding hidden: each rank's slices of text and image, the mask put in their order
+    "joint_attention_masked": (models.JointBlock,
+                               lambda: [(torch.randn(2, 16, 32), torch.randn(2, 8, 32), _keep(8))]),
     "complex_rope_pad": (models.ComplexRoPEAttention, lambda: [(torch.randn(2, 16, 32),)]),
     "qk_norm_across_heads": (models.CrossHeadQKNorm, lambda: [(torch.randn(2, 16, 32),)]),
     "flatten_tokens": (models.TokenMLP, lambda: [(torch.randn(2, 16, 32),)]),

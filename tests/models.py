@@ -318,8 +318,8 @@ class Conv1DBlock(nn.Module):
 
 
 class JointBlock(nn.Module):
-    """MMDiT joint attention: text and image tokens projected apart, attended together,
-    split back; then a single-stream block whose MLP runs beside attention and shares its
+    """MMDiT joint attention: text and image tokens projected apart, attended together (with
+    the text's padding hidden, if given), split back; then a single-stream block whose MLP runs beside attention and shares its
     out projection (Flux), and a fused qkv sliced by index with unequal parts (Phi-3, GQA)."""
 
     def __init__(self, hidden: int = 32, heads: int = 4, kv_heads: int = 2):
@@ -334,12 +334,15 @@ class JointBlock(nn.Module):
     def heads_of(self, t, n):
         return t.unflatten(-1, (n, self.head_dim)).transpose(1, 2)
 
-    def forward(self, img, txt):
+    def forward(self, img, txt, txt_keep=None):
         text = txt.shape[1]
         iq, ik, iv = self.img_qkv(img).chunk(3, dim=-1)
         tq, tk, tv = self.txt_qkv(txt).chunk(3, dim=-1)
         q, k, v = (self.heads_of(torch.cat([t, i], dim=1), self.heads) for t, i in ((tq, iq), (tk, ik), (tv, iv)))
-        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        mask = None  # text padding hidden from every query (QwenImage, HunyuanVideo)
+        if txt_keep is not None:
+            mask = torch.cat([txt_keep, txt_keep.new_ones(img.shape[:2])], dim=1)[:, None, None, :]
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
         t_out, i_out = a.split([text, a.shape[1] - text], dim=1)
         x = torch.cat([txt + self.txt_out(t_out), img + self.img_out(i_out)], dim=1)
         qkv = self.qkv(x)

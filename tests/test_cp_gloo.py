@@ -20,7 +20,8 @@ PAIRS = {
     # Sequence length 30 in 8 chunks (zigzag over ring=2, split by ulysses=2): padded to 32.
     "ring2-ulysses2": dict(mesh_sizes={"ring": 2, "ulysses": 2}, traced=["uneven_seq_30", "uneven_seq_30_masked"],
                            names=["keyword_sdpa_scale", "uneven_seq_30", "uneven_seq_30_masked",
-                                  "uneven_seq_30_bidirectional", "uneven_seq_30_pooling", "mean_loss"]),
+                                  "uneven_seq_30_bidirectional", "uneven_seq_30_pooling", "mean_loss",
+                                  "joint_attention_masked"]),
 }
 """Each pair of mesh dims at world 4: label -> the mesh, the cases, and those ``traced`` through
 AOTAutograd (``aot_eager``): the ones whose local graphs hold the inserted ops of the pair (the

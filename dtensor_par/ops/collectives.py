@@ -78,6 +78,25 @@ def shard_positions(length: int, mesh_dim: MeshDim) -> torch.Tensor:
     return (torch.arange(laid_out) if order is None else order).view(mesh_dim.size, -1)[mesh_dim.rank]
 
 
+def _rank_positions(length: int, mesh_dim: MeshDim) -> torch.Tensor:
+    """``[ranks, rows]``: the global positions each rank holds of an unpadded dim of ``length``."""
+    order = _sequence_index(length, mesh_dim)
+    return (torch.arange(length) if order is None else order).view(mesh_dim.size, -1)
+
+
+def joint_order(parts: tuple[int, ...], mesh_dim: MeshDim) -> torch.Tensor:
+    """For a joint sequence (text and image tokens) whose parts are each sharded over
+    ``mesh_dim`` on their own and concatenated per rank: the global position of each position
+    of one plain sequence of their total length laid out alike (``order[believed] = held``).
+    A mask of the joint sequence indexed by it is the mask of the sequence the ranks hold, read
+    as a plain one."""
+    offsets = [sum(parts[:i]) for i in range(len(parts))]
+    held = torch.cat([offset + _rank_positions(part, mesh_dim) for offset, part in zip(offsets, parts)], dim=1)
+    order = torch.empty(sum(parts), dtype=torch.long)
+    order[_rank_positions(sum(parts), mesh_dim).flatten()] = held.flatten()
+    return order
+
+
 def _pad(x: torch.Tensor, dim: int, length: int, *, edge: bool) -> torch.Tensor:
     """``x`` padded at the end of ``dim`` to ``length``.
 

@@ -11,8 +11,10 @@ import torch.nn.functional as F
 from ...mesh import MeshInfo
 from ...ops.attention import hybrid_attention
 from ...ops.cache_attention import cached_attention
+from ...ops.collectives import joint_order
 from ...placements import InterleavedShard, Shard, local_shape_on
 from ...symbolic import hint
+from ..capture import with_val
 from ..meta import Communication, NodeSharding, set_communications, shardings
 from ..nodes import arguments, tensor_val
 from .core import R, replicate_all, resolve_partial
@@ -51,17 +53,19 @@ def hybrid_attention_rule(node, ins, cur, env):
     mask is whole (each ring block takes its rows and columns).
 
     A joint sequence (text and image tokens, each sharded on its own and concatenated per
-    rank) stays as it is when nothing depends on token order (no mask, not causal): every
-    rank then holds its slice of each part, and attention over a permuted sequence is the
-    same attention, permuted alike.
+    rank) stays as it is when only a mask depends on token order (not causal, no window, bias
+    or sinks): every rank then holds its slice of each part, attention over a permuted sequence
+    is the same attention permuted alike, and the mask is permuted to the order the ranks hold
+    (``localize_joint_mask``).
     """
     if env.dim != "cp":
         return sdpa_rule(node, ins, cur, env)
     seq_dim = tensor_val(ins[0]).dim() - 2
-    joint = cur[0]
+    joint, given = cur[0], arguments(node)
+    masked_only = len(ins) == 3 or (len(ins) == 4 and ins[3] is given["attn_mask"])
     if (isinstance(joint, InterleavedShard) and joint.dim == seq_dim and cur[1] == joint and cur[2] == joint
-            and len(ins) == 3 and not arguments(node)["is_causal"]):
-        return NodeSharding(joint, (joint, joint, joint))
+            and masked_only and not given["is_causal"] and given.get("window") is None):
+        return NodeSharding(joint, (joint, joint, joint) + (R,) * (len(ins) - 3))
     seq = Shard(seq_dim)
     return NodeSharding(seq, (seq, seq, seq) + (R,) * (len(ins) - 3))
 
@@ -84,8 +88,26 @@ def localize_cached_attention(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo)
                               for nbytes in (rows * q.shape[-1] * q.element_size(), rows * 4)])
 
 
+def localize_joint_mask(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """The mask of attention over a joint sequence, its query and key dims indexed into the
+    order the ranks hold the sequence in (``collectives.joint_order``): hybrid attention
+    reads it as the mask of a plain sequence shard."""
+    joint, mask = shardings(node)["cp"].out if "cp" in shardings(node) else None, arguments(node).get("attn_mask")
+    if not isinstance(joint, InterleavedShard) or mask is None:
+        return
+    order = joint_order(joint.parts, mesh.dims["cp"])
+    graph, value = gm.graph, tensor_val(mask)
+    with graph.inserting_before(node):
+        index = with_val(graph.call_method("new_tensor", (mask, order.tolist()), {"dtype": torch.long}), order)
+        for dim in (-1, -2):
+            if value.shape[dim] == len(order):  # a permutation: the value's shape and dtype
+                mask = with_val(graph.call_method("index_select", (mask, dim, index)), value)
+    node.update_kwarg("attn_mask", mask)
+
+
 register("sdpa", "attention", sdpa_rule,
          functions=[torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention])
-register("hybrid_attention", "attention", hybrid_attention_rule, functions=[hybrid_attention])
+register("hybrid_attention", "attention", hybrid_attention_rule, functions=[hybrid_attention],
+         localize=localize_joint_mask)
 register("cached_attention", "attention", cached_attention_rule, functions=[cached_attention],
          localize=localize_cached_attention)
