@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import dtensor_par
@@ -78,6 +79,29 @@ def test_sequence_shorter_than_cp(fake_world):
     with pytest.raises(ValueError, match=r"attention 'a' has sequence length 3 \(keys 3\), shorter than mesh dims "
                                          r"'ring' x 'ulysses' = 2 x 2 = 4"):
         compiled(torch.randn(2, 3, 32))
+
+
+class _PooledText(torch.nn.Module):
+    """Text tokens pooled by one query, their mean (Mochi's attention pool), before a block."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = models.GPTBlock()
+
+    def forward(self, x, text):
+        heads = lambda t: t.unflatten(-1, (4, 8)).transpose(1, 2)  # noqa: E731
+        pooled = F.scaled_dot_product_attention(heads(text.mean(1, keepdim=True)), heads(text), heads(text))
+        return self.block(x + pooled.transpose(1, 2).flatten(2))
+
+
+def test_attention_fewer_than_cp_on_one_side_runs_whole_beside_the_sequence(fake_world):
+    """One query against the text (a pool) is no sequence the ranks share: it runs whole, named
+    in a warning, and the block beside it runs over cp (a self-attention of 3 tokens is refused)."""
+    report = dtensor_par.explain(_PooledText(), (torch.randn(2, 8, 32), torch.randn(2, 6, 32)), ulysses=4)
+    graph, = report.graphs
+    assert any("attention over 1 query rows and 6 keys, fewer than the 4 cp ranks on one side, runs on the gathered "
+               "sequence" in w for w in graph.warnings), graph.warnings
+    assert any("hybrid_attention" in site for site in graph.sites), graph.sites
 
 
 def test_local_output_of_a_padded_sequence_is_refused(fake_world):

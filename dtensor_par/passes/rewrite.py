@@ -283,6 +283,19 @@ def _gathered_reason(attention: dict, ring: int) -> str | None:
     return None
 
 
+def _short_side(attention: dict, ctx: ParallelContext) -> str | None:
+    """Why an attention whose queries or keys are fewer than cp has ranks, and not the other,
+    runs whole: a pooling query (Mochi's text pooled by one query) or a short context is no
+    sequence the ranks share. A self-attention over too short a sequence, or a decode step
+    against a kv cache, is refused by ``_sequence_lengths``."""
+    cp = ctx.mesh.size("cp")
+    q_len, kv_len = (tensor_val(attention[name]).shape[-2] for name in ("query", "key"))
+    if is_symbolic(q_len) or is_symbolic(kv_len) or min(q_len, kv_len) >= cp or q_len == kv_len \
+            or ctx.cache_outputs or ctx.cache_inputs:
+        return None
+    return f"attention over {q_len} query rows and {kv_len} keys, fewer than the {cp} cp ranks on one side,"
+
+
 def _positional(site: AttentionSite, attention: dict) -> dict:
     """Hybrid attention's ``window`` and ``key_padding`` when the mask is built from positions
     (``positional_mask``); the mask then goes from ``attention``, which becomes causal."""
@@ -358,7 +371,7 @@ def to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, attention: dict
     ``hybrid_attention`` over the cp mesh dims."""
     mesh, core = ctx.mesh, site.core
     bias = bias or _split_position_bias(attention)
-    reason = _gathered_reason(attention, mesh.size("ring"))
+    reason = _gathered_reason(attention, mesh.size("ring")) or _short_side(attention, ctx)
     if reason is not None:
         ctx.warn(f"{site.name} ({core.name}): {reason} runs on the gathered sequence (mesh dims 'ring' x 'ulysses' "
                  f"= {mesh.size('cp')})")
