@@ -14,7 +14,6 @@ from ...ops.cache_attention import cached_attention
 from ...ops.collectives import joint_order
 from ...placements import InterleavedShard, Shard, local_shape_on
 from ...symbolic import hint
-from ..capture import with_val
 from ..meta import Communication, NodeSharding, set_communications, shardings
 from ..nodes import arguments, tensor_val
 from .core import R, replicate_all, resolve_partial
@@ -96,12 +95,14 @@ def localize_joint_mask(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> No
     if not isinstance(joint, InterleavedShard) or mask is None:
         return
     order = joint_order(joint.parts, mesh.dims["cp"])
-    graph, value = gm.graph, tensor_val(mask)
+    graph, meta = gm.graph, dict(mask.meta)  # a permutation: the mask's shape, dtype and needs
     with graph.inserting_before(node):
-        index = with_val(graph.call_method("new_tensor", (mask, order.tolist()), {"dtype": torch.long}), order)
+        index = graph.call_method("new_tensor", (mask, order.tolist()), {"dtype": torch.long})
+        index.meta = {**meta, "val": order}
         for dim in (-1, -2):
-            if value.shape[dim] == len(order):  # a permutation: the value's shape and dtype
-                mask = with_val(graph.call_method("index_select", (mask, dim, index)), value)
+            if meta["val"].shape[dim] == len(order):
+                mask = graph.call_method("index_select", (mask, dim, index))
+                mask.meta = dict(meta)
     node.update_kwarg("attn_mask", mask)
 
 
