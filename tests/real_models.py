@@ -309,10 +309,23 @@ def gpt_oss():
     return model, (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def mochi():
+    """Mochi's transformer: its attention selects each sample's valid text tokens by ``nonzero``,
+    a break Dynamo meets inside inlined calls, where it cannot split the frames: it runs them
+    eagerly and compiles the calls they make, frame by frame."""
+    from diffusers import MochiTransformer3DModel
+    model = MochiTransformer3DModel(patch_size=2, num_attention_heads=4, attention_head_dim=16, num_layers=1,
+                                    pooled_projection_dim=16, in_channels=4, text_embed_dim=16, time_embed_dim=16,
+                                    max_sequence_length=8)
+    return model, (), dict(hidden_states=torch.randn(BATCH, 4, 2, 8, 8), encoder_hidden_states=torch.randn(BATCH, 8, 16),
+                           timestep=torch.tensor([10, 500]), encoder_attention_mask=torch.ones(BATCH, 8),
+                           return_dict=False)
+
+
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
              "flux": flux, "phi3": phi3, "gptj": gptj, "bert": bert, "modernbert": modernbert, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
              "mixtral_batched_mm": mixtral_batched_mm, "mixtral_eager": mixtral_eager,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,
-             "llama4": llama4}
+             "llama4": llama4, "mochi": mochi}

@@ -327,6 +327,17 @@ def test_a_decode_step_against_a_cache_no_cp_prefill_cut_is_refused_saying_what_
         parallelize_graph(gm, inputs, MeshInfo.for_planning({"ring": 2}, "cpu"), passes=PLANNING_PASSES)
 
 
+def test_a_model_whose_frames_dynamo_runs_eagerly_is_refused_by_explain():
+    """Mochi's graph breaks where Dynamo cannot split the frame: the frames around the break run
+    eagerly, each call they make compiled on its own (counted as unimplemented, not as a break).
+    ``explain`` refuses it as a graph break (before: it reported the first inner graph, the time
+    embedding, as if it were the model)."""
+    model, args, kwargs = real_models.mochi()
+    with pytest.raises(NotImplementedError, match=r"MochiTransformer3DModel: Dynamo breaks its graph \(Dynamic shape "
+                                                  r"operator"):
+        dtensor_par.explain(model, args, example_kwargs=kwargs, ulysses=2)
+
+
 def test_attention_with_sinks_is_a_site_sharded_on_heads():
     """At tp2 GPT-OSS's attention, sinks and all, is a site whose heads tp shards: its softmax is
     named in no warning (before: "not read as attention", its heads whole)."""
