@@ -140,7 +140,7 @@ def _written_out(q, k, v, *, attn_mask, is_causal, scale, enable_gqa, softcap, s
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
-        attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
     if sinks is not None:
@@ -411,13 +411,8 @@ def _blocks_by_hand(q, k, v, mask, *, causal: bool, groups: int, blocks: int):
 def _reference(q, k, v, mask, grad_out, *, causal: bool, groups: int):
     """The same attention in float64, op by op, and its gradients by autograd."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    scores = q @ k.repeat_interleave(groups, 1).transpose(-2, -1) * q.shape[-1] ** -0.5
-    if causal:
-        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
-                                    float("-inf"))
-    if mask is not None:
-        scores = scores + mask.double()
-    out = scores.softmax(-1) @ v.repeat_interleave(groups, 1)
+    out = _written_out(q, k, v, attn_mask=None if mask is None else mask.double(), is_causal=causal, scale=None,
+                       enable_gqa=groups > 1, softcap=None)
     return out, torch.autograd.grad((out * grad_out.double()).sum(), (q, k, v))
 
 

@@ -70,23 +70,21 @@ def _laid_out_length(length: int, mesh_dim: MeshDim) -> int:
     return mesh_dim.size * shard_length(length, mesh_dim.size, mesh_dim.chunks_per_rank)
 
 
+def _rank_positions(laid_out: int, mesh_dim: MeshDim) -> torch.Tensor:
+    """``[ranks, rows]``: the global positions each rank holds of a dim laid out ``laid_out`` long."""
+    order = _sequence_index(laid_out, mesh_dim)
+    return (torch.arange(laid_out) if order is None else order).view(mesh_dim.size, -1)
+
+
 def shard_positions(length: int, mesh_dim: MeshDim) -> torch.Tensor:
     """The global position of each row this rank holds of a dim of ``length`` sharded over
     ``mesh_dim``, in local order; the padding that evens out a sequence sits at ``>= length``."""
-    laid_out = _laid_out_length(length, mesh_dim)
-    order = _sequence_index(laid_out, mesh_dim)
-    return (torch.arange(laid_out) if order is None else order).view(mesh_dim.size, -1)[mesh_dim.rank]
-
-
-def _rank_positions(length: int, mesh_dim: MeshDim) -> torch.Tensor:
-    """``[ranks, rows]``: the global positions each rank holds of an unpadded dim of ``length``."""
-    order = _sequence_index(length, mesh_dim)
-    return (torch.arange(length) if order is None else order).view(mesh_dim.size, -1)
+    return _rank_positions(_laid_out_length(length, mesh_dim), mesh_dim)[mesh_dim.rank]
 
 
 def joint_order(parts: tuple[int, ...], mesh_dim: MeshDim) -> torch.Tensor:
     """For a joint sequence (text and image tokens) whose parts are each sharded over
-    ``mesh_dim`` on their own and concatenated per rank: the global position of each position
+    ``mesh_dim`` on their own (unpadded) and concatenated per rank: the global position of each position
     of one plain sequence of their total length laid out alike (``order[believed] = held``).
     A mask of the joint sequence indexed by it is the mask of the sequence the ranks hold, read
     as a plain one."""

@@ -48,6 +48,13 @@ class _Captured(BaseException):
     and carry on eagerly."""
 
 
+def _breaks() -> Counter:
+    """Dynamo's graph breaks so far, by reason. A break where it cannot split the frame (inside
+    an inlined call) makes it run the whole frame eagerly and compile the calls it makes:
+    counted as unimplemented, not as a break."""
+    return Counter(counters["graph_break"]) + Counter(counters["unimplemented"])
+
+
 def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **example_kwargs) -> list[tuple]:
     """The (graph, example inputs) pairs Dynamo hands a backend for ``model(*example_inputs, **example_kwargs)``.
 
@@ -74,15 +81,13 @@ def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **exampl
     if isinstance(model, torch.nn.Module) and type(model).__call__ is not torch.nn.Module.__call__:
         call = types.MethodType(torch.nn.Module.__call__, model)  # a parallel-decorated class: not its own __call__
     torch._dynamo.reset()
-    # A break where Dynamo cannot split the frame (inside an inlined call) makes it run the whole
-    # frame eagerly and compile the calls it makes: counted as unimplemented, not as a break.
-    breaks = Counter(counters["graph_break"]) + Counter(counters["unimplemented"])
+    breaks = _breaks()
     try:
         torch.compile(call, backend=record, dynamic=dynamic)(*example_inputs, **example_kwargs)
     except _Captured:
         pass
     finally:
-        new_breaks = list((Counter(counters["graph_break"]) + Counter(counters["unimplemented"]) - breaks).keys())
+        new_breaks = list((_breaks() - breaks).keys())
         torch._dynamo.reset()
     if new_breaks:
         raise NotImplementedError(

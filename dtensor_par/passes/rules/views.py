@@ -54,23 +54,24 @@ def view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, pieces
         if isinstance(p, InterleavedShard):
             if dst[outer[0]] == src[p.dim]:
                 return InterleavedShard(outer[0], p.parts)
-            return _split_equal_parts(p, [dst[d] for d in outer], outer, pieces)
+            return _split_equal_parts(p, dst, outer, pieces)
         keeps_length = dst[outer[0]] == src[p.dim]  # the shard's layout is the input's: even or padded
         return Shard(outer[0]) if keeps_length or dst[outer[0]] % pieces == 0 else None
     return None
 
 
-def _split_equal_parts(p: InterleavedShard, sizes: list[int], outer: list[int], pieces: int) -> Placement | None:
-    """An interleaved dim of equal parts split into ``(runs, ...)``: each of the first dim's
-    entries holds whole parts, cut alike, along the next dim (tokens of every batch entry
-    tiled once per expert, ``[E * B * S] -> [E, B * S]``); None when the split cuts a part."""
+def _split_equal_parts(p: InterleavedShard, dst: tuple[int, ...], outer: list[int], pieces: int) -> Placement | None:
+    """An interleaved dim of equal parts split into the ``outer`` dims of ``dst``, ``(runs, ...)``:
+    each of the first dim's entries holds whole parts, cut alike, along the next dim (tokens of
+    every batch entry tiled once per expert, ``[E * B * S] -> [E, B * S]``); None when the split
+    cuts a part."""
     part, count = p.parts[0], len(p.parts)
-    if len(set(p.parts)) != 1 or len(sizes) < 2 or count % sizes[0]:
+    if len(set(p.parts)) != 1 or len(outer) < 2 or count % dst[outer[0]]:
         return None
-    per_entry = count // sizes[0]
+    per_entry, runs = count // dst[outer[0]], dst[outer[1]]
     if per_entry == 1:
-        return Shard(outer[1]) if sizes[1] % pieces == 0 else None
-    return InterleavedShard(outer[1], p.parts[:per_entry]) if sizes[1] == per_entry * part else None
+        return Shard(outer[1]) if runs % pieces == 0 else None
+    return InterleavedShard(outer[1], p.parts[:per_entry]) if runs == per_entry * part else None
 
 
 def view_rule(node, ins, cur, env):
