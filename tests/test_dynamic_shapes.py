@@ -181,21 +181,17 @@ def forward(self, s77 : torch.SymInt, s27 : torch.SymInt, L_x_ : torch.Tensor, L
     linear = torch._C._nn.linear(grad_all_reduce_2, getitem_10, getitem_11);  grad_all_reduce_2 = getitem_10 = getitem_11 = None
     chunk = linear.chunk(3, dim = -1);  linear = None
     q = chunk[0]
-    sequence_start = dtensor_par_passes_rules_views_sequence_start(q);  q = None
     k = chunk[1]
-    sequence_start_1 = dtensor_par_passes_rules_views_sequence_start(k);  k = None
     v = chunk[2];  chunk = None
-    sequence_start_2 = dtensor_par_passes_rules_views_sequence_start(v);  v = None
-    reshape_1 = sequence_start.reshape(s77, mul_1, 2, 4);  sequence_start = None
+    reshape_1 = q.reshape(s77, mul_1, 2, 4);  q = None
     q_1 = reshape_1.transpose(1, 2);  reshape_1 = None
-    reshape_2 = sequence_start_1.reshape(s77, mul_1, 2, 4);  sequence_start_1 = None
+    reshape_2 = k.reshape(s77, mul_1, 2, 4);  k = None
     k_1 = reshape_2.transpose(1, 2);  reshape_2 = None
-    reshape_3 = sequence_start_2.reshape(s77, mul_1, 2, 4);  sequence_start_2 = None
+    reshape_3 = v.reshape(s77, mul_1, 2, 4);  v = None
     v_1 = reshape_3.transpose(1, 2);  reshape_3 = None
     hybrid_attention = dtensor_par_ops_attention_hybrid_attention(q_1, k_1, v_1, attn_mask = None, is_causal = True, scale = None, enable_gqa = False, ulysses = dtensor_par_mesh_MeshDim('ulysses', 2, 0, '5', ((0, 2), (1, 3)), 0, 0), ring = dtensor_par_mesh_MeshDim('ring', 1, 0, None, ((0,), (1,), (2,), (3,)), 0, 0), ulysses_impl = 'all_to_all', kv_len = s27);  q_1 = k_1 = v_1 = None
     transpose_3 = hybrid_attention.transpose(1, 2);  hybrid_attention = None
-    sequence_start_3 = dtensor_par_passes_rules_views_sequence_start(transpose_3);  transpose_3 = None
-    reshape_4 = sequence_start_3.reshape(s77, mul_1, 8);  sequence_start_3 = s77 = mul_1 = None
+    reshape_4 = transpose_3.reshape(s77, mul_1, 8);  transpose_3 = s77 = mul_1 = None
     linear_1 = torch._C._nn.linear(reshape_4, getitem_9);  reshape_4 = getitem_9 = None
     all_reduce = dtensor_par_ops_collectives_all_reduce(linear_1, dtensor_par_mesh_MeshDim('tp', 2, 0, '7', ((0, 1), (2, 3)), 0, 0));  linear_1 = None
     add = all_reduce + getitem_8;  all_reduce = getitem_8 = None

@@ -180,6 +180,54 @@ def test_sequence_pass_shards_sequence_inputs_and_cuts_sequences_made_inside():
     assert ctx.sequence_placements == {}  # without cp it does nothing
 
 
+class RotaryTable(nn.Module):
+    """Rotary angles read from a table of every position's pairs, as wide (8 pairs) as the
+    sequence is long: QwenImage's complex ``[positions, pairs]``, or its real pairs
+    ``[positions, pairs, 2]``."""
+
+    def __init__(self, hidden: int = 32, heads: int = 2):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x, table):
+        b, s, h = x.shape
+        freqs = (table if table.is_complex() else torch.view_as_complex(table))[:s, None]
+        q, k, v = (t.view(b, s, self.heads, -1) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k = (torch.view_as_real(torch.view_as_complex(t.reshape(b, s, self.heads, -1, 2)) * freqs).flatten(3)
+                for t in (q, k))
+        a = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+        return x + self.out(a.transpose(1, 2).reshape(b, s, h))
+
+
+class PatchesByView(nn.Module):
+    """AuraFlow's patches: ``[B, C, H, W]`` viewed into 2 x 2 patches and flattened to
+    ``[B, tokens, C x 4]``, embedded by a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.block = nn.Linear(32, 32), models.GPTBlock()
+
+    def forward(self, pixels, positions):
+        b, c, h, w = pixels.shape
+        patches = pixels.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).flatten(3).flatten(1, 2)
+        return self.block(self.embed(patches) + positions)
+
+
+def test_sequence_candidates_are_traced_to_the_attention_sequence():
+    """A size proposes a sequence; the trace of its cut decides: a rotary table as wide as the
+    sequence is long stays whole (complex, or real pairs whose cut meets the sequence's on
+    q's head dim), and patches as many as their features (``[2, 32, 32]``) are cut where they
+    are made."""
+    angles = torch.outer(torch.arange(64.0), torch.arange(8.0) / 8)
+    table = torch.polar(torch.ones_like(angles), angles)  # [64, 8]: 8 pairs for 8 tokens
+    for spelling in (table, torch.view_as_real(table)):
+        _, ctx = _passes_on(RotaryTable(), [torch.randn(2, 8, 32), spelling], SEQUENCE_PASSES, ring=2)
+        assert ctx.sequence_placements == {"l_x_": Shard(1)}, (spelling.shape, ctx.sequence_placements)
+    gm, _ = _passes_on(PatchesByView(), [torch.randn(2, 8, 8, 16), torch.randn(32, 32)], SEQUENCE_PASSES, ulysses=2)
+    (start,) = [n for n in gm.graph.nodes if n.target is sequence_start]
+    assert list(tensor_val(start).shape) == [2, 32, 32] and start.args[0].target == "flatten", start.args
+
+
 BATCH_PASSES = PASSES[:PASSES.index(batch_pass) + 1]
 
 

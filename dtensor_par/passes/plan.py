@@ -298,13 +298,17 @@ def traced_cuts(gm: fx.GraphModule, ctx: ParallelContext, dim: str, seeds: dict[
                 ) -> dict[fx.Node, Placement | tuple]:
     """Where ``seeds`` alone take their cuts on mesh dim ``dim``, by the rules the plan runs but
     without planning the graph: each node they reach that is not whole, and its placement
-    (``batch_pass`` asks which inputs' cuts reach the sites' batch). A node whose rule refuses
-    the cut is taken as gathered."""
+    (``batch_pass`` asks which inputs' cuts reach the sites' batch, ``sequence_pass`` which reach
+    the attention's sequence). A seed may be any node, an input or one the graph computes. A node
+    whose rule refuses the cut is taken as gathered."""
     mesh_dim = next(d for d in ctx.mesh.plan_dims if d.name == dim)
     env = _TracedEnv(dim, mesh_dim.size, seeds, False, mesh_dim.chunks_per_rank)
     dispatch = dispatch_regions(ctx)
     for node in gm.graph.nodes:
-        if node.name not in seeds and not any(i in env.traced for i in node.all_input_nodes):
+        if node.name in seeds:
+            env.traced[node] = seeds[node.name]
+            continue
+        if not any(i in env.traced for i in node.all_input_nodes):
             continue
         with at_node(f"tracing cuts on {dim!r}", node):
             try:

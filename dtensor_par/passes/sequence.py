@@ -4,18 +4,26 @@ Graph inputs shaped like the sequence that hybrid attention runs over (or a part
 one) arrive sharded along it: the runtime slices them, no communication. Sequences made
 inside the graph are cut where they are made (``sequence_start``). The plan then carries
 these placements through every node (``plan_pass``).
+
+A length only proposes a candidate; which ones hold the sequence is traced, not guessed from
+sizes: each one's cut, carried by the plan's own rules (``plan.traced_cuts``), must reach
+attention's q, k or v along their sequence, or reach no attention without meeting the
+sequence on another dim (``traced_sequences``).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
-from ..placements import Placement, Shard
+from ..placements import Shard, shard_dim
 from ..symbolic import same_size
+from .batch import Carrier
 from .capture import with_val
 from .context import ParallelContext, at_node
 from .detect import TO_ATTENTION, AttentionSite, find_producers
 from .nodes import arguments, tensor_inputs, tensor_val
+from .plan import traced_cuts
 from .rules.indexing import cat_dim
 from .rules.registry import op_kind
 from .rules.views import sequence_start
@@ -37,19 +45,55 @@ def sequence_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
                  "shard nothing")
         return gm
     masks = mask_only_nodes(gm)
-    ctx.sequence_placements = sequence_input_placements(gm, ctx, lengths, masks)
-    mark_sequence_starts(gm, lengths, masks | made_of_parameters(gm, ctx))
+    inputs = sequence_inputs(gm, ctx, lengths, masks)
+    starts = sequence_start_candidates(gm, lengths, masks | made_of_parameters(gm, ctx))
+    cut = traced_sequences(gm, ctx, inputs + starts)
+    ctx.sequence_placements = {node.name: Shard(1) for node in inputs if node in cut}
+    mark_sequence_starts(gm, [node for node in starts if node in cut])
     gm.recompile()
     return gm
 
 
-def sequence_input_placements(gm: fx.GraphModule, ctx: ParallelContext, lengths: list[int],
-                              masks: set[fx.Node]) -> dict[str, Placement]:
-    """Graph inputs sharded along the sequence over cp: sequence-shaped ones whose dim 1 has
-    one of the ``lengths``, except parameters and inputs that only build attention masks."""
-    return {node.name: Shard(1) for node in gm.graph.nodes
+def sequence_inputs(gm: fx.GraphModule, ctx: ParallelContext, lengths: list[int], masks: set[fx.Node]) -> list[fx.Node]:
+    """Graph inputs that may hold the sequence: sequence-shaped ones whose dim 1 has one of the
+    ``lengths``, except parameters, kv caches and inputs that only build attention masks."""
+    return [node for node in gm.graph.nodes
             if node.op == "placeholder" and node.name not in ctx.params and node.name not in ctx.cache_inputs
-            and node not in masks and _is_sequence(tensor_val(node), lengths)}
+            and node not in masks and _is_sequence(tensor_val(node), lengths)]
+
+
+def sequence_carriers(ctx: ParallelContext) -> list[Carrier]:
+    """q, k and v of each attention that runs sequence-parallel, along their sequence dim."""
+    carriers = []
+    for site in ctx.sites:
+        if isinstance(site, AttentionSite) and op_kind(site.core) == "hybrid_attention":
+            given = arguments(site.core)
+            carriers += [Carrier(site.name, given[x], tensor_val(given[x]).dim() - 2) for x in ("q", "k", "v")]
+    return carriers
+
+
+def traced_sequences(gm: fx.GraphModule, ctx: ParallelContext, candidates: list[fx.Node]) -> set[fx.Node]:
+    """The candidates that hold the sequence, told by tracing each one's cut along dim 1 with the
+    plan's rules: one that reaches an attention's q, k or v along its sequence does; one that
+    reaches them only on other dims does not (its length merely equals a sequence's); one that
+    reaches no attention (labels for a loss) does unless its cut meets a sequence's on another
+    dim of some node (a rotary table as wide as the text is long, cut along its pairs), or it
+    is made inside the graph with a dim of its length besides dim 1 (hidden size = tokens)."""
+    carriers = sequence_carriers(ctx)
+    traces = {node: traced_cuts(gm, ctx, "cp", {node.name: Shard(1)}) for node in candidates}
+    reached = {node: [shard_dim(cuts[c.node]) == c.dim for c in carriers if shard_dim(cuts.get(c.node)) is not None]
+               for node, cuts in traces.items()}
+    sequence_dims = {n: shard_dim(p) for node, cuts in traces.items() if any(reached[node])
+                     for n, p in cuts.items() if shard_dim(p) is not None}
+
+    def holds_sequence(node: fx.Node) -> bool:
+        if reached[node]:
+            return any(reached[node])
+        meets_another = any(sequence_dims.get(n, shard_dim(p)) != shard_dim(p) for n, p in traces[node].items())
+        val = tensor_val(node)
+        ambiguous = node.op != "placeholder" and any(same_size(val.shape[1], n) for n in val.shape[2:])
+        return not meets_another and not ambiguous
+    return {node for node in candidates if holds_sequence(node)}
 
 
 def mask_only_nodes(gm: fx.GraphModule) -> set[fx.Node]:
@@ -96,35 +140,42 @@ def sequence_lengths(site: AttentionSite, ctx: ParallelContext) -> list[int]:
 
 def _sequence_shaped(val) -> bool:
     """``[batch, seq, ...]`` activations, or ``[batch, seq]`` token ids or positions (integers:
-    a float ``[batch, features]`` input, a pooled embedding, is no sequence)."""
-    return val.dim() >= 3 or (val.dim() == 2 and not val.is_floating_point())
+    a float ``[batch, features]`` input, a pooled embedding, or a complex rotary table
+    ``[positions, pairs]`` is no sequence)."""
+    return val.dim() >= 3 or (val.dim() == 2 and not (val.is_floating_point() or val.is_complex()))
 
 
 def _is_sequence(val, lengths: list[int]) -> bool:
     return val is not None and _sequence_shaped(val) and any(same_size(val.shape[1], n) for n in lengths)
 
 
-def mark_sequence_starts(gm: fx.GraphModule, lengths: list[int], whole: set[fx.Node]) -> None:
+def sequence_start_candidates(gm: fx.GraphModule, lengths: list[int], whole: set[fx.Node]) -> list[fx.Node]:
     """Activations made inside the graph (a patch embedding's tokens, transposed out of a conv)
-    are cut over cp where they are made, as an input sequence is, so the ops after them run on
-    shards too, not only the attention: a ``sequence_start`` after each floating-point
-    sequence-shaped node none of whose inputs is one, unless it stays ``whole`` (masks, weights).
-    Positions stay whole: masks are built from them. A node whose dim 1 has the length of
-    another of its dims too (hidden size = tokens) is ambiguous and left to the attention."""
-    def starts_sequence(node: fx.Node) -> bool:
+    that may start a sequence: each floating-point sequence-shaped node none of whose inputs
+    holds one (nor is attention's output), unless it stays ``whole`` (masks, weights).
+    Positions stay whole: masks are built from them."""
+    def holds(node: fx.Node) -> bool:
+        val = node.meta.get("val")
+        return op_kind(node) == "hybrid_attention" or any(
+            isinstance(v, torch.Tensor) and _is_sequence(v, lengths) for v in (val if isinstance(val, (tuple, list)) else [val]))
+
+    def may_start(node: fx.Node) -> bool:
         val = tensor_val(node)
         if node.op not in ("call_function", "call_method") or node in whole or op_kind(node) == "hybrid_attention":
             return False
-        if not _is_sequence(val, lengths) or not val.is_floating_point():
-            return False
-        ambiguous = any(same_size(val.shape[1], n) for n in val.shape[2:])
-        return not ambiguous and not any(_is_sequence(tensor_val(i), lengths) for i in node.all_input_nodes)
+        return _is_sequence(val, lengths) and val.is_floating_point() and not any(map(holds, node.all_input_nodes))
 
-    starts = []
+    candidates = []
     for node in gm.graph.nodes:
         with at_node("sequence", node):
-            if starts_sequence(node):
-                starts.append(node)
+            if may_start(node):
+                candidates.append(node)
+    return candidates
+
+
+def mark_sequence_starts(gm: fx.GraphModule, starts: list[fx.Node]) -> None:
+    """Cut each of ``starts`` over cp where it is made, as an input sequence is, so the ops after
+    it run on shards too, not only the attention: a ``sequence_start`` after it."""
     for node in starts:
         with gm.graph.inserting_after(node):
             start = with_val(gm.graph.call_function(sequence_start, (node,)), tensor_val(node))
