@@ -330,6 +330,11 @@ EXPERTS = [torch.randn(12, 8), torch.randn(12, 4), torch.randn(4, 32, 8) / 8 ** 
 the grouped matmul's sums (another order than bmm's) stay within a few ulps."""
 
 # Each canonicalize rule: its inputs, and its op spelled by position, by keyword, as a method.
+def _mixed(q, k, v):
+    """One tensor of a query's 8 heads and a key's and value's one (broadcast)."""
+    return q * k + v
+
+
 CANONICALIZED = {
     "keywords_as_positions": ([torch.randn(4, 3), torch.randn(3, 5)], [
         lambda a, b: torch.matmul(a, b),
@@ -358,6 +363,11 @@ CANONICALIZED = {
         _experts_read_per_row(torch.bmm),
         _experts_read_per_row(lambda w, x: torch.bmm(mat2=x, input=w)),
         _experts_read_per_row(lambda w, x: w.bmm(mat2=x))]),
+    "split_features_before_views": ([torch.randn(2, 8, 16), torch.randn(80, 16)], [  # Falcon-7B's multi-query qkv
+        lambda x, w: _mixed(*F.linear(x, w).view(2, 8, 10, 8).split([8, 1, 1], dim=2)),
+        lambda x, w: _mixed(*torch.split(F.linear(weight=w, input=x).view(2, 8, 10, 8), split_size_or_sections=[8, 1, 1],
+                                         dim=2)),
+        lambda x, w: _mixed(*F.linear(x, w).view(2, 8, 10, 8).split(split_size=[8, 1, 1], dim=-2))]),
     "softmax_of_unshifted": ([torch.randn(2, 4, 6, 7)], [  # GPT-OSS's logits less their rows' max
         lambda x: F.softmax(x - x.max(dim=-1, keepdim=True).values, dim=-1),
         lambda x: F.softmax(x - torch.max(x, -1, True)[0], -1),
@@ -394,6 +404,13 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
         gm, _ = _passes_on(Spelled(lambda x: F.softmax(x - x.amax(2, keepdim=True), -1)), inputs,
                            (capture_pass, canonicalize_pass), ulysses=2)
         assert [op for op, _, _ in _canonical_form(gm)] == ["reduce", "sub", "softmax"]
+    if rule == "split_features_before_views":  # the projection's features split, each part viewed as its piece
+        assert ops[:8] == ["linear", "split", "getitem", "view", "getitem", "view", "getitem", "view"], ops
+        assert forms[0][1][1]["split_size"] == [64, 8, 8], forms[0][1]
+        gm, _ = _passes_on(Spelled(lambda x, w: _mixed(*F.linear(x, w).view(2, 8, 8, 10).split([8, 1, 1], dim=-1))),
+                           inputs,
+                           (capture_pass, canonicalize_pass), ulysses=2)  # split inside each group: as written
+        assert [op for op, _, _ in _canonical_form(gm)][:3] == ["linear", "view", "split"]
     if rule == "grouped_kv_attention":
         (_, sdpa, _), = forms[0]
         assert sdpa["enable_gqa"] is True and (sdpa["key"], sdpa["value"]) == ("l_inputs_1_", "l_inputs_2_"), sdpa

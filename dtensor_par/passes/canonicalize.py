@@ -14,6 +14,11 @@
   ``beta * input + alpha * (a @ b)``: a matmul and an add, which have rules.
 - ``x.narrow(dim, start, length)`` becomes the slice ``x[..., start:start + length, ...]``, so
   a fused projection cut by ``narrow`` is cut part by part as by indexing.
+- A fused projection split after views of its features (Falcon-7B's multi-query
+  ``qkv.view(b, s, heads + 2, d).split([heads, 1, 1], dim=2)``, GPTBigCode's
+  ``qkv.unsqueeze(1).split([h, d, d], dim=3)``) becomes the split of its features, each part
+  then viewed as its piece was: the same elements, since views keep their order, and the
+  projection is read as fused parts (q, k, v) whose heads the views of each part tell.
 - A tensor made empty and then filled slice by slice along one dim (DeepSeek's multi-head
   latent attention: ``k = kv.new_empty(...); k[..., :d].copy_(k_nope); k[..., d:].copy_(k_rot)``)
   becomes the ``torch.cat`` of its pieces: out of place, so each piece keeps its placement
@@ -43,6 +48,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import NamedTuple
 
@@ -156,6 +162,49 @@ def narrow_as_slice(gm: fx.GraphModule, node: fx.Node) -> None:
         sliced = with_val(gm.graph.call_function(operator.getitem, (x, index)), tensor_val(node))
     node.replace_all_uses_with(sliced)
     gm.graph.erase_node(node)
+
+
+_ORDER_KEEPING_VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", torch.reshape,
+                        torch.flatten, torch.unflatten, torch.unsqueeze, torch.squeeze}
+
+
+def _viewed_features(split: fx.Node) -> tuple[fx.Node, int] | None:
+    """``(linear, inner)`` when ``split`` cuts views of a linear's output (each read once) along
+    a dim that, with the ``inner`` elements after it, is the linear's feature dim regrouped."""
+    x, views = arguments(split)["input"], 0
+    while x.op in ("call_function", "call_method") and x.target in _ORDER_KEEPING_VIEWS and len(x.users) == 1:
+        x, views = arguments(x)["input"], views + 1
+    if not views or op_kind(x) != "linear" or len(x.users) != 1:
+        return None
+    viewed, dim = tensor_val(arguments(split)["input"]).shape, split_dim(split)
+    inner = math.prod(viewed[dim + 1:])
+    features = tensor_val(x).shape
+    if math.prod(viewed[:dim]) != math.prod(features[:-1]) or viewed[dim] * inner != features[-1]:
+        return None
+    return x, inner
+
+
+def split_features_before_views(gm: fx.GraphModule, split: fx.Node) -> None:
+    """Rewrite a split of a fused projection's viewed features into the split of its features,
+    each part then reshaped to its piece's shape."""
+    found = _viewed_features(split)
+    if found is None or any(u.target is not operator.getitem for u in split.users):
+        return
+    linear, inner = found
+    pieces = split.meta["val"]
+    features = [t.shape[split_dim(split)] * inner for t in pieces]
+    with gm.graph.inserting_before(split):
+        parts = gm.graph.call_method("split", (linear, features, -1))
+        parts.meta = {**linear.meta, "val": tuple(tensor_val(linear).split(features, -1))}
+    for user in list(split.users):
+        with gm.graph.inserting_before(user):
+            part = with_val(gm.graph.call_function(operator.getitem, (parts, user.args[1])),
+                            parts.meta["val"][user.args[1]])
+            piece = with_val(gm.graph.call_method("reshape", (part, tuple(pieces[user.args[1]].shape))),
+                             pieces[user.args[1]])
+        user.replace_all_uses_with(piece)
+        gm.graph.erase_node(user)
+    erase_unused(gm, split)
 
 
 _EMPTY = {"new_empty", torch.empty_like, "empty_like"}
@@ -548,6 +597,8 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
         grouped_kv_attention(gm, node)
     elif op_kind(node) == "softmax":
         softmax_of_unshifted(gm, node)
+    elif op_kind(node) == "split":
+        split_features_before_views(gm, node)
 
 
 def canonicalize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:

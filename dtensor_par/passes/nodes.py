@@ -87,7 +87,8 @@ def _schema_match(node: fx.Node) -> tuple[inspect.Signature, tuple, dict[str, An
 @functools.cache
 def _signatures(op: str, target) -> tuple[inspect.Signature, ...]:
     """The signatures of a call's overloads, in the order its schema lists them, then a
-    Python function's own (``torch.einsum(*args)``); for ``operator``'s functions and methods
+    Python function's own (``torch.einsum(*args)``; ``torch.split(tensor, ...)``'s tensor
+    named ``input``, as its schema names it); for ``operator``'s functions and methods
     without a schema (``x.__radd__(y)``, ``x.float()``), positions named as ``torch.add``
     names them."""
     if op == "call_method":
@@ -101,7 +102,10 @@ def _signatures(op: str, target) -> tuple[inspect.Signature, ...]:
         arity = len(inspect.signature(target).parameters)
         return (_positional(_OPERATOR_PARAMETERS.get(target) or ("input", "other")[:arity]),)
     schemas = tuple(get_signature_for_torch_op(target) or ())
-    return (*schemas, inspect.signature(target)) if inspect.isfunction(target) else schemas
+    if not inspect.isfunction(target):
+        return schemas
+    signature = inspect.signature(target)  # torch.split(tensor, ...): its tensor read as input, as the schema's
+    return (*schemas, _first_named_input(signature) if "tensor" in signature.parameters else signature)
 
 
 _OPERATOR_PARAMETERS = {operator.getitem: ("input", "index"), operator.setitem: ("input", "index", "value")}
