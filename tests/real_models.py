@@ -216,6 +216,25 @@ def falcon():
     return FalconForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def falcon_multi_query():
+    """Falcon-7B's layout: multi-query, one fused qkv viewed as (heads + 2, head_dim) and split
+    into the query heads, one key and one value head; attention and MLP in parallel."""
+    from transformers import FalconConfig, FalconForCausalLM
+    config = FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=8,
+                          multi_query=True, new_decoder_architecture=False, parallel_attn=True, bias=False,
+                          hidden_dropout=0.0, attention_dropout=0.0)
+    return FalconForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
+def gpt_bigcode():
+    """StarCoder's layout: multi-query, one fused qkv ``unsqueeze(1).split([hidden, head_dim, head_dim])``,
+    the key and value head repeated to the query heads (``repeat_kv``)."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+    config = GPTBigCodeConfig(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=8, n_positions=64, multi_query=True,
+                              attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPTBigCodeForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 def mixtral(experts: int = 4):
     """A mixture of ``experts`` experts, top-2: batched expert weights ``[E, 2 * inter, hidden]``
     through grouped matmuls (transformers' default experts implementation), tokens sorted by expert."""
@@ -324,7 +343,7 @@ def mochi():
 
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
              "flux": flux, "phi3": phi3, "gptj": gptj, "bert": bert, "modernbert": modernbert, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
-             "falcon": falcon, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
+             "falcon": falcon, "falcon_multi_query": falcon_multi_query, "gpt_bigcode": gpt_bigcode, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
              "mixtral_batched_mm": mixtral_batched_mm, "mixtral_eager": mixtral_eager,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,

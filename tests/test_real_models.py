@@ -26,7 +26,7 @@ from tests import real_models, xm_gloo  # noqa: E402
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
             "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss",
-            "mpt", "apertus", "llama4"}
+            "mpt", "apertus", "llama4", "falcon_multi_query", "gpt_bigcode"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -36,11 +36,12 @@ KV_HEADS = {"llama": 4, "qwen2": 2, "mistral": 4, "mistral_padded": 4, "modernbe
 EXPLAINED = [(name, "tp2-ulysses2") for name in MODELS + ["mistral_padded", "phi3", "wan", "sd3", "gemma2", "bloom",
                                                           "t5", "mixtral", "mixtral_batched_mm", "qwen2_moe",
                                                           "deepseek_v3_published", "gpt_oss",
-                                                          "gptj", "bert", "modernbert", "mpt", "apertus", "llama4"]]
+                                                          "gptj", "bert", "modernbert", "mpt", "apertus", "llama4",
+                                                          "falcon_multi_query", "gpt_bigcode"]]
 # At tp2-ring2 the models whose attention the ring runs otherwise than Llama's (CI time: the others plan alike).
 EXPLAINED += [(name, "tp2-ring2") for name in ["llama", "mistral_padded", "flux", "gemma2", "bloom", "t5", "mixtral",
                                                "qwen2_moe", "deepseek_v3_published", "gpt_oss", "bert",
-                                               "modernbert", "mpt", "llama4"]]
+                                               "modernbert", "mpt", "llama4", "falcon_multi_query", "gpt_bigcode"]]
 
 
 @pytest.mark.parametrize("name, mesh", [(name, MESHES[mesh]) for name, mesh in EXPLAINED],
@@ -138,7 +139,7 @@ RUNS = {
         "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=["flux", "mistral_padded", "gemma2", "gemma2_left_padded",
                                                             "bloom", "t5", "t5_padded", "mixtral",
                                                             "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "mpt",
-                                                            "llama4"]),
+                                                            "llama4", "falcon_multi_query", "gpt_bigcode"]),
         # Expert parallelism: the experts cut over cp, each rank's rows sent to them and back (the ring's zigzag
         # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them). GPT-OSS's
         # experts (per-row biases gathered by local expert ids at the experts) beside its sinks' ring attention.
@@ -154,7 +155,9 @@ RUNS = {
     8: {"tp2-ring2-ulysses2": dict(sizes={"tp": 2, "ring": 2, "ulysses": 2}, names=["llama", "flux"])},
     # transformers' eager experts: Dynamo breaks the graph at the loop's nonzero, and the experts run between the
     # planned graphs (an nn.ModuleList looped over: tests.models.LoopedExperts, in test_tp_gloo and test_cp_gloo).
-    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager", "gpt_oss"])},
+    # Multi-query fused qkv (Falcon-7B, GPTBigCode): cut part by part with the query heads, the key and value
+    # gathered whole as they are split off (beside the ring at world 4; GPTBigCode's repeated kv heads on tp alone).
+    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager", "gpt_oss", "gpt_bigcode"])},
 }
 """World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size
 (world 2's launch runs the ``parallel`` decorator's check too)."""
@@ -431,6 +434,24 @@ def test_head_layouts_are_read_from_the_graph(name, heads):
         (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=4).graphs
         assert any("fused projection with 2 kv heads at tp=4 stays replicated" in w for w in graph.warnings), \
             graph.warnings
+
+
+@pytest.mark.parametrize("name, weight", [("falcon_multi_query", "self_attention.query_key_value.weight"),
+                                          ("gpt_bigcode", "attn.c_attn.weight")])
+def test_a_multi_query_fused_qkv_is_cut_with_its_query_heads_and_gathers_its_kv(name, weight):
+    """One key and one value head beside 8 query heads in one fused projection (Falcon-7B,
+    GPTBigCode), at tp=2: cut part by part, each rank computing its 4 query heads and half of the
+    key's and value's features, which are gathered whole as they are split off: 2 all-gathers of
+    [2, 32, 4] float halves, 1,024 B a rank. Exact: ``test_real_models_match_one_device``."""
+    torch.manual_seed(0)
+    model, args, kwargs = real_models.FACTORIES[name]()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    assert graph.warnings == [] and graph.coverage.fallback_gathers == [], (graph.warnings, graph.coverage)
+    assert graph.coverage.sharded_block_linear_flops == graph.coverage.block_linear_flops > 0, graph.coverage
+    assert any(f"transformer.h.0.{weight}=IS(0,[64, 8, 8])" in p for p in graph.placements), graph.placements
+    gathers = [c for c in graph.collectives if c["site"] == "attention0.kv"]
+    assert [(c["direction"], c["op"], c["bytes_per_rank"], c["count"]) for c in gathers] == \
+        [("forward", "all_gather", 1024, 2)], gathers
 
 
 @pytest.mark.parametrize("name, shared", [("mixtral", False), ("mixtral_batched_mm", False), ("qwen2_moe", True)])

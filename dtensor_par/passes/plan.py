@@ -17,7 +17,8 @@ from ..mesh import SPANS
 from ..errors import InvalidPlan, NotSupported
 from ..placements import InterleavedShard, Placement, Replicate, Shard, parts_of, shard_dim
 from .context import ParallelContext, at_node
-from .detect import AttentionSite, MoESite, concatenated_features, is_batched_linear, module_name, parts_major_split
+from .detect import (AttentionSite, MoESite, concatenated_features, find_head_projections, is_batched_linear,
+                     module_name, parts_major_split)
 from .meta import NodeSharding, set_global_shape, set_sharding, shardings
 from .nodes import arguments, target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.core import RuleEnv, check_divisible, moved, replicate_all
@@ -67,6 +68,38 @@ def colwise_placement(linear: fx.Node, tp: int) -> Placement | None:
     return Shard(0) if out_features % tp == 0 else None
 
 
+def _feature_parts(linear: fx.Node) -> list[fx.Node] | None:
+    """The nodes that take a fused projection's parts off its features: the pieces of one
+    split along them, or the slices that tile them; None for any other spelling."""
+    users = list(linear.users)
+    if len(users) == 1 and op_kind(users[0]) == "split":
+        pieces = list(users[0].users)
+        return pieces if all(op_kind(u) == "getitem" for u in pieces) else None
+    return users if all(op_kind(u) == "getitem" for u in users) else None
+
+
+def gathered_kv_parts(site: AttentionSite, ctx: ParallelContext) -> list[fx.Node]:
+    """The key and value parts of a fused projection whose kv heads (its parts' features over
+    the query part's head dim: the model may repeat them to the query heads before attention)
+    do not divide by tp, when every part's features do (multi-query: GPTBigCode, Falcon-7B).
+    The projection is then cut part by part, the query's heads with it, and these parts are
+    gathered whole as they are taken off (``kv_whole_on_tp``): every rank holds the kv heads
+    whole and its own query heads, as Megatron replicates fewer kv heads than tp ranks. Empty
+    where the kv heads divide, or the parts do not, or cannot be told apart."""
+    tp = ctx.mesh.size("tp")
+    fused = [n for n in dict.fromkeys(site.q) if n in site.k + site.v]
+    parts = _feature_parts(fused[0]) if tp > 1 and len(fused) == 1 and fused_parts(fused[0]) else None
+    if not parts or not isinstance(colwise_placement(fused[0], tp), InterleavedShard):
+        return []
+    query = tensor_inputs(site.scores if site.scores is not None else site.core)[0]
+    walked = set(find_head_projections(query, ctx)[1])
+    queries, kv = [p for p in parts if p in walked], [p for p in parts if p not in walked]
+    if len(queries) != 1 or not kv:
+        return []
+    head_dim = tensor_val(queries[0]).shape[-1] // site.num_heads
+    return kv if any(tensor_val(p).shape[-1] // head_dim % tp for p in kv) else []
+
+
 def _expert_weights(site: MoESite, ctx: ParallelContext) -> dict[fx.Node, Placement] | None:
     """Each expert's up (and gate) projection colwise, its down projection rowwise: placements of
     the grouped matmuls' ``[E, K, N]`` weights (N, parts of a fused gate and up each, then K cut),
@@ -100,7 +133,7 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
                 f"plan: attention {site.core.name!r} has {site.num_heads} heads, not divisible "
                 f"by mesh dim 'tp' of size {tp} (uneven heads come with context parallelism)"
             )
-        if site.num_kv_heads % tp and site.num_kv_heads != site.num_heads:
+        if site.num_kv_heads % tp and site.num_kv_heads != site.num_heads and not gathered_kv_parts(site, ctx):
             kv_only = [n for n in dict.fromkeys(site.k + site.v) if n not in site.q]
             ctx.warn(f"{site.name} ({site.core.name}): {site.num_kv_heads} kv heads do not divide by "
                      f"tp={tp}; kv projections {[module_name(n, ctx) for n in kv_only]} stay replicated")

@@ -42,6 +42,8 @@ from .detect import AttentionSite, MoESite
 from .experts import experts_to_ranks
 from .meta import Communication, set_communications, set_site_role, site_role
 from .nodes import arguments, tensor_val
+from .plan import gathered_kv_parts
+from .rules.attention import kv_whole_on_tp
 from .rules.registry import op_kind
 from .biases import FoundBias, constant_ancestors, evaluate_constant, position_bias
 from .scores import as_sdpa_arguments, bias_kwargs, hiding_fill, sinks_per_head, written_attention
@@ -414,6 +416,16 @@ def written_out_to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx
     to_hybrid_attention(gm, site, as_sdpa_arguments(gm, site, found), ctx, found.score_mod, found.bias, found.sinks)
 
 
+def gather_fused_kv(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> None:
+    """Gather whole over tp the key and value parts of a fused projection cut with its query's
+    heads (``plan.gathered_kv_parts``) as they are taken off it."""
+    for part in gathered_kv_parts(site, ctx):
+        with gm.graph.inserting_after(part):
+            whole = with_val(gm.graph.call_function(kv_whole_on_tp, (part,)), tensor_val(part))
+        part.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not whole)
+        set_site_role(whole, f"{site.name}.kv")
+
+
 def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     tp, ep = ctx.mesh.size("tp"), expert_group(ctx.mesh)
     for site in ctx.sites:
@@ -431,6 +443,7 @@ def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
                     written_out_to_hybrid_attention(gm, site, ctx)
             continue
         with at_node("rewrite", site.core):
+            gather_fused_kv(gm, site, ctx)
             if arguments(site.core)["enable_gqa"] and site.num_kv_heads != site.num_heads:
                 divisor = tp * (ctx.mesh.size("ulysses") if ctx.mesh.size("cp") > 1 else 1)
                 repeat = gqa_repeat(site.num_heads, site.num_kv_heads, divisor)

@@ -106,9 +106,22 @@ def localize_joint_mask(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> No
     node.update_kwarg("attn_mask", mask)
 
 
+def kv_whole_on_tp(x: torch.Tensor) -> torch.Tensor:
+    """Where a fused projection's key or value part, cut over tp with its query part, is
+    gathered whole (``rewrite.gather_fused_kv``): fewer kv heads than tp ranks are held whole
+    by every rank, as Megatron replicates them. An identity in the local graph."""
+    return x
+
+
+def kv_whole_on_tp_rule(node, ins, cur, env):
+    p = R if env.dim == "tp" else cur[0]
+    return NodeSharding(p, (p,))
+
+
 register("sdpa", "attention", sdpa_rule,
          functions=[torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention])
 register("hybrid_attention", "attention", hybrid_attention_rule, functions=[hybrid_attention],
          localize=localize_joint_mask)
 register("cached_attention", "attention", cached_attention_rule, functions=[cached_attention],
          localize=localize_cached_attention)
+register("kv_whole_on_tp", "attention", kv_whole_on_tp_rule, functions=[kv_whole_on_tp])
