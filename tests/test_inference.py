@@ -174,10 +174,16 @@ def test_decorated_transformers_llama_generates_one_devices_tokens():
 
 
 def _decoder(family: str):
-    """A one-layer transformers Llama or Mistral (sliding window of 6) with GQA, and its config."""
+    """A one-layer transformers Llama or Mistral (sliding window of 6) with GQA, or a model of
+    ``real_models``, and its config."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
+    from tests import real_models
+
     torch.manual_seed(0)
+    if family not in ("llama", "mistral"):
+        model = real_models.FACTORIES[family]()[0].eval()
+        return model.config, model
     sizes = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": LAYERS,
              "num_attention_heads": 8, "num_key_value_heads": 4}
     if family == "llama":
@@ -225,7 +231,8 @@ def cp_decode(rank: int, world: int, runs: list[tuple[dict, str]], inner_backend
         model = copy.deepcopy(reference)
         backend = dtensor_par.hybrid_parallel(mesh, inner_backend=inner_backend)
         model.forward = torch.compile(model.forward, backend=backend)
-        results[f"{family} {sizes}"] = {**_decode_steps(model, reference, config), "ranks": mesh.size()}
+        results[f"{family} {sizes}"] = {**_decode_steps(model, reference, config), "ranks": mesh.size(),
+                                        "cp": sizes.get("ring", 1) * sizes.get("ulysses", 1)}
     return results
 
 
@@ -287,16 +294,21 @@ def test_decode_with_the_kv_cache_cut_over_cp_matches_one_device():
 WORLD4 = in_background(run_ranks_together, 4, {
     # Mistral's window under cp: at world 2 (ring); under tp: decode_plans. The cp decode graphs are
     # traced through AOTAutograd at world 2; beside tp they run as they are (CI time).
-    "decode": (cp_decode, {"runs": [({"tp": 2, "ring": 2}, "llama")], "inner_backend": "eager"}),
+    "decode": (cp_decode, {"runs": [({"tp": 2, "ring": 2}, "llama"), ({"tp": 2, "ring": 2}, "falcon_multi_query")],
+                           "inner_backend": "eager"}),
     "generate": (decorated_generate, {"tp": 2, "ulysses": 2}),
     "generate dp": (decorated_generate, {"dp_replicate": 2, "ring": 2, "batch": 2})})
 
 
 def test_decode_at_tp_x_ring_and_decorated_generate_under_cp():
-    """tp=2 x ring=2 decode (Llama); the decorator's ``generate`` with a cp prefill and cp decode, also
-    with two prompts cut over dp_replicate=2 beside ring=2."""
+    """tp=2 x ring=2 decode (Llama, and Falcon-7B's multi-query fused qkv, whose one key and value
+    head every tp rank holds whole: gathered as they are split off, in prefill and decode alike,
+    so the cache is cut over cp only); the decorator's ``generate`` with a cp prefill and cp
+    decode, also with two prompts cut over dp_replicate=2 beside ring=2."""
     for result in WORLD4.result():
-        _check_cp_decode(result["decode"])
+        multi_query = result["decode"].pop("falcon_multi_query {'tp': 2, 'ring': 2}")
+        assert multi_query["held"] * multi_query["cp"] == multi_query["whole"], multi_query
+        _check_cp_decode({"falcon_multi_query": {**multi_query, "ranks": multi_query["cp"]}, **result["decode"]})
         _check_decorated_generate(result["generate"])
         _check_decorated_generate(result["generate dp"])
 

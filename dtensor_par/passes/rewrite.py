@@ -435,7 +435,11 @@ def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         if isinstance(site, MoESite) and ctx.config.ep == "cp" and ep.size > 1:
             with at_node("rewrite", site.down[0]):
                 experts_to_ranks(gm, site, ctx, ep)
-        if not isinstance(site, AttentionSite) or op_kind(site.core) == "cached_attention":
+        if not isinstance(site, AttentionSite):
+            continue
+        with at_node("rewrite", site.core):
+            gather_fused_kv(gm, site, ctx)
+        if op_kind(site.core) == "cached_attention":
             continue  # attention to a kv cache held cut over cp is rewritten already (passes.kv_cache)
         if site.written_out:
             if ctx.mesh.size("cp") > 1:
@@ -443,7 +447,6 @@ def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
                     written_out_to_hybrid_attention(gm, site, ctx)
             continue
         with at_node("rewrite", site.core):
-            gather_fused_kv(gm, site, ctx)
             if arguments(site.core)["enable_gqa"] and site.num_kv_heads != site.num_heads:
                 divisor = tp * (ctx.mesh.size("ulysses") if ctx.mesh.size("cp") > 1 else 1)
                 repeat = gqa_repeat(site.num_heads, site.num_kv_heads, divisor)
