@@ -325,6 +325,18 @@ def test_rows_of_a_table_cut_along_its_features_are_picked_cut_alike():
     assert check_rule(lambda t, i: t[i], [table, ids], [fused, R]).out == fused
 
 
+def test_a_gather_from_a_whole_input_keeps_its_index_cut():
+    """``table.gather(1, positions)`` of a whole table (RoBERTa's token-type buffer) at positions cut
+    along the dim it gathers along (the sequence, over cp): each rank reads what its positions
+    name. Cut along another dim, the table must be cut alike (row i reads row i); a cut table is
+    gathered along that dim, its positions being global."""
+    table, positions = _t(2, 8), torch.randint(0, 8, (2, 6))
+    for placement in (Shard(1), InterleavedShard(1, (2, 4))):
+        assert check_rule(lambda t, i: t.gather(1, i), [table, positions], [R, placement]).out == placement
+    assert check_rule(lambda t, i: t.gather(1, i), [table, positions], [R, Shard(0)]).inputs == (Shard(0), Shard(0))
+    assert check_rule(lambda t, i: t.gather(1, i), [table, positions], [Shard(1), Shard(1)]).note
+
+
 def test_routing_ops_gather_along_the_dim_they_select_sort_or_count_over():
     """A shard of the dim topk, sort, max or a scatter works along, or of any dim of a count whose
     length or range the whole tensor decides, is gathered with a note: never a guess."""

@@ -67,7 +67,10 @@ def along_index_rule(node, ins, cur, env):
     (linear in input and the added rows), not through ``scatter``, which overwrites. Off ``dim`` a
     shard stays where every tensor that spans that dim does so at the same length (``index_add``'s
     1-D index stays whole); along ``dim`` the positions the index names are global, so the
-    inputs are gathered (an in-place write that cannot keep its target is refused)."""
+    inputs are gathered (an in-place write that cannot keep its target is refused), except a
+    ``gather`` from a whole input with its index cut along ``dim``: each rank reads the
+    positions its piece of the index names (RoBERTa's token types, a buffer gathered at
+    positions cut over cp)."""
     given, along = arguments(node), _along(node)
     index = given["index"]
     values = [i for i in ins if i is not index]
@@ -75,6 +78,9 @@ def along_index_rule(node, ins, cur, env):
             and cur[ins.index(index)] == R:
         return NodeSharding(Partial(), tuple(cur))
     cur = resolve_partial(ins, cur, env)
+    at_index = cur[ins.index(index)]
+    if op_kind(node) == "gather" and cur[ins.index(given["input"])] == R and shard_dim(at_index) == along:
+        return NodeSharding(at_index, tuple(cur))
     spanning = [i for i in ins if tensor_val(i).dim() == tensor_val(ins[0]).dim()]
     sharded = [p for p in cur if shard_dim(p) is not None]
     if not sharded:
