@@ -587,32 +587,37 @@ def test_a_softmax_over_a_product_not_read_as_attention_is_warned_of_by_name(pla
 
 class WrittenOutAttention(nn.Module):
     """Attention written out by hand as research code has it: scaled, soft-capped scores, a
-    causal mask by ``masked_fill``, and a dropout of the probabilities."""
+    causal mask by ``masked_fill`` (or, ``fill="where"``, GPT-Neo's ``where(kept, scores,
+    torch.tensor(finfo.min))``), and a dropout of the probabilities."""
 
-    def __init__(self, dropout: float):
+    def __init__(self, dropout: float, fill: str = "masked_fill"):
         super().__init__()
         self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
-        self.dropout = dropout
+        self.dropout, self.fill = dropout, fill
 
     def forward(self, x):
         b, s, _ = x.shape
         q, k, v = (p(x).view(b, s, 4, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
         scores = 5.0 * torch.tanh(q @ k.transpose(-2, -1) / 8 ** 0.5 / 5.0)
         hidden = torch.ones(s, s, dtype=torch.bool).triu(1)
-        probs = F.dropout(scores.masked_fill(hidden, float("-inf")).softmax(-1), self.dropout, self.training)
+        if self.fill == "where":
+            scores = torch.where(~hidden, scores, torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype))
+        else:
+            scores = scores.masked_fill(hidden, float("-inf"))
+        probs = F.dropout(scores.softmax(-1), self.dropout, self.training)
         return self.o((probs @ v).transpose(1, 2).reshape(b, s, 32))
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_written_out_attention_on_cp_is_hybrid_attention_with_its_score_function(dropout):
-    """Its scale and soft-capping become the score function, its mask ``is_causal``, and no
-    softmax is left; a dropout that drops something keeps it as written, with a warning
-    naming the dropout."""
+@pytest.mark.parametrize("dropout, fill", [(0.0, "masked_fill"), (0.1, "masked_fill"), (0.0, "where")])
+def test_written_out_attention_on_cp_is_hybrid_attention_with_its_score_function(dropout, fill):
+    """Its scale and soft-capping become the score function, its mask (filled by a number or a
+    tensor made of one) ``is_causal``, and no softmax is left; a dropout that drops something
+    keeps it as written, with a warning naming the dropout."""
     from dtensor_par.ops.attention import hybrid_attention
     from dtensor_par.ops.score_mod import ScoreMod
     from dtensor_par.pipeline import PLANNING_PASSES
 
-    (gm, inputs), = capture_graphs(WrittenOutAttention(dropout), torch.randn(2, 16, 32))
+    (gm, inputs), = capture_graphs(WrittenOutAttention(dropout, fill), torch.randn(2, 16, 32))
     local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning({"ulysses": 2}, "cpu"), passes=PLANNING_PASSES)
     attention = [n for n in local.graph.nodes if n.target is hybrid_attention]
     if dropout:

@@ -81,7 +81,10 @@ def _score_step(node: fx.Node) -> tuple[fx.Node, tuple[str, float] | None] | Non
 
 def hiding_fill(fill, scores: fx.Node) -> bool:
     """Whether filling the (floating) scores with ``fill`` hides them from the softmax (-inf, or
-    the lowest value of their dtype, as transformers fills)."""
+    the lowest value of their dtype, as transformers fills), given as a number or as a tensor
+    made of one (GPT-Neo's ``torch.tensor(finfo.min, dtype=...)``)."""
+    if isinstance(fill, fx.Node) and fill.target is torch.tensor and fill.args:
+        fill = fill.args[0]
     return _number(fill) and fill <= torch.finfo(tensor_val(scores).dtype).min
 
 
