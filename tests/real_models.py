@@ -341,10 +341,23 @@ def mochi():
                            return_dict=False)
 
 
+def cogview4():
+    """CogView4's transformer: joint text and image tokens, the rotary embedding written in place
+    into the image part of q and k (``q[:, :, text:] = rope(q[:, :, text:])``)."""
+    from diffusers import CogView4Transformer2DModel
+    model = CogView4Transformer2DModel(patch_size=2, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=16,
+                                       num_attention_heads=4, text_embed_dim=16, time_embed_dim=16, condition_dim=8,
+                                       pos_embed_max_size=8, sample_size=8, rope_axes_dim=(8, 8))
+    size = torch.tensor([[64.0, 64.0]] * BATCH)
+    return model, (), dict(hidden_states=torch.randn(BATCH, 4, 8, 8), encoder_hidden_states=torch.randn(BATCH, 8, 16),
+                           timestep=torch.tensor([10, 500]), original_size=size, target_size=size,
+                           crop_coords=torch.zeros(BATCH, 2), return_dict=False)
+
+
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
              "flux": flux, "phi3": phi3, "gptj": gptj, "bert": bert, "modernbert": modernbert, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "falcon_multi_query": falcon_multi_query, "gpt_bigcode": gpt_bigcode, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
              "mixtral_batched_mm": mixtral_batched_mm, "mixtral_eager": mixtral_eager,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,
-             "llama4": llama4, "mochi": mochi}
+             "llama4": llama4, "mochi": mochi, "cogview4": cogview4}

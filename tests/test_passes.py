@@ -335,6 +335,33 @@ def _mixed(q, k, v):
     return q * k + v
 
 
+def _rotated_tail(x, spelled: str = "dims"):
+    """CogView4's rotary embedding of the image tokens after 3 text tokens, written in place
+    into a fresh tensor."""
+    y = x * 2
+    if spelled == "dims":
+        y[:, :, 3:, :] = y[:, :, 3:, :].flip(-1) * 0.5
+    else:
+        y[..., 3:, :] = y[:, :, 3:, :].flip(-1) * 0.5
+    return y + 1
+
+
+def _read_beside_the_write(x):
+    """A slice read after the write, taken before it: it sees the write, so stays as written."""
+    y = x * 2
+    head = y[:, :, :4]
+    y[:, :, 3:] = y[:, :, 3:] * 0.5
+    return y + head.sum()
+
+
+def _written_through_a_view(x):
+    """A write into a view of a tensor read after it: the tensor sees the write, so stays as written."""
+    y = x * 2
+    t = y.transpose(1, 2)
+    t[:, 3:] = t[:, 3:] * 0.5
+    return y + 1
+
+
 CANONICALIZED = {
     "keywords_as_positions": ([torch.randn(4, 3), torch.randn(3, 5)], [
         lambda a, b: torch.matmul(a, b),
@@ -368,6 +395,7 @@ CANONICALIZED = {
         lambda x, w: _mixed(*torch.split(F.linear(weight=w, input=x).view(2, 8, 10, 8), split_size_or_sections=[8, 1, 1],
                                          dim=2)),
         lambda x, w: _mixed(*F.linear(x, w).view(2, 8, 10, 8).split(split_size=[8, 1, 1], dim=-2))]),
+    "slice_write_as_cat": ([torch.randn(2, 4, 8, 6)], [_rotated_tail, lambda x: _rotated_tail(x, "ellipsis")]),
     "softmax_of_unshifted": ([torch.randn(2, 4, 6, 7)], [  # GPT-OSS's logits less their rows' max
         lambda x: F.softmax(x - x.max(dim=-1, keepdim=True).values, dim=-1),
         lambda x: F.softmax(x - torch.max(x, -1, True)[0], -1),
@@ -411,6 +439,12 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
                            inputs,
                            (capture_pass, canonicalize_pass), ulysses=2)  # split inside each group: as written
         assert [op for op, _, _ in _canonical_form(gm)][:3] == ["linear", "view", "split"]
+    if rule == "slice_write_as_cat":  # out of place: the untouched slice and the value concatenated
+        assert "cat" in ops and "setitem" not in ops, ops
+        for kept in (_read_beside_the_write, _written_through_a_view):
+            gm, ctx = _passes_on(Spelled(kept), inputs, (capture_pass, canonicalize_pass), ulysses=2)
+            assert "setitem" in [op for op, _, _ in _canonical_form(gm)], kept
+            torch.testing.assert_close(gm(*ctx.example_inputs)[0], kept(*inputs))
     if rule == "grouped_kv_attention":
         (_, sdpa, _), = forms[0]
         assert sdpa["enable_gqa"] is True and (sdpa["key"], sdpa["value"]) == ("l_inputs_1_", "l_inputs_2_"), sdpa

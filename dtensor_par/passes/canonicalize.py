@@ -23,6 +23,11 @@
   latent attention: ``k = kv.new_empty(...); k[..., :d].copy_(k_nope); k[..., d:].copy_(k_rot)``)
   becomes the ``torch.cat`` of its pieces: out of place, so each piece keeps its placement
   and the rules shard the concatenation (a write into a gathered copy would be lost).
+- A slice along one dim written with a new value (CogView4's rotary embedding of the image
+  part of a joint sequence: ``q[:, :, text:] = rope(q[:, :, text:])``) becomes the ``cat`` of the
+  untouched slices and the value, read in place of the tensor by every later reader, where no
+  other view of it is read after the write: out of place, each slice of a sequence cut part by
+  part over cp stays local.
 - A product's fresh output added to in place before anything reads it (transformers' grouped
   linear with biases, GPT-OSS's experts: ``out.add_(bias[expert_ids])``) becomes ``out + bias``,
   read by every later reader: the rules place it as any add, and detect reads the bias.
@@ -61,7 +66,7 @@ from ..symbolic import is_symbolic, same_size
 from .capture import erase_unused, with_val
 from .context import ParallelContext, at_node
 from .detect import is_topk
-from .nodes import arguments, keywords_as_positions, tensor_val
+from .nodes import arguments, keywords_as_positions, tensor_inputs, tensor_val
 from .rules.indexing import split_dim
 from .rules.registry import kinds_in, op_kind
 
@@ -277,6 +282,49 @@ def slice_fills_as_cat(gm: fx.GraphModule, empty: fx.Node) -> None:
         gm.graph.erase_node(copy)
         gm.graph.erase_node(view)
     gm.graph.erase_node(empty)
+
+
+_ALIASING = {"view", "transpose", "permute", "expand", "cast"}
+"""Op kinds whose output may share its input's storage (a cast to the dtype it has)."""
+
+
+def _written_alone(target: fx.Node, write: fx.Node) -> bool:
+    """Whether a write into ``target`` reaches no tensor read after it but ``target``: the tensors
+    it views are read by nothing else, and what reads ``target`` before the write is read before
+    it too (a slice of it read to make the written value)."""
+    order = {n: i for i, n in enumerate(write.graph.nodes)}
+    for reader in target.users:
+        if order[reader] < order[write] and any(order[u] > order[write] for u in reader.users):
+            return False
+    node = target
+    while op_kind(node) in _ALIASING:
+        node = tensor_inputs(node)[0]
+        if len(node.users) != 1:
+            return False
+    return True
+
+
+def slice_write_as_cat(gm: fx.GraphModule, write: fx.Node) -> None:
+    """Rewrite ``x[..., a:b, ...] = value`` into the ``cat`` of ``x``'s slices before and after
+    and ``value``, read in place of ``x`` by the nodes after the write."""
+    target, index, value = write.args
+    val = tensor_val(target)
+    cut = _one_dim_slice(index, val.dim()) if val is not None and not is_symbolic(val.shape) else None
+    if cut is None or getattr(tensor_val(value), "shape", None) != val[index].shape \
+            or tensor_val(value).dtype != val.dtype or not _written_alone(target, write):
+        return
+    dim, (start, stop, _) = cut[0], cut[1].indices(val.shape[cut[0]])
+    graph, before = gm.graph, (slice(None),) * dim
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    later = [u for u in target.users if order[u] > order[write]]
+    with graph.inserting_before(write):
+        pieces = [with_val(graph.call_function(operator.getitem, (target, before + (slice(a, b),))),
+                           val[before + (slice(a, b),)]) if (a, b) != (start, stop) else value
+                  for a, b in ((0, start), (start, stop), (stop, val.shape[dim])) if b > a]
+        whole = with_val(graph.call_function(torch.cat, (pieces, dim)), val.clone())
+    for user in later:
+        user.replace_input_with(target, whole)
+    graph.erase_node(write)
 
 
 def in_place_add_out_of_place(gm: fx.GraphModule, node: fx.Node) -> None:
@@ -593,6 +641,8 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
         slice_fills_as_cat(gm, node)
     elif node.op == "call_method" and node.target == "add_":
         in_place_add_out_of_place(gm, node)
+    elif node.op == "call_function" and node.target is operator.setitem:
+        slice_write_as_cat(gm, node)
     elif op_kind(node) == "sdpa" and ctx.mesh.size("cp") > 1:
         grouped_kv_attention(gm, node)
     elif op_kind(node) == "softmax":
