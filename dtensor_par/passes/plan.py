@@ -88,7 +88,7 @@ def gathered_kv_parts(site: AttentionSite, ctx: ParallelContext) -> list[fx.Node
     where the kv heads divide, or the parts do not, or cannot be told apart."""
     tp = ctx.mesh.size("tp")
     fused = [n for n in dict.fromkeys(site.q) if n in site.k + site.v]
-    parts = _feature_parts(fused[0]) if tp > 1 and len(fused) == 1 and fused_parts(fused[0]) else None
+    parts = _feature_parts(fused[0]) if tp > 1 and len(fused) == 1 else None
     if not parts or not isinstance(colwise_placement(fused[0], tp), InterleavedShard):
         return []
     query = tensor_inputs(site.scores if site.scores is not None else site.core)[0]
