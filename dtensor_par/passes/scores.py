@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..logs import logger
 from ..ops.score_mod import ScoreMod
 from ..symbolic import guards_at
-from .biases import FoundBias, position_bias
+from .biases import FoundBias, constant_ancestors, evaluate_constant, position_bias
 from .capture import with_val
 from .detect import AttentionSite
 from .nodes import arguments, tensor_inputs, tensor_val
@@ -81,10 +81,12 @@ def _score_step(node: fx.Node) -> tuple[fx.Node, tuple[str, float] | None] | Non
 
 def hiding_fill(fill, scores: fx.Node) -> bool:
     """Whether filling the (floating) scores with ``fill`` hides them from the softmax (-inf, or
-    the lowest value of their dtype, as transformers fills), given as a number or as a tensor
-    made of one (GPT-Neo's ``torch.tensor(finfo.min, dtype=...)``)."""
-    if isinstance(fill, fx.Node) and fill.target is torch.tensor and fill.args:
-        fill = fill.args[0]
+    the lowest value of their dtype, as transformers fills), given as a number or as a
+    one-element tensor computed from constants (GPT-Neo's ``torch.tensor(finfo.min, dtype=...)``)."""
+    if isinstance(fill, fx.Node):
+        one = tensor_val(fill) is not None and tensor_val(fill).numel() == 1
+        made_of = constant_ancestors(fill) if one else None
+        fill = evaluate_constant(made_of).item() if made_of else None
     return _number(fill) and fill <= torch.finfo(tensor_val(scores).dtype).min
 
 
