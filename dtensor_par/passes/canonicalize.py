@@ -288,11 +288,10 @@ _ALIASING = {"view", "transpose", "permute", "expand", "cast"}
 """Op kinds whose output may share its input's storage (a cast to the dtype it has)."""
 
 
-def _written_alone(target: fx.Node, write: fx.Node) -> bool:
+def _written_alone(target: fx.Node, write: fx.Node, order: dict[fx.Node, int]) -> bool:
     """Whether a write into ``target`` reaches no tensor read after it but ``target``: the tensors
     it views are read by nothing else, and what reads ``target`` before the write is read before
-    it too (a slice of it read to make the written value)."""
-    order = {n: i for i, n in enumerate(write.graph.nodes)}
+    it too (a slice of it read to make the written value). ``order``: each node's place in the graph."""
     for reader in target.users:
         if order[reader] < order[write] and any(order[u] > order[write] for u in reader.users):
             return False
@@ -310,12 +309,12 @@ def slice_write_as_cat(gm: fx.GraphModule, write: fx.Node) -> None:
     target, index, value = write.args
     val = tensor_val(target)
     cut = _one_dim_slice(index, val.dim()) if val is not None and not is_symbolic(val.shape) else None
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     if cut is None or getattr(tensor_val(value), "shape", None) != val[index].shape \
-            or tensor_val(value).dtype != val.dtype or not _written_alone(target, write):
+            or tensor_val(value).dtype != val.dtype or not _written_alone(target, write, order):
         return
     dim, (start, stop, _) = cut[0], cut[1].indices(val.shape[cut[0]])
     graph, before = gm.graph, (slice(None),) * dim
-    order = {n: i for i, n in enumerate(graph.nodes)}
     later = [u for u in target.users if order[u] > order[write]]
     with graph.inserting_before(write):
         pieces = [with_val(graph.call_function(operator.getitem, (target, before + (slice(a, b),))),
