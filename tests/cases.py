@@ -21,6 +21,13 @@ def _keep(seq: int) -> torch.Tensor:
     return keep
 
 
+def _rows_hidden(seq: int, rows: int) -> torch.Tensor:
+    """A causal mask whose first ``rows`` query rows see no key: a left-padded batch's keys."""
+    position = torch.arange(seq)
+    keep = (position[None, :] <= position[:, None]) & (position[None, :] >= rows)
+    return keep.expand(2, 1, seq, seq)
+
+
 CASES = {
     # One block: every path a case compiles, at half or less a 2-layer model's compile time (CI time on 2 cores).
     "gpt_fused_qkv": (lambda: models.GPT(layers=1), lambda: [(torch.randn(2, 8, 32),)]),
@@ -40,6 +47,8 @@ CASES = {
                         lambda: [(torch.randint(0, 50, (2, 8)),)]),
     "bool_mask": (lambda: models.MaskedAttention("bool"), lambda: [(torch.randn(2, 16, 32), _keep(16))]),
     "additive_mask": (lambda: models.MaskedAttention("additive"), lambda: [(torch.randn(2, 16, 32), _keep(16))]),
+    # scores filled with the lowest finite value where an input hides them, the first 5 query rows hidden entirely
+    "rows_hidden_by_an_input": (models.RowsHiddenByAnInput, lambda: [(torch.randn(2, 16, 32), _rows_hidden(16, 5))]),
     # Sequence length 30: not divisible into the 8 chunks of ring=2 x ulysses=2.
     "uneven_seq_30": (lambda: models.Llama(layers=1), lambda: [(torch.randint(0, 50, (2, 30)),)]),
     "uneven_seq_30_masked": (lambda: models.MaskedAttention("additive"), lambda: [(torch.randn(2, 30, 32), _keep(30))]),

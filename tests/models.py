@@ -284,6 +284,22 @@ class MaskedAttention(GPTBlock):
         return x + self.fc_out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
+class RowsHiddenByAnInput(nn.Module):
+    """Written-out attention whose scores are filled with the lowest finite value where an input
+    hides them (``where(keep, scores, finfo.min)``, as DistilBERT and GPT-Neo fill): a query row
+    hidden entirely attends to every key evenly, and its scores get no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x, keep):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        scores = torch.where(keep, q @ k.transpose(-2, -1) / 8 ** 0.5, torch.finfo(x.dtype).min)
+        return self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, 32))
+
+
 class SequenceGram(nn.Module):
     """A contraction over the sequence after attention (the sum of x^T x over positions)."""
 

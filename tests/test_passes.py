@@ -622,7 +622,8 @@ def test_a_softmax_over_a_product_not_read_as_attention_is_warned_of_by_name(pla
 class WrittenOutAttention(nn.Module):
     """Attention written out by hand as research code has it: scaled, soft-capped scores, a
     causal mask by ``masked_fill`` (or, ``fill="where"``, GPT-Neo's ``where(kept, scores,
-    torch.tensor(finfo.min))``), and a dropout of the probabilities."""
+    torch.tensor(finfo.min))``; ``"two_masks"``: then a window of 6 keys added as transformers'
+    additive mask, as GPT-Neo's local layers apply their two), and a dropout of the probabilities."""
 
     def __init__(self, dropout: float, fill: str = "masked_fill"):
         super().__init__()
@@ -638,15 +639,21 @@ class WrittenOutAttention(nn.Module):
             scores = torch.where(~hidden, scores, torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype))
         else:
             scores = scores.masked_fill(hidden, float("-inf"))
+        if self.fill == "two_masks":
+            position = torch.arange(s)
+            window = (position[:, None] - position[None, :]).abs() < 6
+            scores = scores + torch.where(window, 0.0, torch.finfo(scores.dtype).min)
         probs = F.dropout(scores.softmax(-1), self.dropout, self.training)
         return self.o((probs @ v).transpose(1, 2).reshape(b, s, 32))
 
 
-@pytest.mark.parametrize("dropout, fill", [(0.0, "masked_fill"), (0.1, "masked_fill"), (0.0, "where")])
+@pytest.mark.parametrize("dropout, fill", [(0.0, "masked_fill"), (0.1, "masked_fill"), (0.0, "where"),
+                                           (0.0, "two_masks")])
 def test_written_out_attention_on_cp_is_hybrid_attention_with_its_score_function(dropout, fill):
     """Its scale and soft-capping become the score function, its mask (filled by a number or a
-    tensor made of one) ``is_causal``, and no softmax is left; a dropout that drops something
-    keeps it as written, with a warning naming the dropout."""
+    tensor made of one; two masks applied in a row, as one) ``is_causal`` (with the window), and
+    no softmax is left; a dropout that drops something keeps it as written, with a warning naming
+    the dropout."""
     from dtensor_par.ops.attention import hybrid_attention
     from dtensor_par.ops.score_mod import ScoreMod
     from dtensor_par.pipeline import PLANNING_PASSES
@@ -662,7 +669,25 @@ def test_written_out_attention_on_cp_is_hybrid_attention_with_its_score_function
     (hybrid,) = attention
     assert hybrid.kwargs["score_mod"] == ScoreMod((("div", 8 ** 0.5), ("div", 5.0), ("tanh", 0.0), ("mul", 5.0)))
     assert hybrid.kwargs["is_causal"] and hybrid.kwargs["attn_mask"] is None
+    assert hybrid.kwargs.get("window") == (6 if fill == "two_masks" else None), hybrid.kwargs
     assert not any(op_kind(n) == "softmax" for n in local.graph.nodes)
+
+
+@pytest.mark.parametrize("cp", ["ring", "ulysses"])
+def test_scores_filled_with_the_lowest_finite_value_by_an_input_are_not_hybrid_attention(cp):
+    """Hybrid attention cannot reproduce a row such a fill hides entirely (its kernels lose the
+    row's log-sum-exp, an additive mask would pass the gradient on): it runs as written, with a
+    warning naming the condition. (A boolean mask gave such rows NaN at ulysses2 and an error of
+    0.25 at ring2; ``tests.test_cp_gloo`` runs it exactly.)"""
+    from dtensor_par.ops.attention import hybrid_attention
+    from dtensor_par.pipeline import PLANNING_PASSES
+
+    (gm, inputs), = capture_graphs(models.RowsHiddenByAnInput(), torch.randn(2, 16, 32), torch.ones(2, 1, 16, 16).bool())
+    local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning({cp: 2}, "cpu"), passes=PLANNING_PASSES)
+    assert not any(n.target is hybrid_attention for n in local.graph.nodes)
+    assert any(re.search(r"runs op by op on the whole sequence over cp: \w+: the scores are filled with the lowest "
+                         r"finite value where it hides them, and it may hide a query row entirely", w)
+               for w in ctx.warnings), ctx.warnings
 
 
 class AlibiAttention(nn.Module):

@@ -46,7 +46,7 @@ from .plan import gathered_kv_parts
 from .rules.attention import kv_whole_on_tp
 from .rules.registry import op_kind
 from .biases import FoundBias, constant_ancestors, evaluate_constant, position_bias
-from .scores import as_sdpa_arguments, bias_kwargs, hiding_fill, sinks_per_head, written_attention
+from .scores import as_sdpa_arguments, bias_kwargs, hiding_value, sinks_per_head, written_attention
 
 
 def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:
@@ -259,16 +259,22 @@ def positional_mask(mask: fx.Node, q_len: int, kv_len: int) -> PositionalMask | 
 
 
 def _fills_finite_lowest(mask: fx.Node) -> bool:
-    """Whether an additive mask is the lowest finite value where a condition computed from an
-    input hides keys (``where(keep, 0, finfo.min)``, ``masked_fill(hide, finfo.min)``). A query
-    row the condition hides entirely (a left-padded batch's first rows) then scores the same at
-    every key, and on one device attends to all of them evenly; ring blocks, each normalized
+    """Whether an additive mask is, or holds (added to it, or filling it: masks applied one after
+    another, ``scores.as_sdpa_arguments``), the lowest finite value where a condition computed
+    from an input hides keys (``where(keep, 0, finfo.min)``, ``masked_fill(hide, finfo.min)``). A
+    query row the condition hides entirely (a left-padded batch's first rows) then scores the same
+    at every key, and on one device attends to all of them evenly; ring blocks, each normalized
     on its own, cannot reproduce that (its log-sum-exp is lost below the lowest value)."""
-    given = arguments(mask) if op_kind(mask) == "where" and tensor_val(mask).is_floating_point() else {}
+    kind = op_kind(mask)
+    if kind not in ("add", "where") or not tensor_val(mask).is_floating_point():
+        return False
+    given = arguments(mask)
     condition = given.get("condition", given.get("mask"))
-    fills = [given.get(name) for name in ("input", "other", "value")]
-    return isinstance(condition, fx.Node) and constant_ancestors(condition) is None \
-        and any(f != float("-inf") and hiding_fill(f, mask) for f in fills)
+    values = [given.get(name) for name in ("input", "other", "value")]
+    if kind == "where" and isinstance(condition, fx.Node) and constant_ancestors(condition) is None \
+            and any(v != float("-inf") and hiding_value(v, mask) is not None for v in values):
+        return True
+    return any(isinstance(v, fx.Node) and _fills_finite_lowest(v) for v in values)
 
 
 def _gathered_reason(attention: dict, ring: int) -> str | None:
@@ -342,7 +348,7 @@ def _split_position_bias(attention: dict) -> FoundBias | None:
             parts += [operands, operands[::-1]]
     with guards_at(f"rewrite at {mask.name} (a bias built from positions, evaluated at one length)"):
         if op_kind(mask) == "where" and "condition" in given and isinstance(given["input"], fx.Node) \
-                and hiding_fill(given["other"], mask):
+                and hiding_value(given["other"], mask) is not None:
             kept = positional_mask(given["condition"], *sizes[1:])
             if kept is not None and kept.key_padding is None:
                 parts.append((given["input"], given["condition"]))

@@ -3,9 +3,9 @@
 Between ``q @ kT`` and the softmax, the ops of one score each (a scale, Gemma2's
 soft-capping ``tanh(s / c) * c``, negation, float casts) become a score function
 (``ops.score_mod.ScoreMod``), which each ring block applies to its own scores; a mask applied
-last (a tensor added, a ``masked_fill`` or ``where`` of the scores with -inf or the dtype's
-lowest value) becomes the attention's mask, which rewrite then reads as it reads an SDPA mask
-(built from positions: no ``S x S`` tensor kept); a tensor added there that is a bias built
+last (tensors added, ``masked_fill`` or ``where`` of the scores with -inf or the dtype's
+lowest value, one or several in a row) becomes the attention's mask, which rewrite then reads as
+it reads an SDPA mask (built from positions: no ``S x S`` tensor kept); a tensor added there that is a bias built
 from positions (ALiBi, T5's relative buckets: ``passes.biases``) travels as hybrid attention's
 position bias beside it. Sink logits concatenated after the scores (GPT-OSS: ``detect.SinkLogits``)
 travel as hybrid attention's sinks. Heads folded into the batch around the scores (Bloom's
@@ -16,6 +16,7 @@ why the attention stays as written.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -35,12 +36,23 @@ _TANH = {torch.tanh, F.tanh, "tanh"}
 _SOFTMAX = {F.softmax, torch.softmax, "softmax"}
 
 
+@dataclass(frozen=True)
+class MaskStep:
+    """One mask applied to the scores: ``tensor`` added to them (``fill`` None), or the scores
+    filled with ``fill`` (-inf or the dtype's lowest value) where the boolean ``tensor`` is True
+    (``hides``) or where it is False."""
+
+    tensor: fx.Node
+    hides: bool = False
+    fill: float | None = None
+
+
 @dataclass
 class WrittenAttention:
     """Hybrid attention's arguments read off attention written out by hand: ``key`` is None
     where ``q @ kT`` reads no ``key.transpose(-2, -1)`` (rewrite then transposes ``key_t``);
-    ``mask`` as SDPA takes it (additive, or boolean True = attend), unless ``mask_hides``: a
-    boolean True = hidden, which rewrite inverts; ``bias``: a bias built from positions
+    ``masks``: the masks applied last, in the order they are (``as_sdpa_arguments`` makes them
+    one SDPA mask); ``bias``: a bias built from positions
     (``passes.biases``); ``sinks``: the ``[1, heads, 1, 1]`` sink logits (GPT-OSS). Where the heads
     are folded into the batch (Bloom's ``[batch * heads, seq, dim]``), q, k and v are the 4-d
     tensors they were folded from."""
@@ -50,8 +62,7 @@ class WrittenAttention:
     key_t: fx.Node
     value: fx.Node
     score_mod: ScoreMod
-    mask: fx.Node | None
-    mask_hides: bool = False
+    masks: tuple[MaskStep, ...]
     bias: FoundBias | None = None
     sinks: fx.Node | None = None
 
@@ -79,35 +90,36 @@ def _score_step(node: fx.Node) -> tuple[fx.Node, tuple[str, float] | None] | Non
     return None
 
 
-def hiding_fill(fill, scores: fx.Node) -> bool:
-    """Whether filling the (floating) scores with ``fill`` hides them from the softmax (-inf, or
-    the lowest value of their dtype, as transformers fills), given as a number or as a
-    one-element tensor computed from constants (GPT-Neo's ``torch.tensor(finfo.min, dtype=...)``)."""
+def hiding_value(fill, scores: fx.Node) -> float | None:
+    """The value filling the (floating) scores with ``fill`` gives them, when it hides them from
+    the softmax (-inf, or the lowest value of their dtype, as transformers fills); ``fill`` a
+    number or a one-element tensor computed from constants (GPT-Neo's
+    ``torch.tensor(finfo.min, dtype=...)``). None for any other fill."""
     if isinstance(fill, fx.Node):
         one = tensor_val(fill) is not None and tensor_val(fill).numel() == 1
         made_of = constant_ancestors(fill) if one else None
         fill = evaluate_constant(made_of).item() if made_of else None
-    return _number(fill) and fill <= torch.finfo(tensor_val(scores).dtype).min
+    return float(fill) if _number(fill) and fill <= torch.finfo(tensor_val(scores).dtype).min else None
 
 
-def _mask_step(node: fx.Node, scores: fx.Node) -> tuple[fx.Node, fx.Node, bool] | None:
-    """``(the scores it reads, the mask, whether the mask is True where hidden)`` when ``node``
-    masks the scores (read from ``scores``): adds a tensor to them, or fills them by a
-    boolean condition with a value that hides."""
+def _mask_step(node: fx.Node, scores: fx.Node) -> tuple[fx.Node, MaskStep] | None:
+    """``(the scores it reads, the mask it applies)`` when ``node`` masks the scores (read from
+    ``scores``): adds a tensor to them, or fills them by a boolean condition with a value that
+    hides."""
     kind, given = op_kind(node), arguments(node)
     if kind == "add" and given.get("alpha", 1) == 1:
         operands = [a for a in (given["input"], given["other"]) if isinstance(a, fx.Node)]
         reading = [a for a in operands if _reads(a, scores)]
         if len(operands) == 2 and len(reading) == 1:
-            return reading[0], next(a for a in operands if a is not reading[0]), False
-    if kind == "where" and "mask" in given and hiding_fill(given["value"], node):
-        return given["input"], given["mask"], True
+            return reading[0], MaskStep(next(a for a in operands if a is not reading[0]))
+    if kind == "where" and "mask" in given and (fill := hiding_value(given["value"], node)) is not None:
+        return given["input"], MaskStep(given["mask"], True, fill)
     if kind == "where" and "condition" in given:
         kept, filled = given["input"], given["other"]
-        if isinstance(kept, fx.Node) and hiding_fill(filled, node):
-            return kept, given["condition"], False
-        if isinstance(filled, fx.Node) and hiding_fill(kept, node):
-            return filled, given["condition"], True
+        if isinstance(kept, fx.Node) and (fill := hiding_value(filled, node)) is not None:
+            return kept, MaskStep(given["condition"], False, fill)
+        if isinstance(filled, fx.Node) and (fill := hiding_value(kept, node)) is not None:
+            return filled, MaskStep(given["condition"], True, fill)
     return None
 
 
@@ -135,11 +147,11 @@ def _unfolds_heads(node: fx.Node) -> bool:
 @dataclass
 class _Scores:
     """What happens to the scores between ``q @ kT`` and the softmax: the score function, the
-    tensors added (or filled in) last, each with whether it is True where hidden, and whether the
-    heads are folded into the batch before (Bloom)."""
+    masks applied last (in the order they are), and whether the heads are folded into the batch
+    before (Bloom)."""
 
     score_mod: ScoreMod
-    added: list[tuple[fx.Node, bool]]
+    masks: list[MaskStep]
     folded: bool
 
 
@@ -147,26 +159,28 @@ def _score_function(site: AttentionSite) -> _Scores | str:
     """The steps between the site's ``q @ kT`` and its softmax: a score function, then (after
     it, in order of application) tensors added or a mask filled in, and a view unfolding the
     heads from the batch, anywhere."""
-    steps, added, folded = [], [], False
+    steps, masks, folded = [], [], False
     node = tensor_inputs(site.softmax)[0] if site.sinks is None else site.sinks.scores
     while True:
         if len(node.users) != 1:
             return f"{node.name} is read by more than the softmax"
         if node is site.scores:
-            return _Scores(ScoreMod(tuple(reversed(steps))), added, folded)
+            return _Scores(ScoreMod(tuple(reversed(steps))), masks[::-1], folded)
         if node.op not in ("call_function", "call_method"):
             return f"{node.name} is no step of a score function"
         if not folded and _unfolds_heads(node):
             node, folded = tensor_inputs(node)[0], True
             continue
         masking = _mask_step(node, site.scores) if not steps else None
-        found = _score_step(node) if masking is None else masking[:2]
+        if masking is not None:
+            node, mask = masking
+            masks.append(mask)
+            continue
+        found = _score_step(node)
         if found is None:
             return f"{node.name} ({op_kind(node) or node.target}) is no step of a score function"
         node, step = found
-        if masking is not None:
-            added.append((step, masking[2]))
-        elif step is not None:
+        if step is not None:
             steps.append(step)
 
 
@@ -219,20 +233,44 @@ def _operands(site: AttentionSite, folded: bool) -> tuple[fx.Node, fx.Node | Non
     return unfolded[0], unfolded[1], key_t, unfolded[2]
 
 
-def _bias_and_mask(added: list[tuple[fx.Node, bool]], q: torch.Tensor, k: torch.Tensor,
-                   folded: bool) -> tuple[FoundBias | None, tuple[fx.Node, bool] | None] | str:
-    """The tensors added to the scores as a position bias and one mask (with whether it is True
-    where hidden)."""
+def _bias_and_masks(applied: list[MaskStep], q: torch.Tensor, k: torch.Tensor,
+                    folded: bool) -> tuple[FoundBias | None, tuple[MaskStep, ...]] | str:
+    """Of the masks applied to the scores, a position bias (one tensor added at most) and the
+    rest, in order."""
     batch, heads, q_len, _ = q.shape
     biases, masks = [], []
-    for node, hides in added:
-        found = None if hides else position_bias(node, heads, q_len, k.shape[-2], batch if folded else None)
-        (masks if found is None else biases).append((node, hides) if found is None else found)
-    if len(biases) > 1 or len(masks) > 1:
-        return f"{added[0][0].name}: more than one mask or position bias is added to the scores"
-    if folded and masks and tensor_val(masks[0][0]).dim() == 3 and tensor_val(masks[0][0]).shape[0] > 1:
-        return f"{masks[0][0].name}: a mask of the heads folded into the batch"
-    return (biases or [None])[0], (masks or [None])[0]
+    for step in applied:
+        found = None if step.fill is not None else position_bias(step.tensor, heads, q_len, k.shape[-2],
+                                                                 batch if folded else None)
+        (masks if found is None else biases).append(step if found is None else found)
+    if len(biases) > 1:
+        return f"{applied[0].tensor.name}: more than one position bias is added to the scores"
+    for step in masks:
+        if _hides_rows_finitely(step):
+            return (f"{step.tensor.name}: the scores are filled with the lowest finite value where it hides them, and "
+                    f"it may hide a query row entirely (it is computed from an input, or does): such a row attends to "
+                    f"every key evenly and its scores get no gradient, which hybrid attention cannot reproduce")
+        if step.tensor.meta["requires_grad"]:
+            return f"{step.tensor.name}: a mask that needs a gradient (a learned bias)"
+        if folded and tensor_val(step.tensor).dim() == 3 and tensor_val(step.tensor).shape[0] > 1:
+            return f"{step.tensor.name}: a mask of the heads folded into the batch"
+    return (biases or [None])[0], tuple(masks)
+
+
+def _hides_rows_finitely(step: MaskStep) -> bool:
+    """Whether ``step`` fills the scores with the lowest finite value (not -inf) by a condition
+    that may hide a query row entirely: one computed from an input, or a constant one that does.
+    On one device such a row scores the same at every key and attends to them evenly, and its
+    scores get no gradient through the fill; the kernels lose its log-sum-exp below the lowest
+    value, and an additive mask would pass the gradient on."""
+    if step.fill is None or step.fill == float("-inf"):
+        return False
+    made_of = constant_ancestors(step.tensor)
+    if made_of is None:
+        return True
+    condition = evaluate_constant(made_of)
+    hidden = condition if step.hides else ~condition
+    return bool(hidden.all(-1).any())
 
 
 def read_written_attention(site: AttentionSite) -> WrittenAttention | str:
@@ -250,16 +288,14 @@ def read_written_attention(site: AttentionSite) -> WrittenAttention | str:
             or (*k_t.shape[:2], k_t.shape[3], k_t.shape[2]) != tuple(v.shape):
         return (f"{site.scores.name}: [batch, heads, seq, head_dim] q, k and v of one dtype and shape are needed; "
                 f"got q {list(q.shape)} {q.dtype}, kT {list(k_t.shape)}, v {list(v.shape)} {v.dtype}")
-    read = _bias_and_mask(found.added, q, k_t.transpose(-2, -1), found.folded)
+    read = _bias_and_masks(found.masks, q, k_t.transpose(-2, -1), found.folded)
     if isinstance(read, str):
         return read
-    bias, (mask, hides) = read[0], read[1] or (None, False)
-    if mask is not None and mask.meta["requires_grad"]:
-        return f"{mask.name}: a mask that needs a gradient (a learned bias)"
+    bias, masks = read
     if site.sinks is not None and found.folded:
         return f"{site.sinks.per_head.name}: sink logits beside heads folded into the batch"
     sinks = None if site.sinks is None else site.sinks.per_head
-    return WrittenAttention(query, key, key_t, value, found.score_mod, mask, hides, bias, sinks)
+    return WrittenAttention(query, key, key_t, value, found.score_mod, masks, bias, sinks)
 
 
 def written_attention(site: AttentionSite) -> WrittenAttention | str:
@@ -270,17 +306,43 @@ def written_attention(site: AttentionSite) -> WrittenAttention | str:
 
 def as_sdpa_arguments(gm: fx.GraphModule, site: AttentionSite, found: WrittenAttention) -> dict:
     """The attention as SDPA's arguments, its score function aside (``scale`` 1: the score
-    function scales): ``kT`` transposed back where no key is read, a mask True where hidden
-    inverted, by nodes inserted before the site's core."""
-    key, mask = found.key, found.mask
+    function scales): ``kT`` transposed back where no key is read, the masks as one
+    (``_sdpa_mask``), by nodes inserted before the site's core."""
+    key = found.key
     with gm.graph.inserting_before(site.core):
         if key is None:
             key = with_val(gm.graph.call_method("transpose", (found.key_t, -2, -1)),
                            tensor_val(found.key_t).transpose(-2, -1))
-        if found.mask_hides:
-            mask = with_val(gm.graph.call_function(torch.logical_not, (mask,)), ~tensor_val(mask))
+        mask = _sdpa_mask(gm.graph, found.masks, tensor_val(found.query).dtype)
     return {"query": found.query, "key": key, "value": found.value, "attn_mask": mask, "dropout_p": 0.0,
             "is_causal": False, "scale": 1.0, "enable_gqa": False}
+
+
+def _sdpa_mask(graph: fx.Graph, masks: tuple[MaskStep, ...], dtype: torch.dtype) -> fx.Node | None:
+    """One SDPA mask that masks the scores as ``masks`` applied in order do. A lone tensor added
+    is that tensor; a lone fill with -inf, its condition as a boolean mask (True = attend). Any
+    other masks are applied to zero scores, an additive mask: a fill with the lowest finite value
+    stays that value, so a query row it hides entirely scores the same at every key and attends to
+    them evenly, as on one device (a boolean mask would attend to none); ``s + fill`` is ``fill``
+    for any score far below the dtype's largest."""
+    def call(fn, args, value, kwargs=None):
+        return with_val(graph.call_function(fn, args, kwargs or {}), value)
+
+    if len(masks) == 1 and (masks[0].fill is None or masks[0].fill == float("-inf")):
+        step = masks[0]
+        return call(torch.logical_not, (step.tensor,), ~tensor_val(step.tensor)) if step.hides else step.tensor
+    mask = None
+    for step in masks:
+        given = tensor_val(step.tensor)
+        if step.fill is None:
+            mask = step.tensor if mask is None else call(operator.add, (mask, step.tensor), tensor_val(mask) + given)
+            continue
+        if mask is None:
+            mask = call(torch.zeros_like, (step.tensor,), torch.zeros_like(given, dtype=dtype), {"dtype": dtype})
+        kept, filled = (step.fill, mask) if step.hides else (mask, step.fill)
+        shape = torch.broadcast_shapes(given.shape, tensor_val(mask).shape)
+        mask = call(torch.where, (step.tensor, kept, filled), given.new_empty(shape, dtype=dtype))
+    return mask
 
 
 def bias_kwargs(gm: fx.GraphModule, site: AttentionSite, bias: FoundBias | None, query: fx.Node) -> dict:
