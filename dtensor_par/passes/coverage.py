@@ -1,9 +1,8 @@
 """How much of a planned graph actually runs split: the numbers behind every report.
 
-A linear (or matmul, or an expert's grouped matmul) runs sharded on a mesh dim when its output
-there is not Replicate (sharded, or partial sums): each rank then does 1/size of its work on
-that dim. Block
-linears are those whose weight lives in a numbered module (``layers.3.mlp.up_proj``), the
+A linear (or matmul, an expert's grouped matmul, a convolution: Sana's feed-forward is three)
+runs sharded on a mesh dim when its output there is not Replicate (sharded, or partial sums):
+each rank then does 1/size of its work on that dim. Block linears are those whose weight lives in a numbered module (``layers.3.mlp.up_proj``), the
 repeated transformer blocks; the LM head or an embedding projection outside them is
 reported on its own. A fallback gather is a node whose inputs the plan had to gather
 because no rule could keep them split.
@@ -28,17 +27,22 @@ from .rules.registry import lookup, op_kind
 _IN_BLOCK = re.compile(r"\.\d+\.")
 
 
-_CONTRACTIONS = ("linear", "matmul", "grouped_mm")
-"""The ops whose FLOPs coverage counts: a grouped matmul is each expert's linear on its tokens."""
+_CONTRACTIONS = ("linear", "matmul", "grouped_mm", "conv")
+"""The ops whose FLOPs coverage counts: a grouped matmul is each expert's linear on its tokens,
+a convolution a linear at each position."""
 
 
 def _linear_flops(node: fx.Node, ctx: ParallelContext) -> int:
-    """2 x output elements x contracted length, for a linear, matmul or grouped matmul node. A
+    """2 x output elements x contracted length, for a linear, matmul, grouped matmul or
+    convolution node (contracted: a group's input channels times the kernel's positions). A
     grouped matmul at its experts' ranks (ep) counts the rows its tokens send, not the
     worst case its rows are laid out for (``ep_size`` times them): a rank's share is then what
     it computes when the routing is even."""
     out = tensor_val(node)
-    contracted = tensor_val(tensor_inputs(node)[0]).shape[-1]
+    if op_kind(node) == "conv":
+        contracted = math.prod(tensor_val(arguments(node)["weight"]).shape[1:])
+    else:
+        contracted = tensor_val(tensor_inputs(node)[0]).shape[-1]
     worst_case = next((s.ep_size for s in ctx.sites if isinstance(s, MoESite) and node in s.at_experts), 1)
     return hint(2 * math.prod(out.shape) * contracted) // worst_case  # at the planned sizes, if symbolic
 
@@ -93,7 +97,7 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
     return cov
 
 
-ENGINES = {"linear": "matmul", "matmul": "matmul", "grouped_mm": "matmul", "sdpa": "attention",
+ENGINES = {"linear": "matmul", "matmul": "matmul", "grouped_mm": "matmul", "conv": "matmul", "sdpa": "attention",
            "hybrid_attention": "attention"}
 """The ops whose FLOPs the cost model counts, and the machine rate each runs at (hybrid
 attention over a ring of more than one rank: ``"ring_attention"``)."""
