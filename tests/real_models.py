@@ -354,10 +354,24 @@ def cogview4():
                            crop_coords=torch.zeros(BATCH, 2), return_dict=False)
 
 
+def sana():
+    """Sana's transformer: linear attention (ReLU kernels, ``v @ kT`` summed over the sequence) and
+    a feed-forward of convolutions over the image grid (1 x 1, a depthwise 3 x 3, 1 x 1 gated).
+    The cross-attention's key bias is frozen: its gradient is 0 in exact arithmetic (it shifts
+    each query's scores by one constant), so a relative error on it is rounding over rounding."""
+    from diffusers import SanaTransformer2DModel
+    model = SanaTransformer2DModel(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8,
+                                   num_layers=1, num_cross_attention_heads=4, cross_attention_head_dim=8,
+                                   cross_attention_dim=32, caption_channels=16, sample_size=8, patch_size=1)
+    model.transformer_blocks[0].attn2.to_k.bias.requires_grad_(False)
+    return model, (), dict(hidden_states=torch.randn(BATCH, 4, 8, 8), encoder_hidden_states=torch.randn(BATCH, 8, 16),
+                           timestep=torch.tensor([10, 500]), return_dict=False)
+
+
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
              "flux": flux, "phi3": phi3, "gptj": gptj, "bert": bert, "modernbert": modernbert, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "falcon_multi_query": falcon_multi_query, "gpt_bigcode": gpt_bigcode, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
              "mixtral_batched_mm": mixtral_batched_mm, "mixtral_eager": mixtral_eager,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,
-             "llama4": llama4, "mochi": mochi, "cogview4": cogview4}
+             "llama4": llama4, "mochi": mochi, "cogview4": cogview4, "sana": sana}

@@ -26,7 +26,7 @@ from tests import real_models, xm_gloo  # noqa: E402
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
             "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss",
-            "mpt", "apertus", "llama4", "falcon_multi_query", "gpt_bigcode", "cogview4"}
+            "mpt", "apertus", "llama4", "falcon_multi_query", "gpt_bigcode", "cogview4", "sana"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -142,7 +142,7 @@ RUNS = {
                                                             "bloom", "t5", "t5_padded", "mixtral",
                                                             "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "mpt",
                                                             "llama4", "falcon_multi_query", "gpt_bigcode",
-                                                            "cogview4"]),
+                                                            "cogview4", "sana"]),
         # Expert parallelism: the experts cut over cp, each rank's rows sent to them and back (the ring's zigzag
         # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them). GPT-OSS's
         # experts (per-row biases gathered by local expert ids at the experts) beside its sinks' ring attention.
@@ -331,6 +331,20 @@ def test_a_decode_step_against_a_cache_no_cp_prefill_cut_is_refused_saying_what_
                                           r"cache\) runs over cp against the cache rows a prefill under cp left on each "
                                           r"rank \(ops.cache_attention\)"):
         parallelize_graph(gm, inputs, MeshInfo.for_planning({"ring": 2}, "cpu"), passes=PLANNING_PASSES)
+
+
+def test_sanas_convolutions_run_on_each_ranks_rows_of_the_image_over_cp():
+    """Sana's feed-forward convolves the image grid its sequence makes: the 1 x 1 convolutions on
+    each rank's rows as they are, the depthwise 3 x 3 with one halo row each side of each run of
+    rows fetched (an all-gather of 2 rows per run: one run a rank at ulysses2 x ring2). Before,
+    the first gathered the sequence and the feed-forward ran whole."""
+    model, args, kwargs = real_models.sana()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ulysses=2, ring=2).graphs
+    cov = graph.coverage
+    assert cov.fallback_gathers == [] and cov.sharded_block_linear_flops >= 0.95 * cov.block_linear_flops, cov.summary()
+    halo = [c for c in graph.collectives if c["op"] == "all_gather" and c["direction"] == "forward"]
+    rows = 2 * 1 * real_models.BATCH * 160 * 8 * 4  # 2 edge rows a run x batch x channels x width x float32
+    assert ("cp", rows, 1) in [(c["mesh_dims"], c["bytes_per_rank"], c["count"]) for c in halo], halo
 
 
 def test_a_model_whose_frames_dynamo_runs_eagerly_is_refused_by_explain():

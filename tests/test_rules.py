@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from dtensor_par.mesh import MeshDim
 from dtensor_par.ops.attention import hybrid_attention
 from dtensor_par.ops.experts import combine_rows, dispatch_rows, exchange_counts
+from dtensor_par.ops.halo import HaloPlan, halo_plan
 from dtensor_par.passes.meta import NodeSharding, set_sharding
 from dtensor_par.passes.nodes import tensor_inputs
 from dtensor_par.passes.rules.core import RuleEnv
@@ -148,6 +149,8 @@ OPS = {
     "pad": (lambda x: F.pad(x, (0, 2)), [_t(2, 4, 6)]),
     "embedding": (lambda ids, w: F.embedding(ids, w), [torch.randint(0, 10, (2, 4)), _t(10, 6)]),
     "conv2d": (lambda x, w, b: F.conv2d(x, w, b, stride=2), [_t(2, 3, 4, 4), _t(6, 3, 2, 2), _t(6)]),
+    # Sana's 1 x 1 convolutions over an image grid made of the sequence: a row for each row, its shard kept
+    "conv2d_pointwise": (lambda x, w, b: F.conv2d(x, w, b), [_t(2, 3, 4, 6), _t(5, 3, 1, 1), _t(5)]),
     # A mixture-of-experts router and its dispatch: top-k experts, tokens sorted by expert, counts.
     "topk": (lambda x: torch.topk(x, 2, dim=-1), [_t(2, 4, 6)]),
     "sort": (lambda x: torch.sort(x, dim=1), [_t(2, 4, 6)]),
@@ -186,6 +189,23 @@ def test_a_new_tensor_is_whole_and_leaves_its_source_as_it_is():
     x = _t(2, 4, 6)
     for p in every_placement(x):
         assert check_rule(lambda x: x.new_zeros(4, 6), [x], [p]) == NodeSharding(R, (p,))
+
+
+def test_a_convolution_keeps_rows_cut_over_cp_only_where_it_gives_a_row_for_each_row_it_reads():
+    """A 3 x 3 kernel padded by 1 keeps rows cut over cp (their halo fetched: ``ops.halo``), over
+    tp it has no halo exchange, and a stride, a kernel padded otherwise, or rows fewer than its
+    halo per rank are gathered, saying why."""
+    w = _t(3, 1, 3, 3)
+    for dim, rows, kwargs, kept in (("cp", 8, {"padding": 1}, True), ("tp", 8, {"padding": 1}, False),
+                                    ("cp", 8, {"padding": 1, "stride": 2}, False), ("cp", 8, {"padding": 0}, False),
+                                    ("cp", 2, {"padding": 1}, False)):
+        gm, conv = _traced(lambda x, w: F.conv2d(x, w, groups=3, **kwargs), [_t(2, 3, rows, 6), w])
+        ins = tensor_inputs(conv)
+        env = RuleEnv(dim, SIZE, {}, False, chunks_per_rank=2 if dim == "cp" else 1)
+        sharding = lookup(conv).rule(conv, ins, [Shard(2), R], env)
+        assert (sharding.out == Shard(2) and sharding.note is None) == kept, (dim, rows, kwargs, sharding)
+        if not kept:
+            assert sharding.note.startswith("a convolution over rows cut along dim 2"), sharding.note
 
 
 def test_einsum_keeps_shards_and_contracts_to_partial_sums():
@@ -384,3 +404,13 @@ def test_expert_exchanges_keep_feature_cuts_and_partial_sums_and_refuse_tokens_w
         for given, dim in [([Shard(0), R, R][:len(ins)], "tp"), ([R] * len(ins), "cp")]:
             with pytest.raises(NotImplementedError, match=r"expert parallelism \(ep='cp'\) runs on each cp rank's own"):
                 lookup(op).rule(op, ins, given, RuleEnv(dim, SIZE, {}, False))
+
+
+def test_halo_plans_cut_runs_of_rows_to_one_length_and_find_their_neighbours():
+    """Rows 0..7 in the zigzag layout over 2 ranks (0, 1 | 6, 7 on rank 0; 2..5 on rank 1): runs
+    of 2 rows each, rank 1's 4 rows two runs; each run's halo is the last rows of the run before
+    and the first of the run after (edges ``(rank * runs + run) * 2``, + 1 for the last rows),
+    none at the image's edges."""
+    positions = [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert halo_plan(positions, 0) == HaloPlan(runs=2, run_length=2, above=(-1, 7), below=(4, -1))
+    assert halo_plan(positions, 1) == HaloPlan(runs=2, run_length=2, above=(1, 5), below=(6, 2))

@@ -23,6 +23,9 @@ grad_as_partial         Replicate used where   the gradient on coordinate
 (identity)              its gradient is summed 0, zeros elsewhere
 gather_params           FSDP: parameter        one reduce_scatter of the
                         pieces -> whole        gradients, flattened
+gather_stacked          every rank's piece,    reduce_scatter (each rank's
+                        stacked by rank (a     piece is read by others)
+                        conv's halo rows)
 ======================  =====================  ==========================
 
 A sequence dim whose length does not divide over cp is padded at the end to equal chunks
@@ -76,10 +79,16 @@ def _rank_positions(laid_out: int, mesh_dim: MeshDim) -> torch.Tensor:
     return (torch.arange(laid_out) if order is None else order).view(mesh_dim.size, -1)
 
 
+def every_rank_positions(length: int, mesh_dim: MeshDim) -> torch.Tensor:
+    """``[ranks, rows]``: the global position of each row each rank holds of a dim of ``length``
+    sharded over ``mesh_dim``, in local order; the padding that evens out a sequence sits at
+    ``>= length``."""
+    return _rank_positions(_laid_out_length(length, mesh_dim), mesh_dim)
+
+
 def shard_positions(length: int, mesh_dim: MeshDim) -> torch.Tensor:
-    """The global position of each row this rank holds of a dim of ``length`` sharded over
-    ``mesh_dim``, in local order; the padding that evens out a sequence sits at ``>= length``."""
-    return _rank_positions(_laid_out_length(length, mesh_dim), mesh_dim)[mesh_dim.rank]
+    """This rank's row of ``every_rank_positions``."""
+    return every_rank_positions(length, mesh_dim)[mesh_dim.rank]
 
 
 def joint_order(parts: tuple[int, ...], mesh_dim: MeshDim) -> torch.Tensor:
@@ -366,6 +375,18 @@ class _AllGatherPartialGrad(torch.autograd.Function):
         return _reduce_scatter(grad, *ctx.args, edge=False), None, None, None, None, None
 
 
+class _GatherStacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh_dim, comm):
+        ctx.args = (mesh_dim, comm)
+        return LOWERINGS[comm].all_gather(x, mesh_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mesh_dim, comm = ctx.args
+        return LOWERINGS[comm].reduce_scatter(grad, mesh_dim), None, None
+
+
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, mesh_dim, comm):
@@ -419,6 +440,12 @@ def all_gather_partial_grad(x: torch.Tensor, dim: int, parts: tuple[int, ...] | 
 def shard_local(x: torch.Tensor, dim: int, parts: tuple[int, ...] | None, mesh_dim: MeshDim,
                 comm: str = FUNCTIONAL) -> torch.Tensor:
     return _ShardLocal.apply(x, dim, parts, mesh_dim, comm)
+
+
+def gather_stacked(x: torch.Tensor, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
+    """``[size, *x.shape]``: every rank's ``x``, by coordinate, for computations on this rank that
+    read others' pieces (their gradients summed back to the rank that sent each)."""
+    return _GatherStacked.apply(x, mesh_dim, comm)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:

@@ -1,14 +1,20 @@
 """Contractions: linear (colwise, rowwise, or over a sharded batch or sequence), matmul, einsum,
-and convolutions over a sharded batch."""
+and convolutions over a sharded batch or spatial dim."""
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
+import torch.fx as fx
 
-from ...placements import InterleavedShard, Partial, Shard, shard_dim
-from ..meta import NodeSharding
+from ...mesh import MeshInfo
+from ...ops.collectives import every_rank_positions
+from ...ops.halo import halo_conv, halo_plan
+from ...placements import InterleavedShard, Partial, Shard, shard_dim, shard_length
+from ...symbolic import hint
+from ..meta import Communication, NodeSharding, global_shape, planned_local_shape, set_communications, shardings, site_role
 from ..nodes import arguments, tensor_val
 from .core import R, moved, replicate_all, resolve_partial
 from .registry import register
@@ -143,18 +149,75 @@ def grouped_mm_rule(node, ins, cur, env):
     return replicate_all(node, ins, cur, "grouped matmul of tokens cut along their rows or experts cut")
 
 
+def _spatial(node: fx.Node, dim: int) -> tuple[int, int, int, int] | None:
+    """(kernel, stride, padding, dilation) of a convolution along spatial ``dim`` of its input;
+    None for a padding given by name."""
+    given, spatial = arguments(node), dim - 2
+    kernel = tensor_val(given["weight"]).shape[dim]
+    values = [given.get(name, default) for name, default in (("stride", 1), ("padding", 0), ("dilation", 1))]
+    if any(isinstance(v, str) for v in values):
+        return None
+    return (kernel, *(v if isinstance(v, int) else v[spatial] for v in values))
+
+
+def halo_of(node: fx.Node, dim: int) -> int | None:
+    """The rows a convolution reads past each end of a run of rows along spatial ``dim`` and
+    gives back as many as it reads (stride 1, dilation 1, padding ``(kernel - 1) / 2``): 0 for a
+    kernel of 1; None for any other."""
+    found = _spatial(node, dim)
+    if found is None:
+        return None
+    kernel, stride, padding, dilation = found
+    return padding if stride == 1 and dilation == 1 and kernel % 2 and padding == (kernel - 1) // 2 else None
+
+
 def conv_rule(node, ins, cur, env):
     """A convolution (a DiT's patch embedding) runs on this rank's images of a batch cut over
-    dp; any other cut mixes what it slides over or sums over channels: gathered."""
+    dp, and on this rank's rows of a spatial dim where it gives back a row for each row it reads
+    (an image grid made of a sequence: Sana's feed-forward): a kernel of 1 there as it is, a
+    wider one over cp with its halo rows fetched from their ranks (``localize_conv``). Any other
+    cut mixes what it slides over or sums over channels: gathered."""
     x_p, params = cur[0], cur[1:]
-    if isinstance(x_p, Shard) and x_p.dim == 0 and all(p == R for p in params):
+    if not isinstance(x_p, Shard) or any(p != R for p in params):
+        return replicate_all(node, ins, cur, "a convolution runs split along its batch or rows only")
+    if x_p.dim == 0:
         return NodeSharding(x_p, tuple(cur))
-    return replicate_all(node, ins, cur, "a convolution runs split along its batch only")
+    rows, halo = tensor_val(ins[0]).shape[x_p.dim], halo_of(node, x_p.dim)
+    if halo == 0 or (halo and env.dim == "cp" and not env.padded(rows)
+                     and shard_length(rows, env.size, env.chunks_per_rank) >= halo):
+        return NodeSharding(x_p, tuple(cur))
+    return replicate_all(node, ins, cur, f"a convolution over rows cut along dim {x_p.dim} (kernel, stride, padding, "
+                                         f"dilation {_spatial(node, x_p.dim)}) that reads past a run of them, or "
+                                         f"rows padded or fewer than its halo")
+
+
+def localize_conv(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """A convolution whose kernel reads across the rows of a spatial dim cut over cp becomes
+    ``halo_conv``: each run of rows with the halo rows of its neighbours."""
+    cut = [(name, s.inputs[0].dim) for name, s in shardings(node).items()
+           if isinstance(s.inputs[0], Shard) and s.inputs[0].dim >= 2 and halo_of(node, s.inputs[0].dim)]
+    if not cut:
+        return
+    (name, dim), = cut  # the rule keeps rows a kernel reads past cut over cp only
+    halo = halo_of(node, dim)
+    mesh_dim, given = mesh.dims[name], arguments(node)
+    rows = global_shape(given["input"])[dim]
+    plan = halo_plan(every_rank_positions(rows, mesh_dim).tolist(), mesh_dim.rank)
+    padding = given.get("padding", 0)
+    padding = (padding,) * (len(global_shape(node)) - 2) if isinstance(padding, int) else tuple(padding)
+    node.target = halo_conv
+    node.args = (given["input"], given["weight"], given.get("bias"), padding, given.get("groups", 1))
+    node.kwargs = {"dim": dim, "plan": plan, "mesh_dim": mesh_dim}
+    edges = list(planned_local_shape(given["input"], mesh))
+    edges[dim] = 2 * plan.runs * halo
+    nbytes = hint(math.prod(edges)) * tensor_val(given["input"]).element_size()
+    set_communications(node, [Communication("all_gather", "reduce_scatter" if node.meta["requires_grad"] else None,
+                                            name, mesh_dim.size, nbytes, nbytes, site_role(node))])
 
 
 register("conv", "matmul", conv_rule, functions=[torch.conv1d, torch.conv2d, torch.conv3d,
                                                   torch.nn.functional.conv1d, torch.nn.functional.conv2d,
-                                                  torch.nn.functional.conv3d])
+                                                  torch.nn.functional.conv3d], localize=localize_conv)
 register("linear", "matmul", linear_rule, functions=[torch._C._nn.linear, torch.nn.functional.linear])
 register("matmul", "matmul", matmul_rule, functions=[operator.matmul, torch.matmul, torch.bmm],
          methods=["matmul", "bmm"])

@@ -1,0 +1,84 @@
+"""A convolution over a spatial dim cut over the sequence ranks (Sana's depthwise 3 x 3 conv over
+image rows cut over cp): each run of rows a rank holds is convolved with the rows it reaches
+across its edges, its halo, fetched from the ranks that hold them.
+
+The rows of an image grid cut over cp are the sequence's rows: contiguous chunks, or the zigzag
+layout's two a ring rank (split further among its ulysses ranks). Each rank sends the first and
+last ``halo`` rows of each run it holds (one all-gather of ``2 x runs x halo`` rows); a run is
+convolved with the last rows of the run before it and the first of the run after it (zeros at
+the image's edges, as the conv's padding), and gives exactly its own rows of the output. The
+backward sums each rank's gradient of the rows it sent (a reduce-scatter).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..mesh import MeshDim
+from .collectives import gather_stacked
+from .lowerings import FUNCTIONAL
+
+
+class HaloPlan(NamedTuple):
+    """This rank's runs along the cut dim: ``runs`` of ``run_length`` rows each (every rank holds
+    as many, as long), and for each run where its halos come from among the edges every rank sends
+    (``(rank * runs + run) * 2``, ``+ 1`` for a run's last rows; -1: the image's edge, zeros).
+    Plain values: FX prints it as code."""
+
+    runs: int
+    run_length: int
+    above: tuple[int, ...]
+    below: tuple[int, ...]
+
+
+def halo_plan(positions: list[list[int]], rank: int) -> HaloPlan:
+    """The plan for ``rank`` given every rank's global row positions in local order (as many
+    rows each): runs of consecutive rows, cut to the greatest length that divides every one, so
+    that every rank's are as long and as many."""
+    runs_of = [_runs(rows) for rows in positions]
+    length = math.gcd(*(stop - start for runs in runs_of for start, stop in runs))
+    runs_of = [[(s, s + length) for start, stop in runs for s in range(start, stop, length)] for runs in runs_of]
+    count = len(runs_of[0])
+    edge = {}  # (first global row, last global row) of each run -> its edges' index
+    for r, runs in enumerate(runs_of):
+        for j, (start, stop) in enumerate(runs):
+            edge[start], edge[stop - 1] = (r * count + j) * 2, (r * count + j) * 2 + 1
+    mine = runs_of[rank]
+    return HaloPlan(count, length, tuple(edge.get(start - 1, -1) for start, _ in mine),
+                    tuple(edge.get(stop, -1) for _, stop in mine))
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive positions: ``[(start, stop), ...]`` in local order."""
+    runs = []
+    for row in rows:
+        if runs and runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    return runs
+
+
+def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padding: tuple[int, ...],
+              groups: int, *, dim: int, plan: HaloPlan, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
+    """``conv{1,2,3}d(x, weight, bias, stride=1, padding, dilation=1, groups)`` on this rank's rows of
+    spatial ``dim`` (cut over ``mesh_dim``, laid out as ``plan`` says), whose padding along it is
+    ``halo = (kernel - 1) / 2``: each run convolved with its halo rows, fetched from the ranks that
+    hold them."""
+    halo = padding[dim - 2]
+    conv = (F.conv1d, F.conv2d, F.conv3d)[x.dim() - 3]
+    runs = x.split(plan.run_length, dim)
+    edges = torch.stack([torch.stack([run.narrow(dim, 0, halo), run.narrow(dim, plan.run_length - halo, halo)])
+                         for run in runs])
+    sent = gather_stacked(edges, mesh_dim, comm).flatten(0, 2)  # [ranks * runs * 2, *edge]
+    zeros = torch.zeros_like(edges[0, 0])
+    inner = tuple(0 if d == dim - 2 else p for d, p in enumerate(padding))
+    out = []
+    for run, above, below in zip(runs, plan.above, plan.below):
+        rows = [zeros if above < 0 else sent[above], run, zeros if below < 0 else sent[below]]
+        out.append(conv(torch.cat(rows, dim), weight, bias, padding=inner, groups=groups))
+    return torch.cat(out, dim)
