@@ -333,6 +333,17 @@ def test_a_decode_step_against_a_cache_no_cp_prefill_cut_is_refused_saying_what_
         parallelize_graph(gm, inputs, MeshInfo.for_planning({"ring": 2}, "cpu"), passes=PLANNING_PASSES)
 
 
+def test_llama4s_tiled_tokens_have_their_gradient_summed_before_the_tiling():
+    """Llama 4 tiles its tokens once per expert and scales the tiles by the router's weights
+    before the experts' colwise product: under tp the backward sums the tokens' gradient and the
+    weights' (16,384 and 1,024 B a rank), not the 4 experts' tiles' (65,536 B)."""
+    model, args, kwargs = real_models.llama4()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    sums = sorted(c["bytes_per_rank"] for c in graph.collectives
+                  if c["direction"] == "backward" and c["op"] == "all_reduce" and c["site"] == "mlp0.colwise")
+    assert sums == [1024, 16384], graph.collectives
+
+
 def test_sanas_convolutions_run_on_each_ranks_rows_of_the_image_over_cp():
     """Sana's feed-forward convolves the image grid its sequence makes: the 1 x 1 convolutions on
     each rank's rows as they are, the depthwise 3 x 3 with one halo row each side of each run of

@@ -29,8 +29,8 @@ from ..placements import (Partial, Placement, Replicate, Shard, interleaved_part
 from ..symbolic import hint, is_symbolic, materialize_sizes
 from .context import ParallelContext, at_node
 from .meta import (Communication, clear_communications, communications, mark_fsdp_gather, placements,
-                   set_communications, shardings, site_role)
-from .nodes import arguments, tensor_inputs, tensor_val
+                   planned_local_shape, set_communications, shardings, site_role)
+from .nodes import arguments, tensor_inputs, tensor_val, writes_in_place
 from .rules.registry import lookup
 
 R = Replicate()
@@ -484,6 +484,8 @@ def _finish(gm: fx.GraphModule, ctx: ParallelContext, fsdp: dict[str, HeldLayout
                                for v in [n.meta.get("val")] if is_symbolic(v)})
     average_gradients_over_dp(gm, ctx, fsdp)
     reduce_expert_gradients_over_dp(gm, ctx)
+    for reduction in [n for n in graph.nodes if n.target is C.grad_all_reduce]:
+        hoist_grad_reduction(graph, reduction, ctx)
     bucket_fsdp_gathers(gm, ctx)
     bucket_input_grad_reductions(gm, ctx)
     for node in graph.nodes:  # the global values: the local graph's differ
@@ -491,6 +493,52 @@ def _finish(gm: fx.GraphModule, ctx: ParallelContext, fsdp: dict[str, HeldLayout
             node.meta.pop(key, None)
     graph.lint()
     gm.recompile()
+
+
+def hoist_grad_reduction(graph: fx.Graph, reduction: fx.Node, ctx: ParallelContext) -> None:
+    """Move a gradient all-reduce onto the smaller replicated tensors its input is made from for it
+    alone (by views, tilings and pointwise ops), where they take fewer bytes: any op's input
+    gradients are linear in its output's, so their sums over the ranks are the same. Llama 4 tiles
+    its tokens once per expert and scales them by the router's weights before its experts'
+    colwise product: the tokens' and weights' gradients are summed, not the E times larger tiles'."""
+    dim, source = arguments(reduction)["mesh_dim"], arguments(reduction)["x"]
+    nbytes, edges = _cheapest_reduction(source, dim.name, ctx)
+    if edges is None:
+        return
+    (old,) = communications(reduction)
+    for consumer, producer in edges:
+        with graph.inserting_before(consumer):
+            moved = graph.call_function(C.grad_all_reduce, (producer, dim))
+        moved.meta.update(val=producer.meta.get("val"), requires_grad=True)
+        size = _local_bytes(producer, ctx)
+        set_communications(moved, [dataclasses.replace(old, forward_bytes=size, backward_bytes=size)])
+        consumer.replace_input_with(producer, moved)
+    reduction.replace_all_uses_with(source)
+    graph.erase_node(reduction)
+
+
+def _local_bytes(node: fx.Node, ctx: ParallelContext) -> int:
+    return hint(math.prod(planned_local_shape(node, ctx.mesh))) * tensor_val(node).element_size()
+
+
+def _cheapest_reduction(node: fx.Node, dim: str, ctx: ParallelContext) -> tuple[int, list | None]:
+    """(bytes, edges ``(consumer, producer)`` to reduce the gradient on) of the cheapest place to
+    sum ``node``'s gradient, a per-rank partial over plan dim ``dim`` that flows to it from one
+    reader alone; edges None: at ``node`` itself."""
+    if not shardings(node) or tensor_val(node) is None:  # an op localize inserted: left where it is
+        return 0, None
+    here, kind, ins = _local_bytes(node, ctx), lookup(node), tensor_inputs(node)
+    if len(node.users) != 1 or kind is None or kind.family not in ("views", "pointwise") or writes_in_place(node) \
+            or any("requires_grad" not in i.meta for i in ins):
+        return here, None
+    grads = [i for i in ins if i.meta["requires_grad"]]
+    if not grads or any(dim not in shardings(i) or shardings(i)[dim].out != R for i in grads):
+        return here, None
+    total, edges = 0, []
+    for i in grads:
+        nbytes, above = _cheapest_reduction(i, dim, ctx) if i.op != "placeholder" else (_local_bytes(i, ctx), None)
+        total, edges = total + nbytes, edges + (above or [(node, i)])
+    return (total, edges) if total < here else (here, None)
 
 
 def graph_communications(gm: fx.GraphModule) -> list[tuple[fx.Node, Communication]]:
