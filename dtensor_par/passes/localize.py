@@ -502,13 +502,13 @@ def hoist_grad_reduction(graph: fx.Graph, reduction: fx.Node, ctx: ParallelConte
     its tokens once per expert and scales them by the router's weights before its experts'
     colwise product: the tokens' and weights' gradients are summed, not the E times larger tiles'."""
     dim, source = arguments(reduction)["mesh_dim"], arguments(reduction)["x"]
-    nbytes, edges = _cheapest_reduction(source, dim.name, ctx)
+    _, edges = _cheapest_reduction(source, dim.name, ctx)
     if edges is None:
         return
     (old,) = communications(reduction)
     for consumer, producer in edges:
         with graph.inserting_before(consumer):
-            moved = graph.call_function(C.grad_all_reduce, (producer, dim))
+            moved = graph.call_function(C.grad_all_reduce, (producer,) + reduction.args[1:], dict(reduction.kwargs))
         moved.meta.update(val=producer.meta.get("val"), requires_grad=True)
         size = _local_bytes(producer, ctx)
         set_communications(moved, [dataclasses.replace(old, forward_bytes=size, backward_bytes=size)])
@@ -526,7 +526,7 @@ def _cheapest_reduction(node: fx.Node, dim: str, ctx: ParallelContext) -> tuple[
     sum ``node``'s gradient, a per-rank partial over plan dim ``dim`` that flows to it from one
     reader alone; edges None: at ``node`` itself."""
     if not shardings(node) or tensor_val(node) is None:  # an op localize inserted: left where it is
-        return 0, None
+        return 0, None  # (only ever the reduction's own input: inputs without a plan stop the walk below)
     here, kind, ins = _local_bytes(node, ctx), lookup(node), tensor_inputs(node)
     if len(node.users) != 1 or kind is None or kind.family not in ("views", "pointwise") or writes_in_place(node) \
             or any("requires_grad" not in i.meta for i in ins):
