@@ -344,6 +344,18 @@ def test_llama4s_tiled_tokens_have_their_gradient_summed_before_the_tiling():
     assert sums == [1024, 16384], graph.collectives
 
 
+def test_a_kv_head_repeated_to_the_query_heads_is_expanded_to_each_ranks_heads():
+    """GPTBigCode at tp2 repeats its one kv head to the 8 query heads (expand, then a view) before
+    attention: each rank expands it to its own 4, and the backward all-reduces the kv head's
+    gradient (2,048 B a rank, key and value), where cutting the repeated heads gathered every
+    head's (8,192 B)."""
+    model, args, kwargs = real_models.gpt_bigcode()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    core = [(c["direction"], c["op"], c["bytes_per_rank"], c["count"]) for c in graph.collectives
+            if c["site"] == "attention0.core"]
+    assert core == [("backward", "all_reduce", 2048, 2)], graph.collectives
+
+
 def test_sanas_convolutions_run_on_each_ranks_rows_of_the_image_over_cp():
     """Sana's feed-forward convolves the image grid its sequence makes: the 1 x 1 convolutions on
     each rank's rows as they are, the depthwise 3 x 3 with one halo row each side of each run of

@@ -484,6 +484,8 @@ def _finish(gm: fx.GraphModule, ctx: ParallelContext, fsdp: dict[str, HeldLayout
                                for v in [n.meta.get("val")] if is_symbolic(v)})
     average_gradients_over_dp(gm, ctx, fsdp)
     reduce_expert_gradients_over_dp(gm, ctx)
+    for cut in [n for n in graph.nodes if n.target is C.shard_local]:
+        expand_to_local_copies(graph, cut, ctx)
     for reduction in [n for n in graph.nodes if n.target is C.grad_all_reduce]:
         hoist_grad_reduction(graph, reduction, ctx)
     bucket_fsdp_gathers(gm, ctx)
@@ -493,6 +495,66 @@ def _finish(gm: fx.GraphModule, ctx: ParallelContext, fsdp: dict[str, HeldLayout
             node.meta.pop(key, None)
     graph.lint()
     gm.recompile()
+
+
+def expand_to_local_copies(graph: fx.Graph, cut: fx.Node, ctx: ParallelContext) -> None:
+    """A cut of a dim that only repeats copies of a tensor (``expand``, then a view merging it
+    with dims of 1: transformers' ``repeat_kv`` of one kv head to every query head, GPTBigCode's
+    multi-query attention under tp) becomes the expand to this rank's count of copies, its input's
+    gradient summed over the ranks: in the backward each rank sums its own copies' gradients and
+    the ranks all-reduce the input's (one kv head's bytes), where the cut's backward gathered every
+    copy's (each head's)."""
+    x, dim, parts, mesh_dim = cut.args
+    view = x if lookup(x) is not None and lookup(x).name == "view" and len(x.users) == 1 else None
+    expand = arguments(view)["input"] if view is not None else x
+    if parts is not None or lookup(expand) is None or lookup(expand).name != "expand" or len(expand.users) != 1:
+        return
+    source = arguments(expand)["input"]
+    before, copies = tensor_val(source).shape, tensor_val(expand).shape
+    group = _merged_dims(list(copies), list(tensor_val(x).shape), dim) if view is not None else [dim]
+    repeated = [d for d in group or [] if copies[d] != 1]
+    new_dim = len(copies) - len(before)  # expand's new leading dims repeat too
+    if len(repeated) != 1 or (repeated[0] >= new_dim and before[repeated[0] - new_dim] != 1):
+        return
+    sizes = [_divided(a, i == repeated[0], mesh_dim.size) for i, a in enumerate(_size_args(expand))]
+    shape = [_divided(a, i == dim, mesh_dim.size) for i, a in enumerate(_size_args(view))] if view else None
+    if None in sizes or (shape is not None and None in shape):
+        return
+    with graph.inserting_before(cut):
+        summed = graph.call_function(C.grad_all_reduce, (source, mesh_dim))
+        local = graph.call_method("expand", (summed, *sizes))
+        local = graph.call_method("reshape", (local, *shape)) if view is not None else local
+    summed.meta.update(val=source.meta.get("val"), requires_grad=True)
+    size = _local_bytes(source, ctx)
+    set_communications(summed, [dataclasses.replace(communications(cut)[0], backward="all_reduce",
+                                                    forward_bytes=size, backward_bytes=size)])
+    cut.replace_all_uses_with(local)
+    for node in (cut, view, expand):
+        if node is not None:
+            graph.erase_node(node)
+
+
+def _size_args(node: fx.Node) -> list:
+    """The sizes a view or expand node is given, one a dim."""
+    sizes = node.args[1:]
+    return list(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else list(sizes)
+
+
+def _divided(size, cut: bool, ranks: int):
+    """A size argument, divided by ``ranks`` where ``cut`` (-1, inferred, as it is); None where it
+    cannot be."""
+    if not cut or size == -1:
+        return size
+    return size // ranks if isinstance(size, int) and size % ranks == 0 else None
+
+
+def _merged_dims(before: list, after: list, dim: int) -> list[int] | None:
+    """The dims of ``before`` a view to ``after`` merges into dim ``dim``; None where it does not
+    merge whole dims into it."""
+    start = next((i for i in range(len(before) + 1) if math.prod(before[:i]) == math.prod(after[:dim])), None)
+    stop = next((i for i in range(start or 0, len(before) + 1)
+                 if math.prod(before[:i]) == math.prod(after[:dim + 1])), None) if start is not None else None
+    return None if start is None or stop is None else list(range(start, stop))
 
 
 def hoist_grad_reduction(graph: fx.Graph, reduction: fx.Node, ctx: ParallelContext) -> None:
