@@ -511,6 +511,8 @@ def expand_to_local_copies(graph: fx.Graph, cut: fx.Node, ctx: ParallelContext) 
         return
     source = arguments(expand)["input"]
     before, copies = tensor_val(source).shape, tensor_val(expand).shape
+    if any(is_symbolic(n) for n in (*copies, *tensor_val(x).shape)):
+        return  # comparing symbolic sizes would put conditions on the plan
     group = _merged_dims(list(copies), list(tensor_val(x).shape), dim) if view is not None else [dim]
     repeated = [d for d in group or [] if copies[d] != 1]
     new_dim = len(copies) - len(before)  # expand's new leading dims repeat too
