@@ -169,15 +169,11 @@ def narrow_as_slice(gm: fx.GraphModule, node: fx.Node) -> None:
     gm.graph.erase_node(node)
 
 
-_ORDER_KEEPING_VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", torch.reshape,
-                        torch.flatten, torch.unflatten, torch.unsqueeze, torch.squeeze}
-
-
 def _viewed_features(split: fx.Node) -> tuple[fx.Node, int] | None:
     """``(linear, inner)`` when ``split`` cuts views of a linear's output (each read once) along
     a dim that, with the ``inner`` elements after it, is the linear's feature dim regrouped."""
     x, views = arguments(split)["input"], 0
-    while x.op in ("call_function", "call_method") and x.target in _ORDER_KEEPING_VIEWS and len(x.users) == 1:
+    while op_kind(x) == "view" and len(x.users) == 1:  # views keep the elements' order
         x, views = arguments(x)["input"], views + 1
     if not views or op_kind(x) != "linear" or len(x.users) != 1:
         return None

@@ -31,7 +31,8 @@ from .context import ParallelContext, at_node
 from .meta import (Communication, clear_communications, communications, mark_fsdp_gather, placements,
                    planned_local_shape, set_communications, shardings, site_role)
 from .nodes import arguments, tensor_inputs, tensor_val, writes_in_place
-from .rules.registry import lookup
+from .rules.registry import lookup, op_kind
+from .rules.views import view_groups
 
 R = Replicate()
 
@@ -505,16 +506,17 @@ def expand_to_local_copies(graph: fx.Graph, cut: fx.Node, ctx: ParallelContext) 
     the ranks all-reduce the input's (one kv head's bytes), where the cut's backward gathered every
     copy's (each head's)."""
     x, dim, parts, mesh_dim = cut.args
-    view = x if lookup(x) is not None and lookup(x).name == "view" and len(x.users) == 1 else None
+    view = x if op_kind(x) == "view" and len(x.users) == 1 else None
     expand = arguments(view)["input"] if view is not None else x
-    if parts is not None or lookup(expand) is None or lookup(expand).name != "expand" or len(expand.users) != 1:
+    if parts is not None or op_kind(expand) != "expand" or len(expand.users) != 1:
         return
     source = arguments(expand)["input"]
     before, copies = tensor_val(source).shape, tensor_val(expand).shape
     if any(is_symbolic(n) for n in (*copies, *tensor_val(x).shape)):
         return  # comparing symbolic sizes would put conditions on the plan
-    group = _merged_dims(list(copies), list(tensor_val(x).shape), dim) if view is not None else [dim]
-    repeated = [d for d in group or [] if copies[d] != 1]
+    group = [dim] if view is None else next((src for src, dst in view_groups(copies, tensor_val(x).shape)
+                                             if dst == [dim]), [])
+    repeated = [d for d in group if copies[d] != 1]
     new_dim = len(copies) - len(before)  # expand's new leading dims repeat too
     if len(repeated) != 1 or (repeated[0] >= new_dim and before[repeated[0] - new_dim] != 1):
         return
@@ -548,15 +550,6 @@ def _divided(size, cut: bool, ranks: int):
     if not cut or size == -1:
         return size
     return size // ranks if isinstance(size, int) and size % ranks == 0 else None
-
-
-def _merged_dims(before: list, after: list, dim: int) -> list[int] | None:
-    """The dims of ``before`` a view to ``after`` merges into dim ``dim``; None where it does not
-    merge whole dims into it."""
-    start = next((i for i in range(len(before) + 1) if math.prod(before[:i]) == math.prod(after[:dim])), None)
-    stop = next((i for i in range(start or 0, len(before) + 1)
-                 if math.prod(before[:i]) == math.prod(after[:dim + 1])), None) if start is not None else None
-    return None if start is None or stop is None else list(range(start, stop))
 
 
 def hoist_grad_reduction(graph: fx.Graph, reduction: fx.Node, ctx: ParallelContext) -> None:

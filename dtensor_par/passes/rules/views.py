@@ -16,7 +16,7 @@ from .core import R, moved, norm_dim, replicate_all, resolve_partial
 from .registry import op_kind, register
 
 
-def _view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
     """Pair runs of source and destination dims whose sizes have equal products."""
     groups, i, j = [], 0, 0
     while i < len(src) and j < len(dst):
@@ -37,7 +37,7 @@ def _view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[
 def view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, pieces: int) -> Placement | None:
     """Placement of a view's output given its input's, cut into ``pieces`` (ranks times the
     chunks each holds: a zigzag sequence's two), or None when no shard survives."""
-    for gi, gj in _view_groups(src, dst):
+    for gi, gj in view_groups(src, dst):
         if p.dim not in gi:
             continue
         outer = [d for d in gj if dst[d] != 1]
