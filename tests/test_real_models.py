@@ -368,6 +368,8 @@ def test_sanas_convolutions_run_on_each_ranks_rows_of_the_image_over_cp():
     halo = [c for c in graph.collectives if c["op"] == "all_gather" and c["direction"] == "forward"]
     rows = 2 * 1 * real_models.BATCH * 160 * 8 * 4  # 2 edge rows a run x batch x channels x width x float32
     assert ("cp", rows, 1) in [(c["mesh_dims"], c["bytes_per_rank"], c["count"]) for c in halo], halo
+    back = [(c["mesh_dims"], c["bytes_per_rank"]) for c in graph.collectives if c["op"] == "reduce_scatter"]
+    assert back == [("cp", 4 * rows)], back  # the gradients of the 4 ranks' edges go in, as the profiler counts
 
 
 def test_a_model_whose_frames_dynamo_runs_eagerly_is_refused_by_explain():

@@ -211,8 +211,9 @@ def localize_conv(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     edges = list(planned_local_shape(given["input"], mesh))
     edges[dim] = 2 * plan.runs * halo
     nbytes = hint(math.prod(edges)) * tensor_val(given["input"]).element_size()
+    # the backward reduce-scatters the gradient of every rank's edges: all of them go in
     set_communications(node, [Communication("all_gather", "reduce_scatter" if node.meta["requires_grad"] else None,
-                                            name, mesh_dim.size, nbytes, nbytes, site_role(node))])
+                                            name, mesh_dim.size, nbytes, nbytes * mesh_dim.size, site_role(node))])
 
 
 register("conv", "matmul", conv_rule, functions=[torch.conv1d, torch.conv2d, torch.conv3d,
