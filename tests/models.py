@@ -74,6 +74,24 @@ class Attention(nn.Module):
         return self.out(a.transpose(1, 2).reshape(b, s, self.width))
 
 
+class CrossAttention(nn.Module):
+    """Queries from the tokens, keys and values from a context of another length and width
+    (a text encoder's output, as in PixArt's and Sana's cross-attention)."""
+
+    def __init__(self, dim: int, context_dim: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.q, self.out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.k, self.v = nn.Linear(context_dim, dim), nn.Linear(context_dim, dim)
+
+    def forward(self, x, context):
+        def split(t):
+            return t.view(t.shape[0], t.shape[1], self.heads, self.head_dim).transpose(1, 2)
+
+        a = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(context)), split(self.v(context)))
+        return self.out(a.transpose(1, 2).flatten(2))
+
+
 class DiTBlock(nn.Module):
     """DiT-style pre-norm block: non-causal attention, GELU MLP."""
 

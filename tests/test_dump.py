@@ -204,6 +204,32 @@ def test_ring_step_runs_what_explain_reports(ring, fake_world):
         assert ran == reported, inner
 
 
+@pytest.mark.parametrize("sizes", [{"ulysses": 2}, {"ring": 2}], ids=str)
+def test_cross_attention_exchanges_what_explain_reports(sizes, fake_world):
+    """Cross-attention's keys and values have the context's length (4), not the queries' (16):
+    the Ulysses all-to-alls and the ring's rotations carry that many rows, and a training step
+    runs, collective by collective and byte by byte, what explain reports."""
+    fake_world(2)
+    model = models.CrossAttention(dim=32, context_dim=24, heads=4)
+    x, context = torch.randn(2, 16, 32), torch.randn(2, 4, 24)
+    reported = {"forward": Counter(), "backward": Counter()}
+    for row in dtensor_par.explain(model, (x, context), device_type="cpu", **sizes).graphs[0].collectives:
+        reported[row["direction"]][FUNCTIONAL_OPS[row["op"]], row["bytes_per_rank"]] += row["count"]
+    q_rows, kv_rows = (2 * 4 * (length // 2) * 8 * 4 for length in (16, 4))  # batch 2, 4 heads, 8 floats
+    if "ulysses" in sizes:  # q, then k and v packed, then the output
+        exchanges = {("all_to_all_single", q_rows): 2, ("all_to_all_single", 2 * kv_rows): 1}
+    else:  # k and v of the other rank's block
+        exchanges = {("all_to_all_single", 2 * kv_rows): 1}
+    assert reported["forward"] == Counter({**exchanges, ("all_gather_into_tensor", q_rows): 1})  # the output's rows
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(**sizes),
+                                                                        inner_backend="aot_eager"))
+    compiled(x, context).sum().backward()  # compiles
+    loss = {}
+    ran = {"forward": Counter(executed_collectives(lambda: loss.setdefault("step", compiled(x, context).sum())))}
+    ran["backward"] = Counter(executed_collectives(loss["step"].backward))
+    assert ran == reported
+
+
 def test_explain_counts_repeated_kv_heads_once_in_the_ulysses_exchange(tmp_path, fake_world):
     """A Llama repeating its 4 kv heads to 8 before attention (as the benchmarks'); canonicalize makes
     that ``enable_gqa``, so the Ulysses exchange carries 8 query and 4 + 4 kv heads (q alone,

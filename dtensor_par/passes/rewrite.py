@@ -96,23 +96,28 @@ def hybrid_attention_communication(site: AttentionSite, q, k, v, mesh, ulysses_i
     gradient). Sizes include the zero heads padding adds.
     """
     tp, ulysses, ring, cp = (mesh.size(n) for n in ("tp", "ulysses", "ring", "cp"))
-    batch, heads, seq, head_dim = q.shape
-    q_heads = heads // tp
+    q_heads = q.shape[-3] // tp
     kv_heads = k.shape[-3] // tp if k.shape[-3] % tp == 0 else k.shape[-3]
     if q_heads % ulysses or kv_heads % ulysses:
         q_heads = kv_heads = -(-q_heads // ulysses) * ulysses
-    local_seq = shard_length(seq, cp, mesh.dims["cp"].chunks_per_rank)
-    per_head = hint(batch * local_seq * head_dim * q.element_size())  # one head of a (padded) sequence shard
+
+    def per_head(t: torch.Tensor, seq: int) -> int:
+        """Bytes of one head of a (padded) sequence shard; cross-attention's keys have their own length."""
+        local_seq = shard_length(seq, cp, mesh.dims["cp"].chunks_per_rank)
+        return hint(t.shape[0] * local_seq * t.shape[-1] * t.element_size())
+
+    q_bytes, k_bytes, v_bytes = per_head(q, q.shape[-2]), per_head(k, k.shape[-2]), per_head(v, k.shape[-2])
+    out_bytes = q_bytes * v.shape[-1] // q.shape[-1]
     comms = []
     if ulysses > 1:
         gathers = ulysses_impl == "all_gather"
         forward, backward = ("all_gather", "reduce_scatter") if gathers else ("all_to_all", "all_to_all")
-        exchanges = [q_heads, 2 * kv_heads, q_heads] if k.shape == v.shape else [q_heads, kv_heads, kv_heads, q_heads]
-        for nbytes in (per_head * n for n in exchanges):
+        kv = [kv_heads * (k_bytes + v_bytes)] if k.shape == v.shape else [kv_heads * k_bytes, kv_heads * v_bytes]
+        for nbytes in [q_heads * q_bytes, *kv, q_heads * out_bytes]:
             comms.append(Communication(forward, backward, "ulysses", ulysses, nbytes,
                                        nbytes * ulysses if gathers else nbytes, site.name))
     if ring > 1:
-        kv_block = 2 * (kv_heads // ulysses) * per_head * ulysses  # k and v of one ring block
+        kv_block = kv_heads * (k_bytes + v_bytes)  # k and v of one ring block
         comms += [Communication("ring_rotate", None, "ring", ring, kv_block, 0, site.name) for _ in range(ring - 1)]
         fp32_block = kv_block * 4 // q.element_size()
         comms += [Communication(None, "ring_rotate", "ring", ring, 0, fp32_block, site.name)
