@@ -67,14 +67,17 @@ CASES = {
     "seq_first_table": (models.SequenceFirst, lambda: [(torch.randn(8, 2, 32), torch.randn(2, 32))]),
     # experts in an nn.ModuleList looped over: the loop's torch.where breaks the graph; each expert's MLP a graph
     "looped_experts": (lambda: models.LoopedExperts(32, 64, 4, 2), lambda: [(torch.randn(2, 8, 32),)]),
+    "looped_moe_block": (models.LoopedMoEBlock, lambda: [(torch.randn(2, 16, 32),)]),
 }
 
 
 def run_cases(rank: int, world: int, *, names: list[str], options: dict | None = None, steps: int = 2,
               inputs: list | None = None, full_tensor: bool = False, dynamic: bool | None = None,
-              mesh_sizes: dict | None = None, order: tuple | None = None, mesh_ranks: tuple | None = None) -> dict:
+              mesh_sizes: dict | None = None, order: tuple | None = None, mesh_ranks: tuple | None = None,
+              dynamo_config: dict | None = None) -> dict:
     """Compare each named case against one device; return metrics and warnings per case.
-    ``mesh_ranks``: (global ranks by mesh coordinate, dim names) for a mesh of one's own."""
+    ``mesh_ranks``: (global ranks by mesh coordinate, dim names) for a mesh of one's own;
+    ``dynamo_config``: Dynamo's options to capture with."""
     if mesh_ranks is not None:
         mesh = DeviceMesh("cpu", mesh_ranks[0], mesh_dim_names=mesh_ranks[1])
     else:
@@ -91,7 +94,7 @@ def run_cases(rank: int, world: int, *, names: list[str], options: dict | None =
             compiled = torch.compile(m, backend=backend, dynamic=dynamic)
             return (lambda *a: compiled(*a).full_tensor()) if full_tensor else compiled
 
-        with logged(logging.WARNING) as records:
+        with logged(logging.WARNING) as records, torch._dynamo.config.patch(**(dynamo_config or {})):
             metrics = compare(model, inputs or make_inputs(), compiled_fn, steps=steps)
         results[name] = {**metrics, "warnings": [r.getMessage() for r in records]}
     return results

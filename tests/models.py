@@ -503,3 +503,20 @@ class LoopedExperts(nn.Module):
             slot, token = torch.where(mask[e])
             out.index_add_(0, token, expert(tokens[token]) * weights[token, slot, None])
         return out.reshape(x.shape)
+
+
+class LoopedMoEBlock(GPTBlock):
+    """A GPT block whose MLP is ``LoopedExperts``: 4 experts, top-2."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4, inter: int = 64):
+        super().__init__(hidden, heads, inter)
+        del self.fc, self.fc_out
+        self.moe = LoopedExperts(hidden, inter, 4, 2)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.moe(self.ln2(x))

@@ -23,6 +23,8 @@ PAIRS = {
                                   "uneven_seq_30_bidirectional", "uneven_seq_30_pooling", "mean_loss",
                                   "joint_attention_masked", "rows_hidden_by_an_input"]),
 }
+ONE_GRAPH = {"capture_dynamic_output_shape_ops": True}
+"""Dynamo's option under which a loop over an nn.ModuleList's experts is one graph (``passes.expert_loop``)."""
 """Each pair of mesh dims at world 4: label -> the mesh, the cases, and those ``traced`` through
 AOTAutograd (``aot_eager``): the ones whose local graphs hold the inserted ops of the pair (the
 ring's and Ulysses' autograd, padded heads, a padded zigzag sequence, a mask cut per ring
@@ -38,7 +40,11 @@ def _pair_runs(label: str, mesh_sizes: dict, traced: list[str], names: list[str]
 
 
 RUNS = {
-    4: {label: run for pair, spec in PAIRS.items() for label, run in _pair_runs(pair, **spec).items()},
+    4: {**{label: run for pair, spec in PAIRS.items() for label, run in _pair_runs(pair, **spec).items()},
+        # An nn.ModuleList's experts looped over in one graph beside attention: each expert's features cut over
+        # tp, the tokens' rows over ring.
+        "tp2-ring2 experts in one graph": dict(mesh_sizes={"tp": 2, "ring": 2}, names=["looped_moe_block"], steps=1,
+                                               dynamo_config=ONE_GRAPH)},
     # Default order (ring, ulysses, tp) is covered at world 4; here ulysses sits outside ring,
     # so the flattened sequence group's rank order differs from its chunk order. The masked
     # case has a per-head mask split by tp, then ulysses, over a padded sequence. The order
@@ -49,7 +55,11 @@ RUNS = {
     # Parameter gradients in many small buckets (1 KiB), each waited for late in backward
     # (aot_eager's backward through passes.overlap.sink_waits): still exact.
     2: {"small_buckets": dict(names=["llama_gqa_rope_2_layers"], options={"grad_bucket_mb": 2**-10}, steps=2,
-                              mesh_sizes={"ulysses": 2})},
+                              mesh_sizes={"ulysses": 2}),
+        # An nn.ModuleList's experts looped over in one graph beside attention: the tokens' rows on each rank,
+        # and ep='cp' refused with a warning (no placement cuts a list of parameters over the experts).
+        "looped_experts_ulysses2_ep": dict(names=["looped_moe_block"], steps=1, mesh_sizes={"ulysses": 2},
+                                           dynamo_config=ONE_GRAPH, options={"ep": "cp"})},
 }
 """World size -> label -> ``run_cases``' keyword arguments; each world's runs share one launch."""
 LAUNCHES = {world: in_background(run_labelled_cases, world, runs) for world, runs in RUNS.items()}
@@ -84,3 +94,11 @@ def test_tp_ring_ulysses_at_world_8_in_a_non_default_order():
 
 def test_small_gradient_buckets_at_world_2():
     assert LAUNCHES[2].result()["small_buckets"]
+
+
+def test_a_loop_over_experts_in_one_graph_beside_attention_matches_single_device():
+    """At tp2 x ring2 with no warning; at ulysses2 with ``ep='cp'`` refused by a warning that says
+    why, the experts whole on each rank."""
+    assert LAUNCHES[4].result()["tp2-ring2 experts in one graph"]["looped_moe_block"]["warnings"] == []
+    (warning,) = LAUNCHES[2].result()["looped_experts_ulysses2_ep"]["looped_moe_block"]["warnings"]
+    assert "ep='cp': the experts stay whole" in warning and "nn.ModuleList" in warning, warning

@@ -230,6 +230,23 @@ def test_cross_attention_exchanges_what_explain_reports(sizes, fake_world):
     assert ran == reported
 
 
+def test_explain_cuts_a_loop_over_experts_by_features_and_sums_its_tokens_once():
+    """An nn.ModuleList's experts looped over, in one graph (``passes.expert_loop``): each expert's
+    w1 and w3 colwise, w2 rowwise, and one forward all-reduce for the mixture, of the tokens' rows
+    (2 x 16 x 32 floats, as the attention's), not of their top-2 rows."""
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        report = dtensor_par.explain(models.LoopedMoEBlock(), (torch.randn(2, 16, 32),), tp=2)
+    (graph,) = report.graphs
+    text = str(report)
+    assert graph.warnings == [] and "moe0: 4 experts, top-2" in text and "each 1/2 of its features (tp)" in text
+    for e in range(4):
+        assert f"moe.experts.{e}.w1.weight=S(0)" in text and f"moe.experts.{e}.w3.weight=S(0)" in text
+        assert f"moe.experts.{e}.w2.weight=S(1)" in text
+    forward = Counter((c["op"], c["bytes_per_rank"]) for c in graph.collectives for _ in range(c["count"])
+                      if c["direction"] == "forward")
+    assert forward == Counter({("all_reduce", 2 * 16 * 32 * 4): 2}), forward
+
+
 def test_explain_counts_repeated_kv_heads_once_in_the_ulysses_exchange(tmp_path, fake_world):
     """A Llama repeating its 4 kv heads to 8 before attention (as the benchmarks'); canonicalize makes
     that ``enable_gqa``, so the Ulysses exchange carries 8 query and 4 + 4 kv heads (q alone,

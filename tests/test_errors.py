@@ -167,16 +167,33 @@ class _ScaledBySum(torch.nn.Module):
         return x * x.sum().item()
 
 
+class _KeptRows(torch.nn.Module):
+    def forward(self, x):
+        rows = x.flatten(0, 1)
+        return rows[torch.nonzero(rows.sum(-1) > 0).squeeze(1)]
+
+
+class _UnevenExperts(models.LoopedExperts):
+    """Expert 1 twice as wide as the others: no stack holds their weights."""
+
+    def __init__(self):
+        super().__init__(32, 64, 4, 2)
+        self.experts[1] = models.GatedExpert(32, 128)
+
+
 def test_a_size_that_depends_on_values_is_refused_naming_the_op_and_the_way_around():
-    """Under Dynamo's ``capture_dynamic_output_shape_ops`` an expert loop's ``torch.where`` is
-    captured with a size no plan can lay out (under ``capture_scalar_outputs``, a computed
-    tensor's ``.item()`` a number): refused on purpose, naming the op and the model's line, not
-    a dtensor_par bug."""
-    where = (r"^capture: where \(torch.where\) of inputs \[\[2, 16\]\] \(.*models.py.*slot, token = "
-             r"torch.where\(mask\[e\]\)\) makes a size \(or number\) that depends on the values of its input .*"
-             r"experts_implementation='grouped_mm'")
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), pytest.raises(NotSupported, match=where):
-        dtensor_par.explain(models.LoopedExperts(32, 64, 4, 2), (torch.randn(2, 8, 32),), tp=2)
+    """Under Dynamo's ``capture_dynamic_output_shape_ops`` a ``nonzero`` is captured with a size
+    no plan can lay out (under ``capture_scalar_outputs``, a computed tensor's ``.item()`` a
+    number): refused on purpose, naming the op and the model's line, not a dtensor_par bug. A
+    loop over experts that capture cannot read as experts a row at a time is refused saying why."""
+    nonzero = r"^capture: nonzero \(torch.nonzero\) of inputs \[\[32\]\] \(.*test_errors.py.*torch.nonzero"
+    uneven = (r"^capture: the loop over experts whose first pass is where .* expert 1's linear_\d+ has a weight of "
+              r"another shape. Compile without Dynamo's capture_dynamic_output_shape_ops")
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        with pytest.raises(NotSupported, match=nonzero):
+            dtensor_par.explain(_KeptRows(), (torch.randn(2, 16, 32),), tp=2)
+        with pytest.raises(NotSupported, match=uneven):
+            dtensor_par.explain(_UnevenExperts(), (torch.randn(2, 8, 32),), tp=2)
     item = r"^capture: item \(Tensor.item\) of inputs \[\[\]\] .*x.sum\(\).item\(\)"
     with torch._dynamo.config.patch(capture_scalar_outputs=True), pytest.raises(NotSupported, match=item):
         dtensor_par.explain(_ScaledBySum(), (torch.randn(2, 8, 32),), tp=2)

@@ -506,6 +506,44 @@ def test_canonicalize_groups_experts_read_a_row_at_a_time():
     assert any("experts read a row at a time through" in w and "between them" in w for w in ctx.warnings), ctx.warnings
 
 
+class _MixtralLoop(models.LoopedExperts):
+    """The loop as transformers wrote Mixtral's from 4.36: ``hidden[None, top_x].reshape(-1, hidden)``,
+    the rows cast back to the output's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, chosen = torch.topk(torch.softmax(self.gate(tokens), dim=1, dtype=torch.float), self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(tokens)
+        expert_mask = F.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
+        for expert_idx in range(len(self.experts)):
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            current = tokens[None, top_x].reshape(-1, x.shape[-1])
+            current = self.experts[expert_idx](current) * weights[top_x, idx, None]
+            out.index_add_(0, top_x, current.to(x.dtype))
+        return out.reshape(x.shape)
+
+
+def test_capture_makes_a_loop_over_experts_the_experts_read_a_row_at_a_time():
+    """Under Dynamo's ``capture_dynamic_output_shape_ops`` an ``nn.ModuleList`` of experts looped
+    over is one graph, each expert's ``torch.where`` a size its values make. Capture makes each
+    loop (two here, spelled two ways) the experts read a row at a time, their weights stacked,
+    and canonicalize the grouped chain: no such size is left, and forward and gradients are the
+    loops'."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(models.LoopedExperts(32, 64, 4, 2), _MixtralLoop(32, 48, 4, 2)), torch.randn(2, 8, 32)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        gm, ctx = _passes_on(model, [x], (capture_pass, canonicalize_pass))
+    ops = [op for op, _, _ in _canonical_form(gm)]
+    assert ops.count("stack") == 6 and ops.count("grouped_mm") == 6, ops
+    assert not any(n.target is torch.where or n.meta.get("unbacked_bindings") for n in gm.graph.nodes)
+    out, expected = gm(*ctx.example_inputs)[0], model(x)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    params = list(model.parameters())
+    torch.testing.assert_close(torch.autograd.grad(out.square().sum(), params),
+                               torch.autograd.grad(expected.square().sum(), params), atol=1e-5, rtol=1e-5)
+
+
 class TransposedWeight(torch.nn.Module):
     """Falcon's ``FalconLinear``: ``x @ self.weight.T``."""
 

@@ -16,8 +16,11 @@ NEW_SIZES = [(torch.randn(*s),) for s in [(2, 8, 32), (3, 8, 32), (3, 12, 32), (
 
 RUNS = {
     # Two optimizer steps at world 2 (the second runs on re-sliced weight shards); one at 4.
-    # Experts in an nn.ModuleList looped over (each expert's MLP a graph of its own) at world 2 only: CI time.
+    # Experts in an nn.ModuleList looped over (each expert's MLP a graph of its own) at world 2 only: CI time;
+    # captured in one graph under Dynamo's capture_dynamic_output_shape_ops, each expert's features cut.
     2: {"tp": dict(names=TP_CASES + ["looped_experts"], steps=2),
+        "experts_in_one_graph": dict(names=["looped_experts", "looped_moe_block"], steps=2,
+                                     dynamo_config={"capture_dynamic_output_shape_ops": True}),
         "sequence_parallel": dict(names=["gpt_fused_qkv", "llama_gqa_rope"], options=SEQUENCE_PARALLEL),
         "inductor": dict(names=["gpt_fused_qkv"], options={"inner_backend": "inductor"}, steps=1),
         "dynamic=None": dict(names=["gpt_fused_qkv"], steps=1, inputs=NEW_SIZES),
@@ -61,3 +64,10 @@ def test_new_batch_and_sequence_sizes_stay_correct(dynamic):
 
 def test_local_output_is_dtensor_of_the_same_values():
     assert LAUNCHES[2].result()["local_output"]
+
+
+def test_a_loop_over_experts_in_one_graph_matches_single_device():
+    """Each expert's w1 and w3 colwise, w2 rowwise (``passes.expert_loop``), with no warning: nothing
+    runs whole between graphs."""
+    for name, metrics in LAUNCHES[2].result()["experts_in_one_graph"].items():
+        assert metrics["warnings"] == [], (name, metrics["warnings"])

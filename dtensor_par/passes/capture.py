@@ -18,6 +18,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from ..errors import NotSupported
 from ..symbolic import SymbolicInputs, is_symbolic, recording_guards
 from .context import ParallelContext, ParamInfo, at_node
+from .expert_loop import loop_of_experts_as_rows
 from .meta import module_paths, record_capture, set_param_fqn
 from .nodes import target_name, writes_in_place
 
@@ -132,6 +133,7 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             item.replace_all_uses_with(ctx.example_inputs[i].item())
             gm.graph.erase_node(item)
 
+    loop_of_experts_as_rows(gm)
     refuse_data_dependent_sizes(gm)
     if scalars or ctx.fake_inputs is not None or not _values_from_dynamo(gm):
         _propagate(gm, ctx)
@@ -150,8 +152,9 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
 
 
 def refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
-    """An op whose output size depends on its input's values (``nonzero``, ``torch.where(mask)``:
-    an expert's tokens; ``.item()`` of a computed tensor), captured under Dynamo's
+    """An op whose output size depends on its input's values (``nonzero``, ``torch.where(mask)``
+    outside a loop over experts, which ``expert_loop`` reads first; ``.item()`` of a computed
+    tensor), captured under Dynamo's
     ``capture_dynamic_output_shape_ops`` or ``capture_scalar_outputs``, has no size to plan with:
     every placement and local shape is laid out by sizes. Dynamo marks the node that makes such a
     size (``unbacked_bindings``); an input's ``.item()`` is a constant by then (``scalar_inputs``)."""
@@ -165,8 +168,9 @@ def refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
                 f"{f' ({code[-2]}: {code[-1]})' if len(code) >= 2 else ''} makes a size (or number) that depends "
                 f"on the values of its input (Dynamo's capture_dynamic_output_shape_ops or capture_scalar_outputs), "
                 f"which no plan can lay out. Compile without those options: Dynamo then breaks the graph there and "
-                f"runs the code around it whole on every rank, between the planned graphs (for a loop over experts, "
-                f"transformers' experts_implementation='grouped_mm' runs them sharded)")
+                f"runs the code around it whole on every rank, between the planned graphs (a loop over every expert of "
+                f"an nn.ModuleList, one torch.where of the one-hot choice each, is read as experts and runs sharded; "
+                f"so do transformers' experts_implementation='grouped_mm' experts)")
 
 
 def _propagate(gm: fx.GraphModule, ctx: ParallelContext) -> None:

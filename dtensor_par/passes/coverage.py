@@ -20,7 +20,7 @@ from ..placements import Partial, Replicate, local_shape_on, shard_dim, shard_le
 from ..symbolic import hint
 from .context import Coverage, ParallelContext, at_node
 from .detect import AttentionSite, MoESite
-from .meta import Work, global_shape, placements, planned_local_shape, set_work, shardings, weight_name
+from .meta import Work, global_shape, placements, planned_local_shape, set_work, shardings, weight_names
 from .nodes import arguments, tensor_inputs, tensor_val, weight_param
 from .rules.registry import lookup, op_kind
 
@@ -174,7 +174,8 @@ def _runs_parallel(site, ctx: ParallelContext) -> bool:
     """A site runs parallel when tp shards one of its weights, cp runs its attention (over
     the sequence, or over a kv cache cut along it) or dp cuts its batch (or, under
     ``batch="local"``, each dp rank is given its own)."""
-    sharded = any(weight_name(linear) in ctx.param_placements for linear in site.colwise + site.rowwise)
+    sharded = any(name in ctx.param_placements for linear in site.colwise + site.rowwise
+                  for name in weight_names(linear))
     first = site.core if isinstance(site, AttentionSite) else site.colwise[0]
     batch_cut = ("dp" in shardings(first) and shard_dim(shardings(first)["dp"].out) is not None
                  or "dp" in _own_slice(ctx) and ctx.mesh.size("dp") > 1)

@@ -9,8 +9,8 @@ import torch
 import torch.fx as fx
 
 from .context import ParallelContext, at_node
-from .meta import set_site_role, set_weight_name, weight_name
-from .nodes import arguments, tensor_inputs, tensor_val, weight_param, writes_in_place
+from .meta import set_site_role, set_weight_names, weight_names
+from .nodes import arguments, stacked_params, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.indexing import cat_dim, per_dim, split_dim
 from .rules.matmul import grouped_operands
 from .rules.pointwise import is_activation
@@ -141,12 +141,14 @@ class MoESite:
 
 def _has_param_weight(linear: fx.Node, ctx: ParallelContext) -> bool:
     weight, _ = weight_param(linear)
-    return isinstance(weight, fx.Node) and weight.name in ctx.params
+    return isinstance(weight, fx.Node) and all(w.name in ctx.params for w in stacked_params(weight))
 
 
 def module_name(linear: fx.Node, ctx: ParallelContext) -> str:
-    """The module path of a site linear, read off its weight (``blocks.0.k_proj``)."""
-    return ctx.params[weight_name(linear)].fqn.removesuffix(".weight")
+    """The module path of a site linear, read off its weight (``blocks.0.k_proj``); of experts'
+    weights stacked from an ``nn.ModuleList``, with ``*`` where their paths differ (``experts.*.w1``)."""
+    paths = [ctx.params[name].fqn.removesuffix(".weight").split(".") for name in weight_names(linear)]
+    return ".".join(part if all(p[i] == part for p in paths) else "*" for i, part in enumerate(paths[0]))
 
 
 def _walk(stack: list[fx.Node], step, through: set[str], end: str) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -673,7 +675,8 @@ def warn_routing_leaving_graph(gm: fx.GraphModule, ctx: ParallelContext, experts
             ctx.warn(f"{topk.name}: the choice of router {ctx.params[weight_param(routers[0])[0].name].fqn} leaves "
                      f"the graph: the experts it routes to run outside it, where Dynamo breaks the graph (a loop "
                      f"over experts: transformers' experts_implementation='eager'), whole on every rank; "
-                     f"transformers' 'grouped_mm' or 'batched_mm' experts run sharded")
+                     f"transformers' 'grouped_mm' or 'batched_mm' experts run sharded, and so does a loop over "
+                     f"every expert of an nn.ModuleList captured under Dynamo's capture_dynamic_output_shape_ops")
 
 
 def warn_batched_linears_outside_sites(gm: fx.GraphModule, ctx: ParallelContext) -> None:
@@ -704,5 +707,5 @@ def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             for n in nodes:
                 set_site_role(n, f"{site.name}.{role}")
         for linear in site.colwise + site.rowwise + ([site.router] if isinstance(site, MoESite) else []):
-            set_weight_name(linear, weight_param(linear)[0].name)
+            set_weight_names(linear, tuple(w.name for w in stacked_params(weight_param(linear)[0])))
     return gm

@@ -68,6 +68,10 @@ def expert_chain(site: MoESite, mesh: MeshInfo, ep: MeshDim) -> tuple[fx.Node, f
         zigzag = " (the ring's zigzag layout cuts cp's dims in two chunks a rank)" if cp.zigzag else ""
         return (f"{site.num_experts} experts do not divide into {chunks} equal chunks over "
                 f"{group_text(mesh, ep)}{zigzag}")
+    stacked = [weight_param(g)[0] for g in grouped if weight_param(g)[0].op != "placeholder"]
+    if stacked:
+        return (f"its experts' weights are separate parameters, stacked in the graph ({stacked[0].name}: an "
+                f"nn.ModuleList looped over), and no placement cuts a list of parameters over the experts")
     rows = _single({grouped_operands(g)[0] for g in site.up}, "up projections' rows")
     offsets = _single({grouped_operands(g)[2] for g in grouped}, "grouped matmuls' offsets")
     histogram = _single({n for n in site.region if op_kind(n) in ("histc", "bincount")}, "histograms")

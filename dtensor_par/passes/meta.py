@@ -141,14 +141,15 @@ def set_param_fqn(node: fx.Node, fqn: str) -> None:
     node.meta[_PARAM_FQN] = fqn
 
 
-def weight_name(linear: fx.Node) -> str:
-    """The placeholder name of a site linear's weight, set by ``detect_pass`` (kept here:
+def weight_names(linear: fx.Node) -> tuple[str, ...]:
+    """The placeholder names of a site linear's weight (each expert's, for an ``nn.ModuleList``'s
+    experts stacked in the graph: ``nodes.stacked_params``), set by ``detect_pass`` (kept here:
     localize rewires the linear's arguments)."""
     return linear.meta[_WEIGHT_NAME]
 
 
-def set_weight_name(linear: fx.Node, name: str) -> None:
-    linear.meta[_WEIGHT_NAME] = name
+def set_weight_names(linear: fx.Node, names: tuple[str, ...]) -> None:
+    linear.meta[_WEIGHT_NAME] = names
 
 
 def module_paths(gm: fx.GraphModule) -> dict[str, str]:

@@ -202,6 +202,14 @@ _CASTS = ("to", "type", "float", "double", "half", "bfloat16")
 ``F.linear(x.type(torch.float32), self.weight.type(torch.float32))``)."""
 
 
+def stacked_params(weight: fx.Node) -> list[fx.Node]:
+    """The placeholders a weight is: itself, or the experts' weights a ``torch.stack`` of them
+    holds (an ``nn.ModuleList``'s experts, ``passes.expert_loop``)."""
+    if weight.target is torch.stack and all(isinstance(w, fx.Node) and w.op == "placeholder" for w in weight.args[0]):
+        return list(weight.args[0])
+    return [weight]
+
+
 def weight_param(linear: fx.Node) -> tuple[fx.Node, bool]:
     """The tensor a linear's weight is read from (through dtype casts), and whether it is
     stored with its last two dims swapped (``[in, out]``, read through ``t()``: GPT-2's Conv1D

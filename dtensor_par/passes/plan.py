@@ -20,7 +20,7 @@ from .context import ParallelContext, at_node
 from .detect import (AttentionSite, MoESite, concatenated_features, find_head_projections, is_batched_linear,
                      module_name, parts_major_split)
 from .meta import NodeSharding, set_global_shape, set_sharding, shardings
-from .nodes import arguments, target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
+from .nodes import arguments, stacked_params, target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.core import RuleEnv, check_divisible, moved, replicate_all
 from .rules.indexing import per_dim, split_dim
 from .rules.matmul import grouped_operands
@@ -188,7 +188,9 @@ def assign_weight_placements(ctx: ParallelContext) -> None:
         for linear, p in placements.items():
             weight, transposed = weight_param(linear)
             ndim = tensor_val(weight).dim()  # transposed: its last two dims swapped
-            tensors = [(weight, moved(p, 2 * ndim - 3 - p.dim) if transposed else p)]
+            held = moved(p, 2 * ndim - 3 - p.dim) if transposed else p
+            stacked = stacked_params(weight)  # an nn.ModuleList's experts: each cut as the stack is, less its dim 0
+            tensors = [(weight, held)] if stacked == [weight] else [(w, moved(held, held.dim - 1)) for w in stacked]
             bias = _bias_placement(site, linear, p)
             tensors += [bias] if bias is not None else []
             for tensor, placement in tensors:
