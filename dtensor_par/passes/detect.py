@@ -58,6 +58,7 @@ class AttentionSite:
     scores: fx.Node | None = None  # attention written out by hand: its q @ kT
     softmax: fx.Node | None = None  # ... and the softmax over its scores
     sinks: SinkLogits | None = None  # ... and the sink logits concatenated to them
+    kv_whole_on_tp: list[fx.Node] = field(default_factory=list)  # fused kv parts rewrite gathers (gather_fused_kv)
 
     @property
     def colwise(self) -> list[fx.Node]:

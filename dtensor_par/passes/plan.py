@@ -9,6 +9,7 @@ same rules from one seed alone, apart from the plan (``batch_pass``: which input
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -17,7 +18,7 @@ from ..mesh import SPANS
 from ..errors import InvalidPlan, NotSupported
 from ..placements import InterleavedShard, Placement, Replicate, Shard, parts_of, shard_dim
 from .context import ParallelContext, at_node
-from .detect import (AttentionSite, MoESite, concatenated_features, find_head_projections, is_batched_linear,
+from .detect import (AttentionSite, MoESite, concatenated_features, is_batched_linear,
                      module_name, parts_major_split)
 from .meta import NodeSharding, set_global_shape, set_sharding, shardings
 from .nodes import arguments, stacked_params, target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
@@ -29,8 +30,16 @@ from .rules.registry import lookup, op_kind
 R = Replicate()
 
 
-def fused_parts(linear: fx.Node) -> tuple[int, ...] | None:
-    """Part sizes when the linear's output is only cut along its last dim into parts: by one
+class FusedParts(NamedTuple):
+    """A fused projection's parts: their sizes along its features, and the nodes that take them
+    off (a split's pieces, or the slices; none for a view that splits it part first)."""
+
+    sizes: tuple[int, ...]
+    nodes: tuple[fx.Node, ...]
+
+
+def fused_parts(linear: fx.Node) -> FusedParts | None:
+    """The parts when the linear's output is only cut along its last dim into parts: by one
     chunk/split, by slices that tile it (``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ...), or by
     a view that splits it part first (``detect.parts_major_split``)."""
     users = list(linear.users)
@@ -38,12 +47,13 @@ def fused_parts(linear: fx.Node) -> tuple[int, ...] | None:
     parts_major = parts_major_split(users[0]) if len(users) == 1 else None
     if parts_major is not None:
         parts, heads, head_dim = parts_major
-        return (heads * head_dim,) * parts
+        return FusedParts((heads * head_dim,) * parts, ())
     if len(users) == 1 and op_kind(users[0]) == "split":
         split = users[0]
         if arguments(split)["input"] is not linear or split_dim(split) != out_dim:
             return None
-        return tuple(t.shape[out_dim] for t in split.meta["val"])
+        pieces = tuple(split.users) if all(op_kind(u) == "getitem" for u in split.users) else ()
+        return FusedParts(tuple(t.shape[out_dim] for t in split.meta["val"]), pieces)
     ranges = set()
     for user in users:
         entries = per_dim(arguments(user)["index"], out_dim + 1) if op_kind(user) == "getitem" else None
@@ -57,47 +67,15 @@ def fused_parts(linear: fx.Node) -> tuple[int, ...] | None:
     tiles = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     if len(ranges) < 2 or not tiles or ranges[0][0] != 0 or ranges[-1][1] != tensor_val(linear).shape[-1]:
         return None
-    return tuple(stop - start for start, stop in ranges)
+    return FusedParts(tuple(stop - start for start, stop in ranges), tuple(users))
 
 
 def colwise_placement(linear: fx.Node, tp: int) -> Placement | None:
     out_features = tensor_val(linear).shape[-1]
     parts = fused_parts(linear)
-    if parts is not None and len(parts) > 1:
-        return InterleavedShard(0, parts) if all(p % tp == 0 for p in parts) else None
+    if parts is not None and len(parts.sizes) > 1:
+        return InterleavedShard(0, parts.sizes) if all(p % tp == 0 for p in parts.sizes) else None
     return Shard(0) if out_features % tp == 0 else None
-
-
-def _feature_parts(linear: fx.Node) -> list[fx.Node] | None:
-    """The nodes that take a fused projection's parts off its features: the pieces of one
-    split along them, or the slices that tile them; None for any other spelling."""
-    users = list(linear.users)
-    if len(users) == 1 and op_kind(users[0]) == "split":
-        pieces = list(users[0].users)
-        return pieces if all(op_kind(u) == "getitem" for u in pieces) else None
-    return users if all(op_kind(u) == "getitem" for u in users) else None
-
-
-def gathered_kv_parts(site: AttentionSite, ctx: ParallelContext) -> list[fx.Node]:
-    """The key and value parts of a fused projection whose kv heads (its parts' features over
-    the query part's head dim: the model may repeat them to the query heads before attention)
-    do not divide by tp, when every part's features do (multi-query: GPTBigCode, Falcon-7B).
-    The projection is then cut part by part, the query's heads with it, and these parts are
-    gathered whole as they are taken off (``kv_whole_on_tp``): every rank holds the kv heads
-    whole and its own query heads, as Megatron replicates fewer kv heads than tp ranks. Empty
-    where the kv heads divide, or the parts do not, or cannot be told apart."""
-    tp = ctx.mesh.size("tp")
-    fused = [n for n in dict.fromkeys(site.q) if n in site.k + site.v]
-    parts = _feature_parts(fused[0]) if tp > 1 and len(fused) == 1 else None
-    if not parts or not isinstance(colwise_placement(fused[0], tp), InterleavedShard):
-        return []
-    query = tensor_inputs(site.scores if site.scores is not None else site.core)[0]
-    walked = set(find_head_projections(query, ctx)[1])
-    queries, kv = [p for p in parts if p in walked], [p for p in parts if p not in walked]
-    if len(queries) != 1 or not kv:
-        return []
-    head_dim = tensor_val(queries[0]).shape[-1] // site.num_heads
-    return kv if any(tensor_val(p).shape[-1] // head_dim % tp for p in kv) else []
 
 
 def _expert_weights(site: MoESite, ctx: ParallelContext) -> dict[fx.Node, Placement] | None:
@@ -107,7 +85,8 @@ def _expert_weights(site: MoESite, ctx: ParallelContext) -> dict[fx.Node, Placem
     tp = ctx.mesh.size("tp")
     placements, features = {}, {}
     for up in site.up:
-        features[up] = fused_parts(site.out_of(up)) or (tensor_val(up).shape[-1],)
+        parts = fused_parts(site.out_of(up))
+        features[up] = parts.sizes if parts else (tensor_val(up).shape[-1],)
         placements[up] = InterleavedShard(2, features[up]) if len(features[up]) > 1 else Shard(2)
     for down in site.down:
         features[down], placements[down] = (tensor_val(grouped_operands(down)[0]).shape[-1],), Shard(1)
@@ -133,7 +112,7 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
                 f"plan: attention {site.core.name!r} has {site.num_heads} heads, not divisible "
                 f"by mesh dim 'tp' of size {tp} (uneven heads come with context parallelism)"
             )
-        if site.num_kv_heads % tp and site.num_kv_heads != site.num_heads and not gathered_kv_parts(site, ctx):
+        if site.num_kv_heads % tp and site.num_kv_heads != site.num_heads and not site.kv_whole_on_tp:
             kv_only = [n for n in dict.fromkeys(site.k + site.v) if n not in site.q]
             ctx.warn(f"{site.name} ({site.core.name}): {site.num_kv_heads} kv heads do not divide by "
                      f"tp={tp}; kv projections {[module_name(n, ctx) for n in kv_only]} stay replicated")
@@ -146,8 +125,9 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
     for linear in colwise:
         p = colwise_placement(linear, tp)
         if p is None:
+            parts = fused_parts(linear)
             ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {tensor_val(linear).shape[-1]} output features "
-                     f"(parts {fused_parts(linear)}), not divisible by tp={tp}; the site stays replicated")
+                     f"(parts {parts.sizes if parts else None}), not divisible by tp={tp}; the site stays replicated")
             return None
         placements[linear] = moved(p, 2) if is_batched_linear(linear, ctx) else p  # [E, in, out]: out
     for linear in site.rowwise:

@@ -34,15 +34,15 @@ from ..logs import logger
 from ..ops.attention import hybrid_attention
 from ..ops.score_mod import ScoreMod
 from ..params import expert_group
-from ..placements import is_padded, shard_length
+from ..placements import InterleavedShard, is_padded, shard_length
 from ..symbolic import guards_at, hint, is_symbolic
 from .capture import erase_unused, with_val
 from .context import ParallelContext, at_node
-from .detect import AttentionSite, MoESite
+from .detect import AttentionSite, MoESite, find_head_projections
 from .experts import experts_to_ranks
 from .meta import Communication, set_communications, set_site_role, site_role
-from .nodes import arguments, tensor_val
-from .plan import gathered_kv_parts
+from .nodes import arguments, tensor_inputs, tensor_val
+from .plan import colwise_placement, fused_parts
 from .rules.attention import kv_whole_on_tp
 from .rules.registry import op_kind
 from .biases import FoundBias, constant_ancestors, evaluate_constant, position_bias
@@ -427,10 +427,32 @@ def written_out_to_hybrid_attention(gm: fx.GraphModule, site: AttentionSite, ctx
     to_hybrid_attention(gm, site, as_sdpa_arguments(gm, site, found), ctx, found.score_mod, found.bias, found.sinks)
 
 
+def _kv_parts_to_gather(site: AttentionSite, ctx: ParallelContext) -> list[fx.Node]:
+    """The key and value parts of a fused projection whose kv heads (its parts' features over
+    the query part's head dim: the model may repeat them to the query heads before attention)
+    do not divide by tp, when every part's features do (multi-query: GPTBigCode, Falcon-7B).
+    Empty where the kv heads divide, or the parts do not, or cannot be told apart."""
+    tp = ctx.mesh.size("tp")
+    fused = [n for n in dict.fromkeys(site.q) if n in site.k + site.v]
+    found = fused_parts(fused[0]) if tp > 1 and len(fused) == 1 else None
+    if not found or not found.nodes or not isinstance(colwise_placement(fused[0], tp), InterleavedShard):
+        return []
+    query = tensor_inputs(site.scores if site.scores is not None else site.core)[0]
+    walked = set(find_head_projections(query, ctx)[1])
+    queries, kv = [p for p in found.nodes if p in walked], [p for p in found.nodes if p not in walked]
+    if len(queries) != 1 or not kv:
+        return []
+    head_dim = tensor_val(queries[0]).shape[-1] // site.num_heads
+    return kv if any(tensor_val(p).shape[-1] // head_dim % tp for p in kv) else []
+
+
 def gather_fused_kv(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContext) -> None:
-    """Gather whole over tp the key and value parts of a fused projection cut with its query's
-    heads (``plan.gathered_kv_parts``) as they are taken off it."""
-    for part in gathered_kv_parts(site, ctx):
+    """Gather whole over tp the key and value parts of a fused projection cut part by part with
+    its query's heads, as they are taken off it (``kv_whole_on_tp``), where its kv heads do not
+    divide by tp: every rank holds the kv heads whole and its own query heads, as Megatron
+    replicates fewer kv heads than tp ranks (``site.kv_whole_on_tp``, which the plan reads)."""
+    site.kv_whole_on_tp = _kv_parts_to_gather(site, ctx)
+    for part in site.kv_whole_on_tp:
         with gm.graph.inserting_after(part):
             whole = with_val(gm.graph.call_function(kv_whole_on_tp, (part,)), tensor_val(part))
         part.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not whole)
