@@ -500,7 +500,7 @@ def test_a_multi_query_fused_qkv_is_cut_with_its_query_heads_and_gathers_its_kv(
 def test_experts_split_over_tp_and_dispatched_per_rank_over_cp(name, shared):
     """Each expert's gate_up colwise (gate and up, each cut) and down rowwise over tp: one
     all-reduce per MoE layer in forward, with a shared expert's (Qwen2-MoE) partial sums added
-    before it; the router replicated. Over cp each rank sorts and runs its own tokens: nothing
+    before it, and one of the tokens' gradient in backward; the router replicated. Over cp each rank sorts and runs its own tokens: nothing
     is sent inside the dispatch, and the experts' gradients join the one bucket."""
     torch.manual_seed(0)
     model, args, kwargs = real_models.FACTORIES[name]()
@@ -513,6 +513,9 @@ def test_experts_split_over_tp_and_dispatched_per_rank_over_cp(name, shared):
                for p in graph.placements if p.startswith("moe") for w in [32 if shared else 128]), graph.placements
     forward = [c for c in graph.collectives if c["direction"] == "forward"]
     assert sum(c["count"] for c in forward) == 2 * layers, forward  # attention and experts, each layer
+    # backward: the tokens' gradient summed, not their top-2 rows' (localize.hoist_grad_reduction)
+    colwise = [(c["op"], c["bytes_per_rank"]) for c in graph.collectives if c["site"] == "moe0.colwise"]
+    assert colwise == [("all_reduce", real_models.BATCH * real_models.SEQ * model.config.hidden_size * 4)], colwise
     cov = graph.coverage
     assert cov.fallback_gathers == [] and cov.sharded_block_linear_flops >= 0.95 * cov.block_linear_flops, cov.summary()
     assert sum(s.startswith("mlp") for s in graph.sites) == (layers if shared else 0), graph.sites
@@ -588,9 +591,10 @@ def test_experts_with_per_row_biases_and_interleaved_gate_and_up_run_split():
     """GPT-OSS's experts (``out.add_(bias[expert_ids])`` after each grouped matmul, gate and up
     interleaved, ``gate_up[..., ::2]``): at tp2 gate_up colwise, its bias table cut along the same
     features (each rank's even share keeps its (gate, up) pairs), down rowwise, its bias whole and
-    added once, to the reduced sums (one all-reduce of the rows per layer); the router replicated,
-    every expert FLOP sharded, no grouped matmul named as left whole. With ep over cp the bias
-    tables are cut along their experts with the weights."""
+    added after the rows are weighted and summed per token (``rewrite.sink_expert_bias``), so one
+    all-reduce of the tokens' rows per layer, not of their top-2 rows, and in backward one of the
+    tokens' gradient; the router replicated, every expert FLOP sharded, no grouped matmul named as
+    left whole. With ep over cp the bias tables are cut along their experts with the weights."""
     model, args, kwargs = real_models.gpt_oss()
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
     assert not any("grouped matmul" in w or "experts" in w for w in graph.warnings), graph.warnings
@@ -599,13 +603,15 @@ def test_experts_with_per_row_biases_and_interleaved_gate_and_up_run_split():
                                      and "experts per rank: 4, each 1/2 of its features (tp)" in s for s in experts)
     (placed,) = [p for p in graph.placements if p.startswith("moe0")]
     assert all(f"model.layers.0.mlp.experts.{p}" in placed for p in ("gate_up_proj=S(2)", "down_proj=S(1)",
-                                                                    "gate_up_proj_bias=S(1)", "down_proj_bias=R"))
-    rows, hidden, inner = 2 * real_models.BATCH * real_models.SEQ, 64, 64  # top-2 rows of every token
+                                                                    "gate_up_proj_bias=S(1)"))
+    tokens, hidden, inner = real_models.BATCH * real_models.SEQ, 64, 64
     cov = graph.coverage
-    assert cov.fallback_gathers == [] and cov.sharded_block_linear_flops >= 4 * rows * 3 * hidden * inner, cov.summary()
-    reduced = [c for c in graph.collectives if c["direction"] == "forward" and str(c["site"]).startswith("moe0")]
-    assert reduced == [{"direction": "forward", "op": "all_reduce", "mesh_dims": "tp", "group_size": 2,
-                        "bytes_per_rank": rows * hidden * 4, "site": "moe0.rowwise", "count": 1}], reduced
+    assert cov.fallback_gathers == [] and cov.sharded_block_linear_flops >= 4 * 2 * tokens * 3 * hidden * inner, \
+        cov.summary()
+    reduced = [(c["direction"], c["op"], c["bytes_per_rank"], c["site"], c["count"]) for c in graph.collectives
+               if str(c["site"]).startswith("moe0")]
+    assert reduced == [("backward", "all_reduce", tokens * hidden * 4, "moe0.colwise", 1),
+                       ("forward", "all_reduce", tokens * hidden * 4, "moe0.rowwise", 1)], reduced
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ep="cp", parallelized=True,
                                    **MESHES["tp2-ring2"]).graphs
     assert graph.coverage.fallback_gathers == [], graph.coverage.fallback_gathers

@@ -554,10 +554,12 @@ def _divided(size, cut: bool, ranks: int):
 
 def hoist_grad_reduction(graph: fx.Graph, reduction: fx.Node, ctx: ParallelContext) -> None:
     """Move a gradient all-reduce onto the smaller replicated tensors its input is made from for it
-    alone (by views, tilings and pointwise ops), where they take fewer bytes: any op's input
-    gradients are linear in its output's, so their sums over the ranks are the same. Llama 4 tiles
-    its tokens once per expert and scales them by the router's weights before its experts'
-    colwise product: the tokens' and weights' gradients are summed, not the E times larger tiles'."""
+    alone (by views, tilings, pointwise ops and rows picked by index), where they take fewer bytes:
+    any op's input gradients are linear in its output's, so their sums over the ranks are the same.
+    Llama 4 tiles its tokens once per expert and scales them by the router's weights before its
+    experts' colwise product: the tokens' and weights' gradients are summed, not the E times
+    larger tiles'. Grouped experts read each token's row top-k times (``x[perm // k]``): the
+    tokens' gradient is summed, not their rows'."""
     dim, source = arguments(reduction)["mesh_dim"], arguments(reduction)["x"]
     _, edges = _cheapest_reduction(source, dim.name, ctx)
     if edges is None:
@@ -585,12 +587,12 @@ def _cheapest_reduction(node: fx.Node, dim: str, ctx: ParallelContext) -> tuple[
     if not shardings(node) or tensor_val(node) is None:  # an op localize inserted: left where it is
         return 0, None  # (only ever the reduction's own input: inputs without a plan stop the walk below)
     here, kind, ins = _local_bytes(node, ctx), lookup(node), tensor_inputs(node)
-    if len(node.users) != 1 or kind is None or kind.family not in ("views", "pointwise") or writes_in_place(node) \
-            or any("requires_grad" not in i.meta for i in ins):
+    moves = kind is not None and (kind.family in ("views", "pointwise") or kind.name == "getitem")
+    if len(node.users) != 1 or not moves or writes_in_place(node) or any("requires_grad" not in i.meta for i in ins):
         return here, None
     grads = [i for i in ins if i.meta["requires_grad"]]
-    if not grads or any(dim not in shardings(i) or shardings(i)[dim].out != R for i in grads):
-        return here, None
+    if not grads or any(dim not in shardings(i) or shardings(i)[dim].out != R for i in ins):
+        return here, None  # each rank's backward of it is then the same linear map
     total, edges = 0, []
     for i in grads:
         nbytes, above = _cheapest_reduction(i, dim, ctx) if i.op != "placeholder" else (_local_bytes(i, ctx), None)
