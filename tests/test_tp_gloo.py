@@ -21,6 +21,8 @@ RUNS = {
     2: {"tp": dict(names=TP_CASES + ["looped_experts"], steps=2),
         "experts_in_one_graph": dict(names=["looped_experts", "looped_moe_block"], steps=2,
                                      dynamo_config={"capture_dynamic_output_shape_ops": True}),
+        "experts_in_one_graph new sizes": dict(names=["looped_moe_block"], steps=1, inputs=NEW_SIZES[:3],
+                                               dynamo_config={"capture_dynamic_output_shape_ops": True}),
         "sequence_parallel": dict(names=["gpt_fused_qkv", "llama_gqa_rope"], options=SEQUENCE_PARALLEL),
         "inductor": dict(names=["gpt_fused_qkv"], options={"inner_backend": "inductor"}, steps=1),
         "dynamic=None": dict(names=["gpt_fused_qkv"], steps=1, inputs=NEW_SIZES),
@@ -68,6 +70,7 @@ def test_local_output_is_dtensor_of_the_same_values():
 
 def test_a_loop_over_experts_in_one_graph_matches_single_device():
     """Each expert's w1 and w3 colwise, w2 rowwise (``passes.expert_loop``), with no warning: nothing
-    runs whole between graphs."""
-    for name, metrics in LAUNCHES[2].result()["experts_in_one_graph"].items():
-        assert metrics["warnings"] == [], (name, metrics["warnings"])
+    runs whole between graphs; at new batch and sequence sizes too (symbolic token counts)."""
+    for label in ("experts_in_one_graph", "experts_in_one_graph new sizes"):
+        for name, metrics in LAUNCHES[2].result()[label].items():
+            assert metrics["warnings"] == [], (label, name, metrics["warnings"])

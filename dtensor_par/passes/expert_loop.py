@@ -212,7 +212,9 @@ def _as_rows(gm: fx.GraphModule, passes: list[_Iteration], order: dict[fx.Node, 
             or shapes[2][0] != shapes[0][0]:
         raise _refuse(start, f"its choice, routing weights, tokens and output are {shapes}, not [tokens, top-k] "
                              f"twice and [tokens, features] twice")
-    tokens_count, k = chosen.shape
+    k, hidden = chosen.shape[1], tokens.shape[1]
+    if not isinstance(k, int) or not isinstance(hidden, int):
+        raise _refuse(start, f"its top-k {k} or its tokens' width {hidden} is symbolic")
     weights = {p.expert: [arguments(n)["weight"] for n in p.chain if op_kind(n) == "linear"] for p in passes}
     with graph.inserting_before(start):
         stacked = [graph.call_function(torch.stack, ([weights[e][i] for e in range(len(passes))],))
@@ -239,7 +241,7 @@ def _as_rows(gm: fx.GraphModule, passes: list[_Iteration], order: dict[fx.Node, 
                 made[node] = graph.node_copy(node, lambda n: made.get(n, n))
                 made[node].meta.pop("example_value", None)  # its sizes were the values' own
         added = made[first.add.args[3]]
-        per_token = graph.call_method("sum", (graph.call_method("view", (added, tokens_count, k, -1)),), {"dim": 1})
+        per_token = graph.call_method("sum", (graph.call_method("view", (added, -1, k, hidden)),), {"dim": 1})
         total = graph.call_function(operator.add, (out, per_token))
     for user in [u for u in out.users if order.get(u, -1) > order[last]]:  # what reads the sums made
         user.replace_input_with(out, total)

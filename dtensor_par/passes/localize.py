@@ -587,7 +587,8 @@ def _cheapest_reduction(node: fx.Node, dim: str, ctx: ParallelContext) -> tuple[
     if not shardings(node) or tensor_val(node) is None:  # an op localize inserted: left where it is
         return 0, None  # (only ever the reduction's own input: inputs without a plan stop the walk below)
     here, kind, ins = _local_bytes(node, ctx), lookup(node), tensor_inputs(node)
-    moves = kind is not None and (kind.family in ("views", "pointwise") or kind.name == "getitem")
+    picks = kind is not None and kind.name == "getitem" and tensor_val(arguments(node)["input"]) is not None
+    moves = picks or kind is not None and kind.family in ("views", "pointwise")  # a split's piece stays
     if len(node.users) != 1 or not moves or writes_in_place(node) or any("requires_grad" not in i.meta for i in ins):
         return here, None
     grads = [i for i in ins if i.meta["requires_grad"]]
