@@ -167,6 +167,18 @@ class PatchTokens(torch.nn.Module):
 SEQUENCE_PASSES = (capture_pass, detect_pass, rewrite_pass, sequence_pass)
 
 
+def test_parts_concatenated_before_the_projections_are_cut_part_by_part():
+    """CogVideoX concatenates text and image tokens before the projections: the text input is cut
+    as a part of the joint sequence, so the concatenation holds each rank's piece of each part
+    and the split after attention takes them back, nothing gathered."""
+    model, inputs = models.JointBeforeProjection(), [torch.randn(2, 16, 32), torch.randn(2, 8, 32)]
+    _, ctx = _passes_on(model, inputs, SEQUENCE_PASSES, ulysses=2)
+    assert ctx.sequence_placements == {"l_image_": Shard(1), "l_text_": Shard(1)}, ctx.sequence_placements
+    (graph,) = dtensor_par.explain(model, inputs, ulysses=2).graphs
+    assert graph.coverage.fallback_gathers == [] and graph.warnings == [], graph.warnings
+
+
+
 def test_sequence_pass_shards_sequence_inputs_and_cuts_sequences_made_inside():
     keep = torch.ones(2, 16, dtype=torch.bool)
     _, ctx = _passes_on(models.MaskedAttention("additive"), [torch.randn(2, 16, 32), keep], SEQUENCE_PASSES, ring=2)

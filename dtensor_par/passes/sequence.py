@@ -132,7 +132,10 @@ def sequence_lengths(site: AttentionSite, ctx: ParallelContext) -> list[int]:
     query = arguments(site.core)["q"]
     length = tensor_val(query).shape[-2]
     lengths = [length]
-    for node in find_producers(query, TO_ATTENTION, ctx)[1]:
+    projections, walked = find_producers(query, TO_ATTENTION, ctx)
+    for projection in projections:  # the parts concatenated before the projection (CogVideoX)
+        walked += find_producers(arguments(projection)["input"], TO_ATTENTION, ctx)[1]
+    for node in walked:
         if op_kind(node) == "cat" and same_size(tensor_val(node).shape[cat_dim(node)], length):
             lengths += [tensor_val(i).shape[cat_dim(node)] for i in tensor_inputs(node)]
     return lengths
