@@ -19,12 +19,16 @@ class GPTBlock(nn.Module):
         self.fc = nn.Linear(hidden, mlp)
         self.fc_out = nn.Linear(mlp, hidden)
 
-    def forward(self, x):
+    def attend(self, x):
+        """``x`` plus its causal attention."""
         b, s, h = x.shape
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
         q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+
+    def forward(self, x):
+        x = self.attend(x)
         return x + self.fc_out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
@@ -514,11 +518,7 @@ class LoopedMoEBlock(GPTBlock):
         self.moe = LoopedExperts(hidden, inter, 4, 2)
 
     def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        x = self.attend(x)
         return x + self.moe(self.ln2(x))
 
 
