@@ -68,6 +68,7 @@ CASES = {
     # experts in an nn.ModuleList looped over: the loop's torch.where breaks the graph; each expert's MLP a graph
     "looped_experts": (lambda: models.LoopedExperts(32, 64, 4, 2), lambda: [(torch.randn(2, 8, 32),)]),
     "looped_moe_block": (models.LoopedMoEBlock, lambda: [(torch.randn(2, 16, 32),)]),
+    "folded_heads_attention": (models.FoldedHeadsAttention, lambda: [(torch.randn(2, 8, 32),)]),
     # text and image concatenated before the projections (CogVideoX): each cut as a part of the joint sequence
     "joint_before_projection": (models.JointBeforeProjection,
                                 lambda: [(torch.randn(2, 16, 32), torch.randn(2, 8, 32))]),

@@ -408,6 +408,10 @@ CANONICALIZED = {
                                          dim=2)),
         lambda x, w: _mixed(*F.linear(x, w).view(2, 8, 10, 8).split(split_size=[8, 1, 1], dim=-2))]),
     "slice_write_as_cat": ([torch.randn(2, 4, 8, 6)], [_rotated_tail, lambda x: _rotated_tail(x, "ellipsis")]),
+    "elementwise_extreme": ([torch.randn(2, 4, 6, 7), torch.randn(6, 7)], [  # XGLM's clamp of its scores
+        lambda x, y: torch.max(x, y) + torch.min(x, y),
+        lambda x, y: torch.max(input=x, other=y) + torch.min(other=y, input=x),
+        lambda x, y: x.max(other=y) + x.min(y)]),
     "softmax_of_unshifted": ([torch.randn(2, 4, 6, 7)], [  # GPT-OSS's logits less their rows' max
         lambda x: F.softmax(x - x.max(dim=-1, keepdim=True).values, dim=-1),
         lambda x: F.softmax(x - torch.max(x, -1, True)[0], -1),
@@ -439,6 +443,8 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
     assert not {"torch.addmm", "torch.baddbmm", "torch.narrow"} & set(ops), ops
     if rule == "experts_as_grouped":  # sorted by expert, counted, two grouped matmuls, sorted back; no bmm
         assert ops.count("grouped_mm") == 2 and "matmul" not in ops and "histc" in ops, ops
+    if rule == "elementwise_extreme":  # of two tensors: no reduction
+        assert ops.count("maximum") == 2 and "extreme" not in ops, ops
     if rule == "softmax_of_unshifted":  # a shift along another dim than the softmax's would change it
         assert ops == ["softmax"], ops
         gm, _ = _passes_on(Spelled(lambda x: F.softmax(x - x.amax(2, keepdim=True), -1)), inputs,
@@ -554,6 +560,20 @@ def test_capture_makes_a_loop_over_experts_the_experts_read_a_row_at_a_time():
     params = list(model.parameters())
     torch.testing.assert_close(torch.autograd.grad(out.square().sum(), params),
                                torch.autograd.grad(expected.square().sum(), params), atol=1e-5, rtol=1e-5)
+
+
+def test_attention_with_its_heads_folded_around_a_3d_softmax_is_a_site_of_its_heads():
+    """XGLM's attention: heads folded into the batch for ``bmm``, unfolded for the mask, clamped by
+    ``torch.max``, folded again for the softmax. It is a site of the heads its query was viewed
+    from, which tp cuts (before: no site, its weights replicated, a warning); over cp it runs as
+    written, saying why."""
+    model, x = models.FoldedHeadsAttention(), torch.randn(2, 8, 32)
+    (graph,) = dtensor_par.explain(model, (x,), tp=2).graphs
+    assert graph.sites[0].startswith("attention0: attention") and "4 heads, 4 kv heads" in graph.sites[0], graph.sites
+    assert graph.warnings == [] and graph.coverage.sharded_linear_flops == graph.coverage.linear_flops
+    (graph,) = dtensor_par.explain(model, (x,), ulysses=2).graphs
+    assert any("attention written out by hand runs op by op on the whole sequence over cp" in w
+               for w in graph.warnings), graph.warnings
 
 
 class TransposedWeight(torch.nn.Module):

@@ -612,6 +612,16 @@ def softmax_of_unshifted(gm: fx.GraphModule, softmax: fx.Node) -> None:
         erase_unused(gm, shifted)
 
 
+def elementwise_extreme(node: fx.Node) -> None:
+    """``torch.max(a, b)`` and ``a.min(b)`` of two tensors are ``torch.maximum`` and ``torch.minimum``:
+    elementwise ops (XGLM clamps its scores with ``torch.max(scores, full((), finfo.min))``), not
+    reductions."""
+    given = arguments(node)
+    if isinstance(given.get("other"), fx.Node):
+        node.target = torch.maximum if node.target in (torch.max, "max") else torch.minimum
+        node.op, node.args, node.kwargs = "call_function", (given["input"], given["other"]), {}
+
+
 def _tensor_by_keyword(node: fx.Node) -> bool:
     """Whether a call is given a tensor by keyword (``x.baddbmm(batch1=a, batch2=b)``)."""
     given = []
@@ -642,6 +652,8 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
         grouped_kv_attention(gm, node)
     elif op_kind(node) == "softmax":
         softmax_of_unshifted(gm, node)
+    elif node.op in ("call_function", "call_method") and node.target in (torch.max, torch.min, "max", "min"):
+        elementwise_extreme(node)
     elif op_kind(node) == "split":
         split_features_before_views(gm, node)
 

@@ -327,9 +327,29 @@ def projected_heads(attention_input: fx.Node, heads: int, ctx: ParallelContext) 
                   f"reads")
 
 
+def unfolded_heads(node: fx.Node) -> fx.Node | None:
+    """The ``[batch, heads, seq, dim]`` tensor a ``[batch * heads, seq, dim]`` one is viewed from."""
+    if op_kind(node) != "view" or tensor_val(node).dim() != 3:
+        return None
+    source = tensor_inputs(node)[0]
+    before, after = tensor_val(source).shape, tensor_val(node).shape
+    folds = len(before) == 4 and before[0] * before[1] == after[0] and tuple(before[2:]) == tuple(after[1:])
+    return source if folds else None
+
+
 def _heads_of(x: fx.Node) -> int:
     """The heads of ``[batch, heads, seq, dim]`` attention operands; 1 without a heads dim."""
     return tensor_val(x).shape[-3] if tensor_val(x).dim() >= 4 else 1
+
+
+def _written_heads(scores: fx.Node, softmax: fx.Node) -> int | None:
+    """The heads attention written out by hand runs: its probabilities' ``[batch, heads, seq,
+    keys]``, or, folded into the batch (``[batch * heads, seq, keys]``: XGLM), the heads its
+    query was viewed from; None for neither."""
+    if tensor_val(softmax).dim() >= 4:
+        return tensor_val(softmax).shape[-3]
+    source = unfolded_heads(tensor_inputs(scores)[0]) if tensor_val(softmax).dim() == 3 else None
+    return None if source is None else tensor_val(source).shape[1]
 
 
 def _score_products(scores: fx.Node) -> list[fx.Node]:
@@ -388,7 +408,8 @@ def find_written_attention(gm: fx.GraphModule, ctx: ParallelContext
         sinks = find_sink_logits(softmax)
         products = _score_products(tensor_inputs(softmax)[0] if sinks is None else sinks.scores)
         weighted = _weighted_values(softmax, sinks)
-        if len(products) == 1 and weighted is not None and _over_last_dim(softmax) and tensor_val(softmax).dim() >= 4:
+        if len(products) == 1 and weighted is not None and _over_last_dim(softmax) \
+                and _written_heads(products[0], softmax) is not None:
             found.append((products[0], softmax, weighted, sinks))
             continue
         products = products or _walk([tensor_inputs(softmax)[0]], _written_from, _NEAR_SCORES, "matmul")[0]
@@ -409,7 +430,7 @@ def find_attention_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[Atten
     for scores, softmax, weighted, sinks in find_written_attention(gm, ctx):
         (query, key), value = tensor_inputs(scores), tensor_inputs(weighted)[1]
         inputs = {"query": query, "key": key, "value": value}
-        cores.append((weighted, inputs, (_heads_of(softmax),) * 2, (scores, softmax, sinks)))
+        cores.append((weighted, inputs, (_written_heads(scores, softmax),) * 2, (scores, softmax, sinks)))
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     sites = []
     for node, inputs, heads, (scores, softmax, sinks) in sorted(cores, key=lambda c: order[c[0]]):

@@ -28,7 +28,7 @@ from ..ops.score_mod import ScoreMod
 from ..symbolic import guards_at
 from .biases import FoundBias, constant_ancestors, evaluate_constant, position_bias
 from .capture import with_val
-from .detect import AttentionSite
+from .detect import AttentionSite, unfolded_heads
 from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.registry import op_kind
 
@@ -192,7 +192,7 @@ def _weights_problem(site: AttentionSite) -> str | None:
     node = next(iter(site.softmax.users))
     while node is not site.core:
         given = arguments(node)
-        if (op_kind(node) == "view" and _unfolded(node) is None) \
+        if (op_kind(node) == "view" and unfolded_heads(node) is None) \
                 or (op_kind(node) == "dropout" and given["p"] and given["training"]):
             return f"{node.name} ({op_kind(node)}) between the softmax and @ v"
         node = next(iter(node.users))
@@ -208,16 +208,6 @@ def _swaps_last_two(node: fx.Node) -> bool:
     return sorted(d % n for d in dims) == [n - 2, n - 1]
 
 
-def _unfolded(node: fx.Node) -> fx.Node | None:
-    """The ``[batch, heads, seq, dim]`` tensor a ``[batch * heads, seq, dim]`` one is viewed from."""
-    if op_kind(node) != "view" or tensor_val(node).dim() != 3:
-        return None
-    source = tensor_inputs(node)[0]
-    before, after = tensor_val(source).shape, tensor_val(node).shape
-    folds = len(before) == 4 and before[0] * before[1] == after[0] and tuple(before[2:]) == tuple(after[1:])
-    return source if folds else None
-
-
 def _operands(site: AttentionSite, folded: bool) -> tuple[fx.Node, fx.Node | None, fx.Node, fx.Node] | str:
     """``(query, key, kT, value)``, 4-d: where the heads are folded into the batch, the tensors
     they were folded from (``key`` then from below the transpose); ``key`` None where ``kT`` is
@@ -227,7 +217,7 @@ def _operands(site: AttentionSite, folded: bool) -> tuple[fx.Node, fx.Node | Non
     key = tensor_inputs(key_t)[0] if _swaps_last_two(key_t) else None
     if not folded:
         return query, key, key_t, value
-    unfolded = [None if n is None else _unfolded(n) for n in (query, key, value)]
+    unfolded = [None if n is None else unfolded_heads(n) for n in (query, key, value)]
     if None in unfolded:
         return f"{site.scores.name}: q, k and v with their heads folded into the batch are views of [batch, heads, ...]"
     return unfolded[0], unfolded[1], key_t, unfolded[2]

@@ -150,6 +150,7 @@ _SPELLINGS = {  # kind: (functions, Tensor methods)
               ["exp", "expm1", "log", "log1p", "tanh", "sigmoid", "rsqrt", "sqrt", "reciprocal", "sin", "cos", "pow",
                "abs", "sign", "relu", "clamp", "clamp_min", "clamp_max", "square", "erf"]),
     "where": ([torch.where, torch.masked_fill], ["masked_fill"]),
+    "maximum": ([torch.maximum, torch.minimum, torch.fmax, torch.fmin], ["maximum", "minimum", "fmax", "fmin"]),
     "logical": ([operator.and_, operator.or_, operator.xor, operator.invert, operator.lt, operator.le, operator.gt,
                  operator.ge, operator.eq, operator.ne, torch.logical_and, torch.logical_or, torch.logical_not],
                 ["logical_and", "logical_or", "logical_not", "lt", "le", "gt", "ge", "eq", "ne"]),
