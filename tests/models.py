@@ -542,8 +542,8 @@ class JointBeforeProjection(nn.Module):
 
 class FoldedHeadsAttention(nn.Module):
     """Attention written out by hand with its heads folded into the batch around a 3-d softmax, a
-    causal mask added to the unfolded scores and the scores clamped with ``torch.max`` (XGLM,
-    FSMT, TrOCR, SpeechT5 in transformers 5.25)."""
+    causal mask added to the unfolded scores and the scores clamped with ``torch.max``, as XGLM
+    writes it in transformers 5.25."""
 
     def __init__(self, hidden: int = 32, heads: int = 4):
         super().__init__()
