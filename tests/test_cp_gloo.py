@@ -21,7 +21,8 @@ PAIRS = {
     "ring2-ulysses2": dict(mesh_sizes={"ring": 2, "ulysses": 2}, traced=["uneven_seq_30", "uneven_seq_30_masked"],
                            names=["keyword_sdpa_scale", "uneven_seq_30", "uneven_seq_30_masked",
                                   "uneven_seq_30_bidirectional", "uneven_seq_30_pooling", "mean_loss",
-                                  "joint_attention_masked", "rows_hidden_by_an_input", "joint_before_projection"]),
+                                  "joint_attention_masked", "rows_hidden_by_an_input", "joint_before_projection",
+                                  "folded_heads_attention"]),
 }
 ONE_GRAPH = {"capture_dynamic_output_shape_ops": True}
 """Dynamo's option under which a loop over an nn.ModuleList's experts is one graph (``passes.expert_loop``)."""

@@ -565,15 +565,19 @@ def test_capture_makes_a_loop_over_experts_the_experts_read_a_row_at_a_time():
 def test_attention_with_its_heads_folded_around_a_3d_softmax_is_a_site_of_its_heads():
     """XGLM's attention: heads folded into the batch for ``bmm``, unfolded for the mask, clamped by
     ``torch.max``, folded again for the softmax. It is a site of the heads its query was viewed
-    from, which tp cuts (before: no site, its weights replicated, a warning); over cp it runs as
-    written, saying why."""
+    from, which tp cuts (before: no site, its weights replicated, a warning), and over cp it is
+    hybrid attention: the clamp changes nothing after a constant finite mask. After a mask given
+    as an input, which may hold -inf, it runs as written over cp, saying why."""
     model, x = models.FoldedHeadsAttention(), torch.randn(2, 8, 32)
     (graph,) = dtensor_par.explain(model, (x,), tp=2).graphs
     assert graph.sites[0].startswith("attention0: attention") and "4 heads, 4 kv heads" in graph.sites[0], graph.sites
     assert graph.warnings == [] and graph.coverage.sharded_linear_flops == graph.coverage.linear_flops
     (graph,) = dtensor_par.explain(model, (x,), ulysses=2).graphs
-    assert any("attention written out by hand runs op by op on the whole sequence over cp" in w
-               for w in graph.warnings), graph.warnings
+    assert graph.warnings == [] and "attention0: attention hybrid_attention" in graph.sites[0], graph.sites
+    mask = torch.full((8, 8), torch.finfo(x.dtype).min).triu(1)
+    (graph,) = dtensor_par.explain(model, (x, mask), ulysses=2).graphs
+    assert any("runs op by op on the whole sequence over cp: the scores are clamped at the lowest value after a "
+               "mask" in w for w in graph.warnings), graph.warnings
 
 
 class TransposedWeight(torch.nn.Module):

@@ -155,21 +155,49 @@ class _Scores:
     folded: bool
 
 
+def _clamped_at_lowest(node: fx.Node) -> tuple[fx.Node, float] | None:
+    """``(the scores, the value)`` when ``node`` clamps scores from below at -inf or their dtype's
+    lowest value (XGLM: ``torch.max(s, full((), finfo.min))``, made ``torch.maximum``)."""
+    given = arguments(node) if node.target is torch.maximum else {}
+    low = hiding_value(given["other"], node) if isinstance(given.get("input"), fx.Node) else None
+    return None if low is None else (given["input"], low)
+
+
+def _unclamped(masks: list[MaskStep], low: float | None) -> str | None:
+    """Why clamping the masked scores at ``low`` is not the identity: it is where every mask is
+    a constant finite tensor added (a score plus the lowest value rounds to it; -inf would not)."""
+    if low is None or low == float("-inf"):
+        return None
+    for step in masks:
+        made_of = None if step.fill is not None else constant_ancestors(step.tensor)
+        if made_of is None or not evaluate_constant(made_of).isfinite().all():
+            return f"the scores are clamped at the lowest value after a mask ({step.tensor.name}) that may hold -inf"
+    return None
+
+
 def _score_function(site: AttentionSite) -> _Scores | str:
     """The steps between the site's ``q @ kT`` and its softmax: a score function, then (after
-    it, in order of application) tensors added or a mask filled in, and a view unfolding the
-    heads from the batch, anywhere."""
-    steps, masks, folded = [], [], False
+    it, in order of application) tensors added or a mask filled in, a clamp at the lowest value
+    that changes nothing, and a view unfolding the heads from the batch, anywhere; the softmax
+    may read the scores folded back into the batch (XGLM)."""
+    steps, masks, folded, low = [], [], False, None
     node = tensor_inputs(site.softmax)[0] if site.sinks is None else site.sinks.scores
+    refolded = site.sinks is None and unfolded_heads(node) is not None
+    node = unfolded_heads(node) if refolded else node
     while True:
         if len(node.users) != 1:
             return f"{node.name} is read by more than the softmax"
         if node is site.scores:
-            return _Scores(ScoreMod(tuple(reversed(steps))), masks[::-1], folded)
+            problem = _unclamped(masks, low) or (refolded and not folded and f"{site.softmax.name} reads the scores "
+                                                 f"folded into the batch, which are not made so")
+            return problem or _Scores(ScoreMod(tuple(reversed(steps))), masks[::-1], folded)
         if node.op not in ("call_function", "call_method"):
             return f"{node.name} is no step of a score function"
         if not folded and _unfolds_heads(node):
             node, folded = tensor_inputs(node)[0], True
+            continue
+        if not steps and not masks and low is None and (clamp := _clamped_at_lowest(node)) is not None:
+            node, low = clamp
             continue
         masking = _mask_step(node, site.scores) if not steps else None
         if masking is not None:
@@ -192,7 +220,7 @@ def _weights_problem(site: AttentionSite) -> str | None:
     node = next(iter(site.softmax.users))
     while node is not site.core:
         given = arguments(node)
-        if (op_kind(node) == "view" and unfolded_heads(node) is None) \
+        if (op_kind(node) == "view" and unfolded_heads(node) is None and not _unfolds_heads(node)) \
                 or (op_kind(node) == "dropout" and given["p"] and given["training"]):
             return f"{node.name} ({op_kind(node)}) between the softmax and @ v"
         node = next(iter(node.users))
