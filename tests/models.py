@@ -542,12 +542,12 @@ class JointBeforeProjection(nn.Module):
 
 class FoldedHeadsAttention(nn.Module):
     """Attention written out by hand with its heads folded into the batch around a 3-d softmax, a
-    mask (causal, or the one given) added to the unfolded scores and the scores clamped with
-    ``torch.max``, as XGLM writes it in transformers 5.25."""
+    mask (causal, or the one given; ``masks`` times) added to the unfolded scores and the scores
+    clamped with ``torch.max``, as XGLM writes it in transformers 5.25."""
 
-    def __init__(self, hidden: int = 32, heads: int = 4):
+    def __init__(self, hidden: int = 32, heads: int = 4, masks: int = 1):
         super().__init__()
-        self.heads, self.head_dim = heads, hidden // heads
+        self.heads, self.head_dim, self.masks = heads, hidden // heads, masks
         self.q, self.k, self.v, self.out = (nn.Linear(hidden, hidden) for _ in range(4))
         self.k.bias = None  # its gradient would be 0 in exact arithmetic: no relative error can be measured
 
@@ -556,7 +556,9 @@ class FoldedHeadsAttention(nn.Module):
         q, k, v = (p(x).view(b, s, self.heads, self.head_dim).transpose(1, 2).reshape(b * self.heads, s, -1)
                    for p in (self.q, self.k, self.v))
         mask = torch.full((s, s), torch.finfo(x.dtype).min).triu(1) if mask is None else mask
-        scores = torch.bmm(q, k.transpose(1, 2)).view(b, self.heads, s, s) + mask
+        scores = torch.bmm(q, k.transpose(1, 2)).view(b, self.heads, s, s)
+        for _ in range(self.masks):
+            scores = scores + mask
         scores = torch.max(scores, torch.full((), torch.finfo(x.dtype).min)).view(b * self.heads, s, s)
         a = torch.bmm(F.softmax(scores, dim=-1), v).view(b, self.heads, s, -1).transpose(1, 2)
         return self.out(a.reshape(b, s, h))

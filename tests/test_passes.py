@@ -567,7 +567,8 @@ def test_attention_with_its_heads_folded_around_a_3d_softmax_is_a_site_of_its_he
     ``torch.max``, folded again for the softmax. It is a site of the heads its query was viewed
     from, which tp cuts (before: no site, its weights replicated, a warning), and over cp it is
     hybrid attention: the clamp changes nothing after a constant finite mask. After a mask given
-    as an input, which may hold -inf, it runs as written over cp, saying why."""
+    as an input, which may hold -inf, or after two (the lowest value added twice is -inf), it
+    runs as written over cp, saying why."""
     model, x = models.FoldedHeadsAttention(), torch.randn(2, 8, 32)
     (graph,) = dtensor_par.explain(model, (x,), tp=2).graphs
     assert graph.sites[0].startswith("attention0: attention") and "4 heads, 4 kv heads" in graph.sites[0], graph.sites
@@ -578,6 +579,9 @@ def test_attention_with_its_heads_folded_around_a_3d_softmax_is_a_site_of_its_he
     (graph,) = dtensor_par.explain(model, (x, mask), ulysses=2).graphs
     assert any("runs op by op on the whole sequence over cp: the scores are clamped at the lowest value after a "
                "mask" in w for w in graph.warnings), graph.warnings
+    (graph,) = dtensor_par.explain(models.FoldedHeadsAttention(masks=2), (x,), ulysses=2).graphs
+    assert any("clamped at the lowest value after 2 masks, whose sum may be -inf" in w for w in graph.warnings), \
+        graph.warnings
 
 
 class TransposedWeight(torch.nn.Module):

@@ -164,10 +164,13 @@ def _clamped_at_lowest(node: fx.Node) -> tuple[fx.Node, float] | None:
 
 
 def _unclamped(masks: list[MaskStep], low: float | None) -> str | None:
-    """Why clamping the masked scores at ``low`` is not the identity: it is where every mask is
-    a constant finite tensor added (a score plus the lowest value rounds to it; -inf would not)."""
+    """Why clamping the masked scores at ``low`` is not the identity: it is after one mask that is
+    a constant finite tensor added (a score plus the lowest value rounds to it; -inf, or the
+    lowest value added twice, would not)."""
     if low is None or low == float("-inf"):
         return None
+    if len(masks) > 1:
+        return f"the scores are clamped at the lowest value after {len(masks)} masks, whose sum may be -inf"
     for step in masks:
         made_of = None if step.fill is not None else constant_ancestors(step.tensor)
         if made_of is None or not evaluate_constant(made_of).isfinite().all():
@@ -182,7 +185,7 @@ def _score_function(site: AttentionSite) -> _Scores | str:
     may read the scores folded back into the batch (XGLM)."""
     steps, masks, folded, low = [], [], False, None
     node = tensor_inputs(site.softmax)[0] if site.sinks is None else site.sinks.scores
-    refolded = site.sinks is None and unfolded_heads(node) is not None
+    refolded = site.sinks is None and len(node.users) == 1 and unfolded_heads(node) is not None
     node = unfolded_heads(node) if refolded else node
     while True:
         if len(node.users) != 1:
