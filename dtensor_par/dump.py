@@ -23,10 +23,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .ops.experts import combine_rows, dispatch_rows
 from .ops.lowerings import FUNCTIONAL
 from .passes.context import ParallelContext
-from .passes.detect import AttentionSite, MoESite, module_name
+from .passes.detect import AttentionSite, MoESite, module_name, site_weight_names
 from .passes.experts import group_text
 from .passes.localize import graph_communications
-from .passes.meta import communications, global_shape, param_fqn, placements, shardings, site_role, weight_names
+from .passes.meta import communications, global_shape, param_fqn, placements, shardings, site_role
 from .passes.nodes import target_name
 from .params import expert_group, held_layouts, held_tensor
 from .placements import Replicate, describe, local_shape_on
@@ -97,7 +97,7 @@ def experts_per_rank(site: MoESite, ctx: ParallelContext) -> str:
     """How many of a mixture's experts each rank holds, and how much of each; with expert
     parallelism, the rows one rank sends to them and gets back per layer (once localized and
     lowered)."""
-    split = all(name in ctx.param_placements for g in site.colwise + site.rowwise for name in weight_names(g))
+    split = all(name in ctx.param_placements for name in site_weight_names(site))
     tp, ep, group = ctx.mesh.size("tp"), site.ep_size, group_text(ctx.mesh, expert_group(ctx.mesh))
     held = f"{site.num_experts // ep} of {site.num_experts} (ep over {group})" if ep > 1 else f"{site.num_experts}"
     line = f"experts per rank: {held}, " + (f"each 1/{tp} of its features (tp)" if split else "each whole")
@@ -262,7 +262,7 @@ def site_placement_lines(ctx: ParallelContext) -> list[str]:
     the mesh dims an expert weight's experts are cut over)."""
     lines, experts_cut = [], f" (experts cut over {group_text(ctx.mesh, expert_group(ctx.mesh))})"
     for site in ctx.sites:
-        weights, names = [], [name for linear in site.colwise + site.rowwise for name in weight_names(linear)]
+        weights, names = [], site_weight_names(site)
         names += [bias.table.name for bias in site.biases.values()] if isinstance(site, MoESite) else []
         for name in names:
             experts = experts_cut if name in ctx.expert_placements else ""

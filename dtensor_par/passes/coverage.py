@@ -2,10 +2,10 @@
 
 A linear (or matmul, an expert's grouped matmul, a convolution: Sana's feed-forward is three)
 runs sharded on a mesh dim when its output there is not Replicate (sharded, or partial sums):
-each rank then does 1/size of its work on that dim. Block linears are those whose weight lives in a numbered module (``layers.3.mlp.up_proj``), the
-repeated transformer blocks; the LM head or an embedding projection outside them is
-reported on its own. A fallback gather is a node whose inputs the plan had to gather
-because no rule could keep them split.
+each rank then does 1/size of its work on that dim. Block linears are those whose weight lives
+in a numbered module (``layers.3.mlp.up_proj``), the repeated transformer blocks; the LM head
+or an embedding projection outside them is reported on its own. A fallback gather is a node
+whose inputs the plan had to gather because no rule could keep them split.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from ..ops.ring_schedule import ring_step_flops
 from ..placements import Partial, Replicate, local_shape_on, shard_dim, shard_length
 from ..symbolic import hint
 from .context import Coverage, ParallelContext, at_node
-from .detect import AttentionSite, MoESite
-from .meta import Work, global_shape, placements, planned_local_shape, set_work, shardings, weight_names
+from .detect import AttentionSite, MoESite, site_weight_names
+from .meta import Work, global_shape, placements, planned_local_shape, set_work, shardings
 from .nodes import arguments, tensor_inputs, tensor_val, weight_param
 from .rules.registry import lookup, op_kind
 
@@ -174,8 +174,7 @@ def _runs_parallel(site, ctx: ParallelContext) -> bool:
     """A site runs parallel when tp shards one of its weights, cp runs its attention (over
     the sequence, or over a kv cache cut along it) or dp cuts its batch (or, under
     ``batch="local"``, each dp rank is given its own)."""
-    sharded = any(name in ctx.param_placements for linear in site.colwise + site.rowwise
-                  for name in weight_names(linear))
+    sharded = any(name in ctx.param_placements for name in site_weight_names(site))
     first = site.core if isinstance(site, AttentionSite) else site.colwise[0]
     batch_cut = ("dp" in shardings(first) and shard_dim(shardings(first)["dp"].out) is not None
                  or "dp" in _own_slice(ctx) and ctx.mesh.size("dp") > 1)

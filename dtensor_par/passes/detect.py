@@ -145,6 +145,12 @@ def _has_param_weight(linear: fx.Node, ctx: ParallelContext) -> bool:
     return isinstance(weight, fx.Node) and all(w.name in ctx.params for w in stacked_params(weight))
 
 
+def site_weight_names(site) -> list[str]:
+    """The placeholder names of a site's colwise and rowwise weights, in order (each expert's,
+    for experts stacked from an ``nn.ModuleList``)."""
+    return [name for linear in site.colwise + site.rowwise for name in weight_names(linear)]
+
+
 def module_name(linear: fx.Node, ctx: ParallelContext) -> str:
     """The module path of a site linear, read off its weight (``blocks.0.k_proj``); of experts'
     weights stacked from an ``nn.ModuleList``, with ``*`` where their paths differ (``experts.*.w1``)."""
