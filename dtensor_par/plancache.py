@@ -4,7 +4,9 @@ What the runtime compiles for a captured graph (this rank's graph with each node
 ``example_value``, and the placements around it: ``Plan``) depends only on what ``plan_key``
 hashes: the captured graph's code and module paths, its inputs' signature, the plan options,
 this rank's place in the mesh, how parameters are fed, the grad mode, dtensor_par's source and
-torch's version. Any change is another key, so a stale plan is never read. Plans live next to
+torch's version. Any change is another key, so a stale plan is never read. The values of the
+buffers a plan read (``Plan.constants``) are not in the key: the runtime compares them with
+the inputs before it uses a plan, read from here or not. Plans live next to
 inductor's caches (its ``cache_dir()``, ``TORCHINDUCTOR_CACHE_DIR``), one file per key, written
 whole or not at all; an entry that cannot be read is planned again.
 
@@ -37,6 +39,7 @@ from .passes import meta
 from .passes.context import ParallelContext, ParamInfo
 from .pipeline import on_captured
 from .placements import Placement
+from .same_inputs import fingerprint
 from .symbolic import Specialization
 
 PLANS_DIR = "dtensor_par_plans"
@@ -61,6 +64,20 @@ def plan_key(gm: fx.GraphModule, args, signature: tuple, symbolic: bool, config,
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class ConstantInput:
+    """A module buffer whose values the plan read (``meta.BufferValue``: a causal mask kept in a
+    buffer, planned as causal attention): the plan holds only while the buffer's fingerprint
+    (``same_inputs.fingerprint``) is this one."""
+
+    fqn: str
+    index: int  # position among the graph's inputs
+    fingerprint: tuple[int, ...]
+
+    def holds(self, args) -> bool:
+        return tuple(fingerprint(args[self.index]).tolist()) == self.fingerprint
+
+
 @dataclass
 class Plan:
     """What the runtime needs around a planned graph: its inputs' and outputs' placements, the
@@ -74,6 +91,7 @@ class Plan:
     warnings: list[str]
     cache_outputs: tuple = ()  # passes.kv_cache.CacheOutput per output held as a kv cache shard
     positions_of: tuple[int, ...] = ()  # per input after the graph's own: the held cache whose positions it is
+    constants: tuple[ConstantInput, ...] = ()  # the buffers whose values it read
 
     @classmethod
     def of(cls, gm: fx.GraphModule, ctx: ParallelContext) -> Plan:
@@ -83,11 +101,16 @@ class Plan:
         layouts = held_layouts(ctx)
         return cls([fed_placements(meta.placements(n), layouts.get(n.name)) for n in placeholders],
                    ctx.output_placements, ctx.comm, layouts, {name: (p.fqn, p.index) for name, p in ctx.params.items()},
-                   list(ctx.warnings), ctx.cache_outputs, positions_of)
+                   list(ctx.warnings), ctx.cache_outputs, positions_of, _constants_read(placeholders))
 
     def params(self, args) -> dict[str, ParamInfo]:
         """The parameters among ``args``, as capture records them."""
         return {name: ParamInfo(fqn, i, args[i]) for name, (fqn, i) in self.param_positions.items()}
+
+
+def _constants_read(placeholders: list[fx.Node]) -> tuple[ConstantInput, ...]:
+    read = [b for b in map(meta.buffer_value, placeholders) if b is not None and b.read]
+    return tuple(ConstantInput(b.fqn, b.index, tuple(fingerprint(b.value).tolist())) for b in read)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import contextlib
 import functools
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -40,7 +40,7 @@ from .passes.capture import record_module_names, scalar_inputs
 from .errors import PlanningError
 from .passes.kv_cache import CacheOutput
 from .passes.overlap import overlapped_aot_eager
-from .plancache import Plan, PlanStore, plan_key, source_digest
+from .plancache import ConstantInput, Plan, PlanStore, plan_key, source_digest
 from .same_inputs import check_same_inputs
 from .placements import Placement, shard_dim
 from .symbolic import NotSymbolic, Specialization, SymbolicInputs, fresh_size, static_fakes
@@ -251,6 +251,8 @@ class LocalGraph:
     specialization: Specialization | None = None  # a symbolic plan's guards; None: static sizes
     cache_outputs: tuple[CacheOutput, ...] = ()  # outputs held as kv cache shards (passes.kv_cache)
     positions_of: tuple[int, ...] = ()  # per input after the graph's own: the held cache whose positions it is
+    constants: tuple[ConstantInput, ...] = ()  # the buffers whose values the plan read
+    seen_unchanged: dict[int, tuple] = field(default_factory=dict)  # input index -> (storage, version) last found equal
 
     def local_args(self, args, mesh: MeshInfo) -> list:
         """This rank's piece of each graph input, as this plan feeds them, then the positions
@@ -278,7 +280,23 @@ class LocalGraph:
         return outs
 
     def serves(self, key: tuple, args) -> bool:
-        return key == self.key and (self.specialization is None or self.specialization.holds(args))
+        return key == self.key and (self.specialization is None or self.specialization.holds(args)) \
+            and not self.changed_constants(args)
+
+    def changed_constants(self, args) -> list[str]:
+        """The buffers the plan read whose values differ now: compared when the tensor or its
+        version counter (bumped by every in-place write) is not the one last found equal."""
+        changed = []
+        for c in self.constants:
+            value = args[c.index]
+            stamp = None if value.is_inference() else (value.data_ptr(), value._version)
+            if stamp is not None and self.seen_unchanged.get(c.index) == stamp:
+                continue
+            if not c.holds(args):
+                changed.append(c.fqn)
+            elif stamp is not None:
+                self.seen_unchanged[c.index] = stamp
+        return changed
 
 
 def _signature(args, scalars: list[int]) -> tuple:
@@ -347,9 +365,11 @@ class ParallelRuntime:
         """Why no kept plan serves these inputs (None for the first plan)."""
         if not self.graphs:
             return None
-        same = [g for g in self.graphs if g.key == key and g.specialization is not None]
-        if same:
+        same = [g for g in self.graphs if g.key == key]
+        if same and same[-1].specialization is not None and not same[-1].specialization.holds(args):
             return "guard failed: " + same[-1].specialization.failed(args)
+        if same and (changed := same[-1].changed_constants(args)):
+            return f"the values of {', '.join(changed)}, which the plan read (a buffer planned as a constant), changed"
         return _changes(self.graphs[-1].key, key, self.input_names + ["scalar"] * len(self.scalars))
 
     def __call__(self, *args):
@@ -416,6 +436,8 @@ class ParallelRuntime:
         fake_mode = spec.fake_mode if spec else FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         store = self._plan_store(args, key, spec, feeding)
         cached = store.load(self.gm, spec, fake_mode) if store else None
+        if cached and not all(c.holds(args) for c in cached[1].constants):
+            cached = None  # planned for other values of a buffer it read
         local_gm, plan = cached or self._plan(args, spec, feeding)
         feeding.check(plan.params(args), plan.param_layouts, args, self.mesh, self.info)
         examples = self._local_examples(args, spec, plan, feeding, fake_mode)
@@ -432,7 +454,7 @@ class ParallelRuntime:
         if spec is not None:
             spec.seal()
         return LocalGraph(fn, plan.input_placements, plan.output_placements, plan.comm, feeding, key, spec,
-                          plan.cache_outputs, plan.positions_of)
+                          plan.cache_outputs, plan.positions_of, plan.constants)
 
     def _plan_store(self, args, key: tuple, spec: Specialization | None, feeding: WholeParameters) -> PlanStore | None:
         """Where the plan cache keeps this plan; None when it is off (``plan_cache``, or a dump

@@ -322,6 +322,32 @@ class RowsHiddenByAnInput(nn.Module):
         return self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, 32))
 
 
+class BufferMaskedAttention(GPTBlock):
+    """Causal attention written out by hand under a mask kept in a buffer (``max_len`` square):
+    nanoGPT's float ``tril`` read as ``masked_fill(bias[:, :, :s, :s] == 0, -inf)``
+    (``spelling="nanogpt"``), or GPT-Neo's boolean one, within a sliding ``window`` if given
+    (``tril ^ tril(-window)``), read as ``where(bias[:, :, :s, :s], scores, finfo.min)``."""
+
+    def __init__(self, spelling: str = "nanogpt", window: int | None = None, max_len: int = 64):
+        super().__init__()
+        self.spelling = spelling
+        causal = torch.ones(max_len, max_len, dtype=torch.bool).tril()
+        if window is not None:
+            causal = causal ^ causal.tril(-window)
+        self.register_buffer("bias", causal.float() if spelling == "nanogpt" else causal, persistent=False)
+
+    def attend(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / (h // self.heads) ** 0.5
+        if self.spelling == "nanogpt":
+            scores = scores.masked_fill(self.bias[None, None, :s, :s] == 0, float("-inf"))
+        else:
+            scores = torch.where(self.bias[None, None, :s, :s], scores, torch.finfo(x.dtype).min)
+        return x + self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, h))
+
+
 class SequenceGram(nn.Module):
     """A contraction over the sequence after attention (the sum of x^T x over positions)."""
 

@@ -9,7 +9,8 @@ from tests.cases import run_labelled_cases
 
 PAIRS = {
     "tp2-ring2": dict(mesh_sizes={"tp": 2, "ring": 2}, traced=["llama_gqa_rope", "additive_mask"], names=[
-        "gpt_fused_qkv", "llama_gqa_rope", "additive_mask", "conv1d", "joint_attention", "flatten_tokens"]),
+        "gpt_fused_qkv", "llama_gqa_rope", "additive_mask", "conv1d", "joint_attention", "flatten_tokens",
+        "causal_mask_in_a_buffer"]),
     # conv1d and flatten_tokens plan alike over ulysses: once, at tp2-ring2 (CI time).
     # Repeated kv heads run as enable_gqa: 4 kv heads split over tp x ulysses as they are; 2
     # (llama_gqa_rope) are each repeated twice first, the fewest that split.
@@ -22,7 +23,7 @@ PAIRS = {
                            names=["keyword_sdpa_scale", "uneven_seq_30", "uneven_seq_30_masked",
                                   "uneven_seq_30_bidirectional", "uneven_seq_30_pooling", "mean_loss",
                                   "joint_attention_masked", "rows_hidden_by_an_input", "joint_before_projection",
-                                  "folded_heads_attention"]),
+                                  "folded_heads_attention", "window_mask_in_a_buffer"]),
 }
 ONE_GRAPH = {"capture_dynamic_output_shape_ops": True}
 """Dynamo's option under which a loop over an nn.ModuleList's experts is one graph (``passes.expert_loop``)."""

@@ -153,6 +153,28 @@ def test_attention_flops_per_ring_rank_are_reported_and_balanced_when_causal():
     assert full / 2 < sum(per_rank) < full  # causal: about half
 
 
+def test_a_causal_mask_kept_in_a_buffer_runs_as_causal_attention():
+    """nanoGPT's ``tril`` buffer and GPT-Neo's (a local window too) are read at their values: the
+    ring then skips the blocks they hide (and, causal, balances the rest: zigzag), and keeps no
+    mask. A
+    model on the meta device has no values to read: its mask is kept, or (GPT-Neo's lowest
+    finite fill, which could hide a row entirely) its attention runs as written, saying why."""
+    x = torch.randn(2, 32, 32)
+    whole = 4 * 2 * 4 * 8 * 32 * 32  # every block computed whole (batch 2, 4 heads of 8)
+    for spelling, window in (("nanogpt", None), ("gpt_neo", None), ("gpt_neo", 5)):
+        graph = _explain(models.BufferMaskedAttention(spelling, window), (x,), ring=4)
+        (per_rank,) = graph.coverage.ring_attention_flops.values()
+        balanced, skipped = len(set(per_rank)) == 1, sum(per_rank) < (whole / 4 if window else whole * 5 / 8)
+        assert skipped and (balanced or window), (spelling, window, per_rank)  # a window skips unevenly
+        assert graph.warnings == [], graph.warnings
+    with torch.device("meta"):
+        nanogpt, gpt_neo = models.BufferMaskedAttention(), models.BufferMaskedAttention("gpt_neo")
+    (per_rank,) = _explain(nanogpt, (x.to("meta"),), ring=4).coverage.ring_attention_flops.values()
+    assert sum(per_rank) == whole
+    graph = _explain(gpt_neo, (x.to("meta"),), ring=4)
+    assert any("runs op by op" in w and "meta device" in w for w in graph.warnings), graph.warnings
+
+
 def test_parts_of_unequal_sizes_stay_replicated_under_parallelize():
     inputs = (torch.randn(2, 16, 32), torch.randn(2, 8, 32))
     graph = _explain(models.JointBlock(), inputs, tp=2, parallelized=True)

@@ -21,6 +21,7 @@ from dtensor_par.ops.position_bias import PositionBias
 from dtensor_par.passes.canonicalize import canonicalize_pass
 from dtensor_par.passes.capture import capture_pass
 from dtensor_par.passes.detect import AttentionSite, MLPSite, detect_pass
+from dtensor_par.passes.meta import buffer_value
 from dtensor_par.passes.nodes import arguments, target_name, tensor_inputs, tensor_val
 from dtensor_par.passes.rewrite import gqa_repeat, rewrite_pass
 from dtensor_par.passes.rules.registry import op_kind
@@ -46,6 +47,31 @@ def test_capture_names_parameters_and_specializes_symbolic_sizes(fake_world):
     views = [n for n in gm.graph.nodes if n.target == "view"]
     assert len(views) == 3 and all(n.args[1:3] == (3, 5) for n in views)
     assert not any(isinstance(n.meta.get("val"), torch.SymInt) for n in gm.graph.nodes if n.op != "placeholder")
+
+
+class CountingMaskedAttention(models.BufferMaskedAttention):
+    """A causal mask kept in a buffer, beside a buffer the forward writes (a step counter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return super().forward(x)
+
+
+def test_capture_keeps_the_values_of_the_buffers_the_graph_only_reads():
+    """A buffer's value may be read as a constant (``meta.BufferValue``) only if the graph never
+    writes it, and only where it has one (not on the meta device)."""
+    gm, _ = _passes_on(CountingMaskedAttention(), (torch.randn(2, 8, 32),), (capture_pass,))
+    kept = {n.name: buffer_value(n) for n in gm.graph.nodes if n.op == "placeholder" and buffer_value(n)}
+    assert [b.fqn for b in kept.values()] == ["bias"] and not any(b.read for b in kept.values())
+    assert torch.equal(next(iter(kept.values())).value, torch.ones(64, 64).tril())
+    with torch.device("meta"):
+        on_meta = models.BufferMaskedAttention()
+    gm, _ = _passes_on(on_meta, (torch.randn(2, 8, 32, device="meta"),), (capture_pass,))
+    assert not any(buffer_value(n) for n in gm.graph.nodes)
 
 
 def test_detect_finds_fused_qkv_attention_and_mlp(fake_world):

@@ -58,6 +58,26 @@ def _corrupt_entries(mesh, cache: str) -> dict:
     return _job(mesh)
 
 
+def _buffer_job(mesh, ones_at: int | None = None) -> dict:
+    """Attention under a causal mask kept in a buffer (read as causal attention), compiled afresh
+    and run twice against one device (forward, backward, an SGD step); before run ``ones_at``, if
+    given, its buffer is set to all ones in place (no mask). How many plans it made, how many it
+    read from the cache, how many it made because the buffer changed."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = models.BufferMaskedAttention()
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="eager", plan_cache=True))
+    with logged(logging.INFO) as records:
+        for run in range(2):
+            if run == ones_at:
+                model.bias.fill_(1)
+            compare(model, [(torch.randn(2, 16, 32),)], lambda m: compiled)
+    messages = [r.getMessage() for r in records]
+    return {"plans": sum("planned graph" in m for m in messages),
+            "read": sum("plan read from the plan cache" in m for m in messages),
+            "changed": sum("bias, which the plan read" in m for m in messages)}
+
+
 def _runs(rank: int, world: int, *, cache: str) -> dict:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # the plan cache's folder, as inductor's
     mesh = dtensor_par.init_mesh(tp=2)  # one mesh: a new one's process groups have other names, so other keys
@@ -65,7 +85,13 @@ def _runs(rank: int, world: int, *, cache: str) -> dict:
             "other config": _job(mesh, grad_bucket_mb=1.0), "other graph": _job(mesh, lambda: _gpt(layers=2)),
             "other source": _with_source_digest(mesh, "changed"), "sp cold": _job(mesh, sequence_parallel=True),
             "sp warm": _job(mesh, inner_backend="aot_eager", sequence_parallel=True),
-            "corrupt": _corrupt_entries(mesh, cache)}
+            "corrupt": _corrupt_entries(mesh, cache), **_buffer_runs(dtensor_par.init_mesh(ring=2))}
+
+
+def _buffer_runs(mesh) -> dict:
+    """The buffer's jobs in order, each reading the cache the ones before wrote."""
+    return {"buffer cold": _buffer_job(mesh), "buffer warm": _buffer_job(mesh),
+            "buffer ones": _buffer_job(mesh, ones_at=0), "buffer changed": _buffer_job(mesh, ones_at=1)}
 
 
 def _launch() -> list[dict]:
@@ -89,3 +115,15 @@ def test_a_warm_start_reads_every_plan_and_a_changed_key_reads_none():
             assert rank[name]["read"] == 0 and rank[name]["plans"] == 2, (name, rank)
         assert rank["sp warm"]["read"] == 1 and rank["sp warm"]["plans"] == 2, rank  # the static plan only
         assert rank["corrupt"]["read"] == 0 and rank["corrupt"]["unreadable"] == 2, rank
+
+
+def test_a_plan_that_read_a_buffer_holds_only_while_the_buffer_keeps_its_values():
+    """A causal mask kept in a buffer is planned as causal attention, its values not in the plan
+    key: a plan read from the cache for a buffer holding other values (all ones: no mask) is
+    planned again, and so is a plan whose buffer changes in place between two runs (the
+    reason logged); each run is exact against one device."""
+    for rank in LAUNCH.result():
+        assert rank["buffer cold"] == {"plans": 1, "read": 0, "changed": 0}, rank
+        assert rank["buffer warm"] == {"plans": 1, "read": 1, "changed": 0}, rank
+        assert rank["buffer ones"] == {"plans": 1, "read": 0, "changed": 0}, rank
+        assert rank["buffer changed"] == {"plans": 2, "read": 0, "changed": 1}, rank

@@ -18,22 +18,28 @@ import torch.nn.functional as F
 
 from ..ops.position_bias import PositionBias
 from ..ops.ring_kernels import as_4d
+from .meta import buffer_value
 from .nodes import arguments, tensor_val
 from .rules.registry import op_kind
 
 
 def constant_ancestors(node: fx.Node) -> list[fx.Node] | None:
-    """The nodes ``node`` is computed from, in graph order, when no graph input is among them."""
+    """The nodes ``node`` is computed from, in graph order, when no graph input is among them
+    but module buffers the graph only reads (``meta.BufferValue``): those are then marked read,
+    so that the plan holds only while they keep their values."""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
         if n in seen:
             continue
-        if n.op not in ("call_function", "call_method"):
+        if n.op not in ("call_function", "call_method") and buffer_value(n) is None:
             return None
         seen.add(n)
         stack.extend(n.all_input_nodes)
-    return [n for n in node.graph.nodes if n in seen]
+    ancestors = [n for n in node.graph.nodes if n in seen]
+    for buffer in filter(None, map(buffer_value, ancestors)):
+        buffer.read = True
+    return ancestors
 
 
 def _concrete(a):
@@ -45,10 +51,13 @@ def _concrete(a):
 
 
 def evaluate_constant(nodes: list[fx.Node]) -> torch.Tensor:
-    """Run a constant subgraph now, on the device its constants name (the CPU for a model
-    planned on the meta device)."""
+    """Run a constant subgraph now, its buffers at their values, on the device its constants
+    name (the CPU for a model planned on the meta device)."""
     env: dict[fx.Node, object] = {}
     for n in nodes:
+        if n.op == "placeholder":
+            env[n] = buffer_value(n).value
+            continue
         args, kwargs = fx.node.map_aggregate(fx.node.map_arg((n.args, n.kwargs), env.__getitem__), _concrete)
         env[n] = n.target(*args, **kwargs) if n.op == "call_function" else getattr(args[0], n.target)(*args[1:], **kwargs)
     return env[nodes[-1]]

@@ -1,7 +1,8 @@
-"""capture: name the parameter placeholders and give every node its concrete shape."""
+"""capture: name the parameter placeholders, keep the buffers' values and give every node its concrete shape."""
 
 from __future__ import annotations
 
+import operator
 import re
 import types
 from collections import Counter
@@ -19,8 +20,9 @@ from ..errors import NotSupported
 from ..symbolic import SymbolicInputs, is_symbolic, recording_guards
 from .context import ParallelContext, ParamInfo, at_node
 from .expert_loop import loop_of_experts_as_rows
-from .meta import module_paths, record_capture, set_param_fqn
+from .meta import BufferValue, module_paths, record_capture, set_buffer_value, set_param_fqn
 from .nodes import target_name, writes_in_place
+from .rules.registry import lookup
 
 _SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)(?:'\])?\['([^']+)'\]")
 
@@ -111,7 +113,8 @@ def scalar_inputs(gm: fx.GraphModule) -> list[int]:
 
 
 def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    """Record parameters, then specialize the graph to the concrete example inputs.
+    """Record parameters and the values of the buffers the graph only reads, then specialize
+    the graph to the concrete example inputs.
 
     Scalars read with ``.item()`` become constants. Every node gets ``meta["val"]``: a fake
     tensor with static sizes, or, planning symbolically (``ctx.fake_inputs``), sizes in the
@@ -126,6 +129,8 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         if isinstance(value, torch.nn.Parameter):
             ctx.params[node.name] = ParamInfo(names.get(node.name, node.target), i, value)
             set_param_fqn(node, ctx.params[node.name].fqn)
+        elif node.name in names and _known_value(value) and not _written(node):
+            set_buffer_value(node, BufferValue(names[node.name], i, value))
 
     scalars = scalar_inputs(gm)
     for i in scalars:
@@ -149,6 +154,27 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     _mark_requires_grad(gm, ctx.example_inputs)
     gm.recompile()
     return gm
+
+
+def _known_value(value) -> bool:
+    """Whether ``value`` is a tensor whose elements are known now: not a fake, nor on the meta
+    device (a model built there has none), nor one autograd differentiates."""
+    return isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and value.device.type != "meta" \
+        and not value.requires_grad
+
+
+def _written(node: fx.Node) -> bool:
+    """Whether the graph writes ``node``, or a view of it, in place (a buffer it updates)."""
+    views = [node]
+    while views:
+        viewed = views.pop()
+        for user in viewed.users:
+            if user.args and user.args[0] is viewed and (writes_in_place(user) or user.target is operator.setitem):
+                return True
+            kind = lookup(user)
+            if user.target is operator.getitem or kind is not None and kind.family == "views":
+                views.append(user)
+    return False
 
 
 def refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -27,6 +28,7 @@ _COMMUNICATIONS = "dtensor_par_comm"
 _SITE_ROLE = "dtensor_par_site"
 _PARAM_FQN = "dtensor_par_fqn"
 _WEIGHT_NAME = "dtensor_par_weight"
+_BUFFER = "dtensor_par_buffer"
 _WORK = "dtensor_par_work"
 _MODULE_PATHS = "dtensor_par_fqns"  # on the graph module
 SYMBOLIC = "dtensor_par_symbolic"  # on the graph module
@@ -139,6 +141,29 @@ def param_fqn(node: fx.Node) -> str | None:
 
 def set_param_fqn(node: fx.Node, fqn: str) -> None:
     node.meta[_PARAM_FQN] = fqn
+
+
+@dataclass
+class BufferValue:
+    """A module buffer the graph reads and never writes, with the value it had when planned.
+    Passes may read that value as a constant (a causal mask kept in a buffer, nanoGPT's and
+    GPT-Neo's ``bias``); the first to do so sets ``read``, and the plan then holds only while the
+    buffer keeps that value (``plancache.ConstantInput``, checked before every run)."""
+
+    fqn: str
+    index: int  # position among the graph's inputs
+    value: torch.Tensor
+    read: bool = False
+
+
+def buffer_value(node: fx.Node) -> BufferValue | None:
+    """The BufferValue of a placeholder holding a module buffer, set by ``capture_pass``; None
+    on other nodes."""
+    return node.meta.get(_BUFFER)
+
+
+def set_buffer_value(node: fx.Node, value: BufferValue) -> None:
+    node.meta[_BUFFER] = value
 
 
 def weight_names(linear: fx.Node) -> tuple[str, ...]:

@@ -269,7 +269,8 @@ def _bias_and_masks(applied: list[MaskStep], q: torch.Tensor, k: torch.Tensor,
     for step in masks:
         if _hides_rows_finitely(step):
             return (f"{step.tensor.name}: the scores are filled with the lowest finite value where it hides them, and "
-                    f"it may hide a query row entirely (it is computed from an input, or does): such a row attends to "
+                    f"it may hide a query row entirely (it is computed from an input or from a buffer with no values, "
+                    f"as on the meta device, or it does): such a row attends to "
                     f"every key evenly and its scores get no gradient, which hybrid attention cannot reproduce")
         if step.tensor.meta["requires_grad"]:
             return f"{step.tensor.name}: a mask that needs a gradient (a learned bias)"
