@@ -36,7 +36,7 @@ from .mesh import MeshInfo
 from .kv_cache import cache_shard, hold, laid_out
 from .params import WholeParameters, feeding_for, standin_param
 from .passes import meta
-from .passes.capture import record_module_names, scalar_inputs
+from .passes.capture import graph_breaks, record_module_names, scalar_inputs
 from .errors import PlanningError
 from .passes.kv_cache import CacheOutput
 from .passes.overlap import overlapped_aot_eager
@@ -73,7 +73,8 @@ class ParallelBackend:
     """What ``hybrid_parallel`` returns: the ``torch.compile`` backend over one mesh and config.
 
     Dynamo calls it once per captured graph; it numbers the graphs it is handed (log lines)
-    and the plans made for them (dump folders).
+    and the plans made for them (dump folders), and warns of each graph break Dynamo met on
+    the way: the code between two graphs runs whole on every rank, which no graph's plan shows.
     """
 
     def __init__(self, mesh: DeviceMesh, config: ParallelConfig):
@@ -83,10 +84,34 @@ class ParallelBackend:
         self.inner = resolve_backend(config.inner_backend)
         self.graph_ids = itertools.count()
         self.plan_ids = itertools.count()
+        self.breaks_counted, self.breaks_warned = graph_breaks(), set()
         _route_generate_of_compiled_modules()
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> ParallelRuntime:
+        self._warn_of_graph_breaks()
         return ParallelRuntime(record_module_names(gm), self)
+
+    def _warn_of_graph_breaks(self) -> None:
+        """Warn once of each graph break Dynamo counted since the last graph it handed over."""
+        counted = graph_breaks()
+        for reason in map(_break_summary, counted - self.breaks_counted):
+            if reason not in self.breaks_warned:
+                self.breaks_warned.add(reason)
+                logger.warning("hybrid_parallel: Dynamo broke the graph (%s): the code between two graphs runs "
+                               "eagerly, whole on every rank, and the graphs are planned each on its own%s", reason,
+                               _EXPERT_LOOP_HINT if "capture_dynamic_output_shape_ops" in reason else "")
+        self.breaks_counted = counted
+
+
+_EXPERT_LOOP_HINT = ("; a loop over an nn.ModuleList's experts that finds each one's tokens with torch.where runs "
+                     "sharded in one graph under torch._dynamo.config.capture_dynamic_output_shape_ops = True")
+
+
+def _break_summary(reason: str) -> str:
+    """Dynamo's break reason in one line: its first, with the explanation and hint it gives."""
+    lines = [line.strip() for line in reason.splitlines()]
+    said = [line for line in lines if line.startswith(("Explanation:", "Hint:"))][:2]
+    return "; ".join([lines[0], *said])
 
 
 def _parallel_backend(dynamo_ctx) -> ParallelBackend | None:

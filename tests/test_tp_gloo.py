@@ -45,7 +45,11 @@ def test_tensor_parallel_matches_single_device(world):
         assert any("2 kv heads" in w and "k_proj" in w for w in result["llama_gqa_rope"]["warnings"])
     else:
         assert result["odd_mlp_width"]["warnings"] == []
+        # the loop's torch.where breaks the graph: the router runs whole between graphs, and the warning says so
+        breaks = [w for w in result["looped_experts"]["warnings"] if "Dynamo broke the graph" in w]
+        assert len(breaks) == 1 and "nonzero" in breaks[0] and "capture_dynamic_output_shape_ops = True" in breaks[0]
     assert result["parts_first_qkv"]["warnings"] == []  # its 12 heads read as heads, not as 3 kv heads
+    assert [w for w in result["graph_break"]["warnings"] if "Dynamo broke the graph" in w], result["graph_break"]
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -51,7 +51,7 @@ class _Captured(BaseException):
     and carry on eagerly."""
 
 
-def _breaks() -> Counter:
+def graph_breaks() -> Counter:
     """Dynamo's graph breaks so far, by reason. A break where it cannot split the frame (inside
     an inlined call) makes it run the whole frame eagerly and compile the calls it makes:
     counted as unimplemented, not as a break."""
@@ -84,13 +84,13 @@ def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **exampl
     if isinstance(model, torch.nn.Module) and type(model).__call__ is not torch.nn.Module.__call__:
         call = types.MethodType(torch.nn.Module.__call__, model)  # a parallel-decorated class: not its own __call__
     torch._dynamo.reset()
-    breaks = _breaks()
+    breaks = graph_breaks()
     try:
         torch.compile(call, backend=record, dynamic=dynamic)(*example_inputs, **example_kwargs)
     except _Captured:
         pass
     finally:
-        new_breaks = list((_breaks() - breaks).keys())
+        new_breaks = list((graph_breaks() - breaks).keys())
         torch._dynamo.reset()
     if new_breaks:
         raise NotImplementedError(
