@@ -69,6 +69,8 @@ CASES = {
     "looped_experts": (lambda: models.LoopedExperts(32, 64, 4, 2), lambda: [(torch.randn(2, 8, 32),)]),
     "looped_moe_block": (models.LoopedMoEBlock, lambda: [(torch.randn(2, 16, 32),)]),
     "folded_heads_attention": (models.FoldedHeadsAttention, lambda: [(torch.randn(2, 8, 32),)]),
+    # Sana's block written small: linear attention and a feed-forward of convolutions, each cut over tp as an MLP
+    "linear_attention_conv": (models.LinearAttentionConvBlock, lambda: [(torch.randn(2, 16, 32),)]),
     # causal masks kept in a module buffer (nanoGPT's, GPT-Neo's local window): read as causal attention
     "causal_mask_in_a_buffer": (models.BufferMaskedAttention, lambda: [(torch.randn(2, 16, 32),)]),
     "window_mask_in_a_buffer": (lambda: models.BufferMaskedAttention("gpt_neo", window=5),

@@ -348,6 +348,35 @@ class BufferMaskedAttention(GPTBlock):
         return x + self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, h))
 
 
+class LinearAttentionConvBlock(nn.Module):
+    """Sana's block, written small: linear attention (ReLU kernels, ``v @ kT`` summed over the
+    sequence, normalized by a row of ones padded to v) and a gated feed-forward of convolutions
+    over the ``side x side`` grid the sequence makes (1 x 1 up, depthwise 3 x 3, the gate chunked
+    off, 1 x 1 down, here with a bias)."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4, mlp: int = 48, side: int = 4):
+        super().__init__()
+        self.heads, self.side = heads, side
+        self.q, self.k, self.v, self.out = (nn.Linear(hidden, hidden) for _ in range(4))
+        self.up = nn.Conv2d(hidden, 2 * mlp, 1)
+        self.depthwise = nn.Conv2d(2 * mlp, 2 * mlp, 3, padding=1, groups=2 * mlp)
+        self.down = nn.Conv2d(mlp, hidden, 1)
+
+    def attend(self, x):
+        q, k, v = (p(x).transpose(1, 2).unflatten(1, (self.heads, -1)) for p in (self.q, self.k, self.v))
+        q, k = F.relu(q), F.relu(k).transpose(2, 3)
+        v = F.pad(v, (0, 0, 0, 1), value=1.0)
+        a = (v @ k) @ q
+        a = a[:, :, :-1] / (a[:, :, -1:] + 1e-15)
+        return x + self.out(a.flatten(1, 2).transpose(1, 2))
+
+    def forward(self, x):
+        x = self.attend(x)
+        grid = x.unflatten(1, (self.side, self.side)).permute(0, 3, 1, 2)
+        h, gate = self.depthwise(F.silu(self.up(grid))).chunk(2, dim=1)
+        return x + self.down(h * F.silu(gate)).flatten(2).transpose(1, 2)
+
+
 class SequenceGram(nn.Module):
     """A contraction over the sequence after attention (the sum of x^T x over positions)."""
 

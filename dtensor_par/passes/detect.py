@@ -12,7 +12,7 @@ from .context import ParallelContext, at_node
 from .meta import set_site_role, set_weight_names, weight_names
 from .nodes import arguments, stacked_params, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.indexing import cat_dim, per_dim, split_dim
-from .rules.matmul import grouped_operands
+from .rules.matmul import grouped_operands, is_channelwise_conv, is_pointwise_conv
 from .rules.pointwise import is_activation
 from .rules.registry import kinds_in, op_kind
 from .rules.views import dim_order
@@ -23,6 +23,10 @@ TO_ATTENTION = kinds_in("pointwise", "views", "indexing") | {"norm"}
 _FROM_ATTENTION = kinds_in("pointwise", "views", "indexing")
 # Ops allowed inside an MLP between up/gate and down projections.
 _INSIDE_MLP = kinds_in("pointwise") | {"split", "getitem"}
+# ... and inside a site read as one (``find_mlp_sites``): views and products of activations too,
+# so that linear attention is one (Sana's: relu of q and k viewed as heads, multiplied with v head
+# by head, then merged), its features cut from the q, k, v projections to the out projection.
+_INSIDE_MLP_SITE = _INSIDE_MLP | kinds_in("views") | {"matmul"}
 # Ops allowed between attention written out by hand's q @ kT and its softmax: scale, soft-capping
 # (tanh), an additive bias or mask, masked_fill, where, upcasts; and between softmax and @ v.
 # Views fold the heads into the batch and back (Bloom's [batch * heads, seq, keys] scores).
@@ -81,6 +85,7 @@ class MLPSite:
     up: list[fx.Node]  # up and gate projections
     down: fx.Node
     activations: list[fx.Node] = field(default_factory=list)
+    channelwise: list[fx.Node] = field(default_factory=list)  # depthwise convolutions between, cut with the channels
 
     @property
     def colwise(self) -> list[fx.Node]:
@@ -146,9 +151,13 @@ def _has_param_weight(linear: fx.Node, ctx: ParallelContext) -> bool:
 
 
 def site_weight_names(site) -> list[str]:
-    """The placeholder names of a site's colwise and rowwise weights, in order (each expert's,
-    for experts stacked from an ``nn.ModuleList``)."""
-    return [name for linear in site.colwise + site.rowwise for name in weight_names(linear)]
+    """The placeholder names of a site's colwise, depthwise and rowwise weights, in order (each
+    expert's, for experts stacked from an ``nn.ModuleList``)."""
+    return [name for linear in site.colwise + _channelwise(site) + site.rowwise for name in weight_names(linear)]
+
+
+def _channelwise(site) -> list[fx.Node]:
+    return site.channelwise if isinstance(site, MLPSite) else []
 
 
 def module_name(linear: fx.Node, ctx: ParallelContext) -> str:
@@ -483,10 +492,31 @@ def is_batched_linear(node: fx.Node, ctx: ParallelContext) -> bool:
 
 def _projection_kind(node: fx.Node, ctx: ParallelContext) -> str | None:
     """The op kind of the projections of an MLP site ``node`` may be the down projection of: a
-    parameter linear, or a batched one (``is_batched_linear``), whose up projections are too."""
+    parameter linear, a pointwise convolution (a linear over the channels), or a batched
+    linear (``is_batched_linear``), whose up projections are of the same kind."""
     if op_kind(node) == "linear" and _has_param_weight(node, ctx):
         return "linear"
+    if is_pointwise_conv(node) and _has_param_weight(node, ctx):
+        return "conv"
     return "matmul" if is_batched_linear(node, ctx) else None
+
+
+def _walk_to_projections(down: fx.Node, kind: str, ctx: ParallelContext) -> tuple[list, list, list]:
+    """(the ops of ``kind`` a down projection reads through ``_INSIDE_MLP_SITE``, the nodes
+    walked, the depthwise convolutions walked through): between convolutions, those keep each
+    channel apart (Sana's GLUMBConv: a pointwise, a depthwise, the gate chunked off, a pointwise)."""
+    ups, walked, channelwise, stack = [], [], [], [arguments(down)["input"]]
+    while stack:
+        found, through = _walk(stack, _written_from, _INSIDE_MLP_SITE, kind)
+        walked += through
+        stack = []
+        for n in found:
+            if kind == "conv" and is_channelwise_conv(n) and _has_param_weight(n, ctx):
+                channelwise.append(n)
+                stack.append(arguments(n)["input"])
+            else:
+                ups.append(n)
+    return list(dict.fromkeys(ups)), list(dict.fromkeys(walked)), list(dict.fromkeys(channelwise))
 
 
 def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]) -> list[MLPSite]:
@@ -496,11 +526,11 @@ def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]
         if kind is None or node in taken:
             continue
         with at_node("detect", node):
-            ups, walked = _walk([arguments(node)["input"]], _written_from, _INSIDE_MLP, kind)
+            ups, walked, channelwise = _walk_to_projections(node, kind, ctx)
             ups = [up for up in ups if _projection_kind(up, ctx) == kind]
         activations = [n for n in walked if is_activation(n)]
         if ups and activations and not taken.intersection(ups):
-            sites.append(MLPSite(f"mlp{len(sites)}", ups, node, activations))
+            sites.append(MLPSite(f"mlp{len(sites)}", ups, node, activations, channelwise))
             taken.update(ups)
             taken.add(node)
     return sites
@@ -734,6 +764,7 @@ def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         for role, nodes in roles.items():
             for n in nodes:
                 set_site_role(n, f"{site.name}.{role}")
-        for linear in site.colwise + site.rowwise + ([site.router] if isinstance(site, MoESite) else []):
+        for linear in site.colwise + site.rowwise + _channelwise(site) + ([site.router] if isinstance(site, MoESite)
+                                                                           else []):
             set_weight_names(linear, tuple(w.name for w in stacked_params(weight_param(linear)[0])))
     return gm

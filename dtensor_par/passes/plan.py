@@ -18,13 +18,14 @@ from ..mesh import SPANS
 from ..errors import InvalidPlan, NotSupported
 from ..placements import InterleavedShard, Placement, Replicate, Shard, parts_of, shard_dim
 from .context import ParallelContext, at_node
-from .detect import (AttentionSite, MoESite, concatenated_features, is_batched_linear,
+from .detect import (AttentionSite, MLPSite, MoESite, concatenated_features, is_batched_linear,
                      module_name, parts_major_split)
 from .meta import NodeSharding, set_global_shape, set_sharding, shardings
 from .nodes import arguments, stacked_params, target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.core import RuleEnv, check_divisible, moved, replicate_all
 from .rules.indexing import per_dim, split_dim
-from .rules.matmul import grouped_operands
+from .rules.matmul import grouped_operands, is_channelwise_conv
+from .rules.pointwise import is_activation
 from .rules.registry import lookup, op_kind
 
 R = Replicate()
@@ -38,10 +39,31 @@ class FusedParts(NamedTuple):
     nodes: tuple[fx.Node, ...]
 
 
+def features_dim(projection: fx.Node) -> int:
+    """The dim of a site projection's output that holds its features: a convolution's channels
+    (dim 1), a linear's last."""
+    return 1 if op_kind(projection) == "conv" else tensor_val(projection).dim() - 1
+
+
+def _channel_parts(conv: fx.Node) -> FusedParts | None:
+    """The parts a pointwise convolution's channels are chunked into after ops that keep each
+    channel apart (activations, depthwise convolutions: Sana's gate chunked off its GLUMBConv)."""
+    node = conv
+    while len(node.users) == 1 and (is_activation(user := next(iter(node.users))) or is_channelwise_conv(user)):
+        node = user
+    split = next(iter(node.users)) if len(node.users) == 1 else None
+    if split is None or op_kind(split) != "split" or split_dim(split) != 1:
+        return None
+    return FusedParts(tuple(t.shape[1] for t in split.meta["val"]), tuple(split.users))
+
+
 def fused_parts(linear: fx.Node) -> FusedParts | None:
     """The parts when the linear's output is only cut along its last dim into parts: by one
     chunk/split, by slices that tile it (``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ...), or by
-    a view that splits it part first (``detect.parts_major_split``)."""
+    a view that splits it part first (``detect.parts_major_split``); a pointwise convolution's
+    channels by ``_channel_parts``."""
+    if op_kind(linear) == "conv":
+        return _channel_parts(linear)
     users = list(linear.users)
     out_dim = tensor_val(linear).dim() - 1
     parts_major = parts_major_split(users[0]) if len(users) == 1 else None
@@ -71,7 +93,7 @@ def fused_parts(linear: fx.Node) -> FusedParts | None:
 
 
 def colwise_placement(linear: fx.Node, tp: int) -> Placement | None:
-    out_features = tensor_val(linear).shape[-1]
+    out_features = tensor_val(linear).shape[features_dim(linear)]
     parts = fused_parts(linear)
     if parts is not None and len(parts.sizes) > 1:
         return InterleavedShard(0, parts.sizes) if all(p % tp == 0 for p in parts.sizes) else None
@@ -126,18 +148,25 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
         p = colwise_placement(linear, tp)
         if p is None:
             parts = fused_parts(linear)
-            ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {tensor_val(linear).shape[-1]} output features "
+            ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {tensor_val(linear).shape[features_dim(linear)]} "
+                     f"output features "
                      f"(parts {parts.sizes if parts else None}), not divisible by tp={tp}; the site stays replicated")
             return None
         placements[linear] = moved(p, 2) if is_batched_linear(linear, ctx) else p  # [E, in, out]: out
     for linear in site.rowwise:
         parts = tuple(tensor_val(x).shape[-1] for x in concatenated_features(linear) or ())
-        in_features = parts or (tensor_val(arguments(linear)["input"]).shape[-1],)
+        in_features = parts or (tensor_val(arguments(linear)["input"]).shape[features_dim(linear)],)
         if any(f % tp for f in in_features):
             ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {list(in_features)} input features, not divisible "
                      f"by tp={tp}; the site stays replicated")
             return None
         placements[linear] = InterleavedShard(1, parts) if parts else Shard(1)
+    if isinstance(site, MLPSite) and site.channelwise:  # cut as the channels reaching them
+        if len({placements[up] for up in site.up}) != 1:
+            ctx.warn(f"{site.name}: projections cut differently reach its depthwise convolutions; the site stays "
+                     f"replicated")
+            return None
+        placements.update(dict.fromkeys(site.channelwise, placements[site.up[0]]))
     for linear, p in placements.items():
         if ctx.feeding.sharded and isinstance(p, InterleavedShard) and len(set(p.parts)) > 1:
             ctx.warn(f"{site.name}: {module_name(linear, ctx)} is sharded part by part with unequal parts "

@@ -50,17 +50,22 @@ from .scores import as_sdpa_arguments, bias_kwargs, hiding_value, sinks_per_head
 
 
 def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:
-    """A rowwise linear's bias, added once after its partial sums are reduced. (A grouped
-    matmul's bias keeps its experts replicated: ``grouped_mm_rule``.)"""
+    """A rowwise linear's (or pointwise convolution's) bias, added once after its partial sums
+    are reduced. (A grouped matmul's bias keeps its experts replicated: ``grouped_mm_rule``.)"""
     given = arguments(linear)
-    bias = given.get("bias")
-    if bias is None or op_kind(linear) != "linear":
+    bias, kind = given.get("bias"), op_kind(linear)
+    if bias is None or kind not in ("linear", "conv"):
         return
     graph = gm.graph
+    if kind == "conv":  # one value a channel, at every position
+        spatial = (1,) * (tensor_val(linear).dim() - 2)
+        with graph.inserting_before(linear):
+            bias = with_val(graph.call_method("view", (bias, -1, *spatial)), tensor_val(bias).view(-1, *spatial))
     with graph.inserting_after(linear):
         add = graph.call_function(operator.add, (linear, bias))
     linear.replace_all_uses_with(add, delete_user_cb=lambda user: user is not add)
-    linear.args, linear.kwargs = (given["input"], given["weight"]), {}
+    linear.args, linear.kwargs = ((given["input"], given["weight"]), {}) if kind == "linear" else \
+        ((), {**given, "bias": None})
     with_val(add, linear.meta["val"])
     set_site_role(add, site_role(linear))
 

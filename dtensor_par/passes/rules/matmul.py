@@ -17,7 +17,7 @@ from ...symbolic import hint
 from ..meta import Communication, NodeSharding, global_shape, planned_local_shape, set_communications, shardings, site_role
 from ..nodes import arguments, tensor_val
 from .core import R, moved, replicate_all, resolve_partial
-from .registry import register
+from .registry import op_kind, register
 
 
 def linear_rule(node, ins, cur, env):
@@ -171,15 +171,52 @@ def halo_of(node: fx.Node, dim: int) -> int | None:
     return padding if stride == 1 and dilation == 1 and kernel % 2 and padding == (kernel - 1) // 2 else None
 
 
+def is_pointwise_conv(node: fx.Node) -> bool:
+    """A convolution with a kernel of 1 (stride 1, no padding, one group): a linear over the
+    channels at each position (Sana's feed-forward projections)."""
+    if op_kind(node) != "conv" or arguments(node).get("groups", 1) != 1:
+        return False
+    return all(_spatial(node, dim) == (1, 1, 0, 1) for dim in range(2, tensor_val(node).dim()))
+
+
+def is_channelwise_conv(node: fx.Node) -> bool:
+    """A depthwise convolution, each channel slid over by a kernel of its own (groups = channels
+    in = channels out): it runs on any cut of the channels."""
+    if op_kind(node) != "conv":
+        return False
+    weight = tensor_val(arguments(node)["weight"])
+    return arguments(node).get("groups", 1) == weight.shape[0] and weight.shape[1] == 1
+
+
+def _channels_rule(node, ins, cur) -> NodeSharding | None:
+    """A convolution of an MLP site cut over tp along its channels (its weight placed by the
+    plan): a pointwise one colwise (every input channel, this rank's output channels) or
+    rowwise (this rank's input channels, partial sums out), a depthwise one on this rank's
+    channels with their kernels; None for a weight not cut."""
+    w_p, bias = cur[1], (moved(cur[1], 0),) if len(ins) == 3 else ()
+    if shard_dim(w_p) == 0 and is_channelwise_conv(node):
+        return NodeSharding(moved(w_p, 1), (moved(w_p, 1), w_p) + bias)
+    if shard_dim(w_p) == 0:
+        return NodeSharding(moved(w_p, 1), (R, w_p) + bias)
+    if shard_dim(w_p) == 1 and not bias:  # a rowwise bias is added after the sums: rewrite.split_rowwise_bias
+        return NodeSharding(Partial(), (moved(w_p, 1), w_p))
+    return None
+
+
 def conv_rule(node, ins, cur, env):
     """A convolution (a DiT's patch embedding) runs on this rank's images of a batch cut over
     dp, and on this rank's rows of a spatial dim where it gives back a row for each row it reads
     (an image grid made of a sequence: Sana's feed-forward): a kernel of 1 there as it is, a
-    wider one over cp with its halo rows fetched from their ranks (``localize_conv``). Any other
-    cut mixes what it slides over or sums over channels: gathered."""
+    wider one over cp with its halo rows fetched from their ranks (``localize_conv``). An MLP
+    site's are cut along their channels (``_channels_rule``). Any other cut mixes what it slides
+    over or sums over channels: gathered."""
     x_p, params = cur[0], cur[1:]
-    if not isinstance(x_p, Shard) or any(p != R for p in params):
-        return replicate_all(node, ins, cur, "a convolution runs split along its batch or rows only")
+    cut_channels = _channels_rule(node, ins, cur) if shard_dim(cur[1]) is not None else None
+    if cut_channels is not None:
+        return cut_channels
+    if not isinstance(x_p, Shard) or x_p.dim == 1 or any(p != R for p in params):
+        return replicate_all(node, ins, cur, "a convolution runs split along its batch or rows, or an MLP site's "
+                                             "along its channels, only")
     if x_p.dim == 0:
         return NodeSharding(x_p, tuple(cur))
     rows, halo = tensor_val(ins[0]).shape[x_p.dim], halo_of(node, x_p.dim)
@@ -192,15 +229,21 @@ def conv_rule(node, ins, cur, env):
 
 
 def localize_conv(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
-    """A convolution whose kernel reads across the rows of a spatial dim cut over cp becomes
-    ``halo_conv``: each run of rows with the halo rows of its neighbours."""
+    """A depthwise convolution on this rank's channels has as many groups; a convolution whose
+    kernel reads across the rows of a spatial dim cut over cp becomes ``halo_conv``: each run
+    of rows with the halo rows of its neighbours."""
+    given = arguments(node)
+    groups = given.get("groups", 1)
+    if groups > 1:  # a depthwise one's groups are its output channels
+        given["groups"] = groups * planned_local_shape(node, mesh)[1] // global_shape(node)[1]
+        node.args, node.kwargs = (), given
     cut = [(name, s.inputs[0].dim) for name, s in shardings(node).items()
            if isinstance(s.inputs[0], Shard) and s.inputs[0].dim >= 2 and halo_of(node, s.inputs[0].dim)]
     if not cut:
         return
     (name, dim), = cut  # the rule keeps rows a kernel reads past cut over cp only
     halo = halo_of(node, dim)
-    mesh_dim, given = mesh.dims[name], arguments(node)
+    mesh_dim = mesh.dims[name]
     rows = global_shape(given["input"])[dim]
     plan = halo_plan(every_rank_positions(rows, mesh_dim).tolist(), mesh_dim.rank)
     padding = given.get("padding", 0)
