@@ -245,6 +245,16 @@ def mixtral(experts: int = 4):
     return MixtralForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def phimoe():
+    """PhiMoE in eval mode: its sparsemixer router picks two experts one by one (a top-1 max, that
+    expert scattered out of the scores, a second max; the picks concatenated), not by top-k. In
+    training it samples them (Gumbel noise drawn by ``exponential_``)."""
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+    config = PhimoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=8, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2)
+    return PhimoeForCausalLM(config).eval(), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 def mixtral_aux():
     """Mixtral returning its load-balancing loss (``output_router_logits``): first, before the logits.
     transformers' router-logit hooks break the graph at each router."""
@@ -374,4 +384,5 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "mixtral_batched_mm": mixtral_batched_mm, "mixtral_eager": mixtral_eager,
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,
-             "llama4": llama4, "mochi": mochi, "cogview4": cogview4, "sana": sana}
+             "llama4": llama4, "mochi": mochi, "cogview4": cogview4, "sana": sana,
+             "phimoe": phimoe}

@@ -26,7 +26,7 @@ from tests import real_models, xm_gloo  # noqa: E402
 MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
             "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss",
-            "mpt", "apertus", "llama4", "falcon_multi_query", "gpt_bigcode", "cogview4", "sana"}
+            "mpt", "apertus", "llama4", "falcon_multi_query", "gpt_bigcode", "cogview4", "sana", "phimoe"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -37,12 +37,13 @@ EXPLAINED = [(name, "tp2-ulysses2") for name in MODELS + ["mistral_padded", "phi
                                                           "t5", "mixtral", "mixtral_batched_mm", "qwen2_moe",
                                                           "deepseek_v3_published", "gpt_oss",
                                                           "gptj", "bert", "modernbert", "mpt", "apertus", "llama4",
-                                                          "falcon_multi_query", "gpt_bigcode", "cogview4", "sana"]]
+                                                          "falcon_multi_query", "gpt_bigcode", "cogview4", "sana",
+                                                          "phimoe"]]
 # At tp2-ring2 the models whose attention the ring runs otherwise than Llama's (CI time: the others plan alike).
 EXPLAINED += [(name, "tp2-ring2") for name in ["llama", "mistral_padded", "flux", "gemma2", "bloom", "t5", "mixtral",
                                                "qwen2_moe", "deepseek_v3_published", "gpt_oss", "bert",
                                                "modernbert", "mpt", "llama4", "falcon_multi_query", "gpt_bigcode",
-                                               "cogview4", "sana"]]
+                                               "cogview4", "sana", "phimoe"]]
 
 
 @pytest.mark.parametrize("name, mesh", [(name, MESHES[mesh]) for name, mesh in EXPLAINED],
@@ -147,7 +148,7 @@ RUNS = {
         # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them). GPT-OSS's
         # experts (per-row biases gathered by local expert ids at the experts) beside its sinks' ring attention.
         "tp2-ring2 ep": dict(sizes=MESHES["tp2-ring2"], names=["mixtral", "mixtral_batched_mm", "deepseek_v3",
-                                                              "gpt_oss"], options={"ep": "cp"}),
+                                                              "gpt_oss", "phimoe"], options={"ep": "cp"}),
         "tp2-ulysses2 ep": dict(sizes=MESHES["tp2-ulysses2"], names=["qwen2_moe"], options={"ep": "cp"}),
         # ... and lowered to xm calls (the stand-in's), each rank's rows sent padded by even all-to-alls over
         # contiguous cp groups, as Neuron needs them.
@@ -526,7 +527,7 @@ def test_experts_split_over_tp_and_dispatched_per_rank_over_cp(name, shared):
     assert [c["site"] for c in backward] == [f"gradient bucket of {len(list(model.parameters()))} inputs"], backward
 
 
-@pytest.mark.parametrize("name", ["mixtral", "mixtral_batched_mm", "qwen2_moe", "deepseek_v3_published"])
+@pytest.mark.parametrize("name", ["mixtral", "mixtral_batched_mm", "qwen2_moe", "deepseek_v3_published", "phimoe"])
 @pytest.mark.parametrize("mesh", ["tp2-ulysses2", "tp2-ring2"])
 def test_experts_cut_over_cp_with_ep(name, mesh):
     """``ep="cp"``: each rank holds E / cp of the experts, each 1/tp of its features, and sends its

@@ -621,16 +621,46 @@ def is_topk(node: fx.Node) -> bool:
     return node.target in (torch.topk, "topk")
 
 
+def _top1_pick(node: fx.Node) -> fx.Node | None:
+    """The ``max`` whose indices ``node`` is, ``x.max(dim=-1, keepdim=True)[1]``: one expert a token."""
+    if op_kind(node) != "getitem" or arguments(node)["index"] != 1:
+        return None
+    found = arguments(node)["input"]
+    given = arguments(found) if op_kind(found) == "extreme" and found.target in (torch.max, "max") else {}
+    return found if given.get("dim") in (-1, tensor_val(given["input"]).dim() - 1 if given else None) \
+        and given.get("keepdim") else None
+
+
+def _picks_one_by_one(node: fx.Node) -> bool:
+    """Whether ``node`` concatenates top-1 picks along the last dim: PhiMoE's sparsemixer picks
+    its experts one by one so, each pick's expert masked out of the scores of the next."""
+    return op_kind(node) == "cat" and cat_dim(node) == tensor_val(node).dim() - 1 \
+        and all(_top1_pick(pick) is not None for pick in tensor_inputs(node))
+
+
+def is_choice(node: fx.Node) -> bool:
+    """A router's choice of experts per token: a top-k, or top-1 picks concatenated."""
+    return is_topk(node) or _picks_one_by_one(node)
+
+
+def choice_logits_and_k(choice: fx.Node) -> tuple[fx.Node, int]:
+    """The router's scores a choice picks from (the first pick's), and how many it picks a token."""
+    if is_topk(choice):
+        return arguments(choice)["input"], arguments(choice)["k"]
+    first = _top1_pick(tensor_inputs(choice)[0])
+    return arguments(first)["input"], tensor_val(choice).shape[-1]
+
+
 def _routing_choice(region: frozenset[fx.Node]) -> fx.Node | None:
-    """The one top-k that routes a dispatch region's tokens: inside it (the router reads the
+    """The one choice that routes a dispatch region's tokens: inside it (the router reads the
     tokens it dispatches), else the one it reads its choice from (DeepSeek's router reads the
     hidden states before they are flattened to tokens); None when there is not exactly one."""
-    inside = [n for n in region if is_topk(n)]
+    inside = [n for n in region if is_choice(n)]
     if inside:
         return inside[0] if len(inside) == 1 else None
     _, walked = _walk([i for n in region for i in n.all_input_nodes if i not in region],
                       lambda n: n.all_input_nodes, _TO_CHOICE, "")
-    fed = {i for n in walked for i in n.all_input_nodes if is_topk(i)}
+    fed = {i for n in walked for i in n.all_input_nodes if is_choice(i)}
     return fed.pop() if len(fed) == 1 else None
 
 
@@ -646,11 +676,11 @@ def moe_site(site_name: str, ups: list[fx.Node], down: fx.Node, ctx: ParallelCon
     if choice is None:
         return None
     token_order = tokens
+    logits, k = choice_logits_and_k(choice)
     if choice not in region:
         region = dispatch_region([tokens, choice], output)
         order = {n: i for i, n in enumerate(tokens.graph.nodes)}
-        token_order = min(tokens, arguments(choice)["input"], key=order.get)
-    logits = arguments(choice)["input"]
+        token_order = min(tokens, logits, key=order.get)
     routers = find_producers(logits, kinds_in("pointwise") | {"softmax"}, ctx)[0]
     if len(routers) != 1:
         return None
@@ -659,7 +689,7 @@ def moe_site(site_name: str, ups: list[fx.Node], down: fx.Node, ctx: ParallelCon
     expert_order = _computed_from(region, {n for n in region if op_kind(n) == "selection" and n is not choice})
     biases = {g: bias for g in ups + [down] if (bias := _row_bias(g, _counted_ids(histograms), ctx)) is not None}
     return MoESite(site_name, routers[0], ups, [down], tokens, token_order, output, region, counts, expert_order,
-                   tensor_val(logits).shape[-1], arguments(choice)["k"], biases=biases)
+                   tensor_val(logits).shape[-1], k, biases=biases)
 
 
 def _computed_from(region: frozenset[fx.Node], sources: set[fx.Node], only: bool = False) -> frozenset[fx.Node]:
