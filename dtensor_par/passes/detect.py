@@ -626,9 +626,11 @@ def _top1_pick(node: fx.Node) -> fx.Node | None:
     if op_kind(node) != "getitem" or arguments(node)["index"] != 1:
         return None
     found = arguments(node)["input"]
-    given = arguments(found) if op_kind(found) == "extreme" and found.target in (torch.max, "max") else {}
-    return found if given.get("dim") in (-1, tensor_val(given["input"]).dim() - 1 if given else None) \
-        and given.get("keepdim") else None
+    if op_kind(found) != "extreme" or found.target not in (torch.max, "max"):
+        return None
+    given = arguments(found)
+    last = tensor_val(given["input"]).dim() - 1
+    return found if given.get("dim") in (-1, last) and given.get("keepdim") else None
 
 
 def _picks_one_by_one(node: fx.Node) -> bool:

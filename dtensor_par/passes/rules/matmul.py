@@ -237,12 +237,11 @@ def localize_conv(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     if groups > 1:  # a depthwise one's groups are its output channels
         given["groups"] = groups * planned_local_shape(node, mesh)[1] // global_shape(node)[1]
         node.args, node.kwargs = (), given
-    cut = [(name, s.inputs[0].dim) for name, s in shardings(node).items()
-           if isinstance(s.inputs[0], Shard) and s.inputs[0].dim >= 2 and halo_of(node, s.inputs[0].dim)]
+    cut = [(name, s.inputs[0].dim, halo) for name, s in shardings(node).items()
+           if isinstance(s.inputs[0], Shard) and s.inputs[0].dim >= 2 and (halo := halo_of(node, s.inputs[0].dim))]
     if not cut:
         return
-    (name, dim), = cut  # the rule keeps rows a kernel reads past cut over cp only
-    halo = halo_of(node, dim)
+    (name, dim, halo), = cut  # the rule keeps rows a kernel reads past cut over cp only
     mesh_dim = mesh.dims[name]
     rows = global_shape(given["input"])[dim]
     plan = halo_plan(every_rank_positions(rows, mesh_dim).tolist(), mesh_dim.rank)
