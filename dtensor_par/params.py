@@ -57,7 +57,10 @@ class HeldLayout:
     """How each rank holds a parameter once parallelized: its tp piece (``tp``), an expert
     weight's experts cut along dim 0 over ``ep`` (expert parallelism: kept cut, the graph
     computes on them), then cut further into equal chunks along ``fsdp_dim`` over the mesh dim
-    ``fsdp`` (FSDP), or not (``fsdp_dim`` None).
+    ``fsdp`` (FSDP), or not (``fsdp_dim`` None). A tp piece that no DTensor placement describes
+    (a fused projection cut part by part into unequal parts: multi-query qkv) is not held:
+    the parameter is held whole and sliced at each call, as ``WholeParameters`` slices them
+    (``sliced``).
 
     FSDP cuts a dim that tp and ep do not, so the placements never nest on one tensor dim (no
     ``_StridedShard``), and only a dim whose length divides: no padding to keep in step.
@@ -69,6 +72,10 @@ class HeldLayout:
     fsdp_dim: int | None = None
     ep: MeshDim | None = None
 
+    @property
+    def sliced(self) -> bool:
+        return isinstance(self.tp, InterleavedShard) and len(set(self.tp.parts)) > 1
+
     @classmethod
     def of(cls, shape, tp: Placement | None, mesh: MeshInfo, fsdp: MeshDim | None,
            ep: MeshDim | None = None) -> HeldLayout:
@@ -78,7 +85,7 @@ class HeldLayout:
         tp = tp or Replicate()
         local = cls(tp, mesh.size("tp"), ep=ep).computed_shape(shape)
         cut = {shard_dim(tp), 0 if ep is not None else None}
-        dim = None if fsdp is None else next(
+        dim = None if fsdp is None or cls(tp, mesh.size("tp")).sliced else next(
             (d for d, n in enumerate(local) if d not in cut and n and n % fsdp.size == 0), None)
         return cls(tp, mesh.size("tp"), fsdp if dim is not None else None, dim, ep)
 
@@ -90,6 +97,8 @@ class HeldLayout:
         return tuple(local)
 
     def held_shape(self, shape) -> tuple[int, ...]:
+        if self.sliced:
+            return tuple(shape)
         local = list(self.computed_shape(shape))
         if self.fsdp_dim is not None:
             local[self.fsdp_dim] //= self.fsdp.size
@@ -97,6 +106,8 @@ class HeldLayout:
 
     def held_piece(self, full: torch.Tensor, tp_rank: int) -> torch.Tensor:
         """This rank's piece of the whole parameter ``full``."""
+        if self.sliced:
+            return full
         local = local_chunk(full, self.tp, tp_rank, self.tp_size)
         if self.ep is not None:
             local = local.chunk(self.ep.size)[self.ep.rank]
@@ -110,7 +121,7 @@ class HeldLayout:
         Replicate elsewhere. An InterleavedShard of equal parts is a ``_StridedShard``: rank r
         holds chunks r, r + tp, ... of the tensor cut into parts x tp chunks, which is its slice
         of every part."""
-        per_dim = {"tp": _tp_dtensor_placement(self.tp)}
+        per_dim = {"tp": DTensorReplicate() if self.sliced else _tp_dtensor_placement(self.tp)}
         if self.ep is not None:  # nested in the mesh's order, "fsdp"'s; cp's is ring-major (passes.experts checks)
             per_dim.update((n, DTensorShard(0)) for n in info.spanned(self.ep.name))
         if self.fsdp_dim is not None:
@@ -118,7 +129,8 @@ class HeldLayout:
         return tuple(per_dim.get(name, DTensorReplicate()) for name in mesh.mesh_dim_names)
 
     def describe(self) -> dict[str, str]:
-        return {"tp": describe(self.tp), **({"ep": describe(Shard(0))} if self.ep is not None else {}),
+        tp = f"whole, sliced {describe(self.tp)} at each call" if self.sliced else describe(self.tp)
+        return {"tp": tp, **({"ep": describe(Shard(0))} if self.ep is not None else {}),
                 **({"fsdp": describe(Shard(self.fsdp_dim))} if self.fsdp_dim is not None else {})}
 
 
@@ -152,10 +164,7 @@ def expert_group(mesh: MeshInfo) -> MeshDim:
 
 
 def _tp_dtensor_placement(p: Placement) -> DTensorPlacement:
-    if isinstance(p, InterleavedShard):
-        if len(set(p.parts)) != 1:
-            raise ValueError(f"parallelize: a fused projection with unequal parts {list(p.parts)} has no DTensor "
-                             f"placement")
+    if isinstance(p, InterleavedShard):  # of equal parts: one of unequal parts is held whole (HeldLayout.sliced)
         return _StridedShard(p.dim, split_factor=len(p.parts))
     return DTensorShard(p.dim) if isinstance(p, Shard) else DTensorReplicate()
 
@@ -265,10 +274,15 @@ class ShardedParameters(WholeParameters):
                    "parameter whole, as a plain tensor (DDP's state)")
 
     def local_input(self, value, placements: dict[str, Placement], mesh: MeshInfo, comm: str):
+        """A held parameter's piece (``to_local()``), sliced on tp where the plan cuts a parameter
+        held whole there (``HeldLayout.sliced``); any other input as ``WholeParameters`` cuts it."""
         param = standin_param(value)
         if param is None:
             return super().local_input(value, placements, mesh, comm)
-        return param.to_local() if isinstance(param, DTensor) else param
+        held = param.to_local() if isinstance(param, DTensor) else param
+        if _whole_on_tp(param) and shard_dim(placements.get("tp")) is not None:
+            return local_param(held, placements["tp"], mesh.dims["tp"], comm)
+        return held
 
     def check(self, params: dict, layouts: dict[str, HeldLayout], args, mesh: DeviceMesh, info: MeshInfo) -> None:
         """Held parameters must be laid out as this plan needs them, on this mesh: a DTensor with
@@ -294,6 +308,14 @@ class ShardedParameters(WholeParameters):
 
     def state_on(self, info: MeshInfo, config: ParallelConfig) -> str:
         return self.whole_state if holds_whole(info, config) else self.state
+
+
+def _whole_on_tp(param) -> bool:
+    """Whether a held parameter is whole along tp: a plain one, or a DTensor replicated there."""
+    if not isinstance(param, DTensor):
+        return True
+    names = param.device_mesh.mesh_dim_names
+    return "tp" not in names or isinstance(param.placements[names.index("tp")], DTensorReplicate)
 
 
 WHOLE = WholeParameters()

@@ -190,12 +190,22 @@ def test_linear_attention_and_a_feed_forward_of_convolutions_are_cut_over_tp():
     assert sorted(forward) == [("all_reduce", "mlp0.rowwise"), ("all_reduce", "mlp1.rowwise")], forward
 
 
-def test_parts_of_unequal_sizes_stay_replicated_under_parallelize():
+def test_parts_of_unequal_sizes_are_held_whole_and_sliced_under_parallelize():
+    """No DTensor placement cuts a fused qkv part by part into unequal parts (GQA's [32, 16, 16]):
+    under parallelize it is held whole and sliced at each call, its gradient all-gathered over
+    tp, and its site runs cut (before: the site stayed replicated)."""
     inputs = (torch.randn(2, 16, 32), torch.randn(2, 8, 32))
     graph = _explain(models.JointBlock(), inputs, tp=2, parallelized=True)
     unequal = [w for w in graph.warnings if "no DTensor placement describes" in w]
-    assert any("qkv" in w and "[32, 16, 16]" in w for w in unequal), graph.warnings  # a GQA fused qkv
-    assert graph.coverage.parallel_sites == 1  # the joint attention; the single-stream site stays replicated
+    assert any("qkv" in w and "[32, 16, 16]" in w and "held whole" in w for w in unequal), graph.warnings
+    assert graph.coverage.parallel_sites == 2
+    (held,) = [p for p in graph.parameters if p["name"] == "qkv.weight"]
+    assert held["bytes_per_rank"] == held["bytes"] and held["local_shape"] == [32, 32], held
+    assert held["placement"]["tp"] == "whole, sliced IS(0,[32, 16, 16]) at each call", held
+    gathered = [c["bytes_per_rank"] for c in graph.collectives if c["site"] == "parameter gradient"]
+    # qkv's weight and bias pieces, and proj_out's, whose input features are cut part by part too
+    # (the attention's 32 and the MLP's 64)
+    assert gathered == [32 * 32 * 4, 32 * 4, 32 * 48 * 4], graph.collectives
 
 
 class _NarrowedQKV(torch.nn.Module):

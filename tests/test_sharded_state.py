@@ -184,6 +184,29 @@ def mixed_precision(rank: int, world: int) -> dict:
     return results
 
 
+def sliced_unequal_parts(rank: int, world: int) -> dict:
+    """JointBlock parallelized at tp2 x ulysses2 and trained 3 AdamW steps against one device:
+    its single-stream qkv, cut part by part into unequal parts (GQA: [32, 16, 16]), is held
+    whole (replicated) and sliced at each call; its site runs cut."""
+    torch.manual_seed(0)
+    model, inputs = models.JointBlock(), (torch.randn(2, 16, 32), torch.randn(2, 8, 32))
+    reference = copy.deepcopy(model)
+    mesh = dtensor_par.init_mesh(tp=2, ulysses=2)
+    dtensor_par.parallelize(model, mesh, inputs)
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager"))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-3) for m in (model, reference)]
+    worst = 0.0
+    for _ in range(3):
+        loss_of(compiled(*inputs)).backward()
+        loss_of(reference(*inputs)).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        worst = max(worst, *(max_rel(whole(p), q) for p, q in zip(model.parameters(), reference.parameters())))
+    return {"param": worst, "qkv": [str(p) for p in model.qkv.weight.placements],
+            "img_qkv": [str(p) for p in model.img_qkv.weight.placements]}
+
+
 def _calls(world: int, folder: str) -> dict:
     """The rank functions one launch of ``world`` ranks runs, by label, with their arguments."""
     if world == 2:  # DDP's layout: every parameter held whole, as a plain tensor, DCP included
@@ -201,7 +224,8 @@ def _calls(world: int, folder: str) -> dict:
             "hsdp_local": (train_against_one_device, dict(sizes={"dp_replicate": 2, "dp_shard": 2}, names=["llama"],
                                                           checkpoint_dir=None, batch="local",
                                                           reshard_after_forward=False)),
-            "collectives": (count_collectives, dict(dump_dir=os.path.join(folder, "dump")))}
+            "collectives": (count_collectives, dict(dump_dir=os.path.join(folder, "dump"))),
+            "sliced": (sliced_unequal_parts, {})}
 
 
 def _launch(world: int) -> list[dict]:
@@ -228,6 +252,14 @@ def test_training_matches_one_device_holding_one_tp_and_fsdp_share(world, label)
                 assert worst.get(key, 0.0) <= PARAM_RTOL, (name, key, worst)
         if label == "ddp" or (label == "training" and world == 4):
             assert "dcp_params" in result["llama"]
+
+
+def test_a_projection_cut_into_unequal_parts_is_held_whole_and_sliced_at_each_call():
+    for rank_results in LAUNCHES[4].result():
+        result = rank_results["sliced"]
+        assert result["param"] <= PARAM_RTOL, result
+        assert result["qkv"] == ["R", "R"], result  # no DTensor placement cuts [32, 16, 16]
+        assert result["img_qkv"] == ["S(1)", "_S(0, 3)"], result  # equal parts: held cut (_StridedShard)
 
 
 def count_collectives(rank: int, world: int, *, dump_dir: str):

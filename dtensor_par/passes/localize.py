@@ -198,7 +198,8 @@ def _cast(graph: fx.Graph, cached, x: fx.Node, dtype: torch.dtype, *, before: fx
 def record_runtime_gathers(gm: fx.GraphModule, ctx: ParallelContext) -> None:
     """The runtime hands the graph this rank's piece of each sharded input and gathers the
     gradient back whole: on each mesh dim it is sharded over for a (sequence-sharded) input;
-    on tp for a full parameter (without ``parallelize`` every rank holds parameters whole), and
+    on tp for a full parameter (without ``parallelize`` every rank holds parameters whole; with
+    it, one held whole that the plan cuts into unequal parts: ``HeldLayout.sliced``), and
     over its group for an expert weight cut by ep (``params.fed_placements``)."""
     layouts = held_layouts(ctx)
     for node in gm.graph.nodes:
@@ -213,7 +214,7 @@ def record_runtime_gather(node: fx.Node, ctx: ParallelContext, layout: HeldLayou
     ``layout``: how a parameter is held."""
     if node.name in ctx.params:
         tp = {"tp": ctx.param_placements.get(node.name)}
-        fed = {} if ctx.feeding.sharded else fed_placements(tp, layout)
+        fed = {} if ctx.feeding.sharded and not layout.sliced else fed_placements(tp, layout)
         sharded = {d: p for d, p in fed.items() if shard_dim(p) is not None}
         site = "parameter gradient"
     else:

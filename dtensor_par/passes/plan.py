@@ -170,9 +170,8 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
     for linear, p in placements.items():
         if ctx.feeding.sharded and isinstance(p, InterleavedShard) and len(set(p.parts)) > 1:
             ctx.warn(f"{site.name}: {module_name(linear, ctx)} is sharded part by part with unequal parts "
-                     f"{list(p.parts)}, which no DTensor placement describes; under parallelize the site stays "
-                     f"replicated")
-            return None
+                     f"{list(p.parts)}, which no DTensor placement describes; under parallelize it is held whole on "
+                     f"every rank and sliced at each call, its gradient all-gathered over tp")
     return placements
 
 
