@@ -167,6 +167,9 @@ def test_a_causal_mask_kept_in_a_buffer_runs_as_causal_attention():
         balanced, skipped = len(set(per_rank)) == 1, sum(per_rank) < (whole / 4 if window else whole * 5 / 8)
         assert skipped and (balanced or window), (spelling, window, per_rank)  # a window skips unevenly
         assert graph.warnings == [], graph.warnings
+    # under dynamic=True the scale is made of sizes (head_dim ** 0.5): read at its value, the plan pinned to it
+    graph = _explain(models.BufferMaskedAttention(), (x,), ring=4, dynamic=True)
+    assert graph.warnings == [] and graph.coverage.ring_attention_flops, graph.warnings
     with torch.device("meta"):
         nanogpt, gpt_neo = models.BufferMaskedAttention(), models.BufferMaskedAttention("gpt_neo")
     (per_rank,) = _explain(nanogpt, (x.to("meta"),), ring=4).coverage.ring_attention_flops.values()

@@ -228,7 +228,8 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: to
     share = torch.sigmoid(block_lse - lse_rows)
     if masked:  # a row may have met no visible key yet: -inf on both sides, and its output stays 0
         share = share.nan_to_num(0.0)
-    folded = torch.lerp(part(out, rows), block_out.to(out.dtype), share.unsqueeze(-1))
+    # the weight expanded to the outputs' shape: torch 2.13's lerp meta cannot broadcast symbolic sizes
+    folded = torch.lerp(part(out, rows), block_out.to(out.dtype), share.unsqueeze(-1).expand_as(block_out))
     if every_row(rows, out.shape[-2]):
         return folded, merged
     out[..., rows, :] = folded

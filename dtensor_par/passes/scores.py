@@ -83,11 +83,20 @@ def _score_step(node: fx.Node) -> tuple[fx.Node, tuple[str, float] | None] | Non
     if kind not in ("mul", "div", "add", "sub") or given.get("alpha", 1) != 1:
         return None
     x, c = given["input"], given["other"]
-    if isinstance(x, fx.Node) and _number(c):
-        return x, (kind, float(c))
-    if isinstance(c, fx.Node) and _number(x) and kind != "div":
-        return c, ("rsub" if kind == "sub" else kind, float(x))
+    if isinstance(x, fx.Node) and tensor_val(x) is not None and (number := _scalar(c)) is not None:
+        return x, (kind, number)
+    if isinstance(c, fx.Node) and tensor_val(c) is not None and (number := _scalar(x)) is not None and kind != "div":
+        return c, ("rsub" if kind == "sub" else kind, number)
     return None
+
+
+def _scalar(a) -> float | None:
+    """A number, or one made of sizes (``k.size(-1) ** 0.5`` under ``dynamic=True``) at its value:
+    the plan then holds at those sizes only (a guard, which ``explain`` reports)."""
+    if _number(a):
+        return float(a)
+    value = a.meta.get("val") if isinstance(a, fx.Node) else None
+    return float(value) if _number(value) or isinstance(value, (torch.SymFloat, torch.SymInt)) else None
 
 
 def hiding_value(fill, scores: fx.Node) -> float | None:
