@@ -52,6 +52,12 @@ def held_tensor(value: torch.Tensor) -> torch.Tensor:
     return value if param is None else param
 
 
+def unequal_parts(p: Placement | None) -> bool:
+    """Whether ``p`` cuts a fused projection part by part into unequal parts, which no DTensor
+    placement describes."""
+    return isinstance(p, InterleavedShard) and len(set(p.parts)) > 1
+
+
 @dataclass(frozen=True)
 class HeldLayout:
     """How each rank holds a parameter once parallelized: its tp piece (``tp``), an expert
@@ -74,7 +80,7 @@ class HeldLayout:
 
     @property
     def sliced(self) -> bool:
-        return isinstance(self.tp, InterleavedShard) and len(set(self.tp.parts)) > 1
+        return unequal_parts(self.tp)
 
     @classmethod
     def of(cls, shape, tp: Placement | None, mesh: MeshInfo, fsdp: MeshDim | None,
@@ -85,7 +91,7 @@ class HeldLayout:
         tp = tp or Replicate()
         local = cls(tp, mesh.size("tp"), ep=ep).computed_shape(shape)
         cut = {shard_dim(tp), 0 if ep is not None else None}
-        dim = None if fsdp is None or cls(tp, mesh.size("tp")).sliced else next(
+        dim = None if fsdp is None or unequal_parts(tp) else next(
             (d for d, n in enumerate(local) if d not in cut and n and n % fsdp.size == 0), None)
         return cls(tp, mesh.size("tp"), fsdp if dim is not None else None, dim, ep)
 

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from ..mesh import SPANS
+from ..params import unequal_parts
 from ..errors import InvalidPlan, NotSupported
 from ..placements import InterleavedShard, Placement, Replicate, Shard, parts_of, shard_dim
 from .context import ParallelContext, at_node
@@ -168,7 +169,7 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
             return None
         placements.update(dict.fromkeys(site.channelwise, placements[site.up[0]]))
     for linear, p in placements.items():
-        if ctx.feeding.sharded and isinstance(p, InterleavedShard) and len(set(p.parts)) > 1:
+        if ctx.feeding.sharded and unequal_parts(p):
             ctx.warn(f"{site.name}: {module_name(linear, ctx)} is sharded part by part with unequal parts "
                      f"{list(p.parts)}, which no DTensor placement describes; under parallelize it is held whole on "
                      f"every rank and sliced at each call, its gradient all-gathered over tp")
