@@ -153,11 +153,12 @@ def _has_param_weight(linear: fx.Node, ctx: ParallelContext) -> bool:
 def site_weight_names(site) -> list[str]:
     """The placeholder names of a site's colwise, depthwise and rowwise weights, in order (each
     expert's, for experts stacked from an ``nn.ModuleList``)."""
-    return [name for linear in site.colwise + _channelwise(site) + site.rowwise for name in weight_names(linear)]
+    return [name for linear in _cut_projections(site) for name in weight_names(linear)]
 
 
-def _channelwise(site) -> list[fx.Node]:
-    return site.channelwise if isinstance(site, MLPSite) else []
+def _cut_projections(site) -> list[fx.Node]:
+    """The ops whose weights a site cuts: colwise, depthwise (an MLP site's), rowwise."""
+    return site.colwise + (site.channelwise if isinstance(site, MLPSite) else []) + site.rowwise
 
 
 def module_name(linear: fx.Node, ctx: ParallelContext) -> str:
@@ -342,14 +343,18 @@ def projected_heads(attention_input: fx.Node, heads: int, ctx: ParallelContext) 
                   f"reads")
 
 
+def folds_heads(unfolded: torch.Size, folded: torch.Size) -> bool:
+    """Whether ``folded`` is ``[batch * heads, seq, dim]`` of an ``unfolded`` ``[batch, heads, seq, dim]``."""
+    return len(unfolded) == 4 and len(folded) == 3 and unfolded[0] * unfolded[1] == folded[0] \
+        and tuple(unfolded[2:]) == tuple(folded[1:])
+
+
 def unfolded_heads(node: fx.Node) -> fx.Node | None:
     """The ``[batch, heads, seq, dim]`` tensor a ``[batch * heads, seq, dim]`` one is viewed from."""
-    if op_kind(node) != "view" or tensor_val(node).dim() != 3:
+    if op_kind(node) != "view":
         return None
     source = tensor_inputs(node)[0]
-    before, after = tensor_val(source).shape, tensor_val(node).shape
-    folds = len(before) == 4 and before[0] * before[1] == after[0] and tuple(before[2:]) == tuple(after[1:])
-    return source if folds else None
+    return source if folds_heads(tensor_val(source).shape, tensor_val(node).shape) else None
 
 
 def _heads_of(x: fx.Node) -> int:
@@ -796,7 +801,6 @@ def detect_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         for role, nodes in roles.items():
             for n in nodes:
                 set_site_role(n, f"{site.name}.{role}")
-        for linear in site.colwise + site.rowwise + _channelwise(site) + ([site.router] if isinstance(site, MoESite)
-                                                                           else []):
+        for linear in _cut_projections(site) + ([site.router] if isinstance(site, MoESite) else []):
             set_weight_names(linear, tuple(w.name for w in stacked_params(weight_param(linear)[0])))
     return gm

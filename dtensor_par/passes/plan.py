@@ -149,9 +149,9 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
         p = colwise_placement(linear, tp)
         if p is None:
             parts = fused_parts(linear)
-            ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {tensor_val(linear).shape[features_dim(linear)]} "
-                     f"output features "
-                     f"(parts {parts.sizes if parts else None}), not divisible by tp={tp}; the site stays replicated")
+            features = tensor_val(linear).shape[features_dim(linear)]
+            ctx.warn(f"{site.name}: {module_name(linear, ctx)} has {features} output features (parts "
+                     f"{parts.sizes if parts else None}), not divisible by tp={tp}; the site stays replicated")
             return None
         placements[linear] = moved(p, 2) if is_batched_linear(linear, ctx) else p  # [E, in, out]: out
     for linear in site.rowwise:

@@ -28,7 +28,7 @@ from ..ops.score_mod import ScoreMod
 from ..symbolic import guards_at
 from .biases import FoundBias, constant_ancestors, evaluate_constant, position_bias
 from .capture import with_val
-from .detect import AttentionSite, unfolded_heads
+from .detect import AttentionSite, folds_heads, unfolded_heads
 from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.registry import op_kind
 
@@ -147,10 +147,7 @@ def _reads(node: fx.Node, target: fx.Node) -> bool:
 
 def _unfolds_heads(node: fx.Node) -> bool:
     """Whether ``node`` views ``[batch * heads, q, k]`` scores as ``[batch, heads, q, k]``."""
-    if op_kind(node) != "view" or tensor_val(node).dim() != 4:
-        return False
-    before, after = tensor_val(tensor_inputs(node)[0]).shape, tensor_val(node).shape
-    return len(before) == 3 and before[0] == after[0] * after[1] and tuple(before[1:]) == tuple(after[2:])
+    return op_kind(node) == "view" and folds_heads(tensor_val(node).shape, tensor_val(tensor_inputs(node)[0]).shape)
 
 
 @dataclass

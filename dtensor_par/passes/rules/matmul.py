@@ -211,7 +211,7 @@ def conv_rule(node, ins, cur, env):
     site's are cut along their channels (``_channels_rule``). Any other cut mixes what it slides
     over or sums over channels: gathered."""
     x_p, params = cur[0], cur[1:]
-    cut_channels = _channels_rule(node, ins, cur) if shard_dim(cur[1]) is not None else None
+    cut_channels = _channels_rule(node, ins, cur)
     if cut_channels is not None:
         return cut_channels
     if not isinstance(x_p, Shard) or x_p.dim == 1 or any(p != R for p in params):
