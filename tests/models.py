@@ -19,16 +19,11 @@ class GPTBlock(nn.Module):
         self.fc = nn.Linear(hidden, mlp)
         self.fc_out = nn.Linear(mlp, hidden)
 
-    def qkv_heads(self, x):
-        """q, k and v of ``x`` (normed, through the fused projection), each ``[b, heads, s, head_dim]``."""
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-        return (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-
     def attend(self, x):
         """``x`` plus its causal attention."""
         b, s, h = x.shape
-        q, k, v = self.qkv_heads(x)
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return x + self.proj(a.transpose(1, 2).reshape(b, s, h))
 
@@ -294,7 +289,8 @@ class MaskedAttention(GPTBlock):
 
     def forward(self, x, keep=None):
         b, s, h = x.shape
-        q, k, v = self.qkv_heads(x)
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
         mask = None
         if self.mask is not None:
             pos = torch.arange(s, device=x.device)
@@ -342,7 +338,8 @@ class BufferMaskedAttention(GPTBlock):
 
     def attend(self, x):
         b, s, h = x.shape
-        q, k, v = self.qkv_heads(x)
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
         scores = q @ k.transpose(-2, -1) / (h // self.heads) ** 0.5
         if self.spelling == "nanogpt":
             scores = scores.masked_fill(self.bias[None, None, :s, :s] == 0, float("-inf"))
