@@ -68,6 +68,8 @@ CASES = {
     # experts in an nn.ModuleList looped over: the loop's torch.where breaks the graph; each expert's MLP a graph
     "looped_experts": (lambda: models.LoopedExperts(32, 64, 4, 2), lambda: [(torch.randn(2, 8, 32),)]),
     "looped_moe_block": (models.LoopedMoEBlock, lambda: [(torch.randn(2, 16, 32),)]),
+    # experts picked by a mask each and written back in place (DeepSeek's reference MoE, HiDream's)
+    "masked_loop_experts": (lambda: models.MaskedLoopExperts(32, 64, 4, 2), lambda: [(torch.randn(2, 8, 32),)]),
     "folded_heads_attention": (models.FoldedHeadsAttention, lambda: [(torch.randn(2, 8, 32),)]),
     # Sana's block written small: linear attention and a feed-forward of convolutions, each cut over tp as an MLP
     "linear_attention_conv": (models.LinearAttentionConvBlock, lambda: [(torch.randn(2, 16, 32),)]),

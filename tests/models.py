@@ -564,6 +564,21 @@ class LoopedExperts(nn.Module):
         return out.reshape(x.shape)
 
 
+class MaskedLoopExperts(LoopedExperts):
+    """The loop as DeepSeek's reference MoE writes it in training (HiDream's copy of it): each
+    token's rows repeated k times, each expert's picked by a mask and written back in place,
+    weighted and summed after the loop."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.view(-1, x.shape[-1])
+        weights, chosen = torch.topk(torch.softmax(self.gate(tokens), dim=-1), self.top_k, dim=-1)
+        ids, rows = chosen.view(-1), tokens.repeat_interleave(self.top_k, dim=0)
+        out = torch.empty_like(rows)
+        for e, expert in enumerate(self.experts):
+            out[ids == e] = expert(rows[ids == e])
+        return (out.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1).view(x.shape)
+
+
 class LoopedMoEBlock(GPTBlock):
     """A GPT block whose MLP is ``LoopedExperts``: 4 experts, top-2."""
 

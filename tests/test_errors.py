@@ -181,6 +181,14 @@ class _UnevenExperts(models.LoopedExperts):
         self.experts[1] = models.GatedExpert(32, 128)
 
 
+class _SkippedExpert(models.MaskedLoopExperts):
+    """The last expert left out of the loop: its rows would keep ``empty_like``'s values."""
+
+    def __init__(self):
+        super().__init__(32, 64, 4, 2)
+        self.experts = self.experts[:3]
+
+
 def test_a_size_that_depends_on_values_is_refused_naming_the_op_and_the_way_around():
     """Under Dynamo's ``capture_dynamic_output_shape_ops`` a ``nonzero`` is captured with a size
     no plan can lay out (under ``capture_scalar_outputs``, a computed tensor's ``.item()`` a
@@ -189,11 +197,15 @@ def test_a_size_that_depends_on_values_is_refused_naming_the_op_and_the_way_arou
     nonzero = r"^capture: nonzero \(torch.nonzero\) of inputs \[\[32\]\] \(.*test_errors.py.*torch.nonzero"
     uneven = (r"^capture: the loop over experts whose first pass is where .* expert 1's linear_\d+ has a weight of "
               r"another shape. Compile without Dynamo's capture_dynamic_output_shape_ops")
+    skipped = (r"^capture: the loop over experts whose first pass is getitem_?\d* \(rows\[ids == e\]\) .* it passes "
+               r"experts \[0, 1, 2\] of 4, not each once")
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         with pytest.raises(NotSupported, match=nonzero):
             dtensor_par.explain(_KeptRows(), (torch.randn(2, 16, 32),), tp=2)
         with pytest.raises(NotSupported, match=uneven):
             dtensor_par.explain(_UnevenExperts(), (torch.randn(2, 8, 32),), tp=2)
+        with pytest.raises(NotSupported, match=skipped):
+            dtensor_par.explain(_SkippedExpert(), (torch.randn(2, 8, 32),), tp=2)
     item = r"^capture: item \(Tensor.item\) of inputs \[\[\]\] .*x.sum\(\).item\(\)"
     with torch._dynamo.config.patch(capture_scalar_outputs=True), pytest.raises(NotSupported, match=item):
         dtensor_par.explain(_ScaledBySum(), (torch.randn(2, 8, 32),), tp=2)

@@ -570,22 +570,47 @@ class _MixtralLoop(models.LoopedExperts):
 
 def test_capture_makes_a_loop_over_experts_the_experts_read_a_row_at_a_time():
     """Under Dynamo's ``capture_dynamic_output_shape_ops`` an ``nn.ModuleList`` of experts looped
-    over is one graph, each expert's ``torch.where`` a size its values make. Capture makes each
-    loop (two here, spelled two ways) the experts read a row at a time, their weights stacked,
-    and canonicalize the grouped chain: no such size is left, and forward and gradients are the
-    loops'."""
+    over is one graph, each expert's ``torch.where`` or mask a size its values make. Capture makes
+    each loop (three here, spelled three ways) the experts read a row at a time, their weights
+    stacked, and canonicalize the grouped chain: no such size is left, and forward and gradients
+    are the loops'."""
     torch.manual_seed(0)
-    model, x = nn.Sequential(models.LoopedExperts(32, 64, 4, 2), _MixtralLoop(32, 48, 4, 2)), torch.randn(2, 8, 32)
+    model = nn.Sequential(models.LoopedExperts(32, 64, 4, 2), _MixtralLoop(32, 48, 4, 2), models.MaskedLoopExperts(32, 40, 4, 2))
+    x = torch.randn(2, 8, 32)
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         gm, ctx = _passes_on(model, [x], (capture_pass, canonicalize_pass))
     ops = [op for op, _, _ in _canonical_form(gm)]
-    assert ops.count("stack") == 6 and ops.count("grouped_mm") == 6, ops
-    assert not any(n.target is torch.where or n.meta.get("unbacked_bindings") for n in gm.graph.nodes)
+    assert ops.count("stack") == 9 and ops.count("grouped_mm") == 9, ops
+    assert not any(n.target in (torch.where, operator.setitem) or n.meta.get("unbacked_bindings")
+                   for n in gm.graph.nodes)
     out, expected = gm(*ctx.example_inputs)[0], model(x)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
     params = list(model.parameters())
     torch.testing.assert_close(torch.autograd.grad(out.square().sum(), params),
                                torch.autograd.grad(expected.square().sum(), params), atol=1e-5, rtol=1e-5)
+
+
+class _RoutedPerPosition(models.MaskedLoopExperts):
+    """The router run on ``[batch, seq, hidden]``: its weights, and the rows summed over the k
+    slots, never shaped ``[tokens, hidden]`` as the rows the experts read."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = torch.topk(torch.softmax(self.gate(x), dim=-1), self.top_k, dim=-1)
+        ids, rows = chosen.view(-1), x.view(-1, x.shape[-1]).repeat_interleave(self.top_k, dim=0)
+        out = torch.empty_like(rows)
+        for e, expert in enumerate(self.experts):
+            out[ids == e] = expert(rows[ids == e])
+        return (out.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=-2)
+
+
+def test_experts_not_read_as_a_mixture_are_warned_of_by_their_modules():
+    """An nn.ModuleList's experts, read a row at a time, whose mixture the planner does not read:
+    each grouped matmul is warned of with its experts' modules (before: an internal KeyError
+    on the stacked weight)."""
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        (graph,) = dtensor_par.explain(_RoutedPerPosition(32, 64, 4, 2), (torch.randn(2, 8, 32),), tp=2).graphs
+    named = [w for w in graph.warnings if "of experts.*.w" in w and "is not read as a mixture of experts" in w]
+    assert len(named) == 3 and graph.coverage.sharded_linear_flops == 0, graph.warnings
 
 
 def test_attention_with_its_heads_folded_around_a_3d_softmax_is_a_site_of_its_heads():

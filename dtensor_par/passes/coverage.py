@@ -21,7 +21,7 @@ from ..symbolic import hint
 from .context import Coverage, ParallelContext, at_node
 from .detect import AttentionSite, MoESite, site_weight_names
 from .meta import Work, global_shape, placements, planned_local_shape, set_work, shardings
-from .nodes import arguments, tensor_inputs, tensor_val, weight_param
+from .nodes import arguments, stacked_params, tensor_inputs, tensor_val, weight_param
 from .rules.registry import lookup, op_kind
 
 _IN_BLOCK = re.compile(r"\.\d+\.")
@@ -48,8 +48,10 @@ def _linear_flops(node: fx.Node, ctx: ParallelContext) -> int:
 
 
 def _weight_fqn(node: fx.Node, ctx: ParallelContext) -> str | None:
-    """The module path of a linear's (or ``x @ weight``'s) parameter weight, if it has one."""
+    """The module path of a linear's (or ``x @ weight``'s) parameter weight, if it has one (of
+    experts stacked from an ``nn.ModuleList``, the first expert's)."""
     weight, _ = weight_param(node)
+    weight = stacked_params(weight)[0] if isinstance(weight, fx.Node) else weight
     return ctx.params[weight.name].fqn if isinstance(weight, fx.Node) and weight.name in ctx.params else None
 
 

@@ -161,10 +161,11 @@ def _cut_projections(site) -> list[fx.Node]:
     return site.colwise + (site.channelwise if isinstance(site, MLPSite) else []) + site.rowwise
 
 
-def module_name(linear: fx.Node, ctx: ParallelContext) -> str:
+def module_name(linear: fx.Node, ctx: ParallelContext, names: tuple[str, ...] | None = None) -> str:
     """The module path of a site linear, read off its weight (``blocks.0.k_proj``); of experts'
-    weights stacked from an ``nn.ModuleList``, with ``*`` where their paths differ (``experts.*.w1``)."""
-    paths = [ctx.params[name].fqn.removesuffix(".weight").split(".") for name in weight_names(linear)]
+    weights stacked from an ``nn.ModuleList``, with ``*`` where their paths differ (``experts.*.w1``).
+    ``names``: the weight's placeholders, for a linear that is no site's."""
+    paths = [ctx.params[name].fqn.removesuffix(".weight").split(".") for name in names or weight_names(linear)]
     return ".".join(part if all(p[i] == part for p in paths) else "*" for i, part in enumerate(paths[0]))
 
 
@@ -727,7 +728,8 @@ def find_moe_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[MoESite]:
     read = {g for site in sites for g in site.up + site.down}
     for grouped in (n for n in gm.graph.nodes if op_kind(n) == "grouped_mm" and n not in read):
         if _has_param_weight(grouped, ctx):
-            ctx.warn(f"{grouped.name}: the grouped matmul of {ctx.params[weight_param(grouped)[0].name].fqn} is not "
+            stacked = tuple(w.name for w in stacked_params(weight_param(grouped)[0]))
+            ctx.warn(f"{grouped.name}: the grouped matmul of {module_name(grouped, ctx, stacked)} is not "
                      f"read as a mixture of experts (up and down grouped matmuls with per-row ops between them, on "
                      f"tokens gathered by a top-k router's choice and summed back per token): planned op by op, its "
                      f"experts whole on every rank")
