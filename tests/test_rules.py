@@ -24,6 +24,7 @@ from dtensor_par.ops.halo import HaloPlan, halo_plan
 from dtensor_par.passes.meta import NodeSharding, set_sharding
 from dtensor_par.passes.nodes import tensor_inputs
 from dtensor_par.passes.rules.core import RuleEnv
+from dtensor_par.passes.rules.indexing import localize_split
 from dtensor_par.passes.rules.reductions import localize_mean
 from dtensor_par.passes.rules.registry import lookup
 from dtensor_par.placements import InterleavedShard, Partial, Replicate, Shard, local_chunk, parts_of, shard_dim
@@ -78,9 +79,10 @@ def check_rule(fn, inputs: list, placements: list) -> NodeSharding:
     ins = tensor_inputs(op)
     kind = lookup(op)
     sharding = kind.rule(op, ins, [given[i] for i in ins], RuleEnv("tp", SIZE, {}, False))
-    if kind.localize is localize_mean:  # the one hook that changes what a rank computes, and sends nothing
+    if kind.localize in (localize_mean, localize_split):  # the hooks that change what a rank computes, sending nothing
         set_sharding(op, "tp", sharding)
-        localize_mean(gm, op, SimpleNamespace(dims={"tp": SimpleNamespace(size=SIZE)}))
+        kind.localize(gm, op, SimpleNamespace(dims={"tp": SimpleNamespace(size=SIZE, chunks_per_rank=1)},
+                                              size=lambda name: SIZE))
     generator = torch.Generator().manual_seed(0)
     pieces = {}
     for i, need in zip(ins, sharding.inputs):
@@ -124,6 +126,9 @@ OPS = {
     "einsum_project": (lambda x, w: torch.einsum("bsd,fd->bsf", x, w), [_t(2, 4, 6), _t(8, 6)]),
     "einsum_vector": (lambda x, v: torch.einsum("bsh,h->bs", x, v), [_t(2, 4, 6), _t(6)]),
     "einsum_broadcast": (lambda x, y: torch.einsum("bsd,bsd->bs", x, y), [_t(2, 4, 6), _t(1, 4, 6)]),
+    # HiDream's rotary angles, positions times frequencies; and '...' broadcast from the right.
+    "einsum_ellipsis": (lambda x, w: torch.einsum("...n,d->...nd", x, w), [_t(2, 4, 6), _t(4)]),
+    "einsum_ellipsis_broadcast": (lambda x, y: torch.einsum("...d,...d->...", x, y), [_t(2, 4, 6), _t(4, 6)]),
     # Features of odd width: a tp shard of the normalized features runs as ops.norm.sharded_norm,
     # which all-reduces (tests/test_cp_gloo.py, case qk_norm_across_heads).
     "layer_norm": (lambda x, w: F.layer_norm(x, (5,), w), [_t(2, 4, 5), _t(5)]),
@@ -263,6 +268,27 @@ def test_tokens_tiled_per_expert_stay_cut_through_the_views_and_products_of_dens
     assert check_rule(lambda x: x.view(3, -1, 6), [_t(12, 6)], [InterleavedShard(0, (4, 4, 4))]).out == Shard(1)
     assert check_rule(lambda x: x.view(2, -1, 6), [_t(24, 6)], [InterleavedShard(0, parts * 3)]).out == \
         InterleavedShard(1, parts + (4,))
+
+
+def test_a_joint_sequence_of_several_parts_stays_cut_part_by_part():
+    """HiDream's joint sequence: image tokens beside text from two encoders (three parts, one a
+    concatenation already), its rotary angles made from positions concatenated once (two parts),
+    split back into image and text, and flattened with the batch for its experts and viewed back.
+    Each rank keeps its piece of every part; where two cuts meet, the smaller tensor follows."""
+    text = InterleavedShard(1, (4, 4))
+    joint = check_rule(lambda x, t: torch.cat([x, t], 1), [_t(2, 8, 6), _t(2, 8, 6)], [Shard(1), text])
+    assert joint == NodeSharding(InterleavedShard(1, (8, 4, 4)), (Shard(1), text))
+    assert check_rule(lambda t, y: torch.cat([t, y], 1), [_t(2, 8, 6), _t(2, 4, 6)], [text, R]) == \
+        NodeSharding(InterleavedShard(1, (4, 4, 4)), (text, Shard(1)))
+    parts = InterleavedShard(1, (8, 4, 4))
+    split = check_rule(lambda x: torch.split(x, [8, 8], 1), [_t(2, 16, 6)], [parts])
+    assert split == NodeSharding((Shard(1), text), (parts,))
+    assert check_rule(lambda x: torch.split(x, [4, 12], 1), [_t(2, 16, 6)], [parts]).note  # cuts a part: gathered
+    angles = InterleavedShard(1, (8, 8))  # [B, S, 1, D]: the heads broadcast
+    turned = check_rule(lambda q, f: q * f, [_t(2, 16, 3, 4), _t(2, 16, 1, 4)], [parts, angles])
+    assert turned == NodeSharding(parts, (parts, parts))
+    rows = InterleavedShard(0, (8, 4, 4) * 2)
+    assert check_rule(lambda y: y.view(2, -1, 6), [_t(32, 6)], [rows]).out == parts
 
 
 def test_setitem_writes_each_shard_in_place_or_is_refused():

@@ -235,9 +235,14 @@ def split_rule(node, ins, cur, env):
     if p.dim != dim:
         return NodeSharding(tuple(p for _ in pieces), (p,))
     sizes = tuple(t.shape[dim] for t in pieces)
-    if isinstance(p, InterleavedShard) and p.parts == sizes:
-        return NodeSharding(tuple(Shard(dim) for _ in pieces), (p,))
-    return replicate_all(node, ins, cur, f"split {list(sizes)} of the sharded dim {dim}")
+    bounds = [sum(p.parts[:i]) for i in range(len(p.parts) + 1)] if isinstance(p, InterleavedShard) else None
+    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    if bounds is None or not set(starts) <= set(bounds):
+        return replicate_all(node, ins, cur, f"split {list(sizes)} of the sharded dim {dim}")
+    # Each piece is whole parts (a joint sequence split back into text and image): each rank
+    # splits its piece of every part.
+    kept = [p.parts[bounds.index(start):bounds.index(stop)] for start, stop in zip(starts, starts[1:])]
+    return NodeSharding(tuple(Shard(dim) if len(k) == 1 else InterleavedShard(dim, k) for k in kept), (p,))
 
 
 def unbind_rule(node, ins, cur, env):
@@ -274,13 +279,15 @@ def cat_rule(node, ins, cur, env):
         return NodeSharding(p, as_given(p))
     out_dim = p.dim + 1 if stack and p.dim >= dim else p.dim
     if not stack and p.dim == dim:
-        if any(q not in (Shard(dim), R) for q in resolved):
+        if any(q != R and shard_dim(q) != dim for q in resolved):
             return replicate_all(node, ins, cur, f"concatenation along the sharded dim {dim}")
         # Each rank concatenates its piece of every input (a whole one is cut, which sends
         # nothing): its piece of every part (a joint text + image sequence, an attention
-        # output beside an MLP branch).
-        return NodeSharding(InterleavedShard(dim, tuple(tensor_val(i).shape[dim] for i, _ in real)),
-                            as_given(Shard(dim)))
+        # output beside an MLP branch), an input cut part by part adding its parts.
+        required = iter(q if isinstance(q, InterleavedShard) else Shard(dim) for q in resolved)
+        required = tuple(q if e else next(required) for q, e in zip(cur, empty))
+        parts = sum((parts_of(q, tensor_val(i).shape[dim]) for i, q in zip(ins, required) if shard_dim(q) == dim), ())
+        return NodeSharding(InterleavedShard(dim, parts), required)
     return NodeSharding(moved(p, out_dim), as_given(p))
 
 
@@ -342,8 +349,10 @@ def localize_split(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     sizes = given.get("split_sizes", given.get("split_size"))  # split_with_sizes names them sizes
     for name, sharding in shardings(node).items():
         if shard_dim(sharding.inputs[0]) == split_dim(node):
-            n = mesh.size(name)
-            sizes = sizes // n if isinstance(sizes, int) else [s // n for s in sizes]
+            n, chunks = mesh.size(name), mesh.dims[name].chunks_per_rank
+            sizes = sizes // n if isinstance(sizes, int) else \
+                [sum(shard_length(part, n, chunks) for part in parts_of(piece, size))
+                 for piece, size in zip(sharding.out, sizes)]
     node.args, node.kwargs = (given["input"], sizes, given["dim"]), {}
 
 

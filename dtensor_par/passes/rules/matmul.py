@@ -78,15 +78,22 @@ def matmul_rule(node, ins, cur, env):
     return replicate_all(node, ins, [pa, pb], "matmul contracting an interleaved dim")
 
 
-def _einsum_subscripts(node) -> tuple[list[str], str] | None:
-    """``(["bhsd", "bhtd"], "bhst")`` for an explicit equation without ``...`` or repeated
-    letters in one operand; None otherwise."""
+def _einsum_subscripts(node, ins) -> tuple[list[str], str] | None:
+    """``(["bhsd", "bhtd"], "bhst")`` for an explicit equation without repeated letters in one
+    operand, its ``...`` spelled out in letters of their own (broadcast from the right, as
+    einsum does); None otherwise."""
     given = arguments(node)  # torch.einsum(equation, *operands), or the operands as one list
     equation = (given["equation"] if "equation" in given else given["args"][0]).replace(" ", "")
-    if "->" not in equation or "." in equation:
+    if "->" not in equation:
         return None
     inputs, output = equation.split("->")
     operands = inputs.split(",")
+    if len(operands) != len(ins):
+        return None
+    spans = [tensor_val(i).dim() - len(s.replace("...", "")) if "..." in s else 0 for i, s in zip(ins, operands)]
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in equation][:max(spans)]
+    operands = [s.replace("...", "".join(free[len(free) - n:])) for s, n in zip(operands, spans)]
+    output = output.replace("...", "".join(free))
     if any(len(set(s)) != len(s) for s in operands):
         return None
     return operands, output
@@ -96,9 +103,9 @@ def einsum_rule(node, ins, cur, env):
     """The letter of the first sharded operand's sharded dim stays sharded in every operand
     that has it (size-1 broadcast dims stay whole): in the output if it is kept there, else the
     contraction gives partial sums. Linear in each operand, so one Partial operand stays Partial."""
-    subscripts = _einsum_subscripts(node)
-    if subscripts is None or len(subscripts[0]) != len(ins):
-        return replicate_all(node, ins, cur, "einsum with '...', a repeated index or an implicit output")
+    subscripts = _einsum_subscripts(node, ins)
+    if subscripts is None:
+        return replicate_all(node, ins, cur, "einsum with a repeated index, an implicit output or a non-tensor operand")
     operands, output = subscripts
     if sum(isinstance(p, Partial) for p in cur) == 1 and all(p == R for p in cur if not isinstance(p, Partial)):
         return NodeSharding(Partial(), tuple(cur))

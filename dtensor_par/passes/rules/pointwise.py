@@ -14,6 +14,7 @@ from ...mesh import MeshInfo
 from ...ops.cache_attention import cache_buffer
 from ...ops.dropout import sharded_dropout
 from ...placements import Partial, Placement, Shard, shard_dim
+from ...symbolic import hint
 from ..meta import NodeSharding, placements, planned_local_shape
 from ..nodes import arguments, tensor_inputs, tensor_val
 from .core import R, moved, replicate_all, resolve_partial
@@ -62,13 +63,13 @@ def pointwise_rule(node, ins, cur, env):
             return NodeSharding(Partial(), tuple(cur))
         cur = resolve_partial(ins, cur, env)
     out_val = tensor_val(node)
-    target = None
-    for i, p in zip(ins, cur):
-        if shard_dim(p) is not None:
-            target = moved(p, p.dim + out_val.dim() - tensor_val(i).dim())
-            break
-    if target is None:
+    sharded = [(i, p) for i, p in zip(ins, cur) if shard_dim(p) is not None]
+    if not sharded:
         return NodeSharding(R, tuple(R for _ in ins))
+    # Inputs sharded unlike each other follow the largest (the first of equals): the smaller
+    # ones are the cheaper to send (rotary frequencies, not the heads they turn).
+    i, p = max(sharded, key=lambda s: hint(tensor_val(s[0]).numel()))
+    target = moved(p, p.dim + out_val.dim() - tensor_val(i).dim())
     expected = []
     for i in ins:
         val = tensor_val(i)

@@ -61,17 +61,21 @@ def view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, pieces
 
 
 def _split_equal_parts(p: InterleavedShard, dst: tuple[int, ...], outer: list[int], pieces: int) -> Placement | None:
-    """An interleaved dim of equal parts split into the ``outer`` dims of ``dst``, ``(runs, ...)``:
-    each of the first dim's entries holds whole parts, cut alike, along the next dim (tokens of
-    every batch entry tiled once per expert, ``[E * B * S] -> [E, B * S]``); None when the split
+    """An interleaved dim whose parts repeat once per entry of the first of the ``outer`` dims of
+    ``dst``, ``(runs, ...)``, split into them: each entry holds its whole parts, cut alike, along
+    the next dim (tokens of every batch entry tiled once per expert, ``[E * B * S] -> [E, B * S]``;
+    a joint text + image sequence flattened with its batch and viewed back); None when the split
     cuts a part."""
-    part, count = p.parts[0], len(p.parts)
-    if len(set(p.parts)) != 1 or len(outer) < 2 or count % dst[outer[0]]:
+    count = len(p.parts)
+    if len(outer) < 2 or count % dst[outer[0]]:
         return None
     per_entry, runs = count // dst[outer[0]], dst[outer[1]]
+    entry = p.parts[:per_entry]
+    if entry * dst[outer[0]] != p.parts:
+        return None
     if per_entry == 1:
         return Shard(outer[1]) if runs % pieces == 0 else None
-    return InterleavedShard(outer[1], p.parts[:per_entry]) if runs == per_entry * part else None
+    return InterleavedShard(outer[1], entry) if runs == sum(entry) else None
 
 
 def view_rule(node, ins, cur, env):
