@@ -378,6 +378,28 @@ def sana():
                            timestep=torch.tensor([10, 500]), return_dict=False)
 
 
+def hidream():
+    """HiDream-I1's transformer in training: Flux-like double and single-stream blocks whose
+    feed-forward is a mixture of 4 experts (top-2) in an ``nn.ModuleList``, looped over with a
+    mask per expert, beside a shared expert. The text is three parts (T5's, and two Llama
+    layers'), the rotary positions one. Run under Dynamo's ``capture_dynamic_output_shape_ops``
+    (``ONE_GRAPH``): otherwise the loop breaks the graph and Dynamo skips the model's frame."""
+    from diffusers import HiDreamImageTransformer2DModel
+    model = HiDreamImageTransformer2DModel(patch_size=2, in_channels=4, out_channels=4, num_layers=1,
+                                           num_single_layers=1, attention_head_dim=8, num_attention_heads=4,
+                                           caption_channels=[8, 4], text_emb_dim=16, num_routed_experts=4,
+                                           num_activated_experts=2, axes_dims_rope=(4, 2, 2), max_resolution=(32, 32),
+                                           llama_layers=[0, 1])
+    return model, (), dict(hidden_states=torch.randn(BATCH, 4, 8, 8), timesteps=torch.tensor([10, 500]),
+                           encoder_hidden_states_t5=torch.randn(BATCH, 8, 8),
+                           encoder_hidden_states_llama3=torch.randn(2, BATCH, 8, 4),
+                           pooled_embeds=torch.randn(BATCH, 16), return_dict=False)
+
+
+ONE_GRAPH = {"hidream"}
+"""Models run under Dynamo's ``capture_dynamic_output_shape_ops`` (``passes.expert_loop``)."""
+
+
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,
              "flux": flux, "phi3": phi3, "gptj": gptj, "bert": bert, "modernbert": modernbert, "wan": wan, "sd3": sd3, "bloom": bloom, "t5": t5,
              "falcon": falcon, "falcon_multi_query": falcon_multi_query, "gpt_bigcode": gpt_bigcode, "mixtral": mixtral, "mixtral_aux": mixtral_aux,
@@ -385,4 +407,4 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,
              "llama4": llama4, "mochi": mochi, "cogview4": cogview4, "sana": sana,
-             "phimoe": phimoe}
+             "phimoe": phimoe, "hidream": hidream}
