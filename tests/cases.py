@@ -41,7 +41,7 @@ CASES = {
     "parts_first_qkv": (models.PartsFirstBlock, lambda: [(torch.randn(2, 8, 48),)]),
     "graph_break": (models.GraphBreakModel, lambda: [(torch.randn(2, 8, 32),)]),
     "odd_mlp_width": (models.OddMLPBlock, lambda: [(torch.randn(2, 8, 32),)]),
-    "unshardable_op": (models.CumsumMLP, lambda: [(torch.randn(2, 4, 16),)]),
+    "unshardable_op": (models.UnruledOpMLP, lambda: [(torch.randn(2, 4, 16),)]),
     "keyword_sdpa_scale": (models.KeywordAttention, lambda: [(torch.randn(2, 8, 32),)]),
     "uneven_heads_14": (lambda: models.Llama(layers=1, hidden=56, heads=14, kv_heads=2, mlp=64),
                         lambda: [(torch.randint(0, 50, (2, 8)),)]),
@@ -68,6 +68,8 @@ CASES = {
     # experts in an nn.ModuleList looped over: the loop's torch.where breaks the graph; each expert's MLP a graph
     "looped_experts": (lambda: models.LoopedExperts(32, 64, 4, 2), lambda: [(torch.randn(2, 8, 32),)]),
     "looped_moe_block": (models.LoopedMoEBlock, lambda: [(torch.randn(2, 16, 32),)]),
+    # running sums along the sequence: integer position ids of the kept tokens, a running mean with a gradient
+    "running_positions": (models.RunningPositions, lambda: [(torch.randn(2, 16, 32), _keep(16))]),
     # experts picked by a mask each and written back in place (DeepSeek's reference MoE, HiDream's)
     "masked_loop_experts": (lambda: models.MaskedLoopExperts(32, 64, 4, 2), lambda: [(torch.randn(2, 8, 32),)]),
     "folded_heads_attention": (models.FoldedHeadsAttention, lambda: [(torch.randn(2, 8, 32),)]),

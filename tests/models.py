@@ -224,8 +224,8 @@ class OddMLPBlock(GPTBlock):
         super().__init__(hidden=32, heads=4, mlp=18)
 
 
-class CumsumMLP(nn.Module):
-    """An MLP holding an op with no sharding rule (cumsum): its input is gathered, exactly."""
+class UnruledOpMLP(nn.Module):
+    """An MLP holding an op with no sharding rule (logcumsumexp): its input is gathered, exactly."""
 
     def __init__(self):
         super().__init__()
@@ -233,7 +233,7 @@ class CumsumMLP(nn.Module):
 
     def forward(self, x):
         h = torch.relu(self.up(x))
-        return self.down(h + torch.cumsum(h, dim=1))
+        return self.down(h + torch.logcumsumexp(h, dim=1))
 
 
 class MeanLoss(nn.Module):
@@ -577,6 +577,22 @@ class MaskedLoopExperts(LoopedExperts):
         for e, expert in enumerate(self.experts):
             out[ids == e] = expert(rows[ids == e])
         return (out.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1).view(x.shape)
+
+
+class RunningPositions(nn.Module):
+    """Running sums along the sequence: positions counted over the tokens a padding mask keeps
+    (RoBERTa's position ids, integers) and a running mean of the hidden states (floating, with
+    a gradient), before a GPT block."""
+
+    def __init__(self, hidden: int = 32, positions: int = 40):
+        super().__init__()
+        self.table = nn.Embedding(positions, hidden)
+        self.block = GPTBlock(hidden)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        h = x + self.table(torch.cumsum(keep.int(), dim=1) * keep)
+        counts = torch.arange(1, h.shape[1] + 1, device=h.device, dtype=h.dtype)
+        return self.block(h + h.cumsum(1) / counts[:, None])
 
 
 class LoopedMoEBlock(GPTBlock):

@@ -19,11 +19,12 @@ PAIRS = {
         "llama_enable_gqa", "llama_repeat_interleave_kv4", "llama_gqa_rope", "uneven_heads_14", "bool_mask",
         "joint_attention", "complex_rope_pad", "qk_norm_across_heads", "looped_experts"]),
     # Sequence length 30 in 8 chunks (zigzag over ring=2, split by ulysses=2): padded to 32.
-    "ring2-ulysses2": dict(mesh_sizes={"ring": 2, "ulysses": 2}, traced=["uneven_seq_30", "uneven_seq_30_masked"],
+    "ring2-ulysses2": dict(mesh_sizes={"ring": 2, "ulysses": 2}, traced=["uneven_seq_30", "uneven_seq_30_masked",
+                                                                        "running_positions"],
                            names=["keyword_sdpa_scale", "uneven_seq_30", "uneven_seq_30_masked",
                                   "uneven_seq_30_bidirectional", "uneven_seq_30_pooling", "mean_loss",
                                   "joint_attention_masked", "rows_hidden_by_an_input", "joint_before_projection",
-                                  "folded_heads_attention", "window_mask_in_a_buffer"]),
+                                  "folded_heads_attention", "window_mask_in_a_buffer", "running_positions"]),
 }
 ONE_GRAPH = {"capture_dynamic_output_shape_ops": True}
 """Dynamo's option under which a loop over an nn.ModuleList's experts is one graph (``passes.expert_loop``)."""
@@ -85,9 +86,12 @@ def test_each_pair_of_mesh_dims_at_world_4(pair):
         assert not any("gathered" in w for w in result["mean_loss"]["warnings"]), result["mean_loss"]
     if "uneven_seq_30_pooling" in result:
         gathered = " ".join(result["uneven_seq_30_pooling"]["warnings"])
-        for op in ("conv1d", "cumsum", "mean"):
+        for op in ("conv1d", "mean"):
             assert op in gathered and "'cp'" in gathered, (op, gathered)
         assert "getitem" not in gathered, gathered  # the last token: picked by its rank, the others add zeros
+        assert "cumsum" not in gathered, gathered  # each rank's runs summed, the totals before them added
+    if "running_positions" in result:  # position ids and a running mean summed along the sequence cut over cp
+        assert result["running_positions"]["warnings"] == [], result["running_positions"]
 
 
 def test_tp_ring_ulysses_at_world_8_in_a_non_default_order():

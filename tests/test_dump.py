@@ -204,6 +204,28 @@ def test_ring_step_runs_what_explain_reports(ring, fake_world):
         assert ran == reported, inner
 
 
+def test_running_sums_along_the_sequence_send_their_totals_as_explain_reports(fake_world):
+    """``cumsum`` along the sequence cut over the ring (``ops.scan``): each rank gathers the totals
+    of every run, one number per run and row (the zigzag layout's two runs a rank), never the
+    tensor; the floating sum's gradient comes back through their reduce-scatter. A training
+    step runs, collective by collective and byte by byte, what explain reports."""
+    fake_world(2)
+    model, (x, keep) = models.RunningPositions(), (torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.bool))
+    reported = {"forward": Counter(), "backward": Counter()}
+    for row in dtensor_par.explain(model, (x, keep), ring=2, device_type="cpu").graphs[0].collectives:
+        reported[row["direction"]][FUNCTIONAL_OPS[row["op"]], row["bytes_per_rank"]] += row["count"]
+    ids, means = 2 * 2 * 8, 2 * 2 * 32 * 4  # batch 2 x 2 runs: int64 counts, then 32 float32 features
+    assert reported["forward"]["all_gather_into_tensor", ids] == reported["forward"]["all_gather_into_tensor", means] == 1
+    assert reported["backward"]["reduce_scatter_tensor", 2 * means] == 1
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(ring=2),
+                                                                        inner_backend="aot_eager"))
+    compiled(x, keep).sum().backward()  # compiles
+    loss = {}
+    ran = {"forward": Counter(executed_collectives(lambda: loss.setdefault("step", compiled(x, keep).sum())))}
+    ran["backward"] = Counter(executed_collectives(loss["step"].backward))
+    assert ran == reported
+
+
 @pytest.mark.parametrize("sizes", [{"ulysses": 2}, {"ring": 2}], ids=str)
 def test_cross_attention_exchanges_what_explain_reports(sizes, fake_world):
     """Cross-attention's keys and values have the context's length (4), not the queries' (16):

@@ -291,6 +291,20 @@ def test_a_joint_sequence_of_several_parts_stays_cut_part_by_part():
     assert check_rule(lambda y: y.view(2, -1, 6), [_t(32, 6)], [rows]).out == parts
 
 
+def test_a_running_sum_keeps_every_cut_but_part_by_part_along_its_dim():
+    """``cumsum`` along another dim runs on each rank's piece (exact here); along the cut dim it
+    stays cut, each rank adding the totals before its runs (``ops.scan.sharded_cumsum``, which
+    gathers: exact in ``test_cp_gloo``, case running_positions), unless the dim is cut part by
+    part, which is gathered, saying why."""
+    x = _t(2, 8, 6)
+    assert check_rule(lambda x: x.cumsum(2), [x], [Shard(1)]) == NodeSharding(Shard(1), (Shard(1),))
+    gm, op = _traced(lambda x: torch.cumsum(x, 1), [x])
+    along = lookup(op).rule(op, tensor_inputs(op), [Shard(1)], RuleEnv("cp", SIZE, {}, False, chunks_per_rank=2))
+    assert along == NodeSharding(Shard(1), (Shard(1),))
+    parts = lookup(op).rule(op, tensor_inputs(op), [InterleavedShard(1, (4, 4))], RuleEnv("cp", SIZE, {}, False))
+    assert parts.out == R and parts.note.startswith("a running sum along the dim 1, cut part by part"), parts
+
+
 def test_setitem_writes_each_shard_in_place_or_is_refused():
     """Wan's RoPE writes ``out[..., 0::2] = ...``: the sharded dim is kept whole, so each rank
     writes its own piece. A write that cuts the sharded dim is refused, never gathered."""

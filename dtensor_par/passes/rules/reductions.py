@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from ...mesh import MeshInfo
 from ...ops.norm import sharded_norm
-from ...placements import Partial, parts_of, shard_dim
-from ...symbolic import hint
+from ...ops.scan import sharded_cumsum
+from ...placements import InterleavedShard, Partial, parts_of, shard_dim
+from ...symbolic import hint, is_symbolic
 from ..meta import (Communication, NodeSharding, global_shape, planned_local_shape, set_communications, shardings,
                     site_role)
 from ..nodes import arguments, target_name, tensor_val
@@ -116,6 +117,40 @@ def extreme_rule(node, ins, cur, env):
     return NodeSharding((out, out), (p,))
 
 
+def cumsum_rule(node, ins, cur, env):
+    """A running sum keeps its input's cut: along another dim each rank sums its own piece;
+    along the cut dim, cut evenly, each rank adds the totals of the pieces before its own
+    (``localize_cumsum``). Cut part by part (a joint sequence), the parts are gathered."""
+    p = resolve_partial(ins, cur, env)[0]
+    dim = norm_dim(arguments(node)["dim"], tensor_val(ins[0]).dim())
+    if shard_dim(p) == dim and (isinstance(p, InterleavedShard) or is_symbolic(tensor_val(ins[0]).shape[dim])):
+        return replicate_all(node, ins, [p], f"a running sum along the dim {dim}, cut part by part or of a "
+                                             f"symbolic length")
+    return NodeSharding(p, (p,))
+
+
+def localize_cumsum(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """A running sum along a dim sharded evenly becomes ``sharded_cumsum``: each run's total
+    gathered, never the tensor."""
+    given = arguments(node)
+    dim = norm_dim(given["dim"], len(global_shape(node)))
+    along = [name for name, s in shardings(node).items() if shard_dim(s.inputs[0]) == dim]
+    if not along:
+        return
+    mesh_dim = mesh.dims[along[0]]
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(sharded_cumsum, (given["input"], dim, global_shape(node)[dim], mesh_dim,
+                                                      given.get("dtype")))
+    new.meta = node.meta
+    local = planned_local_shape(node, mesh)
+    totals = hint(math.prod(local) // local[dim]) * mesh_dim.chunks_per_rank * tensor_val(node).element_size()
+    backward = "reduce_scatter" if node.meta["requires_grad"] else None
+    set_communications(new, [Communication("all_gather", backward, mesh_dim.name, mesh_dim.size, totals,
+                                           totals * mesh_dim.size, site_role(node))])
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
 def mean_of_shards(x: torch.Tensor, dim, keepdim: bool, dtype: torch.dtype | None, ranks: int) -> torch.Tensor:
     """This rank's share of a mean over a dim whose equal shards ``ranks`` ranks hold: its own
     mean over ``ranks``, so the shares sum to the mean."""
@@ -144,3 +179,4 @@ register("softmax", "reductions", softmax_rule, functions=[F.softmax, torch.soft
 register("reduce", "reductions", reduce_rule, functions=[torch.sum, torch.mean, torch.amax],
          methods=["sum", "mean", "amax"], localize=localize_mean)
 register("extreme", "reductions", extreme_rule, functions=[torch.max, torch.min], methods=["max", "min"])
+register("cumsum", "reductions", cumsum_rule, functions=[torch.cumsum], methods=["cumsum"], localize=localize_cumsum)
