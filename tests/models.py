@@ -595,6 +595,28 @@ class RunningPositions(nn.Module):
         return self.block(h + h.cumsum(1) / counts[:, None])
 
 
+class JointRotary(nn.Module):
+    """HiDream's joint attention, small: image tokens beside two texts (a joint sequence of parts
+    [16, 8, 8]), turned by rotary angles made of positions concatenated once (parts [16, 16]),
+    each half of the angles taken for q and again for k, as diffusers' rotary embedding does."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.register_buffer("freqs", torch.linspace(0.1, 1.0, hidden // heads))
+
+    def forward(self, image, text_a, text_b, image_pos, text_pos):
+        x = torch.cat([image, torch.cat([text_a, text_b], 1)], 1)
+        angles = torch.cat([image_pos, text_pos], 1)[:, :, None, None] * self.freqs  # [B, S, 1, head_dim]
+        turns = torch.stack([angles.cos(), angles.sin()], -1)
+        q, k, v = (t.unflatten(-1, (self.heads, -1)) for t in self.qkv(x).chunk(3, -1))
+        q = q * turns[..., 0] + rotate_half(q) * turns[..., 1]
+        k = k * turns[..., 0] + rotate_half(k) * turns[..., 1]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.out(out.transpose(1, 2).flatten(2))
+
+
 class LoopedMoEBlock(GPTBlock):
     """A GPT block whose MLP is ``LoopedExperts``: 4 experts, top-2."""
 

@@ -226,6 +226,28 @@ def test_running_sums_along_the_sequence_send_their_totals_as_explain_reports(fa
     assert ran == reported
 
 
+def test_a_view_taken_again_alike_is_recut_once_as_explain_reports(fake_world):
+    """HiDream's rotary halves: the angles, cut as their positions are ([16, 16]), are re-cut to
+    the tokens' parts ([16, 8, 8]) where they turn q, and each half, taken again alike for k,
+    shares that re-cut: 2 gathers of [2, 16, 1, 8] float32 halves, as a training step under
+    aot_eager runs them (before: explain reported 4, one for each take)."""
+    fake_world(2)
+    model = models.JointRotary()
+    inputs = (torch.randn(2, 16, 32), torch.randn(2, 8, 32), torch.randn(2, 8, 32), torch.arange(16.0).expand(2, 16),
+              torch.zeros(2, 16))
+    reported = {"forward": Counter(), "backward": Counter()}
+    for row in dtensor_par.explain(model, inputs, ring=2, device_type="cpu").graphs[0].collectives:
+        reported[row["direction"]][FUNCTIONAL_OPS[row["op"]], row["bytes_per_rank"]] += row["count"]
+    assert reported["forward"]["all_gather_into_tensor", 2 * 16 * 8 * 4] == 2, reported
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(ring=2),
+                                                                        inner_backend="aot_eager"))
+    compiled(*inputs).sum().backward()  # compiles
+    loss = {}
+    ran = {"forward": Counter(executed_collectives(lambda: loss.setdefault("step", compiled(*inputs).sum())))}
+    ran["backward"] = Counter(executed_collectives(loss["step"].backward))
+    assert ran == reported
+
+
 @pytest.mark.parametrize("sizes", [{"ulysses": 2}, {"ring": 2}], ids=str)
 def test_cross_attention_exchanges_what_explain_reports(sizes, fake_world):
     """Cross-attention's keys and values have the context's length (4), not the queries' (16):

@@ -590,27 +590,6 @@ def test_capture_makes_a_loop_over_experts_the_experts_read_a_row_at_a_time():
                                torch.autograd.grad(expected.square().sum(), params), atol=1e-5, rtol=1e-5)
 
 
-class _RotaryTakenTwice(nn.Module):
-    """diffusers' rotary embedding: the angles' two halves taken for q, then again for k, with a
-    write into the angles between them."""
-
-    def forward(self, freqs, q, k):
-        angles = freqs * 1.0
-        q = angles[..., 0] * q + angles[..., 1] * q.flip(-1)
-        angles.mul_(2)
-        return q, angles[..., 0] * k + angles[..., 1] * k.flip(-1)
-
-
-def test_views_taken_again_alike_are_one_view():
-    """The second take of ``angles[..., 0]`` is the first one's node: a view aliases its input,
-    so it reads the write made between them (the module's values, exactly), and a plan that
-    re-cuts it re-cuts it once."""
-    inputs = [torch.randn(2, 8, 4, 2), torch.randn(2, 8, 4), torch.randn(2, 8, 4)]
-    gm, ctx = _passes_on(_RotaryTakenTwice(), inputs, (capture_pass, canonicalize_pass))
-    assert sum(n.target is operator.getitem for n in gm.graph.nodes) == 2, gm.code
-    torch.testing.assert_close(gm(*ctx.example_inputs), _RotaryTakenTwice()(*inputs), rtol=0, atol=0)
-
-
 class _RoutedPerPosition(models.MaskedLoopExperts):
     """The router run on ``[batch, seq, hidden]``: its weights, and the rows summed over the k
     slots, never shaped ``[tokens, hidden]`` as the rows the experts read."""

@@ -45,11 +45,6 @@
   product (``ops.grouped``) and the rows put back by ``argsort`` of the order. Each row's dot
   products are the same; detect, the tp plan and expert parallelism then apply unchanged, and no
   ``[S, out, in]`` copy of the weights is made.
-- Two views of one tensor taken alike (diffusers' rotary embedding takes ``freqs[..., 0]`` for q and
-  again for k, in every block) become one: a view aliases its input, so the second reads what the
-  first does, even after a write into the input. A view the plan re-cuts is then re-cut once;
-  the inner backend's common-subexpression elimination would merge the two collectives anyway,
-  and reports count what runs.
 - A softmax of its input less the input's max along the softmax's dim (GPT-OSS's
   ``logits - logits.max(-1, keepdim=True).values``) becomes the softmax of the input: a
   softmax subtracts its rows' max itself, and the result is the same. What it reads is then
@@ -663,45 +658,9 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
         split_features_before_views(gm, node)
 
 
-_ALIASING_METHODS = frozenset({"view", "transpose", "permute", "unsqueeze", "squeeze", "expand", "select", "t",
-                               "movedim", "unflatten", "split", "chunk", "unbind", "view_as_real", "view_as_complex"})
-_ALIASING_FUNCTIONS = frozenset({torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.select, torch.t,
-                                 torch.movedim, torch.unflatten, torch.split, torch.chunk, torch.unbind,
-                                 torch.view_as_real, torch.view_as_complex})
-"""Ops whose every output is a view of their input (``reshape`` and ``flatten`` may copy)."""
-
-
-def _is_view(node: fx.Node) -> bool:
-    """Whether ``node`` only views its input: an aliasing op, or indexing by ints, slices,
-    ``None`` and ``...`` (indexing by a tensor copies)."""
-    if node.op == "call_method":
-        return node.target in _ALIASING_METHODS
-    if node.target is operator.getitem:
-        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) or
-                   (isinstance(i, fx.Node) and tensor_val(i) is None) for i in index)
-    return node.op == "call_function" and node.target in _ALIASING_FUNCTIONS
-
-
-def merge_repeated_views(gm: fx.GraphModule) -> None:
-    """Each view taken again alike of the same tensor read as the first (the module's docstring)."""
-    first: dict[tuple, fx.Node] = {}
-    for node in list(gm.graph.nodes):
-        if node.op not in ("call_function", "call_method") or not _is_view(node):
-            continue
-        with at_node("canonicalize", node):
-            key = (node.op, node.target, repr(node.args), repr(node.kwargs))  # a node's repr is its name
-            if key in first:
-                node.replace_all_uses_with(first[key])
-                gm.graph.erase_node(node)
-            else:
-                first[key] = node
-
-
 def canonicalize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         with at_node("canonicalize", node):
             canonicalize_node(gm, node, ctx)
-    merge_repeated_views(gm)
     gm.recompile()
     return gm

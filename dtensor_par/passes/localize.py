@@ -30,7 +30,7 @@ from ..symbolic import hint, is_symbolic, materialize_sizes
 from .context import ParallelContext, at_node
 from .meta import (Communication, clear_communications, communications, mark_fsdp_gather, placements,
                    planned_local_shape, set_communications, shardings, site_role)
-from .nodes import arguments, tensor_inputs, tensor_val, writes_in_place
+from .nodes import arguments, repeated_views, tensor_inputs, tensor_val, writes_in_place
 from .rules.registry import lookup, op_kind
 from .rules.views import view_groups
 
@@ -411,12 +411,17 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     record_runtime_gathers(gm, ctx)
     dims = ctx.mesh.plan_dims
     graph = gm.graph
-    cache: dict = {}  # one redistribution per producer, mesh dim and target placement
+    cache: dict = {}  # one redistribution per value, mesh dim and target placement
     fsdp = {name: layout for name, layout in held_layouts(ctx).items() if layout.fsdp_dim is not None}
     local_batch = ctx.config.batch == "local"
     compute = compute_dtypes(gm, ctx)
+    same_value = {node: view for node, view in repeated_views(gm).items() if shardings(node) == shardings(view)}
 
     def cached(key, make) -> fx.Node:
+        """The node ``make`` inserts, made once per key; a view taken again alike is its first
+        take's value, so it shares that one's redistributions (the inner backend's CSE would
+        merge their collectives, and reports count what runs)."""
+        key = (same_value.get(key[0], key[0]), *key[1:])
         if key not in cache:
             cache[key] = make()
         return cache[key]

@@ -221,3 +221,38 @@ def weight_param(linear: fx.Node) -> tuple[fx.Node, bool]:
     if isinstance(weight, fx.Node) and _swaps_last_two_dims(weight):
         return arguments(weight)["input"], True
     return weight, False
+
+
+_ALIASING_METHODS = frozenset({"view", "transpose", "permute", "unsqueeze", "squeeze", "expand", "select", "t",
+                               "movedim", "unflatten", "split", "chunk", "unbind", "view_as_real", "view_as_complex"})
+_ALIASING_FUNCTIONS = frozenset({torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.select, torch.t,
+                                 torch.movedim, torch.unflatten, torch.split, torch.chunk, torch.unbind,
+                                 torch.view_as_real, torch.view_as_complex})
+"""Ops whose every output is a view of their input (``reshape`` and ``flatten`` may copy)."""
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether ``node`` only views its input: an aliasing op, or indexing by ints, slices,
+    ``None`` and ``...`` (indexing by a tensor copies)."""
+    if node.op == "call_method":
+        return node.target in _ALIASING_METHODS
+    if node.op == "call_function" and node.target is operator.getitem:
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) or
+                   (isinstance(i, fx.Node) and tensor_val(i) is None) for i in index)
+    return node.op == "call_function" and node.target in _ALIASING_FUNCTIONS
+
+
+def repeated_views(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """Each view taken again alike of the same tensor (diffusers' rotary embedding takes
+    ``freqs[..., 0]`` for q and again for k, in every block) -> the first such view. A view
+    aliases its input, so the two hold the same values at every point of the graph, even after
+    a write into the input; the graph keeps both (detect reads each reader's own)."""
+    first: dict[tuple, fx.Node] = {}
+    same: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if _is_view(node):
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: same.get(n, n))
+            key = (node.op, node.target, repr(args), repr(kwargs))  # a node's repr is its name
+            same[node] = first.setdefault(key, node)
+    return {node: view for node, view in same.items() if view is not node}
