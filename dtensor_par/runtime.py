@@ -103,8 +103,9 @@ class ParallelBackend:
         self.breaks_counted = counted
 
 
-_EXPERT_LOOP_HINT = ("; a loop over an nn.ModuleList's experts that finds each one's tokens with torch.where runs "
-                     "sharded in one graph under torch._dynamo.config.capture_dynamic_output_shape_ops = True")
+_EXPERT_LOOP_HINT = ("; a loop over an nn.ModuleList's experts that finds each one's tokens with torch.where, or "
+                     "picks its rows by a mask (out[ids == e] = expert(rows[ids == e])), runs sharded in one graph "
+                     "under torch._dynamo.config.capture_dynamic_output_shape_ops = True")
 
 
 def _break_summary(reason: str) -> str:

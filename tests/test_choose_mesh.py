@@ -182,8 +182,8 @@ def test_machine_profiles_round_trip_as_json_and_unknown_names_list_the_known(tm
 
 
 def test_work_is_each_ranks_share_of_the_flops_coverage_counts():
-    """Every linear of a GPT is cut 8 ways at tp=2 x ring=2 x ulysses=2, and zigzag gives every
-    ring rank the same attention; at tp=2 alone, SDPA runs half the heads; dp=2 x ring=2 cuts
+    """Every linear of a GPT is cut 8 ways at tp=2 x ring=2 x ulysses=2 (as the coverage's per-rank
+    share says), and zigzag gives every ring rank the same attention; at tp=2 alone, SDPA runs half the heads; dp=2 x ring=2 cuts
     the batch too (each rank's attention: a quarter). Over a ring, attention runs at the ring's rate."""
     torch.manual_seed(0)
     (gm, inputs), = capture_graphs(models.GPT(layers=1, hidden=64, heads=8, mlp=128), torch.randn(2, 16, 64))
@@ -196,6 +196,7 @@ def test_work_is_each_ranks_share_of_the_flops_coverage_counts():
         assert {w.engine for w in done if w.flops} == {"matmul", attention}, sizes
         flops[ranks] = {"matmul": sum(w.flops for w in done if w.engine == "matmul"),
                         "attention": sum(w.flops for w in done if w.engine == attention)}
+        assert ctx.coverage.rank_linear_flops == flops[ranks]["matmul"], sizes  # the report's share: the same
         if ctx.coverage.ring_attention_flops:
             (per_ring_rank,) = ctx.coverage.ring_attention_flops.values()
             assert flops[ranks]["attention"] == max(per_ring_rank) == min(per_ring_rank)

@@ -610,7 +610,19 @@ def test_experts_not_read_as_a_mixture_are_warned_of_by_their_modules():
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         (graph,) = dtensor_par.explain(_RoutedPerPosition(32, 64, 4, 2), (torch.randn(2, 8, 32),), tp=2).graphs
     named = [w for w in graph.warnings if "of experts.*.w" in w and "is not read as a mixture of experts" in w]
-    assert len(named) == 3 and graph.coverage.sharded_linear_flops == 0, graph.warnings
+    cov = graph.coverage
+    assert len(named) == 3 and cov.sharded_linear_flops == 0 and cov.rank_linear_flops == cov.linear_flops, named
+
+
+def test_a_ranks_share_of_the_linear_flops_counts_cuts_on_some_mesh_dims():
+    """Experts cut over tp beside a ring that cuts nothing (no attention): no linear is sharded on
+    every mesh dim, yet a rank computes half of each expert's FLOPs and all of the router's, and
+    the summary says so."""
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        report = dtensor_par.explain(models.MaskedLoopExperts(32, 64, 4, 2), (torch.randn(2, 8, 32),), tp=2, ring=2)
+    cov, router = report.graphs[0].coverage, 2 * 16 * 32 * 4  # 16 tokens, 32 features, 4 experts
+    assert cov.sharded_linear_flops == 0 and cov.rank_linear_flops == router + (cov.linear_flops - router) // 2
+    assert f"per rank {cov.rank_linear_flops / cov.linear_flops:.1%} of one device's" in cov.summary(), cov.summary()
 
 
 def test_attention_with_its_heads_folded_around_a_3d_softmax_is_a_site_of_its_heads():

@@ -195,8 +195,8 @@ def refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
                 f"on the values of its input (Dynamo's capture_dynamic_output_shape_ops or capture_scalar_outputs), "
                 f"which no plan can lay out. Compile without those options: Dynamo then breaks the graph there and "
                 f"runs the code around it whole on every rank, between the planned graphs (a loop over every expert of "
-                f"an nn.ModuleList, one torch.where of the one-hot choice each, is read as experts and runs sharded; "
-                f"so do transformers' experts_implementation='grouped_mm' experts)")
+                f"an nn.ModuleList, one torch.where of the one-hot choice each or one mask of the chosen ids each, is "
+                f"read as experts and runs sharded; so do transformers' experts_implementation='grouped_mm' experts)")
 
 
 def _propagate(gm: fx.GraphModule, ctx: ParallelContext) -> None:

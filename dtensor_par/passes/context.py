@@ -74,6 +74,7 @@ class Coverage:
 
     linear_flops: int = 0
     sharded_linear_flops: int = 0  # sharded on every planned mesh dim
+    rank_linear_flops: int = 0  # each op's FLOPs over the ranks it is split over: one rank's share of the whole
     block_linear_flops: int = 0
     sharded_block_linear_flops: int = 0
     parameters: int = 0  # elements
@@ -89,8 +90,10 @@ class Coverage:
         return part / whole if whole else 1.0
 
     def summary(self) -> str:
+        blocks = (f"in blocks {self.share(self.sharded_block_linear_flops, self.block_linear_flops):.1%}"
+                  if self.block_linear_flops else "no block linears")
         return (f"linear FLOPs sharded {self.share(self.sharded_linear_flops, self.linear_flops):.1%} "
-                f"(in blocks {self.share(self.sharded_block_linear_flops, self.block_linear_flops):.1%}), "
+                f"({blocks}; per rank {self.share(self.rank_linear_flops, self.linear_flops):.1%} of one device's), "
                 f"parameters sharded {self.share(self.sharded_parameters, self.parameters):.1%}, "
                 f"{len(self.fallback_gathers)} fallback gathers"
                 + (f", kv cache held {self.cache_bytes_per_rank:,} of {self.cache_bytes:,} bytes per rank "
@@ -98,6 +101,7 @@ class Coverage:
 
     def as_dict(self) -> dict:
         return {"linear_flops": self.linear_flops, "sharded_linear_flops": self.sharded_linear_flops,
+                "rank_linear_flops": self.rank_linear_flops,
                 "block_linear_flops": self.block_linear_flops,
                 "sharded_block_linear_flops": self.sharded_block_linear_flops,
                 "parameters": self.parameters, "sharded_parameters": self.sharded_parameters,

@@ -2,7 +2,9 @@
 
 A linear (or matmul, an expert's grouped matmul, a convolution: Sana's feed-forward is three)
 runs sharded on a mesh dim when its output there is not Replicate (sharded, or partial sums):
-each rank then does 1/size of its work on that dim. Block linears are those whose weight lives
+each rank then does 1/size of its work on that dim. "Sharded" counts the ones sharded on every
+planned dim; one rank's share divides each by the sizes of the dims it is split on (a linear cut
+over tp beside a cp that cuts nothing is not sharded, yet a rank does half). Block linears are those whose weight lives
 in a numbered module (``layers.3.mlp.up_proj``), the repeated transformer blocks; the LM head
 or an embedding projection outside them is reported on its own. A fallback gather is a node
 whose inputs the plan had to gather because no rule could keep them split.
@@ -83,8 +85,10 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
         with at_node("coverage", node):
             flops, fqn = _linear_flops(node, ctx), _weight_fqn(node, ctx)
         sharded = bool(plans) and all(s.out != Replicate() for d, s in plans.items() if d not in _own_slice(ctx))
+        split = [d for d, s in plans.items() if d not in _own_slice(ctx) and s.out != Replicate()]
         cov.linear_flops += flops
         cov.sharded_linear_flops += flops * sharded
+        cov.rank_linear_flops += flops // math.prod(ctx.mesh.size(d) for d in split)
         if fqn is not None and _IN_BLOCK.search(fqn):
             cov.block_linear_flops += flops
             cov.sharded_block_linear_flops += flops * sharded
