@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 
 import pytest
 import torch
@@ -258,6 +259,25 @@ def executed_collectives(step) -> list[tuple[str, int]]:
         shape, dtype = e.input_shapes[0], e.input_dtypes[0]
         itemsize = torch.empty((), dtype=_PROFILER_DTYPES.get(dtype, torch.float32)).element_size()
         ran.append((name, math.prod(shape) * itemsize))
+    return ran
+
+
+def reported_collectives(graph) -> dict[str, Counter]:
+    """An explained graph's collectives by direction: ``(functional op, bytes per rank) -> count``,
+    as ``step_collectives`` counts what runs."""
+    reported = {"forward": Counter(), "backward": Counter()}
+    for row in graph.collectives:
+        reported[row["direction"]][FUNCTIONAL_OPS[row["op"]], row["bytes_per_rank"]] += row["count"]
+    return reported
+
+
+def step_collectives(compiled, *inputs) -> dict[str, Counter]:
+    """The collectives a training step of ``compiled`` on ``inputs`` runs (after a first step,
+    which compiles), by direction."""
+    compiled(*inputs).sum().backward()
+    loss = {}
+    ran = {"forward": Counter(executed_collectives(lambda: loss.setdefault("step", compiled(*inputs).sum())))}
+    ran["backward"] = Counter(executed_collectives(loss["step"].backward))
     return ran
 
 

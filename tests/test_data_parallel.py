@@ -17,8 +17,8 @@ from dtensor_par.mesh import MESH_DIMS, MeshInfo
 from tests import models
 from tests.background import in_background
 from tests.cases import run_cases
-from tests.harness import (FUNCTIONAL_OPS, assert_every_rank_matches, dp_rows, executed_collectives, max_rel,
-                           run_ranks_together)
+from tests.harness import (assert_every_rank_matches, dp_rows, max_rel, reported_collectives, run_ranks_together,
+                           step_collectives)
 
 GLOBAL_CASES = ["gpt_fused_qkv", "bool_mask", "joint_attention", "mean_loss", "seq_first_table"]
 
@@ -169,13 +169,6 @@ def test_ranks_given_different_inputs_are_told_which(launched, world, label):
         assert "some ranks' graphs take more inputs: a symbolic size is one" in told["symbolic_on_one_rank"], told
 
 
-def _reported(report) -> dict:
-    reported = {"forward": Counter(), "backward": Counter()}
-    for row in report.graphs[0].collectives:
-        reported[row["direction"]][FUNCTIONAL_OPS[row["op"]], row["bytes_per_rank"]] += row["count"]
-    return reported
-
-
 @pytest.mark.parametrize("sizes,batch", [({"dp_replicate": 2}, "global"), ({"dp_shard": 2}, "local"),
                                          ({"dp_shard": 2, "tp": 2}, "global"),
                                          ({"dp_replicate": 2, "ring": 2}, "local")])
@@ -200,11 +193,8 @@ def _assert_a_step_runs(model, ids, report, fake_world, **options) -> None:
     if report.parameter_state.startswith("sharded"):
         dtensor_par.parallelize(model, mesh, (ids,), **options)
     compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, **options))
-    compiled(ids).sum().backward()  # compiles
-    loss = {}
-    ran = {"forward": Counter(executed_collectives(lambda: loss.setdefault("step", compiled(ids).sum())))}
-    ran["backward"] = Counter(executed_collectives(loss["step"].backward))
-    assert ran == _reported(report)
+    ran = step_collectives(compiled, ids)
+    assert ran == reported_collectives(report.graphs[0])
 
 
 @pytest.mark.parametrize("sizes,reshard", [({"dp_shard": 2, "tp": 2}, True), ({"dp_replicate": 2, "dp_shard": 2}, False)])
@@ -227,7 +217,7 @@ def test_fsdp_gathers_each_block_once_and_a_step_runs_what_explain_reports(sizes
     assert {c["site"].split(" (")[0] for c in fsdp} == {"fsdp parameters of blocks.0", "fsdp parameters of blocks.1",
                                                          "fsdp parameters of the model outside its blocks"}
     shard = sizes.get("dp_shard", 1) * sizes.get("ulysses", 1)
-    assert graph.fsdp.startswith(f"fsdp: 21 of 21 parameters cut over ") and graph.fsdp.endswith(f"= {shard}, "
+    assert graph.fsdp.startswith("fsdp: 21 of 21 parameters cut over ") and graph.fsdp.endswith(f"= {shard}, "
                                                                                                   "gathered at use one "
                                                                                                   "block at a time")
     held, full = report.parameter_bytes

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import dtensor_par
 from tests import factories, models
 from tests.conftest import GoldenTestCase, _init_fake
-from tests.harness import FUNCTIONAL_OPS, executed_collectives
+from tests.harness import reported_collectives, step_collectives
 
 PASS_FILES = sorted(["0_dynamo.py", "1_capture.py", "2_canonicalize.py", "3_detect.py", "4_kv_cache.py", "5_rewrite.py",
                      "6_sequence.py", "7_batch.py", "8_plan.py", "9_localize.py", "10_lower.py", "11_aten.py",
@@ -186,9 +186,7 @@ def test_ring_step_runs_what_explain_reports(ring, fake_world):
     fake_world(ring)
     model = models.GPTBlock(hidden=32, heads=4, mlp=64).to(torch.bfloat16)
     x = torch.randn(2, 16, 32, dtype=torch.bfloat16)
-    reported = {"forward": Counter(), "backward": Counter()}
-    for row in dtensor_par.explain(model, (x,), ring=ring, device_type="cpu").graphs[0].collectives:
-        reported[row["direction"]][FUNCTIONAL_OPS[row["op"]], row["bytes_per_rank"]] += row["count"]
+    reported = reported_collectives(dtensor_par.explain(model, (x,), ring=ring, device_type="cpu").graphs[0])
     kv_block = 2 * 2 * 4 * (16 // ring) * 8 * 2  # k and v: batch 2, 4 heads, 16 / ring positions of 8, bf16
     assert reported["forward"]["all_to_all_single", kv_block] == ring - 1
     assert reported["backward"]["all_to_all_single", 2 * kv_block] == ring - 1  # fp32 dk, dv
@@ -197,10 +195,7 @@ def test_ring_step_runs_what_explain_reports(ring, fake_world):
     for inner in ("eager", "aot_eager"):
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=inner))
-        compiled(x).sum().backward()  # compiles
-        loss = {}
-        ran = {"forward": Counter(executed_collectives(lambda: loss.setdefault("step", compiled(x).sum())))}
-        ran["backward"] = Counter(executed_collectives(loss["step"].backward))
+        ran = step_collectives(compiled, x)
         assert ran == reported, inner
 
 
@@ -211,18 +206,13 @@ def test_running_sums_along_the_sequence_send_their_totals_as_explain_reports(fa
     step runs, collective by collective and byte by byte, what explain reports."""
     fake_world(2)
     model, (x, keep) = models.RunningPositions(), (torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.bool))
-    reported = {"forward": Counter(), "backward": Counter()}
-    for row in dtensor_par.explain(model, (x, keep), ring=2, device_type="cpu").graphs[0].collectives:
-        reported[row["direction"]][FUNCTIONAL_OPS[row["op"]], row["bytes_per_rank"]] += row["count"]
+    reported = reported_collectives(dtensor_par.explain(model, (x, keep), ring=2, device_type="cpu").graphs[0])
     ids, means = 2 * 2 * 8, 2 * 2 * 32 * 4  # batch 2 x 2 runs: int64 counts, then 32 float32 features
     assert reported["forward"]["all_gather_into_tensor", ids] == reported["forward"]["all_gather_into_tensor", means] == 1
     assert reported["backward"]["reduce_scatter_tensor", 2 * means] == 1
     compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(ring=2),
                                                                         inner_backend="aot_eager"))
-    compiled(x, keep).sum().backward()  # compiles
-    loss = {}
-    ran = {"forward": Counter(executed_collectives(lambda: loss.setdefault("step", compiled(x, keep).sum())))}
-    ran["backward"] = Counter(executed_collectives(loss["step"].backward))
+    ran = step_collectives(compiled, x, keep)
     assert ran == reported
 
 
@@ -235,16 +225,11 @@ def test_a_view_taken_again_alike_is_recut_once_as_explain_reports(fake_world):
     model = models.JointRotary()
     inputs = (torch.randn(2, 16, 32), torch.randn(2, 8, 32), torch.randn(2, 8, 32), torch.arange(16.0).expand(2, 16),
               torch.zeros(2, 16))
-    reported = {"forward": Counter(), "backward": Counter()}
-    for row in dtensor_par.explain(model, inputs, ring=2, device_type="cpu").graphs[0].collectives:
-        reported[row["direction"]][FUNCTIONAL_OPS[row["op"]], row["bytes_per_rank"]] += row["count"]
+    reported = reported_collectives(dtensor_par.explain(model, inputs, ring=2, device_type="cpu").graphs[0])
     assert reported["forward"]["all_gather_into_tensor", 2 * 16 * 8 * 4] == 2, reported
     compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(ring=2),
                                                                         inner_backend="aot_eager"))
-    compiled(*inputs).sum().backward()  # compiles
-    loss = {}
-    ran = {"forward": Counter(executed_collectives(lambda: loss.setdefault("step", compiled(*inputs).sum())))}
-    ran["backward"] = Counter(executed_collectives(loss["step"].backward))
+    ran = step_collectives(compiled, *inputs)
     assert ran == reported
 
 
@@ -256,9 +241,7 @@ def test_cross_attention_exchanges_what_explain_reports(sizes, fake_world):
     fake_world(2)
     model = models.CrossAttention(dim=32, context_dim=24, heads=4)
     x, context = torch.randn(2, 16, 32), torch.randn(2, 4, 24)
-    reported = {"forward": Counter(), "backward": Counter()}
-    for row in dtensor_par.explain(model, (x, context), device_type="cpu", **sizes).graphs[0].collectives:
-        reported[row["direction"]][FUNCTIONAL_OPS[row["op"]], row["bytes_per_rank"]] += row["count"]
+    reported = reported_collectives(dtensor_par.explain(model, (x, context), device_type="cpu", **sizes).graphs[0])
     q_rows, kv_rows = (2 * 4 * (length // 2) * 8 * 4 for length in (16, 4))  # batch 2, 4 heads, 8 floats
     if "ulysses" in sizes:  # q, then k and v packed, then the output
         exchanges = {("all_to_all_single", q_rows): 2, ("all_to_all_single", 2 * kv_rows): 1}
@@ -267,10 +250,7 @@ def test_cross_attention_exchanges_what_explain_reports(sizes, fake_world):
     assert reported["forward"] == Counter({**exchanges, ("all_gather_into_tensor", q_rows): 1})  # the output's rows
     compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(**sizes),
                                                                         inner_backend="aot_eager"))
-    compiled(x, context).sum().backward()  # compiles
-    loss = {}
-    ran = {"forward": Counter(executed_collectives(lambda: loss.setdefault("step", compiled(x, context).sum())))}
-    ran["backward"] = Counter(executed_collectives(loss["step"].backward))
+    ran = step_collectives(compiled, x, context)
     assert ran == reported
 
 
@@ -310,16 +290,11 @@ def test_explain_counts_repeated_kv_heads_once_in_the_ulysses_exchange(tmp_path,
     (attention,) = [line for line in rewritten.splitlines() if "hybrid_attention(" in line]
     assert "enable_gqa=True" in attention
     assert "expand(" not in rewritten and "repeat_interleave" not in rewritten and "reshape(" in rewritten
-    reported = {"forward": Counter(), "backward": Counter()}
-    for row in graph.collectives:
-        reported[row["direction"]][FUNCTIONAL_OPS[row["op"]], row["bytes_per_rank"]] += row["count"]
+    reported = reported_collectives(graph)
     fake_world(2)
     compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(ulysses=2),
                                                                         inner_backend="aot_eager"))
-    compiled(ids).sum().backward()  # compiles
-    loss = {}
-    ran = {"forward": Counter(executed_collectives(lambda: loss.setdefault("step", compiled(ids).sum())))}
-    ran["backward"] = Counter(executed_collectives(loss["step"].backward))
+    ran = step_collectives(compiled, ids)
     assert ran == reported
 
 
