@@ -396,6 +396,19 @@ def hidream():
                            pooled_embeds=torch.randn(BATCH, 16), return_dict=False)
 
 
+def ltx():
+    """LTX-Video's transformer: rotary positions from a grid of frames, rows and columns made in
+    the graph (``[3, frames, height, width]``, flattened to the tokens), cross-attention to a
+    masked caption."""
+    from diffusers import LTXVideoTransformer3DModel
+    model = LTXVideoTransformer3DModel(in_channels=8, out_channels=8, patch_size=1, patch_size_t=1,
+                                       num_attention_heads=4, attention_head_dim=8, cross_attention_dim=32,
+                                       num_layers=1, caption_channels=16)
+    return model, (), dict(hidden_states=torch.randn(BATCH, 2 * 4 * 4, 8), encoder_hidden_states=torch.randn(BATCH, 8, 16),
+                           timestep=torch.tensor([10, 500]), encoder_attention_mask=torch.ones(BATCH, 8),
+                           num_frames=2, height=4, width=4, return_dict=False)
+
+
 ONE_GRAPH = {"hidream"}
 """Models run under Dynamo's ``capture_dynamic_output_shape_ops`` (``passes.expert_loop``)."""
 
@@ -407,4 +420,4 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,
              "llama4": llama4, "mochi": mochi, "cogview4": cogview4, "sana": sana,
-             "phimoe": phimoe, "hidream": hidream}
+             "phimoe": phimoe, "hidream": hidream, "ltx": ltx}

@@ -39,12 +39,12 @@ EXPLAINED = [(name, "tp2-ulysses2") for name in MODELS + ["mistral_padded", "phi
                                                           "deepseek_v3_published", "gpt_oss",
                                                           "gptj", "bert", "modernbert", "mpt", "apertus", "llama4",
                                                           "falcon_multi_query", "gpt_bigcode", "cogview4", "sana",
-                                                          "phimoe", "hidream"]]
+                                                          "phimoe", "hidream", "ltx"]]
 # At tp2-ring2 the models whose attention the ring runs otherwise than Llama's (CI time: the others plan alike).
 EXPLAINED += [(name, "tp2-ring2") for name in ["llama", "mistral_padded", "flux", "gemma2", "bloom", "t5", "mixtral",
                                                "qwen2_moe", "deepseek_v3_published", "gpt_oss", "bert",
                                                "modernbert", "mpt", "llama4", "falcon_multi_query", "gpt_bigcode",
-                                               "cogview4", "sana", "phimoe", "hidream"]]
+                                               "cogview4", "sana", "phimoe", "hidream", "ltx"]]
 
 
 @pytest.mark.parametrize("name, mesh", [(name, MESHES[mesh]) for name, mesh in EXPLAINED],

@@ -338,13 +338,13 @@ def _cut(p) -> bool:
     return any(map(_cut, p)) if isinstance(p, tuple) else p is not None and p != R
 
 
-def traced_cuts(gm: fx.GraphModule, ctx: ParallelContext, dim: str, seeds: dict[str, Placement]
-                ) -> dict[fx.Node, Placement | tuple]:
+def traced_cuts(gm: fx.GraphModule, ctx: ParallelContext, dim: str, seeds: dict[str, Placement],
+                gathered: set[fx.Node] | None = None) -> dict[fx.Node, Placement | tuple]:
     """Where ``seeds`` alone take their cuts on mesh dim ``dim``, by the rules the plan runs but
     without planning the graph: each node they reach that is not whole, and its placement
     (``batch_pass`` asks which inputs' cuts reach the sites' batch, ``sequence_pass`` which reach
     the attention's sequence). A seed may be any node, an input or one the graph computes. A node
-    whose rule refuses the cut is taken as gathered."""
+    whose rule refuses the cut is taken as gathered (and added to ``gathered``, where given)."""
     mesh_dim = next(d for d in ctx.mesh.plan_dims if d.name == dim)
     env = _TracedEnv(dim, mesh_dim.size, seeds, False, mesh_dim.chunks_per_rank)
     dispatch = dispatch_regions(ctx)
@@ -356,11 +356,13 @@ def traced_cuts(gm: fx.GraphModule, ctx: ParallelContext, dim: str, seeds: dict[
             continue
         with at_node(f"tracing cuts on {dim!r}", node):
             try:
-                out = plan_node(node, env, ctx, dispatch).out
+                sharding = plan_node(node, env, ctx, dispatch)
             except NotSupported:
-                out = R
-        if _cut(out):
-            env.traced[node] = out
+                sharding = NodeSharding(R, (), "refused")
+        if _cut(sharding.out):
+            env.traced[node] = sharding.out
+        elif sharding.note is not None and gathered is not None:
+            gathered.add(node)
     return env.traced
 
 

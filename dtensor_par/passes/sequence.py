@@ -78,9 +78,12 @@ def traced_sequences(gm: fx.GraphModule, ctx: ParallelContext, candidates: list[
     reaches them only on other dims does not (its length merely equals a sequence's); one that
     reaches no attention (labels for a loss) does unless its cut meets a sequence's on another
     dim of some node (a rotary table as wide as the text is long, cut along its pairs), or it
-    is made inside the graph with a dim of its length besides dim 1 (hidden size = tokens)."""
+    is made inside the graph with a dim of its length besides dim 1 (hidden size = tokens) or
+    its cut is gathered on the way (LTX's grid of frame positions, its frames cut, then flattened
+    with the rows: cutting it would only gather it back)."""
     carriers = sequence_carriers(ctx)
-    traces = {node: traced_cuts(gm, ctx, "cp", {node.name: Shard(1)}) for node in candidates}
+    gathered: dict[fx.Node, set[fx.Node]] = {node: set() for node in candidates}
+    traces = {node: traced_cuts(gm, ctx, "cp", {node.name: Shard(1)}, gathered[node]) for node in candidates}
     reached = {node: [shard_dim(cuts[c.node]) == c.dim for c in carriers if shard_dim(cuts.get(c.node)) is not None]
                for node, cuts in traces.items()}
     sequence_dims = {n: shard_dim(p) for node, cuts in traces.items() if any(reached[node])
@@ -91,8 +94,9 @@ def traced_sequences(gm: fx.GraphModule, ctx: ParallelContext, candidates: list[
             return any(reached[node])
         meets_another = any(sequence_dims.get(n, shard_dim(p)) != shard_dim(p) for n, p in traces[node].items())
         val = tensor_val(node)
-        ambiguous = node.op != "placeholder" and any(same_size(val.shape[1], n) for n in val.shape[2:])
-        return not meets_another and not ambiguous
+        made = node.op != "placeholder"
+        ambiguous = made and any(same_size(val.shape[1], n) for n in val.shape[2:])
+        return not meets_another and not ambiguous and not (made and gathered[node])
     return {node for node in candidates if holds_sequence(node)}
 
 

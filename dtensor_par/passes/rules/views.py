@@ -54,13 +54,13 @@ def view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, pieces
         if isinstance(p, InterleavedShard):
             if dst[outer[0]] == src[p.dim]:
                 return InterleavedShard(outer[0], p.parts)
-            return _split_equal_parts(p, dst, outer, pieces)
+            return _split_repeated_parts(p, dst, outer, pieces)
         keeps_length = dst[outer[0]] == src[p.dim]  # the shard's layout is the input's: even or padded
         return Shard(outer[0]) if keeps_length or dst[outer[0]] % pieces == 0 else None
     return None
 
 
-def _split_equal_parts(p: InterleavedShard, dst: tuple[int, ...], outer: list[int], pieces: int) -> Placement | None:
+def _split_repeated_parts(p: InterleavedShard, dst: tuple[int, ...], outer: list[int], pieces: int) -> Placement | None:
     """An interleaved dim whose parts repeat once per entry of the first of the ``outer`` dims of
     ``dst``, ``(runs, ...)``, split into them: each entry holds its whole parts, cut alike, along
     the next dim (tokens of every batch entry tiled once per expert, ``[E * B * S] -> [E, B * S]``;
