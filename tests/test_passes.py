@@ -417,6 +417,10 @@ CANONICALIZED = {
         lambda b, x, w: torch.addmm(b, x, w, beta=0.5, alpha=2.0),
         lambda b, x, w: torch.addmm(input=b, mat1=x, mat2=w, beta=0.5, alpha=2.0),
         lambda b, x, w: b.addmm(x, mat2=w, beta=0.5, alpha=2.0)]),
+    "outer_as_product": ([torch.randn(8), torch.randn(4)], [  # Flux.2's rotary frequencies
+        lambda pos, freqs: torch.outer(pos, freqs),
+        lambda pos, freqs: torch.outer(input=pos, vec2=freqs),
+        lambda pos, freqs: pos.outer(vec2=freqs)]),
     "narrow_as_slice": ([torch.randn(2, 6, 8)], [
         lambda x: torch.narrow(x, 2, 2, 4),
         lambda x: torch.narrow(x, dim=2, start=2, length=4),
@@ -466,7 +470,7 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
         torch.testing.assert_close(gm(*ctx.example_inputs)[0], fn(*inputs), atol=1e-6, rtol=1e-6)
     assert all(form == forms[0] for form in forms[1:]), forms
     ops = [op for op, _, _ in forms[0]]
-    assert not {"torch.addmm", "torch.baddbmm", "torch.narrow"} & set(ops), ops
+    assert not {"torch.addmm", "torch.baddbmm", "torch.narrow", "torch.outer", "Tensor.outer"} & set(ops), ops
     if rule == "experts_as_grouped":  # sorted by expert, counted, two grouped matmuls, sorted back; no bmm
         assert ops.count("grouped_mm") == 2 and "matmul" not in ops and "histc" in ops, ops
     if rule == "elementwise_extreme":  # of two tensors: no reduction

@@ -14,6 +14,8 @@
   ``beta * input + alpha * (a @ b)``: a matmul and an add, which have rules.
 - ``x.narrow(dim, start, length)`` becomes the slice ``x[..., start:start + length, ...]``, so
   a fused projection cut by ``narrow`` is cut part by part as by indexing.
+- ``torch.outer(a, b)`` becomes ``a.unsqueeze(-1) * b`` (Flux.2's rotary frequencies: positions
+  times inverse frequencies), which the pointwise rule places: cut positions stay cut.
 - A fused projection split after views of its features (Falcon-7B's multi-query
   ``qkv.view(b, s, heads + 2, d).split([heads, 1, 1], dim=2)``, GPTBigCode's
   ``qkv.unsqueeze(1).split([h, d, d], dim=3)``) becomes the split of its features, each part
@@ -166,6 +168,17 @@ def narrow_as_slice(gm: fx.GraphModule, node: fx.Node) -> None:
     with gm.graph.inserting_before(node):
         sliced = with_val(gm.graph.call_function(operator.getitem, (x, index)), tensor_val(node))
     node.replace_all_uses_with(sliced)
+    gm.graph.erase_node(node)
+
+
+def outer_as_product(gm: fx.GraphModule, node: fx.Node) -> None:
+    """``torch.outer(a, b)`` (``ger``): ``a.unsqueeze(-1) * b``, the same products, which the
+    pointwise rule places."""
+    given = arguments(node)
+    with gm.graph.inserting_before(node):
+        column = with_val(gm.graph.call_method("unsqueeze", (given["input"], -1)), tensor_val(given["input"]).unsqueeze(-1))
+        product = with_val(gm.graph.call_function(operator.mul, (column, given["vec2"])), tensor_val(node))
+    node.replace_all_uses_with(product)
     gm.graph.erase_node(node)
 
 
@@ -635,6 +648,8 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
         node.args, node.kwargs = keywords_as_positions(node) or (node.args, node.kwargs)
     if node.op in ("call_function", "call_method") and node.target in (torch.narrow, "narrow"):
         narrow_as_slice(gm, node)
+    elif node.op in ("call_function", "call_method") and node.target in (torch.outer, torch.ger, "outer", "ger"):
+        outer_as_product(gm, node)
     elif node.op in ("call_function", "call_method") and node.target in _ADD_PRODUCT:
         if not (node.target in (torch.addmm, "addmm") and conv1d_linear(gm, node)):
             add_product_as_matmul(gm, node)
