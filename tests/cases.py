@@ -68,6 +68,8 @@ CASES = {
     # experts in an nn.ModuleList looped over: the loop's torch.where breaks the graph; each expert's MLP a graph
     "looped_experts": (lambda: models.LoopedExperts(32, 64, 4, 2), lambda: [(torch.randn(2, 8, 32),)]),
     "looped_moe_block": (models.LoopedMoEBlock, lambda: [(torch.randn(2, 16, 32),)]),
+    # one projection for qkv and a gated MLP's pair, split, then chunked and sliced (Flux.2's single blocks)
+    "fused_attention_mlp": (models.FusedAttentionMLP, lambda: [(torch.randn(2, 16, 32),)]),
     # running sums along the sequence: integer position ids of the kept tokens, a running mean with a gradient
     "running_positions": (models.RunningPositions, lambda: [(torch.randn(2, 16, 32), _keep(16))]),
     # experts picked by a mask each and written back in place (DeepSeek's reference MoE, HiDream's)

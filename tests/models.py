@@ -617,6 +617,25 @@ class JointRotary(nn.Module):
         return self.out(out.transpose(1, 2).flatten(2))
 
 
+class FusedAttentionMLP(nn.Module):
+    """Flux.2's single-stream block: one projection for q, k, v and a gated MLP's gate and up,
+    split into qkv and the pair, qkv chunked into q, k and v, the pair sliced apart; attention
+    and the MLP concatenated into one out projection."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4, mlp: int = 64):
+        super().__init__()
+        self.heads, self.hidden, self.mlp = heads, hidden, mlp
+        self.fused = nn.Linear(hidden, 3 * hidden + 2 * mlp)
+        self.out = nn.Linear(hidden + mlp, hidden)
+
+    def forward(self, x):
+        qkv, pair = torch.split(self.fused(x), [3 * self.hidden, 2 * self.mlp], dim=-1)
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        gated = F.silu(pair[..., :self.mlp]) * pair[..., self.mlp:]
+        return x + self.out(torch.cat([a, gated], dim=-1))
+
+
 class LoopedMoEBlock(GPTBlock):
     """A GPT block whose MLP is ``LoopedExperts``: 4 experts, top-2."""
 

@@ -94,6 +94,21 @@ def flux():
     return model, (), kwargs
 
 
+def flux2():
+    """FLUX.2's transformer: single-stream blocks whose one projection holds q, k, v and the MLP's
+    gate and up (split, then chunked and sliced), rotary frequencies made by ``torch.outer``."""
+    from diffusers import Flux2Transformer2DModel
+    model = Flux2Transformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                    attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+                                    timestep_guidance_channels=16, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
+    image, text = 32, 16
+    ids = torch.zeros(1, image, 4)
+    ids[0, :, 1], ids[0, :, 2] = torch.arange(image) // 8, torch.arange(image) % 8
+    return model, (), {"hidden_states": torch.randn(1, image, 16), "encoder_hidden_states": torch.randn(1, text, 32),
+                       "timestep": torch.tensor([0.5]), "img_ids": ids, "txt_ids": torch.zeros(1, text, 4),
+                       "return_dict": False}
+
+
 def phi3():
     """A fused qkv projection sliced by index, a fused gate_up projection."""
     from transformers import Phi3Config, Phi3Model
@@ -420,4 +435,4 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,
              "llama4": llama4, "mochi": mochi, "cogview4": cogview4, "sana": sana,
-             "phimoe": phimoe, "hidream": hidream, "ltx": ltx}
+             "phimoe": phimoe, "hidream": hidream, "ltx": ltx, "flux2": flux2}

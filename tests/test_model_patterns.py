@@ -36,6 +36,18 @@ def test_joint_attention_single_stream_mlp_and_sliced_fused_qkv_stay_split():
     assert any("qkv.weight=IS(0,[32, 16, 16])" in p for p in graph.placements)
 
 
+def test_a_projection_split_into_parts_split_again_is_cut_part_by_part():
+    """Flux.2's single block: qkv and the MLP's pair split off one projection, qkv chunked into
+    q, k and v, the pair sliced into gate and up. Each of the five parts is cut over tp (before:
+    the two pieces only, so the chunk and the slices gathered them: 3 fallback gathers)."""
+    for mesh in ({"tp": 2}, {"tp": 2, "ulysses": 2}):
+        graph = _explain(models.FusedAttentionMLP(), (torch.randn(2, 16, 32),), **mesh)
+        assert graph.coverage.fallback_gathers == [], (mesh, graph.coverage.fallback_gathers)
+        assert graph.coverage.sharded_linear_flops == graph.coverage.linear_flops, graph.coverage.summary()
+    assert any("fused.weight=IS(0,[32, 32, 32, 64, 64])" in p and "out.weight=IS(1,[32, 64])" in p
+               for p in graph.placements), graph.placements
+
+
 def test_a_model_without_any_parallel_site_is_reported():
     odd_mlp = torch.nn.Sequential(torch.nn.Linear(32, 18), torch.nn.GELU(), torch.nn.Linear(18, 32))
     graph = _explain(odd_mlp, (torch.randn(2, 8, 32),), tp=4)

@@ -27,7 +27,7 @@ MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
             "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss",
             "mpt", "apertus", "llama4", "falcon_multi_query", "gpt_bigcode", "cogview4", "sana", "phimoe",
-            "hidream"}
+            "hidream", "flux2"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -39,12 +39,12 @@ EXPLAINED = [(name, "tp2-ulysses2") for name in MODELS + ["mistral_padded", "phi
                                                           "deepseek_v3_published", "gpt_oss",
                                                           "gptj", "bert", "modernbert", "mpt", "apertus", "llama4",
                                                           "falcon_multi_query", "gpt_bigcode", "cogview4", "sana",
-                                                          "phimoe", "hidream", "ltx"]]
+                                                          "phimoe", "hidream", "ltx", "flux2"]]
 # At tp2-ring2 the models whose attention the ring runs otherwise than Llama's (CI time: the others plan alike).
 EXPLAINED += [(name, "tp2-ring2") for name in ["llama", "mistral_padded", "flux", "gemma2", "bloom", "t5", "mixtral",
                                                "qwen2_moe", "deepseek_v3_published", "gpt_oss", "bert",
                                                "modernbert", "mpt", "llama4", "falcon_multi_query", "gpt_bigcode",
-                                               "cogview4", "sana", "phimoe", "hidream", "ltx"]]
+                                               "cogview4", "sana", "phimoe", "hidream", "ltx", "flux2"]]
 
 
 @pytest.mark.parametrize("name, mesh", [(name, MESHES[mesh]) for name, mesh in EXPLAINED],
@@ -140,6 +140,7 @@ RUNS = {
     # CogView4's rotary embedding written in place into the image part of its joint q and k: a cat (canonicalize).
     # HiDream's experts, an nn.ModuleList looped over by masks, in one graph: cut over tp; its joint sequence of
     # image and three text parts cut part by part over the ring, its rotary positions following it.
+    # FLUX.2's single blocks: q, k, v and the MLP's gate and up, one projection cut in five parts over tp.
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
                              names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "gemma2_left_padded", "bloom",
                                              "t5", "t5_padded", "falcon", "mixtral", "mixtral_aux",
@@ -148,7 +149,7 @@ RUNS = {
                                                             "bloom", "t5", "t5_padded", "mixtral",
                                                             "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "mpt",
                                                             "llama4", "falcon_multi_query", "gpt_bigcode",
-                                                            "cogview4", "sana", "hidream"]),
+                                                            "cogview4", "sana", "hidream", "flux2"]),
         # Expert parallelism: the experts cut over cp, each rank's rows sent to them and back (the ring's zigzag
         # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them). GPT-OSS's
         # experts (per-row biases gathered by local expert ids at the experts) beside its sinks' ring attention.

@@ -18,7 +18,8 @@ RUNS = {
     # Two optimizer steps at world 2 (the second runs on re-sliced weight shards); one at 4.
     # Experts in an nn.ModuleList looped over (each expert's MLP a graph of its own) at world 2 only: CI time;
     # captured in one graph under Dynamo's capture_dynamic_output_shape_ops, each expert's features cut.
-    2: {"tp": dict(names=TP_CASES + ["looped_experts", "folded_heads_attention", "linear_attention_conv"], steps=2),
+    2: {"tp": dict(names=TP_CASES + ["looped_experts", "folded_heads_attention", "linear_attention_conv",
+                                     "fused_attention_mlp"], steps=2),
         "experts_in_one_graph": dict(names=["looped_experts", "looped_moe_block", "masked_loop_experts"], steps=2,
                                      dynamo_config={"capture_dynamic_output_shape_ops": True}),
         "experts_in_one_graph new sizes": dict(names=["looped_moe_block"], steps=1, inputs=NEW_SIZES[:3],
@@ -52,6 +53,7 @@ def test_tensor_parallel_matches_single_device(world):
     assert [w for w in result["graph_break"]["warnings"] if "Dynamo broke the graph" in w], result["graph_break"]
     if world == 2:
         assert result["linear_attention_conv"]["warnings"] == []
+        assert result["fused_attention_mlp"]["warnings"] == []  # its parts cut where they are split off
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -60,37 +60,54 @@ def _channel_parts(conv: fx.Node) -> FusedParts | None:
 
 def fused_parts(linear: fx.Node) -> FusedParts | None:
     """The parts when the linear's output is only cut along its last dim into parts: by one
-    chunk/split, by slices that tile it (``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ...), or by
-    a view that splits it part first (``detect.parts_major_split``); a pointwise convolution's
-    channels by ``_channel_parts``."""
+    chunk/split or by slices that tile it (``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ...), each
+    part cut so again giving its own parts (``_parts_taken_off``), or by a view that splits it
+    part first (``detect.parts_major_split``); a pointwise convolution's channels by
+    ``_channel_parts``."""
     if op_kind(linear) == "conv":
         return _channel_parts(linear)
     users = list(linear.users)
-    out_dim = tensor_val(linear).dim() - 1
     parts_major = parts_major_split(users[0]) if len(users) == 1 else None
     if parts_major is not None:
         parts, heads, head_dim = parts_major
         return FusedParts((heads * head_dim,) * parts, ())
+    return _parts_taken_off(linear, tensor_val(linear).dim() - 1)
+
+
+def _parts_taken_off(node: fx.Node, dim: int) -> FusedParts | None:
+    """The parts ``node``'s readers cut it into along its last dim ``dim``: one split or chunk, or
+    slices that tile it; a part itself cut so gives its own parts in its place (Flux.2's fused
+    projection: qkv split off, then chunked into q, k and v; the MLP's gate and up split off,
+    then sliced apart)."""
+    users = list(node.users)
     if len(users) == 1 and op_kind(users[0]) == "split":
         split = users[0]
-        if arguments(split)["input"] is not linear or split_dim(split) != out_dim:
+        if arguments(split)["input"] is not node or split_dim(split) != dim:
             return None
-        pieces = tuple(split.users) if all(op_kind(u) == "getitem" for u in split.users) else ()
-        return FusedParts(tuple(t.shape[out_dim] for t in split.meta["val"]), pieces)
-    ranges = set()
-    for user in users:
-        entries = per_dim(arguments(user)["index"], out_dim + 1) if op_kind(user) == "getitem" else None
-        if entries is None or any(e != slice(None) for e in entries[:-1]) or not isinstance(entries[-1], slice):
+        sizes = tuple(t.shape[dim] for t in split.meta["val"])
+        if not all(op_kind(u) == "getitem" for u in split.users) or len(split.users) != len(sizes):
+            return FusedParts(sizes, tuple(split.users) if all(op_kind(u) == "getitem" for u in split.users) else ())
+        pieces = sorted(split.users, key=lambda u: u.args[1])
+    else:
+        ranges = {}
+        for user in users:
+            entries = per_dim(arguments(user)["index"], dim + 1) if op_kind(user) == "getitem" else None
+            if entries is None or any(e != slice(None) for e in entries[:-1]) or not isinstance(entries[-1], slice):
+                return None
+            start, stop, step = entries[-1].indices(tensor_val(node).shape[-1])
+            if step != 1:
+                return None
+            ranges.setdefault((start, stop), []).append(user)
+        bounds = sorted(ranges)
+        tiles = all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        if len(bounds) < 2 or not tiles or bounds[0][0] != 0 or bounds[-1][1] != tensor_val(node).shape[-1]:
             return None
-        start, stop, step = entries[-1].indices(tensor_val(linear).shape[-1])
-        if step != 1:
-            return None
-        ranges.add((start, stop))
-    ranges = sorted(ranges)
-    tiles = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-    if len(ranges) < 2 or not tiles or ranges[0][0] != 0 or ranges[-1][1] != tensor_val(linear).shape[-1]:
-        return None
-    return FusedParts(tuple(stop - start for start, stop in ranges), tuple(users))
+        if any(len(readers) > 1 for readers in ranges.values()):
+            return FusedParts(tuple(stop - start for start, stop in bounds), tuple(users))
+        sizes, pieces = tuple(stop - start for start, stop in bounds), [ranges[b][0] for b in bounds]
+    inner = [_parts_taken_off(piece, dim) for piece in pieces]
+    return FusedParts(sum((p.sizes if p and p.nodes else (n,) for p, n in zip(inner, sizes)), ()),
+                      sum((p.nodes if p and p.nodes else (piece,) for p, piece in zip(inner, pieces)), ()))
 
 
 def colwise_placement(linear: fx.Node, tp: int) -> Placement | None:
