@@ -84,9 +84,9 @@ def _parts_taken_off(node: fx.Node, dim: int) -> FusedParts | None:
         split = users[0]
         if arguments(split)["input"] is not node or split_dim(split) != dim:
             return None
-        sizes = tuple(t.shape[dim] for t in split.meta["val"])
-        if not all(op_kind(u) == "getitem" for u in split.users) or len(split.users) != len(sizes):
-            return FusedParts(sizes, tuple(split.users) if all(op_kind(u) == "getitem" for u in split.users) else ())
+        sizes, taken = tuple(t.shape[dim] for t in split.meta["val"]), all(op_kind(u) == "getitem" for u in split.users)
+        if not taken or len(split.users) != len(sizes):  # a piece unread, or read twice: not refined
+            return FusedParts(sizes, tuple(split.users) if taken else ())
         pieces = sorted(split.users, key=lambda u: u.args[1])
     else:
         ranges = {}
