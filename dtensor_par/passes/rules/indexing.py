@@ -284,8 +284,8 @@ def cat_rule(node, ins, cur, env):
         # Each rank concatenates its piece of every input (a whole one is cut, which sends
         # nothing): its piece of every part (a joint text + image sequence, an attention
         # output beside an MLP branch), an input cut part by part adding its parts.
-        required = iter(q if isinstance(q, InterleavedShard) else Shard(dim) for q in resolved)
-        required = tuple(q if e else next(required) for q, e in zip(cur, empty))
+        cuts = iter(q if isinstance(q, InterleavedShard) else Shard(dim) for q in resolved)  # one per real input
+        required = tuple(given if e else next(cuts) for given, e in zip(cur, empty))
         parts = sum((parts_of(q, tensor_val(i).shape[dim]) for i, q in zip(ins, required) if shard_dim(q) == dim), ())
         return NodeSharding(InterleavedShard(dim, parts), required)
     return NodeSharding(moved(p, out_dim), as_given(p))
