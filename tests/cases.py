@@ -77,6 +77,10 @@ CASES = {
     "folded_heads_attention": (models.FoldedHeadsAttention, lambda: [(torch.randn(2, 8, 32),)]),
     # Sana's block written small: linear attention and a feed-forward of convolutions, each cut over tp as an MLP
     "linear_attention_conv": (models.LinearAttentionConvBlock, lambda: [(torch.randn(2, 16, 32),)]),
+    # Sana-Video's feed-forward: a partial sum over tp summed, then a convolution over frames cut over cp
+    "temporal_conv": (models.TemporalConvBlock, lambda: [(torch.randn(2, 16, 32),)]),
+    # Qwen3-Next's gated norm: heads flattened with the batch and sequence, viewed back
+    "gated_head_norm": (models.GatedHeadNorm, lambda: [(torch.randn(2, 16, 32),)]),
     # causal masks kept in a module buffer (nanoGPT's, GPT-Neo's local window): read as causal attention
     "causal_mask_in_a_buffer": (models.BufferMaskedAttention, lambda: [(torch.randn(2, 16, 32),)]),
     "window_mask_in_a_buffer": (lambda: models.BufferMaskedAttention("gpt_neo", window=5),

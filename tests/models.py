@@ -377,6 +377,44 @@ class LinearAttentionConvBlock(nn.Module):
         return x + self.down(h * F.silu(gate)).flatten(2).transpose(1, 2)
 
 
+class TemporalConvBlock(nn.Module):
+    """Sana-Video's feed-forward after attention, written small: an MLP's output (a partial sum
+    over tp) goes through a convolution over frames (kernel 3 x 1, every channel in and out) of
+    the ``frames x positions`` grid the sequence makes (frames cut over cp: a halo each side)."""
+
+    def __init__(self, hidden: int = 32, mlp: int = 64, frames: int = 4):
+        super().__init__()
+        self.frames, self.block = frames, GPTBlock(hidden)
+        self.up, self.down = nn.Linear(hidden, mlp), nn.Linear(mlp, hidden, bias=False)
+        self.temporal = nn.Conv2d(hidden, hidden, (3, 1), padding=(1, 0))
+
+    def forward(self, x):
+        x = self.block(x)
+        h = self.down(F.gelu(self.up(x)))
+        grid = h.unflatten(1, (self.frames, -1)).permute(0, 3, 1, 2)
+        return x + self.temporal(grid).flatten(2).transpose(1, 2)
+
+
+class GatedHeadNorm(nn.Module):
+    """Qwen3-Next's gated norm, written small after attention: the heads flattened with the
+    batch and sequence (``[B * S * H, d]``), normalized per head and gated by a projection's
+    heads flattened alike, then viewed back ``[B, S, H * d]``."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads  # no biases: a key bias's true gradient is 0 (a shift of a softmax row)
+        self.q, self.k, self.v, self.gate, self.out = (nn.Linear(hidden, hidden, bias=False) for _ in range(5))
+        self.norm = nn.RMSNorm(hidden // heads)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        d = a.shape[-1]
+        a = self.norm(a.reshape(-1, d)) * F.silu(self.gate(x).reshape(-1, d))
+        return x + self.out(a.reshape(b, s, -1))
+
+
 class SequenceGram(nn.Module):
     """A contraction over the sequence after attention (the sum of x^T x over positions)."""
 

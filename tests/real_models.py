@@ -333,6 +333,20 @@ def deepseek_v3_published():
         return DeepseekV3ForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def qwen3_next():
+    """Qwen3-Next: a gated delta rule layer (linear attention with a recurrence over the
+    sequence, in torch's chunked form) beside a full attention layer, each before a mixture of
+    experts with a shared expert."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    config = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=8, num_key_value_heads=4, head_dim=8, max_position_embeddings=64,
+                             layer_types=["linear_attention", "full_attention"], linear_num_key_heads=4,
+                             linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                             pad_token_id=0)
+    return Qwen3NextForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 def gpt_oss():
     """GPT-OSS: attention with learned sink logits concatenated to the scores (written out), a
     sliding window on every other layer, and experts whose grouped matmuls add a bias gathered
@@ -435,4 +449,4 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,
              "llama4": llama4, "mochi": mochi, "cogview4": cogview4, "sana": sana,
-             "phimoe": phimoe, "hidream": hidream, "ltx": ltx, "flux2": flux2}
+             "phimoe": phimoe, "hidream": hidream, "ltx": ltx, "flux2": flux2, "qwen3_next": qwen3_next}

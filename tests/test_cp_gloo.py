@@ -17,7 +17,8 @@ PAIRS = {
     "tp2-ulysses2": dict(mesh_sizes={"tp": 2, "ulysses": 2}, traced=["llama_gqa_rope", "uneven_heads_14",
                                                                       "complex_rope_pad"], names=[
         "llama_enable_gqa", "llama_repeat_interleave_kv4", "llama_gqa_rope", "uneven_heads_14", "bool_mask",
-        "joint_attention", "complex_rope_pad", "qk_norm_across_heads", "looped_experts"]),
+        "joint_attention", "complex_rope_pad", "qk_norm_across_heads", "looped_experts", "temporal_conv",
+        "gated_head_norm"]),
     # Sequence length 30 in 8 chunks (zigzag over ring=2, split by ulysses=2): padded to 32.
     "ring2-ulysses2": dict(mesh_sizes={"ring": 2, "ulysses": 2}, traced=["uneven_seq_30", "uneven_seq_30_masked",
                                                                         "running_positions"],
@@ -90,6 +91,11 @@ def test_each_pair_of_mesh_dims_at_world_4(pair):
             assert op in gathered and "'cp'" in gathered, (op, gathered)
         assert "getitem" not in gathered, gathered  # the last token: picked by its rank, the others add zeros
         assert "cumsum" not in gathered, gathered  # each rank's runs summed, the totals before them added
+    if "temporal_conv" in result:  # the MLP's sum reduced before the convolution over frames: not a fallback
+        assert result["temporal_conv"]["warnings"] == [], result["temporal_conv"]
+    if "gated_head_norm" in result:  # heads flattened with the rows: gathered over cp first, saying why
+        warnings = result["gated_head_norm"]["warnings"]
+        assert warnings and all("at once" in w for w in warnings), warnings
     if "running_positions" in result:  # position ids and a running mean summed along the sequence cut over cp
         assert result["running_positions"]["warnings"] == [], result["running_positions"]
 

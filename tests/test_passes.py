@@ -421,6 +421,10 @@ CANONICALIZED = {
         lambda pos, freqs: torch.outer(pos, freqs),
         lambda pos, freqs: torch.outer(input=pos, vec2=freqs),
         lambda pos, freqs: pos.outer(vec2=freqs)]),
+    "tensor_split_as_split": ([torch.randn(2, 8, 6)], [  # Qwen3-Next's chunks of its padded sequence
+        lambda x: _weighted_cat(torch.tensor_split(x, [3, 6], dim=1)),
+        lambda x: _weighted_cat(torch.tensor_split(x, indices=[3, 6], dim=1)),
+        lambda x: _weighted_cat(x.tensor_split(3, dim=-2))]),  # 8 into 3 sections: [3, 3, 2]
     "narrow_as_slice": ([torch.randn(2, 6, 8)], [
         lambda x: torch.narrow(x, 2, 2, 4),
         lambda x: torch.narrow(x, dim=2, start=2, length=4),
@@ -449,6 +453,11 @@ CANONICALIZED = {
 }
 
 
+def _weighted_cat(pieces) -> torch.Tensor:
+    """The pieces of a split concatenated back, each times its place: a wrong cut changes it."""
+    return torch.cat([piece * (i + 1) for i, piece in enumerate(pieces)], dim=1)
+
+
 def _canonical_form(gm) -> list:
     """Each call of a graph as its op (the kind the rules know it as), its arguments by name and
     its tensor inputs in the order the rules take them: inputs by name, the other nodes by their
@@ -470,7 +479,8 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
         torch.testing.assert_close(gm(*ctx.example_inputs)[0], fn(*inputs), atol=1e-6, rtol=1e-6)
     assert all(form == forms[0] for form in forms[1:]), forms
     ops = [op for op, _, _ in forms[0]]
-    assert not {"torch.addmm", "torch.baddbmm", "torch.narrow", "torch.outer", "Tensor.outer"} & set(ops), ops
+    assert not {"torch.addmm", "torch.baddbmm", "torch.narrow", "torch.outer", "Tensor.outer",
+                "torch.tensor_split", "Tensor.tensor_split"} & set(ops), ops
     if rule == "experts_as_grouped":  # sorted by expert, counted, two grouped matmuls, sorted back; no bmm
         assert ops.count("grouped_mm") == 2 and "matmul" not in ops and "histc" in ops, ops
     if rule == "elementwise_extreme":  # of two tensors: no reduction

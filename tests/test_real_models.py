@@ -27,7 +27,7 @@ MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
             "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss",
             "mpt", "apertus", "llama4", "falcon_multi_query", "gpt_bigcode", "cogview4", "sana", "phimoe",
-            "hidream", "flux2"}
+            "hidream", "flux2", "qwen3_next"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -167,7 +167,8 @@ RUNS = {
     # planned graphs (an nn.ModuleList looped over: tests.models.LoopedExperts, in test_tp_gloo and test_cp_gloo).
     # Multi-query fused qkv (Falcon-7B, GPTBigCode): cut part by part with the query heads, the key and value
     # gathered whole as they are split off (beside the ring at world 4; GPTBigCode's repeated kv heads on tp alone).
-    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager", "gpt_oss", "gpt_bigcode"])},
+    # Qwen3-Next's gated delta rule: its convolution, chunked recurrence and gated norm on each rank's heads.
+    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager", "gpt_oss", "gpt_bigcode", "qwen3_next"])},
 }
 """World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size
 (world 2's launch runs the ``parallel`` decorator's check too)."""
@@ -361,6 +362,20 @@ def test_a_kv_head_repeated_to_the_query_heads_is_expanded_to_each_ranks_heads()
     core = [(c["direction"], c["op"], c["bytes_per_rank"], c["count"]) for c in graph.collectives
             if c["site"] == "attention0.core"]
     assert core == [("backward", "all_reduce", 2048, 2)], graph.collectives
+
+
+def test_a_gated_delta_rule_runs_on_each_ranks_heads_over_tp_and_says_it_runs_whole_over_cp():
+    """Qwen3-Next's linear attention under tp: its projection viewed per key-head group, the
+    depthwise convolution over q, k and v concatenated, the chunked delta rule's triangular solves
+    and its norm over heads flattened with the rows, all on each rank's heads (before: 4 fallback
+    gathers, and the recurrence ran whole on every rank). Its recurrence runs along the sequence:
+    over cp it runs on the gathered sequence, and the warnings say so."""
+    model, args, kwargs = real_models.qwen3_next()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    cov = graph.coverage
+    assert graph.warnings == [] and cov.sharded_block_linear_flops >= 0.95 * cov.block_linear_flops, cov.summary()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2, ulysses=2).graphs
+    assert any(w.startswith("conv1d (torch.conv1d): inputs gathered on mesh dim 'cp'") for w in graph.warnings)
 
 
 def test_sanas_convolutions_run_on_each_ranks_rows_of_the_image_over_cp():

@@ -199,7 +199,7 @@ def test_a_new_tensor_is_whole_and_leaves_its_source_as_it_is():
 def test_a_convolution_keeps_rows_cut_over_cp_only_where_it_gives_a_row_for_each_row_it_reads():
     """A 3 x 3 kernel padded by 1 keeps rows cut over cp (their halo fetched: ``ops.halo``), over
     tp it has no halo exchange, and a stride, a kernel padded otherwise, or rows fewer than its
-    halo per rank are gathered, saying why."""
+    halo per rank are gathered, saying why; partial sums are summed, not gathered."""
     w = _t(3, 1, 3, 3)
     for dim, rows, kwargs, kept in (("cp", 8, {"padding": 1}, True), ("tp", 8, {"padding": 1}, False),
                                     ("cp", 8, {"padding": 1, "stride": 2}, False), ("cp", 8, {"padding": 0}, False),
@@ -211,6 +211,9 @@ def test_a_convolution_keeps_rows_cut_over_cp_only_where_it_gives_a_row_for_each
         assert (sharding.out == Shard(2) and sharding.note is None) == kept, (dim, rows, kwargs, sharding)
         if not kept:
             assert sharding.note.startswith("a convolution over rows cut along dim 2"), sharding.note
+    # a rowwise MLP's partial sums are summed first, as before a linear: its all-reduce, not a fallback
+    sharding = lookup(conv).rule(conv, ins, [Partial(), R], RuleEnv("tp", SIZE, {}, False))
+    assert sharding == NodeSharding(R, (R, R)), sharding
 
 
 def test_einsum_keeps_shards_and_contracts_to_partial_sums():
@@ -289,6 +292,40 @@ def test_a_joint_sequence_of_several_parts_stays_cut_part_by_part():
     assert turned == NodeSharding(parts, (parts, parts))
     rows = InterleavedShard(0, (8, 4, 4) * 2)
     assert check_rule(lambda y: y.view(2, -1, 6), [_t(32, 6)], [rows]).out == parts
+
+
+def test_heads_flattened_with_the_batch_and_sequence_are_viewed_back_cut_by_heads():
+    """Qwen3-Next's gated norm reads ``[B * S * H, d]``: the heads cut over tp are parts of
+    the rows, one per token, repeated (a view that splits the features into heads and merges
+    them into the rows at once); viewed back ``[B, S, H, d]`` they are cut along the heads."""
+    heads = InterleavedShard(0, (4,) * 6)  # B, S, H = 2, 3, 4
+    assert check_rule(lambda x: x.reshape(-1, 5), [_t(2, 3, 20)], [Shard(2)]) == NodeSharding(heads, (Shard(2),))
+    assert check_rule(lambda x: x.reshape(2, 3, -1, 5), [_t(24, 5)], [heads]) == NodeSharding(Shard(2), (heads,))
+    assert check_rule(lambda x: x.reshape(6, -1, 5), [_t(24, 5)], [heads]).out == Shard(1)
+    assert check_rule(lambda x: x.reshape(2, -1, 5), [_t(24, 5)], [heads]).out == InterleavedShard(1, (4, 4, 4))
+    assert check_rule(lambda x: x.reshape(4, -1, 5), [_t(24, 5)], [heads]).note  # 1.5 tokens a row: gathered
+
+
+def test_a_triangular_solve_keeps_its_batch_and_right_hand_columns_cut():
+    """Qwen3-Next's gated delta rule solves a unit lower-triangular system per head and chunk:
+    a cut batch dim (heads) stays cut, B's columns stay cut with A whole, and partial sums of B
+    stay partial; a cut of the system's rows is gathered."""
+    a, b = torch.eye(6, dtype=torch.float64) + _t(2, 4, 6, 6).tril(-1), _t(2, 4, 6, 8)
+    solve = lambda a, b: torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True)  # noqa: E731
+    assert check_rule(solve, [a, b], [Shard(1), R]) == NodeSharding(Shard(1), (Shard(1), Shard(1)))
+    assert check_rule(solve, [a, b], [R, Shard(3)]) == NodeSharding(Shard(3), (R, Shard(3)))
+    assert check_rule(solve, [a, b], [R, Partial()]) == NodeSharding(Partial(), (R, Partial()))
+    assert check_rule(solve, [a[0], b], [R, Shard(1)]).out == Shard(1)  # A broadcast over the batch
+    assert check_rule(solve, [a, b], [R, Shard(2)]).note  # the rows it eliminates: gathered
+
+
+def test_a_depthwise_convolution_of_cut_channels_slices_a_whole_weight():
+    """Qwen3-Next's convolution over its q, k and v concatenated, each cut by heads: each rank's
+    channels with their kernels, the weight whole and sliced alike."""
+    gm, conv = _traced(lambda x, w: F.conv1d(x, w, padding=1, groups=8), [_t(2, 8, 6), _t(8, 1, 3)])
+    qkv = InterleavedShard(1, (4, 4))
+    depthwise = lookup(conv).rule(conv, tensor_inputs(conv), [qkv, R], RuleEnv("tp", SIZE, {}, False))
+    assert depthwise == NodeSharding(qkv, (qkv, InterleavedShard(0, (4, 4))))  # localize_conv: 4 groups a rank
 
 
 def test_a_running_sum_keeps_every_cut_but_part_by_part_along_its_dim():

@@ -16,6 +16,8 @@
   a fused projection cut by ``narrow`` is cut part by part as by indexing.
 - ``torch.outer(a, b)`` becomes ``a.unsqueeze(-1) * b`` (Flux.2's rotary frequencies: positions
   times inverse frequencies), which the pointwise rule places: cut positions stay cut.
+- ``torch.tensor_split`` becomes ``torch.split`` into the sizes of its pieces (Qwen3-Next's
+  gated delta rule cuts its padded sequence so), which the split rule places.
 - A fused projection split after views of its features (Falcon-7B's multi-query
   ``qkv.view(b, s, heads + 2, d).split([heads, 1, 1], dim=2)``, GPTBigCode's
   ``qkv.unsqueeze(1).split([h, d, d], dim=3)``) becomes the split of its features, each part
@@ -179,6 +181,20 @@ def outer_as_product(gm: fx.GraphModule, node: fx.Node) -> None:
         column = with_val(gm.graph.call_method("unsqueeze", (given["input"], -1)), tensor_val(given["input"]).unsqueeze(-1))
         product = with_val(gm.graph.call_function(operator.mul, (column, given["vec2"])), tensor_val(node))
     node.replace_all_uses_with(product)
+    gm.graph.erase_node(node)
+
+
+def tensor_split_as_split(gm: fx.GraphModule, node: fx.Node) -> None:
+    """``torch.tensor_split`` (at indices, or into a number of sections) becomes ``torch.split``
+    into the sizes its pieces have, which the split rule places."""
+    given = arguments(node)
+    dim = given.get("dim", 0) % tensor_val(given["input"]).dim()
+    sizes = [piece.shape[dim] for piece in node.meta["val"]]
+    if any(is_symbolic(size) for size in sizes):
+        return  # sizes computed in the graph: left to the fallback
+    with gm.graph.inserting_before(node):
+        split = with_val(gm.graph.call_function(torch.split, (given["input"], sizes, dim)), node.meta["val"])
+    node.replace_all_uses_with(split)
     gm.graph.erase_node(node)
 
 
@@ -650,6 +666,8 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
         narrow_as_slice(gm, node)
     elif node.op in ("call_function", "call_method") and node.target in (torch.outer, torch.ger, "outer", "ger"):
         outer_as_product(gm, node)
+    elif node.op in ("call_function", "call_method") and node.target in (torch.tensor_split, "tensor_split"):
+        tensor_split_as_split(gm, node)
     elif node.op in ("call_function", "call_method") and node.target in _ADD_PRODUCT:
         if not (node.target in (torch.addmm, "addmm") and conv1d_linear(gm, node)):
             add_product_as_matmul(gm, node)

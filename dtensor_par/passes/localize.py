@@ -28,8 +28,8 @@ from ..placements import (Partial, Placement, Replicate, Shard, interleaved_part
                           local_shape_on, shard_dim)
 from ..symbolic import hint, is_symbolic, materialize_sizes
 from .context import ParallelContext, at_node
-from .meta import (Communication, clear_communications, communications, mark_fsdp_gather, placements,
-                   planned_local_shape, set_communications, shardings, site_role)
+from .meta import (Communication, clear_communications, communications, global_shape, mark_fsdp_gather, placements,
+                   planned_local_shape, set_communications, set_global_shape, shardings, site_role)
 from .nodes import arguments, repeated_views, tensor_inputs, tensor_val, writes_in_place
 from .rules.registry import lookup, op_kind
 from .rules.views import view_groups
@@ -55,8 +55,7 @@ class _Inserter:
         return {"length": length} if is_padded(length, self.dim.size, self.dim.chunks_per_rank) else {}
 
     def __call__(self, fn, args: tuple, src: Placement, dst: Placement, **kwargs) -> fx.Node:
-        node = self.graph.call_function(fn, args, kwargs)
-        node.meta["val"] = args[0].meta.get("val")  # the global value: a redistribution keeps it
+        node = _valued_as(self.graph.call_function(fn, args, kwargs), args[0])  # a redistribution keeps it
         forward, backward = C.COMMUNICATION[fn]
         backward = backward if self.requires_grad else None
         set_communications(node, [Communication(
@@ -113,8 +112,16 @@ def _edge(insert: _Inserter, cached, x: fx.Node, src: Placement, dst: Placement,
 
 def _plain(graph: fx.Graph, fn, args: tuple, kwargs: dict | None = None) -> fx.Node:
     """A call that communicates nothing (before the graph's cursor), with its input's value."""
-    node = graph.call_function(fn, args, kwargs or {})
-    node.meta["val"] = args[0].meta.get("val")
+    return _valued_as(graph.call_function(fn, args, kwargs or {}), args[0])
+
+
+def _valued_as(node: fx.Node, source: fx.Node, dtype: torch.dtype | None = None) -> fx.Node:
+    """``node`` given ``source``'s global value (in ``dtype``) and shape: a later localize reads
+    them off what it inserted as off what it planned."""
+    val = source.meta.get("val")
+    node.meta["val"] = val if dtype is None else val.to(dtype)
+    if global_shape(source) is not None:
+        set_global_shape(node, global_shape(source))
     return node
 
 
@@ -189,9 +196,7 @@ def _cast(graph: fx.Graph, cached, x: fx.Node, dtype: torch.dtype, *, before: fx
 
     def make():
         with graph.inserting_before(before):
-            node = graph.call_function(C.cast, (x, dtype))
-        node.meta["val"] = tensor_val(x).to(dtype)
-        return node
+            return _valued_as(graph.call_function(C.cast, (x, dtype)), x, dtype)
     return cached((x, "cast", dtype), make)
 
 

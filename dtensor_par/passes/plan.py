@@ -325,10 +325,27 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext, dispatch: dict[
     if kind is None:
         return replicate_all(node, ins, cur, f"no sharding rule for {target_name(node)}")
     sharding = kind.rule(node, ins, cur, env)
-    problem = check_divisible(node, ins, sharding, env)
+    problem = check_divisible(node, ins, sharding, env) or _cut_part_by_part_twice(node, sharding, env.dim)
     if problem:
         return replicate_all(node, ins, cur, problem)
     return sharding
+
+
+def _cut_part_by_part_twice(node: fx.Node, sharding: NodeSharding, dim: str) -> str | None:
+    """Why ``sharding`` cannot stand where it cuts a dim part by part that a mesh dim planned
+    before already cuts part by part, on the node's output or an input (Qwen3-Next's heads
+    flattened with the batch and sequence, ``[B * S * H, d]``: tp's parts, one a head of each
+    token, inside cp's, one a batch entry's sequence): no redistribution lays out both, so this
+    dim is gathered before such a merge."""
+    def pairs(placements: NodeSharding, planned: NodeSharding):
+        outs = zip(placements.out, planned.out) if isinstance(placements.out, tuple) else [(placements.out, planned.out)]
+        return [*outs, *zip(placements.inputs, planned.inputs)]
+    for other, planned in shardings(node).items():
+        for p, q in (pairs(sharding, planned) if other != dim else ()):
+            if isinstance(p, InterleavedShard) and isinstance(q, InterleavedShard) and p.dim == q.dim:
+                return (f"dim {p.dim} would be cut part by part over mesh dim {dim!r} ({p}) and over mesh dim "
+                        f"{other!r} (in {len(q.parts)} parts) at once")
+    return None
 
 
 def dispatch_regions(ctx: ParallelContext) -> dict[fx.Node, MoESite]:

@@ -78,6 +78,32 @@ def matmul_rule(node, ins, cur, env):
     return replicate_all(node, ins, [pa, pb], "matmul contracting an interleaved dim")
 
 
+def solve_triangular_rule(node, ins, cur, env):
+    """``linalg.solve_triangular(A, B)`` solves each batch entry's system alone and each column
+    of B alone (each row, ``left=False``), and is linear in B (Qwen3-Next's gated delta rule, per
+    head). A cut batch dim stays cut, the other operand cut alike (whole where it broadcasts);
+    B's columns cut stay cut with A whole; partial sums of B give partial sums. A cut of the
+    system itself is gathered."""
+    (a, b), nd = ins, tensor_val(node).dim()
+    if isinstance(cur[1], Partial) and cur[0] == R:
+        return NodeSharding(Partial(), (R, cur[1]))
+    pa, pb = resolve_partial(ins, cur, env)
+    columns = nd - 1 if arguments(node).get("left", True) else nd - 2
+
+    def alike(operand, d_out, p):
+        d = d_out - (nd - tensor_val(operand).dim())
+        return R if d < 0 or tensor_val(operand).shape[d] == 1 else moved(p, d)
+    for operand, p in ((b, pb), (a, pa)):
+        if shard_dim(p) is None:
+            continue
+        d_out = p.dim + nd - tensor_val(operand).dim()
+        if d_out < nd - 2:
+            return NodeSharding(moved(p, d_out), (alike(a, d_out, p), alike(b, d_out, p)))
+        if operand is b and d_out == columns:
+            return NodeSharding(p, (R, p))
+    return replicate_all(node, ins, [pa, pb], "a triangular solve over a cut dim of its system")
+
+
 def _einsum_subscripts(node, ins) -> tuple[list[str], str] | None:
     """``(["bhsd", "bhtd"], "bhst")`` for an explicit equation without repeated letters in one
     operand, its ``...`` spelled out in letters of their own (broadcast from the right, as
@@ -199,8 +225,13 @@ def _channels_rule(node, ins, cur) -> NodeSharding | None:
     """A convolution of an MLP site cut over tp along its channels (its weight placed by the
     plan): a pointwise one colwise (every input channel, this rank's output channels) or
     rowwise (this rank's input channels, partial sums out), a depthwise one on this rank's
-    channels with their kernels; None for a weight not cut."""
-    w_p, bias = cur[1], (moved(cur[1], 0),) if len(ins) == 3 else ()
+    channels with their kernels, also where only its input's channels are cut (the kernels of
+    a whole weight sliced: Qwen3-Next's convolution over its concatenated q, k and v); None
+    for a weight not cut."""
+    x_p, w_p = cur[0], cur[1]
+    if shard_dim(w_p) is None and shard_dim(x_p) == 1 and is_channelwise_conv(node):
+        w_p = moved(x_p, 0)
+    bias = (moved(w_p, 0),) if len(ins) == 3 else ()
     if shard_dim(w_p) == 0 and is_channelwise_conv(node):
         return NodeSharding(moved(w_p, 1), (moved(w_p, 1), w_p) + bias)
     if shard_dim(w_p) == 0:
@@ -216,14 +247,15 @@ def conv_rule(node, ins, cur, env):
     (an image grid made of a sequence: Sana's feed-forward): a kernel of 1 there as it is, a
     wider one over cp with its halo rows fetched from their ranks (``localize_conv``). An MLP
     site's are cut along their channels (``_channels_rule``). Any other cut mixes what it slides
-    over or sums over channels: gathered."""
-    x_p, params = cur[0], cur[1:]
+    over or sums over channels: gathered. A partial sum in (a rowwise MLP's output) is summed
+    first, as before a linear: the MLP's own all-reduce, not a fallback."""
     cut_channels = _channels_rule(node, ins, cur)
     if cut_channels is not None:
         return cut_channels
+    x_p, params = R if isinstance(cur[0], Partial) else cur[0], cur[1:]
     if not isinstance(x_p, Shard) or x_p.dim == 1 or any(p != R for p in params):
-        return replicate_all(node, ins, cur, "a convolution runs split along its batch or rows, or an MLP site's "
-                                             "along its channels, only")
+        return replicate_all(node, ins, [x_p, *params], "a convolution runs split along its batch or rows, or an "
+                                                        "MLP site's along its channels, only")
     if x_p.dim == 0:
         return NodeSharding(x_p, tuple(cur))
     rows, halo = tensor_val(ins[0]).shape[x_p.dim], halo_of(node, x_p.dim)
@@ -272,5 +304,6 @@ register("linear", "matmul", linear_rule, functions=[torch._C._nn.linear, torch.
 register("matmul", "matmul", matmul_rule, functions=[operator.matmul, torch.matmul, torch.bmm],
          methods=["matmul", "bmm"])
 register("einsum", "matmul", einsum_rule, functions=[torch.einsum])
+register("solve_triangular", "matmul", solve_triangular_rule, functions=[torch.linalg.solve_triangular])
 register("grouped_mm", "matmul", grouped_mm_rule, functions=[torch._grouped_mm, torch.nn.functional.grouped_mm],
          custom_ops=["transformers::grouped_mm_fallback", "dtensor_par::grouped_mm"])

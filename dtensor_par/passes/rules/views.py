@@ -34,9 +34,36 @@ def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[i
     return groups
 
 
+def _refinement(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape that both ``src`` and ``dst`` are made from by merging dims (``[2, 16, 32]`` and
+    ``[128, 8]``: ``[2, 16, 4, 8]``), if there is one: a view is then a split followed by a merge."""
+    if not all(isinstance(n, int) and n > 0 for n in (*src, *dst)):
+        return None  # a symbolic or empty dim: read as it is
+    src, dst, mid = [n for n in src if n != 1], [n for n in dst if n != 1], []
+    while src and dst:
+        a, b = src[0], dst[0]
+        if a % b and b % a:
+            return None
+        mid.append(min(a, b))
+        src[0], dst[0] = a // mid[-1], b // mid[-1]
+        src, dst = src[src[0] == 1:], dst[dst[0] == 1:]
+    return tuple(mid) if not src and not dst else None
+
+
 def view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, pieces: int) -> Placement | None:
     """Placement of a view's output given its input's, cut into ``pieces`` (ranks times the
-    chunks each holds: a zigzag sequence's two), or None when no shard survives."""
+    chunks each holds: a zigzag sequence's two), or None when no shard survives. A view that
+    both splits and merges the shard's dims is read as the split, then the merge (Qwen3-Next's
+    gate, ``[B, S, H * d] -> [B * S * H, d]``: the heads cut, then parts of the rows)."""
+    out = _view_target(src, dst, p, pieces)
+    mid = _refinement(src, dst) if out is None else None
+    if not mid or mid in (tuple(src), tuple(dst)):
+        return out
+    split = _view_target(src, mid, p, pieces)
+    return _view_target(mid, dst, split, pieces) if split is not None else None
+
+
+def _view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, pieces: int) -> Placement | None:
     for gi, gj in view_groups(src, dst):
         if p.dim not in gi:
             continue
@@ -61,21 +88,23 @@ def view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, pieces
 
 
 def _split_repeated_parts(p: InterleavedShard, dst: tuple[int, ...], outer: list[int], pieces: int) -> Placement | None:
-    """An interleaved dim whose parts repeat once per entry of the first of the ``outer`` dims of
-    ``dst``, ``(runs, ...)``, split into them: each entry holds its whole parts, cut alike, along
+    """An interleaved dim whose parts repeat once per entry of the leading ``outer`` dims of
+    ``dst`` (one or more), split into them: each entry holds its whole parts, cut alike, along
     the next dim (tokens of every batch entry tiled once per expert, ``[E * B * S] -> [E, B * S]``;
-    a joint text + image sequence flattened with its batch and viewed back); None when the split
-    cuts a part."""
+    a joint text + image sequence flattened with its batch and viewed back; heads flattened
+    with the batch and sequence, ``[B * S * H, d] -> [B, S, H, d]``: Qwen3-Next's gated norm);
+    None when the split cuts a part."""
     count = len(p.parts)
-    if len(outer) < 2 or count % dst[outer[0]]:
-        return None
-    per_entry, runs = count // dst[outer[0]], dst[outer[1]]
-    entry = p.parts[:per_entry]
-    if entry * dst[outer[0]] != p.parts:
-        return None
-    if per_entry == 1:
-        return Shard(outer[1]) if runs % pieces == 0 else None
-    return InterleavedShard(outer[1], entry) if runs == sum(entry) else None
+    for k in range(1, len(outer)):
+        entries = math.prod(dst[d] for d in outer[:k])
+        if count % entries:
+            continue
+        entry, run = p.parts[:count // entries], dst[outer[k]]
+        if entry * entries == p.parts and len(entry) == 1 and run % pieces == 0:
+            return Shard(outer[k])
+        if entry * entries == p.parts and len(entry) > 1 and run == sum(entry):
+            return InterleavedShard(outer[k], entry)
+    return None
 
 
 def view_rule(node, ins, cur, env):
