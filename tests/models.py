@@ -415,6 +415,23 @@ class GatedHeadNorm(nn.Module):
         return x + self.out(a.reshape(b, s, -1))
 
 
+class NormBetweenLinears(nn.Module):
+    """A projection whose output reaches an MLP only through the residual stream and an RMSNorm
+    written out (Llama's; an attention's out projection not read as one): the norm's ``rsqrt``
+    lies beside the path, not on it, so the projection and the MLP's gate are no MLP; the MLP
+    after it is one."""
+
+    def __init__(self, hidden: int = 32, mlp: int = 64):
+        super().__init__()
+        self.proj, self.norm = nn.Linear(hidden, hidden), nn.Parameter(torch.ones(hidden))
+        self.gate, self.up, self.down = nn.Linear(hidden, mlp), nn.Linear(hidden, mlp), nn.Linear(mlp, hidden)
+
+    def forward(self, x):
+        h = x + self.proj(x)
+        n = self.norm * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+        return h + self.down(F.silu(self.gate(n)) * self.up(n))
+
+
 class SequenceGram(nn.Module):
     """A contraction over the sequence after attention (the sum of x^T x over positions)."""
 

@@ -347,6 +347,16 @@ def qwen3_next():
     return Qwen3NextForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def diffllama():
+    """DiffLlama: differential attention, two SDPA calls sharing q and k over the two halves of
+    the value heads (each repeated), their outputs concatenated, chunked into two halves of the
+    heads and combined head pair by head pair with learned lambdas, then normed per pair."""
+    from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
+    config = DiffLlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64, pad_token_id=0)
+    return DiffLlamaForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 def gpt_oss():
     """GPT-OSS: attention with learned sink logits concatenated to the scores (written out), a
     sliding window on every other layer, and experts whose grouped matmuls add a bias gathered
@@ -449,4 +459,5 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
              "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,
              "llama4": llama4, "mochi": mochi, "cogview4": cogview4, "sana": sana,
-             "phimoe": phimoe, "hidream": hidream, "ltx": ltx, "flux2": flux2, "qwen3_next": qwen3_next}
+             "phimoe": phimoe, "hidream": hidream, "ltx": ltx, "flux2": flux2, "qwen3_next": qwen3_next,
+             "diffllama": diffllama}

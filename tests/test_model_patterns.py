@@ -219,6 +219,16 @@ def test_heads_flattened_with_the_batch_and_sequence_stay_cut_over_tp_and_are_ga
                for w in graph.warnings), graph.warnings
 
 
+def test_a_norm_between_a_projection_and_an_mlp_makes_no_mlp_of_them():
+    """An MLP's activation lies on the path between its projections. A written-out RMSNorm's
+    ``rsqrt`` of a mean lies beside the residual stream: before, a projection before the norm
+    (DiffLlama's out projection, not then read as attention's) was taken with the MLP's gate as
+    an MLP (colwise, rowwise), and the MLP's down projection gathered its input."""
+    graph = _explain(models.NormBetweenLinears(), (torch.randn(2, 8, 32),), tp=2)
+    assert graph.placements == ["mlp0: up.weight=S(0), gate.weight=S(0), down.weight=S(1)"], graph.placements
+    assert graph.warnings == [], graph.warnings
+
+
 def test_parts_of_unequal_sizes_are_held_whole_and_sliced_under_parallelize():
     """No DTensor placement cuts a fused qkv part by part into unequal parts (GQA's [32, 16, 16]):
     under parallelize it is held whole and sliced at each call, its gradient all-gathered over

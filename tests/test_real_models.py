@@ -27,7 +27,7 @@ MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
             "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss",
             "mpt", "apertus", "llama4", "falcon_multi_query", "gpt_bigcode", "cogview4", "sana", "phimoe",
-            "hidream", "flux2", "qwen3_next"}
+            "hidream", "flux2", "qwen3_next", "diffllama"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -141,10 +141,12 @@ RUNS = {
     # HiDream's experts, an nn.ModuleList looped over by masks, in one graph: cut over tp; its joint sequence of
     # image and three text parts cut part by part over the ring, its rotary positions following it.
     # FLUX.2's single blocks: q, k, v and the MLP's gate and up, one projection cut in five parts over tp.
+    # DiffLlama's differential attention: the heads cut half by half over tp (plan.head_groups), beside ulysses.
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
                              names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "gemma2_left_padded", "bloom",
                                              "t5", "t5_padded", "falcon", "mixtral", "mixtral_aux",
-                                             "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "gpt_oss", "apertus"]),
+                                             "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "gpt_oss", "apertus",
+                                             "diffllama"]),
         "tp2-ring2": dict(sizes=MESHES["tp2-ring2"], names=["flux", "mistral_padded", "gemma2", "gemma2_left_padded",
                                                             "bloom", "t5", "t5_padded", "mixtral",
                                                             "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "mpt",
@@ -376,6 +378,19 @@ def test_a_gated_delta_rule_runs_on_each_ranks_heads_over_tp_and_says_it_runs_wh
     assert graph.warnings == [] and cov.sharded_block_linear_flops >= 0.95 * cov.block_linear_flops, cov.summary()
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2, ulysses=2).graphs
     assert any(w.startswith("conv1d (torch.conv1d): inputs gathered on mesh dim 'cp'") for w in graph.warnings)
+
+
+def test_heads_split_into_groups_after_attention_are_cut_group_by_group():
+    """DiffLlama's differential attention chunks its value heads and its output heads into two
+    halves and pairs head i with head i + heads / 2. Cut plainly over tp, both chunks gathered;
+    cut half by half (each rank its heads of each half), both stay local, and the out projection,
+    read through the per-pair norm, is rowwise."""
+    model, args, kwargs = real_models.diffllama()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    assert graph.warnings == [] and graph.coverage.fallback_gathers == [], graph.warnings
+    layer = "model.layers.0.self_attn"
+    assert f"{layer}.q_proj.weight=IS(0,[32, 32]), {layer}.k_proj.weight=IS(0,[16, 16]), " \
+           f"{layer}.v_proj.weight=IS(0,[16, 16]), {layer}.o_proj.weight=S(1)" in graph.placements[0], graph.placements
 
 
 def test_sanas_convolutions_run_on_each_ranks_rows_of_the_image_over_cp():

@@ -306,6 +306,23 @@ def test_heads_flattened_with_the_batch_and_sequence_are_viewed_back_cut_by_head
     assert check_rule(lambda x: x.reshape(4, -1, 5), [_t(24, 5)], [heads]).note  # 1.5 tokens a row: gathered
 
 
+def test_heads_cut_group_by_group_stay_cut_through_their_views_and_attention():
+    """DiffLlama's heads cut half by half over tp (``plan.head_groups``): a projection's features
+    in two halves viewed as heads, kv heads merged with their repeats, attention on query heads
+    and kv heads cut in as many groups, and the output chunked into its halves."""
+    halves = InterleavedShard(2, (4, 4))  # 8 heads of 5
+    assert check_rule(lambda x: x.view(2, 3, -1, 5), [_t(2, 3, 40)], [InterleavedShard(2, (20, 20))]) == \
+        NodeSharding(halves, (InterleavedShard(2, (20, 20)),))
+    repeated = check_rule(lambda k: k.reshape(2, -1, 3, 5), [_t(2, 4, 2, 3, 5)], [InterleavedShard(1, (2, 2))])
+    assert repeated.out == InterleavedShard(1, (4, 4))
+    q, kv = _t(2, 8, 3, 5), _t(2, 4, 3, 5)
+    attention = check_rule(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), [q, kv, kv],
+                           [InterleavedShard(1, (4, 4)), R, R])
+    assert attention == NodeSharding(InterleavedShard(1, (4, 4)), (InterleavedShard(1, (4, 4)),
+                                                                    InterleavedShard(1, (2, 2)), InterleavedShard(1, (2, 2))))
+    assert check_rule(lambda x: x.chunk(2, 2), [_t(2, 3, 8, 10)], [halves]).out == (Shard(2), Shard(2))
+
+
 def test_a_triangular_solve_keeps_its_batch_and_right_hand_columns_cut():
     """Qwen3-Next's gated delta rule solves a unit lower-triangular system per head and chunk:
     a cut batch dim (heads) stays cut, B's columns stay cut with A whole, and partial sums of B

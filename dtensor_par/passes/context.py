@@ -49,6 +49,7 @@ class ParallelContext:
     positions_of: dict[str, str] = field(default_factory=dict)  # input added for a held cache's positions -> it
     output_placements: list[dict[str, Placement] | None] = field(default_factory=list)  # per output, by dim
     warnings: list[str] = field(default_factory=list)
+    held_warnings: list[str] | None = None  # while a plan is tried (plan_pass): its warnings, kept back
     coverage: Coverage | None = None  # measured once planned (coverage.record_coverage)
     comm: str = field(init=False)  # the lowering: known from the config and the inputs' devices alone
     replica_group_sets: dict[str, tuple] = field(default_factory=dict)  # from lower_pass
@@ -63,7 +64,9 @@ class ParallelContext:
         self.comm = resolve_collectives(self.config.collectives, devices)
 
     def warn(self, message: str) -> None:
-        if message not in self.warnings:
+        if self.held_warnings is not None:
+            self.held_warnings.append(message)
+        elif message not in self.warnings:
             self.warnings.append(message)
             logger.warning(message)
 

@@ -20,7 +20,10 @@ from .rules.views import dim_order
 # Ops allowed between a projection and the attention call: head reshapes, RoPE, QK-norm.
 TO_ATTENTION = kinds_in("pointwise", "views", "indexing") | {"norm"}
 # Ops allowed between attention output and its out projection: head merges, output gates.
-_FROM_ATTENTION = kinds_in("pointwise", "views", "indexing")
+_FROM_ATTENTION = kinds_in("pointwise", "views", "indexing") | {"norm"}
+# Ops through which a projection beside attention reaches its out projection, not through the
+# residual stream (no add): an output gate (Qwen3-Next's gated norm: ``norm(a) * silu(gate(x))``).
+_TO_OUT_PROJECTION = _FROM_ATTENTION - {"add"}
 # Ops allowed inside an MLP between up/gate and down projections.
 _INSIDE_MLP = kinds_in("pointwise") | {"split", "getitem"}
 # ... and inside a site read as one (``find_mlp_sites``): views and products of activations too,
@@ -57,7 +60,7 @@ class AttentionSite:
     out: list[fx.Node]
     num_heads: int
     num_kv_heads: int
-    branch: list[fx.Node] = field(default_factory=list)  # an MLP beside attention, sharing its out projection
+    branch: list[fx.Node] = field(default_factory=list)  # beside attention, reaching its out projection: an MLP, a gate
     layout_problem: str | None = None  # why the heads cannot be read off the projections' views: tp refuses it
     scores: fx.Node | None = None  # attention written out by hand: its q @ kT
     softmax: fx.Node | None = None  # ... and the softmax over its scores
@@ -474,6 +477,8 @@ def attention_site(site_name: str, node: fx.Node, sdpa: dict, heads: tuple[int, 
     out = find_consumers(node, _FROM_ATTENTION, ctx)
     branch = [linear for o in out for part in (concatenated_features(o) or ())
               for linear in find_producers(part, _INSIDE_MLP, ctx)[0]]
+    gates = [linear for o in out for linear in find_producers(arguments(o)["input"], _TO_OUT_PROJECTION, ctx)[0]]
+    branch = list(dict.fromkeys(branch + [g for g in gates if g not in q + k + v]))
     return AttentionSite(site_name, node, q, k, v, out, heads[0], kv_heads, branch, problem)
 
 
@@ -534,12 +539,25 @@ def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]
         with at_node("detect", node):
             ups, walked, channelwise = _walk_to_projections(node, kind, ctx)
             ups = [up for up in ups if _projection_kind(up, ctx) == kind]
-        activations = [n for n in walked if is_activation(n)]
+        activations = [n for n in _made_from(ups, walked) if is_activation(n)]
         if ups and activations and not taken.intersection(ups):
             sites.append(MLPSite(f"mlp{len(sites)}", ups, node, activations, channelwise))
             taken.update(ups)
             taken.add(node)
     return sites
+
+
+def _made_from(sources: list[fx.Node], walked: list[fx.Node]) -> list[fx.Node]:
+    """The ``walked`` nodes that ``sources`` reach through walked nodes: an MLP's activation lies
+    between its projections, not on a branch beside them (a norm's ``rsqrt`` of a mean, walked
+    from its product with the residual stream: o_proj and the next gate_proj are no MLP)."""
+    inside, reached, stack = set(walked), set(), list(sources)
+    while stack:
+        for user in stack.pop().users:
+            if user in inside and user not in reached:
+                reached.add(user)
+                stack.append(user)
+    return [n for n in walked if n in reached]
 
 
 _FROM_EXPERTS = kinds_in("pointwise", "views", "indexing") | {"reduce"}

@@ -110,9 +110,13 @@ def _parts_taken_off(node: fx.Node, dim: int) -> FusedParts | None:
                       sum((p.nodes if p and p.nodes else (piece,) for p, piece in zip(inner, pieces)), ()))
 
 
-def colwise_placement(linear: fx.Node, tp: int) -> Placement | None:
+def colwise_placement(linear: fx.Node, tp: int, groups: int = 1) -> Placement | None:
+    """A colwise weight's cut: its fused parts each cut, else its ``groups`` of heads each cut
+    (``head_groups``), else its features cut."""
     out_features = tensor_val(linear).shape[features_dim(linear)]
     parts = fused_parts(linear)
+    if (parts is None or len(parts.sizes) == 1) and groups > 1 and out_features % groups == 0:
+        parts = FusedParts((out_features // groups,) * groups, ())
     if parts is not None and len(parts.sizes) > 1:
         return InterleavedShard(0, parts.sizes) if all(p % tp == 0 for p in parts.sizes) else None
     return Shard(0) if out_features % tp == 0 else None
@@ -137,8 +141,9 @@ def _expert_weights(site: MoESite, ctx: ParallelContext) -> dict[fx.Node, Placem
     return placements
 
 
-def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None:
-    """Weight placements for one site, or None (with a warning) to leave it replicated."""
+def _site_weights(site, ctx: ParallelContext, groups: int = 1) -> dict[fx.Node, Placement] | None:
+    """Weight placements for one site, or None (with a warning) to leave it replicated; an
+    attention site's heads taken in ``groups`` (``head_groups``)."""
     tp = ctx.mesh.size("tp")
     if isinstance(site, MoESite):
         return _expert_weights(site, ctx)
@@ -163,7 +168,7 @@ def _site_weights(site, ctx: ParallelContext) -> dict[fx.Node, Placement] | None
                 return None
     placements = {}
     for linear in colwise:
-        p = colwise_placement(linear, tp)
+        p = colwise_placement(linear, tp, groups)
         if p is None:
             parts = fused_parts(linear)
             features = tensor_val(linear).shape[features_dim(linear)]
@@ -205,12 +210,13 @@ def _bias_placement(site, linear: fx.Node, p: Placement) -> tuple[fx.Node, Place
     return None if bias is None else (bias, p)
 
 
-def assign_weight_placements(ctx: ParallelContext) -> None:
-    """Fill ``ctx.param_placements`` from the sites; a weight shared by two roles stays replicated."""
+def assign_weight_placements(ctx: ParallelContext, groups: dict[str, int] | None = None) -> None:
+    """Fill ``ctx.param_placements`` from the sites, the heads of those in ``groups`` (site name
+    -> groups) cut group by group; a weight shared by two roles stays replicated."""
     chosen: dict[str, Placement] = {}
     conflicts: set[str] = set()
     for site in ctx.sites:
-        placements = _site_weights(site, ctx) or {}
+        placements = _site_weights(site, ctx, (groups or {}).get(site.name, 1)) or {}
         for linear, p in placements.items():
             weight, transposed = weight_param(linear)
             ndim = tensor_val(weight).dim()  # transposed: its last two dims swapped
@@ -400,28 +406,86 @@ def traced_cuts(gm: fx.GraphModule, ctx: ParallelContext, dim: str, seeds: dict[
     return env.traced
 
 
+def _seeds(ctx: ParallelContext, dim: str) -> dict[str, Placement]:
+    """The inputs' placements on mesh dim ``dim`` that its plan starts from."""
+    seeds = dict({"tp": ctx.param_placements, "cp": ctx.sequence_placements, "dp": ctx.batch_placements}[dim])
+    for name, cut in (*ctx.cache_inputs.items(), *ctx.expert_placements.items()):
+        seeds.update({name: p for d, p in cut.items() if d == dim})
+    return seeds
+
+
+def _plan_dim(gm: fx.GraphModule, ctx: ParallelContext, dim, dispatch: dict[fx.Node, MoESite]) -> int:
+    """Plan every node on mesh dim ``dim``; return how many gather a cut input (a note each)."""
+    env = RuleEnv(dim.name, dim.size, _seeds(ctx, dim.name), ctx.config.sequence_parallel and dim.name == "tp",
+                  dim.chunks_per_rank)
+    for node in gm.graph.nodes:
+        with at_node("plan", node):
+            set_sharding(node, dim.name, plan_node(node, env, ctx, dispatch))
+    return sum(shardings(node)[dim.name].note is not None for node in gm.graph.nodes)
+
+
+def head_groups(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, int]:
+    """The attention sites whose heads the tp plan gathers to split into equal groups (DiffLlama:
+    the values chunked into two halves of the kv heads, and the output into two halves of the
+    heads, each head paired with the one ``heads / 2`` on), and the groups: site name -> count.
+    Cut group by group, each rank holds its heads of every group, and the splits stay local."""
+    colwise: dict[fx.Node, set[str]] = {}
+    for site in (s for s in ctx.sites if isinstance(s, AttentionSite)):
+        for linear in site.colwise:
+            colwise.setdefault(linear, set()).add(site.name)
+    groups: dict[str, set[int]] = {}
+    for split in (n for n in gm.graph.nodes if op_kind(n) == "split"):
+        p = shardings(arguments(split)["input"])["tp"].out
+        pieces = {piece.shape[split_dim(split)] for piece in split.meta["val"]}
+        if shardings(split)["tp"].note is None or type(p) is not Shard or p.dim != split_dim(split) or len(pieces) != 1:
+            continue
+        for site in _sites_cutting(split, colwise):
+            groups.setdefault(site, set()).add(len(split.meta["val"]))
+    return {site: counts.pop() for site, counts in groups.items() if len(counts) == 1}
+
+
+def _sites_cutting(node: fx.Node, colwise: dict[fx.Node, set[str]]) -> set[str]:
+    """The sites whose colwise projections the tp cut of ``node``'s input comes from: walked back
+    through cut nodes only, so not past a projection to the stream it reads."""
+    sites, stack, seen = set(), [arguments(node)["input"]], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or (n not in colwise and shard_dim(shardings(n)["tp"].out) is None):
+            continue
+        seen.add(n)
+        if n in colwise:
+            sites |= colwise[n]
+        else:
+            stack.extend(n.all_input_nodes)
+    return sites
+
+
 def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    """Annotate every node with its NodeSharding on each planned mesh dim (``meta.shardings``)."""
+    """Annotate every node with its NodeSharding on each planned mesh dim (``meta.shardings``).
+    Where the tp plan gathers an attention's heads to split them into groups, the heads are cut
+    group by group instead (``head_groups``), if that gathers less."""
     if ctx.mesh.size("tp") > 1:
         assign_weight_placements(ctx)
-    seeds = {"tp": dict(ctx.param_placements), "cp": dict(ctx.sequence_placements), "dp": dict(ctx.batch_placements)}
-    for name, cut in (*ctx.cache_inputs.items(), *ctx.expert_placements.items()):
-        for dim, p in cut.items():
-            seeds[dim][name] = p
     for node in gm.graph.nodes:
         if tensor_val(node) is not None:
             set_global_shape(node, tuple(tensor_val(node).shape))
     dispatch = dispatch_regions(ctx)
     for dim in ctx.mesh.plan_dims:
-        env = RuleEnv(dim.name, dim.size, seeds[dim.name], ctx.config.sequence_parallel and dim.name == "tp",
-                      dim.chunks_per_rank)
+        gathers = _plan_dim(gm, ctx, dim, dispatch)
+        groups = head_groups(gm, ctx) if dim.name == "tp" and gathers else {}
+        if groups:
+            whole, ctx.held_warnings = ctx.param_placements, []
+            assign_weight_placements(ctx, groups)
+            held, ctx.held_warnings = ctx.held_warnings, None
+            if _plan_dim(gm, ctx, dim, dispatch) >= gathers:
+                ctx.param_placements = whole
+                _plan_dim(gm, ctx, dim, dispatch)
+            else:
+                for message in held:
+                    ctx.warn(message)
         for node in gm.graph.nodes:
-            with at_node("plan", node):
-                sharding = plan_node(node, env, ctx, dispatch)
-            set_sharding(node, dim.name, sharding)
-            if sharding.note:
-                ctx.warn(f"{node.name} ({target_name(node)}): inputs gathered on mesh dim {dim.name!r}: "
-                         f"{sharding.note}")
+            if (note := shardings(node)[dim.name].note) is not None:
+                ctx.warn(f"{node.name} ({target_name(node)}): inputs gathered on mesh dim {dim.name!r}: {note}")
     output = next(n for n in gm.graph.nodes if n.op == "output")
     tensors = [i for i, o in enumerate(output.args[0]) if tensor_val(o) is not None]
     ctx.output_placements = [None] * len(output.args[0])

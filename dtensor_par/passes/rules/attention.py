@@ -23,14 +23,16 @@ def sdpa_rule(node, ins, cur, env):
     """Attention is independent per batch entry and per head: shard either, gather the rest.
     A mask broadcasts against the scores from the right; hybrid attention's key padding is
     ``[B|1, keys]``, its batch on dim 0 and no heads; its bias table ``[rows, heads]`` has the
-    heads on dim 1 and its sinks ``[heads]`` on dim 0, and neither a batch."""
+    heads on dim 1 and its sinks ``[heads]`` on dim 0, and neither a batch. Heads cut group by
+    group (``plan.head_groups``) are cut so in every input, kv heads in as many groups."""
     cur = resolve_partial(ins, cur, env)
     q_val = tensor_val(ins[0])
     nd = q_val.dim()
     batch_like = set(range(nd - 2))
-    chosen = next((p for p in cur[:3] if isinstance(p, Shard) and p.dim in batch_like), None)
+    chosen = next((p for p in cur[:3] if isinstance(p, (Shard, InterleavedShard)) and p.dim in batch_like), None)
     if chosen is None:
         return replicate_all(node, ins, cur, "attention sharded along the sequence or head dim")
+    cut = next(v.shape[chosen.dim - (nd - v.dim())] for p, v in zip(cur, map(tensor_val, ins)) if p == chosen)
     given = arguments(node)
     key_padding, bias_table, sinks = (given.get(name) for name in ("key_padding", "bias_table", "sinks"))
     expected = []
@@ -42,9 +44,17 @@ def sdpa_rule(node, ins, cur, env):
             d = (1 if i is bias_table else 0) if chosen.dim == nd - 3 else None
         else:
             d = chosen.dim - (nd - val.dim())
-        broadcast = d is None or d < 0 or val.shape[d] == 1
-        expected.append(R if broadcast else Shard(d))
-    return NodeSharding(chosen, tuple(expected))
+        if d is None or d < 0 or val.shape[d] == 1:
+            expected.append(R)
+        elif isinstance(chosen, InterleavedShard):
+            parts = tuple(part * val.shape[d] // cut for part in chosen.parts)
+            if any(part * val.shape[d] % cut or p % env.size for part, p in zip(chosen.parts, parts)):
+                return replicate_all(node, ins, cur, f"heads cut in groups {list(chosen.parts)} that {i.name}'s "
+                                                     f"{val.shape[d]} do not fall into")
+            expected.append(InterleavedShard(d, parts))
+        else:
+            expected.append(Shard(d))
+    return NodeSharding(expected[0] if isinstance(chosen, InterleavedShard) else chosen, tuple(expected))
 
 
 def hybrid_attention_rule(node, ins, cur, env):

@@ -81,10 +81,25 @@ def _view_target(src: tuple[int, ...], dst: tuple[int, ...], p: Placement, piece
         if isinstance(p, InterleavedShard):
             if dst[outer[0]] == src[p.dim]:
                 return InterleavedShard(outer[0], p.parts)
-            return _split_repeated_parts(p, dst, outer, pieces)
+            after = math.prod(src[d] for d in gi[gi.index(p.dim) + 1:])
+            return _interleaved_units(p, after, dst, outer, pieces) or \
+                _split_repeated_parts(p, dst, outer, pieces)
         keeps_length = dst[outer[0]] == src[p.dim]  # the shard's layout is the input's: even or padded
         return Shard(outer[0]) if keeps_length or dst[outer[0]] % pieces == 0 else None
     return None
+
+
+def _interleaved_units(p: InterleavedShard, after: int, dst: tuple[int, ...], outer: list[int],
+                       pieces: int) -> Placement | None:
+    """An interleaved dim (with the ``after`` elements of the dims it merges with) viewed as
+    ``outer`` dims where each part is whole units of the first, and each rank's piece of a part
+    too: the parts counted in those units (a projection's features cut in halves, viewed as
+    heads of ``d``: DiffLlama's ``[B, S, H * d] -> [B, S, H, d]``; kv heads merged with their
+    repeats: ``[B, KV, rep, S, d] -> [B, KV * rep, S, d]``)."""
+    unit = math.prod(dst[d] for d in outer[1:])
+    if any(part * after % unit or part * after // unit % pieces for part in p.parts):
+        return None
+    return InterleavedShard(outer[0], tuple(part * after // unit for part in p.parts))
 
 
 def _split_repeated_parts(p: InterleavedShard, dst: tuple[int, ...], outer: list[int], pieces: int) -> Placement | None:
