@@ -81,6 +81,8 @@ CASES = {
     "temporal_conv": (models.TemporalConvBlock, lambda: [(torch.randn(2, 16, 32),)]),
     # Qwen3-Next's gated norm: heads flattened with the batch and sequence, viewed back
     "gated_head_norm": (models.GatedHeadNorm, lambda: [(torch.randn(2, 16, 32),)]),
+    # ViT's class token concatenated before the patches a convolution made: cut over cp where they meet
+    "class_token": (models.ClassTokenBlock, lambda: [(torch.randn(2, 3, 12, 20),)]),
     # causal masks kept in a module buffer (nanoGPT's, GPT-Neo's local window): read as causal attention
     "causal_mask_in_a_buffer": (models.BufferMaskedAttention, lambda: [(torch.randn(2, 16, 32),)]),
     "window_mask_in_a_buffer": (lambda: models.BufferMaskedAttention("gpt_neo", window=5),

@@ -432,6 +432,21 @@ class NormBetweenLinears(nn.Module):
         return h + self.down(F.silu(self.gate(n)) * self.up(n))
 
 
+class ClassTokenBlock(nn.Module):
+    """ViT's embeddings, written small: an image's 4 x 4 patches embedded by a convolution, a
+    learned class token concatenated before them (a sequence of 1 + patches made in the graph),
+    positions added, then a block."""
+
+    def __init__(self, hidden: int = 32, patches: int = 15):
+        super().__init__()
+        self.embed, self.block = nn.Conv2d(3, hidden, 4, stride=4), GPTBlock(hidden)
+        self.cls, self.pos = nn.Parameter(torch.randn(1, 1, hidden)), nn.Parameter(torch.randn(1, patches + 1, hidden))
+
+    def forward(self, image):
+        x = self.embed(image).flatten(2).transpose(1, 2)
+        return self.block(torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.pos)
+
+
 class SequenceGram(nn.Module):
     """A contraction over the sequence after attention (the sum of x^T x over positions)."""
 

@@ -25,7 +25,8 @@ PAIRS = {
                            names=["keyword_sdpa_scale", "uneven_seq_30", "uneven_seq_30_masked",
                                   "uneven_seq_30_bidirectional", "uneven_seq_30_pooling", "mean_loss",
                                   "joint_attention_masked", "rows_hidden_by_an_input", "joint_before_projection",
-                                  "folded_heads_attention", "window_mask_in_a_buffer", "running_positions"]),
+                                  "folded_heads_attention", "window_mask_in_a_buffer", "running_positions",
+                                  "class_token"]),
 }
 ONE_GRAPH = {"capture_dynamic_output_shape_ops": True}
 """Dynamo's option under which a loop over an nn.ModuleList's experts is one graph (``passes.expert_loop``)."""

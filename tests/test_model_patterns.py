@@ -229,6 +229,16 @@ def test_a_norm_between_a_projection_and_an_mlp_makes_no_mlp_of_them():
     assert graph.warnings == [], graph.warnings
 
 
+def test_a_class_token_concatenated_before_the_patches_is_cut_with_them_where_they_meet():
+    """ViT: a class token concatenated before patches a convolution made, a sequence of 16. The
+    patches alone (15) cannot be cut beside the one class token, but their concatenation can:
+    cut over cp where it is made, every linear after it runs on each rank's tokens, the patch
+    convolution alone whole (before: the block's q, k, v projections ran whole too)."""
+    graph = _explain(models.ClassTokenBlock(), (torch.randn(2, 3, 12, 20),), ulysses=2)
+    cov = graph.coverage
+    assert graph.warnings == [] and cov.linear_flops - cov.sharded_linear_flops == 2 * 2 * 15 * 32 * (3 * 4 * 4)
+
+
 def test_parts_of_unequal_sizes_are_held_whole_and_sliced_under_parallelize():
     """No DTensor placement cuts a fused qkv part by part into unequal parts (GQA's [32, 16, 16]):
     under parallelize it is held whole and sliced at each call, its gradient all-gathered over

@@ -159,18 +159,20 @@ def _is_sequence(val, lengths: list[int]) -> bool:
 def sequence_start_candidates(gm: fx.GraphModule, lengths: list[int], whole: set[fx.Node]) -> list[fx.Node]:
     """Activations made inside the graph (a patch embedding's tokens, transposed out of a conv)
     that may start a sequence: each floating-point sequence-shaped node none of whose inputs
-    holds one (nor is attention's output), unless it stays ``whole`` (masks, weights).
-    Positions stay whole: masks are built from them."""
-    def holds(node: fx.Node) -> bool:
+    holds one as long (nor is attention's output), unless it stays ``whole`` (masks, weights):
+    a concatenation of shorter parts is one too (ViT's class token before its patches, which a
+    cut of the patches alone would gather). Positions stay whole: masks are built from them."""
+    def holds(node: fx.Node, length) -> bool:
         val = node.meta.get("val")
         return op_kind(node) == "hybrid_attention" or any(
-            isinstance(v, torch.Tensor) and _is_sequence(v, lengths) for v in (val if isinstance(val, (tuple, list)) else [val]))
+            isinstance(v, torch.Tensor) and _is_sequence(v, [length]) for v in (val if isinstance(val, (tuple, list)) else [val]))
 
     def may_start(node: fx.Node) -> bool:
         val = tensor_val(node)
         if node.op not in ("call_function", "call_method") or node in whole or op_kind(node) == "hybrid_attention":
             return False
-        return _is_sequence(val, lengths) and val.is_floating_point() and not any(map(holds, node.all_input_nodes))
+        return (_is_sequence(val, lengths) and val.is_floating_point()
+                and not any(holds(i, val.shape[1]) for i in node.all_input_nodes))
 
     candidates = []
     for node in gm.graph.nodes:
