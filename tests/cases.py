@@ -83,6 +83,8 @@ CASES = {
     "gated_head_norm": (models.GatedHeadNorm, lambda: [(torch.randn(2, 16, 32),)]),
     # ViT's class token concatenated before the patches a convolution made: cut over cp where they meet
     "class_token": (models.ClassTokenBlock, lambda: [(torch.randn(2, 3, 12, 20),)]),
+    # PyTorch's nn.TransformerEncoderLayer (key padding, causal mask) and nn.MultiheadAttention with kdim and vdim
+    "torch_encoder": (models.TorchEncoder, lambda: [(torch.randn(2, 16, 32), ~_keep(16), torch.randn(2, 16, 16))]),
     # causal masks kept in a module buffer (nanoGPT's, GPT-Neo's local window): read as causal attention
     "causal_mask_in_a_buffer": (models.BufferMaskedAttention, lambda: [(torch.randn(2, 16, 32),)]),
     "window_mask_in_a_buffer": (lambda: models.BufferMaskedAttention("gpt_neo", window=5),

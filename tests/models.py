@@ -447,6 +447,22 @@ class ClassTokenBlock(nn.Module):
         return self.block(torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.pos)
 
 
+class TorchEncoder(nn.Module):
+    """PyTorch's own layers: ``nn.TransformerEncoderLayer`` (batch first, pre-norm) with a key
+    padding mask and a causal mask, then an ``nn.MultiheadAttention`` whose keys and values have
+    their own width (``kdim``, ``vdim``: separate projection weights) over a context."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4, context: int = 16):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(hidden, heads, 64, dropout=0.0, batch_first=True, norm_first=True)
+        self.cross = nn.MultiheadAttention(hidden, heads, batch_first=True, kdim=context, vdim=context)
+
+    def forward(self, x, padding, context):
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)  # True: not attended
+        x = self.layer(x, src_mask=causal, src_key_padding_mask=padding, is_causal=True)
+        return x + self.cross(x, context, context, need_weights=False)[0]
+
+
 class SequenceGram(nn.Module):
     """A contraction over the sequence after attention (the sum of x^T x over positions)."""
 

@@ -239,6 +239,26 @@ def test_a_class_token_concatenated_before_the_patches_is_cut_with_them_where_th
     assert graph.warnings == [] and cov.linear_flops - cov.sharded_linear_flops == 2 * 2 * 15 * 32 * (3 * 4 * 4)
 
 
+def test_pytorchs_own_multihead_attention_is_written_out_and_sharded():
+    """``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` (keys and values of their own
+    width) call ``F.multi_head_attention_forward``, one opaque op: its projections ran whole on
+    every rank, and coverage counted none of their FLOPs (it read 100% sharded). Written out, each
+    is an attention site (exact: test_tp_gloo and test_cp_gloo, case torch_encoder). In eval
+    without gradients PyTorch takes a fused fast path instead: a warning says so and how to
+    avoid it."""
+    inputs = (torch.randn(2, 16, 32), torch.zeros(2, 16, dtype=torch.bool), torch.randn(2, 16, 16))
+    graph = _explain(models.TorchEncoder(), inputs, tp=2, ring=2)
+    assert graph.placements[:2] == [
+        "attention0: layer.self_attn.in_proj_weight=IS(0,[32, 32, 32]), layer.self_attn.out_proj.weight=S(1)",
+        "attention1: cross.q_proj_weight=S(0), cross.k_proj_weight=S(0), cross.v_proj_weight=S(0), "
+        "cross.out_proj.weight=S(1)"], graph.placements
+    assert graph.warnings == [] and graph.coverage.sharded_linear_flops == graph.coverage.linear_flops
+    model = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).eval()
+    with torch.no_grad():
+        (warning,) = _explain(model, inputs[:1], tp=2).warnings
+    assert "fused fast path" in warning and "set_fastpath_enabled(False)" in warning, warning
+
+
 def test_parts_of_unequal_sizes_are_held_whole_and_sliced_under_parallelize():
     """No DTensor placement cuts a fused qkv part by part into unequal parts (GQA's [32, 16, 16]):
     under parallelize it is held whole and sliced at each call, its gradient all-gathered over

@@ -425,6 +425,12 @@ CANONICALIZED = {
         lambda x: _weighted_cat(torch.tensor_split(x, [3, 6], dim=1)),
         lambda x: _weighted_cat(torch.tensor_split(x, indices=[3, 6], dim=1)),
         lambda x: _weighted_cat(x.tensor_split(3, dim=-2))]),  # 8 into 3 sections: [3, 3, 2]
+    "mha_as_attention": ([torch.randn(6, 2, 8), torch.randn(24, 8), torch.randn(24), torch.randn(8, 8)], [
+        lambda x, w, b, o: F.multi_head_attention_forward(x, x, x, 8, 2, w, b, None, None, False, 0.0, o, None,
+                                                          need_weights=False)[0],
+        lambda x, w, b, o: F.multi_head_attention_forward(
+            query=x, key=x, value=x, embed_dim_to_check=8, num_heads=2, in_proj_weight=w, in_proj_bias=b, bias_k=None,
+            bias_v=None, add_zero_attn=False, dropout_p=0.0, out_proj_weight=o, out_proj_bias=None, need_weights=False)[0]]),
     "narrow_as_slice": ([torch.randn(2, 6, 8)], [
         lambda x: torch.narrow(x, 2, 2, 4),
         lambda x: torch.narrow(x, dim=2, start=2, length=4),
@@ -480,7 +486,7 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
     assert all(form == forms[0] for form in forms[1:]), forms
     ops = [op for op, _, _ in forms[0]]
     assert not {"torch.addmm", "torch.baddbmm", "torch.narrow", "torch.outer", "Tensor.outer",
-                "torch.tensor_split", "Tensor.tensor_split"} & set(ops), ops
+                "torch.tensor_split", "Tensor.tensor_split", "torch.nn.functional.multi_head_attention_forward"} & set(ops), ops
     if rule == "experts_as_grouped":  # sorted by expert, counted, two grouped matmuls, sorted back; no bmm
         assert ops.count("grouped_mm") == 2 and "matmul" not in ops and "histc" in ops, ops
     if rule == "elementwise_extreme":  # of two tensors: no reduction

@@ -19,7 +19,7 @@ RUNS = {
     # Experts in an nn.ModuleList looped over (each expert's MLP a graph of its own) at world 2 only: CI time;
     # captured in one graph under Dynamo's capture_dynamic_output_shape_ops, each expert's features cut.
     2: {"tp": dict(names=TP_CASES + ["looped_experts", "folded_heads_attention", "linear_attention_conv",
-                                     "fused_attention_mlp"], steps=2),
+                                     "fused_attention_mlp", "torch_encoder"], steps=2),
         "experts_in_one_graph": dict(names=["looped_experts", "looped_moe_block", "masked_loop_experts"], steps=2,
                                      dynamo_config={"capture_dynamic_output_shape_ops": True}),
         "experts_in_one_graph new sizes": dict(names=["looped_moe_block"], steps=1, inputs=NEW_SIZES[:3],
@@ -54,6 +54,7 @@ def test_tensor_parallel_matches_single_device(world):
     if world == 2:
         assert result["linear_attention_conv"]["warnings"] == []
         assert result["fused_attention_mlp"]["warnings"] == []  # its parts cut where they are split off
+        assert result["torch_encoder"]["warnings"] == []  # nn.MultiheadAttention written out: attention sites
 
 
 @pytest.mark.parametrize("world", [2, 4])

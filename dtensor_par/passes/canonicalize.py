@@ -16,6 +16,9 @@
   a fused projection cut by ``narrow`` is cut part by part as by indexing.
 - ``torch.outer(a, b)`` becomes ``a.unsqueeze(-1) * b`` (Flux.2's rotary frequencies: positions
   times inverse frequencies), which the pointwise rule places: cut positions stay cut.
+- ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` in
+  training) becomes its q, k, v projections, heads, SDPA and out projection, which detect reads
+  as any attention (``mha_as_attention``); a form it does not write out stays one op, warned of.
 - ``torch.tensor_split`` becomes ``torch.split`` into the sizes of its pieces (Qwen3-Next's
   gated delta rule cuts its padded sequence so), which the split rule places.
 - A fused projection split after views of its features (Falcon-7B's multi-query
@@ -196,6 +199,90 @@ def tensor_split_as_split(gm: fx.GraphModule, node: fx.Node) -> None:
         split = with_val(gm.graph.call_function(torch.split, (given["input"], sizes, dim)), node.meta["val"])
     node.replace_all_uses_with(split)
     gm.graph.erase_node(node)
+
+
+def _emit(graph: fx.Graph, fn, *args, **kwargs) -> fx.Node:
+    """``fn(*args, **kwargs)`` inserted at the graph's cursor, its value computed from its inputs'."""
+    value = fn(*fx.node.map_arg(args, lambda n: n.meta["val"]), **fx.node.map_arg(kwargs, lambda n: n.meta["val"]))
+    return with_val(graph.call_function(fn, args, kwargs), value)
+
+
+_FUSED_FAST_PATHS = {torch._transformer_encoder_layer_fwd: "nn.TransformerEncoderLayer",
+                     torch._native_multi_head_attention: "nn.MultiheadAttention"}
+
+
+def _unsupported_mha(node: fx.Node, given: dict) -> str | None:
+    """Why a ``multi_head_attention_forward`` call is kept as one op, or None."""
+    if any(given[name] is not None for name in ("bias_k", "bias_v", "static_k", "static_v")) or given["add_zero_attn"]:
+        return "bias_k, bias_v, add_zero_attn or static keys"
+    if not given["use_separate_proj_weight"] and not given["query"] is given["key"] is given["value"]:
+        return "query, key and value of different tensors from one packed in_proj_weight"
+    if any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users):
+        return "its attention weights read (need_weights=True)"
+    masks = [given[name] for name in ("attn_mask", "key_padding_mask") if given[name] is not None]
+    if any(tensor_val(m).dim() != 2 for m in masks[1:]) or any(tensor_val(m).dim() not in (2, 3) for m in masks[:1]):
+        return "a mask of another shape than [L, S] or [B * heads, L, S] and a key padding [B, S]"
+    return None
+
+
+def _additive(graph: fx.Graph, mask: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """A boolean mask (True: not attended) as the float one ``multi_head_attention_forward`` adds."""
+    if tensor_val(mask).dtype != torch.bool:
+        return mask
+    zeros = _emit(graph, torch.zeros_like, mask, dtype=dtype)
+    return _emit(graph, torch.masked_fill, zeros, mask, float("-inf"))
+
+
+def mha_as_attention(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -> None:
+    """``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``
+    in training) written out: q, k, v projections (one fused linear, chunked, for
+    self-attention), heads viewed, SDPA with its masks made additive as it adds them, the out
+    projection. Each is then found and sharded as any attention's; left as one op, nothing of it
+    runs parallel, and a warning names it."""
+    given = arguments(node)
+    problem = _unsupported_mha(node, given)
+    if problem is not None:
+        ctx.warn(f"{node.name}: nn.MultiheadAttention with {problem} runs as one op, whole on every rank")
+        return
+    graph, (length, batch, embed), heads = gm.graph, tensor_val(given["query"]).shape, given["num_heads"]
+    with graph.inserting_before(node):
+        if given["use_separate_proj_weight"]:
+            biases = (_emit(graph, torch.chunk, given["in_proj_bias"], 3) if given["in_proj_bias"] is not None
+                      else None)
+            q, k, v = (_emit(graph, F.linear, given[x], given[f"{p}_proj_weight"],
+                             _emit(graph, operator.getitem, biases, i) if biases is not None else None)
+                       for i, (x, p) in enumerate(zip(("query", "key", "value"), "qkv")))
+        else:
+            qkv = _emit(graph, torch.chunk, _emit(graph, F.linear, given["query"], given["in_proj_weight"],
+                                                  given["in_proj_bias"]), 3, -1)
+            q, k, v = (_emit(graph, operator.getitem, qkv, i) for i in range(3))
+        q, k, v = (_emit(graph, torch.permute, _emit(graph, torch.reshape, x, (tensor_val(x).shape[0], batch, heads, -1)),
+                         (1, 2, 0, 3)) for x in (q, k, v))
+        mask = _mha_mask(graph, given, batch, heads, tensor_val(q).dtype)
+        causal = given["is_causal"] and given["key_padding_mask"] is None
+        out = _emit(graph, F.scaled_dot_product_attention, q, k, v, attn_mask=None if causal else mask,
+                    dropout_p=given["dropout_p"] if given["training"] else 0.0, is_causal=causal)
+        out = _emit(graph, torch.reshape, _emit(graph, torch.permute, out, (2, 0, 1, 3)), (length, batch, embed))
+        out = _emit(graph, F.linear, out, given["out_proj_weight"], given["out_proj_bias"])
+    for user in list(node.users):
+        if user.args[1] == 0:
+            user.replace_all_uses_with(out)
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
+def _mha_mask(graph: fx.Graph, given: dict, batch: int, heads: int, dtype: torch.dtype) -> fx.Node | None:
+    """The float mask SDPA adds: the attention mask (``[L, S]``, or ``[B * heads, L, S]`` viewed
+    per batch and head) plus the key padding (``[B, S]`` viewed ``[B, 1, 1, S]``)."""
+    mask, padding = given["attn_mask"], given["key_padding_mask"]
+    if mask is not None:
+        mask = _additive(graph, mask, dtype)
+        if tensor_val(mask).dim() == 3:
+            mask = _emit(graph, torch.reshape, mask, (batch, heads) + tuple(tensor_val(mask).shape[1:]))
+    if padding is not None:
+        padding = _emit(graph, torch.reshape, _additive(graph, padding, dtype), (batch, 1, 1, -1))
+        mask = padding if mask is None else _emit(graph, operator.add, mask, padding)
+    return mask
 
 
 def _viewed_features(split: fx.Node) -> tuple[fx.Node, int] | None:
@@ -668,6 +755,12 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
         outer_as_product(gm, node)
     elif node.op in ("call_function", "call_method") and node.target in (torch.tensor_split, "tensor_split"):
         tensor_split_as_split(gm, node)
+    elif node.op == "call_function" and node.target is F.multi_head_attention_forward:
+        mha_as_attention(gm, node, ctx)
+    elif node.op == "call_function" and node.target in _FUSED_FAST_PATHS:
+        ctx.warn(f"{node.name}: {_FUSED_FAST_PATHS[node.target]}'s fused fast path (eval, no grad) is one op and runs "
+                 f"whole on every rank; call torch.backends.mha.set_fastpath_enabled(False) before compiling, and "
+                 f"its attention and MLP are written out and parallelized")
     elif node.op in ("call_function", "call_method") and node.target in _ADD_PRODUCT:
         if not (node.target in (torch.addmm, "addmm") and conv1d_linear(gm, node)):
             add_product_as_matmul(gm, node)
