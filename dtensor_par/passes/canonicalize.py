@@ -215,8 +215,6 @@ def _unsupported_mha(node: fx.Node, given: dict) -> str | None:
     """Why a ``multi_head_attention_forward`` call is kept as one op, or None."""
     if any(given[name] is not None for name in ("bias_k", "bias_v", "static_k", "static_v")) or given["add_zero_attn"]:
         return "bias_k, bias_v, add_zero_attn or static keys"
-    if not given["use_separate_proj_weight"] and not given["query"] is given["key"] is given["value"]:
-        return "query, key and value of different tensors from one packed in_proj_weight"
     if any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users):
         return "its attention weights read (need_weights=True)"
     masks = [given[name] for name in ("attn_mask", "key_padding_mask") if given[name] is not None]
@@ -246,16 +244,12 @@ def mha_as_attention(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) ->
         return
     graph, (length, batch, embed), heads = gm.graph, tensor_val(given["query"]).shape, given["num_heads"]
     with graph.inserting_before(node):
-        if given["use_separate_proj_weight"]:
-            biases = (_emit(graph, torch.chunk, given["in_proj_bias"], 3) if given["in_proj_bias"] is not None
-                      else None)
-            q, k, v = (_emit(graph, F.linear, given[x], given[f"{p}_proj_weight"],
-                             _emit(graph, operator.getitem, biases, i) if biases is not None else None)
-                       for i, (x, p) in enumerate(zip(("query", "key", "value"), "qkv")))
-        else:
+        if not given["use_separate_proj_weight"] and given["query"] is given["key"] is given["value"]:
             qkv = _emit(graph, torch.chunk, _emit(graph, F.linear, given["query"], given["in_proj_weight"],
                                                   given["in_proj_bias"]), 3, -1)
             q, k, v = (_emit(graph, operator.getitem, qkv, i) for i in range(3))
+        else:
+            q, k, v = _mha_projections(graph, given)
         q, k, v = (_emit(graph, torch.permute, _emit(graph, torch.reshape, x, (tensor_val(x).shape[0], batch, heads, -1)),
                          (1, 2, 0, 3)) for x in (q, k, v))
         mask = _mha_mask(graph, given, batch, heads, tensor_val(q).dtype)
@@ -269,6 +263,18 @@ def mha_as_attention(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) ->
             user.replace_all_uses_with(out)
         graph.erase_node(user)
     graph.erase_node(node)
+
+
+def _mha_projections(graph: fx.Graph, given: dict) -> list[fx.Node]:
+    """q, k and v projected apart: by weights of their own (``kdim``, ``vdim``), or by the thirds
+    of one packed ``in_proj_weight`` (cross-attention: SigLIP's pooling probe over its patches)."""
+    def thirds(packed: fx.Node | None) -> list:
+        pieces = _emit(graph, torch.chunk, packed, 3) if packed is not None else None
+        return [_emit(graph, operator.getitem, pieces, i) if pieces is not None else None for i in range(3)]
+    weights = ([given[f"{p}_proj_weight"] for p in "qkv"] if given["use_separate_proj_weight"]
+               else thirds(given["in_proj_weight"]))
+    return [_emit(graph, F.linear, given[x], w, b)
+            for x, w, b in zip(("query", "key", "value"), weights, thirds(given["in_proj_bias"]))]
 
 
 def _mha_mask(graph: fx.Graph, given: dict, batch: int, heads: int, dtype: torch.dtype) -> fx.Node | None:
