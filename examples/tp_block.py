@@ -8,6 +8,7 @@ Every rank builds the same model, runs it on its own as the reference, then runs
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,10 @@ def main():
         print(f"max |output - single device|   = {forward_diff:.3e}")
         print(f"max |gradient - single device| = {grad_diff:.3e}")
     dist.destroy_process_group()
+    # The work is done; leave without the interpreter's teardown, in which gloo's worker threads
+    # can abort the process now and then (pytorch/pytorch#179291).
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
