@@ -259,6 +259,17 @@ def test_pytorchs_own_multihead_attention_is_written_out_and_sharded():
     assert "fused fast path" in warning and "set_fastpath_enabled(False)" in warning, warning
 
 
+def test_a_convolution_over_frames_after_a_rowwise_mlp_sums_it_then_fetches_its_halo():
+    """Sana-Video's feed-forward: the MLP's partial sums, viewed as a frames x positions grid, are
+    all-reduced over tp (the MLP's own all-reduce, named by its site, not a fallback), then the
+    convolution over frames cut over cp fetches one halo frame each side. Before, localize
+    crashed: the all-reduce it had inserted carried no global shape."""
+    graph = _explain(models.TemporalConvBlock(), (torch.randn(2, 16, 32),), tp=2, ulysses=2)
+    assert graph.warnings == [] and graph.coverage.fallback_gathers == []
+    forward = [(c["op"], c["mesh_dims"], c["site"]) for c in graph.collectives if c["direction"] == "forward"]
+    assert ("all_reduce", "tp", "mlp1.rowwise") in forward and ("all_gather", "cp", "-") in forward, forward
+
+
 def test_parts_of_unequal_sizes_are_held_whole_and_sliced_under_parallelize():
     """No DTensor placement cuts a fused qkv part by part into unequal parts (GQA's [32, 16, 16]):
     under parallelize it is held whole and sliced at each call, its gradient all-gathered over

@@ -19,7 +19,8 @@ from .rules.views import dim_order
 
 # Ops allowed between a projection and the attention call: head reshapes, RoPE, QK-norm.
 TO_ATTENTION = kinds_in("pointwise", "views", "indexing") | {"norm"}
-# Ops allowed between attention output and its out projection: head merges, output gates.
+# Ops allowed between attention output and its out projection: head merges, output gates, norms
+# of heads (DiffLlama's per head pair).
 _FROM_ATTENTION = kinds_in("pointwise", "views", "indexing") | {"norm"}
 # Ops through which a projection beside attention reaches its out projection, not through the
 # residual stream (no add): an output gate (Qwen3-Next's gated norm: ``norm(a) * silu(gate(x))``).

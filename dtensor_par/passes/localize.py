@@ -442,7 +442,7 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             if tensor_val(arg) is None:
                 return arg
             i = next(position)
-            site = site_role(node) or site_role(arg)
+            site = site_role(node) or _summed_site(arg)
             current = {d.name: shardings(arg)[d.name].out for d in dims}
             val = tensor_val(arg)
             layout, dtype = (fsdp.get(arg.name), compute.get(arg.name)) if arg.op == "placeholder" else (None, None)
@@ -471,6 +471,15 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
                 kind.localize(gm, node, ctx.mesh)
     _finish(gm, ctx, fsdp)
     return gm
+
+
+def _summed_site(value: fx.Node) -> str | None:
+    """The site a value comes from: its own, or where it is partial sums viewed since (a rowwise
+    MLP's output viewed as an image grid), the site that made them, whose all-reduce it is."""
+    while (site_role(value) is None and lookup(value) is not None and lookup(value).family == "views"
+           and any(isinstance(p, Partial) for p in placements(value).values())):
+        value = arguments(value)["input"]
+    return site_role(value)
 
 
 def _parameter_at_use(gm: fx.GraphModule, ctx: ParallelContext, cached, arg: fx.Node, layout: HeldLayout | None,
