@@ -478,7 +478,7 @@ def _summed_site(value: fx.Node) -> str | None:
     MLP's output viewed as an image grid), the site that made them, whose all-reduce it is."""
     while (site_role(value) is None and lookup(value) is not None and lookup(value).family == "views"
            and any(isinstance(p, Partial) for p in placements(value).values())):
-        value = arguments(value)["input"]
+        value = tensor_inputs(value)[0]
     return site_role(value)
 
 
