@@ -70,7 +70,7 @@ import torch.nn.functional as F
 
 from ..ops.grouped import GROUPED_MM
 from ..symbolic import is_symbolic, same_size
-from .capture import erase_unused, with_val
+from .capture import emitted, erase_unused, with_val
 from .context import ParallelContext, at_node
 from .detect import is_topk
 from .nodes import arguments, keywords_as_positions, tensor_inputs, tensor_val
@@ -148,17 +148,13 @@ def add_product_as_matmul(gm: fx.GraphModule, node: fx.Node) -> None:
     a, b = (given[name] for name in _FACTORS[getattr(node.target, "__name__", node.target)])
     x, beta, alpha = given["input"], given["beta"], given["alpha"]
     graph = gm.graph
-
-    def call(fn, args, value):
-        return with_val(graph.call_function(fn, args), value)
-
     with graph.inserting_before(node):
-        product = call(torch.matmul, (a, b), tensor_val(a) @ tensor_val(b))
+        product = emitted(graph, torch.matmul, a, b)
         if alpha != 1:
-            product = call(operator.mul, (product, alpha), tensor_val(product) * alpha)
+            product = emitted(graph, operator.mul, product, alpha)
         if beta != 0:
-            scaled = x if beta == 1 else call(operator.mul, (x, beta), tensor_val(x) * beta)
-            product = call(operator.add, (scaled, product), tensor_val(node))
+            scaled = x if beta == 1 else emitted(graph, operator.mul, x, beta)
+            product = emitted(graph, operator.add, scaled, product)
     node.replace_all_uses_with(product)
     graph.erase_node(node)
 
@@ -181,8 +177,7 @@ def outer_as_product(gm: fx.GraphModule, node: fx.Node) -> None:
     pointwise rule places."""
     given = arguments(node)
     with gm.graph.inserting_before(node):
-        column = with_val(gm.graph.call_method("unsqueeze", (given["input"], -1)), tensor_val(given["input"]).unsqueeze(-1))
-        product = with_val(gm.graph.call_function(operator.mul, (column, given["vec2"])), tensor_val(node))
+        product = emitted(gm.graph, operator.mul, emitted(gm.graph, torch.unsqueeze, given["input"], -1), given["vec2"])
     node.replace_all_uses_with(product)
     gm.graph.erase_node(node)
 
@@ -199,12 +194,6 @@ def tensor_split_as_split(gm: fx.GraphModule, node: fx.Node) -> None:
         split = with_val(gm.graph.call_function(torch.split, (given["input"], sizes, dim)), node.meta["val"])
     node.replace_all_uses_with(split)
     gm.graph.erase_node(node)
-
-
-def _emit(graph: fx.Graph, fn, *args, **kwargs) -> fx.Node:
-    """``fn(*args, **kwargs)`` inserted at the graph's cursor, its value computed from its inputs'."""
-    value = fn(*fx.node.map_arg(args, lambda n: n.meta["val"]), **fx.node.map_arg(kwargs, lambda n: n.meta["val"]))
-    return with_val(graph.call_function(fn, args, kwargs), value)
 
 
 _FUSED_FAST_PATHS = {torch._transformer_encoder_layer_fwd: "nn.TransformerEncoderLayer",
@@ -227,8 +216,8 @@ def _additive(graph: fx.Graph, mask: fx.Node, dtype: torch.dtype) -> fx.Node:
     """A boolean mask (True: not attended) as the float one ``multi_head_attention_forward`` adds."""
     if tensor_val(mask).dtype != torch.bool:
         return mask
-    zeros = _emit(graph, torch.zeros_like, mask, dtype=dtype)
-    return _emit(graph, torch.masked_fill, zeros, mask, float("-inf"))
+    zeros = emitted(graph, torch.zeros_like, mask, dtype=dtype)
+    return emitted(graph, torch.masked_fill, zeros, mask, float("-inf"))
 
 
 def mha_as_attention(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -> None:
@@ -245,19 +234,19 @@ def mha_as_attention(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) ->
     graph, (length, batch, embed), heads = gm.graph, tensor_val(given["query"]).shape, given["num_heads"]
     with graph.inserting_before(node):
         if not given["use_separate_proj_weight"] and given["query"] is given["key"] is given["value"]:
-            qkv = _emit(graph, torch.chunk, _emit(graph, F.linear, given["query"], given["in_proj_weight"],
+            qkv = emitted(graph, torch.chunk, emitted(graph, F.linear, given["query"], given["in_proj_weight"],
                                                   given["in_proj_bias"]), 3, -1)
-            q, k, v = (_emit(graph, operator.getitem, qkv, i) for i in range(3))
+            q, k, v = (emitted(graph, operator.getitem, qkv, i) for i in range(3))
         else:
             q, k, v = _mha_projections(graph, given)
-        q, k, v = (_emit(graph, torch.permute, _emit(graph, torch.reshape, x, (tensor_val(x).shape[0], batch, heads, -1)),
+        q, k, v = (emitted(graph, torch.permute, emitted(graph, torch.reshape, x, (tensor_val(x).shape[0], batch, heads, -1)),
                          (1, 2, 0, 3)) for x in (q, k, v))
         mask = _mha_mask(graph, given, batch, heads, tensor_val(q).dtype)
         causal = given["is_causal"] and given["key_padding_mask"] is None
-        out = _emit(graph, F.scaled_dot_product_attention, q, k, v, attn_mask=None if causal else mask,
+        out = emitted(graph, F.scaled_dot_product_attention, q, k, v, attn_mask=None if causal else mask,
                     dropout_p=given["dropout_p"] if given["training"] else 0.0, is_causal=causal)
-        out = _emit(graph, torch.reshape, _emit(graph, torch.permute, out, (2, 0, 1, 3)), (length, batch, embed))
-        out = _emit(graph, F.linear, out, given["out_proj_weight"], given["out_proj_bias"])
+        out = emitted(graph, torch.reshape, emitted(graph, torch.permute, out, (2, 0, 1, 3)), (length, batch, embed))
+        out = emitted(graph, F.linear, out, given["out_proj_weight"], given["out_proj_bias"])
     for user in list(node.users):
         if user.args[1] == 0:
             user.replace_all_uses_with(out)
@@ -269,11 +258,11 @@ def _mha_projections(graph: fx.Graph, given: dict) -> list[fx.Node]:
     """q, k and v projected apart: by weights of their own (``kdim``, ``vdim``), or by the thirds
     of one packed ``in_proj_weight`` (cross-attention: SigLIP's pooling probe over its patches)."""
     def thirds(packed: fx.Node | None) -> list:
-        pieces = _emit(graph, torch.chunk, packed, 3) if packed is not None else None
-        return [_emit(graph, operator.getitem, pieces, i) if pieces is not None else None for i in range(3)]
+        pieces = emitted(graph, torch.chunk, packed, 3) if packed is not None else None
+        return [emitted(graph, operator.getitem, pieces, i) if pieces is not None else None for i in range(3)]
     weights = ([given[f"{p}_proj_weight"] for p in "qkv"] if given["use_separate_proj_weight"]
                else thirds(given["in_proj_weight"]))
-    return [_emit(graph, F.linear, given[x], w, b)
+    return [emitted(graph, F.linear, given[x], w, b)
             for x, w, b in zip(("query", "key", "value"), weights, thirds(given["in_proj_bias"]))]
 
 
@@ -284,10 +273,10 @@ def _mha_mask(graph: fx.Graph, given: dict, batch: int, heads: int, dtype: torch
     if mask is not None:
         mask = _additive(graph, mask, dtype)
         if tensor_val(mask).dim() == 3:
-            mask = _emit(graph, torch.reshape, mask, (batch, heads) + tuple(tensor_val(mask).shape[1:]))
+            mask = emitted(graph, torch.reshape, mask, (batch, heads) + tuple(tensor_val(mask).shape[1:]))
     if padding is not None:
-        padding = _emit(graph, torch.reshape, _additive(graph, padding, dtype), (batch, 1, 1, -1))
-        mask = padding if mask is None else _emit(graph, operator.add, mask, padding)
+        padding = emitted(graph, torch.reshape, _additive(graph, padding, dtype), (batch, 1, 1, -1))
+        mask = padding if mask is None else emitted(graph, operator.add, mask, padding)
     return mask
 
 

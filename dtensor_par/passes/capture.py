@@ -266,6 +266,12 @@ def with_val(node: fx.Node, value) -> fx.Node:
     return node
 
 
+def emitted(graph: fx.Graph, fn, *args, **kwargs) -> fx.Node:
+    """``fn(*args, **kwargs)`` inserted at the graph's cursor, its value computed from its inputs'."""
+    value = fn(*fx.node.map_arg(args, lambda n: n.meta["val"]), **fx.node.map_arg(kwargs, lambda n: n.meta["val"]))
+    return with_val(graph.call_function(fn, args, kwargs), value)
+
+
 def erase_unused(gm: fx.GraphModule, node: fx.Node) -> None:
     """Erase ``node`` if nothing reads it, then every input it leaves without readers (a dead
     mask subgraph, a repeat-kv no attention reads any more)."""
