@@ -395,6 +395,33 @@ class TemporalConvBlock(nn.Module):
         return x + self.temporal(grid).flatten(2).transpose(1, 2)
 
 
+class SmallUNet(nn.Module):
+    """A UNet's path in miniature (Stable Diffusion's ``UNet2DConditionModel``): attention over an
+    image's positions, a resnet block (group norms, 3 x 3 convolutions), a downsampling
+    convolution of stride 2, attention at half the rows, nearest upsampling, a last group norm
+    and convolution. Over cp the image's rows stay cut from the first attention on."""
+
+    def __init__(self, channels: int = 16, heads: int = 2, groups: int = 4):
+        super().__init__()
+        self.attend_full, self.attend_half = Attention(channels, heads), Attention(channels, heads)
+        for attention in (self.attend_full, self.attend_half):  # a key bias's true gradient is 0
+            attention.k = nn.Linear(channels, channels, bias=False)
+        self.norm1, self.norm2, self.norm_out = (nn.GroupNorm(groups, channels) for _ in range(3))
+        self.conv1, self.conv2, self.conv_out = (nn.Conv2d(channels, channels, 3, padding=1) for _ in range(3))
+        self.down = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+
+    @staticmethod
+    def _attend(attention: nn.Module, image: torch.Tensor) -> torch.Tensor:
+        return image + attention(image.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(image.shape)
+
+    def forward(self, image):
+        h = self._attend(self.attend_full, image)
+        h = h + self.conv2(F.silu(self.norm2(self.conv1(F.silu(self.norm1(h))))))
+        h = self._attend(self.attend_half, self.down(h))
+        h = F.interpolate(h, scale_factor=2.0, mode="nearest")
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
 class GatedHeadNorm(nn.Module):
     """Qwen3-Next's gated norm, written small after attention: the heads flattened with the
     batch and sequence (``[B * S * H, d]``), normalized per head and gated by a projection's

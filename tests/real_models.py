@@ -417,6 +417,19 @@ def sana():
                            timestep=torch.tensor([10, 500]), return_dict=False)
 
 
+def unet():
+    """Stable Diffusion's UNet2DConditionModel: resnet blocks of group norms and 3 x 3
+    convolutions, cross-attention transformers over the image's positions, a downsampling
+    convolution of stride 2 and a nearest upsampling between two resolutions."""
+    from diffusers import UNet2DConditionModel
+    model = UNet2DConditionModel(sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
+                                 block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+                                 attention_head_dim=8, norm_num_groups=8)
+    return model, (), dict(sample=torch.randn(BATCH, 4, 16, 16), timestep=torch.tensor([10, 500]),
+                           encoder_hidden_states=torch.randn(BATCH, 8, 32), return_dict=False)
+
+
 def hidream():
     """HiDream-I1's transformer in training: Flux-like double and single-stream blocks whose
     feed-forward is a mixture of 4 experts (top-2) in an ``nn.ModuleList``, looped over with a
@@ -460,4 +473,4 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,
              "llama4": llama4, "mochi": mochi, "cogview4": cogview4, "sana": sana,
              "phimoe": phimoe, "hidream": hidream, "ltx": ltx, "flux2": flux2, "qwen3_next": qwen3_next,
-             "diffllama": diffllama}
+             "diffllama": diffllama, "unet": unet}

@@ -26,7 +26,7 @@ PAIRS = {
                                   "uneven_seq_30_bidirectional", "uneven_seq_30_pooling", "mean_loss",
                                   "joint_attention_masked", "rows_hidden_by_an_input", "joint_before_projection",
                                   "folded_heads_attention", "window_mask_in_a_buffer", "running_positions",
-                                  "class_token"]),
+                                  "class_token", "small_unet"]),
 }
 ONE_GRAPH = {"capture_dynamic_output_shape_ops": True}
 """Dynamo's option under which a loop over an nn.ModuleList's experts is one graph (``passes.expert_loop``)."""
@@ -97,6 +97,8 @@ def test_each_pair_of_mesh_dims_at_world_4(pair):
     if "gated_head_norm" in result:  # heads flattened with the rows: gathered over cp first, saying why
         warnings = result["gated_head_norm"]["warnings"]
         assert warnings and all("at once" in w for w in warnings), warnings
+    if "small_unet" in result:  # group norms, a stride-2 convolution and nearest upsampling over rows cut
+        assert result["small_unet"]["warnings"] == [], result["small_unet"]
     if "running_positions" in result:  # position ids and a running mean summed along the sequence cut over cp
         assert result["running_positions"]["warnings"] == [], result["running_positions"]
 

@@ -27,7 +27,7 @@ MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
             "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss",
             "mpt", "apertus", "llama4", "falcon_multi_query", "gpt_bigcode", "cogview4", "sana", "phimoe",
-            "hidream", "flux2", "qwen3_next", "diffllama"}
+            "hidream", "flux2", "qwen3_next", "diffllama", "unet"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -170,7 +170,9 @@ RUNS = {
     # Multi-query fused qkv (Falcon-7B, GPTBigCode): cut part by part with the query heads, the key and value
     # gathered whole as they are split off (beside the ring at world 4; GPTBigCode's repeated kv heads on tp alone).
     # Qwen3-Next's gated delta rule: its convolution, chunked recurrence and gated norm on each rank's heads.
-    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager", "gpt_oss", "gpt_bigcode", "qwen3_next"])},
+    # Stable Diffusion's UNet over cp: its image's rows cut through group norms, convolutions and resampling.
+    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager", "gpt_oss", "gpt_bigcode", "qwen3_next"]),
+        "ulysses2": dict(sizes={"ulysses": 2}, names=["unet"])},
 }
 """World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size
 (world 2's launch runs the ``parallel`` decorator's check too)."""
@@ -407,6 +409,24 @@ def test_sanas_convolutions_run_on_each_ranks_rows_of_the_image_over_cp():
     assert ("cp", rows, 1) in [(c["mesh_dims"], c["bytes_per_rank"], c["count"]) for c in halo], halo
     back = [(c["mesh_dims"], c["bytes_per_rank"]) for c in graph.collectives if c["op"] == "reduce_scatter"]
     assert back == [("cp", 4 * rows)], back  # the gradients of the 4 ranks' edges go in, as the profiler counts
+
+
+def test_a_unets_image_rows_stay_cut_over_cp_through_group_norms_and_resampling():
+    """Stable Diffusion's UNet over cp: its 18 group norms each all-reduce their groups' sums
+    twice (mean, then variance: batch x 8 groups x float32), its 3 x 3 convolutions and its
+    downsampling one of stride 2 fetch their halo rows, its nearest upsampling repeats rows in
+    place: nothing gathered. Before, 10 fallback gathers and 27% of linear FLOPs sharded; what
+    is left whole is the input convolution and the first resnet block, before the first
+    attention cuts the image's rows."""
+    model, args, kwargs = real_models.unet()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ulysses=2).graphs
+    cov = graph.coverage
+    assert graph.warnings == [] and cov.fallback_gathers == [], graph.warnings
+    assert cov.sharded_linear_flops >= 0.9 * cov.linear_flops, cov.summary()
+    forward = [(c["op"], c["bytes_per_rank"], c["count"]) for c in graph.collectives
+               if c["direction"] == "forward" and c["mesh_dims"] == "cp"]
+    assert ("all_reduce", real_models.BATCH * 8 * 4, 36) in forward, forward
+    assert sum(count for op, _, count in forward if op == "all_gather") == 18, forward  # each convolution's halo
 
 
 def test_a_model_whose_frames_dynamo_runs_eagerly_is_refused_by_explain():

@@ -21,12 +21,13 @@ from dtensor_par.mesh import MeshDim
 from dtensor_par.ops.attention import hybrid_attention
 from dtensor_par.ops.experts import combine_rows, dispatch_rows, exchange_counts
 from dtensor_par.ops.halo import HaloPlan, halo_plan
-from dtensor_par.passes.meta import NodeSharding, set_sharding
+from dtensor_par.passes.meta import NodeSharding, set_global_shape, set_sharding
 from dtensor_par.passes.nodes import tensor_inputs
 from dtensor_par.passes.rules.core import RuleEnv
 from dtensor_par.passes.rules.indexing import localize_split
 from dtensor_par.passes.rules.reductions import localize_mean
 from dtensor_par.passes.rules.registry import lookup
+from dtensor_par.passes.rules.views import localize_interpolate
 from dtensor_par.placements import InterleavedShard, Partial, Replicate, Shard, local_chunk, parts_of, shard_dim
 
 SIZE = 2
@@ -79,8 +80,11 @@ def check_rule(fn, inputs: list, placements: list) -> NodeSharding:
     ins = tensor_inputs(op)
     kind = lookup(op)
     sharding = kind.rule(op, ins, [given[i] for i in ins], RuleEnv("tp", SIZE, {}, False))
-    if kind.localize in (localize_mean, localize_split):  # the hooks that change what a rank computes, sending nothing
+    # the hooks that change what a rank computes, sending nothing
+    if kind.localize in (localize_mean, localize_split, localize_interpolate):
         set_sharding(op, "tp", sharding)
+        if isinstance(op.meta["val"], torch.Tensor):  # what plan_pass keeps
+            set_global_shape(op, tuple(op.meta["val"].shape))
         kind.localize(gm, op, SimpleNamespace(dims={"tp": SimpleNamespace(size=SIZE, chunks_per_rank=1)},
                                               size=lambda name: SIZE))
     generator = torch.Generator().manual_seed(0)
@@ -196,14 +200,18 @@ def test_a_new_tensor_is_whole_and_leaves_its_source_as_it_is():
         assert check_rule(lambda x: x.new_zeros(4, 6), [x], [p]) == NodeSharding(R, (p,))
 
 
-def test_a_convolution_keeps_rows_cut_over_cp_only_where_it_gives_a_row_for_each_row_it_reads():
-    """A 3 x 3 kernel padded by 1 keeps rows cut over cp (their halo fetched: ``ops.halo``), over
-    tp it has no halo exchange, and a stride, a kernel padded otherwise, or rows fewer than its
-    halo per rank are gathered, saying why; partial sums are summed, not gathered."""
+def test_a_convolution_keeps_rows_cut_over_cp_only_where_each_run_of_them_gives_its_share_of_the_output():
+    """A 3 x 3 kernel padded by 1 keeps rows cut over cp (their halo fetched: ``ops.halo``), and
+    so do a downsampling one of stride 2 and a patch embedding (kernel = stride) where every run
+    of rows starts and ends on the stride; over tp a kernel wider than 1 has no halo exchange.
+    Rows that do not divide into such runs, fewer than its halo, or a kernel padded otherwise
+    are gathered, saying why; partial sums are summed, not gathered."""
     w = _t(3, 1, 3, 3)
     for dim, rows, kwargs, kept in (("cp", 8, {"padding": 1}, True), ("tp", 8, {"padding": 1}, False),
-                                    ("cp", 8, {"padding": 1, "stride": 2}, False), ("cp", 8, {"padding": 0}, False),
-                                    ("cp", 2, {"padding": 1}, False)):
+                                    ("cp", 8, {"padding": 1, "stride": 2}, True),
+                                    ("cp", 12, {"padding": 1, "stride": 2}, False),  # 4 runs of 3 rows
+                                    ("cp", 8, {"padding": 0}, False), ("cp", 2, {"padding": 1}, False),
+                                    ("cp", 8, {"padding": 1, "dilation": 2}, False)):
         gm, conv = _traced(lambda x, w: F.conv2d(x, w, groups=3, **kwargs), [_t(2, 3, rows, 6), w])
         ins = tensor_inputs(conv)
         env = RuleEnv(dim, SIZE, {}, False, chunks_per_rank=2 if dim == "cp" else 1)
@@ -211,9 +219,42 @@ def test_a_convolution_keeps_rows_cut_over_cp_only_where_it_gives_a_row_for_each
         assert (sharding.out == Shard(2) and sharding.note is None) == kept, (dim, rows, kwargs, sharding)
         if not kept:
             assert sharding.note.startswith("a convolution over rows cut along dim 2"), sharding.note
+    patches = [(_t(2, 3, 8, 8), _t(4, 3, 2, 2)), (_t(2, 3, 6, 8), _t(4, 3, 2, 2))]  # 4 chunks of 2 rows; of 1.5
+    for (x, w), kept in zip(patches, (True, False)):
+        gm, conv = _traced(lambda x, w: F.conv2d(x, w, stride=2), [x, w])
+        sharding = lookup(conv).rule(conv, tensor_inputs(conv), [Shard(2), R], RuleEnv("cp", SIZE, {}, False, 2))
+        assert (sharding.out == Shard(2)) == kept, sharding
     # a rowwise MLP's partial sums are summed first, as before a linear: its all-reduce, not a fallback
     sharding = lookup(conv).rule(conv, ins, [Partial(), R], RuleEnv("tp", SIZE, {}, False))
     assert sharding == NodeSharding(R, (R, R)), sharding
+
+
+def test_group_norm_keeps_the_batch_and_rows_cut_and_gathers_its_channels_or_padded_rows():
+    """Rows cut over cp stay (``ops.norm.sharded_group_norm`` all-reduces each group's sums);
+    cut channels would cut the groups, and padded rows would count: gathered, saying why."""
+    x, weight = _t(2, 8, 6, 4), _t(8)
+    norm = lambda x, w: F.group_norm(x, 4, w, w)  # noqa: E731
+    assert check_rule(norm, [x, weight], [Shard(0), R]) == NodeSharding(Shard(0), (Shard(0), R, R))
+    for p, rows, kept in ((Shard(2), 6, True), (Shard(3), 6, True), (Shard(1), 6, False), (Shard(2), 5, False)):
+        gm, op = _traced(norm, [_t(2, 8, rows, 4), weight])
+        sharding = lookup(op).rule(op, tensor_inputs(op), [p, R], RuleEnv("cp", SIZE, {}, False))
+        assert (sharding.out == p and sharding.note is None) == kept, (p, rows, sharding)
+        if not kept:
+            assert sharding.note == "group_norm over its channels cut or its rows padded", sharding.note
+
+
+def test_nearest_upsampling_by_a_whole_factor_keeps_rows_cut():
+    """Each row repeated in place: a shard of the rows stays, as one of the batch or channels
+    does under any mode; bilinear resampling mixes rows across a cut: gathered."""
+    x = _t(2, 4, 6, 4)
+    for fn in (lambda x: F.interpolate(x, scale_factor=2.0, mode="nearest"),
+               lambda x: F.interpolate(x, size=(12, 8), mode="nearest-exact")):
+        for p in (Shard(0), Shard(1), Shard(2), Shard(3)):
+            assert check_rule(fn, [x], [p]) == NodeSharding(p, (p,)), p
+    bilinear = lambda x: F.interpolate(x, scale_factor=2.0, mode="bilinear")  # noqa: E731
+    assert check_rule(bilinear, [x], [Shard(1)]).out == Shard(1)
+    gathered = check_rule(bilinear, [x], [Shard(2)])
+    assert gathered.out == R and gathered.note.startswith("interpolate (bilinear) along the cut dim 2"), gathered
 
 
 def test_einsum_keeps_shards_and_contracts_to_partial_sums():

@@ -1,6 +1,7 @@
 """A convolution over a spatial dim cut over the sequence ranks (Sana's depthwise 3 x 3 conv over
-image rows cut over cp): each run of rows a rank holds is convolved with the rows it reaches
-across its edges, its halo, fetched from the ranks that hold them.
+image rows cut over cp, a UNet's downsampling of stride 2): each run of rows a rank holds is
+convolved with the rows it reaches across its edges, its halo, fetched from the ranks that hold
+them.
 
 The rows of an image grid cut over cp are the sequence's rows: contiguous chunks, or the zigzag
 layout's two a ring rank (split further among its ulysses ranks). Each rank sends the first and
@@ -63,22 +64,27 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padding: tuple[int, ...],
-              groups: int, *, dim: int, plan: HaloPlan, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
-    """``conv{1,2,3}d(x, weight, bias, stride=1, padding, dilation=1, groups)`` on this rank's rows of
-    spatial ``dim`` (cut over ``mesh_dim``, laid out as ``plan`` says), whose padding along it is
-    ``halo = (kernel - 1) / 2``: each run convolved with its halo rows, fetched from the ranks that
-    hold them."""
-    halo = padding[dim - 2]
+def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, ...],
+              padding: tuple[int, ...], groups: int, *, dim: int, reach: tuple[int, int], plan: HaloPlan,
+              mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
+    """``conv{1,2,3}d(x, weight, bias, stride, padding, dilation=1, groups)`` on this rank's rows of
+    spatial ``dim`` (cut over ``mesh_dim``, laid out as ``plan`` says, each run starting and
+    ending on the stride), which reads ``reach = (before, after)`` rows past each end of a run
+    (``rules.matmul.reach_of``): each run convolved with those rows of its neighbours, fetched
+    from the ranks that hold them, gives exactly its share of the output rows."""
+    before, after = reach
+    halo = max(before, after)  # every edge sent is as long, so that they stack
     conv = (F.conv1d, F.conv2d, F.conv3d)[x.dim() - 3]
     runs = x.split(plan.run_length, dim)
     edges = torch.stack([torch.stack([run.narrow(dim, 0, halo), run.narrow(dim, plan.run_length - halo, halo)])
                          for run in runs])
     sent = gather_stacked(edges, mesh_dim, comm).flatten(0, 2)  # [ranks * runs * 2, *edge]
-    zeros = torch.zeros_like(edges[0, 0])
     inner = tuple(0 if d == dim - 2 else p for d, p in enumerate(padding))
     out = []
     for run, above, below in zip(runs, plan.above, plan.below):
-        rows = [zeros if above < 0 else sent[above], run, zeros if below < 0 else sent[below]]
-        out.append(conv(torch.cat(rows, dim), weight, bias, padding=inner, groups=groups))
+        rows = [torch.zeros_like(run.narrow(dim, 0, before)) if above < 0 else sent[above].narrow(dim, halo - before,
+                                                                                                  before),
+                run,
+                torch.zeros_like(run.narrow(dim, 0, after)) if below < 0 else sent[below].narrow(dim, 0, after)]
+        out.append(conv(torch.cat(rows, dim), weight, bias, stride=stride, padding=inner, groups=groups))
     return torch.cat(out, dim)

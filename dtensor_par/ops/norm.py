@@ -1,7 +1,8 @@
-"""layer_norm and rms_norm over features sharded across ranks (a cross-head qk-norm on tp).
+"""layer_norm and rms_norm over features sharded across ranks (a cross-head qk-norm on tp), and
+group_norm over an image's rows cut over cp (a UNet's).
 
-Each rank sums over its own features; only those sums, one or two fp32 numbers per token,
-are all-reduced, never the activation. The sums are used rank-locally, so their gradient is
+Each rank sums over its own features or rows; only those sums, one or two fp32 numbers per
+token or per image and group, are all-reduced, never the activation. The sums are used rank-locally, so their gradient is
 summed over ranks as well.
 """
 
@@ -39,3 +40,20 @@ def sharded_norm(x: torch.Tensor, normalized_ndim: int, weight: torch.Tensor | N
     if weight is not None:
         y = y * weight
     return y if bias is None else y + bias
+
+
+def sharded_group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                       eps: float, *, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
+    """``group_norm`` of ``x`` ``[N, C, *spatial]``, of whose spatial dims this rank holds an
+    equal share (no padding): each group's mean, then its variance about that mean, summed over
+    the ranks."""
+    n, c = x.shape[:2]
+    xf = x.float().reshape(n, num_groups, -1)
+    count = xf.shape[-1] * mesh_dim.size
+    centered = xf - _total(xf.sum(-1, keepdim=True), mesh_dim, comm) / count
+    variance = _total(centered.square().sum(-1, keepdim=True), mesh_dim, comm) / count
+    y = (centered * torch.rsqrt(variance + eps)).reshape(x.shape).to(x.dtype)
+    per_channel = (c,) + (1,) * (x.dim() - 2)
+    if weight is not None:
+        y = y * weight.reshape(per_channel)
+    return y if bias is None else y + bias.reshape(per_channel)

@@ -193,15 +193,21 @@ def _spatial(node: fx.Node, dim: int) -> tuple[int, int, int, int] | None:
     return (kernel, *(v if isinstance(v, int) else v[spatial] for v in values))
 
 
-def halo_of(node: fx.Node, dim: int) -> int | None:
-    """The rows a convolution reads past each end of a run of rows along spatial ``dim`` and
-    gives back as many as it reads (stride 1, dilation 1, padding ``(kernel - 1) / 2``): 0 for a
-    kernel of 1; None for any other."""
+def reach_of(node: fx.Node, dim: int) -> tuple[int, int, int] | None:
+    """(rows read before a run, rows read after it, stride) of a convolution along spatial
+    ``dim`` that turns any run of rows starting and ending on its stride into exactly its share
+    of the output (``rows / stride``): dilation 1 and, with the padding ``p`` at both ends,
+    ``kernel - stride <= 2p < kernel``; rows ``[a, a + L)`` give outputs ``[a / s, (a + L) / s)``,
+    reading ``p`` rows before ``a`` and ``kernel - stride - p`` after. A 3 x 3 kernel padded by 1
+    reads one row each side; a downsampling one of stride 2, one before; a patch embedding
+    (kernel = stride, no padding), none. None for any other."""
     found = _spatial(node, dim)
     if found is None:
         return None
     kernel, stride, padding, dilation = found
-    return padding if stride == 1 and dilation == 1 and kernel % 2 and padding == (kernel - 1) // 2 else None
+    after = kernel - stride - padding
+    return (padding, after, stride) if dilation == 1 and after >= 0 and kernel - stride <= 2 * padding < kernel \
+        else None
 
 
 def is_pointwise_conv(node: fx.Node) -> bool:
@@ -243,9 +249,10 @@ def _channels_rule(node, ins, cur) -> NodeSharding | None:
 
 def conv_rule(node, ins, cur, env):
     """A convolution (a DiT's patch embedding) runs on this rank's images of a batch cut over
-    dp, and on this rank's rows of a spatial dim where it gives back a row for each row it reads
-    (an image grid made of a sequence: Sana's feed-forward): a kernel of 1 there as it is, a
-    wider one over cp with its halo rows fetched from their ranks (``localize_conv``). An MLP
+    dp, and on this rank's rows of a spatial dim where each run of them gives its share of the
+    output rows (``reach_of``: an image grid made of a sequence, Sana's feed-forward, a UNet's
+    downsampling): a kernel of 1 there as it is, a wider one over cp with the rows it reads past
+    each run (its halo) fetched from their ranks (``localize_conv``). An MLP
     site's are cut along their channels (``_channels_rule``). Any other cut mixes what it slides
     over or sums over channels: gathered. A partial sum in (a rowwise MLP's output) is summed
     first, as before a linear: the MLP's own all-reduce, not a fallback."""
@@ -258,13 +265,21 @@ def conv_rule(node, ins, cur, env):
                                                         "MLP site's along its channels, only")
     if x_p.dim == 0:
         return NodeSharding(x_p, tuple(cur))
-    rows, halo = tensor_val(ins[0]).shape[x_p.dim], halo_of(node, x_p.dim)
-    if halo == 0 or (halo and env.dim == "cp" and not env.padded(rows)
-                     and shard_length(rows, env.size, env.chunks_per_rank) >= halo):
+    rows, reach = tensor_val(ins[0]).shape[x_p.dim], reach_of(node, x_p.dim)
+    if reach == (0, 0, 1) or (reach and (env.dim == "cp" or reach[:2] == (0, 0)) and _runs_fit(rows, reach, env)):
         return NodeSharding(x_p, tuple(cur))
     return replicate_all(node, ins, cur, f"a convolution over rows cut along dim {x_p.dim} (kernel, stride, padding, "
-                                         f"dilation {_spatial(node, x_p.dim)}) that reads past a run of them, or "
-                                         f"rows padded or fewer than its halo")
+                                         f"dilation {_spatial(node, x_p.dim)}) that reads past a run of them "
+                                         f"other than by its padding, or rows that do not divide into runs of its "
+                                         f"stride each at least its reach long")
+
+
+def _runs_fit(rows: int, reach: tuple[int, int, int], env) -> bool:
+    """Whether every run of rows a rank holds starts and ends on the stride (so its outputs are
+    the output's rows laid out alike, none padded) and is at least as long as the rows read past it."""
+    before, after, stride = reach
+    chunks = env.size * env.chunks_per_rank
+    return rows % (stride * chunks) == 0 and rows // chunks >= max(before, after)
 
 
 def localize_conv(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
@@ -276,21 +291,23 @@ def localize_conv(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     if groups > 1:  # a depthwise one's groups are its output channels
         given["groups"] = groups * planned_local_shape(node, mesh)[1] // global_shape(node)[1]
         node.args, node.kwargs = (), given
-    cut = [(name, s.inputs[0].dim, halo) for name, s in shardings(node).items()
-           if isinstance(s.inputs[0], Shard) and s.inputs[0].dim >= 2 and (halo := halo_of(node, s.inputs[0].dim))]
+    cut = [(name, s.inputs[0].dim, reach) for name, s in shardings(node).items()
+           if isinstance(s.inputs[0], Shard) and s.inputs[0].dim >= 2 and (reach := reach_of(node, s.inputs[0].dim))
+           and reach[:2] != (0, 0)]
     if not cut:
         return
-    (name, dim, halo), = cut  # the rule keeps rows a kernel reads past cut over cp only
+    (name, dim, (before, after, _)), = cut  # the rule keeps rows a kernel reads past cut over cp only
     mesh_dim = mesh.dims[name]
     rows = global_shape(given["input"])[dim]
     plan = halo_plan(every_rank_positions(rows, mesh_dim).tolist(), mesh_dim.rank)
-    padding = given.get("padding", 0)
-    padding = (padding,) * (len(global_shape(node)) - 2) if isinstance(padding, int) else tuple(padding)
+    spatial = len(global_shape(node)) - 2
+    stride, padding = (given.get(key, default) for key, default in (("stride", 1), ("padding", 0)))
+    stride, padding = ((v,) * spatial if isinstance(v, int) else tuple(v) for v in (stride, padding))
     node.target = halo_conv
-    node.args = (given["input"], given["weight"], given.get("bias"), padding, given.get("groups", 1))
-    node.kwargs = {"dim": dim, "plan": plan, "mesh_dim": mesh_dim}
+    node.args = (given["input"], given["weight"], given.get("bias"), stride, padding, given.get("groups", 1))
+    node.kwargs = {"dim": dim, "reach": (before, after), "plan": plan, "mesh_dim": mesh_dim}
     edges = list(planned_local_shape(given["input"], mesh))
-    edges[dim] = 2 * plan.runs * halo
+    edges[dim] = 2 * plan.runs * max(before, after)
     nbytes = hint(math.prod(edges)) * tensor_val(given["input"]).element_size()
     # the backward reduce-scatters the gradient of every rank's edges: all of them go in
     set_communications(node, [Communication("all_gather", "reduce_scatter" if node.meta["requires_grad"] else None,

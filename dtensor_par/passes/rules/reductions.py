@@ -10,9 +10,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ...mesh import MeshInfo
-from ...ops.norm import sharded_norm
+from ...ops.norm import sharded_group_norm, sharded_norm
 from ...ops.scan import sharded_cumsum
-from ...placements import InterleavedShard, Partial, parts_of, shard_dim
+from ...placements import InterleavedShard, Partial, Shard, parts_of, shard_dim
 from ...symbolic import hint, is_symbolic
 from ..meta import (Communication, NodeSharding, global_shape, planned_local_shape, set_communications, shardings,
                     site_role)
@@ -60,6 +60,37 @@ def localize_norm(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     backward = "all_reduce" if node.meta["requires_grad"] else None
     set_communications(new, [Communication("all_reduce", backward, mesh_dim.name, mesh_dim.size, nbytes, nbytes,
                                            site_role(node))])
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
+def group_norm_rule(node, ins, cur, env):
+    """A shard of the batch stays, and so does an equal one of a spatial dim (an image's rows
+    cut over cp: ``localize_group_norm`` all-reduces each group's sums). Padded rows would
+    count, and a cut of the channels cuts the groups: gathered."""
+    cur = resolve_partial(ins, cur, env)
+    x_p, val = cur[0], tensor_val(ins[0])
+    spatial = isinstance(x_p, Shard) and x_p.dim >= 2 and not env.padded(val.shape[x_p.dim])
+    if spatial or (isinstance(x_p, Shard) and x_p.dim == 0):
+        return NodeSharding(x_p, (x_p,) + tuple(R for _ in ins[1:]))
+    return replicate_all(node, ins, cur, "group_norm over its channels cut or its rows padded")
+
+
+def localize_group_norm(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """A group_norm over rows cut becomes ``sharded_group_norm``: each group's sums all-reduced."""
+    across = [name for name, s in shardings(node).items() if shard_dim(s.inputs[0]) not in (None, 0)]
+    if not across:
+        return
+    mesh_dim, given = mesh.dims[across[0]], arguments(node)
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(sharded_group_norm, (given["input"], given["num_groups"], given.get("weight"),
+                                                          given.get("bias"), given.get("eps", 1e-5)),
+                                     {"mesh_dim": mesh_dim})
+    new.meta = node.meta
+    nbytes = hint(planned_local_shape(node, mesh)[0]) * given["num_groups"] * 4  # an fp32 sum per image and group
+    backward = "all_reduce" if node.meta["requires_grad"] else None
+    set_communications(new, [Communication("all_reduce", backward, mesh_dim.name, mesh_dim.size, nbytes, nbytes,
+                                           site_role(node))] * 2)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
 
@@ -173,6 +204,8 @@ def localize_mean(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
 
 register("norm", "reductions", norm_rule, functions=[F.layer_norm, F.rms_norm, torch.layer_norm, torch.rms_norm],
          localize=localize_norm)
+register("group_norm", "reductions", group_norm_rule, functions=[F.group_norm, torch.group_norm],
+         localize=localize_group_norm)
 register("softmax", "reductions", softmax_rule, functions=[F.softmax, torch.softmax, F.log_softmax,
                                                            torch.log_softmax],
          methods=["softmax", "log_softmax"])

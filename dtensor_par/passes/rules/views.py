@@ -175,6 +175,29 @@ def repeat_interleave_rule(node, ins, cur, env):
     return NodeSharding(p, (p,))
 
 
+def interpolate_rule(node, ins, cur, env):
+    """Resampling keeps a shard of the batch or the channels. Nearest upsampling by a whole
+    factor repeats each row in place, so an equal shard of a spatial dim stays as well (a UNet's
+    image rows cut over cp); any other resampling along a cut dim mixes rows: gathered."""
+    p = resolve_partial(ins, cur, env)[0]
+    if shard_dim(p) is None or (isinstance(p, Shard) and p.dim < 2):
+        return NodeSharding(p, (p,))
+    mode, rows = arguments(node).get("mode", "nearest"), tensor_val(ins[0]).shape[p.dim]
+    if isinstance(p, Shard) and mode in ("nearest", "nearest-exact") and tensor_val(node).shape[p.dim] % rows == 0 \
+            and not env.padded(rows):
+        return NodeSharding(p, (p,))
+    return replicate_all(node, ins, [p], f"interpolate ({mode}) along the cut dim {p.dim}: not nearest by a whole "
+                                         f"factor, or its rows padded or cut part by part")
+
+
+def localize_interpolate(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """An output ``size`` given is this rank's."""
+    given = arguments(node)
+    if given.get("size") is not None:
+        given["size"] = tuple(planned_local_shape(node, mesh)[2:])
+        node.args, node.kwargs = (), given
+
+
 def dim_order(node: fx.Node, ndim: int) -> list[int]:
     """Output dim i comes from input dim order[i]."""
     if op_kind(node) == "transpose":
@@ -256,6 +279,7 @@ register("transpose", "views", permute_rule, functions=[torch.transpose, torch.s
 register("permute", "views", permute_rule, functions=[torch.permute], methods=["permute"])
 register("repeat_interleave", "views", repeat_interleave_rule, functions=[torch.repeat_interleave],
          methods=["repeat_interleave"])
+register("interpolate", "views", interpolate_rule, functions=[F.interpolate], localize=localize_interpolate)
 register("complex", "views", complex_rule, functions=[torch.view_as_complex, torch.view_as_real])
 register("pad", "views", pad_rule, functions=[F.pad, torch._C._nn.pad])
 register("sequence_start", "views", sequence_start_rule, functions=[sequence_start])
