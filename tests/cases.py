@@ -79,7 +79,8 @@ CASES = {
     "linear_attention_conv": (models.LinearAttentionConvBlock, lambda: [(torch.randn(2, 16, 32),)]),
     # Sana-Video's feed-forward: a partial sum over tp summed, then a convolution over frames cut over cp
     "temporal_conv": (models.TemporalConvBlock, lambda: [(torch.randn(2, 16, 32),)]),
-    # a UNet's group norms, downsampling and nearest upsampling over an image's rows cut over cp
+    # a UNet's group norms, downsampling and nearest upsampling over an image's rows cut over cp, its resnet
+    # block's convolutions colwise and rowwise over tp
     "small_unet": (models.SmallUNet, lambda: [(torch.randn(2, 16, 16, 16),)]),
     # Qwen3-Next's gated norm: heads flattened with the batch and sequence, viewed back
     "gated_head_norm": (models.GatedHeadNorm, lambda: [(torch.randn(2, 16, 32),)]),

@@ -399,7 +399,9 @@ class SmallUNet(nn.Module):
     """A UNet's path in miniature (Stable Diffusion's ``UNet2DConditionModel``): attention over an
     image's positions, a resnet block (group norms, 3 x 3 convolutions), a downsampling
     convolution of stride 2, attention at half the rows, nearest upsampling, a last group norm
-    and convolution. Over cp the image's rows stay cut from the first attention on."""
+    and convolution. Over cp the image's rows stay cut from the first attention on; over tp the
+    resnet block is an MLP site (its first convolution colwise, its group norm on each rank's
+    groups, its second rowwise)."""
 
     def __init__(self, channels: int = 16, heads: int = 2, groups: int = 4):
         super().__init__()

@@ -10,7 +10,7 @@ from tests.cases import run_labelled_cases
 PAIRS = {
     "tp2-ring2": dict(mesh_sizes={"tp": 2, "ring": 2}, traced=["llama_gqa_rope", "additive_mask"], names=[
         "gpt_fused_qkv", "llama_gqa_rope", "additive_mask", "conv1d", "joint_attention", "flatten_tokens",
-        "causal_mask_in_a_buffer", "torch_encoder"]),
+        "causal_mask_in_a_buffer", "torch_encoder", "small_unet"]),
     # conv1d and flatten_tokens plan alike over ulysses: once, at tp2-ring2 (CI time).
     # Repeated kv heads run as enable_gqa: 4 kv heads split over tp x ulysses as they are; 2
     # (llama_gqa_rope) are each repeated twice first, the fewest that split.

@@ -270,6 +270,22 @@ def test_a_convolution_over_frames_after_a_rowwise_mlp_sums_it_then_fetches_its_
     assert ("all_reduce", "tp", "mlp1.rowwise") in forward and ("all_gather", "cp", "-") in forward, forward
 
 
+def test_a_resnet_block_is_an_mlp_site_over_tp_and_the_residual_stream_is_not():
+    """A UNet's resnet block (group norm, activation, 3 x 3 convolution, group norm, activation,
+    3 x 3 convolution) is an MLP site over tp: its first convolution colwise, its group norm on
+    each rank's groups (weight and bias cut with them), its second rowwise, one all-reduce. A
+    convolution whose output also feeds a residual is no up projection: the downsampling one,
+    whose output the half-resolution attention adds to, stays whole, as does the last one.
+    Before, only 1 x 1 convolutions were projections: every convolution here ran whole."""
+    graph = _explain(models.SmallUNet(), (torch.randn(2, 16, 16, 16),), tp=2)
+    assert graph.warnings == [] and graph.coverage.fallback_gathers == []
+    assert "mlp0: mlp up=['conv1'] down=['conv2'] activations=['silu_1']" in graph.sites, graph.sites
+    held = {p["name"]: p["placement"]["tp"] for p in graph.parameters}
+    cut = [held[name] for name in ("conv1.weight", "norm2.weight", "norm2.bias", "conv2.weight")]
+    assert cut == ["S(0)", "S(0)", "S(0)", "S(1)"], held
+    assert held["down.weight"] == held["conv_out.weight"] == "R", held
+
+
 def test_parts_of_unequal_sizes_are_held_whole_and_sliced_under_parallelize():
     """No DTensor placement cuts a fused qkv part by part into unequal parts (GQA's [32, 16, 16]):
     under parallelize it is held whole and sliced at each call, its gradient all-gathered over

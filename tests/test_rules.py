@@ -25,7 +25,7 @@ from dtensor_par.passes.meta import NodeSharding, set_global_shape, set_sharding
 from dtensor_par.passes.nodes import tensor_inputs
 from dtensor_par.passes.rules.core import RuleEnv
 from dtensor_par.passes.rules.indexing import localize_split
-from dtensor_par.passes.rules.reductions import localize_mean
+from dtensor_par.passes.rules.reductions import localize_group_norm, localize_mean
 from dtensor_par.passes.rules.registry import lookup
 from dtensor_par.passes.rules.views import localize_interpolate
 from dtensor_par.placements import InterleavedShard, Partial, Replicate, Shard, local_chunk, parts_of, shard_dim
@@ -81,7 +81,7 @@ def check_rule(fn, inputs: list, placements: list) -> NodeSharding:
     kind = lookup(op)
     sharding = kind.rule(op, ins, [given[i] for i in ins], RuleEnv("tp", SIZE, {}, False))
     # the hooks that change what a rank computes, sending nothing
-    if kind.localize in (localize_mean, localize_split, localize_interpolate):
+    if kind.localize in (localize_mean, localize_split, localize_interpolate, localize_group_norm):
         set_sharding(op, "tp", sharding)
         if isinstance(op.meta["val"], torch.Tensor):  # what plan_pass keeps
             set_global_shape(op, tuple(op.meta["val"].shape))
@@ -229,18 +229,20 @@ def test_a_convolution_keeps_rows_cut_over_cp_only_where_each_run_of_them_gives_
     assert sharding == NodeSharding(R, (R, R)), sharding
 
 
-def test_group_norm_keeps_the_batch_and_rows_cut_and_gathers_its_channels_or_padded_rows():
+def test_group_norm_keeps_the_batch_rows_and_whole_groups_cut():
     """Rows cut over cp stay (``ops.norm.sharded_group_norm`` all-reduces each group's sums);
-    cut channels would cut the groups, and padded rows would count: gathered, saying why."""
+    channels cut in whole groups stay, each rank normalizing its own groups with its weight and
+    bias; channels that cut a group, and padded rows, which would count, are gathered."""
     x, weight = _t(2, 8, 6, 4), _t(8)
     norm = lambda x, w: F.group_norm(x, 4, w, w)  # noqa: E731
     assert check_rule(norm, [x, weight], [Shard(0), R]) == NodeSharding(Shard(0), (Shard(0), R, R))
-    for p, rows, kept in ((Shard(2), 6, True), (Shard(3), 6, True), (Shard(1), 6, False), (Shard(2), 5, False)):
+    assert check_rule(norm, [x, weight], [Shard(1), R]) == NodeSharding(Shard(1), (Shard(1), Shard(0), Shard(0)))
+    odd_groups = check_rule(lambda x, w: F.group_norm(x, 1, w, w), [x, weight], [Shard(1), R])
+    assert odd_groups.out == R and odd_groups.note.startswith("group_norm over channels that cut"), odd_groups
+    for p, rows, kept in ((Shard(2), 6, True), (Shard(3), 6, True), (Shard(2), 5, False)):
         gm, op = _traced(norm, [_t(2, 8, rows, 4), weight])
         sharding = lookup(op).rule(op, tensor_inputs(op), [p, R], RuleEnv("cp", SIZE, {}, False))
         assert (sharding.out == p and sharding.note is None) == kept, (p, rows, sharding)
-        if not kept:
-            assert sharding.note == "group_norm over its channels cut or its rows padded", sharding.note
 
 
 def test_nearest_upsampling_by_a_whole_factor_keeps_rows_cut():

@@ -12,7 +12,7 @@ from .context import ParallelContext, at_node
 from .meta import set_site_role, set_weight_names, weight_names
 from .nodes import arguments, stacked_params, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.indexing import cat_dim, per_dim, split_dim
-from .rules.matmul import grouped_operands, is_channelwise_conv, is_pointwise_conv
+from .rules.matmul import grouped_operands, is_channelwise_conv
 from .rules.pointwise import is_activation
 from .rules.registry import kinds_in, op_kind
 from .rules.views import dim_order
@@ -29,8 +29,9 @@ _TO_OUT_PROJECTION = _FROM_ATTENTION - {"add"}
 _INSIDE_MLP = kinds_in("pointwise") | {"split", "getitem"}
 # ... and inside a site read as one (``find_mlp_sites``): views and products of activations too,
 # so that linear attention is one (Sana's: relu of q and k viewed as heads, multiplied with v head
-# by head, then merged), its features cut from the q, k, v projections to the out projection.
-_INSIDE_MLP_SITE = _INSIDE_MLP | kinds_in("views") | {"matmul"}
+# by head, then merged), its features cut from the q, k, v projections to the out projection;
+# group norms between convolutions (a UNet's resnet block: conv, norm, activation, conv).
+_INSIDE_MLP_SITE = _INSIDE_MLP | kinds_in("views") | {"matmul", "group_norm"}
 # Ops allowed between attention written out by hand's q @ kT and its softmax: scale, soft-capping
 # (tanh), an additive bias or mask, masked_fill, where, upcasts; and between softmax and @ v.
 # Views fold the heads into the batch and back (Bloom's [batch * heads, seq, keys] scores).
@@ -89,7 +90,8 @@ class MLPSite:
     up: list[fx.Node]  # up and gate projections
     down: fx.Node
     activations: list[fx.Node] = field(default_factory=list)
-    channelwise: list[fx.Node] = field(default_factory=list)  # depthwise convolutions between, cut with the channels
+    # depthwise convolutions and group norms between, their weights cut with the channels
+    channelwise: list[fx.Node] = field(default_factory=list)
 
     @property
     def colwise(self) -> list[fx.Node]:
@@ -504,11 +506,12 @@ def is_batched_linear(node: fx.Node, ctx: ParallelContext) -> bool:
 
 def _projection_kind(node: fx.Node, ctx: ParallelContext) -> str | None:
     """The op kind of the projections of an MLP site ``node`` may be the down projection of: a
-    parameter linear, a pointwise convolution (a linear over the channels), or a batched
-    linear (``is_batched_linear``), whose up projections are of the same kind."""
+    parameter linear, a convolution of every channel in to every channel out (a 1 x 1 kernel is
+    a linear over the channels; a wider one, a UNet's resnet block's), or a batched linear
+    (``is_batched_linear``), whose up projections are of the same kind."""
     if op_kind(node) == "linear" and _has_param_weight(node, ctx):
         return "linear"
-    if is_pointwise_conv(node) and _has_param_weight(node, ctx):
+    if op_kind(node) == "conv" and arguments(node).get("groups", 1) == 1 and _has_param_weight(node, ctx):
         return "conv"
     return "matmul" if is_batched_linear(node, ctx) else None
 
@@ -540,12 +543,23 @@ def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]
         with at_node("detect", node):
             ups, walked, channelwise = _walk_to_projections(node, kind, ctx)
             ups = [up for up in ups if _projection_kind(up, ctx) == kind]
-        activations = [n for n in _made_from(ups, walked) if is_activation(n)]
+        between = _made_from(ups, walked + channelwise)
+        activations = [n for n in between if is_activation(n)]
+        if kind == "conv" and _leaves_site(ups + between, {*between, node}):
+            continue
+        norms = [n for n in between if op_kind(n) == "group_norm" and _has_param_weight(n, ctx)]
         if ups and activations and not taken.intersection(ups):
-            sites.append(MLPSite(f"mlp{len(sites)}", ups, node, activations, channelwise))
+            sites.append(MLPSite(f"mlp{len(sites)}", ups, node, activations, channelwise + norms))
             taken.update(ups)
             taken.add(node)
     return sites
+
+
+def _leaves_site(nodes: list[fx.Node], inside: set[fx.Node]) -> bool:
+    """Whether any of ``nodes`` is read outside ``inside``: a convolution's output that also
+    feeds a residual (a UNet's input convolution, or a resnet block's output, before the next
+    block's norm and convolution) is the stream the block adds to, not an MLP's hidden layer."""
+    return any(user not in inside for node in nodes for user in node.users)
 
 
 def _made_from(sources: list[fx.Node], walked: list[fx.Node]) -> list[fx.Node]:

@@ -186,8 +186,8 @@ def _site_weights(site, ctx: ParallelContext, groups: int = 1) -> dict[fx.Node, 
         placements[linear] = InterleavedShard(1, parts) if parts else Shard(1)
     if isinstance(site, MLPSite) and site.channelwise:  # cut as the channels reaching them
         if len({placements[up] for up in site.up}) != 1:
-            ctx.warn(f"{site.name}: projections cut differently reach its depthwise convolutions; the site stays "
-                     f"replicated")
+            ctx.warn(f"{site.name}: projections cut differently reach its depthwise convolutions or group norms; the "
+                     f"site stays replicated")
             return None
         placements.update(dict.fromkeys(site.channelwise, placements[site.up[0]]))
     for linear, p in placements.items():

@@ -210,14 +210,6 @@ def reach_of(node: fx.Node, dim: int) -> tuple[int, int, int] | None:
         else None
 
 
-def is_pointwise_conv(node: fx.Node) -> bool:
-    """A convolution with a kernel of 1 (stride 1, no padding, one group): a linear over the
-    channels at each position (Sana's feed-forward projections)."""
-    if op_kind(node) != "conv" or arguments(node).get("groups", 1) != 1:
-        return False
-    return all(_spatial(node, dim) == (1, 1, 0, 1) for dim in range(2, tensor_val(node).dim()))
-
-
 def is_channelwise_conv(node: fx.Node) -> bool:
     """A depthwise convolution, each channel slid over by a kernel of its own (groups = channels
     in = channels out): it runs on any cut of the channels."""

@@ -66,22 +66,29 @@ def localize_norm(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
 
 def group_norm_rule(node, ins, cur, env):
     """A shard of the batch stays, and so does an equal one of a spatial dim (an image's rows
-    cut over cp: ``localize_group_norm`` all-reduces each group's sums). Padded rows would
-    count, and a cut of the channels cuts the groups: gathered."""
+    cut over cp: ``localize_group_norm`` all-reduces each group's sums), and one of the channels
+    in whole groups (a UNet's resnet block cut over tp: each rank normalizes its own groups,
+    with its weight and bias). Padded rows would count: gathered, as channels that cut groups."""
     cur = resolve_partial(ins, cur, env)
     x_p, val = cur[0], tensor_val(ins[0])
     spatial = isinstance(x_p, Shard) and x_p.dim >= 2 and not env.padded(val.shape[x_p.dim])
-    if spatial or (isinstance(x_p, Shard) and x_p.dim == 0):
+    if spatial or x_p == Shard(0):
         return NodeSharding(x_p, (x_p,) + tuple(R for _ in ins[1:]))
-    return replicate_all(node, ins, cur, "group_norm over its channels cut or its rows padded")
+    if x_p == Shard(1) and arguments(node)["num_groups"] % env.size == 0 and not env.padded(val.shape[1]):
+        return NodeSharding(x_p, (x_p,) + tuple(Shard(0) for _ in ins[1:]))
+    return replicate_all(node, ins, cur, "group_norm over channels that cut its groups, or over padded rows")
 
 
 def localize_group_norm(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
-    """A group_norm over rows cut becomes ``sharded_group_norm``: each group's sums all-reduced."""
-    across = [name for name, s in shardings(node).items() if shard_dim(s.inputs[0]) not in (None, 0)]
+    """A group_norm over cut channels normalizes this rank's groups; over rows cut it becomes
+    ``sharded_group_norm``: each group's sums all-reduced."""
+    given = arguments(node)
+    given["num_groups"] = given["num_groups"] * planned_local_shape(node, mesh)[1] // global_shape(node)[1]
+    node.args, node.kwargs = (), given
+    across = [name for name, s in shardings(node).items() if shard_dim(s.inputs[0]) not in (None, 0, 1)]
     if not across:
         return
-    mesh_dim, given = mesh.dims[across[0]], arguments(node)
+    mesh_dim = mesh.dims[across[0]]
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(sharded_group_norm, (given["input"], given["num_groups"], given.get("weight"),
                                                           given.get("bias"), given.get("eps", 1e-5)),
