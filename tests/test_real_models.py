@@ -170,8 +170,9 @@ RUNS = {
     # Multi-query fused qkv (Falcon-7B, GPTBigCode): cut part by part with the query heads, the key and value
     # gathered whole as they are split off (beside the ring at world 4; GPTBigCode's repeated kv heads on tp alone).
     # Qwen3-Next's gated delta rule: its convolution, chunked recurrence and gated norm on each rank's heads.
-    # Stable Diffusion's UNet over cp: its image's rows cut through group norms, convolutions and resampling.
-    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager", "gpt_oss", "gpt_bigcode", "qwen3_next"]),
+    # Stable Diffusion's UNet: its resnet blocks MLP sites over tp; over cp its image's rows cut through group
+    # norms, convolutions and resampling.
+    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager", "gpt_oss", "gpt_bigcode", "qwen3_next", "unet"]),
         "ulysses2": dict(sizes={"ulysses": 2}, names=["unet"])},
 }
 """World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size
