@@ -417,6 +417,17 @@ def sana():
                            timestep=torch.tensor([10, 500]), return_dict=False)
 
 
+def lfm2():
+    """LFM2: a short convolution layer (two gates of one input projection around a causal
+    depthwise convolution of kernel 3, transformers' ``causal_conv1d_fn``) beside an attention
+    layer."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+    config = Lfm2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                        layer_types=["conv", "full_attention"])
+    return Lfm2ForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 def unet():
     """Stable Diffusion's UNet2DConditionModel: resnet blocks of group norms and 3 x 3
     convolutions, cross-attention transformers over the image's positions, a downsampling
@@ -473,4 +484,4 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,
              "llama4": llama4, "mochi": mochi, "cogview4": cogview4, "sana": sana,
              "phimoe": phimoe, "hidream": hidream, "ltx": ltx, "flux2": flux2, "qwen3_next": qwen3_next,
-             "diffllama": diffllama, "unet": unet}
+             "diffllama": diffllama, "unet": unet, "lfm2": lfm2}

@@ -439,6 +439,10 @@ CANONICALIZED = {
         lambda p, x, w, b, o: F.multi_head_attention_forward(
             query=p, key=x, value=x, embed_dim_to_check=8, num_heads=2, in_proj_weight=w, in_proj_bias=b, bias_k=None,
             bias_v=None, add_zero_attn=False, dropout_p=0.0, out_proj_weight=o, out_proj_bias=None, need_weights=False)[0]]),
+    "cropped_conv_as_padded": ([torch.randn(2, 4, 8), torch.randn(4, 1, 3)], [  # a causal depthwise convolution
+        lambda x, w: F.conv1d(x, w, padding=2, groups=4)[:, :, :8],
+        lambda x, w: F.conv1d(input=x, weight=w, padding=2, groups=4)[:, :, :x.shape[-1]],
+        lambda x, w: torch.conv1d(x, w, None, 1, 2, 1, 4)[..., :8]]),
     "narrow_as_slice": ([torch.randn(2, 6, 8)], [
         lambda x: torch.narrow(x, 2, 2, 4),
         lambda x: torch.narrow(x, dim=2, start=2, length=4),
@@ -497,6 +501,8 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
                 "torch.tensor_split", "Tensor.tensor_split", "torch.nn.functional.multi_head_attention_forward"} & set(ops), ops
     if rule == "experts_as_grouped":  # sorted by expert, counted, two grouped matmuls, sorted back; no bmm
         assert ops.count("grouped_mm") == 2 and "matmul" not in ops and "histc" in ops, ops
+    if rule == "cropped_conv_as_padded":  # padded before only, nothing cropped: a halo before each run over cp
+        assert ops == ["conv"] and forms[0][0][1]["pad"] == (2, 0), forms[0]
     if rule == "elementwise_extreme":  # of two tensors: no reduction
         assert ops.count("maximum") == 2 and "extreme" not in ops, ops
     if rule == "softmax_of_unshifted":  # a shift along another dim than the softmax's would change it

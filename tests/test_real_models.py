@@ -27,7 +27,7 @@ MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
             "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss",
             "mpt", "apertus", "llama4", "falcon_multi_query", "gpt_bigcode", "cogview4", "sana", "phimoe",
-            "hidream", "flux2", "qwen3_next", "diffllama", "unet"}
+            "hidream", "flux2", "qwen3_next", "diffllama", "unet", "lfm2"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -142,6 +142,7 @@ RUNS = {
     # image and three text parts cut part by part over the ring, its rotary positions following it.
     # FLUX.2's single blocks: q, k, v and the MLP's gate and up, one projection cut in five parts over tp.
     # DiffLlama's differential attention: the heads cut half by half over tp (plan.head_groups), beside ulysses.
+    # LFM2's short convolution, causal: each rank's runs of rows with the rows before them (beside the ring).
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
                              names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "gemma2_left_padded", "bloom",
                                              "t5", "t5_padded", "falcon", "mixtral", "mixtral_aux",
@@ -151,7 +152,7 @@ RUNS = {
                                                             "bloom", "t5", "t5_padded", "mixtral",
                                                             "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "mpt",
                                                             "llama4", "falcon_multi_query", "gpt_bigcode",
-                                                            "cogview4", "sana", "hidream", "flux2"]),
+                                                            "cogview4", "sana", "hidream", "flux2", "lfm2"]),
         # Expert parallelism: the experts cut over cp, each rank's rows sent to them and back (the ring's zigzag
         # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them). GPT-OSS's
         # experts (per-row biases gathered by local expert ids at the experts) beside its sinks' ring attention.
@@ -374,13 +375,15 @@ def test_a_gated_delta_rule_runs_on_each_ranks_heads_over_tp_and_says_it_runs_wh
     depthwise convolution over q, k and v concatenated, the chunked delta rule's triangular solves
     and its norm over heads flattened with the rows, all on each rank's heads (before: 4 fallback
     gathers, and the recurrence ran whole on every rank). Its recurrence runs along the sequence:
-    over cp it runs on the gathered sequence, and the warnings say so."""
+    over cp its causal convolution runs on each rank's rows (a halo), then the recurrence runs on
+    the gathered sequence, and the warnings say so (its chunks split off the gathered q, k, v)."""
     model, args, kwargs = real_models.qwen3_next()
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
     cov = graph.coverage
     assert graph.warnings == [] and cov.sharded_block_linear_flops >= 0.95 * cov.block_linear_flops, cov.summary()
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2, ulysses=2).graphs
-    assert any(w.startswith("conv1d (torch.conv1d): inputs gathered on mesh dim 'cp'") for w in graph.warnings)
+    assert any(w.startswith("split_3 (torch.split): inputs gathered on mesh dim 'cp'") for w in graph.warnings)
+    assert not any(w.startswith("conv1d") for w in graph.warnings), graph.warnings
 
 
 def test_heads_split_into_groups_after_attention_are_cut_group_by_group():
@@ -428,6 +431,19 @@ def test_a_unets_image_rows_stay_cut_over_cp_through_group_norms_and_resampling(
                if c["direction"] == "forward" and c["mesh_dims"] == "cp"]
     assert ("all_reduce", real_models.BATCH * 8 * 4, 36) in forward, forward
     assert sum(count for op, _, count in forward if op == "all_gather") == 18, forward  # each convolution's halo
+
+
+def test_a_causal_convolution_runs_on_each_ranks_rows_with_the_rows_before_them():
+    """LFM2's short convolution (``causal_conv1d_fn``: padded by k - 1 at both ends, cropped to the
+    sequence) is canonicalized into one padded before only, which over cp runs on each rank's runs
+    of rows, the 2 rows before each run fetched (one all-gather). Before, it gathered the sequence."""
+    model, args, kwargs = real_models.lfm2()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2, ring=2).graphs
+    assert graph.warnings == [] and graph.coverage.fallback_gathers == [], graph.warnings
+    halo = 2 * 2 * real_models.BATCH * 64 * 2 * 4  # 2 runs a rank (zigzag) x 2 edges x batch x channels x 2 rows
+    forward = [(c["op"], c["bytes_per_rank"]) for c in graph.collectives if c["mesh_dims"] == "cp"
+               and c["direction"] == "forward"]
+    assert ("all_gather", halo) in forward, forward
 
 
 def test_a_model_whose_frames_dynamo_runs_eagerly_is_refused_by_explain():

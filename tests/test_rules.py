@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from dtensor_par.mesh import MeshDim
 from dtensor_par.ops.attention import hybrid_attention
 from dtensor_par.ops.experts import combine_rows, dispatch_rows, exchange_counts
-from dtensor_par.ops.halo import HaloPlan, halo_plan
+from dtensor_par.ops.halo import HaloPlan, halo_plan, padded_conv1d
 from dtensor_par.passes.meta import NodeSharding, set_global_shape, set_sharding
 from dtensor_par.passes.nodes import tensor_inputs
 from dtensor_par.passes.rules.core import RuleEnv
@@ -219,6 +219,11 @@ def test_a_convolution_keeps_rows_cut_over_cp_only_where_each_run_of_them_gives_
         assert (sharding.out == Shard(2) and sharding.note is None) == kept, (dim, rows, kwargs, sharding)
         if not kept:
             assert sharding.note.startswith("a convolution over rows cut along dim 2"), sharding.note
+    graph = fx.Graph()  # a causal one, as canonicalize writes it (a trace would step into it)
+    graph.output(graph.call_function(padded_conv1d, (graph.placeholder("x"), graph.placeholder("w"), None, (2, 0), 3)))
+    gm, conv = _traced(fx.GraphModule(torch.nn.Module(), graph), [_t(2, 3, 8), _t(3, 1, 3)])
+    sharding = lookup(conv).rule(conv, tensor_inputs(conv), [Shard(2), R], RuleEnv("cp", SIZE, {}, False, 2))
+    assert sharding.out == Shard(2) and sharding.note is None, sharding
     patches = [(_t(2, 3, 8, 8), _t(4, 3, 2, 2)), (_t(2, 3, 6, 8), _t(4, 3, 2, 2))]  # 4 chunks of 2 rows; of 1.5
     for (x, w), kept in zip(patches, (True, False)):
         gm, conv = _traced(lambda x, w: F.conv2d(x, w, stride=2), [x, w])

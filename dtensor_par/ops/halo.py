@@ -64,6 +64,16 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def padded_conv1d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pad: tuple[int, int],
+                  groups: int = 1) -> torch.Tensor:
+    """``conv1d`` of ``input`` padded with ``pad = (before, after)`` zero rows along its length,
+    which it gives back whole when ``before + after`` is the kernel's length less one: a causal
+    convolution reads the rows up to its own (``(k - 1, 0)``). Canonicalize makes it of a
+    convolution padded alike at both ends and cropped to its input's length (transformers'
+    ``causal_conv1d_fn``: Mamba's, LFM2's, the gated delta rule's)."""
+    return F.conv1d(F.pad(input, pad), weight, bias, groups=groups)
+
+
 def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, ...],
               padding: tuple[int, ...], groups: int, *, dim: int, reach: tuple[int, int], plan: HaloPlan,
               mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:

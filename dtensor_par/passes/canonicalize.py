@@ -19,6 +19,12 @@
 - ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` in
   training) becomes its q, k, v projections, heads, SDPA and out projection, which detect reads
   as any attention (``mha_as_attention``); a form it does not write out stays one op, warned of.
+- A 1-d convolution padded alike at both ends and cropped to its input's length (a causal one:
+  transformers' ``causal_conv1d_fn``, ``conv1d(x, padding=k - 1)[..., :L]``, Mamba's, LFM2's short
+  convolution, the gated delta rule's) becomes ``ops.halo.padded_conv1d(x, pad=(p, k - 1 - p))``:
+  the same rows, each reading the rows it read; the convolution and its crop apart give more rows
+  than the sequence has, which cp could not lay out, where this one gives back its input's length
+  and reads ``p`` rows before each run, a halo (``rules.matmul.reach_of``).
 - ``torch.tensor_split`` becomes ``torch.split`` into the sizes of its pieces (Qwen3-Next's
   gated delta rule cuts its padded sequence so), which the split rule places.
 - A fused projection split after views of its features (Falcon-7B's multi-query
@@ -69,6 +75,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..ops.grouped import GROUPED_MM
+from ..ops.halo import padded_conv1d
 from ..symbolic import is_symbolic, same_size
 from .capture import emitted, erase_unused, with_val
 from .context import ParallelContext, at_node
@@ -194,6 +201,30 @@ def tensor_split_as_split(gm: fx.GraphModule, node: fx.Node) -> None:
         split = with_val(gm.graph.call_function(torch.split, (given["input"], sizes, dim)), node.meta["val"])
     node.replace_all_uses_with(split)
     gm.graph.erase_node(node)
+
+
+def cropped_conv_as_padded(gm: fx.GraphModule, crop: fx.Node) -> None:
+    """``conv1d(x, padding=p)[:, :, :L]``, ``L`` the length of ``x``, with stride 1 and dilation 1:
+    ``padded_conv1d(x, pad=(p, k - 1 - p))`` (the module docstring says why)."""
+    conv, index = crop.args
+    if not (isinstance(conv, fx.Node) and conv.target in (torch.conv1d, F.conv1d) and len(conv.users) == 1):
+        return
+    if isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis:  # x[..., :L]
+        index = (slice(None), slice(None), index[1])
+    given = arguments(conv)
+    length, kernel = tensor_val(given["input"]).shape[-1], tensor_val(given["weight"]).shape[-1]
+    stride, padding, dilation = ((v,) if isinstance(v, int) else tuple(v)
+                                 for v in (given["stride"], given["padding"], given["dilation"]))
+    if not (isinstance(index, tuple) and len(index) == 3 and index[:2] == (slice(None),) * 2
+            and index[2] in (slice(None, length), slice(0, length)) and not is_symbolic(length)
+            and stride == dilation == (1,) and isinstance(padding[0], int) and 0 < padding[0] < kernel):
+        return
+    with gm.graph.inserting_before(crop):
+        padded = emitted(gm.graph, padded_conv1d, given["input"], given["weight"], given["bias"],
+                         (padding[0], kernel - 1 - padding[0]), given["groups"])
+    crop.replace_all_uses_with(padded)
+    gm.graph.erase_node(crop)
+    gm.graph.erase_node(conv)
 
 
 _FUSED_FAST_PATHS = {torch._transformer_encoder_layer_fwd: "nn.TransformerEncoderLayer",
@@ -748,6 +779,8 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
         narrow_as_slice(gm, node)
     elif node.op in ("call_function", "call_method") and node.target in (torch.outer, torch.ger, "outer", "ger"):
         outer_as_product(gm, node)
+    elif node.op == "call_function" and node.target is operator.getitem:
+        cropped_conv_as_padded(gm, node)
     elif node.op in ("call_function", "call_method") and node.target in (torch.tensor_split, "tensor_split"):
         tensor_split_as_split(gm, node)
     elif node.op == "call_function" and node.target is F.multi_head_attention_forward:

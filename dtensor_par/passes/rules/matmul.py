@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from ...mesh import MeshInfo
 from ...ops.collectives import every_rank_positions
-from ...ops.halo import halo_conv, halo_plan
+from ...ops.halo import halo_conv, halo_plan, padded_conv1d
 from ...placements import InterleavedShard, Partial, Shard, shard_dim, shard_length
 from ...symbolic import hint
 from ..meta import Communication, NodeSharding, global_shape, planned_local_shape, set_communications, shardings, site_role
@@ -200,7 +200,12 @@ def reach_of(node: fx.Node, dim: int) -> tuple[int, int, int] | None:
     ``kernel - stride <= 2p < kernel``; rows ``[a, a + L)`` give outputs ``[a / s, (a + L) / s)``,
     reading ``p`` rows before ``a`` and ``kernel - stride - p`` after. A 3 x 3 kernel padded by 1
     reads one row each side; a downsampling one of stride 2, one before; a patch embedding
-    (kernel = stride, no padding), none. None for any other."""
+    (kernel = stride, no padding), none; a causal one (``padded_conv1d``), ``kernel - 1`` before.
+    None for any other."""
+    if node.target is padded_conv1d:
+        before, after = arguments(node)["pad"]
+        kernel = tensor_val(arguments(node)["weight"]).shape[-1]
+        return (before, kernel - 1 - before, 1) if before + after == kernel - 1 else None
     found = _spatial(node, dim)
     if found is None:
         return None
@@ -306,7 +311,7 @@ def localize_conv(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
                                             name, mesh_dim.size, nbytes, nbytes * mesh_dim.size, site_role(node))])
 
 
-register("conv", "matmul", conv_rule, functions=[torch.conv1d, torch.conv2d, torch.conv3d,
+register("conv", "matmul", conv_rule, functions=[torch.conv1d, torch.conv2d, torch.conv3d, padded_conv1d,
                                                   torch.nn.functional.conv1d, torch.nn.functional.conv2d,
                                                   torch.nn.functional.conv3d], localize=localize_conv)
 register("linear", "matmul", linear_rule, functions=[torch._C._nn.linear, torch.nn.functional.linear])
