@@ -440,7 +440,7 @@ def test_a_causal_convolution_runs_on_each_ranks_rows_with_the_rows_before_them(
     model, args, kwargs = real_models.lfm2()
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2, ring=2).graphs
     assert graph.warnings == [] and graph.coverage.fallback_gathers == [], graph.warnings
-    halo = 2 * 2 * real_models.BATCH * 64 * 2 * 4  # 2 runs a rank (zigzag) x 2 edges x batch x channels x 2 rows
+    halo = 2 * real_models.BATCH * 64 * 2 * 4  # 2 runs a rank (zigzag) x batch x channels x the 2 rows before
     forward = [(c["op"], c["bytes_per_rank"]) for c in graph.collectives if c["mesh_dims"] == "cp"
                and c["direction"] == "forward"]
     assert ("all_gather", halo) in forward, forward

@@ -551,8 +551,8 @@ def test_expert_exchanges_keep_feature_cuts_and_partial_sums_and_refuse_tokens_w
 def test_halo_plans_cut_runs_of_rows_to_one_length_and_find_their_neighbours():
     """Rows 0..7 in the zigzag layout over 2 ranks (0, 1 | 6, 7 on rank 0; 2..5 on rank 1): runs
     of 2 rows each, rank 1's 4 rows two runs; each run's halo is the last rows of the run before
-    and the first of the run after (edges ``(rank * runs + run) * 2``, + 1 for the last rows),
-    none at the image's edges."""
+    and the first of the run after (runs numbered ``rank * runs + run``), none at the image's
+    edges."""
     positions = [[0, 1, 6, 7], [2, 3, 4, 5]]
-    assert halo_plan(positions, 0) == HaloPlan(runs=2, run_length=2, above=(-1, 7), below=(4, -1))
-    assert halo_plan(positions, 1) == HaloPlan(runs=2, run_length=2, above=(1, 5), below=(6, 2))
+    assert halo_plan(positions, 0) == HaloPlan(runs=2, run_length=2, above=(-1, 3), below=(2, -1))
+    assert halo_plan(positions, 1) == HaloPlan(runs=2, run_length=2, above=(0, 2), below=(3, 1))

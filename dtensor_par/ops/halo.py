@@ -4,11 +4,12 @@ convolved with the rows it reaches across its edges, its halo, fetched from the 
 them.
 
 The rows of an image grid cut over cp are the sequence's rows: contiguous chunks, or the zigzag
-layout's two a ring rank (split further among its ulysses ranks). Each rank sends the first and
-last ``halo`` rows of each run it holds (one all-gather of ``2 x runs x halo`` rows); a run is
-convolved with the last rows of the run before it and the first of the run after it (zeros at
-the image's edges, as the conv's padding), and gives exactly its own rows of the output. The
-backward sums each rank's gradient of the rows it sent (a reduce-scatter).
+layout's two a ring rank (split further among its ulysses ranks). Each rank sends the rows of
+each run it holds that its neighbours read: the first ``after`` and the last ``before`` (one
+all-gather of ``runs x (before + after)`` rows); a run is convolved with the last rows of the
+run before it and the first of the run after it (zeros at the image's edges, as the conv's
+padding), and gives exactly its own rows of the output. The backward sums each rank's gradient
+of the rows it sent (a reduce-scatter).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from .lowerings import FUNCTIONAL
 
 class HaloPlan(NamedTuple):
     """This rank's runs along the cut dim: ``runs`` of ``run_length`` rows each (every rank holds
-    as many, as long), and for each run where its halos come from among the edges every rank sends
-    (``(rank * runs + run) * 2``, ``+ 1`` for a run's last rows; -1: the image's edge, zeros).
-    Plain values: FX prints it as code."""
+    as many, as long), and for each run the runs its halos come from, the one before (``above``:
+    its last rows) and the one after (``below``: its first rows), numbered ``rank * runs + run``
+    among every rank's (-1: the image's edge, zeros). Plain values: FX prints it as code."""
 
     runs: int
     run_length: int
@@ -44,13 +45,13 @@ def halo_plan(positions: list[list[int]], rank: int) -> HaloPlan:
     length = math.gcd(*(stop - start for runs in runs_of for start, stop in runs))
     runs_of = [[(s, s + length) for start, stop in runs for s in range(start, stop, length)] for runs in runs_of]
     count = len(runs_of[0])
-    edge = {}  # (first global row, last global row) of each run -> its edges' index
+    starting, ending = {}, {}  # the first and the last global row of each run -> its number
     for r, runs in enumerate(runs_of):
         for j, (start, stop) in enumerate(runs):
-            edge[start], edge[stop - 1] = (r * count + j) * 2, (r * count + j) * 2 + 1
+            starting[start], ending[stop - 1] = r * count + j, r * count + j
     mine = runs_of[rank]
-    return HaloPlan(count, length, tuple(edge.get(start - 1, -1) for start, _ in mine),
-                    tuple(edge.get(stop, -1) for _, stop in mine))
+    return HaloPlan(count, length, tuple(ending.get(start - 1, -1) for start, _ in mine),
+                    tuple(starting.get(stop, -1) for _, stop in mine))
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int]]:
@@ -83,17 +84,16 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     (``rules.matmul.reach_of``): each run convolved with those rows of its neighbours, fetched
     from the ranks that hold them, gives exactly its share of the output rows."""
     before, after = reach
-    halo = max(before, after)  # every edge sent is as long, so that they stack
     conv = (F.conv1d, F.conv2d, F.conv3d)[x.dim() - 3]
     runs = x.split(plan.run_length, dim)
-    edges = torch.stack([torch.stack([run.narrow(dim, 0, halo), run.narrow(dim, plan.run_length - halo, halo)])
+    # each run sends what its neighbours read: its first `after` rows, then its last `before`
+    edges = torch.stack([torch.cat([run.narrow(dim, 0, after), run.narrow(dim, plan.run_length - before, before)], dim)
                          for run in runs])
-    sent = gather_stacked(edges, mesh_dim, comm).flatten(0, 2)  # [ranks * runs * 2, *edge]
+    sent = gather_stacked(edges, mesh_dim, comm).flatten(0, 1)  # [ranks * runs, *edges]
     inner = tuple(0 if d == dim - 2 else p for d, p in enumerate(padding))
     out = []
     for run, above, below in zip(runs, plan.above, plan.below):
-        rows = [torch.zeros_like(run.narrow(dim, 0, before)) if above < 0 else sent[above].narrow(dim, halo - before,
-                                                                                                  before),
+        rows = [torch.zeros_like(run.narrow(dim, 0, before)) if above < 0 else sent[above].narrow(dim, after, before),
                 run,
                 torch.zeros_like(run.narrow(dim, 0, after)) if below < 0 else sent[below].narrow(dim, 0, after)]
         out.append(conv(torch.cat(rows, dim), weight, bias, stride=stride, padding=inner, groups=groups))

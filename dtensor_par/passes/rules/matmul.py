@@ -304,7 +304,7 @@ def localize_conv(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     node.args = (given["input"], given["weight"], given.get("bias"), stride, padding, given.get("groups", 1))
     node.kwargs = {"dim": dim, "reach": (before, after), "plan": plan, "mesh_dim": mesh_dim}
     edges = list(planned_local_shape(given["input"], mesh))
-    edges[dim] = 2 * plan.runs * max(before, after)
+    edges[dim] = plan.runs * (before + after)
     nbytes = hint(math.prod(edges)) * tensor_val(given["input"]).element_size()
     # the backward reduce-scatters the gradient of every rank's edges: all of them go in
     set_communications(node, [Communication("all_gather", "reduce_scatter" if node.meta["requires_grad"] else None,
