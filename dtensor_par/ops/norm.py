@@ -2,8 +2,8 @@
 group_norm over an image's rows cut over cp (a UNet's).
 
 Each rank sums over its own features or rows; only those sums, one or two fp32 numbers per
-token or per image and group, are all-reduced, never the activation. The sums are used rank-locally, so their gradient is
-summed over ranks as well.
+token or per image and group, are all-reduced, never the activation. The sums are used
+rank-locally, so their gradient is summed over ranks as well.
 """
 
 from __future__ import annotations

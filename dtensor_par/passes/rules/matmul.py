@@ -12,7 +12,7 @@ import torch.fx as fx
 from ...mesh import MeshInfo
 from ...ops.collectives import every_rank_positions
 from ...ops.halo import halo_conv, halo_plan, padded_conv1d
-from ...placements import InterleavedShard, Partial, Shard, shard_dim, shard_length
+from ...placements import InterleavedShard, Partial, Shard, shard_dim
 from ...symbolic import hint
 from ..meta import Communication, NodeSharding, global_shape, planned_local_shape, set_communications, shardings, site_role
 from ..nodes import arguments, tensor_val
