@@ -83,3 +83,14 @@ def check_divisible(node: fx.Node, ins: list[fx.Node], sharding: NodeSharding, e
         if isinstance(val, torch.Tensor) and not _fits(p, val, env):
             return f"{p} of a tensor of shape {list(val.shape)} does not divide by {env.size}"
     return None
+
+
+def replaced_by(gm: fx.GraphModule, node: fx.Node, op: str, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """``node`` replaced, for every reader, by a call of ``target`` inserted where it was, which
+    keeps its meta: what localize writes in place of an op that runs otherwise on a rank's shard."""
+    with gm.graph.inserting_before(node):
+        new = gm.graph.create_node(op, target, args, kwargs or {})
+    new.meta = node.meta
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return new

@@ -17,7 +17,7 @@ from ...symbolic import hint, is_symbolic
 from ..meta import (Communication, NodeSharding, global_shape, planned_local_shape, set_communications, shardings,
                     site_role)
 from ..nodes import arguments, target_name, tensor_val
-from .core import R, moved, norm_dim, replicate_all, resolve_partial
+from .core import R, moved, norm_dim, replaced_by, replicate_all, resolve_partial
 from .pointwise import pointwise_rule
 from .registry import register
 
@@ -50,18 +50,14 @@ def localize_norm(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     mesh_dim = mesh.dims[across[0]]
     rms = node.target in (F.rms_norm, torch.rms_norm)
     given = arguments(node)
-    with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(sharded_norm, (given["input"], normalized, given["weight"], given.get("bias"),
-                                                    given["eps"]),
-                                     {"rms": rms, "mesh_dim": mesh_dim})
-    new.meta = node.meta
     local = planned_local_shape(node, mesh)
     nbytes = hint(math.prod(local[:ndim - normalized])) * 4 * (1 if rms else 2)  # fp32 sums per token
     backward = "all_reduce" if node.meta["requires_grad"] else None
-    set_communications(new, [Communication("all_reduce", backward, mesh_dim.name, mesh_dim.size, nbytes, nbytes,
-                                           site_role(node))])
-    node.replace_all_uses_with(new)
-    gm.graph.erase_node(node)
+    sums = [Communication("all_reduce", backward, mesh_dim.name, mesh_dim.size, nbytes, nbytes, site_role(node))]
+    new = replaced_by(gm, node, "call_function", sharded_norm,
+                      (given["input"], normalized, given["weight"], given.get("bias"), given["eps"]),
+                      {"rms": rms, "mesh_dim": mesh_dim})
+    set_communications(new, sums)
 
 
 def group_norm_rule(node, ins, cur, env):
@@ -89,17 +85,13 @@ def localize_group_norm(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> No
     if not across:
         return
     mesh_dim = mesh.dims[across[0]]
-    with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(sharded_group_norm, (given["input"], given["num_groups"], given.get("weight"),
-                                                          given.get("bias"), given.get("eps", 1e-5)),
-                                     {"mesh_dim": mesh_dim})
-    new.meta = node.meta
     nbytes = hint(planned_local_shape(node, mesh)[0]) * given["num_groups"] * 4  # an fp32 sum per image and group
     backward = "all_reduce" if node.meta["requires_grad"] else None
-    set_communications(new, [Communication("all_reduce", backward, mesh_dim.name, mesh_dim.size, nbytes, nbytes,
-                                           site_role(node))] * 2)
-    node.replace_all_uses_with(new)
-    gm.graph.erase_node(node)
+    sums = [Communication("all_reduce", backward, mesh_dim.name, mesh_dim.size, nbytes, nbytes, site_role(node))] * 2
+    new = replaced_by(gm, node, "call_function", sharded_group_norm,
+                      (given["input"], given["num_groups"], given.get("weight"), given.get("bias"),
+                       given.get("eps", 1e-5)), {"mesh_dim": mesh_dim})
+    set_communications(new, sums)
 
 
 def softmax_rule(node, ins, cur, env):
@@ -176,17 +168,14 @@ def localize_cumsum(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     if not along:
         return
     mesh_dim = mesh.dims[along[0]]
-    with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(sharded_cumsum, (given["input"], dim, global_shape(node)[dim], mesh_dim,
-                                                      given.get("dtype")))
-    new.meta = node.meta
     local = planned_local_shape(node, mesh)
     totals = hint(math.prod(local) // local[dim]) * mesh_dim.chunks_per_rank * tensor_val(node).element_size()
     backward = "reduce_scatter" if node.meta["requires_grad"] else None
-    set_communications(new, [Communication("all_gather", backward, mesh_dim.name, mesh_dim.size, totals,
-                                           totals * mesh_dim.size, site_role(node))])
-    node.replace_all_uses_with(new)
-    gm.graph.erase_node(node)
+    gathered = [Communication("all_gather", backward, mesh_dim.name, mesh_dim.size, totals, totals * mesh_dim.size,
+                              site_role(node))]
+    new = replaced_by(gm, node, "call_function", sharded_cumsum,
+                      (given["input"], dim, global_shape(node)[dim], mesh_dim, given.get("dtype")))
+    set_communications(new, gathered)
 
 
 def mean_of_shards(x: torch.Tensor, dim, keepdim: bool, dtype: torch.dtype | None, ranks: int) -> torch.Tensor:

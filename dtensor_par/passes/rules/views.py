@@ -12,7 +12,7 @@ from ...mesh import MeshInfo
 from ...placements import InterleavedShard, Placement, Shard, parts_of, shard_dim
 from ..meta import NodeSharding, planned_local_shape, shardings
 from ..nodes import arguments, tensor_val
-from .core import R, moved, norm_dim, replicate_all, resolve_partial
+from .core import R, moved, norm_dim, replaced_by, replicate_all, resolve_partial
 from .registry import op_kind, register
 
 
@@ -247,11 +247,7 @@ def localize_view(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
         return
     local = planned_local_shape(node, mesh)
     method = "expand" if op_kind(node) == "expand" else "reshape"
-    with gm.graph.inserting_before(node):
-        new = gm.graph.call_method(method, (arguments(node)["input"], *local))
-    new.meta = node.meta
-    node.replace_all_uses_with(new)
-    gm.graph.erase_node(node)
+    replaced_by(gm, node, "call_method", method, (arguments(node)["input"], *local))
 
 
 def sequence_start(x: torch.Tensor) -> torch.Tensor:
