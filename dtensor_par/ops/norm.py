@@ -21,6 +21,15 @@ def _total(local_sum: torch.Tensor, mesh_dim: MeshDim, comm: str) -> torch.Tenso
     return grad_all_reduce(all_reduce(local_sum, mesh_dim, comm), mesh_dim, comm)
 
 
+def _standardized(xf: torch.Tensor, dims, count: int, eps: float, mesh_dim: MeshDim, comm: str) -> torch.Tensor:
+    """``xf`` less its mean over ``dims``, over its standard deviation there: the ``count``
+    elements of each are spread over the ranks, so each sum is totalled over them, the
+    variance's about the mean already totalled (two passes, as one device's norms compute it)."""
+    centered = xf - _total(xf.sum(dims, keepdim=True), mesh_dim, comm) / count
+    variance = _total(centered.square().sum(dims, keepdim=True), mesh_dim, comm) / count
+    return centered * torch.rsqrt(variance + eps)
+
+
 def sharded_norm(x: torch.Tensor, normalized_ndim: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
                  eps: float | None, *, rms: bool, mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
     """The norm of ``x`` over its last ``normalized_ndim`` dims, of which this rank holds a
@@ -33,9 +42,7 @@ def sharded_norm(x: torch.Tensor, normalized_ndim: int, weight: torch.Tensor | N
         mean_square = _total(xf.square().sum(dims, keepdim=True), mesh_dim, comm) / count
         y = xf * torch.rsqrt(mean_square + eps)
     else:
-        centered = xf - _total(xf.sum(dims, keepdim=True), mesh_dim, comm) / count
-        variance = _total(centered.square().sum(dims, keepdim=True), mesh_dim, comm) / count
-        y = centered * torch.rsqrt(variance + eps)
+        y = _standardized(xf, dims, count, eps, mesh_dim, comm)
     y = y.to(x.dtype)
     if weight is not None:
         y = y * weight
@@ -49,10 +56,7 @@ def sharded_group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | 
     the ranks."""
     n, c = x.shape[:2]
     xf = x.float().reshape(n, num_groups, -1)
-    count = xf.shape[-1] * mesh_dim.size
-    centered = xf - _total(xf.sum(-1, keepdim=True), mesh_dim, comm) / count
-    variance = _total(centered.square().sum(-1, keepdim=True), mesh_dim, comm) / count
-    y = (centered * torch.rsqrt(variance + eps)).reshape(x.shape).to(x.dtype)
+    y = _standardized(xf, -1, xf.shape[-1] * mesh_dim.size, eps, mesh_dim, comm).reshape(x.shape).to(x.dtype)
     per_channel = (c,) + (1,) * (x.dim() - 2)
     if weight is not None:
         y = y * weight.reshape(per_channel)
