@@ -347,6 +347,19 @@ def qwen3_next():
     return Qwen3NextForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def qwen3_5():
+    """Qwen3.5: Qwen3-Next's gated delta rule with q, k and v from one projection (its parts of
+    unequal sizes: 4 key heads, 8 value heads), the gate, beta and decay from projections of their
+    own, beside a full attention layer."""
+    from transformers import Qwen3_5TextConfig, Qwen3_5ForCausalLM
+    config = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=4, head_dim=8, max_position_embeddings=64,
+                               layer_types=["linear_attention", "full_attention"], linear_num_key_heads=4,
+                               linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
+                               pad_token_id=0)
+    return Qwen3_5ForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 def diffllama():
     """DiffLlama: differential attention, two SDPA calls sharing q and k over the two halves of
     the value heads (each repeated), their outputs concatenated, chunked into two halves of the
@@ -484,4 +497,5 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,
              "llama4": llama4, "mochi": mochi, "cogview4": cogview4, "sana": sana,
              "phimoe": phimoe, "hidream": hidream, "ltx": ltx, "flux2": flux2, "qwen3_next": qwen3_next,
+             "qwen3_5": qwen3_5,
              "diffllama": diffllama, "unet": unet, "lfm2": lfm2}

@@ -392,6 +392,13 @@ def _read_beside_the_write(x):
     return y + head.sum()
 
 
+def _written_reshaped_back(x):
+    """A reshape back to the shape it came from, written in place: a reshape may copy, so it stays."""
+    y = (x * 2).flatten(1).view(x.shape)
+    y.mul_(3)
+    return y
+
+
 def _written_through_a_view(x):
     """A write into a view of a tensor read after it: the tensor sees the write, so stays as written."""
     y = x * 2
@@ -443,6 +450,10 @@ CANONICALIZED = {
         lambda x, w: F.conv1d(x, w, padding=2, groups=4)[:, :, :8],
         lambda x, w: F.conv1d(input=x, weight=w, padding=2, groups=4)[:, :, :x.shape[-1]],
         lambda x, w: torch.conv1d(x, w, None, 1, 2, 1, 4)[..., :8]]),
+    "reshaped_back": ([torch.randn(2, 4, 8), torch.randn(4, 1, 3)], [  # transformers' causal convolution's weight
+        lambda x, w: F.conv1d(x, w.squeeze(1).unsqueeze(1), groups=4),
+        lambda x, w: F.conv1d(x, torch.unsqueeze(torch.squeeze(w, dim=1), dim=1), groups=4),
+        lambda x, w: F.conv1d(x, w.view(4, 3).reshape(4, 1, 3), groups=4)]),
     "narrow_as_slice": ([torch.randn(2, 6, 8)], [
         lambda x: torch.narrow(x, 2, 2, 4),
         lambda x: torch.narrow(x, dim=2, start=2, length=4),
@@ -503,6 +514,11 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
         assert ops.count("grouped_mm") == 2 and "matmul" not in ops and "histc" in ops, ops
     if rule == "cropped_conv_as_padded":  # padded before only, nothing cropped: a halo before each run over cp
         assert ops == ["conv"] and forms[0][0][1]["pad"] == (2, 0), forms[0]
+    if rule == "reshaped_back":  # the convolution reads the weight itself
+        assert ops == ["conv"] and forms[0][0][2] == ["l_inputs_0_", "l_inputs_1_"], forms[0]
+        gm, ctx = _passes_on(Spelled(_written_reshaped_back), inputs[:1], (capture_pass, canonicalize_pass), ulysses=2)
+        assert [op for op, _, _ in _canonical_form(gm)].count("view") == 2
+        torch.testing.assert_close(gm(*ctx.example_inputs)[0], _written_reshaped_back(*inputs[:1]))
     if rule == "elementwise_extreme":  # of two tensors: no reduction
         assert ops.count("maximum") == 2 and "extreme" not in ops, ops
     if rule == "softmax_of_unshifted":  # a shift along another dim than the softmax's would change it

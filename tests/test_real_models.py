@@ -27,7 +27,7 @@ MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
             "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss",
             "mpt", "apertus", "llama4", "falcon_multi_query", "gpt_bigcode", "cogview4", "sana", "phimoe",
-            "hidream", "flux2", "qwen3_next", "diffllama", "unet", "lfm2"}
+            "hidream", "flux2", "qwen3_next", "qwen3_5", "diffllama", "unet", "lfm2"}
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -170,10 +170,12 @@ RUNS = {
     # planned graphs (an nn.ModuleList looped over: tests.models.LoopedExperts, in test_tp_gloo and test_cp_gloo).
     # Multi-query fused qkv (Falcon-7B, GPTBigCode): cut part by part with the query heads, the key and value
     # gathered whole as they are split off (beside the ring at world 4; GPTBigCode's repeated kv heads on tp alone).
-    # Qwen3-Next's gated delta rule: its convolution, chunked recurrence and gated norm on each rank's heads.
+    # Qwen3-Next's gated delta rule: its convolution, chunked recurrence and gated norm on each rank's heads;
+    # Qwen3.5's too, its q, k and v from one projection of unequal parts, the rest from projections of their own.
     # Stable Diffusion's UNet: its resnet blocks MLP sites over tp; over cp its image's rows cut through group
     # norms, convolutions and resampling.
-    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager", "gpt_oss", "gpt_bigcode", "qwen3_next", "unet"]),
+    2: {"tp2": dict(sizes={"tp": 2}, names=["mixtral_eager", "gpt_oss", "gpt_bigcode", "qwen3_next", "qwen3_5",
+                                            "unet"]),
         "ulysses2": dict(sizes={"ulysses": 2}, names=["unet"])},
 }
 """World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size
@@ -386,6 +388,21 @@ def test_a_gated_delta_rule_runs_on_each_ranks_heads_over_tp_and_says_it_runs_wh
     assert not any(w.startswith("conv1d") for w in graph.warnings), graph.warnings
 
 
+def test_a_gated_delta_rule_from_projections_of_its_own_is_one_site_over_tp():
+    """Qwen3.5's gated delta rule reads q, k and v from one projection (transposed, convolved
+    causally, SiLU, transposed back, split into unequal parts), and the gate, beta and decay from
+    projections of their own: one site from all four to the out projection, through the chunked
+    recurrence, the causal convolution's weight cut as q, k and v are. Before, only the gate and
+    the out projection were cut and the recurrence ran whole on every rank."""
+    model, args, kwargs = real_models.qwen3_5()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    cov = graph.coverage
+    assert graph.warnings == [] and cov.sharded_block_linear_flops == cov.block_linear_flops, cov.summary()
+    layer = "model.layers.0.linear_attn"
+    assert f"{layer}.in_proj_b.weight=S(0), {layer}.in_proj_a.weight=S(0), {layer}.in_proj_qkv.weight=IS(0,[32, 32, " \
+           f"64]), {layer}.conv1d.weight=IS(0,[32, 32, 64]), {layer}.out_proj.weight=S(1)" in graph.placements[1]
+
+
 def test_heads_split_into_groups_after_attention_are_cut_group_by_group():
     """DiffLlama's differential attention chunks its value heads and its output heads into two
     halves and pairs head i with head i + heads / 2. Cut plainly over tp, both chunks gathered;
@@ -436,14 +453,26 @@ def test_a_unets_image_rows_stay_cut_over_cp_through_group_norms_and_resampling(
 def test_a_causal_convolution_runs_on_each_ranks_rows_with_the_rows_before_them():
     """LFM2's short convolution (``causal_conv1d_fn``: padded by k - 1 at both ends, cropped to the
     sequence) is canonicalized into one padded before only, which over cp runs on each rank's runs
-    of rows, the 2 rows before each run fetched (one all-gather). Before, it gathered the sequence."""
+    of rows, the 2 rows before each run fetched (one all-gather) of the rank's channels (tp cuts
+    them: the block is an MLP site). Before, it gathered the sequence."""
     model, args, kwargs = real_models.lfm2()
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2, ring=2).graphs
     assert graph.warnings == [] and graph.coverage.fallback_gathers == [], graph.warnings
-    halo = 2 * real_models.BATCH * 64 * 2 * 4  # 2 runs a rank (zigzag) x batch x channels x the 2 rows before
+    halo = 2 * real_models.BATCH * 32 * 2 * 4  # 2 runs a rank (zigzag) x batch x 64 / tp channels x 2 rows before
     forward = [(c["op"], c["bytes_per_rank"]) for c in graph.collectives if c["mesh_dims"] == "cp"
                and c["direction"] == "forward"]
     assert ("all_gather", halo) in forward, forward
+
+
+def test_a_short_convolution_block_gated_without_activation_is_an_mlp_site_over_tp():
+    """LFM2's short-convolution block (one projection chunked into B, C and x, ``B * x`` convolved,
+    times C, an out projection) has no activation: its bilinear gates make it a site, the
+    projection cut part by part. Before, both projections ran whole on every rank."""
+    model, args, kwargs = real_models.lfm2()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    cov = graph.coverage
+    assert graph.warnings == [] and cov.sharded_block_linear_flops == cov.block_linear_flops, cov.summary()
+    assert "mlp0: model.layers.0.conv.in_proj.weight=IS(0,[64, 64, 64])" in graph.placements[1], graph.placements
 
 
 def test_a_model_whose_frames_dynamo_runs_eagerly_is_refused_by_explain():

@@ -25,6 +25,9 @@
   the same rows, each reading the rows it read; the convolution and its crop apart give more rows
   than the sequence has, which cp could not lay out, where this one gives back its input's length
   and reads ``p`` rows before each run, a halo (``rules.matmul.reach_of``).
+- A chain of reshapes (``view``, ``squeeze``, ``unsqueeze``...) that gives back its source's shape
+  is its source: the same elements in the same order (transformers' causal convolution reads its
+  weight as ``w.squeeze(1)``, then ``.unsqueeze(1)``), so the parameter is read as the weight.
 - ``torch.tensor_split`` becomes ``torch.split`` into the sizes of its pieces (Qwen3-Next's
   gated delta rule cuts its padded sequence so), which the split rule places.
 - A fused projection split after views of its features (Falcon-7B's multi-query
@@ -80,7 +83,7 @@ from ..symbolic import is_symbolic, same_size
 from .capture import emitted, erase_unused, with_val
 from .context import ParallelContext, at_node
 from .detect import is_topk
-from .nodes import arguments, keywords_as_positions, tensor_inputs, tensor_val
+from .nodes import arguments, keywords_as_positions, tensor_inputs, tensor_val, writes_in_place
 from .rules.indexing import split_dim
 from .rules.registry import kinds_in, op_kind
 
@@ -201,6 +204,20 @@ def tensor_split_as_split(gm: fx.GraphModule, node: fx.Node) -> None:
         split = with_val(gm.graph.call_function(torch.split, (given["input"], sizes, dim)), node.meta["val"])
     node.replace_all_uses_with(split)
     gm.graph.erase_node(node)
+
+
+def reshaped_back(gm: fx.GraphModule, node: fx.Node) -> None:
+    """A chain of reshapes ending at ``node`` that gives back its source's shape: ``node``'s
+    readers read the source (the module docstring says why); not where one writes in place,
+    for a reshape may have copied."""
+    source = node
+    while op_kind(source) == "view":
+        source = tensor_inputs(source)[0]
+    if source is node or any(writes_in_place(u) for u in node.users) \
+            or not same_size(tensor_val(source).shape, tensor_val(node).shape):
+        return
+    node.replace_all_uses_with(source)
+    erase_unused(gm, node)
 
 
 def cropped_conv_as_padded(gm: fx.GraphModule, crop: fx.Node) -> None:
@@ -810,10 +827,14 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
         elementwise_extreme(node)
     elif op_kind(node) == "split":
         split_features_before_views(gm, node)
+    elif op_kind(node) == "view":
+        reshaped_back(gm, node)
 
 
 def canonicalize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
+        if node._erased:  # by a rule at an earlier node (its crop, its view)
+            continue
         with at_node("canonicalize", node):
             canonicalize_node(gm, node, ctx)
     gm.recompile()

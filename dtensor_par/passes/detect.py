@@ -30,8 +30,12 @@ _INSIDE_MLP = kinds_in("pointwise") | {"split", "getitem"}
 # ... and inside a site read as one (``find_mlp_sites``): views and products of activations too,
 # so that linear attention is one (Sana's: relu of q and k viewed as heads, multiplied with v head
 # by head, then merged), its features cut from the q, k, v projections to the out projection;
-# group norms between convolutions (a UNet's resnet block: conv, norm, activation, conv).
-_INSIDE_MLP_SITE = _INSIDE_MLP | kinds_in("views") | {"matmul", "group_norm"}
+# group norms between convolutions (a UNet's resnet block: conv, norm, activation, conv); a
+# recurrence run head by head (Qwen3.5's gated delta rule: its q, k, v, gate and beta projections
+# to its out projection through the chunks' cumulative gates, triangular solves, norms and the
+# chunks concatenated back; its depthwise convolution is walked through as any site's).
+_INSIDE_MLP_SITE = _INSIDE_MLP | kinds_in("views") | {"matmul", "group_norm", "cumsum", "reduce", "cat",
+                                                      "solve_triangular"}
 # Ops allowed between attention written out by hand's q @ kT and its softmax: scale, soft-capping
 # (tanh), an additive bias or mask, masked_fill, where, upcasts; and between softmax and @ v.
 # Views fold the heads into the batch and back (Bloom's [batch * heads, seq, keys] scores).
@@ -89,7 +93,7 @@ class MLPSite:
     name: str
     up: list[fx.Node]  # up and gate projections
     down: fx.Node
-    activations: list[fx.Node] = field(default_factory=list)
+    activations: list[fx.Node] = field(default_factory=list)  # and bilinear gates (detect._gates)
     # depthwise convolutions and group norms between, their weights cut with the channels
     channelwise: list[fx.Node] = field(default_factory=list)
 
@@ -175,27 +179,27 @@ def module_name(linear: fx.Node, ctx: ParallelContext, names: tuple[str, ...] | 
     return ".".join(part if all(p[i] == part for p in paths) else "*" for i, part in enumerate(paths[0]))
 
 
-def _walk(stack: list[fx.Node], step, through: set[str], end: str) -> tuple[list[fx.Node], list[fx.Node]]:
+def _walk(stack: list[fx.Node], step, through: set[str], ends: set[str]) -> tuple[list[fx.Node], list[fx.Node]]:
     """Walk from the nodes in ``stack`` through ops of the given kinds (and what is written into
-    them), ``step(node)`` giving the next ones; return (the ops of kind ``end`` reached, the
-    nodes walked through)."""
-    ends, walked, seen = [], [], set()
+    them), ``step(node)`` giving the next ones; return (the ops of the kinds ``ends`` reached,
+    the nodes walked through)."""
+    reached, walked, seen = [], [], set()
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        if op_kind(node) == end:
-            ends.append(node)
+        if op_kind(node) in ends:
+            reached.append(node)
         elif op_kind(node) in through or _written_into(node):
             walked.append(node)
             stack.extend(step(node))
-    return ends, walked
+    return reached, walked
 
 
 def _walk_to_linears(stack: list[fx.Node], step, through: set[str], ctx: ParallelContext):
     """``_walk`` to linears; return (the parameter linears reached, the nodes walked through)."""
-    linears, walked = _walk(stack, step, through, "linear")
+    linears, walked = _walk(stack, step, through, {"linear"})
     return [n for n in linears if _has_param_weight(n, ctx)], walked
 
 
@@ -381,7 +385,7 @@ def _written_heads(scores: fx.Node, softmax: fx.Node) -> int | None:
 
 def _score_products(scores: fx.Node) -> list[fx.Node]:
     """The matmuls a softmax's input is made from through score modifiers."""
-    return _walk([scores], _written_from, _SCORE_MODIFIERS, "matmul")[0]
+    return _walk([scores], _written_from, _SCORE_MODIFIERS, {"matmul"})[0]
 
 
 def _drops_last_column(node: fx.Node) -> bool:
@@ -439,7 +443,7 @@ def find_written_attention(gm: fx.GraphModule, ctx: ParallelContext
                 and _written_heads(products[0], softmax) is not None:
             found.append((products[0], softmax, weighted, sinks))
             continue
-        products = products or _walk([tensor_inputs(softmax)[0]], _written_from, _NEAR_SCORES, "matmul")[0]
+        products = products or _walk([tensor_inputs(softmax)[0]], _written_from, _NEAR_SCORES, {"matmul"})[0]
         if products:
             ctx.warn(f"{softmax.name}: a softmax over the product {products[0].name} is not read as attention "
                      f"(softmax(q @ kT) @ v, the scores [batch, heads, seq, keys]); it is planned op by op, its heads "
@@ -518,15 +522,16 @@ def _projection_kind(node: fx.Node, ctx: ParallelContext) -> str | None:
 
 def _walk_to_projections(down: fx.Node, kind: str, ctx: ParallelContext) -> tuple[list, list, list]:
     """(the ops of ``kind`` a down projection reads through ``_INSIDE_MLP_SITE``, the nodes
-    walked, the depthwise convolutions walked through): between convolutions, those keep each
-    channel apart (Sana's GLUMBConv: a pointwise, a depthwise, the gate chunked off, a pointwise)."""
+    walked, the depthwise convolutions walked through): those keep each channel apart (Sana's
+    GLUMBConv: a pointwise, a depthwise, the gate chunked off, a pointwise; a gated delta rule's
+    causal convolution over its q, k and v)."""
     ups, walked, channelwise, stack = [], [], [], [arguments(down)["input"]]
     while stack:
-        found, through = _walk(stack, _written_from, _INSIDE_MLP_SITE, kind)
+        found, through = _walk(stack, _written_from, _INSIDE_MLP_SITE, {kind, "conv"})
         walked += through
         stack = []
         for n in found:
-            if kind == "conv" and is_channelwise_conv(n) and _has_param_weight(n, ctx):
+            if is_channelwise_conv(n) and _has_param_weight(n, ctx):
                 channelwise.append(n)
                 stack.append(arguments(n)["input"])
             else:
@@ -544,7 +549,8 @@ def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]
             ups, walked, channelwise = _walk_to_projections(node, kind, ctx)
             ups = [up for up in ups if _projection_kind(up, ctx) == kind]
         between = _made_from(ups, walked + channelwise)
-        activations = [n for n in between if is_activation(n)]
+        path = _between_not_through_sums(ups, node, walked + channelwise)
+        activations = [n for n in path if is_activation(n) or _gates(n, {*ups, *path})]
         if kind == "conv" and _leaves_site(ups + between, {*between, node}):
             continue
         norms = [n for n in between if op_kind(n) == "group_norm" and _has_param_weight(n, ctx)]
@@ -555,6 +561,14 @@ def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]
     return sites
 
 
+def _gates(node: fx.Node, made_from_ups: set[fx.Node]) -> bool:
+    """A product of two values made from the up projections: a bilinear gate, nonlinear as an
+    activation is (LFM2's short convolution: ``B * x``, convolved, then ``C *``, all three chunked
+    off one projection)."""
+    factors = tensor_inputs(node)
+    return op_kind(node) == "mul" and len(factors) == 2 and all(f in made_from_ups for f in factors)
+
+
 def _leaves_site(nodes: list[fx.Node], inside: set[fx.Node]) -> bool:
     """Whether any of ``nodes`` is read outside ``inside``: a convolution's output that also
     feeds a residual (a UNet's input convolution, or a resnet block's output, before the next
@@ -562,10 +576,24 @@ def _leaves_site(nodes: list[fx.Node], inside: set[fx.Node]) -> bool:
     return any(user not in inside for node in nodes for user in node.users)
 
 
+def _between_not_through_sums(ups: list[fx.Node], down: fx.Node, walked: list[fx.Node]) -> list[fx.Node]:
+    """The ``walked`` nodes on a path from ``ups`` to ``down`` that passes no sum: where an MLP's
+    activation lies. A recurrence's sums over each head's features are walked through (Kimi's
+    forget gate reaches its output only so), but the ``pow`` and ``rsqrt`` of a norm of the
+    residual stream lie on no such path: o_proj and the next gate_proj are no MLP."""
+    kept = [n for n in walked if op_kind(n) != "reduce"]
+    reaching, stack = set(), [arguments(down)["input"]]
+    while stack:
+        node = stack.pop()
+        if node in kept and node not in reaching:
+            reaching.add(node)
+            stack.extend(node.all_input_nodes)
+    return [n for n in _made_from(ups, kept) if n in reaching]
+
+
 def _made_from(sources: list[fx.Node], walked: list[fx.Node]) -> list[fx.Node]:
     """The ``walked`` nodes that ``sources`` reach through walked nodes: an MLP's activation lies
-    between its projections, not on a branch beside them (a norm's ``rsqrt`` of a mean, walked
-    from its product with the residual stream: o_proj and the next gate_proj are no MLP)."""
+    between its projections, not on a branch beside them."""
     inside, reached, stack = set(walked), set(), list(sources)
     while stack:
         for user in stack.pop().users:
@@ -700,7 +728,7 @@ def _routing_choice(region: frozenset[fx.Node]) -> fx.Node | None:
     if inside:
         return inside[0] if len(inside) == 1 else None
     _, walked = _walk([i for n in region for i in n.all_input_nodes if i not in region],
-                      lambda n: n.all_input_nodes, _TO_CHOICE, "")
+                      lambda n: n.all_input_nodes, _TO_CHOICE, set())
     fed = {i for n in walked for i in n.all_input_nodes if is_choice(i)}
     return fed.pop() if len(fed) == 1 else None
 
@@ -753,7 +781,7 @@ def find_moe_sites(gm: fx.GraphModule, ctx: ParallelContext) -> list[MoESite]:
     complete when it is not."""
     sites = []
     for down in (n for n in gm.graph.nodes if op_kind(n) == "grouped_mm"):
-        ups, _ = _walk([grouped_operands(down)[0]], _written_from, _INSIDE_MLP, "grouped_mm")
+        ups, _ = _walk([grouped_operands(down)[0]], _written_from, _INSIDE_MLP, {"grouped_mm"})
         with at_node("detect", down):
             site = moe_site(f"moe{len(sites)}", ups, down, ctx) if ups else None
         if site is not None:
@@ -799,7 +827,7 @@ def warn_routing_leaving_graph(gm: fx.GraphModule, ctx: ParallelContext, experts
     output = gm.graph.output_node()
     for topk in (n for n in gm.graph.nodes if is_topk(n) and n not in routed):
         indices = [u for u in topk.users if op_kind(u) == "getitem" and arguments(u)["index"] == 1]
-        _, walked = _walk(indices, lambda n: list(n.users), _CARRY_CHOICE, "")
+        _, walked = _walk(indices, lambda n: list(n.users), _CARRY_CHOICE, set())
         routers = find_producers(arguments(topk)["input"], kinds_in("pointwise") | {"softmax"}, ctx)[0]
         if len(routers) == 1 and any(output in n.users for n in walked):
             ctx.warn(f"{topk.name}: the choice of router {ctx.params[weight_param(routers[0])[0].name].fqn} leaves "

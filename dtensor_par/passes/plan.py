@@ -27,9 +27,11 @@ from .rules.core import RuleEnv, check_divisible, moved, replicate_all
 from .rules.indexing import per_dim, split_dim
 from .rules.matmul import grouped_operands, is_channelwise_conv
 from .rules.pointwise import is_activation
-from .rules.registry import lookup, op_kind
+from .rules.registry import kinds_in, lookup, op_kind
+from .rules.views import dim_order
 
 R = Replicate()
+_FEATURE_BY_FEATURE = kinds_in("pointwise") | {"transpose"}
 
 
 class FusedParts(NamedTuple):
@@ -46,36 +48,37 @@ def features_dim(projection: fx.Node) -> int:
     return 1 if op_kind(projection) == "conv" else tensor_val(projection).dim() - 1
 
 
-def _channel_parts(conv: fx.Node) -> FusedParts | None:
-    """The parts a pointwise convolution's channels are chunked into after ops that keep each
-    channel apart (activations, depthwise convolutions: Sana's gate chunked off its GLUMBConv)."""
-    node = conv
-    while len(node.users) == 1 and (is_activation(user := next(iter(node.users))) or is_channelwise_conv(user)):
+def features_carried(projection: fx.Node) -> tuple[fx.Node, int]:
+    """Where a projection's features end up, and along which dim, past the ops its output goes
+    through alone that keep each feature apart: activations, casts, depthwise convolutions,
+    transposes (Sana's GLUMBConv: a pointwise convolution, SiLU, a depthwise one; Qwen3.5's q, k
+    and v: transposed, convolved causally, SiLU, transposed back)."""
+    node, dim = projection, features_dim(projection)
+    while len(node.users) == 1 and tensor_val(user := next(iter(node.users))) is not None:
+        if op_kind(user) == "transpose":
+            dim = dim_order(user, tensor_val(user).dim()).index(dim)
+        elif not (is_activation(user) or op_kind(user) == "cast" or (is_channelwise_conv(user) and dim == 1)):
+            break
         node = user
-    split = next(iter(node.users)) if len(node.users) == 1 else None
-    if split is None or op_kind(split) != "split" or split_dim(split) != 1:
-        return None
-    return FusedParts(tuple(t.shape[1] for t in split.meta["val"]), tuple(split.users))
+    return node, dim
 
 
 def fused_parts(linear: fx.Node) -> FusedParts | None:
-    """The parts when the linear's output is only cut along its last dim into parts: by one
-    chunk/split or by slices that tile it (``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ...), each
-    part cut so again giving its own parts (``_parts_taken_off``), or by a view that splits it
-    part first (``detect.parts_major_split``); a pointwise convolution's channels by
-    ``_channel_parts``."""
-    if op_kind(linear) == "conv":
-        return _channel_parts(linear)
-    users = list(linear.users)
-    parts_major = parts_major_split(users[0]) if len(users) == 1 else None
+    """The parts when the projection's features (``features_carried``) are only cut into parts:
+    by one chunk/split or by slices that tile them (``qkv[..., :q]``, ``qkv[..., q:q + kv]``,
+    ...), each part cut so again giving its own parts (``_parts_taken_off``), or by a view that
+    splits them part first (``detect.parts_major_split``)."""
+    node, dim = features_carried(linear)
+    users = list(node.users)
+    parts_major = parts_major_split(users[0]) if len(users) == 1 and dim == tensor_val(node).dim() - 1 else None
     if parts_major is not None:
         parts, heads, head_dim = parts_major
         return FusedParts((heads * head_dim,) * parts, ())
-    return _parts_taken_off(linear, tensor_val(linear).dim() - 1)
+    return _parts_taken_off(node, dim)
 
 
 def _parts_taken_off(node: fx.Node, dim: int) -> FusedParts | None:
-    """The parts ``node``'s readers cut it into along its last dim ``dim``: one split or chunk, or
+    """The parts ``node``'s readers cut it into along its dim ``dim``: one split or chunk, or
     slices that tile it; a part itself cut so gives its own parts in its place (Flux.2's fused
     projection: qkv split off, then chunked into q, k and v; the MLP's gate and up split off,
     then sliced apart)."""
@@ -94,13 +97,13 @@ def _parts_taken_off(node: fx.Node, dim: int) -> FusedParts | None:
             entries = per_dim(arguments(user)["index"], dim + 1) if op_kind(user) == "getitem" else None
             if entries is None or any(e != slice(None) for e in entries[:-1]) or not isinstance(entries[-1], slice):
                 return None
-            start, stop, step = entries[-1].indices(tensor_val(node).shape[-1])
+            start, stop, step = entries[-1].indices(tensor_val(node).shape[dim])
             if step != 1:
                 return None
             ranges.setdefault((start, stop), []).append(user)
         bounds = sorted(ranges)
         tiles = all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
-        if len(bounds) < 2 or not tiles or bounds[0][0] != 0 or bounds[-1][1] != tensor_val(node).shape[-1]:
+        if len(bounds) < 2 or not tiles or bounds[0][0] != 0 or bounds[-1][1] != tensor_val(node).shape[dim]:
             return None
         if any(len(readers) > 1 for readers in ranges.values()):
             return FusedParts(tuple(stop - start for start, stop in bounds), tuple(users))
@@ -184,18 +187,39 @@ def _site_weights(site, ctx: ParallelContext, groups: int = 1) -> dict[fx.Node, 
                      f"by tp={tp}; the site stays replicated")
             return None
         placements[linear] = InterleavedShard(1, parts) if parts else Shard(1)
-    if isinstance(site, MLPSite) and site.channelwise:  # cut as the channels reaching them
-        if len({placements[up] for up in site.up}) != 1:
-            ctx.warn(f"{site.name}: projections cut differently reach its depthwise convolutions or group norms; the "
-                     f"site stays replicated")
+    for node in site.channelwise if isinstance(site, MLPSite) else ():  # cut as the channels reaching them
+        cuts = {placements[up] for up in _feeding_projections(node, set(site.up))}
+        if len(cuts) > 1:
+            ctx.warn(f"{site.name}: projections cut differently reach {node.name} ({target_name(node)}); the site "
+                     f"stays replicated")
             return None
-        placements.update(dict.fromkeys(site.channelwise, placements[site.up[0]]))
+        if cuts:
+            placements[node] = cuts.pop()
     for linear, p in placements.items():
         if ctx.feeding.sharded and unequal_parts(p):
             ctx.warn(f"{site.name}: {module_name(linear, ctx)} is sharded part by part with unequal parts "
                      f"{list(p.parts)}, which no DTensor placement describes; under parallelize it is held whole on "
                      f"every rank and sliced at each call, its gradient all-gathered over tp")
     return placements
+
+
+def _feeding_projections(node: fx.Node, projections: set[fx.Node]) -> set[fx.Node]:
+    """The ``projections`` whose features reach ``node``'s input feature by feature, through
+    pointwise ops, transposes and depthwise convolutions (a UNet's convolution, the time
+    embedding added, to the group norm; Qwen3.5's q, k and v, transposed, to its causal
+    convolution). None where they are mixed first (Qwen3-Next's q, k and v concatenated: its
+    convolution's weight stays whole, sliced as its input's channels are)."""
+    found, seen, stack = set(), set(), [arguments(node)["input"]]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in projections:
+            found.add(n)
+        elif op_kind(n) in _FEATURE_BY_FEATURE or is_channelwise_conv(n):
+            stack.extend(n.all_input_nodes)
+    return found
 
 
 def _bias_placement(site, linear: fx.Node, p: Placement) -> tuple[fx.Node, Placement] | None:
