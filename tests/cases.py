@@ -82,6 +82,12 @@ CASES = {
     # a UNet's group norms, downsampling and nearest upsampling over an image's rows cut over cp, its resnet
     # block's convolutions colwise and rowwise over tp
     "small_unet": (models.SmallUNet, lambda: [(torch.randn(2, 16, 16, 16),)]),
+    # the gated delta rule (by rows, float64: exact) over the sequence: each rank's rows from the state the rows
+    # before leave; at 30 rows over 8 runs, the 2 that pad the last leave it as it is
+    "gated_delta_rule": (lambda: models.GatedDeltaRuleBlock().double(),
+                         lambda: [(torch.randn(2, 16, 32, dtype=torch.float64),)]),
+    "gated_delta_rule_uneven_30": (lambda: models.GatedDeltaRuleBlock().double(),
+                                   lambda: [(torch.randn(2, 30, 32, dtype=torch.float64),)]),
     # Qwen3-Next's gated norm: heads flattened with the batch and sequence, viewed back
     "gated_head_norm": (models.GatedHeadNorm, lambda: [(torch.randn(2, 16, 32),)]),
     # ViT's class token concatenated before the patches a convolution made: cut over cp where they meet

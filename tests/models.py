@@ -6,6 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests import recurrences
+
 
 class GPTBlock(nn.Module):
     """Pre-norm block with a fused QKV projection (chunked), biases, GELU MLP."""
@@ -442,6 +444,18 @@ class GatedHeadNorm(nn.Module):
         d = a.shape[-1]
         a = self.norm(a.reshape(-1, d)) * F.silu(self.gate(x).reshape(-1, d))
         return x + self.out(a.reshape(b, s, -1))
+
+
+class GatedDeltaRuleBlock(nn.Module):
+    """A gated delta rule mixer (``tests.recurrences``) traced from another module's frame, as a
+    transformers model's recurrence is: Dynamo names the module its function comes from."""
+
+    def __init__(self, normalized: bool = True):
+        super().__init__()
+        self.mixer = recurrences.GatedDeltaRuleMixer(normalized=normalized)
+
+    def forward(self, x):
+        return self.mixer(x)
 
 
 class NormBetweenLinears(nn.Module):

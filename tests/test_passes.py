@@ -314,6 +314,44 @@ def test_batch_pass_refuses_an_input_whose_batch_dim_cannot_be_told():
         _passes_on(SwappedAttention(), [torch.randn(2, 2, 32)], BATCH_PASSES, dp_replicate=2)
 
 
+def _gated_rows(x, w):
+    """Qwen3-Next's gated norm: heads flattened with the rows ``[B * S * H, d]``, normed per row,
+    gated by a projection's features flattened alike (``[B, S, H * d]`` viewed ``[-1, d]``)."""
+    rows = F.rms_norm(x.view(2, 16, 4, 8).reshape(-1, 8), (8,), w, 1e-6)
+    return (rows * F.silu(x.reshape(-1, 8).float())).reshape(2, 16, -1)
+
+
+def test_rows_flattened_for_ops_row_by_row_run_unflattened():
+    """Rows flattened for a norm and a gate, then viewed back, are normed and gated unflattened
+    (``[B, S, H, d]``): the same values; no ``[B * S * H, d]`` tensor is left. Rows read by an op
+    across them (a softmax over the rows) or not viewed back to sizes given stay flattened."""
+    inputs = [torch.randn(2, 16, 32), torch.randn(8)]
+    gm, ctx = _passes_on(Spelled(_gated_rows), inputs, (capture_pass, canonicalize_pass), ulysses=2)
+    assert all(tuple(tensor_val(n).shape) != (128, 8) for n in gm.graph.nodes if tensor_val(n) is not None)
+    torch.testing.assert_close(gm(*ctx.example_inputs)[0], _gated_rows(*inputs))
+    for kept in (lambda x: x.reshape(-1, 8).softmax(0).reshape(2, 16, -1),  # across the rows
+                 lambda x: x.reshape(-1, 8).float().unsqueeze(0)):  # read as rows: not viewed back
+        gm, ctx = _passes_on(Spelled(kept), inputs[:1], (capture_pass, canonicalize_pass), ulysses=2)
+        assert any(tuple(tensor_val(n).shape) == (128, 8) for n in gm.graph.nodes if tensor_val(n) is not None)
+        torch.testing.assert_close(gm(*ctx.example_inputs)[0], kept(inputs[0]))
+
+
+def test_a_recurrence_traced_from_the_module_wrapping_it_becomes_one_op():
+    """The gated delta rule's ops, traced from the module transformers wraps it in (here its rows
+    one by one, ``tests.recurrences``), become one ``chunked_recurrence`` of the function itself,
+    computing the same. Called without q's and k's l2 norms (not as transformers calls it), its
+    ops stay as traced: the one op calls it as transformers does."""
+    inputs = [torch.randn(2, 16, 32)]
+    model = models.GatedDeltaRuleBlock()
+    gm, ctx = _passes_on(model, inputs, (capture_pass, canonicalize_pass), ulysses=2)
+    ops = [op_kind(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    assert ops.count("recurrence") == 1 and len(ops) < 40, ops
+    torch.testing.assert_close(gm(*ctx.example_inputs)[0], model(*inputs), atol=1e-6, rtol=1e-6)
+    gm, _ = _passes_on(models.GatedDeltaRuleBlock(normalized=False), inputs, (capture_pass, canonicalize_pass),
+                       ulysses=2)
+    assert "recurrence" not in [op_kind(n) for n in gm.graph.nodes]
+
+
 @pytest.mark.parametrize("spelling", REPEATED_KV)
 def test_canonicalize_turns_repeated_kv_heads_into_enable_gqa(spelling):
     inputs = [torch.randn(2, 8, 6, 4), torch.randn(2, 4, 6, 4), torch.randn(2, 4, 6, 4)]

@@ -28,6 +28,13 @@ BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", 
             "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss",
             "mpt", "apertus", "llama4", "falcon_multi_query", "gpt_bigcode", "cogview4", "sana", "phimoe",
             "hidream", "flux2", "qwen3_next", "qwen3_5", "diffllama", "unet", "lfm2"}
+GRAD_RTOL_OF = {"qwen3_5": 1e-3}
+"""Qwen3.5's decay parameters (A_log, dt_bias, the projection of a) get gradients summed over
+every position through the recurrence's cumulative gates, which rounding moves far: one device's
+own move 2.8e-4 relative when its chunks are 16 rows long instead of 64 (measured). Over cp the
+chunks start at each rank's runs, a change of that kind (3.2e-4 at tp2-ring2; every other
+parameter within 1e-6). The state passing itself is exact in float64 (test_cp_gloo, cases
+gated_delta_rule)."""
 MESHES = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
 # transformers repeats kv heads to the query heads before SDPA (repeat_kv); attention runs on
 # the model's own kv heads (canonicalize), so Ulysses and the ring send each once.
@@ -143,6 +150,8 @@ RUNS = {
     # FLUX.2's single blocks: q, k, v and the MLP's gate and up, one projection cut in five parts over tp.
     # DiffLlama's differential attention: the heads cut half by half over tp (plan.head_groups), beside ulysses.
     # LFM2's short convolution, causal: each rank's runs of rows with the rows before them (beside the ring).
+    # Qwen3.5's gated delta rule: on each rank's heads (tp) and runs of rows (the ring's zigzag), from the state
+    # the runs before leave.
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
                              names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "gemma2_left_padded", "bloom",
                                              "t5", "t5_padded", "falcon", "mixtral", "mixtral_aux",
@@ -152,7 +161,8 @@ RUNS = {
                                                             "bloom", "t5", "t5_padded", "mixtral",
                                                             "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "mpt",
                                                             "llama4", "falcon_multi_query", "gpt_bigcode",
-                                                            "cogview4", "sana", "hidream", "flux2", "lfm2"]),
+                                                            "cogview4", "sana", "hidream", "flux2", "lfm2",
+                                                            "qwen3_5"]),
         # Expert parallelism: the experts cut over cp, each rank's rows sent to them and back (the ring's zigzag
         # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them). GPT-OSS's
         # experts (per-row biases gathered by local expert ids at the experts) beside its sinks' ring attention.
@@ -193,7 +203,8 @@ def test_real_models_match_one_device(world, mesh):
     for result in (rank_results[mesh] for rank_results in LAUNCHES[world].result()):
         assert set(result) == set(names)
         for name, metrics in result.items():
-            assert metrics["forward"] <= FORWARD_ATOL and metrics.get("grad", 0.0) <= GRAD_RTOL, (name, metrics)
+            assert metrics["forward"] <= FORWARD_ATOL and metrics.get("grad", 0.0) <= GRAD_RTOL_OF.get(name, GRAD_RTOL), \
+                (name, metrics)
             assert ("grad" in metrics) == (name in BACKWARD)
 
 
@@ -372,20 +383,26 @@ def test_a_kv_head_repeated_to_the_query_heads_is_expanded_to_each_ranks_heads()
     assert core == [("backward", "all_reduce", 2048, 2)], graph.collectives
 
 
-def test_a_gated_delta_rule_runs_on_each_ranks_heads_over_tp_and_says_it_runs_whole_over_cp():
+def test_a_gated_delta_rule_runs_on_each_ranks_heads_over_tp_and_on_each_ranks_rows_over_cp():
     """Qwen3-Next's linear attention under tp: its projection viewed per key-head group, the
-    depthwise convolution over q, k and v concatenated, the chunked delta rule's triangular solves
-    and its norm over heads flattened with the rows, all on each rank's heads (before: 4 fallback
-    gathers, and the recurrence ran whole on every rank). Its recurrence runs along the sequence:
-    over cp its causal convolution runs on each rank's rows (a halo), then the recurrence runs on
-    the gathered sequence, and the warnings say so (its chunks split off the gathered q, k, v)."""
+    depthwise convolution over q, k and v concatenated, the chunked delta rule (one op,
+    canonicalize) and its norm over heads flattened with the rows, all on each rank's heads
+    (before: 4 fallback gathers, and the recurrence ran whole on every rank). Over cp its causal
+    convolution runs on each rank's rows (a halo), then its recurrence (before: on the gathered
+    sequence, 5 gathers): each run's end state and how it carries a state are gathered, 2 runs x 8
+    heads x 8 x (8 + 8) float32 numbers a rank. Over tp and cp at once, its gated norm's rows,
+    flattened with the heads, run unflattened (canonicalize): nothing is gathered (before: 2)."""
     model, args, kwargs = real_models.qwen3_next()
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
     cov = graph.coverage
     assert graph.warnings == [] and cov.sharded_block_linear_flops >= 0.95 * cov.block_linear_flops, cov.summary()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, ring=2, ulysses=2).graphs
+    assert graph.warnings == [] and graph.coverage.fallback_gathers == [], graph.warnings
+    states = 2 * real_models.BATCH * 8 * 8 * (8 + 8) * 4
+    assert ("all_gather", states) in [(c["op"], c["bytes_per_rank"]) for c in graph.collectives
+                                      if c["mesh_dims"] == "cp" and c["direction"] == "forward"], graph.collectives
     (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2, ulysses=2).graphs
-    assert any(w.startswith("split_3 (torch.split): inputs gathered on mesh dim 'cp'") for w in graph.warnings)
-    assert not any(w.startswith("conv1d") for w in graph.warnings), graph.warnings
+    assert graph.warnings == [] and graph.coverage.fallback_gathers == [], graph.warnings
 
 
 def test_a_gated_delta_rule_from_projections_of_its_own_is_one_site_over_tp():

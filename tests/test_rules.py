@@ -21,6 +21,7 @@ from dtensor_par.mesh import MeshDim
 from dtensor_par.ops.attention import hybrid_attention
 from dtensor_par.ops.experts import combine_rows, dispatch_rows, exchange_counts
 from dtensor_par.ops.halo import HaloPlan, halo_plan, padded_conv1d
+from dtensor_par.ops.recurrence import chunked_recurrence
 from dtensor_par.passes.meta import NodeSharding, set_global_shape, set_sharding
 from dtensor_par.passes.nodes import tensor_inputs
 from dtensor_par.passes.rules.core import RuleEnv
@@ -335,6 +336,9 @@ def test_a_joint_sequence_of_several_parts_stays_cut_part_by_part():
     split = check_rule(lambda x: torch.split(x, [8, 8], 1), [_t(2, 16, 6)], [parts])
     assert split == NodeSharding((Shard(1), text), (parts,))
     assert check_rule(lambda x: torch.split(x, [4, 12], 1), [_t(2, 16, 6)], [parts]).note  # cuts a part: gathered
+    # all of it in one piece, none in the other (Qwen3.5's rows kept for its recurrent states: none): kept cut
+    assert check_rule(lambda x: torch.split(x, [16, 0], 1), [_t(2, 16, 6)], [Shard(1)]) == \
+        NodeSharding((Shard(1), R), (Shard(1),))
     angles = InterleavedShard(1, (8, 8))  # [B, S, 1, D]: the heads broadcast
     turned = check_rule(lambda q, f: q * f, [_t(2, 16, 3, 4), _t(2, 16, 1, 4)], [parts, angles])
     assert turned == NodeSharding(parts, (parts, parts))
@@ -405,6 +409,28 @@ def test_a_running_sum_keeps_every_cut_but_part_by_part_along_its_dim():
     assert along == NodeSharding(Shard(1), (Shard(1),))
     parts = lookup(op).rule(op, tensor_inputs(op), [InterleavedShard(1, (4, 4))], RuleEnv("cp", SIZE, {}, False))
     assert parts.out == R and parts.note.startswith("a running sum along the dim 1, cut part by part"), parts
+
+
+def test_a_recurrence_runs_on_each_ranks_heads_or_batch_rows_and_on_each_ranks_rows_over_cp():
+    """A chunked recurrence (``ops.recurrence``; here the gated delta rule by rows) runs on each
+    rank's heads (tp) or batch rows, its final state cut alike (exact here), a replicated gate or
+    beta sliced as the heads are; along the sequence, over cp only, each rank runs its rows from
+    the state the rows before leave (``sharded_chunked_recurrence``: exact in test_cp_gloo, cases
+    gated_delta_rule); any other cut is gathered, saying why."""
+    rule = "tests.recurrences:torch_chunk_gated_delta_rule"
+    graph = fx.Graph()  # (symbolic tracing would trace into the function)
+    tensors = [graph.placeholder(name) for name in ("q", "k", "v", "g", "beta")]
+    graph.output(graph.call_function(chunked_recurrence, (rule, *tensors)))
+    inputs = [_t(2, 6, 4, 8), _t(2, 6, 4, 8), _t(2, 6, 4, 8), -_t(2, 6, 4).abs(), _t(2, 6, 4).sigmoid()]
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    for p, state in ((Shard(0), Shard(0)), (Shard(2), Shard(1))):
+        assert check_rule(gm, inputs, [p] * 5) == NodeSharding((p, state), (p,) * 5)
+    assert check_rule(gm, inputs, [Shard(2)] * 3 + [R, R]) == NodeSharding((Shard(2), Shard(1)), (Shard(2),) * 5)
+    gathered = check_rule(gm, inputs, [Shard(1)] * 5)  # tp
+    assert gathered.out == (R, R) and gathered.note.startswith("a recurrence's inputs cut differently"), gathered
+    op = next(n for n in gm.graph.nodes if n.op == "call_function")
+    along = lookup(op).rule(op, tensor_inputs(op), [Shard(1)] * 5, RuleEnv("cp", SIZE, {}, False, chunks_per_rank=2))
+    assert along == NodeSharding((Shard(1), R), (Shard(1),) * 5)
 
 
 def test_setitem_writes_each_shard_in_place_or_is_refused():

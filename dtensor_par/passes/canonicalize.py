@@ -28,6 +28,17 @@
 - A chain of reshapes (``view``, ``squeeze``, ``unsqueeze``...) that gives back its source's shape
   is its source: the same elements in the same order (transformers' causal convolution reads its
   weight as ``w.squeeze(1)``, then ``.unsqueeze(1)``), so the parameter is read as the weight.
+- Rows flattened for ops that work row by row and viewed back (Qwen3-Next's gated norm:
+  ``a.reshape(-1, d)``, a norm over ``d`` gated by ``silu(z.reshape(-1, d))``, then
+  ``.reshape(b, s, -1)``) run on the rows unflattened, ``[*lead, d]``: the same values per row, and
+  the views back read the same elements in the same order. Flattened, the rows of a sequence cut
+  over cp and heads cut over tp would be cut part by part over both at once, which no
+  redistribution lays out (gathered).
+- The ops of a chunked recurrence over the sequence, traced from inside the module transformers
+  wraps it in (``torch_chunk_gated_delta_rule``: Qwen3-Next's, Qwen3.5's, OLMo-hybrid's linear
+  attention; ``ops.recurrence.CHUNKED_RECURRENCES``), become one call of the model's own function
+  (``ops.recurrence.chunked_recurrence``): its rules run it on each rank's heads over tp and on
+  each rank's rows over cp, where its ops one by one would have gathered the sequence.
 - ``torch.tensor_split`` becomes ``torch.split`` into the sizes of its pieces (Qwen3-Next's
   gated delta rule cuts its padded sequence so), which the split rule places.
 - A fused projection split after views of its features (Falcon-7B's multi-query
@@ -71,6 +82,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from typing import NamedTuple
 
 import torch
@@ -79,6 +91,7 @@ import torch.nn.functional as F
 
 from ..ops.grouped import GROUPED_MM
 from ..ops.halo import padded_conv1d
+from ..ops.recurrence import CHUNKED_RECURRENCES, chunked_recurrence, recurrence
 from ..symbolic import is_symbolic, same_size
 from .capture import emitted, erase_unused, with_val
 from .context import ParallelContext, at_node
@@ -218,6 +231,159 @@ def reshaped_back(gm: fx.GraphModule, node: fx.Node) -> None:
         return
     node.replace_all_uses_with(source)
     erase_unused(gm, node)
+
+
+def _rows_flattened(view: fx.Node) -> tuple[fx.Node, tuple[int, ...]] | None:
+    """``(x, lead)`` when ``view`` makes ``[prod(lead), d]`` rows of ``x``, whose last dims hold
+    ``lead``'s last ones and ``d`` (``[*lead, d]``, or ``[b, s, h * d]``), all sizes static, at
+    least two of ``lead`` merged."""
+    x = tensor_inputs(view)[0] if op_kind(view) == "view" else None
+    out, given = tensor_val(view), tensor_val(x) if x is not None else None
+    if given is None or out is None or out.dim() != 2 or given.dim() < 2 or is_symbolic(given.shape):
+        return None
+    rows, d = out.shape
+    *outer, last = given.shape
+    lead = (*outer, last // d) if last != d else tuple(outer)
+    merged = sum(n > 1 for n in lead) >= 2  # not a squeeze
+    return (x, lead) if last % d == 0 and math.prod(lead) == rows and merged else None
+
+
+def _row_wise(node: fx.Node) -> bool:
+    """Whether ``node`` computes each row alone from its last dim: pointwise, a reduction over
+    the last dim spelled ``-1`` and kept, a norm over it."""
+    if op_kind(node) in kinds_in("pointwise"):
+        return True
+    if op_kind(node) not in ("reduce", "norm"):
+        return False
+    given = arguments(node)
+    if op_kind(node) == "reduce":
+        dims = given.get("dim")
+        return given.get("keepdim", False) and list(dims) == [-1] if isinstance(dims, (list, tuple)) else dims == -1
+    return op_kind(node) == "norm" and len(given["normalized_shape"]) == 1
+
+
+def _rows_region(first: fx.Node, lead: tuple[int, ...]) -> tuple[list, list, list] | None:
+    """(the views flattening rows of ``lead``, the row-wise ops on them, the views that read
+    them back) from ``first`` on, or None where anything else reads them or they read a tensor
+    that is neither flattened alike nor broadcast over every row (``[d]`` weights)."""
+    roots, region, ends, stack = [first], [], [], [first]
+    while stack:
+        for user in stack.pop().users:
+            if user in roots or user in region or user in ends:
+                continue
+            if user.target in _RESHAPES:
+                ends.append(user)
+                continue
+            if not _row_wise(user):
+                return None
+            region.append(user)
+            stack.append(user)
+            for other in tensor_inputs(user):  # rows flattened alike, maybe through row-wise ops (a gate's silu)
+                root = _flattened_above(other, lead)
+                if root is not None and root not in roots:
+                    roots.append(root)
+                    stack.append(root)
+    inside = {*roots, *region}
+    if any(i not in inside and tensor_val(i).dim() > 1 for n in region for i in tensor_inputs(n)):
+        return None
+    return roots, region, ends
+
+
+_RESHAPES = {"view", "reshape", torch.reshape}
+"""Views to sizes given: the same elements in the same order from the rows flattened or not (a
+squeeze or unsqueeze of the rows would give another shape)."""
+
+
+def _flattened_above(node: fx.Node, lead: tuple[int, ...]) -> fx.Node | None:
+    """The view flattening rows of ``lead`` that ``node`` is made from through row-wise ops of
+    one input each, if any."""
+    while _rows_flattened(node) is None and _row_wise(node) and len(tensor_inputs(node)) == 1:
+        node = tensor_inputs(node)[0]
+    found = _rows_flattened(node)
+    return node if found is not None and found[1] == lead else None
+
+
+def rows_unflattened(gm: fx.GraphModule, view: fx.Node) -> None:
+    """The rows ``view`` flattens, and those flattened alike beside them, read unflattened by the
+    row-wise ops between them and the views back (the module docstring says why)."""
+    found = _rows_flattened(view)
+    region = _rows_region(view, found[1]) if found is not None else None
+    if region is None or not region[2]:
+        return
+    roots, ops, ends = region
+    for root in roots:
+        x, lead = _rows_flattened(root)
+        d = tensor_val(root).shape[1]
+        with gm.graph.inserting_before(root):
+            rows = x if tensor_val(x).shape == (*lead, d) else emitted(gm.graph, torch.reshape, x, (*lead, d))
+        root.replace_all_uses_with(rows)
+        gm.graph.erase_node(root)
+    for node in [n for n in gm.graph.nodes if n in set(ops)]:  # each value again, from its inputs' new ones
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+        node.meta["val"] = (node.target(*args, **kwargs) if node.op == "call_function"
+                            else getattr(args[0], node.target)(*args[1:], **kwargs))
+    for end in ends:  # a view of rows an op may have left strided: a reshape reads them alike
+        if end.op == "call_method" and end.target == "view":
+            end.target = "reshape"
+
+
+_WRAPPED_FUNCTION = re.compile(r"G\['__import_(\w+)'\]\.(\w+)")
+"""How Dynamo names a module transformers wraps a module-level function in (its kernel hub)."""
+
+
+def _recurrence_module(node: fx.Node) -> str | None:
+    """``module:name`` of the chunked recurrence whose wrapping module ``node`` was traced in."""
+    stack = node.meta.get("nn_module_stack")
+    found = _WRAPPED_FUNCTION.fullmatch(list(stack.values())[-1][0]) if stack else None
+    if found is None or found[2] not in CHUNKED_RECURRENCES:
+        return None
+    return f"{found[1].replace('_dot_', '.')}:{found[2]}"
+
+
+def recurrence_as_one_op(gm: fx.GraphModule, first: fx.Node, rule: str) -> None:
+    """The ops traced from one call of ``rule``, from ``first`` on, become one
+    ``chunked_recurrence``: where they read exactly its tensor arguments (q, k, v ``[B, S, H, d]``,
+    g ``[B, S, H]`` or ``[B, S, H, d]``, beta ``[B, S, H]``), give only its output and final state and normalize q and k (as
+    every transformers model asks). Otherwise, or where the function cannot be imported, they stay
+    as traced."""
+    region, node = [], first
+    while node.op in ("call_function", "call_method") and _recurrence_module(node) == rule:
+        region.append(node)
+        node = node.next
+    inside = set(region)
+    read = list(dict.fromkeys(i for n in region for i in n.all_input_nodes if i not in inside))
+    given = dict(zip(CHUNKED_RECURRENCES[rule.split(":")[1]][0], read))
+    if len(read) != 5 or any(tensor_val(n) is None for n in read):
+        return
+    (b, s, k_heads, k_dim), (heads, v_dim) = tensor_val(given["key"]).shape, tensor_val(given["value"]).shape[2:]
+    shapes = {"query": (b, s, k_heads, k_dim), "key": (b, s, k_heads, k_dim), "value": (b, s, heads, v_dim),
+              "g": (b, s, heads, k_dim)[:tensor_val(given["g"]).dim()], "beta": (b, s, heads)}  # g: a decay per
+    if not all(same_size(tuple(tensor_val(given[name]).shape), shape) for name, shape in shapes.items()):  # head,
+        return  # or per key channel too (Kimi's)
+    values = [tensor_val(given["query"]).new_empty(b, s, heads, v_dim),  # its output, then its final state
+              tensor_val(given["value"]).new_empty(b, heads, k_dim, v_dim,
+                                                   dtype=torch.promote_types(tensor_val(given["value"]).dtype,
+                                                                             torch.float32))]
+    leaving = [n for n in region if any(u not in inside for u in n.users)]
+    kept = {n: i for n in leaving for i, val in enumerate(values)
+            if tensor_val(n) is not None and same_size(tuple(tensor_val(n).shape), tuple(val.shape))}
+    if len(kept) != len(leaving) or len(set(kept.values())) != len(kept) or same_size(values[0].shape, values[1].shape):
+        return
+    for n, i in kept.items():
+        values[i] = tensor_val(n)
+    if not any(n.target in (torch.rsqrt, "rsqrt", torch.sqrt, "sqrt") for n in region):  # no l2 norms: not
+        return  # called as transformers calls it
+    try:
+        recurrence(rule)
+    except (ImportError, AttributeError):
+        return
+    with gm.graph.inserting_before(first):
+        call = with_val(gm.graph.call_function(chunked_recurrence, (rule, given["query"], given["key"], given["value"],
+                                                                    given["g"], given["beta"])), tuple(values))
+        for n, i in kept.items():
+            n.replace_all_uses_with(with_val(gm.graph.call_function(operator.getitem, (call, i)), n.meta["val"]))
+    for n in reversed(region):
+        gm.graph.erase_node(n)
 
 
 def cropped_conv_as_padded(gm: fx.GraphModule, crop: fx.Node) -> None:
@@ -829,6 +995,10 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
         split_features_before_views(gm, node)
     elif op_kind(node) == "view":
         reshaped_back(gm, node)
+        if not node._erased:
+            rows_unflattened(gm, node)
+    if not node._erased and (rule := _recurrence_module(node)) is not None and _recurrence_module(node.prev) != rule:
+        recurrence_as_one_op(gm, node, rule)
 
 
 def canonicalize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:

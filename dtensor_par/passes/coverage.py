@@ -62,7 +62,9 @@ def record_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> None:
     reads), and warn when no site runs parallel."""
     ctx.coverage = measure_coverage(gm, ctx)
     record_work(gm, ctx)
-    if ctx.mesh.plan_dims and ctx.sites and not ctx.coverage.parallel_sites:
+    recurrences_cut = any(op_kind(n) == "recurrence" and any(shard_dim(s.inputs[0]) is not None
+                                                            for s in shardings(n).values()) for n in gm.graph.nodes)
+    if ctx.mesh.plan_dims and ctx.sites and not ctx.coverage.parallel_sites and not recurrences_cut:
         ctx.warn(f"none of the {len(ctx.sites)} attention and MLP sites runs parallel: every rank computes the whole "
                  f"model (see the warnings above for why)")
 

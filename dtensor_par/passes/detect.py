@@ -31,10 +31,11 @@ _INSIDE_MLP = kinds_in("pointwise") | {"split", "getitem"}
 # so that linear attention is one (Sana's: relu of q and k viewed as heads, multiplied with v head
 # by head, then merged), its features cut from the q, k, v projections to the out projection;
 # group norms between convolutions (a UNet's resnet block: conv, norm, activation, conv); a
-# recurrence run head by head (Qwen3.5's gated delta rule: its q, k, v, gate and beta projections
-# to its out projection through the chunks' cumulative gates, triangular solves, norms and the
-# chunks concatenated back; its depthwise convolution is walked through as any site's).
-_INSIDE_MLP_SITE = _INSIDE_MLP | kinds_in("views") | {"matmul", "group_norm", "cumsum", "reduce", "cat",
+# recurrence run head by head, as one op (Qwen3.5's gated delta rule: its q, k, v, gate and beta
+# projections to its out projection; its depthwise convolution is walked through as any site's) or
+# as traced (MiniMax's, Kimi's: the chunks' cumulative gates, triangular solves, sums over each
+# head's features, the chunks concatenated back).
+_INSIDE_MLP_SITE = _INSIDE_MLP | kinds_in("views") | {"matmul", "group_norm", "recurrence", "cumsum", "reduce", "cat",
                                                       "solve_triangular"}
 # Ops allowed between attention written out by hand's q @ kT and its softmax: scale, soft-capping
 # (tanh), an additive bias or mask, masked_fill, where, upcasts; and between softmax and @ v.

@@ -51,13 +51,15 @@ def features_dim(projection: fx.Node) -> int:
 def features_carried(projection: fx.Node) -> tuple[fx.Node, int]:
     """Where a projection's features end up, and along which dim, past the ops its output goes
     through alone that keep each feature apart: activations, casts, depthwise convolutions,
-    transposes (Sana's GLUMBConv: a pointwise convolution, SiLU, a depthwise one; Qwen3.5's q, k
-    and v: transposed, convolved causally, SiLU, transposed back)."""
+    transposes, where cp starts cutting the sequence (Sana's GLUMBConv: a pointwise convolution,
+    SiLU, a depthwise one; Qwen3.5's q, k and v: transposed, convolved causally, SiLU, transposed
+    back)."""
     node, dim = projection, features_dim(projection)
     while len(node.users) == 1 and tensor_val(user := next(iter(node.users))) is not None:
         if op_kind(user) == "transpose":
             dim = dim_order(user, tensor_val(user).dim()).index(dim)
-        elif not (is_activation(user) or op_kind(user) == "cast" or (is_channelwise_conv(user) and dim == 1)):
+        elif not (is_activation(user) or op_kind(user) in ("cast", "sequence_start")
+                  or (is_channelwise_conv(user) and dim == 1)):
             break
         node = user
     return node, dim

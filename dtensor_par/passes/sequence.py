@@ -1,14 +1,14 @@
 """sequence: seed context parallelism, where the sequence is cut over cp.
 
-Graph inputs shaped like the sequence that hybrid attention runs over (or a part of a joint
-one) arrive sharded along it: the runtime slices them, no communication. Sequences made
-inside the graph are cut where they are made (``sequence_start``). The plan then carries
-these placements through every node (``plan_pass``).
+Graph inputs shaped like the sequence that hybrid attention or a recurrence runs over (or a
+part of a joint one) arrive sharded along it: the runtime slices them, no communication.
+Sequences made inside the graph are cut where they are made (``sequence_start``). The plan
+then carries these placements through every node (``plan_pass``).
 
 A length only proposes a candidate; which ones hold the sequence is traced, not guessed from
 sizes: each one's cut, carried by the plan's own rules (``plan.traced_cuts``), must reach
-attention's q, k or v along their sequence, or reach no attention without meeting the
-sequence on another dim (``traced_sequences``).
+attention's q, k or v (or a recurrence's inputs) along their sequence, or reach neither
+without meeting the sequence on another dim (``traced_sequences``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def sequence_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Fill ``ctx.sequence_placements`` and cut the sequences the graph makes (with cp only)."""
     if ctx.mesh.size("cp") == 1:
         return gm
-    lengths = []
+    lengths = [tensor_val(arguments(node)["query"]).shape[1] for node in _recurrences(gm)]
     for site in ctx.sites:
         if isinstance(site, AttentionSite) and op_kind(site.core) == "hybrid_attention":
             with at_node("sequence", site.core):
@@ -62,9 +62,16 @@ def sequence_inputs(gm: fx.GraphModule, ctx: ParallelContext, lengths: list[int]
             and node not in masks and _is_sequence(tensor_val(node), lengths)]
 
 
-def sequence_carriers(ctx: ParallelContext) -> list[Carrier]:
-    """q, k and v of each attention that runs sequence-parallel, along their sequence dim."""
-    carriers = []
+def _recurrences(gm: fx.GraphModule) -> list[fx.Node]:
+    """The chunked recurrences over the sequence (``ops.recurrence``): cp runs them on each rank's rows."""
+    return [node for node in gm.graph.nodes if op_kind(node) == "recurrence"]
+
+
+def sequence_carriers(gm: fx.GraphModule, ctx: ParallelContext) -> list[Carrier]:
+    """q, k and v of each attention that runs sequence-parallel, along their sequence dim, and
+    the tensors each recurrence runs along the sequence, along dim 1."""
+    carriers = [Carrier(node.name, arguments(node)[x], 1) for node in _recurrences(gm)
+                for x in ("query", "key", "value", "g", "beta")]
     for site in ctx.sites:
         if isinstance(site, AttentionSite) and op_kind(site.core) == "hybrid_attention":
             given = arguments(site.core)
@@ -81,7 +88,7 @@ def traced_sequences(gm: fx.GraphModule, ctx: ParallelContext, candidates: list[
     is made inside the graph with a dim of its length besides dim 1 (hidden size = tokens) or
     its cut is gathered on the way (LTX's grid of frame positions, its frames cut, then flattened
     with the rows: cutting it would only gather it back)."""
-    carriers = sequence_carriers(ctx)
+    carriers = sequence_carriers(gm, ctx)
     gathered: dict[fx.Node, set[fx.Node]] = {node: set() for node in candidates}
     traces = {node: traced_cuts(gm, ctx, "cp", {node.name: Shard(1)}, gathered[node]) for node in candidates}
     reached = {node: [shard_dim(cuts[c.node]) == c.dim for c in carriers if shard_dim(cuts.get(c.node)) is not None]

@@ -235,6 +235,8 @@ def split_rule(node, ins, cur, env):
     if p.dim != dim:
         return NodeSharding(tuple(p for _ in pieces), (p,))
     sizes = tuple(t.shape[dim] for t in pieces)
+    if sorted(sizes)[:-1] == [0] * (len(sizes) - 1):  # one piece is all of it, the others empty (Qwen3.5's
+        return NodeSharding(tuple(p if size else R for size in sizes), (p,))  # rows kept for states: none)
     bounds = [sum(p.parts[:i]) for i in range(len(p.parts) + 1)] if isinstance(p, InterleavedShard) else None
     starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     if bounds is None or not set(starts) <= set(bounds):
