@@ -583,10 +583,10 @@ def _between_not_through_sums(ups: list[fx.Node], down: fx.Node, walked: list[fx
     forget gate reaches its output only so), but the ``pow`` and ``rsqrt`` of a norm of the
     residual stream lie on no such path: o_proj and the next gate_proj are no MLP."""
     kept = [n for n in walked if op_kind(n) != "reduce"]
-    reaching, stack = set(), [arguments(down)["input"]]
+    walkable, reaching, stack = set(kept), set(), [arguments(down)["input"]]
     while stack:
         node = stack.pop()
-        if node in kept and node not in reaching:
+        if node in walkable and node not in reaching:
             reaching.add(node)
             stack.extend(node.all_input_nodes)
     return [n for n in _made_from(ups, kept) if n in reaching]
