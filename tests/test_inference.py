@@ -82,6 +82,8 @@ def _world2_launch() -> list[dict]:
         "decorated ring": (decorated_generate, {"ring": 2}),
         "written out ring": (decorated_written_out_generate, {"name": "gpt_oss", "ring": 2}),
         "alibi ring": (decorated_written_out_generate, {"name": "bloom", "ring": 2}),
+        "recurrence tp": (decorated_written_out_generate, {"name": "qwen3_5", "tp": 2}),
+        "recurrence ring": (decorated_written_out_generate, {"name": "qwen3_5", "ring": 2}),
         "decode plans": (decode_plans, {}),
         "cp decode": (cp_decode, {"runs": [({"ring": 2}, "mistral"), ({"ulysses": 2}, "llama")]}),
         "entry points": (generate_entry_points, {}),
@@ -165,10 +167,15 @@ def _check_decorated_generate(result: dict) -> None:
 
 def test_decorated_transformers_llama_generates_one_devices_tokens():
     """Under ring=2 here; under tp (beside ulysses) at world 4. Attention written out by hand
-    decodes under ring=2 too: GPT-OSS's (sink logits, a sliding window) and Bloom's (ALiBi)."""
+    decodes under ring=2 too: GPT-OSS's (sink logits, a sliding window) and Bloom's (ALiBi).
+    So does Qwen3.5's linear attention, its cache's convolution and recurrent states made whole
+    (a fresh buffer written whole becomes the value written), under tp2 (each decode step's
+    recurrence on each rank's heads, the states gathered into the cache's, warned) and under
+    ring=2 (the prompt's recurrence on each rank's rows, each decode step's whole)."""
     for result in WORLD2.result():
         _check_decorated_generate(result["decorated ring"])
-        for written in (result["written out ring"], result["alibi ring"]):
+        for written in (result["written out ring"], result["alibi ring"], result["recurrence tp"],
+                        result["recurrence ring"]):
             assert written["tokens"] == written["expected"] and written["steps"] == 16, written
             assert written["logits"] <= FORWARD_ATOL, written
 

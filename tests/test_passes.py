@@ -338,7 +338,7 @@ def test_rows_flattened_for_ops_row_by_row_run_unflattened():
 
 def test_a_recurrence_traced_from_the_module_wrapping_it_becomes_one_op():
     """The gated delta rule's ops, traced from the module transformers wraps it in (here its rows
-    one by one, ``tests.recurrences``), become one ``chunked_recurrence`` of the function itself,
+    one by one, ``tests.recurrences``), become one ``linear_recurrence`` of the function itself,
     computing the same. Called without q's and k's l2 norms (not as transformers calls it), its
     ops stay as traced: the one op calls it as transformers does."""
     inputs = [torch.randn(2, 16, 32)]
@@ -492,6 +492,10 @@ CANONICALIZED = {
         lambda x, w: F.conv1d(x, w.squeeze(1).unsqueeze(1), groups=4),
         lambda x, w: F.conv1d(x, torch.unsqueeze(torch.squeeze(w, dim=1), dim=1), groups=4),
         lambda x, w: F.conv1d(x, w.view(4, 3).reshape(4, 1, 3), groups=4)]),
+    "copy_into_fresh_out_of_place": ([torch.randn(2, 4)], [  # a linear attention cache's state, made and written
+        lambda x: torch.zeros(2, 4).copy_(x * 2) + 1,
+        lambda x: torch.zeros_like(x).copy_(x * 2, non_blocking=False) + 1,
+        lambda x: x.new_zeros(2, 4).copy_(x * 2) + 1]),
     "narrow_as_slice": ([torch.randn(2, 6, 8)], [
         lambda x: torch.narrow(x, 2, 2, 4),
         lambda x: torch.narrow(x, dim=2, start=2, length=4),
@@ -557,6 +561,8 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
         gm, ctx = _passes_on(Spelled(_written_reshaped_back), inputs[:1], (capture_pass, canonicalize_pass), ulysses=2)
         assert [op for op, _, _ in _canonical_form(gm)].count("view") == 2
         torch.testing.assert_close(gm(*ctx.example_inputs)[0], _written_reshaped_back(*inputs[:1]))
+    if rule == "copy_into_fresh_out_of_place":  # the value written, read in place of the buffer
+        assert ops == ["mul", "add"], ops
     if rule == "elementwise_extreme":  # of two tensors: no reduction
         assert ops.count("maximum") == 2 and "extreme" not in ops, ops
     if rule == "softmax_of_unshifted":  # a shift along another dim than the softmax's would change it

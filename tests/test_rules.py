@@ -21,7 +21,7 @@ from dtensor_par.mesh import MeshDim
 from dtensor_par.ops.attention import hybrid_attention
 from dtensor_par.ops.experts import combine_rows, dispatch_rows, exchange_counts
 from dtensor_par.ops.halo import HaloPlan, halo_plan, padded_conv1d
-from dtensor_par.ops.recurrence import chunked_recurrence
+from dtensor_par.ops.recurrence import linear_recurrence
 from dtensor_par.passes.meta import NodeSharding, set_global_shape, set_sharding
 from dtensor_par.passes.nodes import tensor_inputs
 from dtensor_par.passes.rules.core import RuleEnv
@@ -415,12 +415,12 @@ def test_a_recurrence_runs_on_each_ranks_heads_or_batch_rows_and_on_each_ranks_r
     """A chunked recurrence (``ops.recurrence``; here the gated delta rule by rows) runs on each
     rank's heads (tp) or batch rows, its final state cut alike (exact here), a replicated gate or
     beta sliced as the heads are; along the sequence, over cp only, each rank runs its rows from
-    the state the rows before leave (``sharded_chunked_recurrence``: exact in test_cp_gloo, cases
+    the state the rows before leave (``sharded_linear_recurrence``: exact in test_cp_gloo, cases
     gated_delta_rule); any other cut is gathered, saying why."""
     rule = "tests.recurrences:torch_chunk_gated_delta_rule"
     graph = fx.Graph()  # (symbolic tracing would trace into the function)
     tensors = [graph.placeholder(name) for name in ("q", "k", "v", "g", "beta")]
-    graph.output(graph.call_function(chunked_recurrence, (rule, *tensors)))
+    graph.output(graph.call_function(linear_recurrence, (rule, *tensors)))
     inputs = [_t(2, 6, 4, 8), _t(2, 6, 4, 8), _t(2, 6, 4, 8), -_t(2, 6, 4).abs(), _t(2, 6, 4).sigmoid()]
     gm = fx.GraphModule(torch.nn.Module(), graph)
     for p, state in ((Shard(0), Shard(0)), (Shard(2), Shard(1))):
@@ -431,6 +431,15 @@ def test_a_recurrence_runs_on_each_ranks_heads_or_batch_rows_and_on_each_ranks_r
     op = next(n for n in gm.graph.nodes if n.op == "call_function")
     along = lookup(op).rule(op, tensor_inputs(op), [Shard(1)] * 5, RuleEnv("cp", SIZE, {}, False, chunks_per_rank=2))
     assert along == NodeSharding((Shard(1), R), (Shard(1),) * 5)
+    graph = fx.Graph()  # from a given state (a decode step's, the cache's): cut by heads too
+    tensors = [graph.placeholder(name) for name in ("q", "k", "v", "g", "beta", "state")]
+    graph.output(graph.call_function(linear_recurrence, (rule, *tensors)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    assert check_rule(gm, inputs + [_t(2, 4, 8, 8)], [Shard(2)] * 5 + [Shard(1)]) == \
+        NodeSharding((Shard(2), Shard(1)), (Shard(2),) * 5 + (Shard(1),))
+    op = next(n for n in gm.graph.nodes if n.op == "call_function")
+    from_state = lookup(op).rule(op, tensor_inputs(op), [Shard(1)] * 5 + [R], RuleEnv("cp", SIZE, {}, False))
+    assert from_state.out == (R, R) and from_state.note, from_state  # along the sequence, from a state: gathered
 
 
 def test_setitem_writes_each_shard_in_place_or_is_refused():

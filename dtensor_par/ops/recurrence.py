@@ -33,12 +33,15 @@ from ..mesh import MeshDim
 from .collectives import every_rank_positions, gather_stacked
 from .lowerings import FUNCTIONAL
 
-CHUNKED_RECURRENCES = {name: (("query", "key", "value", "beta", "g"), {"use_qk_l2norm_in_kernel": True})
-                       for name in ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")}
+_READ = ("query", "key", "value", "beta", "g", "initial_state")
+RECURRENCES = {"torch_chunk_gated_delta_rule": _READ, "chunk_kimi_delta_attention": _READ,
+               "torch_recurrent_gated_delta_rule": _READ,  # a decode step's, from the cache's state
+               "recurrent_kimi_delta_attention": ("query", "key", "value", "g", "beta", "initial_state")}
 """The recurrences read as one op (``canonicalize.recurrence_as_one_op``), by the name of the
 module transformers wraps each in: their tensor arguments in the order the function first reads
-them, and the keywords every transformers model calls it with (the traced ops must show them:
-the square roots of q's and k's l2 norms)."""
+them (the state it starts from, if given, last). Every transformers model calls them with
+``use_qk_l2norm_in_kernel=True``: the traced ops must show it (the square roots of q's and k's
+l2 norms)."""
 
 
 @cache
@@ -51,14 +54,14 @@ def recurrence(rule: str):
 def _call(rule: str, query, key, value, g, beta, initial_state=None, output_final_state=True):
     """``rule`` called as transformers calls it, from ``initial_state`` (zeros if None)."""
     return recurrence(rule)(query, key, value, g=g, beta=beta, initial_state=initial_state,
-                            output_final_state=output_final_state, **CHUNKED_RECURRENCES[rule.split(":")[1]][1])
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
 
 
-def chunked_recurrence(rule: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-                       beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rule``'s output ``[batch, seq, heads, v_dim]`` and final state, from a zero state: the
-    one op canonicalize makes of the function's traced ops."""
-    return _call(rule, query, key, value, g, beta)
+def linear_recurrence(rule: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rule``'s output ``[batch, seq, heads, v_dim]`` and final state, from ``initial_state``
+    (zeros if None): the one op canonicalize makes of the function's traced ops."""
+    return _call(rule, query, key, value, g, beta, initial_state)
 
 
 class RunPlan(NamedTuple):
@@ -103,10 +106,10 @@ def _padding_zeroed(x: torch.Tensor, plan: RunPlan) -> torch.Tensor:
     return (x.unflatten(0, (plan.runs, -1)) * kept).flatten(0, 1)
 
 
-def sharded_chunked_recurrence(rule: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def sharded_linear_recurrence(rule: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                g: torch.Tensor, beta: torch.Tensor, *, plan: RunPlan, mesh_dim: MeshDim,
                                comm: str = FUNCTIONAL) -> tuple[torch.Tensor, torch.Tensor]:
-    """``chunked_recurrence`` of the whole sequence, of which this rank holds the rows ``plan``
+    """``linear_recurrence`` of the whole sequence (from zeros), of which this rank holds the rows ``plan``
     lays out along dim 1 (cut over ``mesh_dim``): this rank's rows of the output, and the final
     state (the module docstring says how)."""
     batch = query.shape[0]

@@ -36,8 +36,8 @@
   redistribution lays out (gathered).
 - The ops of a chunked recurrence over the sequence, traced from inside the module transformers
   wraps it in (``torch_chunk_gated_delta_rule``: Qwen3-Next's, Qwen3.5's, OLMo-hybrid's linear
-  attention; ``ops.recurrence.CHUNKED_RECURRENCES``), become one call of the model's own function
-  (``ops.recurrence.chunked_recurrence``): its rules run it on each rank's heads over tp and on
+  attention; a decode step's, by rows; ``ops.recurrence.RECURRENCES``), become one call of the
+  model's own function (``ops.recurrence.linear_recurrence``): its rules run it on each rank's heads over tp and on
   each rank's rows over cp, where its ops one by one would have gathered the sequence.
 - ``torch.tensor_split`` becomes ``torch.split`` into the sizes of its pieces (Qwen3-Next's
   gated delta rule cuts its padded sequence so), which the split rule places.
@@ -55,6 +55,10 @@
   untouched slices and the value, read in place of the tensor by every later reader, where no
   other view of it is read after the write: out of place, each slice of a sequence cut part by
   part over cp stays local.
+- A tensor a factory just made (zeros), written whole by ``copy_`` before anything reads it (a
+  linear attention cache's conv and recurrent states) becomes the value written, read by every
+  later reader: out of place, it keeps the value's placement (before: a cut value written into
+  a replicated buffer was refused).
 - A product's fresh output added to in place before anything reads it (transformers' grouped
   linear with biases, GPT-OSS's experts: ``out.add_(bias[expert_ids])``) becomes ``out + bias``,
   read by every later reader: the rules place it as any add, and detect reads the bias.
@@ -91,7 +95,7 @@ import torch.nn.functional as F
 
 from ..ops.grouped import GROUPED_MM
 from ..ops.halo import padded_conv1d
-from ..ops.recurrence import CHUNKED_RECURRENCES, chunked_recurrence, recurrence
+from ..ops.recurrence import RECURRENCES, linear_recurrence, recurrence
 from ..symbolic import is_symbolic, same_size
 from .capture import emitted, erase_unused, with_val
 from .context import ParallelContext, at_node
@@ -335,15 +339,20 @@ def _recurrence_module(node: fx.Node) -> str | None:
     """``module:name`` of the chunked recurrence whose wrapping module ``node`` was traced in."""
     stack = node.meta.get("nn_module_stack")
     found = _WRAPPED_FUNCTION.fullmatch(list(stack.values())[-1][0]) if stack else None
-    if found is None or found[2] not in CHUNKED_RECURRENCES:
+    if found is None or found[2] not in RECURRENCES:
         return None
     return f"{found[1].replace('_dot_', '.')}:{found[2]}"
 
 
+_ARGUMENTS = ("query", "key", "value", "g", "beta", "initial_state")
+"""``linear_recurrence``'s tensor arguments, in order."""
+
+
 def recurrence_as_one_op(gm: fx.GraphModule, first: fx.Node, rule: str) -> None:
     """The ops traced from one call of ``rule``, from ``first`` on, become one
-    ``chunked_recurrence``: where they read exactly its tensor arguments (q, k, v ``[B, S, H, d]``,
-    g ``[B, S, H]`` or ``[B, S, H, d]``, beta ``[B, S, H]``), give only its output and final state and normalize q and k (as
+    ``linear_recurrence``: where they read exactly its tensor arguments (q, k, v ``[B, S, H, d]``,
+    g ``[B, S, H]`` or ``[B, S, H, d]``, beta ``[B, S, H]``, maybe a state to start from
+    ``[B, H, d, d]``), give only its output and final state and normalize q and k (as
     every transformers model asks). Otherwise, or where the function cannot be imported, they stay
     as traced."""
     region, node = [], first
@@ -352,13 +361,14 @@ def recurrence_as_one_op(gm: fx.GraphModule, first: fx.Node, rule: str) -> None:
         node = node.next
     inside = set(region)
     read = list(dict.fromkeys(i for n in region for i in n.all_input_nodes if i not in inside))
-    given = dict(zip(CHUNKED_RECURRENCES[rule.split(":")[1]][0], read))
-    if len(read) != 5 or any(tensor_val(n) is None for n in read):
+    given = dict(zip(RECURRENCES[rule.split(":")[1]], read))
+    if len(read) not in (5, 6) or any(tensor_val(n) is None for n in read):
         return
     (b, s, k_heads, k_dim), (heads, v_dim) = tensor_val(given["key"]).shape, tensor_val(given["value"]).shape[2:]
     shapes = {"query": (b, s, k_heads, k_dim), "key": (b, s, k_heads, k_dim), "value": (b, s, heads, v_dim),
+              "initial_state": (b, heads, k_dim, v_dim),
               "g": (b, s, heads, k_dim)[:tensor_val(given["g"]).dim()], "beta": (b, s, heads)}  # g: a decay per
-    if not all(same_size(tuple(tensor_val(given[name]).shape), shape) for name, shape in shapes.items()):  # head,
+    if not all(same_size(tuple(tensor_val(given[name]).shape), shapes[name]) for name in given):  # head,
         return  # or per key channel too (Kimi's)
     values = [tensor_val(given["query"]).new_empty(b, s, heads, v_dim),  # its output, then its final state
               tensor_val(given["value"]).new_empty(b, heads, k_dim, v_dim,
@@ -378,8 +388,8 @@ def recurrence_as_one_op(gm: fx.GraphModule, first: fx.Node, rule: str) -> None:
     except (ImportError, AttributeError):
         return
     with gm.graph.inserting_before(first):
-        call = with_val(gm.graph.call_function(chunked_recurrence, (rule, given["query"], given["key"], given["value"],
-                                                                    given["g"], given["beta"])), tuple(values))
+        call = with_val(gm.graph.call_function(linear_recurrence, (rule, *(given[name] for name in _ARGUMENTS
+                                                                            if name in given))), tuple(values))
         for n, i in kept.items():
             n.replace_all_uses_with(with_val(gm.graph.call_function(operator.getitem, (call, i)), n.meta["val"]))
     for n in reversed(region):
@@ -663,6 +673,34 @@ def in_place_add_out_of_place(gm: fx.GraphModule, node: fx.Node) -> None:
     for reader in (y, node):
         reader.replace_all_uses_with(added, delete_user_cb=lambda user: user not in (added, node))
     gm.graph.erase_node(node)
+
+
+_FRESH = {torch.zeros, torch.empty, torch.ones, torch.zeros_like, torch.empty_like, torch.ones_like, "new_zeros",
+          "new_empty", "new_ones"}
+"""Factories: a tensor they make shares its storage with no other."""
+
+
+def copy_into_fresh_out_of_place(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Rewrite ``fresh.copy_(src)``, ``fresh`` a tensor a factory just made that nothing reads
+    before the write and ``src`` as large (a linear attention cache's state, made zeros, then
+    written whole), into ``src`` (cast to ``fresh``'s dtype) read in place of ``fresh`` and of
+    the write's result, where nothing writes into ``src`` after it: the same values everywhere."""
+    given = arguments(node)
+    fresh, src = given["input"], given["src"]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    if fresh.target not in _FRESH or not isinstance(src, fx.Node) or tensor_val(src) is None \
+            or any(order[u] < order[node] for u in fresh.users) \
+            or any(writes_in_place(u) and order[u] > order[node] for u in src.users) \
+            or not same_size(tuple(tensor_val(src).shape), tuple(tensor_val(fresh).shape)):
+        return
+    value = src
+    if tensor_val(src).dtype != tensor_val(fresh).dtype:
+        with gm.graph.inserting_before(node):
+            value = with_val(gm.graph.call_method("to", (src, tensor_val(fresh).dtype)), tensor_val(fresh))
+    for reader in (fresh, node):
+        reader.replace_all_uses_with(value, delete_user_cb=lambda user: user not in (value, node))
+    gm.graph.erase_node(node)
+    erase_unused(gm, fresh)
 
 
 def _with_new_dim_after_heads(node: fx.Node) -> fx.Node | None:
@@ -983,6 +1021,8 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
         slice_fills_as_cat(gm, node)
     elif node.op == "call_method" and node.target == "add_":
         in_place_add_out_of_place(gm, node)
+    elif node.op == "call_method" and node.target == "copy_":
+        copy_into_fresh_out_of_place(gm, node)
     elif node.op == "call_function" and node.target is operator.setitem:
         slice_write_as_cat(gm, node)
     elif op_kind(node) == "sdpa" and ctx.mesh.size("cp") > 1:

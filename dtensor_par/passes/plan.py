@@ -24,14 +24,14 @@ from .detect import (AttentionSite, MLPSite, MoESite, concatenated_features, is_
 from .meta import NodeSharding, set_global_shape, set_sharding, shardings
 from .nodes import arguments, stacked_params, target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.core import RuleEnv, check_divisible, moved, replicate_all
-from .rules.indexing import per_dim, split_dim
+from .rules.indexing import cat_dim, per_dim, split_dim
 from .rules.matmul import grouped_operands, is_channelwise_conv
 from .rules.pointwise import is_activation
 from .rules.registry import kinds_in, lookup, op_kind
 from .rules.views import dim_order
 
 R = Replicate()
-_FEATURE_BY_FEATURE = kinds_in("pointwise") | {"transpose"}
+_FEATURE_BY_FEATURE = kinds_in("pointwise")
 
 
 class FusedParts(NamedTuple):
@@ -206,21 +206,24 @@ def _site_weights(site, ctx: ParallelContext, groups: int = 1) -> dict[fx.Node, 
 
 
 def _feeding_projections(node: fx.Node, projections: set[fx.Node]) -> set[fx.Node]:
-    """The ``projections`` whose features reach ``node``'s input feature by feature, through
-    pointwise ops, transposes and depthwise convolutions (a UNet's convolution, the time
-    embedding added, to the group norm; Qwen3.5's q, k and v, transposed, to its causal
-    convolution). None where they are mixed first (Qwen3-Next's q, k and v concatenated: its
-    convolution's weight stays whole, sliced as its input's channels are)."""
-    found, seen, stack = set(), set(), [arguments(node)["input"]]
+    """The ``projections`` whose features reach ``node``'s input (its channels, dim 1) feature by
+    feature, through pointwise ops, transposes, depthwise convolutions and concatenations along
+    another dim (a UNet's convolution, the time embedding added, to the group norm; Qwen3.5's
+    q, k and v, transposed, to its causal convolution, after a decode step's convolution state).
+    None where they are mixed first (Qwen3-Next's q, k and v concatenated: its convolution's
+    weight stays whole, sliced as its input's channels are)."""
+    found, seen, stack = set(), set(), [(arguments(node)["input"], 1)]
     while stack:
-        n = stack.pop()
-        if n in seen:
+        n, dim = stack.pop()
+        if (n, dim) in seen:
             continue
-        seen.add(n)
+        seen.add((n, dim))
         if n in projections:
             found.add(n)
-        elif op_kind(n) in _FEATURE_BY_FEATURE or is_channelwise_conv(n):
-            stack.extend(n.all_input_nodes)
+        elif op_kind(n) == "transpose":
+            stack.append((tensor_inputs(n)[0], dim_order(n, tensor_val(n).dim())[dim]))
+        elif op_kind(n) in _FEATURE_BY_FEATURE or is_channelwise_conv(n) or (op_kind(n) == "cat" and cat_dim(n) != dim):
+            stack.extend((i, dim) for i in tensor_inputs(n) if tensor_val(i).dim() == tensor_val(n).dim())
     return found
 
 
@@ -349,6 +352,9 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext, dispatch: dict[
     if node.op == "output":
         return _plan_outputs(node, cur, env, ctx)
     kind = lookup(node)
+    if kind is None and writes_in_place(node) and cur[0] == R and ins[0].op == "placeholder":
+        return replicate_all(node, ins, cur, f"{target_name(node)} writes in place into the input {ins[0].name}, "
+                                             f"whole on every rank (a linear attention cache's state)")
     if kind is None and writes_in_place(node) and any(p != R for p in cur):
         raise NotSupported(
             f"plan: {node.name} ({target_name(node)}) writes in place into {ins[0].name}; its inputs are "

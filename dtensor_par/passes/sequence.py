@@ -63,8 +63,9 @@ def sequence_inputs(gm: fx.GraphModule, ctx: ParallelContext, lengths: list[int]
 
 
 def _recurrences(gm: fx.GraphModule) -> list[fx.Node]:
-    """The chunked recurrences over the sequence (``ops.recurrence``): cp runs them on each rank's rows."""
-    return [node for node in gm.graph.nodes if op_kind(node) == "recurrence"]
+    """The linear recurrences over the sequence from zeros (``ops.recurrence``): cp runs them on
+    each rank's rows. One from a given state (a decode step's, from the cache's) runs whole."""
+    return [node for node in gm.graph.nodes if op_kind(node) == "recurrence" and len(tensor_inputs(node)) == 5]
 
 
 def sequence_carriers(gm: fx.GraphModule, ctx: ParallelContext) -> list[Carrier]:

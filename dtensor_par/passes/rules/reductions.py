@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ...mesh import MeshInfo
 from ...ops.norm import sharded_group_norm, sharded_norm
-from ...ops.recurrence import chunked_recurrence, run_plan, sharded_chunked_recurrence
+from ...ops.recurrence import linear_recurrence, run_plan, sharded_linear_recurrence
 from ...ops.scan import sharded_cumsum
 from ...placements import InterleavedShard, Partial, Shard, parts_of, shard_dim
 from ...symbolic import hint, is_symbolic
@@ -180,42 +180,41 @@ def localize_cumsum(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
 
 
 def recurrence_rule(node, ins, cur, env):
-    """A chunked recurrence (``ops.recurrence``) runs each batch row and each head alone, along
+    """A linear recurrence (``ops.recurrence``) runs each batch row and each head alone, along
     the sequence. Its q, k, v, g and beta cut alike along the batch (dp) or the heads (tp: q and
-    k by their key heads, the rest by their value heads) run on each rank's, the final state cut
-    so too; along a sequence of static length (cp), each rank runs its rows from the state the
-    rows before leave (``localize_recurrence``), the final state whole on every rank. Any other
-    cut is gathered."""
+    k by their key heads, the rest by their value heads) run on each rank's, its states (the one
+    it starts from, if given, and the final one) cut so too; along a sequence of static length
+    (cp), from zeros, each rank runs its rows from the state the rows before leave
+    (``localize_recurrence``), the final state whole on every rank. Any other cut is gathered."""
     cur = resolve_partial(ins, cur, env)
-    cut = set(cur) - {R}
-    if not cut:
+    rows, start = cur[:5], cur[5:]  # q, k, v, g, beta; the state it starts from, if given
+    cut = set(rows) - {R}
+    if not cut and set(start) <= {R}:
         return NodeSharding((R, R), tuple(cur))
-    p = cut.pop()
-    alike = not cut and isinstance(p, Shard) and not isinstance(p, InterleavedShard)
-    required = tuple(p for _ in ins)  # a replicated one (Qwen3-Next's g and beta over tp) sliced alike
-    if alike and p.dim == 0:
-        return NodeSharding((p, p), required)
-    if alike and p.dim == 2:
-        return NodeSharding((p, Shard(1)), required)
-    if alike and p.dim == 1 and env.dim == "cp" and not is_symbolic(tensor_val(ins[0]).shape[1]):
-        return NodeSharding((p, R), required)
+    p = cut.pop() if len(cut) == 1 else None
+    state = {0: Shard(0), 2: Shard(1)}.get(shard_dim(p))  # the states' cut for rows cut by batch or heads
+    alike = isinstance(p, Shard) and not isinstance(p, InterleavedShard)
+    if alike and state is not None and set(start) <= {R, state}:  # a replicated input sliced alike (Qwen3-Next's
+        return NodeSharding((p, state), (p,) * 5 + (state,) * len(start))  # g and beta over tp)
+    if alike and p.dim == 1 and not start and env.dim == "cp" and not is_symbolic(tensor_val(ins[0]).shape[1]):
+        return NodeSharding((p, R), (p,) * 5)
     return replicate_all(node, ins, cur, "a recurrence's inputs cut differently, or along a sequence of symbolic "
-                                         "length")
+                                         "length or from a given state")
 
 
 def localize_recurrence(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
-    """A recurrence along a sequence cut over cp becomes ``sharded_chunked_recurrence``: each run's
+    """A recurrence along a sequence cut over cp becomes ``sharded_linear_recurrence``: each run's
     end state and how it carries a state gathered, never the sequence."""
     along = [name for name, s in shardings(node).items() if shard_dim(s.inputs[0]) == 1]
     if not along:
         return
     mesh_dim = mesh.dims[along[0]]
-    query, key, value = node.args[1:4]  # (rule, query, key, value, g, beta)
+    query, key, value = node.args[1:4]  # (rule, query, key, value, g, beta): from zeros
     plan = run_plan(global_shape(query)[1], mesh_dim)
     batch, _, heads, v_dim = planned_local_shape(value, mesh)
     k_dim = global_shape(key)[-1]
     nbytes = hint(plan.runs * batch * heads * k_dim * (v_dim + k_dim)) * 4  # float32 states
-    new = replaced_by(gm, node, "call_function", sharded_chunked_recurrence, node.args,
+    new = replaced_by(gm, node, "call_function", sharded_linear_recurrence, node.args,
                       {"plan": plan, "mesh_dim": mesh_dim})
     set_communications(new, [Communication("all_gather", "reduce_scatter" if node.meta["requires_grad"] else None,
                                            mesh_dim.name, mesh_dim.size, nbytes, nbytes * mesh_dim.size,
@@ -252,5 +251,5 @@ register("softmax", "reductions", softmax_rule, functions=[F.softmax, torch.soft
 register("reduce", "reductions", reduce_rule, functions=[torch.sum, torch.mean, torch.amax],
          methods=["sum", "mean", "amax"], localize=localize_mean)
 register("extreme", "reductions", extreme_rule, functions=[torch.max, torch.min], methods=["max", "min"])
-register("recurrence", "reductions", recurrence_rule, functions=[chunked_recurrence], localize=localize_recurrence)
+register("recurrence", "reductions", recurrence_rule, functions=[linear_recurrence], localize=localize_recurrence)
 register("cumsum", "reductions", cumsum_rule, functions=[torch.cumsum], methods=["cumsum"], localize=localize_cumsum)
