@@ -411,18 +411,23 @@ def test_a_running_sum_keeps_every_cut_but_part_by_part_along_its_dim():
     assert parts.out == R and parts.note.startswith("a running sum along the dim 1, cut part by part"), parts
 
 
+def _recurrence_graph(*names: str) -> fx.GraphModule:
+    """``linear_recurrence`` of the gated delta rule by rows on inputs ``names``, built by hand
+    (symbolic tracing would trace into the function)."""
+    graph = fx.Graph()
+    tensors = [graph.placeholder(name) for name in names]
+    graph.output(graph.call_function(linear_recurrence, ("tests.recurrences:torch_chunk_gated_delta_rule", *tensors)))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
 def test_a_recurrence_runs_on_each_ranks_heads_or_batch_rows_and_on_each_ranks_rows_over_cp():
     """A chunked recurrence (``ops.recurrence``; here the gated delta rule by rows) runs on each
     rank's heads (tp) or batch rows, its final state cut alike (exact here), a replicated gate or
     beta sliced as the heads are; along the sequence, over cp only, each rank runs its rows from
     the state the rows before leave (``sharded_linear_recurrence``: exact in test_cp_gloo, cases
     gated_delta_rule); any other cut is gathered, saying why."""
-    rule = "tests.recurrences:torch_chunk_gated_delta_rule"
-    graph = fx.Graph()  # (symbolic tracing would trace into the function)
-    tensors = [graph.placeholder(name) for name in ("q", "k", "v", "g", "beta")]
-    graph.output(graph.call_function(linear_recurrence, (rule, *tensors)))
     inputs = [_t(2, 6, 4, 8), _t(2, 6, 4, 8), _t(2, 6, 4, 8), -_t(2, 6, 4).abs(), _t(2, 6, 4).sigmoid()]
-    gm = fx.GraphModule(torch.nn.Module(), graph)
+    gm = _recurrence_graph("q", "k", "v", "g", "beta")
     for p, state in ((Shard(0), Shard(0)), (Shard(2), Shard(1))):
         assert check_rule(gm, inputs, [p] * 5) == NodeSharding((p, state), (p,) * 5)
     assert check_rule(gm, inputs, [Shard(2)] * 3 + [R, R]) == NodeSharding((Shard(2), Shard(1)), (Shard(2),) * 5)
@@ -431,10 +436,7 @@ def test_a_recurrence_runs_on_each_ranks_heads_or_batch_rows_and_on_each_ranks_r
     op = next(n for n in gm.graph.nodes if n.op == "call_function")
     along = lookup(op).rule(op, tensor_inputs(op), [Shard(1)] * 5, RuleEnv("cp", SIZE, {}, False, chunks_per_rank=2))
     assert along == NodeSharding((Shard(1), R), (Shard(1),) * 5)
-    graph = fx.Graph()  # from a given state (a decode step's, the cache's): cut by heads too
-    tensors = [graph.placeholder(name) for name in ("q", "k", "v", "g", "beta", "state")]
-    graph.output(graph.call_function(linear_recurrence, (rule, *tensors)))
-    gm = fx.GraphModule(torch.nn.Module(), graph)
+    gm = _recurrence_graph("q", "k", "v", "g", "beta", "state")  # from a given state (a decode step's): by heads too
     assert check_rule(gm, inputs + [_t(2, 4, 8, 8)], [Shard(2)] * 5 + [Shard(1)]) == \
         NodeSharding((Shard(2), Shard(1)), (Shard(2),) * 5 + (Shard(1),))
     op = next(n for n in gm.graph.nodes if n.op == "call_function")

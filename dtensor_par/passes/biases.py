@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..ops.position_bias import PositionBias
 from ..ops.ring_kernels import as_4d
 from .meta import buffer_value
-from .nodes import arguments, tensor_val
+from .nodes import arguments, called, tensor_val
 from .rules.registry import op_kind
 
 
@@ -59,7 +59,7 @@ def evaluate_constant(nodes: list[fx.Node]) -> torch.Tensor:
             env[n] = buffer_value(n).value
             continue
         args, kwargs = fx.node.map_aggregate(fx.node.map_arg((n.args, n.kwargs), env.__getitem__), _concrete)
-        env[n] = n.target(*args, **kwargs) if n.op == "call_function" else getattr(args[0], n.target)(*args[1:], **kwargs)
+        env[n] = called(n, args, kwargs)
     return env[nodes[-1]]
 
 

@@ -34,11 +34,12 @@
   the views back read the same elements in the same order. Flattened, the rows of a sequence cut
   over cp and heads cut over tp would be cut part by part over both at once, which no
   redistribution lays out (gathered).
-- The ops of a chunked recurrence over the sequence, traced from inside the module transformers
+- The ops of a linear recurrence over the sequence, traced from inside the module transformers
   wraps it in (``torch_chunk_gated_delta_rule``: Qwen3-Next's, Qwen3.5's, OLMo-hybrid's linear
   attention; a decode step's, by rows; ``ops.recurrence.RECURRENCES``), become one call of the
-  model's own function (``ops.recurrence.linear_recurrence``): its rules run it on each rank's heads over tp and on
-  each rank's rows over cp, where its ops one by one would have gathered the sequence.
+  model's own function (``ops.recurrence.linear_recurrence``): its rules run it on each rank's
+  heads over tp and on each rank's rows over cp, where its ops one by one would have gathered
+  the sequence.
 - ``torch.tensor_split`` becomes ``torch.split`` into the sizes of its pieces (Qwen3-Next's
   gated delta rule cuts its padded sequence so), which the split rule places.
 - A fused projection split after views of its features (Falcon-7B's multi-query
@@ -100,7 +101,7 @@ from ..symbolic import is_symbolic, same_size
 from .capture import emitted, erase_unused, with_val
 from .context import ParallelContext, at_node
 from .detect import is_topk
-from .nodes import arguments, keywords_as_positions, tensor_inputs, tensor_val, writes_in_place
+from .nodes import arguments, called, keywords_as_positions, tensor_inputs, tensor_val, writes_in_place
 from .rules.indexing import split_dim
 from .rules.registry import kinds_in, op_kind
 
@@ -257,13 +258,13 @@ def _row_wise(node: fx.Node) -> bool:
     the last dim spelled ``-1`` and kept, a norm over it."""
     if op_kind(node) in kinds_in("pointwise"):
         return True
-    if op_kind(node) not in ("reduce", "norm"):
+    if op_kind(node) == "norm":
+        return len(arguments(node)["normalized_shape"]) == 1
+    if op_kind(node) != "reduce":
         return False
     given = arguments(node)
-    if op_kind(node) == "reduce":
-        dims = given.get("dim")
-        return given.get("keepdim", False) and list(dims) == [-1] if isinstance(dims, (list, tuple)) else dims == -1
-    return op_kind(node) == "norm" and len(given["normalized_shape"]) == 1
+    dims = given.get("dim")
+    return given.get("keepdim", False) and list(dims if isinstance(dims, (list, tuple)) else [dims]) == [-1]
 
 
 def _rows_region(first: fx.Node, lead: tuple[int, ...]) -> tuple[list, list, list] | None:
@@ -322,10 +323,9 @@ def rows_unflattened(gm: fx.GraphModule, view: fx.Node) -> None:
             rows = x if tensor_val(x).shape == (*lead, d) else emitted(gm.graph, torch.reshape, x, (*lead, d))
         root.replace_all_uses_with(rows)
         gm.graph.erase_node(root)
-    for node in [n for n in gm.graph.nodes if n in set(ops)]:  # each value again, from its inputs' new ones
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-        node.meta["val"] = (node.target(*args, **kwargs) if node.op == "call_function"
-                            else getattr(args[0], node.target)(*args[1:], **kwargs))
+    region = set(ops)
+    for node in [n for n in gm.graph.nodes if n in region]:  # each value again, from its inputs' new ones
+        node.meta["val"] = called(node, *fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"]))
     for end in ends:  # a view of rows an op may have left strided: a reshape reads them alike
         if end.op == "call_method" and end.target == "view":
             end.target = "reshape"
@@ -366,10 +366,10 @@ def recurrence_as_one_op(gm: fx.GraphModule, first: fx.Node, rule: str) -> None:
         return
     (b, s, k_heads, k_dim), (heads, v_dim) = tensor_val(given["key"]).shape, tensor_val(given["value"]).shape[2:]
     shapes = {"query": (b, s, k_heads, k_dim), "key": (b, s, k_heads, k_dim), "value": (b, s, heads, v_dim),
-              "initial_state": (b, heads, k_dim, v_dim),
-              "g": (b, s, heads, k_dim)[:tensor_val(given["g"]).dim()], "beta": (b, s, heads)}  # g: a decay per
-    if not all(same_size(tuple(tensor_val(given[name]).shape), shapes[name]) for name in given):  # head,
-        return  # or per key channel too (Kimi's)
+              "initial_state": (b, heads, k_dim, v_dim), "beta": (b, s, heads),
+              "g": (b, s, heads, k_dim)[:tensor_val(given["g"]).dim()]}  # a decay per head, or per key channel (Kimi's)
+    if not all(same_size(tuple(tensor_val(given[name]).shape), shapes[name]) for name in given):
+        return
     values = [tensor_val(given["query"]).new_empty(b, s, heads, v_dim),  # its output, then its final state
               tensor_val(given["value"]).new_empty(b, heads, k_dim, v_dim,
                                                    dtype=torch.promote_types(tensor_val(given["value"]).dtype,
@@ -670,9 +670,15 @@ def in_place_add_out_of_place(gm: fx.GraphModule, node: fx.Node) -> None:
         return
     with gm.graph.inserting_before(node):
         added = with_val(gm.graph.call_function(operator.add, (y, other)), tensor_val(y))
-    for reader in (y, node):
-        reader.replace_all_uses_with(added, delete_user_cb=lambda user: user not in (added, node))
-    gm.graph.erase_node(node)
+    _read_in_place(gm, y, node, added)
+
+
+def _read_in_place(gm: fx.GraphModule, written: fx.Node, write: fx.Node, value: fx.Node) -> None:
+    """``value`` read in place of ``written`` and of the in-place ``write``'s result, by every
+    reader after the write; the write erased."""
+    for reader in (written, write):
+        reader.replace_all_uses_with(value, delete_user_cb=lambda user: user not in (value, write))
+    gm.graph.erase_node(write)
 
 
 _FRESH = {torch.zeros, torch.empty, torch.ones, torch.zeros_like, torch.empty_like, torch.ones_like, "new_zeros",
@@ -697,9 +703,7 @@ def copy_into_fresh_out_of_place(gm: fx.GraphModule, node: fx.Node) -> None:
     if tensor_val(src).dtype != tensor_val(fresh).dtype:
         with gm.graph.inserting_before(node):
             value = with_val(gm.graph.call_method("to", (src, tensor_val(fresh).dtype)), tensor_val(fresh))
-    for reader in (fresh, node):
-        reader.replace_all_uses_with(value, delete_user_cb=lambda user: user not in (value, node))
-    gm.graph.erase_node(node)
+    _read_in_place(gm, fresh, node, value)
     erase_unused(gm, fresh)
 
 

@@ -32,6 +32,12 @@ def writes_in_place(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_")
 
 
+def called(node: fx.Node, args: tuple, kwargs: dict):
+    """What ``node``'s call (a function, or a Tensor method) gives on ``args`` and ``kwargs``."""
+    return node.target(*args, **kwargs) if node.op == "call_function" else getattr(args[0], node.target)(*args[1:],
+                                                                                                         **kwargs)
+
+
 def tensor_val(node) -> torch.Tensor | None:
     value = node.meta.get("val") if isinstance(node, fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None
