@@ -88,6 +88,15 @@ CASES = {
                          lambda: [(torch.randn(2, 16, 32, dtype=torch.float64),)]),
     "gated_delta_rule_uneven_30": (lambda: models.GatedDeltaRuleBlock().double(),
                                    lambda: [(torch.randn(2, 30, 32, dtype=torch.float64),)]),
+    # Mamba-2's mixer (its scan by rows, float64: exact): one projection fused [z, x, B, C, dt] cut part by part
+    # over tp, B and C of 1 group whole on every rank, of 2 cut by group; over cp, each rank's rows from the state
+    # the rows before leave; at 30 rows over 8 runs, the 2 that pad the last leave it as it is
+    "state_space_scan": (lambda: models.StateSpaceBlock().double(),
+                         lambda: [(torch.randn(2, 16, 32, dtype=torch.float64),)]),
+    "state_space_scan_groups_2": (lambda: models.StateSpaceBlock(groups=2).double(),
+                                  lambda: [(torch.randn(2, 16, 32, dtype=torch.float64),)]),
+    "state_space_scan_uneven_30": (lambda: models.StateSpaceBlock().double(),
+                                   lambda: [(torch.randn(2, 30, 32, dtype=torch.float64),)]),
     # Qwen3-Next's gated norm: heads flattened with the batch and sequence, viewed back
     "gated_head_norm": (models.GatedHeadNorm, lambda: [(torch.randn(2, 16, 32),)]),
     # ViT's class token concatenated before the patches a convolution made: cut over cp where they meet

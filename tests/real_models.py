@@ -441,6 +441,20 @@ def lfm2():
     return Lfm2ForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def granite_hybrid():
+    """Granite 4's hybrid (GraniteMoeHybrid): a Mamba-2 layer (one projection fused ``[z, x, B, C,
+    dt]`` with B and C of one group, a causal convolution over x, B and C, the chunked selective
+    scan, a norm gated by z) beside an attention layer, each followed by experts and a shared MLP."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+    config = GraniteMoeHybridConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                                    pad_token_id=0, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1,
+                                    mamba_d_state=16, mamba_expand=2, mamba_chunk_size=8,
+                                    layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2,
+                                    shared_intermediate_size=64)
+    return GraniteMoeHybridForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 def unet():
     """Stable Diffusion's UNet2DConditionModel: resnet blocks of group norms and 3 x 3
     convolutions, cross-attention transformers over the image's positions, a downsampling
@@ -497,5 +511,5 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,
              "llama4": llama4, "mochi": mochi, "cogview4": cogview4, "sana": sana,
              "phimoe": phimoe, "hidream": hidream, "ltx": ltx, "flux2": flux2, "qwen3_next": qwen3_next,
-             "qwen3_5": qwen3_5,
+             "qwen3_5": qwen3_5, "granite_hybrid": granite_hybrid,
              "diffllama": diffllama, "unet": unet, "lfm2": lfm2}

@@ -8,10 +8,11 @@ from tests.background import in_background
 from tests.cases import run_labelled_cases
 
 PAIRS = {
-    "tp2-ring2": dict(mesh_sizes={"tp": 2, "ring": 2}, traced=["llama_gqa_rope", "additive_mask", "gated_delta_rule"],
+    "tp2-ring2": dict(mesh_sizes={"tp": 2, "ring": 2}, traced=["llama_gqa_rope", "additive_mask", "gated_delta_rule",
+                                                                "state_space_scan"],
                       names=["gpt_fused_qkv", "llama_gqa_rope", "additive_mask", "conv1d", "joint_attention",
                              "flatten_tokens", "causal_mask_in_a_buffer", "torch_encoder", "small_unet",
-                             "gated_delta_rule"]),
+                             "gated_delta_rule", "state_space_scan"]),
     # conv1d and flatten_tokens plan alike over ulysses: once, at tp2-ring2 (CI time).
     # Repeated kv heads run as enable_gqa: 4 kv heads split over tp x ulysses as they are; 2
     # (llama_gqa_rope) are each repeated twice first, the fewest that split.
@@ -19,16 +20,18 @@ PAIRS = {
                                                                       "complex_rope_pad"], names=[
         "llama_enable_gqa", "llama_repeat_interleave_kv4", "llama_gqa_rope", "uneven_heads_14", "bool_mask",
         "joint_attention", "complex_rope_pad", "qk_norm_across_heads", "looped_experts", "temporal_conv",
-        "gated_head_norm"]),
+        "gated_head_norm", "state_space_scan_groups_2"]),
     # Sequence length 30 in 8 chunks (zigzag over ring=2, split by ulysses=2): padded to 32.
     "ring2-ulysses2": dict(mesh_sizes={"ring": 2, "ulysses": 2}, traced=["uneven_seq_30", "uneven_seq_30_masked",
                                                                         "running_positions",
-                                                                        "gated_delta_rule_uneven_30"],
+                                                                        "gated_delta_rule_uneven_30",
+                                                                        "state_space_scan_uneven_30"],
                            names=["keyword_sdpa_scale", "uneven_seq_30", "uneven_seq_30_masked",
                                   "uneven_seq_30_bidirectional", "uneven_seq_30_pooling", "mean_loss",
                                   "joint_attention_masked", "rows_hidden_by_an_input", "joint_before_projection",
                                   "folded_heads_attention", "window_mask_in_a_buffer", "running_positions",
-                                  "class_token", "small_unet", "gated_delta_rule_uneven_30"]),
+                                  "class_token", "small_unet", "gated_delta_rule_uneven_30",
+                                  "state_space_scan_uneven_30"]),
 }
 ONE_GRAPH = {"capture_dynamic_output_shape_ops": True}
 """Dynamo's option under which a loop over an nn.ModuleList's experts is one graph (``passes.expert_loop``)."""
@@ -102,8 +105,9 @@ def test_each_pair_of_mesh_dims_at_world_4(pair):
         assert result["small_unet"]["warnings"] == [], result["small_unet"]
     if "running_positions" in result:  # position ids and a running mean summed along the sequence cut over cp
         assert result["running_positions"]["warnings"] == [], result["running_positions"]
-    for name in ("gated_delta_rule", "gated_delta_rule_uneven_30"):  # float64: exact to its rounding, each rank's
-        if name in result:  # rows run from the state the rows before leave (the padding's leave it as it is)
+    for name in ("gated_delta_rule", "gated_delta_rule_uneven_30", "state_space_scan", "state_space_scan_groups_2",
+                 "state_space_scan_uneven_30"):  # float64: exact to its rounding, each rank's rows run from the
+        if name in result:  # state the rows before leave (the padding's leave it as it is), nothing gathered
             case = result[name]
             assert case["forward_abs"] <= 1e-12 and case["grad_rel"] <= 1e-12 and case["warnings"] == [], case
 

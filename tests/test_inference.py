@@ -84,6 +84,8 @@ def _world2_launch() -> list[dict]:
         "alibi ring": (decorated_written_out_generate, {"name": "bloom", "ring": 2}),
         "recurrence tp": (decorated_written_out_generate, {"name": "qwen3_5", "tp": 2}),
         "recurrence ring": (decorated_written_out_generate, {"name": "qwen3_5", "ring": 2}),
+        "scan tp": (decorated_written_out_generate, {"name": "granite_hybrid", "tp": 2}),
+        "scan ring": (decorated_written_out_generate, {"name": "granite_hybrid", "ring": 2}),
         "decode plans": (decode_plans, {}),
         "cp decode": (cp_decode, {"runs": [({"ring": 2}, "mistral"), ({"ulysses": 2}, "llama")]}),
         "entry points": (generate_entry_points, {}),
@@ -141,10 +143,11 @@ def decorated_generate(rank: int, world: int, batch: int = 1, **sizes) -> dict:
 
 def decorated_written_out_generate(rank: int, world: int, name: str, **sizes) -> dict:
     """``parallel(**sizes)`` on the class of ``real_models``' ``name``, whose attention is written
-    out by hand: GPT-OSS's with sink logits, on a sliding window and not; Bloom's with ALiBi. A cp
-    prefill, then each decode step's query against the cache rows each rank holds
-    (``cached_attention`` with the score function, the sinks, the bias evaluated at the held
-    rows' positions). Greedy tokens and every step's logits against one device."""
+    out by hand: GPT-OSS's with sink logits, on a sliding window and not; Bloom's with ALiBi; or
+    is a recurrence in some layers: Qwen3.5's, Granite 4's. A cp prefill, then each decode step's
+    query against the cache rows each rank holds (``cached_attention`` with the score function,
+    the sinks, the bias evaluated at the held rows' positions). Greedy tokens and every step's
+    logits against one device."""
     from tests import real_models
 
     torch.manual_seed(0)
@@ -171,11 +174,13 @@ def test_decorated_transformers_llama_generates_one_devices_tokens():
     So does Qwen3.5's linear attention, its cache's convolution and recurrent states made whole
     (a fresh buffer written whole becomes the value written), under tp2 (each decode step's
     recurrence on each rank's heads, the states gathered into the cache's, warned) and under
-    ring=2 (the prompt's recurrence on each rank's rows, each decode step's whole)."""
+    ring=2 (the prompt's recurrence on each rank's rows, each decode step's whole). So does
+    Granite 4's Mamba-2 layer: the prompt's scan on each rank's heads or rows, its final state
+    the cache's; each decode step's state, cloned and written whole, read as the value written."""
     for result in WORLD2.result():
         _check_decorated_generate(result["decorated ring"])
         for written in (result["written out ring"], result["alibi ring"], result["recurrence tp"],
-                        result["recurrence ring"]):
+                        result["recurrence ring"], result["scan tp"], result["scan ring"]):
             assert written["tokens"] == written["expected"] and written["steps"] == 16, written
             assert written["logits"] <= FORWARD_ATOL, written
 

@@ -336,19 +336,21 @@ def test_rows_flattened_for_ops_row_by_row_run_unflattened():
         torch.testing.assert_close(gm(*ctx.example_inputs)[0], kept(inputs[0]))
 
 
-def test_a_recurrence_traced_from_the_module_wrapping_it_becomes_one_op():
-    """The gated delta rule's ops, traced from the module transformers wraps it in (here its rows
-    one by one, ``tests.recurrences``), become one ``linear_recurrence`` of the function itself,
-    computing the same. Called without q's and k's l2 norms (not as transformers calls it), its
-    ops stay as traced: the one op calls it as transformers does."""
+@pytest.mark.parametrize("block, unlike_transformers", [
+    (models.GatedDeltaRuleBlock, {"normalized": False}), (models.StateSpaceBlock, {"dt_softplus": False})])
+def test_a_recurrence_traced_from_the_module_wrapping_it_becomes_one_op(block, unlike_transformers):
+    """The gated delta rule's and Mamba-2's scan's ops, traced from the module transformers wraps
+    each in (here their rows one by one, ``tests.recurrences``), become one ``linear_recurrence``
+    of the function itself, computing the same. Called otherwise than transformers calls it
+    (without q's and k's l2 norms; time steps without a softplus), its ops stay as traced: the
+    one op calls it as transformers does."""
     inputs = [torch.randn(2, 16, 32)]
-    model = models.GatedDeltaRuleBlock()
+    model = block()
     gm, ctx = _passes_on(model, inputs, (capture_pass, canonicalize_pass), ulysses=2)
     ops = [op_kind(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
     assert ops.count("recurrence") == 1 and len(ops) < 40, ops
     torch.testing.assert_close(gm(*ctx.example_inputs)[0], model(*inputs), atol=1e-6, rtol=1e-6)
-    gm, _ = _passes_on(models.GatedDeltaRuleBlock(normalized=False), inputs, (capture_pass, canonicalize_pass),
-                       ulysses=2)
+    gm, _ = _passes_on(block(**unlike_transformers), inputs, (capture_pass, canonicalize_pass), ulysses=2)
     assert "recurrence" not in [op_kind(n) for n in gm.graph.nodes]
 
 

@@ -411,12 +411,13 @@ def test_a_running_sum_keeps_every_cut_but_part_by_part_along_its_dim():
     assert parts.out == R and parts.note.startswith("a running sum along the dim 1, cut part by part"), parts
 
 
-def _recurrence_graph(*names: str) -> fx.GraphModule:
-    """``linear_recurrence`` of the gated delta rule by rows on inputs ``names``, built by hand
-    (symbolic tracing would trace into the function)."""
+def _recurrence_graph(*names: str, rule: str = "torch_chunk_gated_delta_rule", options: tuple = ()) -> fx.GraphModule:
+    """``linear_recurrence`` of ``rule`` by rows (``tests.recurrences``) on inputs ``names``, built
+    by hand (symbolic tracing would trace into the function)."""
     graph = fx.Graph()
     tensors = [graph.placeholder(name) for name in names]
-    graph.output(graph.call_function(linear_recurrence, ("tests.recurrences:torch_chunk_gated_delta_rule", *tensors)))
+    graph.output(graph.call_function(linear_recurrence, (f"tests.recurrences:{rule}", *tensors),
+                                     {"options": options} if options else {}))
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
@@ -442,6 +443,27 @@ def test_a_recurrence_runs_on_each_ranks_heads_or_batch_rows_and_on_each_ranks_r
     op = next(n for n in gm.graph.nodes if n.op == "call_function")
     from_state = lookup(op).rule(op, tensor_inputs(op), [Shard(1)] * 5 + [R], RuleEnv("cp", SIZE, {}, False))
     assert from_state.out == (R, R) and from_state.note, from_state  # along the sequence, from a state: gathered
+
+
+def test_mamba2s_scan_runs_on_each_ranks_heads_its_single_group_whole_and_on_each_ranks_rows_over_cp():
+    """Mamba-2's selective scan (by rows) runs on each rank's heads, its A, D and dt_bias sliced as
+    they are, B and C of 1 group whole on every rank (a cut of their state gathered), of 2 groups
+    cut by group (exact here: each rank's 2 heads read its own group); on each rank's batch rows;
+    along the sequence, over cp only, from the state the rows before leave (exact in test_cp_gloo,
+    cases state_space_scan)."""
+    rows, per_head = [_t(2, 6, 4, 8), _t(2, 6, 4)], [-_t(4).abs(), _t(4), _t(4)]
+    gm = _recurrence_graph("x", "dt", "B", "C", "A", "D", "dt_bias", rule="mamba2_chunk_scan",
+                           options=(("chunk_size", 4), ("dt_limit", (0.0, float("inf")))))
+    for groups, given, whole in ((1, Shard(3), R), (2, Shard(2), Shard(2))):
+        inputs = rows + [_t(2, 6, groups, 4), _t(2, 6, groups, 4)] + per_head
+        heads = check_rule(gm, inputs, [Shard(2)] * 2 + [given] * 2 + [R] * 3)
+        assert heads == NodeSharding((Shard(2), Shard(1)), (Shard(2),) * 2 + (whole,) * 2 + (Shard(0),) * 3), heads
+    assert check_rule(gm, inputs, [Shard(0)] * 4 + [R] * 3) == NodeSharding((Shard(0),) * 2, (Shard(0),) * 4 + (R,) * 3)
+    op = next(n for n in gm.graph.nodes if n.op == "call_function")
+    along = lookup(op).rule(op, tensor_inputs(op), [Shard(1)] * 4 + [R] * 3, RuleEnv("cp", SIZE, {}, False))
+    assert along == NodeSharding((Shard(1), R), (Shard(1),) * 4 + (R,) * 3)
+    mixed = check_rule(gm, inputs, [Shard(2), Shard(0)] + [R] * 5)
+    assert mixed.out == (R, R) and mixed.note.startswith("a recurrence's inputs cut differently"), mixed
 
 
 def test_setitem_writes_each_shard_in_place_or_is_refused():

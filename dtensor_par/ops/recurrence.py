@@ -1,24 +1,26 @@
-"""A chunked linear recurrence over the sequence (transformers' ``torch_chunk_gated_delta_rule``:
-Qwen3-Next's, Qwen3.5's, OLMo-hybrid's linear attention; ``chunk_kimi_delta_attention``, its decay
-per key channel: Kimi-Linear's) run on each cp rank's rows.
+"""A chunked linear recurrence over the sequence run on each cp rank's rows: transformers' gated
+delta rule (``torch_chunk_gated_delta_rule``: Qwen3-Next's, Qwen3.5's, OLMo-hybrid's linear
+attention; ``chunk_kimi_delta_attention``, its decay per key channel: Kimi-Linear's) and Mamba-2's
+selective scan (``mamba2_chunk_scan``: Mamba-2, Bamba, Granite 4, Nemotron-H, Falcon-H1, Zamba2).
 
-The recurrence carries a state ``S`` ``[batch, heads, k_dim, v_dim]`` along the sequence, and
-everything it computes is linear in the values and the state it starts from, column by column
-of ``v_dim``: a run of rows started from ``S0`` gives ``out(v, 0) + out(0, S0)`` and ends at
-``A @ S0 + E``, ``E`` its end state from zero, ``A`` ``[k_dim, k_dim]`` how it carries a state
-through. So each rank runs the model's own function on its runs twice:
+The recurrence carries a state ``S`` along the sequence, and everything it computes is linear in
+its values and the state it starts from, column by column of the values: a run of rows started
+from ``S0`` gives ``out(v, 0) + out(0, S0)`` and ends at ``carry(S0) + E``, ``E`` its end state
+from zero, ``carry`` linear (a matrix for the delta rule, one number a head for the scan: each
+kind's ``fold``). So each rank runs the model's own function on its runs twice:
 
-1. from ``[0 | I]`` with values ``[v | 0]``: its output from a zero state, ``E`` and ``A``;
-2. the ``E`` and ``A`` of every run are gathered (``heads x k_dim x (v_dim + k_dim)`` numbers a
-   run and batch row, never the sequence), and each rank folds those of the runs before each of
-   its own, in sequence order, into the state that run starts from;
+1. from a start that reads the carry off the end state, values widened to match (each kind's
+   ``widened``): its output from a zero state, ``E`` and the carry;
+2. every run's end is gathered (the state's size a run and batch row, widened, never the
+   sequence), and each rank folds those of the runs before each of its own, in sequence order,
+   into the state that run starts from;
 3. from that state with zero values: what the runs before add to its output.
 
 The final state (a cache's) folds every run, alike on every rank, and so is its gradient: each
 rank sends back only its own runs' share of it (the gather's backward sums what every rank sends,
-which would count it once per rank). Rows that pad the sequence to divide over the ranks
-sit at its end: their gate and beta are zeroed, so they leave the state as it is. Gradients flow
-back through both calls and the gather (a reduce-scatter).
+which would count it once per rank). Rows that pad the sequence to divide over the ranks sit at
+its end and are made to leave the state as it is (each kind's ``neutral``). Gradients flow back
+through both calls and the gather (a reduce-scatter).
 """
 
 from __future__ import annotations
@@ -29,19 +31,116 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import NotSupported
 from ..mesh import MeshDim
 from .collectives import every_rank_positions, gather_stacked
 from .lowerings import FUNCTIONAL
 
-_READ = ("query", "key", "value", "beta", "g", "initial_state")
-RECURRENCES = {"torch_chunk_gated_delta_rule": _READ, "chunk_kimi_delta_attention": _READ,
-               "torch_recurrent_gated_delta_rule": _READ,  # a decode step's, from the cache's state
-               "recurrent_kimi_delta_attention": ("query", "key", "value", "g", "beta", "initial_state")}
+
+class GatedDeltaRule:
+    """transformers' gated delta rule (``torch_chunk_gated_delta_rule`` and its decode step;
+    Kimi's with a decay per key channel): a state ``[batch, heads, k_dim, v_dim]`` that a run
+    carries through as ``A @ S0 + E``, ``A`` ``[k_dim, k_dim]``: started from ``[0 | I]`` with
+    values ``[v | 0]`` it ends at ``[E | A]``."""
+
+    rows = ("query", "key", "value", "g", "beta")
+    per_head = ()
+    key_heads = ("query", "key")
+    values = "value"
+
+    @staticmethod
+    def call(fn, t: dict, state, final: bool, options: dict):
+        return fn(t["query"], t["key"], t["value"], g=t["g"], beta=t["beta"], initial_state=state,
+                  output_final_state=final, use_qk_l2norm_in_kernel=True)
+
+    @staticmethod
+    def state(t: dict) -> torch.Tensor:
+        value, k_dim = t["value"], t["key"].shape[-1]
+        dtype = torch.promote_types(value.dtype, torch.float32)  # the function's state: float32, or finer
+        return value.new_zeros(value.shape[0], value.shape[2], k_dim, value.shape[-1], dtype=dtype)
+
+    @staticmethod
+    def widened(t: dict, state: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        value, k_dim = t["value"], state.shape[-2]
+        identity = torch.eye(k_dim, dtype=state.dtype, device=state.device).expand(*state.shape[:2], k_dim, k_dim)
+        return {**t, "value": torch.cat([value, value.new_zeros(*value.shape[:-1], k_dim)], -1)}, \
+            torch.cat([state, identity], -1)
+
+    @staticmethod
+    def fold(end: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        return end[..., state.shape[-1]:] @ state + end[..., :state.shape[-1]]
+
+    @staticmethod
+    def neutral(t: dict, kept: torch.Tensor, options: dict) -> dict:
+        """Padding rows with a zero gate and beta: they leave the state as it is."""
+        return {**t, "g": t["g"] * _rows_mask(kept, t["g"]), "beta": t["beta"] * _rows_mask(kept, t["beta"])}
+
+
+class StateSpaceScan:
+    """transformers' Mamba-2 selective scan (``mamba2_chunk_scan``: Mamba-2, Bamba, Granite 4,
+    Nemotron-H, Falcon-H1, Zamba2): a state ``[batch, heads, head_dim, state_size]`` that a run
+    decays by one number per head and batch row, ``a``: started from ``[0 ; 1]`` (a row of ones
+    below) with ``x`` ``[x | 0]`` it ends at ``[E ; a]``. Its ``A``, ``D`` and ``dt_bias`` are
+    per head."""
+
+    rows = ("hidden_states", "dt", "B", "C")
+    per_head = ("A", "D", "dt_bias")
+    key_heads = ("B", "C")
+    values = "hidden_states"
+
+    @staticmethod
+    def call(fn, t: dict, state, final: bool, options: dict):
+        out = fn(t["hidden_states"], t["dt"], t["A"], t["B"], t["C"], options["chunk_size"], D=t["D"],
+                 dt_bias=t["dt_bias"], initial_states=state, dt_softplus=True, dt_limit=options["dt_limit"],
+                 return_final_states=final)
+        return out if final else (out, None)
+
+    @staticmethod
+    def state(t: dict) -> torch.Tensor:
+        x, size = t["hidden_states"], t["B"].shape[-1]
+        return x.new_zeros(*x.shape[:1], *x.shape[2:], size, dtype=torch.promote_types(x.dtype, torch.float32))
+
+    @staticmethod
+    def widened(t: dict, state: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        x = t["hidden_states"]
+        return {**t, "hidden_states": torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], -1)}, \
+            torch.cat([state, torch.ones_like(state[..., :1, :])], -2)
+
+    @staticmethod
+    def fold(end: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        return end[..., state.shape[-2]:, :] * state + end[..., :state.shape[-2], :]
+
+    @staticmethod
+    def neutral(t: dict, kept: torch.Tensor, options: dict) -> dict:
+        """Padding rows with a time step of ``-inf``, 0 past the softplus and the clamp to
+        ``dt_limit`` from 0 (every transformers model's): they leave the state as it is. From a
+        higher bound they would decay it: refused."""
+        if options["dt_limit"][0] > 0:
+            raise NotSupported(f"a Mamba-2 scan with dt_limit {options['dt_limit']} over a sequence padded to divide "
+                               f"over cp: its padding rows would decay the final state; use a length that divides")
+        return {**t, "dt": t["dt"].masked_fill(~_rows_mask(kept, t["dt"]), -torch.inf)}
+
+
+RECURRENCES = {"torch_chunk_gated_delta_rule": (GatedDeltaRule, ("query", "key", "value", "beta", "g", "state")),
+               "chunk_kimi_delta_attention": (GatedDeltaRule, ("query", "key", "value", "beta", "g", "state")),
+               "torch_recurrent_gated_delta_rule": (GatedDeltaRule, ("query", "key", "value", "beta", "g", "state")),
+               "recurrent_kimi_delta_attention": (GatedDeltaRule, ("query", "key", "value", "g", "beta", "state")),
+               "mamba2_chunk_scan": (StateSpaceScan, ("dt_bias", "dt", "hidden_states", "B", "C", "D", "A", "state"))}
 """The recurrences read as one op (``canonicalize.recurrence_as_one_op``), by the name of the
-module transformers wraps each in: their tensor arguments in the order the function first reads
-them (the state it starts from, if given, last). Every transformers model calls them with
-``use_qk_l2norm_in_kernel=True``: the traced ops must show it (the square roots of q's and k's
-l2 norms)."""
+module transformers wraps each in: its kind, and its tensor arguments in the order the function
+first reads them (the state it starts from, if given, last)."""
+
+
+def kind_of(rule: str):
+    """The kind (``GatedDeltaRule``, ``StateSpaceScan``) of the recurrence ``rule`` names."""
+    return RECURRENCES[rule.split(":")[1]][0]
+
+
+def named_arguments(rule: str, tensors: tuple) -> dict:
+    """``linear_recurrence``'s tensor arguments by name: the rows, the per-head ones, the state
+    it starts from if given."""
+    kind = kind_of(rule)
+    return dict(zip(kind.rows + kind.per_head + ("state",), tensors))
 
 
 @cache
@@ -51,17 +150,13 @@ def recurrence(rule: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _call(rule: str, query, key, value, g, beta, initial_state=None, output_final_state=True):
-    """``rule`` called as transformers calls it, from ``initial_state`` (zeros if None)."""
-    return recurrence(rule)(query, key, value, g=g, beta=beta, initial_state=initial_state,
-                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
-
-
-def linear_recurrence(rule: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-                      beta: torch.Tensor, initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rule``'s output ``[batch, seq, heads, v_dim]`` and final state, from ``initial_state``
-    (zeros if None): the one op canonicalize makes of the function's traced ops."""
-    return _call(rule, query, key, value, g, beta, initial_state)
+def linear_recurrence(rule: str, *tensors: torch.Tensor, options: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rule``'s output ``[batch, seq, heads, v_dim]`` and final state, from the state it starts
+    from (zeros if not given): the one op canonicalize makes of the function's traced ops. The
+    tensors are its rows, its per-head tensors, then the state (``named_arguments``); ``options``
+    are its other arguments, as pairs."""
+    t = named_arguments(rule, tensors)
+    return kind_of(rule).call(recurrence(rule), t, t.pop("state", None), True, dict(options))
 
 
 class RunPlan(NamedTuple):
@@ -96,42 +191,42 @@ def _by_run(x: torch.Tensor, plan: RunPlan) -> torch.Tensor:
     return x.unflatten(1, (plan.runs, plan.run_length)).transpose(0, 1).flatten(0, 1)
 
 
-def _padding_zeroed(x: torch.Tensor, plan: RunPlan) -> torch.Tensor:
-    """``x`` ``[runs * batch, run_length, heads, ...]`` with the rows past each run's real ones zeroed."""
-    if not plan.padded:
-        return x
+def _kept(x: torch.Tensor, plan: RunPlan) -> torch.Tensor:
+    """``[runs * batch, run_length]``: which rows of ``x`` ``[runs * batch, run_length, ...]`` are
+    real, not padding."""
     rows = torch.arange(plan.run_length, device=x.device)
     kept = torch.stack([rows < real for real in plan.real])  # [runs, run_length]
-    kept = kept.view(plan.runs, 1, plan.run_length, *[1] * (x.dim() - 2)).to(x.dtype)
-    return (x.unflatten(0, (plan.runs, -1)) * kept).flatten(0, 1)
+    return kept.unsqueeze(1).expand(plan.runs, x.shape[0] // plan.runs, plan.run_length).flatten(0, 1)
 
 
-def sharded_linear_recurrence(rule: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               g: torch.Tensor, beta: torch.Tensor, *, plan: RunPlan, mesh_dim: MeshDim,
-                               comm: str = FUNCTIONAL) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows_mask(kept: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``kept`` ``[runs * batch, run_length]`` viewed to broadcast against ``x``'s rows."""
+    return kept.view(*kept.shape, *[1] * (x.dim() - 2))
+
+
+def sharded_linear_recurrence(rule: str, *tensors: torch.Tensor, options: tuple = (), plan: RunPlan,
+                               mesh_dim: MeshDim, comm: str = FUNCTIONAL) -> tuple[torch.Tensor, torch.Tensor]:
     """``linear_recurrence`` of the whole sequence (from zeros), of which this rank holds the rows ``plan``
     lays out along dim 1 (cut over ``mesh_dim``): this rank's rows of the output, and the final
     state (the module docstring says how)."""
-    batch = query.shape[0]
-    query, key, value, g, beta = (_by_run(x, plan) for x in (query, key, value, g, beta))
-    g, beta = _padding_zeroed(g, plan), _padding_zeroed(beta, plan)
-    heads, k_dim, v_dim = value.shape[2], key.shape[-1], value.shape[-1]
-    dtype = torch.promote_types(value.dtype, torch.float32)  # the function's state: float32, or finer
-    state = value.new_zeros(batch, heads, k_dim, v_dim, dtype=dtype)
-    identity = torch.eye(k_dim, dtype=dtype, device=value.device).expand(query.shape[0], heads, k_dim, k_dim)
-    widened = torch.cat([value, value.new_zeros(*value.shape[:-1], k_dim)], -1)
-    start = torch.cat([state.repeat(plan.runs, 1, 1, 1), identity], -1)
-    out, ends = _call(rule, query, key, widened, g, beta, start)
+    kind, fn, options = kind_of(rule), recurrence(rule), dict(options)
+    t = named_arguments(rule, tensors)
+    batch = t[kind.values].shape[0]
+    t = {name: _by_run(x, plan) if name in kind.rows else x for name, x in t.items()}
+    if plan.padded:
+        t = kind.neutral(t, _kept(t[kind.values], plan), options)
+    zeros = kind.state(t)
+    widened, start = kind.widened(t, zeros)
+    out, ends = kind.call(fn, widened, start, True, options)
     every = gather_stacked(ends.unflatten(0, (plan.runs, batch)), mesh_dim, comm).flatten(0, 1)  # [all runs, ...]
     owned = torch.zeros(len(plan.order), dtype=torch.bool, device=every.device)
     owned[list(plan.mine)] = True
     owned_only = torch.where(owned.view(-1, *[1] * (every.dim() - 1)), every, every.detach())
-    starts, final = [None] * len(plan.order), state
+    starts, state, final = [None] * len(plan.order), zeros[:batch], zeros[:batch]
     for run in plan.order:  # the state each run starts from, then the final one
         starts[run] = state
-        state = every[run, ..., v_dim:] @ state + every[run, ..., :v_dim]
-        final = owned_only[run, ..., v_dim:] @ final + owned_only[run, ..., :v_dim]
-    carried, _ = _call(rule, query, key, torch.zeros_like(value), g, beta,
-                       torch.stack(starts)[list(plan.mine)].flatten(0, 1), output_final_state=False)
-    out = out[..., :v_dim] + carried
+        state, final = kind.fold(every[run], state), kind.fold(owned_only[run], final)
+    carried, _ = kind.call(fn, {**t, kind.values: torch.zeros_like(t[kind.values])},
+                           torch.stack(starts)[list(plan.mine)].flatten(0, 1), False, options)
+    out = out[..., :carried.shape[-1]] + carried
     return out.unflatten(0, (plan.runs, batch)).transpose(0, 1).flatten(1, 2), final

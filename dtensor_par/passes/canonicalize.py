@@ -96,7 +96,7 @@ import torch.nn.functional as F
 
 from ..ops.grouped import GROUPED_MM
 from ..ops.halo import padded_conv1d
-from ..ops.recurrence import RECURRENCES, linear_recurrence, recurrence
+from ..ops.recurrence import RECURRENCES, GatedDeltaRule, StateSpaceScan, linear_recurrence, recurrence
 from ..symbolic import is_symbolic, same_size
 from .capture import emitted, erase_unused, with_val
 from .context import ParallelContext, at_node
@@ -344,36 +344,66 @@ def _recurrence_module(node: fx.Node) -> str | None:
     return f"{found[1].replace('_dot_', '.')}:{found[2]}"
 
 
-_ARGUMENTS = ("query", "key", "value", "g", "beta", "initial_state")
-"""``linear_recurrence``'s tensor arguments, in order."""
+def _delta_rule_read(given: dict, region: list[fx.Node]) -> tuple[dict, list, tuple] | None:
+    """The gated delta rule's shapes (q, k, v ``[B, S, H, d]``, g ``[B, S, H]`` or
+    ``[B, S, H, d]``, beta ``[B, S, H]``, the state ``[B, H, d, d]``), its output and final state,
+    and no options; None where its ops do not normalize q and k (as every transformers model
+    asks)."""
+    if not any(n.target in (torch.rsqrt, "rsqrt", torch.sqrt, "sqrt") for n in region):
+        return None
+    (b, s, k_heads, k_dim), (heads, v_dim) = tensor_val(given["key"]).shape, tensor_val(given["value"]).shape[2:]
+    shapes = {"query": (b, s, k_heads, k_dim), "key": (b, s, k_heads, k_dim), "value": (b, s, heads, v_dim),
+              "state": (b, heads, k_dim, v_dim), "beta": (b, s, heads),
+              "g": (b, s, heads, k_dim)[:tensor_val(given["g"]).dim()]}  # a decay per head, or per key channel (Kimi's)
+    value = tensor_val(given["value"])
+    return shapes, [tensor_val(given["query"]).new_empty(b, s, heads, v_dim),
+                    value.new_empty(b, heads, k_dim, v_dim, dtype=torch.promote_types(value.dtype, torch.float32))], ()
+
+
+def _scan_read(given: dict, region: list[fx.Node]) -> tuple[dict, list, tuple] | None:
+    """Mamba-2's scan's shapes (x ``[B, S, H, P]``, dt ``[B, S, H]``, B and C ``[B, S, G, N]``, A,
+    D and dt_bias ``[H]``, the state ``[B, H, P, N]``), its output and final state, and its options:
+    the chunk size its rows are viewed in, and ``dt_limit`` (its clamp's bounds); None unless it
+    applies a softplus to the time steps (``dt_softplus``, as every transformers model asks)."""
+    (b, s, heads, head_dim), (groups, size) = tensor_val(given["hidden_states"]).shape, tensor_val(given["B"]).shape[2:]
+    clamps = [n for n in region if n.target in (torch.clamp, "clamp")]
+    chunks = [tensor_val(n).shape[2] for n in region if op_kind(n) == "view" and tensor_val(n).dim() == 5
+              and same_size(tuple(tensor_val(n).shape[3:]), (heads, head_dim))]
+    if not any(n.target is F.softplus for n in region) or len(clamps) != 1 or not chunks:
+        return None
+    bounds = arguments(clamps[0])
+    shapes = {"hidden_states": (b, s, heads, head_dim), "dt": (b, s, heads), "B": (b, s, groups, size),
+              "C": (b, s, groups, size), "A": (heads,), "D": (heads,), "dt_bias": (heads,),
+              "state": (b, heads, head_dim, size)}
+    x = tensor_val(given["hidden_states"])
+    return shapes, [x.new_empty(b, s, heads, head_dim, dtype=torch.promote_types(x.dtype, torch.float32)),
+                    x.new_empty(b, heads, head_dim, size, dtype=torch.promote_types(x.dtype, torch.float32))], \
+        (("chunk_size", chunks[0]), ("dt_limit", (bounds.get("min"), bounds.get("max"))))
+
+
+_READS = {GatedDeltaRule: _delta_rule_read, StateSpaceScan: _scan_read}
+"""How the ops traced from each kind of recurrence are checked and read (``recurrence_as_one_op``)."""
 
 
 def recurrence_as_one_op(gm: fx.GraphModule, first: fx.Node, rule: str) -> None:
     """The ops traced from one call of ``rule``, from ``first`` on, become one
-    ``linear_recurrence``: where they read exactly its tensor arguments (q, k, v ``[B, S, H, d]``,
-    g ``[B, S, H]`` or ``[B, S, H, d]``, beta ``[B, S, H]``, maybe a state to start from
-    ``[B, H, d, d]``), give only its output and final state and normalize q and k (as
-    every transformers model asks). Otherwise, or where the function cannot be imported, they stay
-    as traced."""
+    ``linear_recurrence``: where they read exactly its tensor arguments, shaped as its kind's
+    are (``_READS``), give only its output and final state and show it called as transformers
+    calls it. Otherwise, or where the function cannot be imported, they stay as traced."""
     region, node = [], first
     while node.op in ("call_function", "call_method") and _recurrence_module(node) == rule:
         region.append(node)
         node = node.next
     inside = set(region)
+    kind, reads = RECURRENCES[rule.split(":")[1]]
     read = list(dict.fromkeys(i for n in region for i in n.all_input_nodes if i not in inside))
-    given = dict(zip(RECURRENCES[rule.split(":")[1]], read))
-    if len(read) not in (5, 6) or any(tensor_val(n) is None for n in read):
+    given = dict(zip(reads, read))
+    if len(read) not in (len(reads) - 1, len(reads)) or any(tensor_val(n) is None for n in read):
         return
-    (b, s, k_heads, k_dim), (heads, v_dim) = tensor_val(given["key"]).shape, tensor_val(given["value"]).shape[2:]
-    shapes = {"query": (b, s, k_heads, k_dim), "key": (b, s, k_heads, k_dim), "value": (b, s, heads, v_dim),
-              "initial_state": (b, heads, k_dim, v_dim), "beta": (b, s, heads),
-              "g": (b, s, heads, k_dim)[:tensor_val(given["g"]).dim()]}  # a decay per head, or per key channel (Kimi's)
-    if not all(same_size(tuple(tensor_val(given[name]).shape), shapes[name]) for name in given):
+    found = _READS[kind](given, region)
+    if found is None or not all(same_size(tuple(tensor_val(given[name]).shape), found[0][name]) for name in given):
         return
-    values = [tensor_val(given["query"]).new_empty(b, s, heads, v_dim),  # its output, then its final state
-              tensor_val(given["value"]).new_empty(b, heads, k_dim, v_dim,
-                                                   dtype=torch.promote_types(tensor_val(given["value"]).dtype,
-                                                                             torch.float32))]
+    _, values, options = found
     leaving = [n for n in region if any(u not in inside for u in n.users)]
     kept = {n: i for n in leaving for i, val in enumerate(values)
             if tensor_val(n) is not None and same_size(tuple(tensor_val(n).shape), tuple(val.shape))}
@@ -381,15 +411,14 @@ def recurrence_as_one_op(gm: fx.GraphModule, first: fx.Node, rule: str) -> None:
         return
     for n, i in kept.items():
         values[i] = tensor_val(n)
-    if not any(n.target in (torch.rsqrt, "rsqrt", torch.sqrt, "sqrt") for n in region):  # no l2 norms: not
-        return  # called as transformers calls it
     try:
         recurrence(rule)
     except (ImportError, AttributeError):
         return
+    tensors = [given[name] for name in kind.rows + kind.per_head + ("state",) if name in given]
     with gm.graph.inserting_before(first):
-        call = with_val(gm.graph.call_function(linear_recurrence, (rule, *(given[name] for name in _ARGUMENTS
-                                                                            if name in given))), tuple(values))
+        call = gm.graph.call_function(linear_recurrence, (rule, *tensors), {"options": options} if options else {})
+        with_val(call, tuple(values))
         for n, i in kept.items():
             n.replace_all_uses_with(with_val(gm.graph.call_function(operator.getitem, (call, i)), n.meta["val"]))
     for n in reversed(region):
@@ -675,27 +704,32 @@ def in_place_add_out_of_place(gm: fx.GraphModule, node: fx.Node) -> None:
 
 def _read_in_place(gm: fx.GraphModule, written: fx.Node, write: fx.Node, value: fx.Node) -> None:
     """``value`` read in place of ``written`` and of the in-place ``write``'s result, by every
-    reader after the write; the write erased."""
+    reader after the write (those before read ``written`` as it was); the write erased."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for reader in (written, write):
-        reader.replace_all_uses_with(value, delete_user_cb=lambda user: user not in (value, write))
+        reader.replace_all_uses_with(value, delete_user_cb=lambda user: user not in (value, write)
+                                     and order[user] > order[write])
     gm.graph.erase_node(write)
 
 
-_FRESH = {torch.zeros, torch.empty, torch.ones, torch.zeros_like, torch.empty_like, torch.ones_like, "new_zeros",
-          "new_empty", "new_ones"}
-"""Factories: a tensor they make shares its storage with no other."""
+_FRESH = {torch.zeros, torch.empty, torch.ones, torch.zeros_like, torch.empty_like, torch.ones_like, torch.clone,
+          "new_zeros", "new_empty", "new_ones", "clone"}
+"""Factories and copies: a tensor they make shares its storage with no other."""
 
 
 def copy_into_fresh_out_of_place(gm: fx.GraphModule, node: fx.Node) -> None:
-    """Rewrite ``fresh.copy_(src)``, ``fresh`` a tensor a factory just made that nothing reads
-    before the write and ``src`` as large (a linear attention cache's state, made zeros, then
-    written whole), into ``src`` (cast to ``fresh``'s dtype) read in place of ``fresh`` and of
-    the write's result, where nothing writes into ``src`` after it: the same values everywhere."""
+    """Rewrite ``fresh.copy_(src)``, ``fresh`` a tensor a factory or a copy just made and ``src``
+    as large (a linear attention cache's state, made zeros, then written whole; Mamba-2's decode
+    step's, cloned, read, then written whole), into ``src`` (cast to ``fresh``'s dtype) read in
+    place of ``fresh`` and of the write's result after it, where only ops making new tensors
+    read ``fresh`` before (no view of it sees the write) and nothing writes into ``src`` after
+    it: the same values everywhere."""
     given = arguments(node)
     fresh, src = given["input"], given["src"]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    computed = kinds_in("pointwise") - {"cast"}
     if fresh.target not in _FRESH or not isinstance(src, fx.Node) or tensor_val(src) is None \
-            or any(order[u] < order[node] for u in fresh.users) \
+            or any(order[u] < order[node] and op_kind(u) not in computed for u in fresh.users) \
             or any(writes_in_place(u) and order[u] > order[node] for u in src.users) \
             or not same_size(tuple(tensor_val(src).shape), tuple(tensor_val(fresh).shape)):
         return

@@ -48,21 +48,52 @@ def features_dim(projection: fx.Node) -> int:
     return 1 if op_kind(projection) == "conv" else tensor_val(projection).dim() - 1
 
 
-def features_carried(projection: fx.Node) -> tuple[fx.Node, int]:
-    """Where a projection's features end up, and along which dim, past the ops its output goes
-    through alone that keep each feature apart: activations, casts, depthwise convolutions,
-    transposes, where cp starts cutting the sequence (Sana's GLUMBConv: a pointwise convolution,
-    SiLU, a depthwise one; Qwen3.5's q, k and v: transposed, convolved causally, SiLU, transposed
-    back)."""
-    node, dim = projection, features_dim(projection)
-    while len(node.users) == 1 and tensor_val(user := next(iter(node.users))) is not None:
+def features_carried(node: fx.Node, dim: int) -> tuple[fx.Node, int]:
+    """Where the features along ``node``'s dim ``dim`` end up, and along which dim, past the ops
+    it goes through alone (``_carrier``) that keep each feature apart: activations, casts,
+    depthwise convolutions, transposes, slices and concatenations along other dims (a decode
+    step's rows after a cache's), where cp starts cutting the sequence (Sana's GLUMBConv: a
+    pointwise convolution, SiLU, a depthwise one; Qwen3.5's q, k and v: transposed, convolved
+    causally, SiLU, transposed back; Mamba-2's x, B and C, split off the projection, so too), and
+    products that scale each feature apart (``_scaled_feature_by_feature``). Every graph of a
+    model must read a projection's parts alike: its weight is held one way."""
+    while (user := _carrier(node, dim)) is not None and tensor_val(user) is not None:
         if op_kind(user) == "transpose":
             dim = dim_order(user, tensor_val(user).dim()).index(dim)
         elif not (is_activation(user) or op_kind(user) in ("cast", "sequence_start")
-                  or (is_channelwise_conv(user) and dim == 1)):
+                  or (is_channelwise_conv(user) and dim == 1) or _scaled_feature_by_feature(user, node, dim)
+                  or _sliced_along_other_dims(user, node, dim) or (op_kind(user) == "cat" and cat_dim(user) != dim)):
             break
         node = user
     return node, dim
+
+
+def _carrier(node: fx.Node, dim: int) -> fx.Node | None:
+    """``node``'s one reader that may carry its features on; beside it, others may only slice
+    along other dims (a cache keeping the last rows of Mamba-2's x, B and C)."""
+    readers = list(node.users)
+    if len(readers) > 1:
+        readers = [u for u in readers if not _sliced_along_other_dims(u, node, dim)]
+    return readers[0] if len(readers) == 1 else None
+
+
+def _sliced_along_other_dims(user: fx.Node, node: fx.Node, dim: int) -> bool:
+    """``user`` slices ``node`` along dims other than ``dim``, keeping every dim (Mamba-2's
+    convolution output cropped to the rows past a cache's)."""
+    if op_kind(user) != "getitem" or arguments(user)["input"] is not node:
+        return False
+    entries = per_dim(arguments(user)["index"], tensor_val(node).dim())
+    return entries is not None and all(isinstance(e, slice) for e in entries) and entries[dim] == slice(None)
+
+
+def _scaled_feature_by_feature(user: fx.Node, node: fx.Node, dim: int) -> bool:
+    """``user`` multiplies ``node`` by a mask broadcast over its dim ``dim`` (Granite 4's padding
+    mask) or by a constant, one number a feature (Falcon-H1's muP vector over its fused parts)."""
+    if op_kind(user) != "mul" or tensor_val(user).shape != tensor_val(node).shape:
+        return False
+    ndim = tensor_val(node).dim()
+    return all(i.op in ("placeholder", "get_attr") or tensor_val(i).shape[dim - ndim] == 1
+               for i in tensor_inputs(user) if i is not node and tensor_val(i).dim() >= ndim - dim)
 
 
 def fused_parts(linear: fx.Node) -> FusedParts | None:
@@ -70,7 +101,7 @@ def fused_parts(linear: fx.Node) -> FusedParts | None:
     by one chunk/split or by slices that tile them (``qkv[..., :q]``, ``qkv[..., q:q + kv]``,
     ...), each part cut so again giving its own parts (``_parts_taken_off``), or by a view that
     splits them part first (``detect.parts_major_split``)."""
-    node, dim = features_carried(linear)
+    node, dim = features_carried(linear, features_dim(linear))
     users = list(node.users)
     parts_major = parts_major_split(users[0]) if len(users) == 1 and dim == tensor_val(node).dim() - 1 else None
     if parts_major is not None:
@@ -110,7 +141,7 @@ def _parts_taken_off(node: fx.Node, dim: int) -> FusedParts | None:
         if any(len(readers) > 1 for readers in ranges.values()):
             return FusedParts(tuple(stop - start for start, stop in bounds), tuple(users))
         sizes, pieces = tuple(stop - start for start, stop in bounds), [ranges[b][0] for b in bounds]
-    inner = [_parts_taken_off(piece, dim) for piece in pieces]
+    inner = [_parts_taken_off(*features_carried(piece, dim)) for piece in pieces]
     return FusedParts(sum((p.sizes if p and p.nodes else (n,) for p, n in zip(inner, sizes)), ()),
                       sum((p.nodes if p and p.nodes else (piece,) for p, piece in zip(inner, pieces)), ()))
 

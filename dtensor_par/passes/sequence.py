@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..ops.recurrence import kind_of, named_arguments
 from ..placements import Shard, shard_dim
 from ..symbolic import same_size
 from .batch import Carrier
@@ -33,7 +34,7 @@ def sequence_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Fill ``ctx.sequence_placements`` and cut the sequences the graph makes (with cp only)."""
     if ctx.mesh.size("cp") == 1:
         return gm
-    lengths = [tensor_val(arguments(node)["query"]).shape[1] for node in _recurrences(gm)]
+    lengths = [tensor_val(node.args[1]).shape[1] for node in _recurrences(gm)]
     for site in ctx.sites:
         if isinstance(site, AttentionSite) and op_kind(site.core) == "hybrid_attention":
             with at_node("sequence", site.core):
@@ -65,14 +66,15 @@ def sequence_inputs(gm: fx.GraphModule, ctx: ParallelContext, lengths: list[int]
 def _recurrences(gm: fx.GraphModule) -> list[fx.Node]:
     """The linear recurrences over the sequence from zeros (``ops.recurrence``): cp runs them on
     each rank's rows. One from a given state (a decode step's, from the cache's) runs whole."""
-    return [node for node in gm.graph.nodes if op_kind(node) == "recurrence" and len(tensor_inputs(node)) == 5]
+    return [node for node in gm.graph.nodes
+            if op_kind(node) == "recurrence" and "state" not in named_arguments(node.args[0], node.args[1:])]
 
 
 def sequence_carriers(gm: fx.GraphModule, ctx: ParallelContext) -> list[Carrier]:
     """q, k and v of each attention that runs sequence-parallel, along their sequence dim, and
     the tensors each recurrence runs along the sequence, along dim 1."""
-    carriers = [Carrier(node.name, arguments(node)[x], 1) for node in _recurrences(gm)
-                for x in ("query", "key", "value", "g", "beta")]
+    carriers = [Carrier(node.name, x, 1) for node in _recurrences(gm)
+                for x in node.args[1:1 + len(kind_of(node.args[0]).rows)]]
     for site in ctx.sites:
         if isinstance(site, AttentionSite) and op_kind(site.core) == "hybrid_attention":
             given = arguments(site.core)

@@ -364,6 +364,6 @@ register("index_copy", "indexing", index_copy_rule, methods=["index_copy_", "ind
 register("split", "indexing", split_rule, functions=[torch.chunk, torch.split],
          methods=["chunk", "split", "split_with_sizes"], localize=localize_split)
 register("unbind", "indexing", unbind_rule, functions=[torch.unbind], methods=["unbind"])
-register("cat", "indexing", cat_rule, functions=[torch.cat, torch.concat])
+register("cat", "indexing", cat_rule, functions=[torch.cat, torch.concat, torch.concatenate])
 register("stack", "indexing", cat_rule, functions=[torch.stack])
 register("embedding", "indexing", embedding_rule, functions=[F.embedding])

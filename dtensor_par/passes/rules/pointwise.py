@@ -162,8 +162,9 @@ register("elementwise_function", "pointwise", elementwise_function_rule,
          functions=[torch.ops.higher_order.autograd_function_apply])
 register("new_tensor", "pointwise", new_tensor_rule, methods=["new_zeros", "new_ones", "new_full", "new_empty"])
 register("arange", "pointwise", new_tensor_rule, functions=[torch.arange], localize=localize_arange)
-register("cast", "pointwise", cast_rule, methods=["contiguous", "clone", "float", "half", "bfloat16", "double", "to", "type",
-                                                  "type_as", "bool", "long", "int", "detach"])
+register("cast", "pointwise", cast_rule, functions=[torch.clone],
+         methods=["contiguous", "clone", "float", "half", "bfloat16", "double", "to", "type", "type_as", "bool", "long",
+                  "int", "detach"])
 
 register("cache_buffer", "pointwise", cache_buffer_rule, functions=[cache_buffer], localize=localize_cache_buffer)
 register("dropout", "pointwise", pointwise_rule, functions=[F.dropout], localize=localize_dropout)

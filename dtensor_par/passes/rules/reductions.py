@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ...mesh import MeshInfo
 from ...ops.norm import sharded_group_norm, sharded_norm
-from ...ops.recurrence import linear_recurrence, run_plan, sharded_linear_recurrence
+from ...ops.recurrence import kind_of, linear_recurrence, run_plan, sharded_linear_recurrence
 from ...ops.scan import sharded_cumsum
 from ...placements import InterleavedShard, Partial, Shard, parts_of, shard_dim
 from ...symbolic import hint, is_symbolic
@@ -181,41 +181,49 @@ def localize_cumsum(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
 
 def recurrence_rule(node, ins, cur, env):
     """A linear recurrence (``ops.recurrence``) runs each batch row and each head alone, along
-    the sequence. Its q, k, v, g and beta cut alike along the batch (dp) or the heads (tp: q and
-    k by their key heads, the rest by their value heads) run on each rank's, its states (the one
-    it starts from, if given, and the final one) cut so too; along a sequence of static length
-    (cp), from zeros, each rank runs its rows from the state the rows before leave
+    the sequence. Its rows (q, k, v, g and beta; Mamba-2's x, dt, B and C) cut alike along the
+    batch (dp) or the heads (tp: q and k, B and C by their key heads or groups, the rest by their
+    value heads; a single key head or group whole on every rank) run on each rank's, its states
+    (the one it starts from, if given, and the final one) and per-head tensors (Mamba-2's A, D
+    and dt_bias: sliced as the heads are) cut so too; along a sequence of static length (cp),
+    from zeros, each rank runs its rows from the state the rows before leave
     (``localize_recurrence``), the final state whole on every rank. Any other cut is gathered."""
+    kind = kind_of(node.args[0])
     cur = resolve_partial(ins, cur, env)
-    rows, start = cur[:5], cur[5:]  # q, k, v, g, beta; the state it starts from, if given
-    cut = set(rows) - {R}
-    if not cut and set(start) <= {R}:
-        return NodeSharding((R, R), tuple(cur))
-    p = cut.pop() if len(cut) == 1 else None
+    count = len(kind.rows)
+    rows, start = cur[:count], cur[count + len(kind.per_head):]
+    whole = [name in kind.key_heads and tensor_val(i).shape[2] == 1 for name, i in zip(kind.rows, ins)]
+    cut = {p for p, single in zip(rows, whole) if not single} - {R}
+    p = cut.pop() if len(cut) == 1 else R if not cut else None
     state = {0: Shard(0), 2: Shard(1)}.get(shard_dim(p))  # the states' cut for rows cut by batch or heads
     alike = isinstance(p, Shard) and not isinstance(p, InterleavedShard)
-    if alike and state is not None and set(start) <= {R, state}:  # a replicated input sliced alike (Qwen3-Next's
-        return NodeSharding((p, state), (p,) * 5 + (state,) * len(start))  # g and beta over tp)
+    if p == R and set(start) <= {R}:
+        return NodeSharding((R, R), (R,) * len(ins))
+    # replicated inputs sliced alike (Qwen3-Next's g and beta over tp), a single key head or group whole
+    needed = tuple(R if single and p.dim == 2 else p for single in whole) if alike else ()
+    if alike and state is not None and set(start) <= {R, state}:
+        per_head = Shard(0) if p.dim == 2 else R
+        return NodeSharding((p, state), needed + (per_head,) * len(kind.per_head) + (state,) * len(start))
     if alike and p.dim == 1 and not start and env.dim == "cp" and not is_symbolic(tensor_val(ins[0]).shape[1]):
-        return NodeSharding((p, R), (p,) * 5)
+        return NodeSharding((p, R), needed + (R,) * len(kind.per_head))
     return replicate_all(node, ins, cur, "a recurrence's inputs cut differently, or along a sequence of symbolic "
                                          "length or from a given state")
 
 
 def localize_recurrence(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     """A recurrence along a sequence cut over cp becomes ``sharded_linear_recurrence``: each run's
-    end state and how it carries a state gathered, never the sequence."""
+    end state (widened to carry a state through) gathered, never the sequence."""
     along = [name for name, s in shardings(node).items() if shard_dim(s.inputs[0]) == 1]
     if not along:
         return
-    mesh_dim = mesh.dims[along[0]]
-    query, key, value = node.args[1:4]  # (rule, query, key, value, g, beta): from zeros
-    plan = run_plan(global_shape(query)[1], mesh_dim)
-    batch, _, heads, v_dim = planned_local_shape(value, mesh)
-    k_dim = global_shape(key)[-1]
-    nbytes = hint(plan.runs * batch * heads * k_dim * (v_dim + k_dim)) * 4  # float32 states
+    mesh_dim, kind = mesh.dims[along[0]], kind_of(node.args[0])
+    plan = run_plan(global_shape(node.args[1])[1], mesh_dim)
+    rows = {name: torch.empty([hint(n) for n in planned_local_shape(i, mesh)], dtype=tensor_val(i).dtype, device="meta")
+            for name, i in zip(kind.rows, node.args[1:])}  # this rank's, for the state's size
+    end = kind.widened(rows, kind.state(rows))[1]  # a run's end state, widened: what is gathered
+    nbytes = plan.runs * end.numel() * end.element_size()
     new = replaced_by(gm, node, "call_function", sharded_linear_recurrence, node.args,
-                      {"plan": plan, "mesh_dim": mesh_dim})
+                      {**node.kwargs, "plan": plan, "mesh_dim": mesh_dim})
     set_communications(new, [Communication("all_gather", "reduce_scatter" if node.meta["requires_grad"] else None,
                                            mesh_dim.name, mesh_dim.size, nbytes, nbytes * mesh_dim.size,
                                            site_role(node))])
