@@ -273,9 +273,13 @@ def conv_rule(node, ins, cur, env):
 
 def _runs_fit(rows: int, reach: tuple[int, int, int], env) -> bool:
     """Whether every run of rows a rank holds starts and ends on the stride (so its outputs are
-    the output's rows laid out alike, none padded) and is at least as long as the rows read past it."""
+    the output's rows laid out alike, none padded) and is at least as long as the rows read past it.
+    A causal one (stride 1, reading no row after) runs on a sequence padded to divide too: the
+    padding sits at its end, where no real row reads it."""
     before, after, stride = reach
     chunks = env.size * env.chunks_per_rank
+    if env.padded(rows) and (stride, after) == (1, 0):
+        rows = -(-rows // chunks) * chunks
     return rows % (stride * chunks) == 0 and rows // chunks >= max(before, after)
 
 
