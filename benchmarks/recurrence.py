@@ -1,13 +1,14 @@
-"""A rank's share of a gated delta rule over cp: transformers' ``torch_chunk_gated_delta_rule``
-(Qwen3.5's), forward and backward, on one CPU thread.
+"""A rank's share of a recurrence over cp, forward and backward, on one CPU thread: transformers'
+gated delta rule (``torch_chunk_gated_delta_rule``, Qwen3.5's) and Mamba-2's selective scan
+(``mamba2_chunk_scan``, Granite 4's).
 
     python -m benchmarks.recurrence [--lengths 2048 4096] [--cps 2 4] [--json out.json]
 
-``whole``: the rule on the whole sequence, what every cp rank ran when the recurrence gathered
-its inputs. ``rank``: the two calls ``ops.recurrence.sharded_chunked_recurrence`` makes on a
-rank's ``length / cp`` rows (values widened by k from ``[0 | I]``, then zero values from the
-state the runs before leave). Not counted: the gather of the runs' states (``heads x k x
-(v + k)`` float32 numbers a run) and the fold of them, both independent of the length.
+``whole``: the function on the whole sequence, what every cp rank ran when the recurrence gathered
+its inputs. ``rank``: the two calls ``ops.recurrence.sharded_linear_recurrence`` makes on a rank's
+``length / cp`` rows, through each kind's own ``widened`` and ``call`` (values widened to read
+how a run carries a state, then zero values from a given state). Not counted: the gather of the
+runs' end states and their fold, both independent of the length.
 """
 
 from __future__ import annotations
@@ -18,21 +19,46 @@ import time
 import torch
 
 from benchmarks.report import print_table, save_json
+from dtensor_par.ops.recurrence import GatedDeltaRule, StateSpaceScan, recurrence
 
-BATCH, HEADS, HEAD_DIM = 1, 4, 128
+BATCH = 1
 
 
-def _seconds(rule, rows: int, width: int, start: bool) -> float:
-    """One forward and backward of ``rule`` on ``rows`` rows, values ``width`` wide, from a given
-    state or zeros."""
-    q, k = torch.randn(BATCH, rows, HEADS, HEAD_DIM), torch.randn(BATCH, rows, HEADS, HEAD_DIM)
-    v, g, beta = torch.randn(BATCH, rows, HEADS, width), -torch.rand(BATCH, rows, HEADS), torch.rand(BATCH, rows, HEADS)
-    inputs = [t.requires_grad_() for t in (q, k, v, g, beta)]
-    state = torch.zeros(BATCH, HEADS, HEAD_DIM, width) if start else None
+def _delta_rule(rows: int) -> tuple[dict, dict]:
+    """Qwen3.5's shapes: 4 heads of 128."""
+    q, k, v = (torch.randn(BATCH, rows, 4, 128) for _ in range(3))
+    return {"query": q, "key": k, "value": v, "g": -torch.rand(BATCH, rows, 4), "beta": torch.rand(BATCH, rows, 4)}, {}
+
+
+def _scan(rows: int) -> tuple[dict, dict]:
+    """Granite 4's shapes, fewer heads: 8 heads of 64, one group of B and C of 128, chunks of 256."""
+    return {"hidden_states": torch.randn(BATCH, rows, 8, 64), "dt": torch.randn(BATCH, rows, 8),
+            "B": torch.randn(BATCH, rows, 1, 128), "C": torch.randn(BATCH, rows, 1, 128), "A": -torch.rand(8),
+            "D": torch.randn(8), "dt_bias": torch.randn(8)}, {"chunk_size": 256, "dt_limit": (0.0, float("inf"))}
+
+
+KINDS = {"gated delta rule": (GatedDeltaRule, "transformers.models.qwen3_5.modeling_qwen3_5:torch_chunk_gated_delta_rule",
+                              _delta_rule),
+         "mamba-2 scan": (StateSpaceScan, "transformers.models.granitemoehybrid.modeling_granitemoehybrid:"
+                                          "mamba2_chunk_scan", _scan)}
+
+
+def _seconds(kind, fn, make, rows: int, as_a_rank: bool) -> float:
+    """One forward and backward on ``rows`` rows: the whole sequence's one call from zeros, or a
+    rank's two."""
+    t, options = make(rows)
+    t = {name: x.requires_grad_() for name, x in t.items()}
     begin = time.perf_counter()
-    out, final = rule(*inputs[:3], g=inputs[3], beta=inputs[4], initial_state=state, output_final_state=True,
-                      use_qk_l2norm_in_kernel=True)
-    (out.sum() + final.sum()).backward()
+    if as_a_rank:
+        zeros = kind.state(t)
+        widened, start = kind.widened(t, zeros)
+        out, final = kind.call(fn, widened, start, True, options)
+        carried, _ = kind.call(fn, {**t, kind.values: torch.zeros_like(t[kind.values])}, zeros, False, options)
+        total = out.sum() + final.sum() + carried.sum()
+    else:
+        out, final = kind.call(fn, t, None, True, options)
+        total = out.sum() + final.sum()
+    total.backward()
     return time.perf_counter() - begin
 
 
@@ -43,17 +69,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args()
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as rule
     torch.manual_seed(0)
     torch.set_num_threads(1)
     rows = []
-    for length in args.lengths:
-        whole = min(_seconds(rule, length, HEAD_DIM, False) for _ in range(args.repeats))
-        for cp in args.cps:
-            rank = min(_seconds(rule, length // cp, 2 * HEAD_DIM, True) + _seconds(rule, length // cp, HEAD_DIM, True)
-                       for _ in range(args.repeats))
-            rows.append({"length": length, "cp": cp, "whole_ms": whole * 1e3, "rank_ms": rank * 1e3,
-                         "rank / whole": rank / whole})
+    for label, (kind, rule, make) in KINDS.items():
+        fn = recurrence(rule)
+        for length in args.lengths:
+            whole = min(_seconds(kind, fn, make, length, False) for _ in range(args.repeats))
+            for cp in args.cps:
+                rank = min(_seconds(kind, fn, make, length // cp, True) for _ in range(args.repeats))
+                rows.append({"recurrence": label, "length": length, "cp": cp, "whole_ms": whole * 1e3,
+                             "rank_ms": rank * 1e3, "rank / whole": rank / whole})
     print_table(list(rows[0]), [[f"{v:.2f}" if isinstance(v, float) else v for v in row.values()] for row in rows])
     save_json(args.json, rows)
 
