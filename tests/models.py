@@ -458,6 +458,21 @@ class GatedDeltaRuleBlock(nn.Module):
         return self.mixer(x)
 
 
+class AdaptedGateUp(nn.Module):
+    """Zamba2's shared MLP: gate and up from one projection plus a low-rank adapter's, added,
+    then chunked apart."""
+
+    def __init__(self, hidden: int = 32, mlp: int = 64, rank: int = 4):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * mlp, bias=False)
+        self.adapter = nn.Sequential(nn.Linear(hidden, rank, bias=False), nn.Linear(rank, 2 * mlp, bias=False))
+        self.down = nn.Linear(mlp, hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = (self.gate_up(x) + self.adapter(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
 class StateSpaceBlock(nn.Module):
     """Mamba-2's mixer (``tests.recurrences``) traced from another module's frame, as a
     transformers model's is."""

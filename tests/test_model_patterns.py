@@ -48,6 +48,20 @@ def test_a_projection_split_into_parts_split_again_is_cut_part_by_part():
                for p in graph.placements), graph.placements
 
 
+def test_parts_are_read_past_ops_that_keep_each_feature_apart():
+    """Mamba-2's projection ``[z, x, B, C, dt]`` split, x, B and C transposed, convolved, SiLU,
+    transposed back and split again: five parts (before: the second split gathered). Zamba2's
+    gate and up with a low-rank adapter's added, then chunked: both projections cut in two parts
+    (before: the chunk gathered)."""
+    graph = _explain(models.StateSpaceBlock(), (torch.randn(2, 16, 32),), tp=2)
+    assert graph.coverage.fallback_gathers == [] and graph.warnings == [], graph.warnings
+    assert any("mixer.in_proj.weight=IS(0,[32, 32, 4, 4, 4])" in p for p in graph.placements), graph.placements
+    graph = _explain(models.AdaptedGateUp(), (torch.randn(2, 16, 32),), tp=2)
+    assert graph.coverage.fallback_gathers == [] and graph.warnings == [], graph.warnings
+    assert any("gate_up.weight=IS(0,[64, 64])" in p and "adapter.1.weight=IS(0,[64, 64])" in p
+               for p in graph.placements), graph.placements
+
+
 def test_a_model_without_any_parallel_site_is_reported():
     odd_mlp = torch.nn.Sequential(torch.nn.Linear(32, 18), torch.nn.GELU(), torch.nn.Linear(18, 32))
     graph = _explain(odd_mlp, (torch.randn(2, 8, 32),), tp=4)

@@ -55,13 +55,13 @@ def features_carried(node: fx.Node, dim: int) -> tuple[fx.Node, int]:
     step's rows after a cache's), where cp starts cutting the sequence (Sana's GLUMBConv: a
     pointwise convolution, SiLU, a depthwise one; Qwen3.5's q, k and v: transposed, convolved
     causally, SiLU, transposed back; Mamba-2's x, B and C, split off the projection, so too), and
-    products that scale each feature apart (``_scaled_feature_by_feature``). Every graph of a
-    model must read a projection's parts alike: its weight is held one way."""
+    arithmetic with tensors as large or broadcast over them (``_feature_by_feature``). Every
+    graph of a model must read a projection's parts alike: its weight is held one way."""
     while (user := _carrier(node, dim)) is not None and tensor_val(user) is not None:
         if op_kind(user) == "transpose":
             dim = dim_order(user, tensor_val(user).dim()).index(dim)
         elif not (is_activation(user) or op_kind(user) in ("cast", "sequence_start")
-                  or (is_channelwise_conv(user) and dim == 1) or _scaled_feature_by_feature(user, node, dim)
+                  or (is_channelwise_conv(user) and dim == 1) or _feature_by_feature(user, node)
                   or _sliced_along_other_dims(user, node, dim) or (op_kind(user) == "cat" and cat_dim(user) != dim)):
             break
         node = user
@@ -86,14 +86,12 @@ def _sliced_along_other_dims(user: fx.Node, node: fx.Node, dim: int) -> bool:
     return entries is not None and all(isinstance(e, slice) for e in entries) and entries[dim] == slice(None)
 
 
-def _scaled_feature_by_feature(user: fx.Node, node: fx.Node, dim: int) -> bool:
-    """``user`` multiplies ``node`` by a mask broadcast over its dim ``dim`` (Granite 4's padding
-    mask) or by a constant, one number a feature (Falcon-H1's muP vector over its fused parts)."""
-    if op_kind(user) != "mul" or tensor_val(user).shape != tensor_val(node).shape:
-        return False
-    ndim = tensor_val(node).dim()
-    return all(i.op in ("placeholder", "get_attr") or tensor_val(i).shape[dim - ndim] == 1
-               for i in tensor_inputs(user) if i is not node and tensor_val(i).dim() >= ndim - dim)
+def _feature_by_feature(user: fx.Node, node: fx.Node) -> bool:
+    """``user`` adds, subtracts, multiplies or divides ``node`` element by element, as large as
+    it: by a mask broadcast over its features (Granite 4's padding mask), a constant a feature
+    (Falcon-H1's muP vector over its fused parts) or another projection's output (Zamba2's LoRA
+    adapter beside its fused gate and up)."""
+    return op_kind(user) in ("add", "sub", "mul", "div") and tensor_val(user).shape == tensor_val(node).shape
 
 
 def fused_parts(linear: fx.Node) -> FusedParts | None:
