@@ -150,6 +150,9 @@ OPS = {
     "index_by_list": (lambda x: x[:, :, [-2]], [_t(2, 4, 6, 2)]),  # Falcon's key of each kv group
     "index_by_tensor": (lambda x, i: x[i], [_t(4, 6), torch.tensor([3, 0, 3, 1])]),  # tokens in expert order
     "t": (lambda x: x.t(), [_t(4, 6)]),
+    # Jamba's selective scan moves the state's dims
+    "movedim": (lambda x: torch.movedim(x, (0, 1), (2, 0)), [_t(2, 4, 6)]),
+    "moveaxis_method": (lambda x: x.moveaxis(-1, 0), [_t(2, 4, 6)]),
     # GPT-J's rotary tables (torch.repeat_interleave(sin, 2, dim=3)), and kv heads repeated by the method
     "repeat_interleave": (lambda x: torch.repeat_interleave(x, 2, dim=2), [_t(2, 4, 6)]),
     "repeat_interleave_method": (lambda x: x.repeat_interleave(3, dim=-1), [_t(2, 4, 6)]),

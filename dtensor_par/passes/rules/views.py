@@ -209,6 +209,9 @@ def dim_order(node: fx.Node, ndim: int) -> list[int]:
         order = list(range(ndim))
         order[a], order[b] = order[b], order[a]
         return order
+    if op_kind(node) == "movedim":  # read off a tensor whose dim i is i + 1 long
+        given, sizes = arguments(node), torch.empty(tuple(range(1, ndim + 1)), device="meta")
+        return [n - 1 for n in sizes.movedim(given["source"], given["destination"]).shape]
     dims = arguments(node)["dims"]
     return [norm_dim(d, ndim) for d in ((dims,) if isinstance(dims, int) else dims)]
 
@@ -273,6 +276,7 @@ register("expand", "views", expand_rule, functions=[torch.broadcast_to], methods
 register("transpose", "views", permute_rule, functions=[torch.transpose, torch.swapaxes, torch.t],
          methods=["transpose", "swapaxes", "t"])
 register("permute", "views", permute_rule, functions=[torch.permute], methods=["permute"])
+register("movedim", "views", permute_rule, functions=[torch.movedim, torch.moveaxis], methods=["movedim", "moveaxis"])
 register("repeat_interleave", "views", repeat_interleave_rule, functions=[torch.repeat_interleave],
          methods=["repeat_interleave"])
 register("interpolate", "views", interpolate_rule, functions=[F.interpolate], localize=localize_interpolate)
