@@ -344,27 +344,24 @@ def _recurrence_module(node: fx.Node) -> str | None:
     return f"{found[1].replace('_dot_', '.')}:{found[2]}"
 
 
-def _delta_rule_read(given: dict, region: list[fx.Node]) -> tuple[dict, list, tuple] | None:
+def _delta_rule_read(given: dict, region: list[fx.Node]) -> tuple[dict, torch.Tensor, tuple] | None:
     """The gated delta rule's shapes (q, k, v ``[B, S, H, d]``, g ``[B, S, H]`` or
-    ``[B, S, H, d]``, beta ``[B, S, H]``, the state ``[B, H, d, d]``), its output and final state,
-    and no options; None where its ops do not normalize q and k (as every transformers model
-    asks)."""
+    ``[B, S, H, d]``, beta ``[B, S, H]``), its output and no options; None where its ops do not
+    normalize q and k (as every transformers model asks)."""
     if not any(n.target in (torch.rsqrt, "rsqrt", torch.sqrt, "sqrt") for n in region):
         return None
     (b, s, k_heads, k_dim), (heads, v_dim) = tensor_val(given["key"]).shape, tensor_val(given["value"]).shape[2:]
     shapes = {"query": (b, s, k_heads, k_dim), "key": (b, s, k_heads, k_dim), "value": (b, s, heads, v_dim),
-              "state": (b, heads, k_dim, v_dim), "beta": (b, s, heads),
+              "beta": (b, s, heads),
               "g": (b, s, heads, k_dim)[:tensor_val(given["g"]).dim()]}  # a decay per head, or per key channel (Kimi's)
-    value = tensor_val(given["value"])
-    return shapes, [tensor_val(given["query"]).new_empty(b, s, heads, v_dim),
-                    value.new_empty(b, heads, k_dim, v_dim, dtype=torch.promote_types(value.dtype, torch.float32))], ()
+    return shapes, tensor_val(given["query"]).new_empty(b, s, heads, v_dim), ()
 
 
-def _scan_read(given: dict, region: list[fx.Node]) -> tuple[dict, list, tuple] | None:
+def _scan_read(given: dict, region: list[fx.Node]) -> tuple[dict, torch.Tensor, tuple] | None:
     """Mamba-2's scan's shapes (x ``[B, S, H, P]``, dt ``[B, S, H]``, B and C ``[B, S, G, N]``, A,
-    D and dt_bias ``[H]``, the state ``[B, H, P, N]``), its output and final state, and its options:
-    the chunk size its rows are viewed in, and ``dt_limit`` (its clamp's bounds); None unless it
-    applies a softplus to the time steps (``dt_softplus``, as every transformers model asks)."""
+    D and dt_bias ``[H]``), its output and its options: the chunk size its rows are viewed in, and
+    ``dt_limit`` (its clamp's bounds); None unless it applies a softplus to the time steps
+    (``dt_softplus``, as every transformers model asks)."""
     (b, s, heads, head_dim), (groups, size) = tensor_val(given["hidden_states"]).shape, tensor_val(given["B"]).shape[2:]
     clamps = [n for n in region if n.target in (torch.clamp, "clamp")]
     chunks = [tensor_val(n).shape[2] for n in region if op_kind(n) == "view" and tensor_val(n).dim() == 5
@@ -373,16 +370,16 @@ def _scan_read(given: dict, region: list[fx.Node]) -> tuple[dict, list, tuple] |
         return None
     bounds = arguments(clamps[0])
     shapes = {"hidden_states": (b, s, heads, head_dim), "dt": (b, s, heads), "B": (b, s, groups, size),
-              "C": (b, s, groups, size), "A": (heads,), "D": (heads,), "dt_bias": (heads,),
-              "state": (b, heads, head_dim, size)}
+              "C": (b, s, groups, size), "A": (heads,), "D": (heads,), "dt_bias": (heads,)}
     x = tensor_val(given["hidden_states"])
-    return shapes, [x.new_empty(b, s, heads, head_dim, dtype=torch.promote_types(x.dtype, torch.float32)),
-                    x.new_empty(b, heads, head_dim, size, dtype=torch.promote_types(x.dtype, torch.float32))], \
+    return shapes, x.new_empty(b, s, heads, head_dim, dtype=torch.promote_types(x.dtype, torch.float32)), \
         (("chunk_size", chunks[0]), ("dt_limit", (bounds.get("min"), bounds.get("max"))))
 
 
 _READS = {GatedDeltaRule: _delta_rule_read, StateSpaceScan: _scan_read}
-"""How the ops traced from each kind of recurrence are checked and read (``recurrence_as_one_op``)."""
+"""How the ops traced from each kind of recurrence are checked and read (``recurrence_as_one_op``):
+the shapes of its arguments but the state, its output, its options. The state, the one it starts
+from and the final one, is the kind's own (``state``)."""
 
 
 def recurrence_as_one_op(gm: fx.GraphModule, first: fx.Node, rule: str) -> None:
@@ -401,9 +398,14 @@ def recurrence_as_one_op(gm: fx.GraphModule, first: fx.Node, rule: str) -> None:
     if len(read) not in (len(reads) - 1, len(reads)) or any(tensor_val(n) is None for n in read):
         return
     found = _READS[kind](given, region)
-    if found is None or not all(same_size(tuple(tensor_val(given[name]).shape), found[0][name]) for name in given):
+    if found is None:
         return
-    _, values, options = found
+    shapes, output, options = found
+    final = kind.state({name: tensor_val(n) for name, n in given.items()})
+    shapes["state"] = tuple(final.shape)
+    if not all(same_size(tuple(tensor_val(given[name]).shape), shapes[name]) for name in given):
+        return
+    values = [output, final]
     leaving = [n for n in region if any(u not in inside for u in n.users)]
     kept = {n: i for n in leaving for i, val in enumerate(values)
             if tensor_val(n) is not None and same_size(tuple(tensor_val(n).shape), tuple(val.shape))}
