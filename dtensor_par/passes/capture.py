@@ -21,7 +21,7 @@ from ..symbolic import SymbolicInputs, is_symbolic, recording_guards
 from .context import ParallelContext, ParamInfo, at_node
 from .expert_loop import loop_of_experts_as_rows
 from .meta import BufferValue, module_paths, record_capture, set_buffer_value, set_param_fqn
-from .nodes import target_name, writes_in_place
+from .nodes import acts_beyond_value, target_name, writes_in_place
 from .rules.registry import lookup
 
 _SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)(?:'\])?\['([^']+)'\]")
@@ -148,9 +148,9 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         if node.op == "output" or not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
             continue
         node.replace_all_uses_with(value if is_symbolic(value) else int(value))
-        if node.op != "placeholder":
+        if node.op != "placeholder" and not acts_beyond_value(node):
             gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or writes_in_place(n))
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or acts_beyond_value(n))
     _mark_requires_grad(gm, ctx.example_inputs)
     gm.recompile()
     return gm
@@ -279,7 +279,7 @@ def erase_unused(gm: fx.GraphModule, node: fx.Node) -> None:
     while stack:
         n = stack.pop()
         if n in erased or n.users or n.op not in ("call_function", "call_method") or n.is_impure() \
-                or writes_in_place(n):
+                or acts_beyond_value(n):
             continue
         inputs = n.all_input_nodes
         gm.graph.erase_node(n)

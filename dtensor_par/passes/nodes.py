@@ -32,6 +32,24 @@ def writes_in_place(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_")
 
 
+_VMAP_LEVELS = {torch._functorch.predispatch._vmap_increment_nesting,
+                torch._functorch.predispatch._vmap_decrement_nesting}
+
+
+def is_vmap_level(node: fx.Node) -> bool:
+    """Whether ``node`` opens or closes a level of vmap: Dynamo traces ``torch.vmap`` (transformers'
+    associative scan) as a level opened (an int, which the batched ops read as a constant), the
+    batched ops, the level closed."""
+    return node.op == "call_function" and node.target in _VMAP_LEVELS
+
+
+def acts_beyond_value(node: fx.Node) -> bool:
+    """Whether ``node`` does more than give its value: it writes in place (``writes_in_place``)
+    or opens or closes a level of vmap. FX's dead-code elimination thinks both pure; without
+    the level, the batched ops fail."""
+    return writes_in_place(node) or is_vmap_level(node)
+
+
 def called(node: fx.Node, args: tuple, kwargs: dict):
     """What ``node``'s call (a function, or a Tensor method) gives on ``args`` and ``kwargs``."""
     return node.target(*args, **kwargs) if node.op == "call_function" else getattr(args[0], node.target)(*args[1:],
