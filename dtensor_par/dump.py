@@ -88,7 +88,7 @@ def sites_text(ctx: ParallelContext) -> str:
             lines.append(f"{site.name}: {site.num_experts} experts, top-{site.top_k}, router={names([site.router])} "
                          f"(replicated); up={names(site.up)} down={names(site.down)}; {experts_per_rank(site, ctx)}")
         else:
-            lines.append(f"{site.name}: mlp up={names(site.up)} down={names([site.down])} "
+            lines.append(f"{site.name}: mlp up={names(site.up)} down={names(site.rowwise)} "
                          f"activations={[a.name for a in site.activations]}")
     return "".join(f"{line}\n" for line in lines)  # no sites: no line
 

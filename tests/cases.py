@@ -97,6 +97,13 @@ CASES = {
                                   lambda: [(torch.randn(2, 16, 32, dtype=torch.float64),)]),
     "state_space_scan_uneven_30": (lambda: models.StateSpaceBlock().double(),
                                    lambda: [(torch.randn(2, 30, 32, dtype=torch.float64),)]),
+    # Mamba-1's mixer (its scan by rows, float64: exact): in_proj and dt_proj cut by features over tp, x_proj and
+    # out_proj by input features, B and C whole on every rank; over cp, each rank's rows from the state the rows
+    # before leave; at 30 rows over 8 runs, the 2 that pad the last leave it as it is
+    "selective_scan": (lambda: models.SelectiveScanBlock().double(),
+                       lambda: [(torch.randn(2, 16, 32, dtype=torch.float64),)]),
+    "selective_scan_uneven_30": (lambda: models.SelectiveScanBlock().double(),
+                                 lambda: [(torch.randn(2, 30, 32, dtype=torch.float64),)]),
     # Qwen3-Next's gated norm: heads flattened with the batch and sequence, viewed back
     "gated_head_norm": (models.GatedHeadNorm, lambda: [(torch.randn(2, 16, 32),)]),
     # ViT's class token concatenated before the patches a convolution made: cut over cp where they meet

@@ -485,6 +485,18 @@ class StateSpaceBlock(nn.Module):
         return self.mixer(x)
 
 
+class SelectiveScanBlock(nn.Module):
+    """Mamba-1's mixer (``tests.recurrences``) traced from another module's frame, as a
+    transformers model's is."""
+
+    def __init__(self, dt_softplus: bool = True):
+        super().__init__()
+        self.mixer = recurrences.SelectiveScanMixer(dt_softplus=dt_softplus)
+
+    def forward(self, x):
+        return self.mixer(x)
+
+
 class NormBetweenLinears(nn.Module):
     """A projection whose output reaches an MLP only through the residual stream and an RMSNorm
     written out (Llama's; an attention's out projection not read as one): the norm's ``rsqrt``

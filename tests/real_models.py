@@ -455,6 +455,20 @@ def granite_hybrid():
     return GraniteMoeHybridForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def jamba():
+    """Jamba: a Mamba-1 layer (one projection fused ``[x, z]``, channels first; a causal
+    convolution over x; ``x_proj`` to the time steps' low-rank input, B and C, each normed;
+    ``dt_proj``'s weight times the first; the selective scan, its state per channel) beside an
+    attention layer followed by experts."""
+    from transformers import JambaConfig, JambaForCausalLM
+    config = JambaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64, pad_token_id=0,
+                         attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                         num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                         mamba_dt_rank=8, use_mamba_kernels=False)
+    return JambaForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 def unet():
     """Stable Diffusion's UNet2DConditionModel: resnet blocks of group norms and 3 x 3
     convolutions, cross-attention transformers over the image's positions, a downsampling
@@ -511,5 +525,5 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "deepseek_v3_published": deepseek_v3_published, "gpt_oss": gpt_oss, "mpt": mpt, "apertus": apertus,
              "llama4": llama4, "mochi": mochi, "cogview4": cogview4, "sana": sana,
              "phimoe": phimoe, "hidream": hidream, "ltx": ltx, "flux2": flux2, "qwen3_next": qwen3_next,
-             "qwen3_5": qwen3_5, "granite_hybrid": granite_hybrid,
+             "qwen3_5": qwen3_5, "granite_hybrid": granite_hybrid, "jamba": jamba,
              "diffllama": diffllama, "unet": unet, "lfm2": lfm2}

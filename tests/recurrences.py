@@ -56,6 +56,26 @@ def _scan_by_rows(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, 
     return (out, state) if return_final_states else out
 
 
+def _selective_scan_by_rows(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                            return_last_state=False, **kwargs):
+    """Mamba-1's selective scan one row at a time (transformers' recurrent form of
+    ``mamba_selective_scan``), channels first as that is, in its inputs' dtype. It reads its
+    tensors in the order that one does."""
+    dt = dt + delta_bias.to(dt.dtype)[..., None]
+    if delta_softplus:
+        dt = F.softplus(dt)
+    B, C = B.transpose(1, 2), C.transpose(1, 2)  # [batch, rows, state]
+    decay = torch.exp(A[None, :, None, :] * dt[..., None])  # [batch, channels, rows, state]
+    inputs = dt[..., None] * B[:, None] * hidden_states[..., None]
+    state = hidden_states.new_zeros(*hidden_states.shape[:2], A.shape[-1])
+    out = []
+    for t in range(hidden_states.shape[-1]):
+        state = decay[:, :, t] * state + inputs[:, :, t]
+        out.append((state @ C[:, t, :, None])[..., 0])
+    out = (torch.stack(out, -1) + hidden_states * D[None, :, None]) * F.silu(z)
+    return (out, state) if return_last_state else out
+
+
 class _Wrapped(nn.Module):
     """A function wrapped in a module, as transformers' kernel hub wraps its recurrences."""
 
@@ -69,6 +89,7 @@ class _Wrapped(nn.Module):
 
 torch_chunk_gated_delta_rule = _Wrapped(_gated_delta_rule_by_rows)
 mamba2_chunk_scan = _Wrapped(_scan_by_rows)
+mamba_selective_scan = _Wrapped(_selective_scan_by_rows)
 
 
 class GatedDeltaRuleMixer(nn.Module):
@@ -123,3 +144,33 @@ class StateSpaceMixer(nn.Module):
         gated = (out.reshape(b, s, -1) * F.silu(z)).view(b, s, self.groups, -1)
         normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + 1e-6)
         return x + self.out_proj(self.norm * normed.view(b, s, -1)) + state.mean((1, 2, 3))[:, None, None]
+
+
+class SelectiveScanMixer(nn.Module):
+    """Mamba-1's mixer as transformers writes it, small: one projection fused ``[x, z]``, channels
+    first; a causal depthwise convolution over x, SiLU; ``x_proj`` to the time steps' low-rank
+    input, B and C (one set for every channel); the time steps by ``dt_proj``'s weight; the
+    selective scan (``mamba_selective_scan``, by rows); an out projection. Its final state is
+    read too (its mean per batch row added), as a cache keeps it. Its time steps pass a softplus
+    (``dt_softplus``) as every transformers model's do."""
+
+    def __init__(self, hidden: int = 32, inner: int = 64, state: int = 4, rank: int = 4, dt_softplus: bool = True):
+        super().__init__()
+        self.state, self.rank, self.dt_softplus = state, rank, dt_softplus
+        self.in_proj = nn.Linear(hidden, 2 * inner, bias=False)
+        self.conv1d = nn.Conv1d(inner, inner, 3, groups=inner, padding=2)
+        self.x_proj = nn.Linear(inner, rank + 2 * state, bias=False)
+        self.dt_proj = nn.Linear(rank, inner)
+        self.A_log, self.D = nn.Parameter(torch.rand(inner, state).log()), nn.Parameter(torch.randn(inner))
+        self.out_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        s = x.shape[1]
+        h, z = self.in_proj(x).transpose(1, 2).chunk(2, dim=1)
+        h = F.silu(self.conv1d(h)[..., :s])
+        dt, B, C = self.x_proj(h.transpose(1, 2)).split([self.rank, self.state, self.state], -1)
+        out, state = mamba_selective_scan(h, self.dt_proj.weight @ dt.transpose(1, 2), -torch.exp(self.A_log),
+                                          B.transpose(1, 2), C.transpose(1, 2), D=self.D, z=z,
+                                          delta_bias=self.dt_proj.bias, delta_softplus=self.dt_softplus,
+                                          return_last_state=True)
+        return x + self.out_proj(out.transpose(1, 2)) + state.mean((1, 2))[:, None, None]

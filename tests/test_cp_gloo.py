@@ -12,7 +12,7 @@ PAIRS = {
                                                                 "state_space_scan"],
                       names=["gpt_fused_qkv", "llama_gqa_rope", "additive_mask", "conv1d", "joint_attention",
                              "flatten_tokens", "causal_mask_in_a_buffer", "torch_encoder", "small_unet",
-                             "gated_delta_rule", "state_space_scan"]),
+                             "gated_delta_rule", "state_space_scan", "selective_scan"]),
     # conv1d and flatten_tokens plan alike over ulysses: once, at tp2-ring2 (CI time).
     # Repeated kv heads run as enable_gqa: 4 kv heads split over tp x ulysses as they are; 2
     # (llama_gqa_rope) are each repeated twice first, the fewest that split.
@@ -31,7 +31,7 @@ PAIRS = {
                                   "joint_attention_masked", "rows_hidden_by_an_input", "joint_before_projection",
                                   "folded_heads_attention", "window_mask_in_a_buffer", "running_positions",
                                   "class_token", "small_unet", "gated_delta_rule_uneven_30",
-                                  "state_space_scan_uneven_30"]),
+                                  "state_space_scan_uneven_30", "selective_scan_uneven_30"]),
 }
 ONE_GRAPH = {"capture_dynamic_output_shape_ops": True}
 """Dynamo's option under which a loop over an nn.ModuleList's experts is one graph (``passes.expert_loop``)."""
@@ -105,9 +105,11 @@ def test_each_pair_of_mesh_dims_at_world_4(pair):
         assert result["small_unet"]["warnings"] == [], result["small_unet"]
     if "running_positions" in result:  # position ids and a running mean summed along the sequence cut over cp
         assert result["running_positions"]["warnings"] == [], result["running_positions"]
+    # float64: exact to its rounding, each rank's rows run from the state the rows before leave (the padding's leave
+    # it as it is), nothing gathered
     for name in ("gated_delta_rule", "gated_delta_rule_uneven_30", "state_space_scan", "state_space_scan_groups_2",
-                 "state_space_scan_uneven_30"):  # float64: exact to its rounding, each rank's rows run from the
-        if name in result:  # state the rows before leave (the padding's leave it as it is), nothing gathered
+                 "state_space_scan_uneven_30", "selective_scan", "selective_scan_uneven_30"):
+        if name in result:
             case = result[name]
             assert case["forward_abs"] <= 1e-12 and case["grad_rel"] <= 1e-12 and case["warnings"] == [], case
 

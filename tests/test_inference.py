@@ -86,6 +86,8 @@ def _world2_launch() -> list[dict]:
         "recurrence ring": (decorated_written_out_generate, {"name": "qwen3_5", "ring": 2}),
         "scan tp": (decorated_written_out_generate, {"name": "granite_hybrid", "tp": 2}),
         "scan ring": (decorated_written_out_generate, {"name": "granite_hybrid", "ring": 2}),
+        "selective scan tp": (decorated_written_out_generate, {"name": "jamba", "tp": 2}),
+        "selective scan ring": (decorated_written_out_generate, {"name": "jamba", "ring": 2}),
         "decode plans": (decode_plans, {}),
         "cp decode": (cp_decode, {"runs": [({"ring": 2}, "mistral"), ({"ulysses": 2}, "llama")]}),
         "entry points": (generate_entry_points, {}),
@@ -176,11 +178,15 @@ def test_decorated_transformers_llama_generates_one_devices_tokens():
     recurrence on each rank's heads, the states gathered into the cache's, warned) and under
     ring=2 (the prompt's recurrence on each rank's rows, each decode step's whole). So does
     Granite 4's Mamba-2 layer: the prompt's scan on each rank's heads or rows, its final state
-    the cache's; each decode step's state, cloned and written whole, read as the value written."""
+    the cache's; each decode step's state, cloned and written whole, read as the value written.
+    So does Jamba's Mamba-1 layer: its prompt's 8 rows as many as its state's size (the output
+    and the state told apart by what reads C), its decode step's state read through an alias
+    (``state.float()``) before the write."""
     for result in WORLD2.result():
         _check_decorated_generate(result["decorated ring"])
         for written in (result["written out ring"], result["alibi ring"], result["recurrence tp"],
-                        result["recurrence ring"], result["scan tp"], result["scan ring"]):
+                        result["recurrence ring"], result["scan tp"], result["scan ring"],
+                        result["selective scan tp"], result["selective scan ring"]):
             assert written["tokens"] == written["expected"] and written["steps"] == 16, written
             assert written["logits"] <= FORWARD_ATOL, written
 

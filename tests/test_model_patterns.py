@@ -62,6 +62,20 @@ def test_parts_are_read_past_ops_that_keep_each_feature_apart():
                for p in graph.placements), graph.placements
 
 
+def test_mamba1s_mixer_is_one_site_with_x_proj_inside():
+    """Mamba-1's mixer: in_proj and dt_proj (``dt_proj.weight @ x``, read as a linear) cut by
+    their output features, x_proj (B and C for every channel, dt_proj's input) and out_proj by
+    their input features, one site (``MLPSite.inner``): x_proj's partial sums reduced once, the
+    scan on each rank's channels. Before, in_proj to x_proj was a site, dt_proj ran whole on every
+    rank and out_proj was gathered."""
+    graph = _explain(models.SelectiveScanBlock(), (torch.randn(2, 16, 32),), tp=2)
+    assert graph.coverage.fallback_gathers == [] and graph.warnings == [], graph.warnings
+    assert graph.coverage.sharded_linear_flops == graph.coverage.linear_flops, graph.coverage.summary()
+    assert graph.placements == ["mlp0: mixer.in_proj.weight=IS(0,[64, 64]), mixer.dt_proj.weight=S(0), "
+                                "mixer.conv1d.weight=R, mixer.x_proj.weight=S(1), mixer.out_proj.weight=S(1)"], \
+        graph.placements
+
+
 def test_a_model_without_any_parallel_site_is_reported():
     odd_mlp = torch.nn.Sequential(torch.nn.Linear(32, 18), torch.nn.GELU(), torch.nn.Linear(18, 32))
     graph = _explain(odd_mlp, (torch.randn(2, 8, 32),), tp=4)

@@ -337,19 +337,22 @@ def test_rows_flattened_for_ops_row_by_row_run_unflattened():
 
 
 @pytest.mark.parametrize("block, unlike_transformers", [
-    (models.GatedDeltaRuleBlock, {"normalized": False}), (models.StateSpaceBlock, {"dt_softplus": False})])
+    (models.GatedDeltaRuleBlock, {"normalized": False}), (models.StateSpaceBlock, {"dt_softplus": False}),
+    (models.SelectiveScanBlock, {"dt_softplus": False})])
 def test_a_recurrence_traced_from_the_module_wrapping_it_becomes_one_op(block, unlike_transformers):
-    """The gated delta rule's and Mamba-2's scan's ops, traced from the module transformers wraps
-    each in (here their rows one by one, ``tests.recurrences``), become one ``linear_recurrence``
-    of the function itself, computing the same. Called otherwise than transformers calls it
-    (without q's and k's l2 norms; time steps without a softplus), its ops stay as traced: the
-    one op calls it as transformers does."""
-    inputs = [torch.randn(2, 16, 32)]
+    """The gated delta rule's, Mamba-2's and Mamba-1's scan's ops, traced from the module
+    transformers wraps each in (here their rows one by one, ``tests.recurrences``), become one
+    ``linear_recurrence``, computing the same (Mamba-1's channels-first tensors laid out rows
+    first for it, its output laid out back). Called otherwise than transformers calls it (without
+    q's and k's l2 norms; time steps without a softplus), its ops stay as traced: the one op calls
+    it as transformers does. The output and the final state are told apart by what reads the
+    read-out tensor (q; C), not by their shapes: at 4 rows, Mamba-1's are alike."""
     model = block()
-    gm, ctx = _passes_on(model, inputs, (capture_pass, canonicalize_pass), ulysses=2)
-    ops = [op_kind(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
-    assert ops.count("recurrence") == 1 and len(ops) < 40, ops
-    torch.testing.assert_close(gm(*ctx.example_inputs)[0], model(*inputs), atol=1e-6, rtol=1e-6)
+    for inputs in ([torch.randn(2, 16, 32)], [torch.randn(2, 4, 32)]):
+        gm, ctx = _passes_on(model, inputs, (capture_pass, canonicalize_pass), ulysses=2)
+        ops = [op_kind(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+        assert ops.count("recurrence") == 1 and len(ops) < 40, ops
+        torch.testing.assert_close(gm(*ctx.example_inputs)[0], model(*inputs), atol=1e-6, rtol=1e-6)
     gm, _ = _passes_on(block(**unlike_transformers), inputs, (capture_pass, canonicalize_pass), ulysses=2)
     assert "recurrence" not in [op_kind(n) for n in gm.graph.nodes]
 
@@ -540,6 +543,22 @@ def _canonical_form(gm) -> list:
             for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
 
 
+def _read_then_written(x):
+    """Mamba's decode step: a state cloned, read through ``.float()`` (the clone itself: float32
+    already) into a new tensor, then written whole with it."""
+    state = x.clone()
+    state.copy_(state.float() * 2 + 1)
+    return state + 1
+
+
+def _aliased_then_written(x):
+    """The clone's alias read after the write: it sees the written values."""
+    state = x.clone()
+    alias = state.float()
+    state.copy_(x * 2)
+    return alias + 1
+
+
 @pytest.mark.parametrize("rule", CANONICALIZED)
 def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
     """A rule's op called by position, by keyword or as a method canonicalizes alike (Bloom's
@@ -565,6 +584,10 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
         torch.testing.assert_close(gm(*ctx.example_inputs)[0], _written_reshaped_back(*inputs[:1]))
     if rule == "copy_into_fresh_out_of_place":  # the value written, read in place of the buffer
         assert ops == ["mul", "add"], ops
+        for read, rewritten in ((_read_then_written, True), (_aliased_then_written, False)):
+            gm, ctx = _passes_on(Spelled(read), inputs, (capture_pass, canonicalize_pass), ulysses=2)
+            assert any(n.target == "copy_" for n in gm.graph.nodes) != rewritten, gm.graph
+            torch.testing.assert_close(gm(*ctx.example_inputs)[0], read(*inputs))
     if rule == "elementwise_extreme":  # of two tensors: no reduction
         assert ops.count("maximum") == 2 and "extreme" not in ops, ops
     if rule == "softmax_of_unshifted":  # a shift along another dim than the softmax's would change it
@@ -744,20 +767,45 @@ def test_attention_with_its_heads_folded_around_a_3d_softmax_is_a_site_of_its_he
 
 
 class TransposedWeight(torch.nn.Module):
-    """Falcon's ``FalconLinear``: ``x @ self.weight.T``."""
+    """Falcon's ``FalconLinear``: ``x @ self.weight.T``; Mamba's ``dt_proj.weight @ x``, x's
+    features at dim -2 (``on_the_left``)."""
+
+    def __init__(self, on_the_left: bool = False):
+        super().__init__()
+        self.weight, self.on_the_left = torch.nn.Parameter(torch.randn(16, 8)), on_the_left
+
+    def forward(self, x):
+        return self.weight @ x.transpose(1, 2) if self.on_the_left else x @ self.weight.T
+
+
+@pytest.mark.parametrize("on_the_left", [False, True])
+def test_canonicalize_turns_a_product_with_a_weight_into_a_linear(on_the_left):
+    model, x = TransposedWeight(on_the_left), torch.randn(2, 6, 8)
+    gm, ctx = _passes_on(model, (x,), (capture_pass, canonicalize_pass), tp=2)
+    assert [op for op, _, _ in _canonical_form(gm)].count("linear") == 1
+    assert not any(n.target in (operator.matmul, torch.matmul, "matmul") for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(*ctx.example_inputs)[0], model(x), atol=1e-6, rtol=1e-6)
+
+
+class Vmapped(torch.nn.Module):
+    """``torch.vmap`` in a forward (transformers' associative scan under Dynamo)."""
 
     def __init__(self):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(16, 8))
+        self.proj = torch.nn.Linear(8, 8)
 
     def forward(self, x):
-        return x @ self.weight.T
+        return torch.vmap(lambda row: row * row.sum())(self.proj(x))
 
 
-def test_canonicalize_turns_a_product_with_a_transposed_weight_into_a_linear():
-    model, x = TransposedWeight(), torch.randn(2, 6, 8)
-    gm, ctx = _passes_on(model, (x,), (capture_pass, canonicalize_pass), tp=2)
-    assert [op for op, _, _ in _canonical_form(gm)] == ["linear"]
+def test_capture_keeps_the_levels_of_vmap():
+    """Dynamo traces ``torch.vmap`` as a level opened (an int), the batched ops, the level
+    closed. Capture keeps both calls; before, it folded the level into the ops reading it and
+    dropped the calls, and the batched ops failed when run."""
+    model, x = Vmapped(), torch.randn(2, 6, 8)
+    gm, ctx = _passes_on(model, (x,), (capture_pass,), tp=2)
+    levels = [n.target.__name__ for n in gm.graph.nodes if "nesting" in getattr(n.target, "__name__", "")]
+    assert levels == ["_vmap_increment_nesting", "_vmap_decrement_nesting"], levels
     torch.testing.assert_close(gm(*ctx.example_inputs)[0], model(x), atol=1e-6, rtol=1e-6)
 
 

@@ -27,7 +27,7 @@ MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
             "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss",
             "mpt", "apertus", "llama4", "falcon_multi_query", "gpt_bigcode", "cogview4", "sana", "phimoe",
-            "hidream", "flux2", "qwen3_next", "qwen3_5", "diffllama", "unet", "lfm2", "granite_hybrid"}
+            "hidream", "flux2", "qwen3_next", "qwen3_5", "diffllama", "unet", "lfm2", "granite_hybrid", "jamba"}
 GRAD_RTOL_OF = {"qwen3_5": 1e-3}
 """Qwen3.5's decay parameters (A_log, dt_bias, the projection of a) get gradients summed over
 every position through the recurrence's cumulative gates, which rounding moves far: one device's
@@ -151,7 +151,8 @@ RUNS = {
     # DiffLlama's differential attention: the heads cut half by half over tp (plan.head_groups), beside ulysses.
     # LFM2's short convolution, causal: each rank's runs of rows with the rows before them (beside the ring).
     # Qwen3.5's gated delta rule: on each rank's heads (tp) and runs of rows (the ring's zigzag), from the state
-    # the runs before leave; Granite 4's Mamba-2 scan so too, its one group of B and C whole on every rank.
+    # the runs before leave; Granite 4's Mamba-2 scan so too, its one group of B and C whole on every rank; Jamba's
+    # Mamba-1 scan so too, on each rank's channels.
     4: {"tp2-ulysses2": dict(sizes=MESHES["tp2-ulysses2"],
                              names=MODELS + ["mistral_padded", "wan", "sd3", "gemma2", "gemma2_left_padded", "bloom",
                                              "t5", "t5_padded", "falcon", "mixtral", "mixtral_aux",
@@ -162,7 +163,7 @@ RUNS = {
                                                             "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "mpt",
                                                             "llama4", "falcon_multi_query", "gpt_bigcode",
                                                             "cogview4", "sana", "hidream", "flux2", "lfm2",
-                                                            "qwen3_5", "granite_hybrid"]),
+                                                            "qwen3_5", "granite_hybrid", "jamba"]),
         # Expert parallelism: the experts cut over cp, each rank's rows sent to them and back (the ring's zigzag
         # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them). GPT-OSS's
         # experts (per-row biases gathered by local expert ids at the experts) beside its sinks' ring attention.
@@ -440,6 +441,28 @@ def test_mamba2s_mixer_is_one_site_over_tp_and_its_scan_runs_on_each_ranks_rows_
         (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, **mesh).graphs
         assert graph.warnings == [] and graph.coverage.fallback_gathers == [], graph.warnings
     states = 2 * real_models.BATCH * 4 * (16 + 1) * 16 * 4  # the ring's zigzag: 2 runs a rank
+    assert ("all_gather", states) in [(c["op"], c["bytes_per_rank"]) for c in graph.collectives
+                                      if c["mesh_dims"] == "cp" and c["direction"] == "forward"], graph.collectives
+
+
+def test_mamba1s_mixer_is_one_site_over_tp_and_its_scan_runs_on_each_ranks_rows_over_cp():
+    """Jamba's Mamba-1 layer: in_proj and dt_proj cut by their output features, x_proj and
+    out_proj by their input features, one site (before: in_proj to x_proj a site, out_proj
+    gathered, dt_proj whole). Its scan (one op, canonicalize; before: traced as an associative
+    scan, whose slices were gathered) runs on each rank's channels; over cp each rank runs its
+    rows from the state the rows before leave: each run's end state and decay are gathered, 2
+    runs x 2 rows x 64 channels x (8 + 8) float32 numbers at tp2 x ring2."""
+    model, args, kwargs = real_models.jamba()
+    (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2).graphs
+    cov = graph.coverage
+    assert graph.warnings == [] and cov.sharded_block_linear_flops >= 0.95 * cov.block_linear_flops, cov.summary()
+    layer = "model.layers.0.mamba"
+    assert f"mlp0: {layer}.in_proj.weight=IS(0,[128, 128]), {layer}.dt_proj.weight=S(0), {layer}.conv1d.weight=R, " \
+           f"{layer}.x_proj.weight=S(1), {layer}.out_proj.weight=S(1)" in graph.placements, graph.placements
+    for mesh in ({"tp": 2, "ulysses": 2}, {"tp": 2, "ring": 2}):
+        (graph,) = dtensor_par.explain(model, args, example_kwargs=kwargs, **mesh).graphs
+        assert graph.warnings == [] and graph.coverage.fallback_gathers == [], graph.warnings
+    states = 2 * real_models.BATCH * 64 * (8 + 8) * 4  # the ring's zigzag: 2 runs a rank
     assert ("all_gather", states) in [(c["op"], c["bytes_per_rank"]) for c in graph.collectives
                                       if c["mesh_dims"] == "cp" and c["direction"] == "forward"], graph.collectives
 

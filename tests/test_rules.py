@@ -469,6 +469,23 @@ def test_mamba2s_scan_runs_on_each_ranks_heads_its_single_group_whole_and_on_eac
     assert mixed.out == (R, R) and mixed.note.startswith("a recurrence's inputs cut differently"), mixed
 
 
+def test_mamba1s_scan_runs_on_each_ranks_channels_b_and_c_whole_and_on_each_ranks_rows_over_cp():
+    """Mamba-1's selective scan (rows first, as ``linear_recurrence`` takes it) runs on each
+    rank's channels, its A, D and delta_bias sliced as they are, B and C (one set for every
+    channel) whole on every rank, exact here; on each rank's batch rows; along the sequence,
+    over cp only, from the state the rows before leave (exact in test_cp_gloo, cases
+    selective_scan)."""
+    rows = [_t(2, 6, 8), _t(2, 6, 8), _t(2, 6, 1, 4), _t(2, 6, 1, 4), _t(2, 6, 8)]
+    inputs = rows + [-_t(8, 4).abs(), _t(8), _t(8)]
+    gm = _recurrence_graph("x", "dt", "B", "C", "z", "A", "D", "delta_bias", rule="mamba_selective_scan")
+    channels = check_rule(gm, inputs, [Shard(2)] * 2 + [R] * 2 + [Shard(2)] + [R] * 3)
+    assert channels == NodeSharding((Shard(2), Shard(1)), (Shard(2),) * 2 + (R,) * 2 + (Shard(2),) + (Shard(0),) * 3)
+    assert check_rule(gm, inputs, [Shard(0)] * 5 + [R] * 3) == NodeSharding((Shard(0),) * 2, (Shard(0),) * 5 + (R,) * 3)
+    op = next(n for n in gm.graph.nodes if n.op == "call_function")
+    along = lookup(op).rule(op, tensor_inputs(op), [Shard(1)] * 5 + [R] * 3, RuleEnv("cp", SIZE, {}, False))
+    assert along == NodeSharding((Shard(1), R), (Shard(1),) * 5 + (R,) * 3)
+
+
 def test_setitem_writes_each_shard_in_place_or_is_refused():
     """Wan's RoPE writes ``out[..., 0::2] = ...``: the sharded dim is kept whole, so each rank
     writes its own piece. A write that cuts the sharded dim is refused, never gathered."""

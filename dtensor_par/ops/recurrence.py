@@ -1,16 +1,19 @@
 """A chunked linear recurrence over the sequence run on each cp rank's rows: transformers' gated
 delta rule (``torch_chunk_gated_delta_rule``: Qwen3-Next's, Qwen3.5's, OLMo-hybrid's linear
-attention; ``chunk_kimi_delta_attention``, its decay per key channel: Kimi-Linear's) and Mamba-2's
-selective scan (``mamba2_chunk_scan``: Mamba-2, Bamba, Granite 4, Nemotron-H, Falcon-H1, Zamba2).
+attention; ``chunk_kimi_delta_attention``, its decay per key channel: Kimi-Linear's), Mamba-2's
+selective scan (``mamba2_chunk_scan``: Mamba-2, Bamba, Granite 4, Nemotron-H, Falcon-H1, Zamba2) and
+Mamba-1's (``mamba_selective_scan``: Mamba, FalconMamba, Jamba).
 
 The recurrence carries a state ``S`` along the sequence, and everything it computes is linear in
 its values and the state it starts from, column by column of the values: a run of rows started
 from ``S0`` gives ``out(v, 0) + out(0, S0)`` and ends at ``carry(S0) + E``, ``E`` its end state
 from zero, ``carry`` linear (a matrix for the delta rule, one number a head for the scan: each
-kind's ``fold``). So each rank runs the model's own function on its runs twice:
+kind's ``fold``). So each rank runs the model's own function (Mamba-1's: its formula,
+``selective_scan``) on its runs twice:
 
 1. from a start that reads the carry off the end state, values widened to match (each kind's
-   ``widened``): its output from a zero state, ``E`` and the carry;
+   ``widened``; Mamba-1's scan gives the carry itself): its output from a zero state, ``E`` and
+   the carry (each kind's ``ends``);
 2. every run's end is gathered (the state's size a run and batch row, widened, never the
    sequence), and each rank folds those of the runs before each of its own, in sequence order,
    into the state that run starts from;
@@ -30,6 +33,7 @@ from functools import cache
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import NotSupported
 from ..mesh import MeshDim
@@ -37,7 +41,26 @@ from .collectives import every_rank_positions, gather_stacked
 from .lowerings import FUNCTIONAL
 
 
-class GatedDeltaRule:
+class _FromState:
+    """A kind whose function starts from a given state: a run's end (``E`` and the carry) is read
+    by running it from a widened start (``widened``). Its tensors are laid out as the function's."""
+
+    channels_first = ungrouped = ()
+
+    @classmethod
+    def run_end(cls, t: dict) -> torch.Tensor:
+        """A run's end as ``ends`` gives it (its shape and dtype: what is gathered)."""
+        return cls.widened(t, cls.state(t))[1]
+
+    @classmethod
+    def ends(cls, fn, t: dict, options: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each run's output from a zero state, and its end."""
+        widened, start = cls.widened(t, cls.state(t))
+        out, ends = cls.call(fn, widened, start, True, options)
+        return out[..., :t[cls.values].shape[-1]], ends
+
+
+class GatedDeltaRule(_FromState):
     """transformers' gated delta rule (``torch_chunk_gated_delta_rule`` and its decode step;
     Kimi's with a decay per key channel): a state ``[batch, heads, k_dim, v_dim]`` that a run
     carries through as ``A @ S0 + E``, ``A`` ``[k_dim, k_dim]``: started from ``[0 | I]`` with
@@ -47,6 +70,7 @@ class GatedDeltaRule:
     per_head = ()
     key_heads = ("query", "key")
     values = "value"
+    read_out = "query"  # read by the output only, never by the state
 
     @staticmethod
     def call(fn, t: dict, state, final: bool, options: dict):
@@ -76,7 +100,7 @@ class GatedDeltaRule:
         return {**t, "g": t["g"] * _rows_mask(kept, t["g"]), "beta": t["beta"] * _rows_mask(kept, t["beta"])}
 
 
-class StateSpaceScan:
+class StateSpaceScan(_FromState):
     """transformers' Mamba-2 selective scan (``mamba2_chunk_scan``: Mamba-2, Bamba, Granite 4,
     Nemotron-H, Falcon-H1, Zamba2): a state ``[batch, heads, head_dim, state_size]`` that a run
     decays by one number per head and batch row, ``a``: started from ``[0 ; 1]`` (a row of ones
@@ -87,6 +111,7 @@ class StateSpaceScan:
     per_head = ("A", "D", "dt_bias")
     key_heads = ("B", "C")
     values = "hidden_states"
+    read_out = "C"  # read by the output only, never by the state
 
     @staticmethod
     def call(fn, t: dict, state, final: bool, options: dict):
@@ -121,18 +146,105 @@ class StateSpaceScan:
         return {**t, "dt": t["dt"].masked_fill(~_rows_mask(kept, t["dt"]), -torch.inf)}
 
 
+class SelectiveScan:
+    """transformers' Mamba-1 selective scan (``mamba_selective_scan``: Mamba, FalconMamba, Jamba):
+    a state ``[batch, channels, state_size]`` that each row decays element by element. Its
+    tensors are channels first in the function (``channels_first``: x, dt and z ``[B, D, S]``,
+    B and C ``[B, N, S]``) and rows first here, B and C one group (``ungrouped``:
+    ``[B, S, 1, N]``), shared by every channel; its ``A`` ``[D, N]``, ``D`` and ``delta_bias``
+    are per channel. It is run by ``selective_scan``, the function's own formula: the function
+    takes no state to start from, and its parallel scan runs only under Dynamo (traced again,
+    its loop is unrolled row by row)."""
+
+    rows = ("hidden_states", "dt", "B", "C", "z")
+    per_head = ("A", "D", "delta_bias")
+    key_heads = ("B", "C")
+    values = "hidden_states"
+    read_out = "C"  # read by the output only, never by the state
+    channels_first = rows
+    ungrouped = ("B", "C")
+
+    @staticmethod
+    def call(fn, t: dict, state, final: bool, options: dict):
+        out, last, _ = selective_scan(t, state)
+        return out, last if final else None
+
+    @staticmethod
+    def state(t: dict) -> torch.Tensor:
+        x, size = t["hidden_states"], t["B"].shape[-1]
+        return x.new_zeros(x.shape[0], x.shape[2], size, dtype=torch.promote_types(x.dtype, torch.float32))
+
+    @classmethod
+    def run_end(cls, t: dict) -> torch.Tensor:
+        """A run's end: ``[E | a]``, its end state from zero beside its decay."""
+        return torch.cat([cls.state(t)] * 2, -1)
+
+    @staticmethod
+    def ends(fn, t: dict, options: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        out, last, decay = selective_scan(t, None)
+        return out, torch.cat([last, decay], -1)
+
+    @staticmethod
+    def fold(end: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        return end[..., state.shape[-1]:] * state + end[..., :state.shape[-1]]
+
+    @staticmethod
+    def neutral(t: dict, kept: torch.Tensor, options: dict) -> dict:
+        """Padding rows with a time step of ``-inf``, 0 past the softplus: they leave the state
+        as it is."""
+        return {**t, "dt": t["dt"].masked_fill(~_rows_mask(kept, t["dt"]), -torch.inf)}
+
+
+def selective_scan(t: dict, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mamba-1's scan (``SelectiveScan``'s tensors ``t``, rows first) from ``state`` (zeros if
+    None), in transformers' dtypes (the state in float32, or finer): its output, final state and
+    decay (every row's, multiplied), the state carried by ``prefix_scan``."""
+    x = t["hidden_states"]
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    dt = F.softplus(t["dt"] + t["delta_bias"].to(t["dt"].dtype))
+    decay, states = prefix_scan(torch.exp(t["A"] * dt[..., None]),
+                                dt[..., None] * t["B"].to(dtype) * x[..., None].to(dtype))  # [B, S, D, N]
+    if state is not None:
+        states = states + decay * state[:, None]
+    out = (states.to(x.dtype) @ t["C"].transpose(-1, -2)).squeeze(-1) + x * t["D"]
+    return out * F.silu(t["z"]), states[:, -1], decay[:, -1]
+
+
+def prefix_scan(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h_t = a_t * h_(t-1) + b_t`` from ``h = 0`` along dim 1: each row's product of ``a`` so
+    far and ``h_t``. Rows are combined in pairs, the pairs scanned alike, then each even row
+    from the pair before it: log2(rows) steps of whole-tensor ops, where a loop over the rows
+    would be unrolled row by row when traced."""
+    rows = a.shape[1]
+    if rows == 1:
+        return a, b
+    pairs_a, pairs_b = prefix_scan(a[:, 1::2] * a[:, :-1:2], a[:, 1::2] * b[:, :-1:2] + b[:, 1::2])  # rows 1, 3, ...
+    before = (rows - 1) // 2  # the even rows after row 0, each after the odd row before it
+    even_a = torch.cat([a[:, :1], a[:, 2::2] * pairs_a[:, :before]], 1)
+    even_b = torch.cat([b[:, :1], a[:, 2::2] * pairs_b[:, :before] + b[:, 2::2]], 1)
+    return _interleaved(even_a, pairs_a, rows), _interleaved(even_b, pairs_b, rows)
+
+
+def _interleaved(even: torch.Tensor, odd: torch.Tensor, rows: int) -> torch.Tensor:
+    """Rows ``even[0], odd[0], even[1], ...``, ``rows`` of them."""
+    odd = torch.cat([odd, even[:, -1:]], 1) if odd.shape[1] < even.shape[1] else odd
+    return torch.stack([even, odd], 2).flatten(1, 2)[:, :rows]
+
+
 RECURRENCES = {"torch_chunk_gated_delta_rule": (GatedDeltaRule, ("query", "key", "value", "beta", "g", "state")),
                "chunk_kimi_delta_attention": (GatedDeltaRule, ("query", "key", "value", "beta", "g", "state")),
                "torch_recurrent_gated_delta_rule": (GatedDeltaRule, ("query", "key", "value", "beta", "g", "state")),
                "recurrent_kimi_delta_attention": (GatedDeltaRule, ("query", "key", "value", "g", "beta", "state")),
-               "mamba2_chunk_scan": (StateSpaceScan, ("dt_bias", "dt", "hidden_states", "B", "C", "D", "A", "state"))}
+               "mamba2_chunk_scan": (StateSpaceScan, ("dt_bias", "dt", "hidden_states", "B", "C", "D", "A", "state")),
+               "mamba_selective_scan": (SelectiveScan, ("delta_bias", "dt", "B", "C", "A", "hidden_states", "D", "z"))}
 """The recurrences read as one op (``canonicalize.recurrence_as_one_op``), by the name of the
 module transformers wraps each in: its kind, and its tensor arguments in the order the function
-first reads them (the state it starts from, if given, last)."""
+first reads them (the state it starts from, if it takes one, last)."""
 
 
 def kind_of(rule: str):
-    """The kind (``GatedDeltaRule``, ``StateSpaceScan``) of the recurrence ``rule`` names."""
+    """The kind (``GatedDeltaRule``, ``StateSpaceScan``, ``SelectiveScan``) of the recurrence
+    ``rule`` names."""
     return RECURRENCES[rule.split(":")[1]][0]
 
 
@@ -216,8 +328,7 @@ def sharded_linear_recurrence(rule: str, *tensors: torch.Tensor, options: tuple 
     if plan.padded:
         t = kind.neutral(t, _kept(t[kind.values], plan), options)
     zeros = kind.state(t)
-    widened, start = kind.widened(t, zeros)
-    out, ends = kind.call(fn, widened, start, True, options)
+    out, ends = kind.ends(fn, t, options)
     every = gather_stacked(ends.unflatten(0, (plan.runs, batch)), mesh_dim, comm).flatten(0, 1)  # [all runs, ...]
     owned = torch.zeros(len(plan.order), dtype=torch.bool, device=every.device)
     owned[list(plan.mine)] = True
@@ -228,5 +339,5 @@ def sharded_linear_recurrence(rule: str, *tensors: torch.Tensor, options: tuple 
         state, final = kind.fold(every[run], state), kind.fold(owned_only[run], final)
     carried, _ = kind.call(fn, {**t, kind.values: torch.zeros_like(t[kind.values])},
                            torch.stack(starts)[list(plan.mine)].flatten(0, 1), False, options)
-    out = out[..., :carried.shape[-1]] + carried
+    out = out + carried
     return out.unflatten(0, (plan.runs, batch)).transpose(0, 1).flatten(1, 2), final

@@ -9,7 +9,9 @@
   sequence dims are never flattened together, so a sequence sharded over cp stays sharded,
   and the projection is found and sharded like any other (its weight transposed).
 - A product with a parameter's ``.T`` (Falcon's ``FalconLinear``: ``x @ self.weight.T``)
-  becomes ``linear(x, weight)``, found and sharded as any projection.
+  becomes ``linear(x, weight)``, and a parameter's product with a tensor whose features are its
+  rows (Mamba's ``dt_proj.weight @ x``) ``linear(x.mT, weight).mT``: found and sharded as any
+  projection.
 - Any other ``addmm``/``baddbmm`` (function or method) becomes
   ``beta * input + alpha * (a @ b)``: a matmul and an add, which have rules.
 - ``x.narrow(dim, start, length)`` becomes the slice ``x[..., start:start + length, ...]``, so
@@ -88,6 +90,7 @@ from __future__ import annotations
 import math
 import operator
 import re
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -96,12 +99,13 @@ import torch.nn.functional as F
 
 from ..ops.grouped import GROUPED_MM
 from ..ops.halo import padded_conv1d
-from ..ops.recurrence import RECURRENCES, GatedDeltaRule, StateSpaceScan, linear_recurrence, recurrence
+from ..ops.recurrence import RECURRENCES, GatedDeltaRule, SelectiveScan, StateSpaceScan, linear_recurrence, recurrence
 from ..symbolic import is_symbolic, same_size
 from .capture import emitted, erase_unused, with_val
 from .context import ParallelContext, at_node
 from .detect import is_topk
-from .nodes import arguments, called, keywords_as_positions, tensor_inputs, tensor_val, writes_in_place
+from .nodes import (arguments, called, is_vmap_level, keywords_as_positions, tensor_inputs, tensor_val,
+                    writes_in_place)
 from .rules.indexing import split_dim
 from .rules.registry import kinds_in, op_kind
 
@@ -152,18 +156,28 @@ def _transposed_parameter(node, ctx: ParallelContext) -> fx.Node | None:
         else None
 
 
-def transposed_weight_linear(gm: fx.GraphModule, matmul: fx.Node, ctx: ParallelContext) -> None:
-    """Rewrite ``x @ W.T`` of a parameter ``W`` into ``linear(x, W)``; anything else (``x @ W.t()``
-    too) stays the matmul it is."""
+def parameter_product_as_linear(gm: fx.GraphModule, matmul: fx.Node, ctx: ParallelContext) -> None:
+    """Rewrite ``x @ W.T`` of a 2-d parameter ``W`` into ``linear(x, W)``, and ``W @ x`` (Mamba's
+    ``dt_proj.weight @ x``, x's features at dim -2) into ``linear(x.mT, W).mT``; anything else
+    (``x @ W.t()`` too) stays the matmul it is."""
     given = arguments(matmul)
-    weight = _transposed_parameter(given["other"], ctx)
-    if weight is None or tensor_val(given["input"]).dim() < 2:
+    left, right = given["input"], given["other"]
+    transposed = _transposed_parameter(right, ctx)
+    on_the_left = transposed is None and isinstance(left, fx.Node) and left.name in ctx.params \
+        and tensor_val(left).dim() == 2
+    x = right if on_the_left else left
+    if not (transposed is not None or on_the_left) or tensor_val(x).dim() < 2:
         return
     with gm.graph.inserting_before(matmul):
-        linear = with_val(gm.graph.call_function(F.linear, (given["input"], weight)), tensor_val(matmul))
+        if on_the_left:
+            rows = emitted(gm.graph, torch.transpose, x, -1, -2)
+            linear = emitted(gm.graph, torch.transpose, emitted(gm.graph, F.linear, rows, left), -1, -2)
+        else:
+            linear = with_val(gm.graph.call_function(F.linear, (x, transposed)), tensor_val(matmul))
     matmul.replace_all_uses_with(linear)
     gm.graph.erase_node(matmul)
-    erase_unused(gm, given["other"])
+    if transposed is not None:
+        erase_unused(gm, right)
 
 
 _ADD_PRODUCT = {torch.addmm, torch.baddbmm, "addmm", "baddbmm"}
@@ -376,10 +390,38 @@ def _scan_read(given: dict, region: list[fx.Node]) -> tuple[dict, torch.Tensor, 
         (("chunk_size", chunks[0]), ("dt_limit", (bounds.get("min"), bounds.get("max"))))
 
 
-_READS = {GatedDeltaRule: _delta_rule_read, StateSpaceScan: _scan_read}
+def _selective_scan_read(given: dict, region: list[fx.Node]) -> tuple[dict, torch.Tensor, tuple] | None:
+    """Mamba-1's scan's shapes in the function's layout (x, dt and z ``[B, D, S]``, B and C
+    ``[B, N, S]``, A ``[D, N]``, D and delta_bias ``[D]``), its output and no options; None unless
+    it applies a softplus to the time steps (``delta_softplus``, as every transformers model asks)."""
+    x, A = tensor_val(given["hidden_states"]), tensor_val(given["A"])
+    if not any(n.target is F.softplus for n in region) or x.dim() != 3 or A.dim() != 2:
+        return None
+    (b, d, s), n = x.shape, A.shape[1]
+    shapes = {"hidden_states": (b, d, s), "dt": (b, d, s), "z": (b, d, s), "B": (b, n, s), "C": (b, n, s),
+              "A": (d, n), "D": (d,), "delta_bias": (d,)}
+    return shapes, x.new_empty(b, d, s, dtype=torch.promote_types(x.dtype, torch.float32)), ()
+
+
+_READS = {GatedDeltaRule: _delta_rule_read, StateSpaceScan: _scan_read, SelectiveScan: _selective_scan_read}
 """How the ops traced from each kind of recurrence are checked and read (``recurrence_as_one_op``):
-the shapes of its arguments but the state, its output, its options. The state, the one it starts
-from and the final one, is the kind's own (``state``)."""
+the shapes of its arguments but the state, in the function's layout, its output, its options. The
+state, the one it starts from and the final one, is the kind's own (``state``)."""
+
+
+def _rows_first(kind, name: str) -> list[tuple]:
+    """The ops, with their arguments after the tensor, that lay the function's argument ``name``
+    out as ``linear_recurrence`` takes it: rows at dim 1 (``kind.channels_first``: from dim 2),
+    key heads or groups at dim 2 (``kind.ungrouped``: one)."""
+    return [(torch.movedim, (2, 1))] * (name in kind.channels_first) \
+        + [(torch.unsqueeze, (2,))] * (name in kind.ungrouped)
+
+
+def _laid_out(x, ops: list[tuple], emit=None):
+    """``x`` (a tensor, or a node ``emit``ted into its graph) through ``ops``."""
+    for fn, args in ops:
+        x = emit(fn, x, *args) if emit else fn(x, *args)
+    return x
 
 
 def recurrence_as_one_op(gm: fx.GraphModule, first: fx.Node, rule: str) -> None:
@@ -388,28 +430,27 @@ def recurrence_as_one_op(gm: fx.GraphModule, first: fx.Node, rule: str) -> None:
     are (``_READS``), give only its output and final state and show it called as transformers
     calls it. Otherwise, or where the function cannot be imported, they stay as traced."""
     region, node = [], first
-    while node.op in ("call_function", "call_method") and _recurrence_module(node) == rule:
-        region.append(node)
+    while node.op in ("call_function", "call_method") and (_recurrence_module(node) == rule or is_vmap_level(node)):
+        region.append(node)  # a level of vmap closed is traced without the module (Mamba-1's associative scan)
         node = node.next
     inside = set(region)
     kind, reads = RECURRENCES[rule.split(":")[1]]
     read = list(dict.fromkeys(i for n in region for i in n.all_input_nodes if i not in inside))
     given = dict(zip(reads, read))
-    if len(read) not in (len(reads) - 1, len(reads)) or any(tensor_val(n) is None for n in read):
+    if len(read) not in (len(reads) - (reads[-1] == "state"), len(reads)) or any(tensor_val(n) is None for n in read):
         return
     found = _READS[kind](given, region)
     if found is None:
         return
     shapes, output, options = found
-    final = kind.state({name: tensor_val(n) for name, n in given.items()})
-    shapes["state"] = tuple(final.shape)
-    if not all(same_size(tuple(tensor_val(given[name]).shape), shapes[name]) for name in given):
+    if not all(same_size(tuple(tensor_val(given[name]).shape), shapes[name]) for name in given if name != "state"):
+        return
+    final = kind.state({name: _laid_out(tensor_val(n), _rows_first(kind, name)) for name, n in given.items()})
+    if "state" in given and not same_size(tuple(tensor_val(given["state"]).shape), tuple(final.shape)):
         return
     values = [output, final]
-    leaving = [n for n in region if any(u not in inside for u in n.users)]
-    kept = {n: i for n in leaving for i, val in enumerate(values)
-            if tensor_val(n) is not None and same_size(tuple(tensor_val(n).shape), tuple(val.shape))}
-    if len(kept) != len(leaving) or len(set(kept.values())) != len(kept) or same_size(values[0].shape, values[1].shape):
+    kept = _values_read(region, given[kind.read_out], values)
+    if kept is None:
         return
     for n, i in kept.items():
         values[i] = tensor_val(n)
@@ -417,14 +458,49 @@ def recurrence_as_one_op(gm: fx.GraphModule, first: fx.Node, rule: str) -> None:
         recurrence(rule)
     except (ImportError, AttributeError):
         return
-    tensors = [given[name] for name in kind.rows + kind.per_head + ("state",) if name in given]
-    with gm.graph.inserting_before(first):
-        call = gm.graph.call_function(linear_recurrence, (rule, *tensors), {"options": options} if options else {})
-        with_val(call, tuple(values))
-        for n, i in kept.items():
-            n.replace_all_uses_with(with_val(gm.graph.call_function(operator.getitem, (call, i)), n.meta["val"]))
+    _recurrence_call(gm, first, rule, given, kept, values, options)
     for n in reversed(region):
         gm.graph.erase_node(n)
+
+
+def _values_read(region: list[fx.Node], read_out: fx.Node, values: list) -> dict[fx.Node, int] | None:
+    """The nodes of ``region`` read after it, each the recurrence's output (0) or its final state
+    (1), as their shapes tell, or where both are alike (Mamba-1's when the rows are as many as its
+    state's size), as what they are made from does: the output from the read-out tensor
+    (``kind.read_out``), which the state never reads. None where one is neither, or two are the
+    same value."""
+    inside = set(region)
+    from_read_out, stack = set(), [read_out]
+    while stack:
+        for user in stack.pop().users:
+            written = user.args[0] if writes_in_place(user) or user.target is operator.setitem else None
+            for reached in (user, written):  # a write reaches the tensor written into
+                if reached in inside and reached not in from_read_out:
+                    from_read_out.add(reached)
+                    stack.append(reached)
+    kept = {}
+    for n in (n for n in region if any(u not in inside for u in n.users)):
+        fits = [i for i, value in enumerate(values)
+                if tensor_val(n) is not None and same_size(tuple(tensor_val(n).shape), tuple(value.shape))]
+        kept[n] = fits[0] if len(fits) == 1 else int(n not in from_read_out) if fits else None
+    return kept if None not in kept.values() and len(set(kept.values())) == len(kept) else None
+
+
+def _recurrence_call(gm: fx.GraphModule, first: fx.Node, rule: str, given: dict, kept: dict, values: list,
+                     options: tuple) -> None:
+    """One ``linear_recurrence`` of ``rule`` before ``first``, its tensors ``given`` laid out as it
+    takes them, read by the nodes ``kept`` maps to its output (0, laid out back as the function's)
+    or final state (1); ``values`` are theirs, in the function's layout."""
+    kind = RECURRENCES[rule.split(":")[1]][0]
+    emit, back = partial(emitted, gm.graph), [(torch.movedim, (1, 2))] if kind.channels_first else []
+    with gm.graph.inserting_before(first):
+        tensors = [_laid_out(given[name], _rows_first(kind, name), emit)
+                   for name in kind.rows + kind.per_head + ("state",) if name in given]
+        call = gm.graph.call_function(linear_recurrence, (rule, *tensors), {"options": options} if options else {})
+        with_val(call, (values[0].movedim(2, 1).contiguous() if back else values[0], values[1]))
+        for n, i in kept.items():
+            got = with_val(gm.graph.call_function(operator.getitem, (call, i)), call.meta["val"][i])
+            n.replace_all_uses_with(_laid_out(got, back, emit) if i == 0 else got)
 
 
 def cropped_conv_as_padded(gm: fx.GraphModule, crop: fx.Node) -> None:
@@ -719,19 +795,28 @@ _FRESH = {torch.zeros, torch.empty, torch.ones, torch.zeros_like, torch.empty_li
 """Factories and copies: a tensor they make shares its storage with no other."""
 
 
+def _read_before(reader: fx.Node, write: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Whether ``reader`` makes a new tensor before ``write``, or casts (an alias where the dtype
+    is the same: Mamba's ``state.float()``) that only such readers read before it."""
+    if order[reader] > order[write]:
+        return False
+    if op_kind(reader) == "cast":
+        return all(_read_before(user, write, order) for user in reader.users)
+    return op_kind(reader) in kinds_in("pointwise")
+
+
 def copy_into_fresh_out_of_place(gm: fx.GraphModule, node: fx.Node) -> None:
     """Rewrite ``fresh.copy_(src)``, ``fresh`` a tensor a factory or a copy just made and ``src``
     as large (a linear attention cache's state, made zeros, then written whole; Mamba-2's decode
     step's, cloned, read, then written whole), into ``src`` (cast to ``fresh``'s dtype) read in
     place of ``fresh`` and of the write's result after it, where only ops making new tensors
-    read ``fresh`` before (no view of it sees the write) and nothing writes into ``src`` after
-    it: the same values everywhere."""
+    read ``fresh`` before (``_read_before``: no view of it sees the write) and nothing writes
+    into ``src`` after it: the same values everywhere."""
     given = arguments(node)
     fresh, src = given["input"], given["src"]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    computed = kinds_in("pointwise") - {"cast"}
     if fresh.target not in _FRESH or not isinstance(src, fx.Node) or tensor_val(src) is None \
-            or any(order[u] < order[node] and op_kind(u) not in computed for u in fresh.users) \
+            or any(order[u] < order[node] and not _read_before(u, node, order) for u in fresh.users) \
             or any(writes_in_place(u) and order[u] > order[node] for u in src.users) \
             or not same_size(tuple(tensor_val(src).shape), tuple(tensor_val(fresh).shape)):
         return
@@ -1056,7 +1141,7 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
     elif (down := row_product(node)) is not None:
         experts_as_grouped(gm, down, ctx)
     elif node.op in ("call_function", "call_method") and node.target in (operator.matmul, torch.matmul, "matmul"):
-        transposed_weight_linear(gm, node, ctx)
+        parameter_product_as_linear(gm, node, ctx)
     elif node.op in ("call_function", "call_method") and node.target in _EMPTY:
         slice_fills_as_cat(gm, node)
     elif node.op == "call_method" and node.target == "add_":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
@@ -97,6 +97,9 @@ class MLPSite:
     activations: list[fx.Node] = field(default_factory=list)  # and bilinear gates (detect._gates)
     # depthwise convolutions and group norms between, their weights cut with the channels
     channelwise: list[fx.Node] = field(default_factory=list)
+    # projections between that read the cut features and give whole ones, which up projections
+    # read (Mamba-1's x_proj: its time steps' low-rank input, then dt_proj; B and C for every channel)
+    inner: list[fx.Node] = field(default_factory=list)
 
     @property
     def colwise(self) -> list[fx.Node]:
@@ -104,7 +107,7 @@ class MLPSite:
 
     @property
     def rowwise(self) -> list[fx.Node]:
-        return [self.down]
+        return [*self.inner, self.down]
 
 
 @dataclass(frozen=True)
@@ -555,11 +558,31 @@ def find_mlp_sites(gm: fx.GraphModule, ctx: ParallelContext, taken: set[fx.Node]
         if kind == "conv" and _leaves_site(ups + between, {*between, node}):
             continue
         norms = [n for n in between if op_kind(n) == "group_norm" and _has_param_weight(n, ctx)]
+        inner = _inner_site(sites, ups, taken)
         if ups and activations and not taken.intersection(ups):
             sites.append(MLPSite(f"mlp{len(sites)}", ups, node, activations, channelwise + norms))
-            taken.update(ups)
-            taken.add(node)
+        elif inner is not None:
+            site = sites[inner]
+            sites[inner] = replace(site, up=site.up + [up for up in ups if up not in taken], down=node,
+                                   activations=list(dict.fromkeys(site.activations + activations)),
+                                   channelwise=list(dict.fromkeys(site.channelwise + channelwise + norms)),
+                                   inner=site.inner + [site.down])
+        else:
+            continue
+        taken.update(ups)
+        taken.add(node)
     return sites
+
+
+def _inner_site(sites: list[MLPSite], ups: list[fx.Node], taken: set[fx.Node]) -> int | None:
+    """The earlier site whose projections are all among ``ups``, a down projection's walk back,
+    and the only ones of them taken: a site inside a larger one (Mamba-1's in_proj to x_proj, in
+    its mixer from in_proj and dt_proj to out_proj), which the larger one takes in
+    (``MLPSite.inner``)."""
+    for i, site in enumerate(sites):
+        if site.down in ups and taken.intersection(ups) == {*site.up, *site.inner, site.down}:
+            return i
+    return None
 
 
 def _gates(node: fx.Node, made_from_ups: set[fx.Node]) -> bool:

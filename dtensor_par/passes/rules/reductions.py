@@ -220,7 +220,7 @@ def localize_recurrence(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> No
     plan = run_plan(global_shape(node.args[1])[1], mesh_dim)
     rows = {name: torch.empty([hint(n) for n in planned_local_shape(i, mesh)], dtype=tensor_val(i).dtype, device="meta")
             for name, i in zip(kind.rows, node.args[1:])}  # this rank's, for the state's size
-    end = kind.widened(rows, kind.state(rows))[1]  # a run's end state, widened: what is gathered
+    end = kind.run_end(rows)  # what is gathered
     nbytes = plan.runs * end.numel() * end.element_size()
     new = replaced_by(gm, node, "call_function", sharded_linear_recurrence, node.args,
                       {**node.kwargs, "plan": plan, "mesh_dim": mesh_dim})
