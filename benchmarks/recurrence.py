@@ -1,14 +1,15 @@
 """A rank's share of a recurrence over cp, forward and backward, on one CPU thread: transformers'
-gated delta rule (``torch_chunk_gated_delta_rule``, Qwen3.5's) and Mamba-2's selective scan
-(``mamba2_chunk_scan``, Granite 4's).
+gated delta rule (``torch_chunk_gated_delta_rule``, Qwen3.5's), Mamba-2's selective scan
+(``mamba2_chunk_scan``, Granite 4's) and Mamba-1's (``mamba_selective_scan``, Jamba's, run by
+``ops.recurrence.selective_scan``).
 
     python -m benchmarks.recurrence [--lengths 2048 4096] [--cps 2 4] [--json out.json]
 
 ``whole``: the function on the whole sequence, what every cp rank ran when the recurrence gathered
 its inputs. ``rank``: the two calls ``ops.recurrence.sharded_linear_recurrence`` makes on a rank's
-``length / cp`` rows, through each kind's own ``widened`` and ``call`` (values widened to read
-how a run carries a state, then zero values from a given state). Not counted: the gather of the
-runs' end states and their fold, both independent of the length.
+``length / cp`` rows, through each kind's own ``ends`` and ``call`` (each run's output and end,
+then zero values from a given state). Not counted: the gather of the runs' end states and their
+fold, both independent of the length.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 import torch
 
 from benchmarks.report import print_table, save_json
-from dtensor_par.ops.recurrence import GatedDeltaRule, StateSpaceScan, recurrence
+from dtensor_par.ops.recurrence import GatedDeltaRule, SelectiveScan, StateSpaceScan, recurrence
 
 BATCH = 1
 
@@ -37,10 +38,20 @@ def _scan(rows: int) -> tuple[dict, dict]:
             "D": torch.randn(8), "dt_bias": torch.randn(8)}, {"chunk_size": 256, "dt_limit": (0.0, float("inf"))}
 
 
+def _selective_scan(rows: int) -> tuple[dict, dict]:
+    """Mamba-1's shapes, fewer channels: 256 channels, states of 16."""
+    return {"hidden_states": torch.randn(BATCH, rows, 256), "dt": torch.randn(BATCH, rows, 256),
+            "B": torch.randn(BATCH, rows, 1, 16), "C": torch.randn(BATCH, rows, 1, 16),
+            "z": torch.randn(BATCH, rows, 256),
+            "A": -torch.rand(256, 16), "D": torch.randn(256), "delta_bias": torch.randn(256)}, {}
+
+
 KINDS = {"gated delta rule": (GatedDeltaRule, "transformers.models.qwen3_5.modeling_qwen3_5:torch_chunk_gated_delta_rule",
                               _delta_rule),
          "mamba-2 scan": (StateSpaceScan, "transformers.models.granitemoehybrid.modeling_granitemoehybrid:"
-                                          "mamba2_chunk_scan", _scan)}
+                                          "mamba2_chunk_scan", _scan),
+         "mamba-1 scan": (SelectiveScan, "transformers.models.jamba.modeling_jamba:mamba_selective_scan",
+                          _selective_scan)}
 
 
 def _seconds(kind, fn, make, rows: int, as_a_rank: bool) -> float:
@@ -50,11 +61,9 @@ def _seconds(kind, fn, make, rows: int, as_a_rank: bool) -> float:
     t = {name: x.requires_grad_() for name, x in t.items()}
     begin = time.perf_counter()
     if as_a_rank:
-        zeros = kind.state(t)
-        widened, start = kind.widened(t, zeros)
-        out, final = kind.call(fn, widened, start, True, options)
-        carried, _ = kind.call(fn, {**t, kind.values: torch.zeros_like(t[kind.values])}, zeros, False, options)
-        total = out.sum() + final.sum() + carried.sum()
+        out, ends = kind.ends(fn, t, options)
+        carried, _ = kind.call(fn, {**t, kind.values: torch.zeros_like(t[kind.values])}, kind.state(t), False, options)
+        total = out.sum() + ends.sum() + carried.sum()
     else:
         out, final = kind.call(fn, t, None, True, options)
         total = out.sum() + final.sum()
