@@ -7,8 +7,8 @@ gated delta rule (``torch_chunk_gated_delta_rule``, Qwen3.5's), Mamba-2's select
 
 ``whole``: the function on the whole sequence, what every cp rank ran when the recurrence gathered
 its inputs. ``rank``: the two calls ``ops.recurrence.sharded_linear_recurrence`` makes on a rank's
-``length / cp`` rows, through each kind's own ``ends`` and ``call`` (each run's output and end,
-then zero values from a given state). Not counted: the gather of the runs' end states and their
+``length / cp`` rows, through each kind's own ``ends`` and ``carried`` (each run's output and
+end, then what a given state adds). Not counted: the gather of the runs' end states and their
 fold, both independent of the length.
 """
 
@@ -62,8 +62,7 @@ def _seconds(kind, fn, make, rows: int, as_a_rank: bool) -> float:
     begin = time.perf_counter()
     if as_a_rank:
         out, ends = kind.ends(fn, t, options)
-        carried, _ = kind.call(fn, {**t, kind.values: torch.zeros_like(t[kind.values])}, kind.state(t), False, options)
-        total = out.sum() + ends.sum() + carried.sum()
+        total = out.sum() + ends.sum() + kind.carried(fn, t, kind.state(t), options).sum()
     else:
         out, final = kind.call(fn, t, None, True, options)
         total = out.sum() + final.sum()

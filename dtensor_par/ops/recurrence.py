@@ -17,7 +17,8 @@ kind's ``fold``). So each rank runs the model's own function (Mamba-1's: its for
 2. every run's end is gathered (the state's size a run and batch row, widened, never the
    sequence), and each rank folds those of the runs before each of its own, in sequence order,
    into the state that run starts from;
-3. from that state with zero values: what the runs before add to its output.
+3. from that state with zero values: what the runs before add to its output (each kind's
+   ``carried``; Mamba-1's: read off the start, decayed, without a scan).
 
 The final state (a cache's) folds every run, alike on every rank, and so is its gradient: each
 rank sends back only its own runs' share of it (the gather's backward sums what every rank sends,
@@ -58,6 +59,11 @@ class _FromState:
         widened, start = cls.widened(t, cls.state(t))
         out, ends = cls.call(fn, widened, start, True, options)
         return out[..., :t[cls.values].shape[-1]], ends
+
+    @classmethod
+    def carried(cls, fn, t: dict, start: torch.Tensor, options: dict) -> torch.Tensor:
+        """What the state each run starts from adds to its output: the run from it, values zero."""
+        return cls.call(fn, {**t, cls.values: torch.zeros_like(t[cls.values])}, start, False, options)[0]
 
 
 class GatedDeltaRule(_FromState):
@@ -154,7 +160,8 @@ class SelectiveScan:
     ``[B, S, 1, N]``), shared by every channel; its ``A`` ``[D, N]``, ``D`` and ``delta_bias``
     are per channel. It is run by ``selective_scan``, the function's own formula: the function
     takes no state to start from, and its parallel scan runs only under Dynamo (traced again,
-    its loop is unrolled row by row)."""
+    its loop is unrolled row by row). It starts from zeros, as the function does; what a given
+    start adds, ``carried`` computes alone."""
 
     rows = ("hidden_states", "dt", "B", "C", "z")
     per_head = ("A", "D", "delta_bias")
@@ -166,7 +173,9 @@ class SelectiveScan:
 
     @staticmethod
     def call(fn, t: dict, state, final: bool, options: dict):
-        out, last, _ = selective_scan(t, state)
+        if state is not None:
+            raise NotSupported("Mamba-1's selective scan from a given state: transformers' function takes none")
+        out, last, _ = selective_scan(t)
         return out, last if final else None
 
     @staticmethod
@@ -181,8 +190,16 @@ class SelectiveScan:
 
     @staticmethod
     def ends(fn, t: dict, options: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        out, last, decay = selective_scan(t, None)
+        out, last, decay = selective_scan(t)
         return out, torch.cat([last, decay], -1)
+
+    @staticmethod
+    def carried(fn, t: dict, start: torch.Tensor, options: dict) -> torch.Tensor:
+        """``C`` read from ``start`` decayed by each row so far (``exp(A * sum dt)``, no scan),
+        gated by z."""
+        dt = F.softplus(t["dt"] + t["delta_bias"].to(t["dt"].dtype))
+        states = torch.exp(t["A"] * dt.cumsum(1)[..., None]) * start[:, None]  # [B, S, D, N]
+        return (states.to(t["hidden_states"].dtype) @ t["C"].transpose(-1, -2)).squeeze(-1) * F.silu(t["z"])
 
     @staticmethod
     def fold(end: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -195,17 +212,15 @@ class SelectiveScan:
         return {**t, "dt": t["dt"].masked_fill(~_rows_mask(kept, t["dt"]), -torch.inf)}
 
 
-def selective_scan(t: dict, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mamba-1's scan (``SelectiveScan``'s tensors ``t``, rows first) from ``state`` (zeros if
-    None), in transformers' dtypes (the state in float32, or finer): its output, final state and
-    decay (every row's, multiplied), the state carried by ``prefix_scan``."""
+def selective_scan(t: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mamba-1's scan (``SelectiveScan``'s tensors ``t``, rows first) from zeros, in transformers'
+    dtypes (the state in float32, or finer): its output, final state and decay (every row's,
+    multiplied), the state carried by ``prefix_scan``."""
     x = t["hidden_states"]
     dtype = torch.promote_types(x.dtype, torch.float32)
     dt = F.softplus(t["dt"] + t["delta_bias"].to(t["dt"].dtype))
     decay, states = prefix_scan(torch.exp(t["A"] * dt[..., None]),
                                 dt[..., None] * t["B"].to(dtype) * x[..., None].to(dtype))  # [B, S, D, N]
-    if state is not None:
-        states = states + decay * state[:, None]
     out = (states.to(x.dtype) @ t["C"].transpose(-1, -2)).squeeze(-1) + x * t["D"]
     return out * F.silu(t["z"]), states[:, -1], decay[:, -1]
 
@@ -337,7 +352,5 @@ def sharded_linear_recurrence(rule: str, *tensors: torch.Tensor, options: tuple 
     for run in plan.order:  # the state each run starts from, then the final one
         starts[run] = state
         state, final = kind.fold(every[run], state), kind.fold(owned_only[run], final)
-    carried, _ = kind.call(fn, {**t, kind.values: torch.zeros_like(t[kind.values])},
-                           torch.stack(starts)[list(plan.mine)].flatten(0, 1), False, options)
-    out = out + carried
+    out = out + kind.carried(fn, t, torch.stack(starts)[list(plan.mine)].flatten(0, 1), options)
     return out.unflatten(0, (plan.runs, batch)).transpose(0, 1).flatten(1, 2), final
