@@ -206,6 +206,24 @@ def test_work_is_each_ranks_share_of_the_flops_coverage_counts():
     assert flops[1] == {"matmul": ctx.coverage.linear_flops, "attention": whole}
 
 
+@pytest.mark.parametrize("block", [models.SelectiveScanBlock, models.StateSpaceBlock, models.GatedDeltaRuleBlock])
+def test_a_recurrences_work_is_its_kinds_flops_on_each_ranks_heads_and_rows(block):
+    """A recurrence over the sequence counts its kind's FLOPs at attention's rate: at tp=2 half
+    the heads', at ring=2 the two calls a rank makes on half the rows (each kind's ``cp`` count),
+    at tp=2 x ring=2 a quarter of those. Mamba-1's scan: 12 a channel, state number and row."""
+    torch.manual_seed(0)
+    (gm, inputs), = capture_graphs(block(), torch.randn(2, 16, 32))
+    flops = {}
+    for sizes in ({"tp": 1}, {"tp": 2}, {"ring": 2}, {"tp": 2, "ring": 2}):
+        local, _ = parallelize_graph(gm, inputs, MeshInfo.for_planning(sizes, "cpu"))
+        (flops[tuple(sizes.items())],) = [work(n).flops for n in local.graph.nodes
+                                          if work(n) is not None and work(n).engine == "attention"]
+    whole, cp = flops[(("tp", 1),)], flops[(("ring", 2),)] * 2
+    assert flops[(("tp", 2),)] * 2 == whole and flops[(("tp", 2), ("ring", 2))] * 4 == cp and whole < cp < 3 * whole
+    if block is models.SelectiveScanBlock:  # batch 2, 16 rows, 64 channels, states of 4
+        assert whole == 12 * 2 * 16 * 64 * 4 and cp == 18 * 2 * 16 * 64 * 4
+
+
 @pytest.fixture(scope="module")
 def gpt_ranking():
     """A GPT of 4 heads over 8 ranks of an H100 node: tp=8 does not divide the heads."""

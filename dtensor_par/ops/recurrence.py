@@ -101,6 +101,15 @@ class GatedDeltaRule(_FromState):
         return end[..., state.shape[-1]:] @ state + end[..., :state.shape[-1]]
 
     @staticmethod
+    def flops(t: dict, options: dict, cp: bool = False) -> int:
+        """The chunked form's products, forward, on ``t``'s rows (chunks of 64, transformers'):
+        a row's scores and values within its chunk, its read of the state, the state's update;
+        ``cp``: the two calls a rank makes, the first with values widened by ``k_dim``."""
+        (b, s, heads, v_dim), k_dim = t["value"].shape, t["key"].shape[-1]
+        per_row = [64 * (2 * k_dim + v) + 3 * k_dim * v for v in ((v_dim, v_dim + k_dim) if cp else (v_dim,))]
+        return 2 * b * s * heads * sum(per_row)
+
+    @staticmethod
     def neutral(t: dict, kept: torch.Tensor, options: dict) -> dict:
         """Padding rows with a zero gate and beta: they leave the state as it is."""
         return {**t, "g": t["g"] * _rows_mask(kept, t["g"]), "beta": t["beta"] * _rows_mask(kept, t["beta"])}
@@ -140,6 +149,16 @@ class StateSpaceScan(_FromState):
     @staticmethod
     def fold(end: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         return end[..., state.shape[-2]:, :] * state + end[..., :state.shape[-2], :]
+
+    @staticmethod
+    def flops(t: dict, options: dict, cp: bool = False) -> int:
+        """The chunked form's products, forward, on ``t``'s rows: a row's scores and values within
+        its chunk, its state's read and update; ``cp``: the two calls a rank makes, the first
+        with x widened by a column."""
+        (b, s, heads, head_dim), size = t["hidden_states"].shape, t["B"].shape[-1]
+        chunk = options["chunk_size"]
+        per_row = [chunk * (size + p) + 3 * size * p for p in ((head_dim, head_dim + 1) if cp else (head_dim,))]
+        return 2 * b * s * heads * sum(per_row)
 
     @staticmethod
     def neutral(t: dict, kept: torch.Tensor, options: dict) -> dict:
@@ -204,6 +223,13 @@ class SelectiveScan:
     @staticmethod
     def fold(end: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         return end[..., state.shape[-1]:] * state + end[..., :state.shape[-1]]
+
+    @staticmethod
+    def flops(t: dict, options: dict, cp: bool = False) -> int:
+        """``selective_scan``'s ops, forward, on ``t``'s rows: 12 a channel, state number and row
+        (the decay and input, the prefix scan's combines, C's read); ``cp``: ``carried``'s 6 too."""
+        (b, s, channels), size = t["hidden_states"].shape, t["B"].shape[-1]
+        return (12 + 6 * cp) * b * s * channels * size
 
     @staticmethod
     def neutral(t: dict, kept: torch.Tensor, options: dict) -> dict:

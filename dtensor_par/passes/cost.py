@@ -13,7 +13,8 @@ run one at a time, in the order they are issued. A collective inside an op holds
 (Ulysses' exchanges, a sharded norm's sums), except ring attention's rotations, which run
 behind the op's own block computations.
 
-Ops other than matmuls and attention (norms, pointwise ops, copies) cost what the profile's
+A recurrence over the sequence (``ops.recurrence``) counts its kind's FLOPs at attention's rate.
+Ops other than matmuls, attention and recurrences (norms, pointwise ops, copies) cost what the profile's
 ``elementwise`` says of the bytes they write, and nothing where it has none (the built-in
 profiles). A collective's ``collective_compute_share`` of its time also occupies the compute
 stream: what compute beside a collective does not hide, as calibrate measures it (all of it

@@ -17,6 +17,7 @@ import re
 
 import torch.fx as fx
 
+from ..ops.recurrence import kind_of, named_arguments
 from ..ops.ring_schedule import ring_step_flops
 from ..placements import Partial, Replicate, local_shape_on, shard_dim, shard_length
 from ..symbolic import hint
@@ -106,9 +107,10 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
 
 
 ENGINES = {"linear": "matmul", "matmul": "matmul", "grouped_mm": "matmul", "conv": "matmul", "sdpa": "attention",
-           "hybrid_attention": "attention"}
+           "hybrid_attention": "attention", "recurrence": "attention"}
 """The ops whose FLOPs the cost model counts, and the machine rate each runs at (hybrid
-attention over a ring of more than one rank: ``"ring_attention"``)."""
+attention over a ring of more than one rank: ``"ring_attention"``; a recurrence's small
+products within chunks: attention's)."""
 
 
 def _engine(kind_name: str, ctx: ParallelContext) -> str | None:
@@ -122,6 +124,10 @@ def record_work(gm: fx.GraphModule, ctx: ParallelContext) -> None:
     sites = {site.core: site for site in ctx.sites if isinstance(site, AttentionSite)}
     for node in gm.graph.nodes:
         val = tensor_val(node)
+        if op_kind(node) == "recurrence":  # its output and final state: its getitems' bytes count
+            set_work(node, Work(_recurrence_rank_flops(node, ctx), "attention",
+                                str(node.meta["val"][0].dtype).removeprefix("torch."), 0))
+            continue
         if node.op not in ("call_function", "call_method") or val is None or global_shape(node) is None:
             continue
         kind = lookup(node)
@@ -147,6 +153,18 @@ def rank_flops(node: fx.Node, sites: dict, ctx: ParallelContext) -> int:
     if kind == "sdpa":
         return _sdpa_rank_flops(node, ctx)
     return 0
+
+
+def _recurrence_rank_flops(node: fx.Node, ctx: ParallelContext) -> int:
+    """A recurrence's FLOPs (its kind's ``flops``) on this rank's batch rows, heads and rows, as
+    its output is cut; cut along the rows (cp), the two calls each rank makes on its own."""
+    rule, mesh = node.args[0], ctx.mesh
+    cuts = {dim: sharding.out[0] for dim, sharding in shardings(node).items()}
+    t = named_arguments(rule, tuple(a.meta["val"] for a in node.args[1:]))
+    options = dict(node.kwargs.get("options", ()))
+    whole = kind_of(rule).flops(t, options, cp=any(shard_dim(p) == 1 for p in cuts.values()))
+    out = tuple(node.meta["val"][0].shape)
+    return whole * hint(math.prod(local_shape_on(out, cuts, mesh))) // hint(math.prod(out))
 
 
 def _sdpa_rank_flops(node: fx.Node, ctx: ParallelContext) -> int:
