@@ -185,6 +185,10 @@ OPS = {
     "expm1": (lambda x: torch.expm1(x), [_t(2, 4, 6)]),
     "softplus": (lambda x: F.softplus(x), [_t(2, 4, 6)]),
     "clamp_min_method": (lambda x: x.clamp_min(0.5), [_t(2, 4, 6)]),
+    "clip": (lambda x: torch.clip(x, min=0.5), [_t(2, 4, 6)]),  # RecurrentGemma's bounded sqrt's backward
+    # xLSTM's norms: the variance over the features, unbiased or not
+    "var": (lambda x: x.var(-1, keepdim=True, unbiased=False), [_t(2, 4, 6)]),
+    "std_correction": (lambda x: torch.std(x, dim=1, correction=1), [_t(2, 4, 6)]),
     "type_cast": (lambda x: x.type(torch.float64), [_t(2, 4)]),
     "bool_cast": (lambda x: x.bool(), [_t(2, 4)]),
 }

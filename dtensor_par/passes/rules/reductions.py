@@ -115,7 +115,8 @@ def _reduced_dims(node: fx.Node, ndim: int) -> set[int]:
 
 def reduce_rule(node, ins, cur, env):
     """A shard of a dim kept stays. A sum or mean over a sharded dim gives partial sums,
-    unless the dim is padded (an uneven sequence: the padding would count)."""
+    unless the dim is padded (an uneven sequence: the padding would count); any other
+    reduction over it (``amax``, ``var``, ``std``: xLSTM's norms) is gathered."""
     p, val = cur[0], tensor_val(ins[0])
     reduced = _reduced_dims(node, val.dim())
     if isinstance(p, Partial) and node.target in _LINEAR:
@@ -256,8 +257,8 @@ register("group_norm", "reductions", group_norm_rule, functions=[F.group_norm, t
 register("softmax", "reductions", softmax_rule, functions=[F.softmax, torch.softmax, F.log_softmax,
                                                            torch.log_softmax],
          methods=["softmax", "log_softmax"])
-register("reduce", "reductions", reduce_rule, functions=[torch.sum, torch.mean, torch.amax],
-         methods=["sum", "mean", "amax"], localize=localize_mean)
+register("reduce", "reductions", reduce_rule, functions=[torch.sum, torch.mean, torch.amax, torch.var, torch.std],
+         methods=["sum", "mean", "amax", "var", "std"], localize=localize_mean)
 register("extreme", "reductions", extreme_rule, functions=[torch.max, torch.min], methods=["max", "min"])
 register("recurrence", "reductions", recurrence_rule, functions=[linear_recurrence], localize=localize_recurrence)
 register("cumsum", "reductions", cumsum_rule, functions=[torch.cumsum], methods=["cumsum"], localize=localize_cumsum)
