@@ -455,6 +455,22 @@ def granite_hybrid():
     return GraniteMoeHybridForCausalLM(config), (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def granite_swa():
+    """Granite with sliding windows: a window of 8 in every other layer, and a learned sink
+    logit per head applied after attention as a scale, ``out * sigmoid(logsumexp(scores) -
+    sink)`` (GPT-OSS's sinks, written otherwise)."""
+    from transformers import GraniteSWAConfig, GraniteSWAForCausalLM
+    config = GraniteSWAConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                              sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                              layer_rope_theta=[10000.0, 10000.0], pad_token_id=0)
+    model = GraniteSWAForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()  # initialized to zeros
+    return model, (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 def jamba():
     """Jamba: a Mamba-1 layer (one projection fused ``[x, z]``, channels first; a causal
     convolution over x; ``x_proj`` to the time steps' low-rank input, B and C, each normed;
@@ -526,4 +542,5 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "llama4": llama4, "mochi": mochi, "cogview4": cogview4, "sana": sana,
              "phimoe": phimoe, "hidream": hidream, "ltx": ltx, "flux2": flux2, "qwen3_next": qwen3_next,
              "qwen3_5": qwen3_5, "granite_hybrid": granite_hybrid, "jamba": jamba,
+             "granite_swa": granite_swa,
              "diffllama": diffllama, "unet": unet, "lfm2": lfm2}

@@ -450,6 +450,16 @@ def _written_through_a_view(x):
     return y + 1
 
 
+def _sink_scaled(logsumexp, sigmoid):
+    """Granite-SWA's attention: a learned logit per head applied after it, as a scale
+    ``sigmoid(logsumexp(scores) - sink)`` of the output."""
+    def attention(q, k, v, sinks):
+        scores = q @ k.transpose(2, 3) * 0.5
+        scale = sigmoid((logsumexp(scores) - sinks.view(1, -1, 1)).to(torch.float32))
+        return (F.softmax(scores, dim=-1, dtype=torch.float32) @ v) * scale.unsqueeze(-1)
+    return attention
+
+
 CANONICALIZED = {
     "keywords_as_positions": ([torch.randn(4, 3), torch.randn(3, 5)], [
         lambda a, b: torch.matmul(a, b),
@@ -471,6 +481,11 @@ CANONICALIZED = {
         lambda pos, freqs: torch.outer(pos, freqs),
         lambda pos, freqs: torch.outer(input=pos, vec2=freqs),
         lambda pos, freqs: pos.outer(vec2=freqs)]),
+    "sink_scale_as_sink_logits": ([torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8),
+                                   torch.randn(4)], [
+        _sink_scaled(lambda s: torch.logsumexp(s, dim=-1), torch.sigmoid),
+        _sink_scaled(lambda s: s.logsumexp(-1, keepdim=False), lambda x: x.sigmoid()),
+        _sink_scaled(lambda s: torch.logsumexp(input=s, dim=[3]), F.sigmoid)]),
     "tensor_split_as_split": ([torch.randn(2, 8, 6)], [  # Qwen3-Next's chunks of its padded sequence
         lambda x: _weighted_cat(torch.tensor_split(x, [3, 6], dim=1)),
         lambda x: _weighted_cat(torch.tensor_split(x, indices=[3, 6], dim=1)),
@@ -582,6 +597,8 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
         gm, ctx = _passes_on(Spelled(_written_reshaped_back), inputs[:1], (capture_pass, canonicalize_pass), ulysses=2)
         assert [op for op, _, _ in _canonical_form(gm)].count("view") == 2
         torch.testing.assert_close(gm(*ctx.example_inputs)[0], _written_reshaped_back(*inputs[:1]))
+    if rule == "sink_scale_as_sink_logits":  # GPT-OSS's sink logits: a column concatenated, dropped after the softmax
+        assert "logsumexp" not in ops and ops.count("softmax") == 1 and "cat" in ops, ops
     if rule == "copy_into_fresh_out_of_place":  # the value written, read in place of the buffer
         assert ops == ["mul", "add"], ops
         for read, rewritten in ((_read_then_written, True), (_aliased_then_written, False)):

@@ -27,7 +27,8 @@ MODELS = ["llama", "gpt2", "qwen2", "mistral", "flux"]
 BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", "t5", "falcon", "mixtral", "mixtral_batched_mm",
             "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss",
             "mpt", "apertus", "llama4", "falcon_multi_query", "gpt_bigcode", "cogview4", "sana", "phimoe",
-            "hidream", "flux2", "qwen3_next", "qwen3_5", "diffllama", "unet", "lfm2", "granite_hybrid", "jamba"}
+            "hidream", "flux2", "qwen3_next", "qwen3_5", "diffllama", "unet", "lfm2", "granite_hybrid", "jamba",
+            "granite_swa"}
 GRAD_RTOL_OF = {"qwen3_5": 1e-3}
 """Qwen3.5's decay parameters (A_log, dt_bias, the projection of a) get gradients summed over
 every position through the recurrence's cumulative gates, which rounding moves far: one device's
@@ -51,7 +52,8 @@ EXPLAINED = [(name, "tp2-ulysses2") for name in MODELS + ["mistral_padded", "phi
 EXPLAINED += [(name, "tp2-ring2") for name in ["llama", "mistral_padded", "flux", "gemma2", "bloom", "t5", "mixtral",
                                                "qwen2_moe", "deepseek_v3_published", "gpt_oss", "bert",
                                                "modernbert", "mpt", "llama4", "falcon_multi_query", "gpt_bigcode",
-                                               "cogview4", "sana", "phimoe", "hidream", "ltx", "flux2"]]
+                                               "cogview4", "sana", "phimoe", "hidream", "ltx", "flux2",
+                                               "granite_swa"]]
 
 
 @pytest.mark.parametrize("name, mesh", [(name, MESHES[mesh]) for name, mesh in EXPLAINED],
@@ -163,7 +165,7 @@ RUNS = {
                                                             "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "mpt",
                                                             "llama4", "falcon_multi_query", "gpt_bigcode",
                                                             "cogview4", "sana", "hidream", "flux2", "lfm2",
-                                                            "qwen3_5", "granite_hybrid", "jamba"]),
+                                                            "qwen3_5", "granite_hybrid", "jamba", "granite_swa"]),
         # Expert parallelism: the experts cut over cp, each rank's rows sent to them and back (the ring's zigzag
         # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them). GPT-OSS's
         # experts (per-row biases gathered by local expert ids at the experts) beside its sinks' ring attention.

@@ -83,6 +83,9 @@
   ``logits - logits.max(-1, keepdim=True).values``) becomes the softmax of the input: a
   softmax subtracts its rows' max itself, and the result is the same. What it reads is then
   the scores themselves, which attention written out by hand is read from.
+- Sink logits applied after attention as a scale (Granite-SWA's ``out * sigmoid(lse - sink)``,
+  ``lse`` the scores' log-sum-exp) become GPT-OSS's ``softmax(cat([scores, sink], -1))[..., :-1]
+  @ v``: the same probabilities, which detect reads as attention with sink logits.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ from ..ops.recurrence import RECURRENCES, GatedDeltaRule, SelectiveScan, StateSp
 from ..symbolic import is_symbolic, same_size
 from .capture import emitted, erase_unused, with_val
 from .context import ParallelContext, at_node
-from .detect import is_topk
+from .detect import is_topk, weighted_values
 from .nodes import (arguments, called, is_vmap_level, keywords_as_positions, tensor_inputs, tensor_val,
                     writes_in_place)
 from .rules.indexing import split_dim
@@ -1073,6 +1076,68 @@ def _grouped(graph: fx.Graph, old: _RowProduct, rows: fx.Node, offs: fx.Node) ->
     return with_val(graph.call_function(GROUPED_MM, (rows, weight, offs)), tensor_val(old.out))
 
 
+class _SinkScale(NamedTuple):
+    """Granite-SWA's sinks, a logit per head applied after attention: ``out * sigmoid(lse - sink)``."""
+
+    softmax: fx.Node  # over the scores the log-sum-exp reads
+    sink: fx.Node  # a number per head
+    scaled: fx.Node  # the output times the scale
+    output: fx.Node  # the probabilities times the values
+
+
+def _sink_scale(lse: fx.Node) -> _SinkScale | None:
+    """The sink scale made of ``lse``, a log-sum-exp over the last dim of ``[batch, heads, seq,
+    keys]`` scores that a softmax reads too: ``lse - sink`` through casts and views, a sigmoid,
+    then multiplying the softmax's ``@ v`` (``detect.weighted_values``)."""
+    given = arguments(lse)
+    scores = given["input"]
+    dims = given["dim"] if isinstance(given["dim"], (list, tuple)) else [given["dim"]]
+    if tensor_val(scores).dim() != 4 or [d % 4 for d in dims] != [3] or given.get("keepdim", False):
+        return None
+    softmaxes = [u for u in scores.users if op_kind(u) == "softmax" and arguments(u).get("dim") in (-1, 3)]
+    output = weighted_values(softmaxes[0], None) if len(softmaxes) == 1 else None
+    node, sink, sigmoid = lse, None, False
+    while output is not None and len(node.users) == 1:
+        user = next(iter(node.users))
+        if op_kind(user) == "sub" and arguments(user)["input"] is node and sink is None:
+            sink = arguments(user)["other"]
+        elif user.target in (torch.sigmoid, F.sigmoid, "sigmoid") and not sigmoid:
+            sigmoid = True
+        elif op_kind(user) == "mul" and sigmoid and set(tensor_inputs(user)) == {node, output}:
+            heads = tensor_val(scores).shape[1]
+            if isinstance(sink, fx.Node) and tensor_val(sink).numel() == heads and tensor_val(sink).dim() <= 3:
+                return _SinkScale(softmaxes[0], sink, user, output)
+            return None
+        elif op_kind(user) not in ("cast", "unsqueeze", "view"):
+            return None
+        node = user
+    return None
+
+
+def sink_scale_as_sink_logits(gm: fx.GraphModule, lse: fx.Node) -> None:
+    """``(softmax(s) @ v) * sigmoid(logsumexp(s) - sink)`` (Granite-SWA's sinks) becomes GPT-OSS's
+    ``softmax(cat([s, sink], -1))[..., :-1] @ v``: the same probabilities, the sink one more
+    logit in the softmax's denominator, which detect reads as attention with sink logits."""
+    found = _sink_scale(lse)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    if found is None or order[found.sink] > order[found.softmax]:
+        return
+    scores = arguments(lse)["input"]
+    batch, heads, rows, _ = tensor_val(scores).shape
+    graph = gm.graph
+    with graph.inserting_before(found.softmax):
+        per_head = emitted(graph, torch.reshape, found.sink, (1, heads, 1, 1))
+        column = emitted(graph, torch.broadcast_to, per_head, (batch, heads, rows, 1))
+        logits = emitted(graph, torch.cat, [scores, column], -1)
+        softmax = graph.node_copy(found.softmax, lambda n: logits if n is scores else n)
+        with_val(softmax, called(softmax, *fx.node.map_arg((softmax.args, softmax.kwargs), lambda n: n.meta["val"])))
+        dropped = emitted(graph, operator.getitem, softmax, (Ellipsis, slice(None, -1)))
+    found.softmax.replace_all_uses_with(dropped)
+    found.scaled.replace_all_uses_with(found.output)
+    graph.erase_node(found.softmax)
+    erase_unused(gm, found.scaled)
+
+
 def _is_row_max(node: fx.Node, x: fx.Node, dim: int) -> bool:
     """Whether ``node`` is the max of ``x`` along ``dim``, the dim kept: ``x.amax(dim, keepdim=True)``
     or ``x.max(dim, keepdim=True)[0]``."""
@@ -1154,6 +1219,8 @@ def canonicalize_node(gm: fx.GraphModule, node: fx.Node, ctx: ParallelContext) -
         grouped_kv_attention(gm, node)
     elif op_kind(node) == "softmax":
         softmax_of_unshifted(gm, node)
+    elif node.op in ("call_function", "call_method") and node.target in (torch.logsumexp, "logsumexp"):
+        sink_scale_as_sink_logits(gm, node)
     elif node.op in ("call_function", "call_method") and node.target in (torch.max, torch.min, "max", "min"):
         elementwise_extreme(node)
     elif op_kind(node) == "split":

@@ -416,7 +416,7 @@ def find_sink_logits(softmax: fx.Node) -> SinkLogits | None:
     return SinkLogits(scores, per_head, dropped) if _drops_last_column(dropped) else None
 
 
-def _weighted_values(softmax: fx.Node, sinks: SinkLogits | None) -> fx.Node | None:
+def weighted_values(softmax: fx.Node, sinks: SinkLogits | None) -> fx.Node | None:
     """The matmul that weighs values by a softmax's probabilities (through casts, dropout and
     views, and without the sinks' column)."""
     probabilities = softmax if sinks is None else sinks.dropped
@@ -442,7 +442,7 @@ def find_written_attention(gm: fx.GraphModule, ctx: ParallelContext
     for softmax in (n for n in gm.graph.nodes if op_kind(n) == "softmax"):
         sinks = find_sink_logits(softmax)
         products = _score_products(tensor_inputs(softmax)[0] if sinks is None else sinks.scores)
-        weighted = _weighted_values(softmax, sinks)
+        weighted = weighted_values(softmax, sinks)
         if len(products) == 1 and weighted is not None and _over_last_dim(softmax) \
                 and _written_heads(products[0], softmax) is not None:
             found.append((products[0], softmax, weighted, sinks))
