@@ -471,6 +471,21 @@ def granite_swa():
     return model, (_ids(),), {"use_cache": False, "return_dict": False}
 
 
+def mimo_v2_flash():
+    """MiMo-V2-Flash: attention written out whose values' heads are narrower than q's and k's
+    (8 against 12), with sink logits on its sliding-window layers; experts in its second layer."""
+    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+    config = MiMoV2FlashConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=4, head_dim=12, v_head_dim=8,
+                               max_position_embeddings=64, sliding_window=8,
+                               layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+                               n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, pad_token_id=0)
+    model = MiMoV2FlashForCausalLM(config)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.sinks.normal_()  # initialized to zeros
+    return model, (_ids(),), {"use_cache": False, "return_dict": False}
+
+
 def jamba():
     """Jamba: a Mamba-1 layer (one projection fused ``[x, z]``, channels first; a causal
     convolution over x; ``x_proj`` to the time steps' low-rank input, B and C, each normed;
@@ -542,5 +557,5 @@ FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left
              "llama4": llama4, "mochi": mochi, "cogview4": cogview4, "sana": sana,
              "phimoe": phimoe, "hidream": hidream, "ltx": ltx, "flux2": flux2, "qwen3_next": qwen3_next,
              "qwen3_5": qwen3_5, "granite_hybrid": granite_hybrid, "jamba": jamba,
-             "granite_swa": granite_swa,
+             "granite_swa": granite_swa, "mimo_v2_flash": mimo_v2_flash,
              "diffllama": diffllama, "unet": unet, "lfm2": lfm2}

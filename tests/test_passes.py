@@ -925,16 +925,18 @@ class WrittenOutAttention(nn.Module):
     """Attention written out by hand as research code has it: scaled, soft-capped scores, a
     causal mask by ``masked_fill`` (or, ``fill="where"``, GPT-Neo's ``where(kept, scores,
     torch.tensor(finfo.min))``; ``"two_masks"``: then a window of 6 keys added as transformers'
-    additive mask, as GPT-Neo's local layers apply their two), and a dropout of the probabilities."""
+    additive mask, as GPT-Neo's local layers apply their two), and a dropout of the probabilities.
+    Its values' heads are ``values`` wide (MiMo-V2-Flash's: narrower than q's and k's)."""
 
-    def __init__(self, dropout: float, fill: str = "masked_fill"):
+    def __init__(self, dropout: float, fill: str = "masked_fill", values: int = 8):
         super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
+        self.q, self.k = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.v, self.o = nn.Linear(32, 4 * values), nn.Linear(4 * values, 32)
         self.dropout, self.fill = dropout, fill
 
     def forward(self, x):
         b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, 4, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = (p(x).view(b, s, 4, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
         scores = 5.0 * torch.tanh(q @ k.transpose(-2, -1) / 8 ** 0.5 / 5.0)
         hidden = torch.ones(s, s, dtype=torch.bool).triu(1)
         if self.fill == "where":
@@ -946,21 +948,21 @@ class WrittenOutAttention(nn.Module):
             window = (position[:, None] - position[None, :]).abs() < 6
             scores = scores + torch.where(window, 0.0, torch.finfo(scores.dtype).min)
         probs = F.dropout(scores.softmax(-1), self.dropout, self.training)
-        return self.o((probs @ v).transpose(1, 2).reshape(b, s, 32))
+        return self.o((probs @ v).transpose(1, 2).reshape(b, s, -1))
 
 
-@pytest.mark.parametrize("dropout, fill", [(0.0, "masked_fill"), (0.1, "masked_fill"), (0.0, "where"),
-                                           (0.0, "two_masks")])
-def test_written_out_attention_on_cp_is_hybrid_attention_with_its_score_function(dropout, fill):
+@pytest.mark.parametrize("dropout, fill, values", [(0.0, "masked_fill", 8), (0.1, "masked_fill", 8), (0.0, "where", 8),
+                                                   (0.0, "two_masks", 8), (0.0, "masked_fill", 6)])
+def test_written_out_attention_on_cp_is_hybrid_attention_with_its_score_function(dropout, fill, values):
     """Its scale and soft-capping become the score function, its mask (filled by a number or a
     tensor made of one; two masks applied in a row, as one) ``is_causal`` (with the window), and
-    no softmax is left; a dropout that drops something keeps it as written, with a warning naming
-    the dropout."""
+    no softmax is left, values narrower than q and k too (before: run op by op); a dropout that
+    drops something keeps it as written, with a warning naming the dropout."""
     from dtensor_par.ops.attention import hybrid_attention
     from dtensor_par.ops.score_mod import ScoreMod
     from dtensor_par.pipeline import PLANNING_PASSES
 
-    (gm, inputs), = capture_graphs(WrittenOutAttention(dropout, fill), torch.randn(2, 16, 32))
+    (gm, inputs), = capture_graphs(WrittenOutAttention(dropout, fill, values), torch.randn(2, 16, 32))
     local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning({"ulysses": 2}, "cpu"), passes=PLANNING_PASSES)
     attention = [n for n in local.graph.nodes if n.target is hybrid_attention]
     if dropout:

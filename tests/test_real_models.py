@@ -28,7 +28,7 @@ BACKWARD = {"llama", "gemma2", "flux", "mistral_padded", "wan", "sd3", "bloom", 
             "mixtral_aux", "qwen2_moe", "deepseek_v3", "gemma2_left_padded", "t5_padded", "mixtral_eager", "gpt_oss",
             "mpt", "apertus", "llama4", "falcon_multi_query", "gpt_bigcode", "cogview4", "sana", "phimoe",
             "hidream", "flux2", "qwen3_next", "qwen3_5", "diffllama", "unet", "lfm2", "granite_hybrid", "jamba",
-            "granite_swa"}
+            "granite_swa", "mimo_v2_flash"}
 GRAD_RTOL_OF = {"qwen3_5": 1e-3}
 """Qwen3.5's decay parameters (A_log, dt_bias, the projection of a) get gradients summed over
 every position through the recurrence's cumulative gates, which rounding moves far: one device's
@@ -53,7 +53,7 @@ EXPLAINED += [(name, "tp2-ring2") for name in ["llama", "mistral_padded", "flux"
                                                "qwen2_moe", "deepseek_v3_published", "gpt_oss", "bert",
                                                "modernbert", "mpt", "llama4", "falcon_multi_query", "gpt_bigcode",
                                                "cogview4", "sana", "phimoe", "hidream", "ltx", "flux2",
-                                               "granite_swa"]]
+                                               "granite_swa", "mimo_v2_flash"]]
 
 
 @pytest.mark.parametrize("name, mesh", [(name, MESHES[mesh]) for name, mesh in EXPLAINED],
@@ -165,7 +165,8 @@ RUNS = {
                                                             "mixtral_batched_mm", "qwen2_moe", "deepseek_v3", "mpt",
                                                             "llama4", "falcon_multi_query", "gpt_bigcode",
                                                             "cogview4", "sana", "hidream", "flux2", "lfm2",
-                                                            "qwen3_5", "granite_hybrid", "jamba", "granite_swa"]),
+                                                            "qwen3_5", "granite_hybrid", "jamba", "granite_swa",
+                                                            "mimo_v2_flash"]),
         # Expert parallelism: the experts cut over cp, each rank's rows sent to them and back (the ring's zigzag
         # layout beside plain expert chunks; Ulysses' once, on Qwen2-MoE's shared expert beside them). GPT-OSS's
         # experts (per-row biases gathered by local expert ids at the experts) beside its sinks' ring attention.

@@ -313,9 +313,10 @@ def read_written_attention(site: AttentionSite) -> WrittenAttention | str:
     q, v, out = (tensor_val(n) for n in (query, value, site.core))
     k_t = tensor_val(key_t) if key is None else tensor_val(key).transpose(-2, -1)
     if any(t.dim() != 4 for t in (q, k_t, v)) or len({t.dtype for t in (q, k_t, v, out)}) != 1 \
-            or (*k_t.shape[:2], k_t.shape[3], k_t.shape[2]) != tuple(v.shape):
-        return (f"{site.scores.name}: [batch, heads, seq, head_dim] q, k and v of one dtype and shape are needed; "
-                f"got q {list(q.shape)} {q.dtype}, kT {list(k_t.shape)}, v {list(v.shape)} {v.dtype}")
+            or (*k_t.shape[:2], k_t.shape[3]) != tuple(v.shape[:3]):
+        return (f"{site.scores.name}: [batch, heads, seq, head_dim] q, k and v of one dtype are needed, k and v of "
+                f"one batch, heads and seq; got q {list(q.shape)} {q.dtype}, kT {list(k_t.shape)}, v {list(v.shape)} "
+                f"{v.dtype}")
     read = _bias_and_masks(found.masks, q, k_t.transpose(-2, -1), found.folded)
     if isinstance(read, str):
         return read
