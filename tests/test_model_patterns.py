@@ -52,12 +52,15 @@ def test_parts_are_read_past_ops_that_keep_each_feature_apart():
     """Mamba-2's projection ``[z, x, B, C, dt]`` split, x, B and C transposed, convolved, SiLU,
     transposed back and split again: five parts (before: the second split gathered). Zamba2's
     gate and up with a low-rank adapter's added, then chunked: both projections cut in two parts
-    (before: the chunk gathered)."""
+    (before: the chunk gathered); the adapter's first projection, to its rank, lies outside the
+    site, whole on every rank, and is named (a fifth of this block's linear FLOPs)."""
     graph = _explain(models.StateSpaceBlock(), (torch.randn(2, 16, 32),), tp=2)
     assert graph.coverage.fallback_gathers == [] and graph.warnings == [], graph.warnings
     assert any("mixer.in_proj.weight=IS(0,[32, 32, 4, 4, 4])" in p for p in graph.placements), graph.placements
     graph = _explain(models.AdaptedGateUp(), (torch.randn(2, 16, 32),), tp=2)
-    assert graph.coverage.fallback_gathers == [] and graph.warnings == [], graph.warnings
+    assert graph.coverage.fallback_gathers == [] and graph.warnings == [
+        "1 block linears outside every attention and MLP site run whole on every rank of some mesh dim, 20.0% of the "
+        "block linears' FLOPs; the largest: adapter.0.weight (20.0%)"], graph.warnings
     assert any("gate_up.weight=IS(0,[64, 64])" in p and "adapter.1.weight=IS(0,[64, 64])" in p
                for p in graph.placements), graph.placements
 

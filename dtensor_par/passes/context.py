@@ -80,6 +80,7 @@ class Coverage:
     rank_linear_flops: int = 0  # each op's FLOPs over the ranks it is split over: one rank's share of the whole
     block_linear_flops: int = 0
     sharded_block_linear_flops: int = 0
+    whole_block_linears: dict[str, int] = field(default_factory=dict)  # weight -> FLOPs, outside sites and whole
     parameters: int = 0  # elements
     sharded_parameters: int = 0
     fallback_gathers: list[str] = field(default_factory=list)  # "node (op) on dim: why"
@@ -107,6 +108,7 @@ class Coverage:
                 "rank_linear_flops": self.rank_linear_flops,
                 "block_linear_flops": self.block_linear_flops,
                 "sharded_block_linear_flops": self.sharded_block_linear_flops,
+                "whole_block_linears": dict(self.whole_block_linears),
                 "parameters": self.parameters, "sharded_parameters": self.sharded_parameters,
                 "fallback_gathers": list(self.fallback_gathers), "parallel_sites": self.parallel_sites,
                 "ring_attention_flops": dict(self.ring_attention_flops), "cache_bytes": self.cache_bytes,

@@ -23,7 +23,7 @@ from ..placements import Partial, Replicate, local_shape_on, shard_dim, shard_le
 from ..symbolic import hint
 from .context import Coverage, ParallelContext, at_node
 from .detect import AttentionSite, MoESite, site_weight_names
-from .meta import Work, global_shape, placements, planned_local_shape, set_work, shardings
+from .meta import Work, global_shape, placements, planned_local_shape, set_work, shardings, site_role
 from .nodes import arguments, stacked_params, tensor_inputs, tensor_val, weight_param
 from .rules.registry import lookup, op_kind
 
@@ -68,6 +68,28 @@ def record_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> None:
     if ctx.mesh.plan_dims and ctx.sites and not ctx.coverage.parallel_sites and not recurrences_cut:
         ctx.warn(f"none of the {len(ctx.sites)} attention and MLP sites runs parallel: every rank computes the whole "
                  f"model (see the warnings above for why)")
+    else:
+        warn_whole_block_linears(ctx)
+
+
+WHOLE_BLOCK_SHARE = 0.05
+"""The share of the block linears' FLOPs outside every site that runs whole above which the
+largest of them are named: a report must not look complete when it is not."""
+
+
+def warn_whole_block_linears(ctx: ParallelContext) -> None:
+    """Name the largest block linears outside every site that run whole (not sharded on every
+    planned mesh dim) where together they are more than ``WHOLE_BLOCK_SHARE`` of the block
+    linears' FLOPs (DeepSeek-V3.2's indexer beside its attention). A site left replicated says
+    why itself."""
+    cov = ctx.coverage
+    whole = sum(cov.whole_block_linears.values())
+    if not cov.block_linear_flops or whole <= WHOLE_BLOCK_SHARE * cov.block_linear_flops:
+        return
+    largest = sorted(cov.whole_block_linears.items(), key=lambda item: -item[1])[:3]
+    ctx.warn(f"{len(cov.whole_block_linears)} block linears outside every attention and MLP site run whole on "
+             f"every rank of some mesh dim, {whole / cov.block_linear_flops:.1%} of the block linears' FLOPs; the "
+             f"largest: " + ", ".join(f"{name} ({flops / cov.block_linear_flops:.1%})" for name, flops in largest))
 
 
 def _own_slice(ctx: ParallelContext) -> tuple[str, ...]:
@@ -95,6 +117,8 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
         if fqn is not None and _IN_BLOCK.search(fqn):
             cov.block_linear_flops += flops
             cov.sharded_block_linear_flops += flops * sharded
+            if not sharded and site_role(node) is None:
+                cov.whole_block_linears[fqn] = cov.whole_block_linears.get(fqn, 0) + flops
     for name, info in ctx.params.items():
         cov.parameters += info.tensor.numel()
         cov.sharded_parameters += info.tensor.numel() * (name in ctx.param_placements or name in ctx.expert_placements)
