@@ -314,7 +314,8 @@ class GraphDump:
             if ctx.comm == FUNCTIONAL:
                 self._write(f"{self.step + 1}_aten.py", aten_code(gm, ctx))
             plan = plan_dict(self.nodes, gm, ctx)
-            self._write("plan.json", json.dumps(plan, indent=1, sort_keys=True) + "\n")
+            # default=str: a symbolic size among a node's arguments (s48 - 2) is written as it prints
+            self._write("plan.json", json.dumps(plan, indent=1, sort_keys=True, default=str) + "\n")
             self._write("collectives.md", collectives_markdown(plan["collectives"]))
             sizes = {d: ctx.mesh.size(d) for d in ctx.mesh.order}
             self._write("mesh.svg", mesh_svg(sizes, self.order, site_placement_lines(ctx)))

@@ -225,3 +225,29 @@ def forward(self, s77 : torch.SymInt, s27 : torch.SymInt, L_x_ : torch.Tensor, L
     add_1 = x + add_2;  x = add_2 = None
     all_gather = dtensor_par_ops_collectives_all_gather(add_1, 1, None, dtensor_par_mesh_MeshDim('cp', 2, 0, '9', ((0, 2), (1, 3)), 0, 0), length = s27);  add_1 = s27 = None
     return (all_gather,)""")
+
+
+class SplitAtLength(torch.nn.Module):
+    """An MLP's hidden rows cut at an index computed from the length (Mamba's scan: ``tensor_split``
+    at the rows before the cache's), its features cut over tp."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        head, tail = torch.tensor_split(torch.nn.functional.gelu(self.up(x)), [x.shape[1] - 2], dim=1)
+        return self.down(torch.cat([head * 2, tail], 1))
+
+
+def test_a_tensor_split_at_symbolic_indices_is_a_split(fake_world, tmp_path):
+    """``tensor_split`` at an index computed from a symbolic length becomes ``split`` into its
+    pieces' symbolic sizes, which the split rule places and the MLP site is read through: both
+    projections cut (before: no site, every rank computing the whole MLP). The dump writes the
+    symbolic sizes among its arguments as they print (before: plan.json failed on them)."""
+    report = explain(SplitAtLength(), (torch.randn(2, 16, 32),), tp=2, dynamic=True, device_type="cpu",
+                     dump_dir=str(tmp_path))
+    (graph,) = report.graphs
+    assert graph.symbolic and graph.coverage.fallback_gathers == [] and graph.warnings == [], graph.warnings
+    assert graph.coverage.sharded_linear_flops == graph.coverage.linear_flops, graph.coverage.summary()
+    assert any(path.name == "plan.json" for path in tmp_path.rglob("*")), list(tmp_path.rglob("*"))

@@ -229,12 +229,11 @@ def outer_as_product(gm: fx.GraphModule, node: fx.Node) -> None:
 
 def tensor_split_as_split(gm: fx.GraphModule, node: fx.Node) -> None:
     """``torch.tensor_split`` (at indices, or into a number of sections) becomes ``torch.split``
-    into the sizes its pieces have, which the split rule places."""
+    into the sizes its pieces have (symbolic ones too: Mamba's scan cut at the rows before a
+    cache's), which the split rule places."""
     given = arguments(node)
     dim = given.get("dim", 0) % tensor_val(given["input"]).dim()
     sizes = [piece.shape[dim] for piece in node.meta["val"]]
-    if any(is_symbolic(size) for size in sizes):
-        return  # sizes computed in the graph: left to the fallback
     with gm.graph.inserting_before(node):
         split = with_val(gm.graph.call_function(torch.split, (given["input"], sizes, dim)), node.meta["val"])
     node.replace_all_uses_with(split)
