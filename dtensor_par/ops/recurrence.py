@@ -115,6 +115,24 @@ class GatedDeltaRule(_FromState):
         return {**t, "g": t["g"] * _rows_mask(kept, t["g"]), "beta": t["beta"] * _rows_mask(kept, t["beta"])}
 
 
+def _scan_state(t: dict) -> torch.Tensor:
+    """A selective scan's zero state: ``x``'s dims but its rows (batch, heads and head dim; batch
+    and channels), then B's state size, in float32 or finer."""
+    x, size = t["hidden_states"], t["B"].shape[-1]
+    return x.new_zeros(*x.shape[:1], *x.shape[2:], size, dtype=torch.promote_types(x.dtype, torch.float32))
+
+
+def _time_steps(t: dict) -> torch.Tensor:
+    """Mamba-1's time steps: ``softplus(dt + delta_bias)``."""
+    return F.softplus(t["dt"] + t["delta_bias"].to(t["dt"].dtype))
+
+
+def _padding_steps_off(t: dict, kept: torch.Tensor) -> dict:
+    """A selective scan's tensors with a time step of ``-inf`` on padding rows, 0 past the softplus:
+    they neither decay the state nor add to it."""
+    return {**t, "dt": t["dt"].masked_fill(~_rows_mask(kept, t["dt"]), -torch.inf)}
+
+
 class StateSpaceScan(_FromState):
     """transformers' Mamba-2 selective scan (``mamba2_chunk_scan``: Mamba-2, Bamba, Granite 4,
     Nemotron-H, Falcon-H1, Zamba2): a state ``[batch, heads, head_dim, state_size]`` that a run
@@ -135,10 +153,7 @@ class StateSpaceScan(_FromState):
                  return_final_states=final)
         return out if final else (out, None)
 
-    @staticmethod
-    def state(t: dict) -> torch.Tensor:
-        x, size = t["hidden_states"], t["B"].shape[-1]
-        return x.new_zeros(*x.shape[:1], *x.shape[2:], size, dtype=torch.promote_types(x.dtype, torch.float32))
+    state = staticmethod(_scan_state)
 
     @staticmethod
     def widened(t: dict, state: torch.Tensor) -> tuple[dict, torch.Tensor]:
@@ -168,7 +183,7 @@ class StateSpaceScan(_FromState):
         if options["dt_limit"][0] > 0:
             raise NotSupported(f"a Mamba-2 scan with dt_limit {options['dt_limit']} over a sequence padded to divide "
                                f"over cp: its padding rows would decay the final state; use a length that divides")
-        return {**t, "dt": t["dt"].masked_fill(~_rows_mask(kept, t["dt"]), -torch.inf)}
+        return _padding_steps_off(t, kept)
 
 
 class SelectiveScan:
@@ -197,10 +212,7 @@ class SelectiveScan:
         out, last, _ = selective_scan(t)
         return out, last if final else None
 
-    @staticmethod
-    def state(t: dict) -> torch.Tensor:
-        x, size = t["hidden_states"], t["B"].shape[-1]
-        return x.new_zeros(x.shape[0], x.shape[2], size, dtype=torch.promote_types(x.dtype, torch.float32))
+    state = staticmethod(_scan_state)
 
     @classmethod
     def run_end(cls, t: dict) -> torch.Tensor:
@@ -216,8 +228,7 @@ class SelectiveScan:
     def carried(fn, t: dict, start: torch.Tensor, options: dict) -> torch.Tensor:
         """``C`` read from ``start`` decayed by each row so far (``exp(A * sum dt)``, no scan),
         gated by z."""
-        dt = F.softplus(t["dt"] + t["delta_bias"].to(t["dt"].dtype))
-        states = torch.exp(t["A"] * dt.cumsum(1)[..., None]) * start[:, None]  # [B, S, D, N]
+        states = torch.exp(t["A"] * _time_steps(t).cumsum(1)[..., None]) * start[:, None]  # [B, S, D, N]
         return (states.to(t["hidden_states"].dtype) @ t["C"].transpose(-1, -2)).squeeze(-1) * F.silu(t["z"])
 
     @staticmethod
@@ -233,9 +244,7 @@ class SelectiveScan:
 
     @staticmethod
     def neutral(t: dict, kept: torch.Tensor, options: dict) -> dict:
-        """Padding rows with a time step of ``-inf``, 0 past the softplus: they leave the state
-        as it is."""
-        return {**t, "dt": t["dt"].masked_fill(~_rows_mask(kept, t["dt"]), -torch.inf)}
+        return _padding_steps_off(t, kept)
 
 
 def selective_scan(t: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -243,8 +252,7 @@ def selective_scan(t: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dtypes (the state in float32, or finer): its output, final state and decay (every row's,
     multiplied), the state carried by ``prefix_scan``."""
     x = t["hidden_states"]
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    dt = F.softplus(t["dt"] + t["delta_bias"].to(t["dt"].dtype))
+    dtype, dt = torch.promote_types(x.dtype, torch.float32), _time_steps(t)
     decay, states = prefix_scan(torch.exp(t["A"] * dt[..., None]),
                                 dt[..., None] * t["B"].to(dtype) * x[..., None].to(dtype))  # [B, S, D, N]
     out = (states.to(x.dtype) @ t["C"].transpose(-1, -2)).squeeze(-1) + x * t["D"]

@@ -102,12 +102,13 @@ import torch.nn.functional as F
 
 from ..ops.grouped import GROUPED_MM
 from ..ops.halo import padded_conv1d
-from ..ops.recurrence import RECURRENCES, GatedDeltaRule, SelectiveScan, StateSpaceScan, linear_recurrence, recurrence
+from ..ops.recurrence import (RECURRENCES, GatedDeltaRule, SelectiveScan, StateSpaceScan, kind_of, linear_recurrence,
+                              recurrence)
 from ..symbolic import is_symbolic, same_size
 from .capture import emitted, erase_unused, with_val
 from .context import ParallelContext, at_node
 from .detect import is_topk, weighted_values
-from .nodes import (arguments, called, is_vmap_level, keywords_as_positions, tensor_inputs, tensor_val,
+from .nodes import (arguments, is_vmap_level, keywords_as_positions, tensor_inputs, tensor_val, value_from_inputs,
                     writes_in_place)
 from .rules.indexing import split_dim
 from .rules.registry import kinds_in, op_kind
@@ -341,7 +342,7 @@ def rows_unflattened(gm: fx.GraphModule, view: fx.Node) -> None:
         gm.graph.erase_node(root)
     region = set(ops)
     for node in [n for n in gm.graph.nodes if n in region]:  # each value again, from its inputs' new ones
-        node.meta["val"] = called(node, *fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"]))
+        node.meta["val"] = value_from_inputs(node)
     for end in ends:  # a view of rows an op may have left strided: a reshape reads them alike
         if end.op == "call_method" and end.target == "view":
             end.target = "reshape"
@@ -493,7 +494,7 @@ def _recurrence_call(gm: fx.GraphModule, first: fx.Node, rule: str, given: dict,
     """One ``linear_recurrence`` of ``rule`` before ``first``, its tensors ``given`` laid out as it
     takes them, read by the nodes ``kept`` maps to its output (0, laid out back as the function's)
     or final state (1); ``values`` are theirs, in the function's layout."""
-    kind = RECURRENCES[rule.split(":")[1]][0]
+    kind = kind_of(rule)
     emit, back = partial(emitted, gm.graph), [(torch.movedim, (1, 2))] if kind.channels_first else []
     with gm.graph.inserting_before(first):
         tensors = [_laid_out(given[name], _rows_first(kind, name), emit)
@@ -1129,7 +1130,7 @@ def sink_scale_as_sink_logits(gm: fx.GraphModule, lse: fx.Node) -> None:
         column = emitted(graph, torch.broadcast_to, per_head, (batch, heads, rows, 1))
         logits = emitted(graph, torch.cat, [scores, column], -1)
         softmax = graph.node_copy(found.softmax, lambda n: logits if n is scores else n)
-        with_val(softmax, called(softmax, *fx.node.map_arg((softmax.args, softmax.kwargs), lambda n: n.meta["val"])))
+        with_val(softmax, value_from_inputs(softmax))
         dropped = emitted(graph, operator.getitem, softmax, (Ellipsis, slice(None, -1)))
     found.softmax.replace_all_uses_with(dropped)
     found.scaled.replace_all_uses_with(found.output)

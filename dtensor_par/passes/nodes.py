@@ -56,6 +56,12 @@ def called(node: fx.Node, args: tuple, kwargs: dict):
                                                                                                          **kwargs)
 
 
+def value_from_inputs(node: fx.Node):
+    """What ``node``'s call gives on its inputs' values (``meta["val"]``): its value again after a
+    rewrite of its inputs."""
+    return called(node, *fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"]))
+
+
 def tensor_val(node) -> torch.Tensor | None:
     value = node.meta.get("val") if isinstance(node, fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None
