@@ -121,8 +121,8 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
     plan on them, reporting the sizes the plan is symbolic in and any op that specialized it.
     ``machine`` (a ``machines`` profile, its name or a JSON profile's path): also predict each
     graph's time there (``passes.cost``), of a training step or, without ``training``, of a forward.
-    ``measure_routing``: with experts cut over cp (``ep="cp"``), run the model once on one device
-    to report what each mixture's routing of the example inputs sends back (``routing``).
+    ``measure_routing``: with experts cut over cp (``ep="cp"``), run the captured graph once on one
+    device to report what each mixture's routing of the example inputs sends back (``routing``).
     """
     config = ParallelConfig.of("explain", options)
     sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "ring": ring, "ulysses": ulysses}
@@ -142,20 +142,20 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
         args, kwargs = cast_floating((tuple(example_inputs), example_kwargs or {}), config.param_dtype)
         with traced_in(model, config.param_dtype):
             captured = capture_graphs(model, *args, dynamic=dynamic, **kwargs)
-        measured = (model, args, kwargs) if measure_routing else None
         for i, (gm, inputs) in enumerate(captured):
             dump = GraphDump(os.path.join(config.dump_dir, f"graph{i}"), info.order) if config.dump_dir else None
             graph = _graph_report(gm, [hint(a) for a in inputs], info, config, feeding, dump, profile, training,
-                                  measured)
+                                  measure_routing)
             report.graphs.append(graph)
     return report
 
 
-def _with_measured_routing(sites: list[str], ctx, measured: tuple) -> list[str]:
+def _with_measured_routing(sites: list[str], ctx, gm, inputs: list, info: MeshInfo, config: ParallelConfig,
+                           spec) -> list[str]:
     """The site lines, each mixture's whose experts are cut over cp with what a rank got back
     from them on the example inputs (the most over the ranks)."""
     probes = routing_probes(ctx)
-    back = measure_routing(*measured, probes)
+    back = measure_routing(gm, inputs, info, config, probes, spec)
     unmeasured = {s.name for s in ctx.sites if isinstance(s, MoESite) and s.ep_size > 1} - {p.site for p in probes}
     return [f"{line}; measured on the example inputs: {back[name]} B back at most" if name in back else
             f"{line}; {UNMEASURED}" if name in unmeasured else line
@@ -163,17 +163,17 @@ def _with_measured_routing(sites: list[str], ctx, measured: tuple) -> list[str]:
 
 
 def _graph_report(gm, inputs: list, info: MeshInfo, config: ParallelConfig, feeding, dump, machine: Machine | None,
-                  training: bool, measured: tuple | None) -> GraphReport:
+                  training: bool, measure_routing: bool) -> GraphReport:
     """Plan one captured graph at the example sizes (Dynamo's SymInt inputs at their hints);
-    ``measured``: the model and its inputs, to measure the routing of experts cut over cp on."""
+    ``measure_routing``: with the routing of experts cut over cp that the graph computes on them."""
     start = time.perf_counter()
     symbolic = meta.symbolic_inputs(gm)
     spec = symbolic.specialization(inputs) if symbolic.symbolic else None
     local_gm, ctx = parallelize_graph(gm, inputs, info, config, feeding=feeding, dump=dump, specialization=spec)
     sites = sites_text(ctx).splitlines()
     plan_seconds = time.perf_counter() - start
-    if measured is not None:
-        sites = _with_measured_routing(sites, ctx, measured)
+    if measure_routing:
+        sites = _with_measured_routing(sites, ctx, gm, inputs, info, config, spec)
     return GraphReport(sites, site_placement_lines(ctx), parameter_rows(ctx),
                        collective_rows(local_gm), list(ctx.warnings), plan_seconds, ctx.coverage,
                        ctx.comm, len(ctx.replica_group_sets), spec.symbolic_names() if spec else [],

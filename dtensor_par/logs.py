@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -15,6 +16,16 @@ def set_verbosity(level: str | int) -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[dtensor_par] %(levelname)s %(message)s"))
         logger.addHandler(handler)
+
+
+@contextlib.contextmanager
+def quiet():
+    """Nothing logged inside: a plan run again for what it finds, whose warnings were logged once."""
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 if os.environ.get("DTENSOR_PAR_LOG"):

@@ -2,12 +2,13 @@
 
 With expert parallelism (``ep="cp"``) what a rank gets back from its experts depends on which
 experts its tokens choose: ``explain`` reports the exact rows sent, the even and the worst case
-back. Measured, the model runs once on one device; a hook on each mixture's experts module reads
-the choice it is given (its ``[tokens, top_k]`` expert indices), and each rank's tokens are the
-rows the plan gives it (its piece over cp, then over dp); a group of ranks that exchange rows
-spans cp, and dp_shard (within one dp_replicate coordinate) where the experts are cut over it
-too. With a local batch each dp_shard rank's rows are its own, which the example inputs are not:
-such a mixture is not measured (``UNMEASURED``).
+back. Measured, the captured graph runs once on one device and each mixture's choice is read
+off it (its ``[tokens, top_k]`` expert ids, whatever spells the experts: stacked weights, an
+``nn.ModuleList`` looped over), and each rank's tokens are the rows the plan gives it (its
+piece over cp, then over dp); a group of ranks that exchange rows spans cp, and dp_shard (within
+one dp_replicate coordinate) where the experts are cut over it too. With a local batch each
+dp_shard rank's rows are its own, which the example inputs are not: such a mixture is not
+measured (``UNMEASURED``).
 """
 
 from __future__ import annotations
@@ -16,22 +17,26 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
+import torch.fx as fx
 
-from .mesh import MeshDim
+from .config import ParallelConfig
+from .logs import quiet
+from .mesh import MeshDim, MeshInfo
 from .ops.collectives import shard_local
 from .passes.context import ParallelContext
-from .passes.detect import MoESite, module_name
+from .passes.detect import MoESite, detect_pass
 from .passes.meta import shardings
+from .passes.nodes import arguments
+from .pipeline import PASSES, parallelize_graph
 from .placements import Placement, interleaved_parts, shard_dim
+from .symbolic import Specialization, hint, materialize_sizes
 
 
 @dataclass(frozen=True)
 class RoutingProbe:
-    """One mixture whose experts are cut over cp: where to read its choice, how its tokens are cut."""
+    """One mixture whose experts are cut over cp: how its tokens are cut, and over which ranks."""
 
     site: str
-    experts_module: str  # the FQN of the module holding the experts, whose call is given the choice
     num_experts: int
     cuts: tuple[tuple[Placement, MeshDim], ...]  # the tokens' cut over cp, then over dp (a batch entry's run)
     spans: tuple[int, ...]  # per cut: how many consecutive coordinates of it one group spans (1: none)
@@ -51,7 +56,7 @@ def routing_probes(ctx: ParallelContext) -> list[RoutingProbe]:
             dims = [d for d in ("cp", "dp") if d in shardings(site.tokens)
                     and shard_dim(shardings(site.tokens)[d].out) == 0]
             spans = {"cp": ctx.mesh.size("cp"), "dp": ctx.mesh.size("dp_shard")}
-            probes.append(RoutingProbe(site.name, module_name(site.up[0], ctx).rpartition(".")[0], site.num_experts,
+            probes.append(RoutingProbe(site.name, site.num_experts,
                                        tuple((shardings(site.tokens)[d].out, ctx.mesh.dims[d]) for d in dims),
                                        tuple(spans[d] if d in site.ep_over else 1 for d in dims), site.ep_size))
     return probes
@@ -62,20 +67,13 @@ def _own_batches(site: MoESite, ctx: ParallelContext) -> bool:
     return ctx.mesh.size("dp_shard") > 1 and "dp" not in site.ep_over
 
 
-def _choice(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(the tokens ``[T, hidden]``, their chosen experts ``[T, k]``) among a call's arguments."""
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() == 2]
-    tokens = next((t for t in tensors if t.is_floating_point()), None)
-    chosen = next((t for t in tensors if not t.is_floating_point() and tokens is not None
-                   and t.shape[0] == tokens.shape[0]), None)
-    return None if chosen is None else (tokens, chosen)
-
-
 def _rank_tokens(count: int, cuts: tuple[tuple[Placement, MeshDim], ...], coordinates: tuple[int, ...]) -> torch.Tensor:
-    """The global indices of the tokens one rank holds (its coordinate on each cut dim)."""
+    """The global indices of the tokens one rank holds (its coordinate on each cut dim; a
+    symbolic part's length at its hint, as the example inputs have it)."""
     tokens = torch.arange(count)
     for (p, dim), c in zip(cuts, coordinates):
-        tokens = shard_local(tokens, 0, interleaved_parts(p), dim._replace(rank=c))
+        parts = interleaved_parts(p)
+        tokens = shard_local(tokens, 0, parts and tuple(map(hint, parts)), dim._replace(rank=c))
     return tokens
 
 
@@ -92,21 +90,33 @@ def measured_back_bytes(probe: RoutingProbe, tokens: torch.Tensor, chosen: torch
     return worst * tokens.shape[1] * tokens.element_size()
 
 
-def measure_routing(model: nn.Module, args: tuple, kwargs: dict, probes: list[RoutingProbe]) -> dict[str, int]:
-    """Run ``model`` once on one device; per probe's site, the most bytes a rank gets back."""
-    modules = dict(model.named_modules())
-    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    hooks = []
-    for probe in probes:
-        def read(module, call_args, call_kwargs, probe=probe):
-            found = _choice(call_args, call_kwargs)
-            if found is not None:
-                seen.setdefault(probe.site, found)
-        hooks.append(modules[probe.experts_module].register_forward_pre_hook(read, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return {p.site: measured_back_bytes(p, *seen[p.site]) for p in probes if p.site in seen}
+def measure_routing(gm: fx.GraphModule, inputs: list, mesh: MeshInfo, config: ParallelConfig,
+                    probes: list[RoutingProbe], specialization: Specialization | None = None) -> dict[str, int]:
+    """Per probe's site, the most bytes a rank gets back, for the choice the captured graph
+    ``gm`` makes on ``inputs`` on one device: planned again up to ``detect`` (quietly: its
+    warnings are the plan's), which finds each mixture's tokens and the expert ids its dispatch
+    sorts (token by token, ``k`` each), and run by an interpreter (its symbolic sizes computed in
+    it, as localize makes them), whatever spells the experts."""
+    with quiet():
+        found, ctx = parallelize_graph(gm, inputs, mesh, config, passes=PASSES[:PASSES.index(detect_pass) + 1],
+                                       specialization=specialization)
+    if specialization is not None:
+        materialize_sizes(found)
+    read = {}
+    for site in (s for s in ctx.sites if isinstance(s, MoESite)):
+        sorts = [n for n in site.region if n.target in (torch.sort, "sort")]  # by expert: its input is in token order
+        if len(sorts) == 1:
+            read[site.tokens], read[arguments(sorts[0])["input"]] = (site.name, "tokens"), (site.name, "ids")
+    values: dict[str, dict[str, torch.Tensor]] = {}
+
+    class Reader(fx.Interpreter):
+        def run_node(self, node):
+            value = super().run_node(node)
+            if node in read:
+                values.setdefault(read[node][0], {})[read[node][1]] = value
+            return value
+
+    with torch.no_grad():
+        Reader(found).run(*inputs)
+    return {p.site: measured_back_bytes(p, got["tokens"], got["ids"].long().view(got["tokens"].shape[0], -1))
+            for p in probes if len(got := values.get(p.site, {})) == 2}

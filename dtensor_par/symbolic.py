@@ -276,10 +276,12 @@ def guards_at(where: str):
     return recording_guards(_recording.get(), where)
 
 
-def materialize_sizes(gm: fx.GraphModule, symint_nodes: dict) -> None:
+def materialize_sizes(gm: fx.GraphModule) -> None:
     """Turn every symbolic size in a node's arguments into nodes computing it from the SymInt
-    placeholders (``symint_nodes``: our symbol -> placeholder), so the graph runs at any size."""
+    placeholders, so the graph runs at any size."""
     graph = gm.graph
+    symint_nodes = {v.node.expr: n for n in graph.nodes if n.op == "placeholder"
+                    for v in [n.meta.get("val")] if is_symbolic(v)}
     cache: dict = {}
 
     def emit(expr, before: fx.Node):

@@ -324,8 +324,9 @@ def test_experts_cut_in_the_mesh_order_over_ulysses_then_ring():
 def test_routing_measured_per_replica_and_not_guessed_for_a_local_batch():
     """``measure_routing`` at dp_replicate2 x dp_shard2: each replica's rows reach only its own
     experts, so the most a rank gets back is the most over the replicas' groups, counted here by
-    hand from the choice the experts module is given; with a local batch the other ranks' rows
-    are not given, and the report says it did not measure."""
+    hand from the choice the experts module is given, and the same with symbolic sizes (at
+    ulysses2); with a local batch the other ranks' rows are not given, and the report says it
+    did not measure."""
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
     from tests import real_models
 
@@ -346,6 +347,9 @@ def test_routing_measured_per_replica_and_not_guessed_for_a_local_batch():
     (graph,) = explain(dp_replicate=2).graphs
     (line,) = [s for s in graph.sites if s.startswith("moe0")]
     assert line.endswith(f"measured on the example inputs: {rows * 64 * 4} B back at most"), (line, rows)
+    static, symbolic = (explain(ulysses=2, dp_shard=1, dynamic=dynamic).graphs[0].sites[-1]
+                        for dynamic in (False, True))
+    assert static == symbolic and "measured on the example inputs" in static, (static, symbolic)
     (graph,) = explain(batch="local").graphs
     (line,) = [s for s in graph.sites if s.startswith("moe0")]
     assert line.endswith("not measured: with a local batch the experts' rows come from each dp_shard rank's own "

@@ -501,8 +501,7 @@ def _finish(gm: fx.GraphModule, ctx: ParallelContext, fsdp: dict[str, HeldLayout
     dp and the buckets, no global values left."""
     graph = gm.graph
     if ctx.specialization is not None:
-        materialize_sizes(gm, {v.node.expr: n for n in graph.nodes if n.op == "placeholder"
-                               for v in [n.meta.get("val")] if is_symbolic(v)})
+        materialize_sizes(gm)
     average_gradients_over_dp(gm, ctx, fsdp)
     reduce_expert_gradients_over_dp(gm, ctx)
     for cut in [n for n in graph.nodes if n.target is C.shard_local]:
