@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .ops.experts import combine_rows, dispatch_rows
+from .ops.experts import combine_rows, dispatch_rows, experts_from_rows
 from .ops.lowerings import FUNCTIONAL
 from .passes.context import ParallelContext
 from .passes.detect import AttentionSite, MoESite, module_name, site_weight_names
@@ -28,8 +28,8 @@ from .passes.experts import group_text
 from .passes.localize import graph_communications
 from .passes.meta import communications, global_shape, param_fqn, placements, shardings, site_role
 from .passes.nodes import target_name
-from .params import expert_group, held_layouts, held_tensor
-from .placements import Replicate, describe, local_shape_on
+from .params import expert_dim, expert_group, held_layouts, held_tensor
+from .placements import Replicate, Shard, describe, local_shape_on
 
 PLAN_VERSION = 5
 """2: parameter_state, coverage, bytes_per_rank is what the rank holds; 3: lowering, replica-group
@@ -101,6 +101,12 @@ def experts_per_rank(site: MoESite, ctx: ParallelContext) -> str:
     tp, ep, group = ctx.mesh.size("tp"), site.ep_size, group_text(ctx.mesh, expert_group(ctx.mesh))
     held = f"{site.num_experts // ep} of {site.num_experts} (ep over {group})" if ep > 1 else f"{site.num_experts}"
     line = f"experts per rank: {held}, " + (f"each 1/{tp} of its features (tp)" if split else "each whole")
+    weights = [communications(n)[0] for n in site.down[0].graph.nodes
+               if n.target is experts_from_rows and site_role(n) == f"{site.name}.experts" and communications(n)]
+    if weights:
+        line += (f"; the experts' weights (an nn.ModuleList's, held cut) sent whole to their ranks per layer: "
+                 f"{sum(c.forward_bytes for c in weights)} B, their gradients back "
+                 f"{sum(c.backward_bytes for c in weights)} B")
     exchanged = {n.target: communications(n)[0] for n in site.region
                  if n.target in (dispatch_rows, combine_rows) and communications(n)}
     if len(exchanged) != 2:
@@ -131,14 +137,15 @@ def batch_line(ctx: ParallelContext) -> str | None:
 
 def fsdp_line(ctx: ParallelContext) -> str | None:
     """Which parameters FSDP cuts, over which mesh dims, and which it holds as tp cuts them
-    (no dim of theirs divides); None where nothing is cut (not parallelized, or no fsdp dim)."""
+    (no dim of theirs divides; not the expert weights ep cuts); None where nothing is cut (not
+    parallelized, or no fsdp dim)."""
     layouts = held_layouts(ctx)
     cut = [name for name, layout in layouts.items() if layout.fsdp_dim is not None]
     if not cut:
         return None
     fsdp = layouts[cut[0]].fsdp
     spans = " x ".join(ctx.mesh.spanned(fsdp.name))
-    whole = [ctx.params[name].fqn for name in layouts if name not in cut]
+    whole = [ctx.params[name].fqn for name, layout in layouts.items() if name not in cut and layout.ep is None]
     return (f"fsdp: {len(cut)} of {len(layouts)} parameters cut over {spans} = {fsdp.size}, gathered at use one "
             f"block at a time" + (f"; held as tp cuts them (no dim divides): {', '.join(whole)}" if whole else ""))
 
@@ -259,13 +266,16 @@ def mesh_svg(sizes: dict[str, int], order: tuple[str, ...], sites: list[str] | N
 
 def site_placement_lines(ctx: ParallelContext) -> list[str]:
     """Per site, the tp placement of each of its weights and experts' bias tables (and, with ep,
-    the mesh dims an expert weight's experts are cut over)."""
-    lines, experts_cut = [], f" (experts cut over {group_text(ctx.mesh, expert_group(ctx.mesh))})"
+    the mesh dims an expert weight's experts are cut over; or those one expert's weight, an
+    ``nn.ModuleList``'s, is cut over along a dim of its own, and sent whole to its expert's rank)."""
+    lines, group = [], group_text(ctx.mesh, expert_group(ctx.mesh))
     for site in ctx.sites:
         weights, names = [], site_weight_names(site)
         names += [bias.table.name for bias in site.biases.values()] if isinstance(site, MoESite) else []
         for name in names:
-            experts = experts_cut if name in ctx.expert_placements else ""
+            dim = expert_dim(ctx, name)
+            experts = "" if dim is None else f" (experts cut over {group})" if name not in site.sent_whole else \
+                f" ({describe(Shard(dim))} over {group}, sent whole to its expert's rank at each use)"
             weights.append(f"{ctx.params[name].fqn}={describe(ctx.param_placements.get(name, Replicate()))}{experts}")
         lines.append(f"{site.name}: " + ", ".join(weights))
     return lines

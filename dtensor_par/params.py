@@ -61,12 +61,13 @@ def unequal_parts(p: Placement | None) -> bool:
 @dataclass(frozen=True)
 class HeldLayout:
     """How each rank holds a parameter once parallelized: its tp piece (``tp``), an expert
-    weight's experts cut along dim 0 over ``ep`` (expert parallelism: kept cut, the graph
-    computes on them), then cut further into equal chunks along ``fsdp_dim`` over the mesh dim
-    ``fsdp`` (FSDP), or not (``fsdp_dim`` None). A tp piece that no DTensor placement describes
-    (a fused projection cut part by part into unequal parts: multi-query qkv) is not held:
-    the parameter is held whole and sliced at each call, as ``WholeParameters`` slices them
-    (``sliced``).
+    weight cut along ``ep_dim`` over ``ep`` (expert parallelism: a stacked weight's experts, dim
+    0, which the graph computes on; or the rows of one expert of an ``nn.ModuleList``, which the
+    graph sends to its expert's rank: ``ops.experts.experts_from_rows``), then cut further into
+    equal chunks along ``fsdp_dim`` over the mesh dim ``fsdp`` (FSDP), or not (``fsdp_dim``
+    None). A tp piece that no DTensor placement describes (a fused projection cut part by part
+    into unequal parts: multi-query qkv) is not held: the parameter is held whole and sliced at
+    each call, as ``WholeParameters`` slices them (``sliced``).
 
     FSDP cuts a dim that tp and ep do not, so the placements never nest on one tensor dim (no
     ``_StridedShard``), and only a dim whose length divides: no padding to keep in step.
@@ -77,6 +78,7 @@ class HeldLayout:
     fsdp: MeshDim | None = None
     fsdp_dim: int | None = None
     ep: MeshDim | None = None
+    ep_dim: int = 0
 
     @property
     def sliced(self) -> bool:
@@ -84,22 +86,22 @@ class HeldLayout:
 
     @classmethod
     def of(cls, shape, tp: Placement | None, mesh: MeshInfo, fsdp: MeshDim | None,
-           ep: MeshDim | None = None) -> HeldLayout:
-        """The layout of a parameter of ``shape`` planned ``tp`` on tp (and cut over ``ep``); FSDP
-        over the mesh dim ``fsdp`` (``MeshInfo.fsdp``) cuts the first dim that neither cuts and
-        that divides over it (none: held as they cut it)."""
+           ep: MeshDim | None = None, ep_dim: int = 0) -> HeldLayout:
+        """The layout of a parameter of ``shape`` planned ``tp`` on tp (and cut along ``ep_dim``
+        over ``ep``); FSDP over the mesh dim ``fsdp`` (``MeshInfo.fsdp``) cuts the first dim that
+        neither cuts and that divides over it (none: held as they cut it)."""
         tp = tp or Replicate()
-        local = cls(tp, mesh.size("tp"), ep=ep).computed_shape(shape)
-        cut = {shard_dim(tp), 0 if ep is not None else None}
+        local = cls(tp, mesh.size("tp"), ep=ep, ep_dim=ep_dim).computed_shape(shape)
+        cut = {shard_dim(tp), ep_dim if ep is not None else None}
         dim = None if fsdp is None or unequal_parts(tp) else next(
             (d for d, n in enumerate(local) if d not in cut and n and n % fsdp.size == 0), None)
-        return cls(tp, mesh.size("tp"), fsdp if dim is not None else None, dim, ep)
+        return cls(tp, mesh.size("tp"), fsdp if dim is not None else None, dim, ep, ep_dim)
 
     def computed_shape(self, shape) -> tuple[int, ...]:
-        """The shape the graph computes with: the tp piece (of this rank's experts), gathered over fsdp."""
+        """The shape the graph is fed: the tp piece (its cut over ep), gathered over fsdp."""
         local = list(local_shape(shape, self.tp, self.tp_size))
         if self.ep is not None:
-            local[0] //= self.ep.size
+            local[self.ep_dim] //= self.ep.size
         return tuple(local)
 
     def held_shape(self, shape) -> tuple[int, ...]:
@@ -116,7 +118,7 @@ class HeldLayout:
             return full
         local = local_chunk(full, self.tp, tp_rank, self.tp_size)
         if self.ep is not None:
-            local = local.chunk(self.ep.size)[self.ep.rank]
+            local = local.chunk(self.ep.size, self.ep_dim)[self.ep.rank]
         if self.fsdp_dim is None:
             return local
         return local.chunk(self.fsdp.size, self.fsdp_dim)[self.fsdp.rank]
@@ -129,14 +131,14 @@ class HeldLayout:
         of every part."""
         per_dim = {"tp": DTensorReplicate() if self.sliced else _tp_dtensor_placement(self.tp)}
         if self.ep is not None:  # nested in the mesh's order, "fsdp"'s; cp's is ring-major (passes.experts checks)
-            per_dim.update((n, DTensorShard(0)) for n in info.spanned(self.ep.name))
+            per_dim.update((n, DTensorShard(self.ep_dim)) for n in info.spanned(self.ep.name))
         if self.fsdp_dim is not None:
             per_dim.update((n, DTensorShard(self.fsdp_dim)) for n in info.spanned(self.fsdp.name))
         return tuple(per_dim.get(name, DTensorReplicate()) for name in mesh.mesh_dim_names)
 
     def describe(self) -> dict[str, str]:
         tp = f"whole, sliced {describe(self.tp)} at each call" if self.sliced else describe(self.tp)
-        return {"tp": tp, **({"ep": describe(Shard(0))} if self.ep is not None else {}),
+        return {"tp": tp, **({"ep": describe(Shard(self.ep_dim))} if self.ep is not None else {}),
                 **({"fsdp": describe(Shard(self.fsdp_dim))} if self.fsdp_dim is not None else {})}
 
 
@@ -182,26 +184,35 @@ def fed_placements(placements: dict[str, Placement], layout: HeldLayout | None) 
     then dp) would hand a rank of "fsdp" another rank's."""
     if layout is None or layout.ep is None:
         return placements
-    return {**{d: p for d, p in placements.items() if d == "tp"}, layout.ep.name: Shard(0)}
+    return {**{d: p for d, p in placements.items() if d == "tp"}, layout.ep.name: Shard(layout.ep_dim)}
 
 
 def layout_maker(mesh: MeshInfo, config: ParallelConfig, sharded: bool) -> Callable[..., HeldLayout]:
-    """``layout(shape, tp, experts)``: how a parameter planned ``tp`` on tp is held, FSDP over
+    """``layout(shape, tp, ep_dim)``: how a parameter planned ``tp`` on tp is held, FSDP over
     ``config.fsdp_dims`` once parallelized (``sharded``; whole parameters are only sliced). An
-    expert weight cut over its group (``experts``, with ep: ``expert_group``) has its experts
-    in plain chunks there, and no FSDP: the group spans every dim FSDP may cut (of size > 1)."""
+    expert weight cut over its group (with ep: ``expert_group``) along ``ep_dim`` (None: not an
+    expert weight) is held in plain chunks there, and no FSDP: the group spans every dim FSDP
+    may cut (of size > 1)."""
     ep = expert_group(mesh)
     fsdp = mesh.fsdp(config.fsdp_dims) if sharded else None
 
-    def layout(shape, tp: Placement | None, experts: bool) -> HeldLayout:
-        return HeldLayout.of(shape, tp, mesh, None, ep) if experts else HeldLayout.of(shape, tp, mesh, fsdp)
+    def layout(shape, tp: Placement | None, ep_dim: int | None) -> HeldLayout:
+        return HeldLayout.of(shape, tp, mesh, fsdp) if ep_dim is None else HeldLayout.of(shape, tp, mesh, None, ep,
+                                                                                          ep_dim)
     return layout
+
+
+def expert_dim(ctx, name: str) -> int | None:
+    """The dim ep cuts graph input ``name`` along over its group (``ctx.expert_placements``), or
+    None where it cuts none."""
+    cut = ctx.expert_placements.get(name)
+    return None if cut is None else shard_dim(next(iter(cut.values())))
 
 
 def held_layouts(ctx) -> dict[str, HeldLayout]:
     """Each parameter placeholder's layout, as the plan's parameters are held."""
     layout = layout_maker(ctx.mesh, ctx.config, ctx.feeding.sharded)
-    return {name: layout(info.tensor.shape, ctx.param_placements.get(name), name in ctx.expert_placements)
+    return {name: layout(info.tensor.shape, ctx.param_placements.get(name), expert_dim(ctx, name))
             for name, info in ctx.params.items()}
 
 

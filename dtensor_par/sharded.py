@@ -38,7 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .pipeline import PLANNING_PASSES, parallelize_graph
 from .config import ParallelConfig
 from .mesh import MeshInfo
-from .params import SHARDED, STANDIN_OF, HeldLayout, held_mesh, holds_whole, layout_maker
+from .params import SHARDED, STANDIN_OF, HeldLayout, expert_dim, held_mesh, holds_whole, layout_maker
 from .passes.capture import capture_graphs
 from .placements import Placement, Replicate, describe
 
@@ -190,23 +190,23 @@ def sharded_state(model: nn.Module) -> ShardedState | None:
 
 
 def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, example_kwargs: dict,
-                    config: ParallelConfig) -> dict[str, tuple[Placement, bool]]:
-    """The tp placement of every parameter (by FQN), and whether its experts are cut over cp
-    (``ep``); the plan's warnings are logged.
+                    config: ParallelConfig) -> dict[str, tuple[Placement, int | None]]:
+    """The tp placement of every parameter (by FQN), and the dim ``ep`` cuts it along over its
+    expert group (None: not cut); the plan's warnings are logged.
 
     Plans as ``explain`` does: one process, no communication, any device (meta included).
     """
     mesh_info = MeshInfo.for_planning(dict(zip(mesh.mesh_dim_names, mesh.shape)), mesh.device_type,
                                       MeshInfo.full_order(mesh.mesh_dim_names))
-    placements: dict[str, tuple[Placement, bool]] = {}
+    placements: dict[str, tuple[Placement, int | None]] = {}
     for gm, inputs in capture_graphs(model, *example_args, **example_kwargs):
         _, ctx = parallelize_graph(gm, inputs, mesh_info, config, feeding=SHARDED, passes=PLANNING_PASSES)
         for name, param in ctx.params.items():
-            p = (ctx.param_placements.get(name, Replicate()), name in ctx.expert_placements)
+            p = (ctx.param_placements.get(name, Replicate()), expert_dim(ctx, name))
             if placements.setdefault(param.fqn, p) != p:
                 raise ValueError(f"parallelize: graphs of {type(model).__name__} shard parameter {param.fqn!r} "
-                                 f"differently ({describe(placements[param.fqn][0])}, experts cut: "
-                                 f"{placements[param.fqn][1]}; and {describe(p[0])}, experts cut: {p[1]})")
+                                 f"differently ({describe(placements[param.fqn][0])}, cut by ep along dim "
+                                 f"{placements[param.fqn][1]}; and {describe(p[0])}, along dim {p[1]})")
     return placements
 
 
@@ -272,7 +272,7 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     for fqn, owner, name, old in _registered_parameters(model):
         if id(old) not in replaced:
-            param = _held_param(old, layout_of(old.shape, *placements.get(fqn, (None, False))), held, info, whole)
+            param = _held_param(old, layout_of(old.shape, *placements.get(fqn, (None, None))), held, info, whole)
             replaced[id(old)] = (param, _standin(param, config.param_dtype))
             state.remember_replaced(old, fqn)
         param, standin = replaced[id(old)]

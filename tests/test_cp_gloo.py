@@ -51,10 +51,11 @@ def _pair_runs(label: str, mesh_sizes: dict, traced: list[str], names: list[str]
 
 RUNS = {
     4: {**{label: run for pair, spec in PAIRS.items() for label, run in _pair_runs(pair, **spec).items()},
-        # An nn.ModuleList's experts looped over in one graph beside attention: each expert's features cut over
-        # tp, the tokens' rows over ring.
+        # An nn.ModuleList's experts looped over in one graph beside attention, with ep='cp': each expert's
+        # features cut over tp, the tokens' rows over ring, each expert's weights held cut over ring along the dim
+        # tp does not cut and sent whole to the rank computing that expert.
         "tp2-ring2 experts in one graph": dict(mesh_sizes={"tp": 2, "ring": 2}, names=["looped_moe_block"], steps=1,
-                                               dynamo_config=ONE_GRAPH)},
+                                               dynamo_config=ONE_GRAPH, options={"ep": "cp"})},
     # Default order (ring, ulysses, tp) is covered at world 4; here ulysses sits outside ring,
     # so the flattened sequence group's rank order differs from its chunk order. The masked
     # case has a per-head mask split by tp, then ulysses, over a padded sequence. The order
@@ -66,10 +67,10 @@ RUNS = {
     # (aot_eager's backward through passes.overlap.sink_waits): still exact.
     2: {"small_buckets": dict(names=["llama_gqa_rope_2_layers"], options={"grad_bucket_mb": 2**-10}, steps=2,
                               mesh_sizes={"ulysses": 2}),
-        # An nn.ModuleList's experts looped over in one graph beside attention: the tokens' rows on each rank,
-        # and ep='cp' refused with a warning (no placement cuts a list of parameters over the experts).
-        "looped_experts_ulysses2_ep": dict(names=["looped_moe_block"], steps=1, mesh_sizes={"ulysses": 2},
-                                           dynamo_config=ONE_GRAPH, options={"ep": "cp"})},
+        # An nn.ModuleList's experts looped over in one graph beside attention, without ep: each rank runs its
+        # tokens' rows through every expert.
+        "looped_experts_ulysses2": dict(names=["looped_moe_block"], steps=1, mesh_sizes={"ulysses": 2},
+                                        dynamo_config=ONE_GRAPH)},
 }
 """World size -> label -> ``run_cases``' keyword arguments; each world's runs share one launch."""
 LAUNCHES = {world: in_background(run_labelled_cases, world, runs) for world, runs in RUNS.items()}
@@ -123,8 +124,6 @@ def test_small_gradient_buckets_at_world_2():
 
 
 def test_a_loop_over_experts_in_one_graph_beside_attention_matches_single_device():
-    """At tp2 x ring2 with no warning; at ulysses2 with ``ep='cp'`` refused by a warning that says
-    why, the experts whole on each rank."""
+    """At tp2 x ring2 with ``ep='cp'`` and at ulysses2 without, with no warning."""
     assert LAUNCHES[4].result()["tp2-ring2 experts in one graph"]["looped_moe_block"]["warnings"] == []
-    (warning,) = LAUNCHES[2].result()["looped_experts_ulysses2_ep"]["looped_moe_block"]["warnings"]
-    assert "ep='cp': the experts stay whole" in warning and "nn.ModuleList" in warning, warning
+    assert LAUNCHES[2].result()["looped_experts_ulysses2"]["looped_moe_block"]["warnings"] == []

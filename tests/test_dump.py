@@ -271,6 +271,31 @@ def test_explain_cuts_a_loop_over_experts_by_features_and_sums_its_tokens_once()
     assert forward == Counter({("all_reduce", 2 * 16 * 32 * 4): 2}), forward
 
 
+def test_explain_holds_a_loop_over_experts_cut_by_rows_with_ep_and_sends_each_rank_its_experts():
+    """With ``ep="cp"`` at tp2 x ring2, parallelized: each expert weight held cut over tp as without
+    ep and over cp along the dim tp does not cut, a quarter of it a rank; one all-to-all per
+    stacked weight sends each rank its 2 experts whole, ``[2, 32, 32]`` floats of this rank's
+    pieces each way. A hidden size that does not divide over the group leaves them whole, warned."""
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        report = dtensor_par.explain(models.LoopedMoEBlock(), (torch.randn(1, 16, 32),), tp=2, ring=2, ep="cp",
+                                     parallelized=True)
+        uneven = dtensor_par.explain(models.LoopedMoEBlock(hidden=30, heads=2), (torch.randn(2, 16, 30),),
+                                     dp_shard=2, ulysses=2, ep="cp")
+    (graph,) = report.graphs
+    text, rows = str(report), [r for r in graph.parameters if ".experts." in r["name"]]
+    assert graph.warnings == [] and "experts per rank: 2 of 4 (ep over cp=2), each 1/2 of its features" in text
+    assert "moe.experts.0.w1.weight=S(0) (S(1) over cp=2, sent whole to its expert's rank at each use)" in text
+    assert "moe.experts.3.w2.weight=S(1) (S(0) over cp=2, sent whole to its expert's rank at each use)" in text
+    assert {r["bytes_per_rank"] for r in rows} == {64 * 32 * 4 // 4} and len(rows) == 12, rows
+    pieces = 4 * 32 * 16 * 4  # 4 experts x (64 / tp) x (32 / cp) floats
+    sent = [(c["direction"], c["count"]) for c in graph.collectives if c["op"] == "all_to_all"
+            and c["bytes_per_rank"] == pieces and c["site"] == "moe0.experts"]
+    assert sorted(sent) == [("backward", 3), ("forward", 3)], graph.collectives
+    (warning,) = uneven.graphs[0].warnings
+    assert "the experts stay whole on every rank of dp_shard=2 x cp=2" in warning, warning
+    assert "dim 2 of stack" in warning and "[4, 64, 30] does not divide over 4 ranks" in warning, warning
+
+
 def test_explain_counts_repeated_kv_heads_once_in_the_ulysses_exchange(tmp_path, fake_world):
     """A Llama repeating its 4 kv heads to 8 before attention (as the benchmarks'); canonicalize makes
     that ``enable_gqa``, so the Ulysses exchange carries 8 query and 4 + 4 kv heads (q alone,

@@ -106,14 +106,42 @@ def _collectives_table(dump_dir: str, rank_folder: str) -> Counter:
     return table
 
 
+def _train_against_one_device(model, reference, outputs, inspect=lambda opt: None, steps: int = 2) -> Counter:
+    """``steps`` foreach AdamW steps with clipping of ``model`` and of ``reference`` on one device
+    (``outputs()``: both outputs): the worst forward, gradient and parameter differences.
+    ``inspect(opt)`` after the first update, before its gradients are zeroed."""
+    make_opt = lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-3, foreach=True)  # noqa: E731
+    opt, opt_ref = make_opt(model.parameters()), make_opt(reference.parameters())
+    worst = Counter()
+    for step in range(steps):
+        out, expected = outputs()
+        worst["forward"] = max(worst["forward"], (out - expected).abs().max().item())
+        loss_of(out).backward()
+        loss_of(expected).backward()
+        worst["grad"] = max(worst["grad"], max(max_rel(whole(p.grad), q.grad)
+                                               for p, q in zip(model.parameters(), reference.parameters())))
+        for params in (model.parameters(), reference.parameters()):
+            torch.nn.utils.clip_grad_norm_(params, 0.05)
+        opt.step()
+        opt_ref.step()
+        worst["param"] = max(worst["param"], max(max_rel(whole(p), q)
+                                                 for p, q in zip(model.parameters(), reference.parameters())))
+        if step == 0:
+            inspect(opt)
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    return worst
+
+
 def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
     """Mixtral parallelized at dp_shard2 x ulysses2 with ``ep="cp"``, its 4 experts cut over all
     4 ranks (dp_shard x cp): 2 AdamW steps with clipping against one device, the storage each
     rank holds of an expert weight and of its gradient and AdamW state, and the collectives a
     step runs against the dumped table; then one step at dp_shard2 x ring2 (parallelized and
     held whole), at dp_replicate2 x dp_shard2 and, with a local batch, at dp_shard2 x ulysses2
-    and dp_replicate2 x dp_shard2 (parallelized: ``one_step``), and one at ulysses2 x ring2
-    (``one_step_ulysses_first``)."""
+    and dp_replicate2 x dp_shard2 (parallelized: ``one_step``), one at ulysses2 x ring2
+    (``one_step_ulysses_first``), and an ``nn.ModuleList`` mixture trained at dp_shard2 x ulysses2
+    (``train_module_list_with_ep``)."""
     from tests import real_models
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -124,27 +152,13 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
     dtensor_par.parallelize(model, mesh, args, example_kwargs=kwargs, ep="cp")
     compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager", ep="cp",
                                                                         dump_dir=dump_dir))
-    make_opt = lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-3, foreach=True)  # noqa: E731
-    opt, opt_ref = make_opt(model.parameters()), make_opt(reference.parameters())
-    worst = Counter()
-    for _ in range(2):
-        out, expected = compiled(*args, **kwargs)[0], reference(*args, **kwargs)[0]
-        worst["forward"] = max(worst["forward"], (out - expected).abs().max().item())
-        loss_of(out).backward()
-        loss_of(expected).backward()
-        worst["grad"] = max(worst["grad"], max(max_rel(p.grad.full_tensor(), q.grad)
-                                               for p, q in zip(model.parameters(), reference.parameters())))
-        for params in (model.parameters(), reference.parameters()):
-            torch.nn.utils.clip_grad_norm_(params, 0.05)
-        opt.step()
-        opt_ref.step()
-        worst["param"] = max(worst["param"], max(max_rel(p.full_tensor(), q)
-                                                 for p, q in zip(model.parameters(), reference.parameters())))
-        if _ == 0:
-            experts = model.model.layers[0].mlp.experts.gate_up_proj
-            held = [t.to_local().untyped_storage().nbytes() for t in (experts, experts.grad, opt.state[experts]["exp_avg"])]
-        opt.zero_grad()
-        opt_ref.zero_grad()
+    experts, held = model.model.layers[0].mlp.experts.gate_up_proj, []
+
+    def held_storage(opt):
+        held.extend(t.to_local().untyped_storage().nbytes()
+                    for t in (experts, experts.grad, opt.state[experts]["exp_avg"]))
+    worst = _train_against_one_device(model, reference, lambda: (compiled(*args, **kwargs)[0],
+                                                                 reference(*args, **kwargs)[0]), held_storage)
     executed = executed_collectives(lambda: loss_of(compiled(*args, **kwargs)[0]).backward())
     ran = Counter(name for name, _ in executed)
     exchanges = [nbytes for name, nbytes in executed if name == "all_to_all_single"]
@@ -167,7 +181,39 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
                               ulysses=2),
             "local_replicas": one_step(os.path.join(dump_dir, "local_replicas"), rows=4, batch="local",
                                        modes=(True,), dp_replicate=2, dp_shard=2),
-            "ulysses_first": one_step_ulysses_first()}
+            "ulysses_first": one_step_ulysses_first(),
+            "module_list": train_module_list_with_ep(os.path.join(dump_dir, "module_list"))}
+
+
+def train_module_list_with_ep(dump_dir: str) -> dict:
+    """An ``nn.ModuleList`` mixture beside attention (``tests.models.LoopedMoEBlock``, captured in
+    one graph) parallelized at dp_shard2 x ulysses2 with ``ep="cp"``: 2 foreach AdamW steps with
+    clipping against one device, each expert weight's piece held (a quarter of it: its rows cut
+    over all 4 ranks), the collectives a step runs against the dumped table, and explain's routing
+    measured on one device against what the ranks get back."""
+    from tests import models
+
+    mesh = dtensor_par.init_mesh(dp_shard=2, ulysses=2)
+    folder = "_".join(f"{n}{c}" for n, c in zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    torch.manual_seed(0)
+    model, x = models.LoopedMoEBlock(), torch.randn(2, 16, 32)
+    reference = copy.deepcopy(model)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        dtensor_par.parallelize(model, mesh, (x,), ep="cp")
+        compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager", ep="cp",
+                                                                            dump_dir=dump_dir))
+        worst = _train_against_one_device(model, reference, lambda: (compiled(x), reference(x)))
+        executed = executed_collectives(lambda: loss_of(compiled(x)).backward())
+        measured = None
+        if dist.get_rank() == 0:  # explain's routing, measured on one device holding the same weights
+            (graph,) = dtensor_par.explain(reference, (x,), dp_shard=2, ulysses=2, ep="cp", measure_routing=True).graphs
+            (line,) = [s for s in graph.sites if s.startswith("moe0")]
+            measured = int(line.split("measured on the example inputs: ")[1].split(" B")[0])
+    exchanges = [nbytes for name, nbytes in executed if name == "all_to_all_single"]
+    experts = {n: list(p.to_local().shape) for n, p in model.named_parameters() if n.startswith("moe.experts.0.")}
+    return {**worst, "local": experts, "ran": dict(Counter(name for name, _ in executed)),
+            "table": dict(_collectives_table(dump_dir, folder)), "measured": measured,
+            "back": exchanges[exchanges.index(4 * 8) + 2]}  # the 4 experts' counts, the rows sent, the rows back
 
 
 def one_step(dump_dir: str, rows: int = 2, batch: str = "global", modes=(True, False), **sizes) -> dict:
@@ -293,6 +339,21 @@ def test_experts_cut_over_dp_shard_with_a_local_batch_as_on_one_device():
     for result in TRAINED.result():
         _check_one_step(result["local"], experts=1)
         _check_one_step(result["local_replicas"], experts=2)
+
+
+def test_module_list_experts_held_cut_over_dp_shard_and_cp_train_as_on_one_device():
+    """Each of an ``nn.ModuleList``'s experts held as a quarter of its weights (cut along the
+    hidden features) and sent whole to the rank computing it: stock foreach AdamW and
+    ``clip_grad_norm_`` step them as on one device; the routing explain measures off the graph is
+    what the ranks get back."""
+    pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
+    results = [r["module_list"] for r in TRAINED.result()]
+    assert results[0]["measured"] == max(r["back"] for r in results), results
+    for result in results:
+        assert result["forward"] <= 1e-5 and result["grad"] <= 1e-5 and result["param"] <= 1e-5, result
+        assert result["local"] == {"moe.experts.0.w1.weight": [64, 8], "moe.experts.0.w3.weight": [64, 8],
+                                   "moe.experts.0.w2.weight": [8, 64]}, result
+        assert result["ran"] == result["table"] and result["ran"]["all_to_all_single"] >= 8, result
 
 
 def test_experts_cut_in_the_mesh_order_where_ulysses_comes_before_ring():

@@ -54,6 +54,15 @@ def local_expert_ids(offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(offsets, at, right=True).clamp(max=offsets.shape[0] - 1)
 
 
+def experts_from_rows(stacked: torch.Tensor, rows_dim: int, ep: MeshDim, comm: str = FUNCTIONAL) -> torch.Tensor:
+    """This rank's experts whole (``[E / ep, ...]``) from ``stacked``, this rank's piece along
+    ``rows_dim`` of every expert: one even all-to-all over ``ep``, and in backward each expert's
+    gradient sent back in pieces to the ranks holding them. The experts of an ``nn.ModuleList``
+    are parameters of their own, which no placement cuts over the experts, so each is held cut
+    along a dim of its own, which DTensor places (``passes.experts``)."""
+    return all_to_all(stacked, rows_dim, 0, ep, None, comm)
+
+
 def _runs(sizes: list[int]) -> list[tuple[int, int]]:
     """(start, length) of consecutive runs of the given lengths."""
     return list(zip(itertools.accumulate(sizes, initial=0), sizes))

@@ -144,6 +144,8 @@ class MoESite:
     at_experts: frozenset[fx.Node] = frozenset()  # with ep: what holds rows at their experts' rank (passes.experts)
     ep_size: int = 1  # the ranks its experts are cut over
     ep_over: tuple[str, ...] = ()  # the plan dims they are cut over (passes.experts.plan_dims_cut)
+    sent_whole: frozenset[str] = frozenset()  # with ep: one expert's weights each (an nn.ModuleList's), held cut
+    # along a dim of their own and sent whole to their expert's rank at each use (passes.experts.held_by_rows)
     biases: dict[fx.Node, RowBias] = field(default_factory=dict)  # grouped matmul -> the bias its rows get
 
     @property

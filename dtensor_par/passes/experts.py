@@ -13,6 +13,14 @@ over the group (``Shard(0)`` on each plan dim it spans), so their gradients stay
 holds them: every row of the group that chose an expert reached it. What the chain holds between
 the two exchanges (``MoESite.at_experts``) is laid out for the worst case, every rank's rows sent
 to this rank's experts: ``ep`` times the rows the rank sent, a static shape.
+
+An ``nn.ModuleList``'s experts are parameters of their own, stacked in the graph
+(``passes.expert_loop``): no placement cuts a list of parameters over the experts, and DTensors
+on submeshes of their own are not stepped right by stock optimizers (foreach AdamW skips the
+second submesh's, silently). So each expert's weight is held cut over the group along a dim tp
+does not cut (``held_by_rows``): every rank holds ``1 / ep`` of every expert, as many bytes as
+``E / ep`` experts whole, on the one mesh. Before each use one even all-to-all sends each rank its
+own experts whole (``experts_from_rows``), and in backward their gradients back in pieces.
 """
 
 from __future__ import annotations
@@ -25,13 +33,14 @@ import torch
 import torch.fx as fx
 
 from ..mesh import MeshDim, MeshInfo
-from ..ops.experts import combine_rows, dispatch_rows, exchange_counts, local_expert_ids, local_offsets
+from ..ops.experts import combine_rows, dispatch_rows, exchange_counts, experts_from_rows, local_expert_ids, \
+    local_offsets
 from ..placements import Shard
 from ..symbolic import is_symbolic
 from .capture import erase_unused, with_val
 from .context import ParallelContext
 from .detect import MoESite
-from .meta import set_site_role
+from .meta import set_experts_cut_over, set_site_role
 from .nodes import arguments, tensor_inputs, tensor_val, weight_param
 from .rules.matmul import grouped_operands
 from .rules.registry import op_kind
@@ -59,19 +68,42 @@ def _single(nodes: set[fx.Node], what: str) -> fx.Node | str:
     return next(iter(nodes)) if len(nodes) == 1 else f"its {what} are {sorted(n.name for n in nodes)}, not one node"
 
 
-def expert_chain(site: MoESite, mesh: MeshInfo, ep: MeshDim) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | str:
-    """(the rows the experts read, their offsets, the histogram those come from, the chain), or
-    why the experts cannot be cut over ``ep``."""
+def held_by_rows(site: MoESite, ep: MeshDim) -> dict[fx.Node, int] | str:
+    """Each expert weight stacked in the graph (``torch.stack`` of an ``nn.ModuleList``'s experts'
+    parameters, ``passes.expert_loop``) -> the dim of the stack each expert is held cut along over
+    ``ep``: one tp does not cut (the up projections' input features, the down projection's
+    output features; ``experts_from_rows`` then sends each rank its experts whole), which must
+    divide; or why they cannot be held so."""
+    found = {}
+    for grouped in site.up + site.down:
+        stacked, swapped = weight_param(grouped)  # the grouped matmul's [E, in, out]; swapped: a stack of [out, in]
+        if stacked.op == "placeholder":
+            continue
+        experts = arguments(stacked).get("tensors") if stacked.target is torch.stack else None
+        if not experts or arguments(stacked).get("dim", 0) != 0 or any(e.op != "placeholder" for e in experts):
+            return f"its expert weight {stacked.name} is neither a parameter nor a stack of parameters along dim 0"
+        dim = 1 + (swapped == (grouped in site.up))
+        if tensor_val(stacked).shape[dim] % ep.size:
+            return (f"its experts' weights are held cut along a dim of their own (an nn.ModuleList's), but dim "
+                    f"{dim} of {stacked.name} {list(tensor_val(stacked).shape)} does not divide over {ep.size} ranks")
+        found[stacked] = dim
+    return found
+
+
+def expert_chain(site: MoESite, mesh: MeshInfo, ep: MeshDim) \
+        -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node], dict[fx.Node, int]] | str:
+    """(the rows the experts read, their offsets, the histogram those come from, the chain, the
+    weights stacked in the graph by the dim ``held_by_rows`` cuts them along), or why the experts
+    cannot be cut over ``ep``."""
     grouped, cp = site.up + site.down, mesh.dims["cp"]
     chunks = math.lcm(ep.size, cp.size * cp.chunks_per_rank)
     if site.num_experts % chunks:
         zigzag = " (the ring's zigzag layout cuts cp's dims in two chunks a rank)" if cp.zigzag else ""
         return (f"{site.num_experts} experts do not divide into {chunks} equal chunks over "
                 f"{group_text(mesh, ep)}{zigzag}")
-    stacked = [weight_param(g)[0] for g in grouped if weight_param(g)[0].op != "placeholder"]
-    if stacked:
-        return (f"its experts' weights are separate parameters, stacked in the graph ({stacked[0].name}: an "
-                f"nn.ModuleList looped over), and no placement cuts a list of parameters over the experts")
+    by_rows = held_by_rows(site, ep)
+    if isinstance(by_rows, str):
+        return by_rows
     rows = _single({grouped_operands(g)[0] for g in site.up}, "up projections' rows")
     offsets = _single({grouped_operands(g)[2] for g in grouped}, "grouped matmuls' offsets")
     histogram = _single({n for n in site.region if op_kind(n) in ("histc", "bincount")}, "histograms")
@@ -91,7 +123,7 @@ def expert_chain(site: MoESite, mesh: MeshInfo, ep: MeshDim) -> tuple[fx.Node, f
         if outside:
             return f"{node.name}, between its up and down projections, reads {[i.name for i in outside]} of the " \
                    f"dispatch"
-    return rows, offsets, histogram, chain
+    return rows, offsets, histogram, chain, by_rows
 
 
 def _rows_times(value, times: int):
@@ -125,7 +157,7 @@ def experts_to_ranks(gm: fx.GraphModule, site: MoESite, ctx: ParallelContext, ep
     if isinstance(found, str):
         ctx.warn(f"{site.name}: ep='cp': the experts stay whole on every rank of {group_text(ctx.mesh, ep)}: {found}")
         return
-    rows, offsets, histogram, chain = found
+    rows, offsets, histogram, chain, by_rows = found
     graph, per_rank, out = gm.graph, site.num_experts // ep.size, site.out_of(site.down[0])
     old_out, old_biases = tensor_val(out), {bias.rows for bias in site.biases.values()}
     with graph.inserting_before(chain[0]):
@@ -156,7 +188,24 @@ def experts_to_ranks(gm: fx.GraphModule, site: MoESite, ctx: ParallelContext, ep
         plan_dims_cut(ctx.mesh, ep, ctx.config.batch)
     held = [weight_param(grouped)[0] for grouped in site.up + site.down] + [b.table for b in site.biases.values()]
     for tensor in held:
-        ctx.expert_placements[tensor.name] = {d: Shard(0) for d in site.ep_over}
+        if tensor not in by_rows:
+            ctx.expert_placements[tensor.name] = {d: Shard(0) for d in site.ep_over}
+    for stacked, dim in by_rows.items():
+        _send_experts_whole(graph, site, stacked, dim, lowered, ctx)
+
+
+def _send_experts_whole(graph: fx.Graph, site: MoESite, stacked: fx.Node, dim: int, lowered: dict,
+                        ctx: ParallelContext) -> None:
+    """Hold each expert weight ``stacked`` stacks cut along its dim ``dim - 1`` over the group, and
+    read the stack through ``experts_from_rows``: this rank's experts whole."""
+    with graph.inserting_after(stacked):
+        whole = with_val(graph.call_function(experts_from_rows, (stacked, dim), lowered), tensor_val(stacked))
+    stacked.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not whole)
+    set_site_role(whole, f"{site.name}.experts")
+    set_experts_cut_over(whole, site.ep_over)
+    for expert in arguments(stacked)["tensors"]:
+        ctx.expert_placements[expert.name] = {d: Shard(dim - 1) for d in site.ep_over}
+        site.sent_whole |= {expert.name}
 
 
 def _biases_by_local_ids(graph: fx.Graph, site: MoESite, offs: fx.Node, sent: fx.Node) -> list[fx.Node]:

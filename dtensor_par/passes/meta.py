@@ -30,6 +30,7 @@ _PARAM_FQN = "dtensor_par_fqn"
 _WEIGHT_NAME = "dtensor_par_weight"
 _BUFFER = "dtensor_par_buffer"
 _WORK = "dtensor_par_work"
+_EXPERTS_OVER = "dtensor_par_experts_over"
 _MODULE_PATHS = "dtensor_par_fqns"  # on the graph module
 SYMBOLIC = "dtensor_par_symbolic"  # on the graph module
 _FSDP_GATHER = "dtensor_par_fsdp_gather"  # in node.meta["custom"], which AOTAutograd copies to the ops it traces
@@ -131,6 +132,16 @@ def site_role(node: fx.Node) -> str | None:
 
 def set_site_role(node: fx.Node, role: str | None) -> None:
     node.meta[_SITE_ROLE] = role
+
+
+def experts_cut_over(node: fx.Node) -> tuple[str, ...]:
+    """The plan dims (cp, dp) over which an ``experts_from_rows`` node sends each rank its
+    experts whole, set by ``passes.experts``."""
+    return node.meta[_EXPERTS_OVER]
+
+
+def set_experts_cut_over(node: fx.Node, dims: tuple[str, ...]) -> None:
+    node.meta[_EXPERTS_OVER] = dims
 
 
 def param_fqn(node: fx.Node) -> str | None:

@@ -14,6 +14,8 @@ import torch
 import torch.fx as fx
 from torch.fx.operator_schemas import get_signature_for_torch_op, type_matches
 
+from ..ops.experts import experts_from_rows
+
 
 def target_name(node: fx.Node) -> str:
     """``torch.cumsum``, ``Tensor.view``, ``operator.add``: how a user would spell the op."""
@@ -241,16 +243,23 @@ def stacked_params(weight: fx.Node) -> list[fx.Node]:
 
 
 def weight_param(linear: fx.Node) -> tuple[fx.Node, bool]:
-    """The tensor a linear's weight is read from (through dtype casts), and whether it is
+    """The tensor a linear's weight is read from (through dtype casts, and the exchange that
+    sends each rank its experts whole from their rows, ``experts_from_rows``), and whether it is
     stored with its last two dims swapped (``[in, out]``, read through ``t()``: GPT-2's Conv1D
     after canonicalize; an expert weight ``[E, out, in]`` read through ``transpose(-2, -1)``)."""
     given = arguments(linear)
-    weight = next(given[name] for name in _RIGHT_OPERAND if name in given)
-    while isinstance(weight, fx.Node) and weight.op == "call_method" and weight.target in _CASTS:
-        weight = weight.args[0]
+    weight = _read_from(next(given[name] for name in _RIGHT_OPERAND if name in given))
     if isinstance(weight, fx.Node) and _swaps_last_two_dims(weight):
-        return arguments(weight)["input"], True
+        return _read_from(arguments(weight)["input"]), True
     return weight, False
+
+
+def _read_from(weight):
+    """What ``weight`` is read from through dtype casts and ``experts_from_rows``."""
+    while isinstance(weight, fx.Node) and (weight.op == "call_method" and weight.target in _CASTS
+                                           or weight.target is experts_from_rows):
+        weight = weight.args[0]
+    return weight
 
 
 _ALIASING_METHODS = frozenset({"view", "transpose", "permute", "unsqueeze", "squeeze", "expand", "select", "t",

@@ -14,11 +14,12 @@ import torch.nn.functional as F
 
 from ...errors import NotSupported
 from ...mesh import MeshInfo
-from ...ops.experts import combine_rows, dispatch_rows, exchange_counts, local_expert_ids, local_offsets
+from ...ops.experts import combine_rows, dispatch_rows, exchange_counts, experts_from_rows, local_expert_ids, \
+    local_offsets
 from ...ops.lowerings import FUNCTIONAL
-from ...placements import Partial, Placement, parts_of, shard_dim
+from ...placements import Partial, Placement, Shard, parts_of, shard_dim
 from ...symbolic import hint
-from ..meta import Communication, NodeSharding, planned_local_shape, set_communications, site_role
+from ..meta import Communication, NodeSharding, experts_cut_over, planned_local_shape, set_communications, site_role
 from ..nodes import arguments, target_name, tensor_val, writes_in_place
 from .core import R, norm_dim, replicate_all, resolve_partial
 from .registry import op_kind, register
@@ -136,6 +137,29 @@ def local_expert_ids_rule(node, ins, cur, env):
     return NodeSharding(R, tuple(cur))
 
 
+def experts_from_rows_rule(node, ins, cur, env):
+    """``experts_from_rows``: over the plan dims the experts are cut over (``experts_cut_over``) every
+    expert's piece along ``rows_dim`` becomes this rank's experts whole (``Shard(rows_dim)`` in,
+    ``Shard(0)`` out); elsewhere it sends nothing and a cut of another dim (tp's) stays."""
+    rows_dim, p, over = node.args[1], cur[0], experts_cut_over(node)
+    moved = env.dim in over
+    if p != (Shard(rows_dim) if moved else p) or (not moved and shard_dim(p) in (0, rows_dim)) \
+            or isinstance(p, Partial):
+        raise NotSupported(f"plan: {node.name} ({target_name(node)}) sends each rank its experts whole from their "
+                           f"pieces along dim {rows_dim} over {list(over)}, but {ins[0].name} "
+                           f"{list(tensor_val(ins[0]).shape)} reaches it {p} on mesh dim {env.dim!r}")
+    return NodeSharding(Shard(0) if moved else p, (p,))
+
+
+def localize_experts_from_rows(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """What ``experts_from_rows`` sends: this rank's pieces of every expert, each way."""
+    ep, val = node.kwargs["ep"], tensor_val(node)
+    nbytes = hint(math.prod(planned_local_shape(node, mesh))) * val.element_size()
+    backward = "all_to_all" if node.meta["requires_grad"] else None
+    set_communications(node, [Communication("all_to_all", backward, ep.name, ep.size, nbytes,
+                                            nbytes if backward else 0, site_role(node))])
+
+
 def localize_expert_exchange(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
     """What each exchange sends: the counts, a rank's rows (all of them go in, wherever they go),
     and, the other way, at most what every rank's rows could send to its experts (the worst
@@ -162,5 +186,7 @@ register("histc", "routing", histc_rule, functions=[torch.histc], methods=["hist
 register("bincount", "routing", bincount_rule, functions=[torch.bincount], methods=["bincount"])
 register("expert_exchange", "routing", expert_exchange_rule, functions=[exchange_counts, dispatch_rows, combine_rows],
          localize=localize_expert_exchange)
+register("experts_from_rows", "routing", experts_from_rows_rule, functions=[experts_from_rows],
+         localize=localize_experts_from_rows)
 register("expert_offsets", "routing", expert_exchange_rule, functions=[local_offsets])
 register("expert_ids", "routing", local_expert_ids_rule, functions=[local_expert_ids])
