@@ -27,11 +27,10 @@ from .rules.core import RuleEnv, check_divisible, moved, replicate_all
 from .rules.indexing import cat_dim, per_dim, split_dim
 from .rules.matmul import grouped_operands, is_channelwise_conv
 from .rules.pointwise import is_activation
-from .rules.registry import kinds_in, lookup, op_kind
+from .rules.registry import lookup, op_kind
 from .rules.views import dim_order
 
 R = Replicate()
-_FEATURE_BY_FEATURE = kinds_in("pointwise")
 
 
 class FusedParts(NamedTuple):
@@ -58,14 +57,26 @@ def features_carried(node: fx.Node, dim: int) -> tuple[fx.Node, int]:
     arithmetic with tensors as large or broadcast over them (``_feature_by_feature``). Every
     graph of a model must read a projection's parts alike: its weight is held one way."""
     while (user := _carrier(node, dim)) is not None and tensor_val(user) is not None:
-        if op_kind(user) == "transpose":
-            dim = dim_order(user, tensor_val(user).dim()).index(dim)
-        elif not (is_activation(user) or op_kind(user) in ("cast", "sequence_start")
-                  or (is_channelwise_conv(user) and dim == 1) or _feature_by_feature(user, node)
-                  or _sliced_along_other_dims(user, node, dim) or (op_kind(user) == "cat" and cat_dim(user) != dim)):
+        carried = _carried_dim(user, node, dim)
+        if carried is None:
             break
-        node = user
+        node, dim = user, carried
     return node, dim
+
+
+def _carried_dim(op: fx.Node, source: fx.Node, dim: int) -> int | None:
+    """The dim of ``op``'s output holding ``source``'s features along ``dim`` one by one (each
+    output feature from its own input feature), or None where ``op`` mixes them: transposes
+    move them, and activations, casts, ``sequence_start``, depthwise convolutions (channels,
+    dim 1), slices and concatenations along other dims and arithmetic with tensors as large or
+    broadcast over them (``_feature_by_feature``) keep them in place. ``features_carried`` walks
+    forward by it, ``_feeding_projections`` back."""
+    if op_kind(op) == "transpose":
+        return dim_order(op, tensor_val(op).dim()).index(dim)
+    keeps = (is_activation(op) or op_kind(op) in ("cast", "sequence_start") or (is_channelwise_conv(op) and dim == 1)
+             or _feature_by_feature(op, source) or _sliced_along_other_dims(op, source, dim)
+             or (op_kind(op) == "cat" and cat_dim(op) != dim))
+    return dim if keeps else None
 
 
 def _carrier(node: fx.Node, dim: int) -> fx.Node | None:
@@ -236,11 +247,10 @@ def _site_weights(site, ctx: ParallelContext, groups: int = 1) -> dict[fx.Node, 
 
 def _feeding_projections(node: fx.Node, projections: set[fx.Node]) -> set[fx.Node]:
     """The ``projections`` whose features reach ``node``'s input (its channels, dim 1) feature by
-    feature, through pointwise ops, transposes, depthwise convolutions and concatenations along
-    another dim (a UNet's convolution, the time embedding added, to the group norm; Qwen3.5's
-    q, k and v, transposed, to its causal convolution, after a decode step's convolution state).
-    None where they are mixed first (Qwen3-Next's q, k and v concatenated: its convolution's
-    weight stays whole, sliced as its input's channels are)."""
+    feature (``_carried_dim``, walked back: a UNet's convolution, the time embedding added, to
+    the group norm; Qwen3.5's q, k and v, transposed, to its causal convolution, after a decode
+    step's convolution state). None where they are mixed first (Qwen3-Next's q, k and v
+    concatenated: its convolution's weight stays whole, sliced as its input's channels are)."""
     found, seen, stack = set(), set(), [(arguments(node)["input"], 1)]
     while stack:
         n, dim = stack.pop()
@@ -249,10 +259,9 @@ def _feeding_projections(node: fx.Node, projections: set[fx.Node]) -> set[fx.Nod
         seen.add((n, dim))
         if n in projections:
             found.add(n)
-        elif op_kind(n) == "transpose":
-            stack.append((tensor_inputs(n)[0], dim_order(n, tensor_val(n).dim())[dim]))
-        elif op_kind(n) in _FEATURE_BY_FEATURE or is_channelwise_conv(n) or (op_kind(n) == "cat" and cat_dim(n) != dim):
-            stack.extend((i, dim) for i in tensor_inputs(n) if tensor_val(i).dim() == tensor_val(n).dim())
+            continue
+        source_dim = dim_order(n, tensor_val(n).dim())[dim] if op_kind(n) == "transpose" else dim
+        stack.extend((i, source_dim) for i in tensor_inputs(n) if _carried_dim(n, i, source_dim) == dim)
     return found
 
 
