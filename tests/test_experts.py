@@ -141,7 +141,7 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
     held whole), at dp_replicate2 x dp_shard2 and, with a local batch, at dp_shard2 x ulysses2
     and dp_replicate2 x dp_shard2 (parallelized: ``one_step``), one at ulysses2 x ring2
     (``one_step_ulysses_first``), and an ``nn.ModuleList`` mixture trained at dp_shard2 x ulysses2
-    (``train_module_list_with_ep``)."""
+    and tp2 x ring2 (``train_module_list_with_ep``)."""
     from tests import real_models
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -182,18 +182,19 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
             "local_replicas": one_step(os.path.join(dump_dir, "local_replicas"), rows=4, batch="local",
                                        modes=(True,), dp_replicate=2, dp_shard=2),
             "ulysses_first": one_step_ulysses_first(),
-            "module_list": train_module_list_with_ep(os.path.join(dump_dir, "module_list"))}
+            "module_list": train_module_list_with_ep(os.path.join(dump_dir, "module_list"), dp_shard=2, ulysses=2),
+            "module_list_tp": train_module_list_with_ep(os.path.join(dump_dir, "module_list_tp"), tp=2, ring=2)}
 
 
-def train_module_list_with_ep(dump_dir: str) -> dict:
+def train_module_list_with_ep(dump_dir: str, **sizes) -> dict:
     """An ``nn.ModuleList`` mixture beside attention (``tests.models.LoopedMoEBlock``, captured in
-    one graph) parallelized at dp_shard2 x ulysses2 with ``ep="cp"``: 2 foreach AdamW steps with
-    clipping against one device, each expert weight's piece held (a quarter of it: its rows cut
-    over all 4 ranks), the collectives a step runs against the dumped table, and explain's routing
-    measured on one device against what the ranks get back."""
+    one graph) parallelized on the mesh of ``sizes`` with ``ep="cp"``: 2 foreach AdamW steps with
+    clipping against one device, each expert weight's piece held, the collectives a step runs
+    against the dumped table, and explain's routing measured on one device against what the
+    ranks get back."""
     from tests import models
 
-    mesh = dtensor_par.init_mesh(dp_shard=2, ulysses=2)
+    mesh = dtensor_par.init_mesh(**sizes)
     folder = "_".join(f"{n}{c}" for n, c in zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     torch.manual_seed(0)
     model, x = models.LoopedMoEBlock(), torch.randn(2, 16, 32)
@@ -206,7 +207,7 @@ def train_module_list_with_ep(dump_dir: str) -> dict:
         executed = executed_collectives(lambda: loss_of(compiled(x)).backward())
         measured = None
         if dist.get_rank() == 0:  # explain's routing, measured on one device holding the same weights
-            (graph,) = dtensor_par.explain(reference, (x,), dp_shard=2, ulysses=2, ep="cp", measure_routing=True).graphs
+            (graph,) = dtensor_par.explain(reference, (x,), ep="cp", measure_routing=True, **sizes).graphs
             (line,) = [s for s in graph.sites if s.startswith("moe0")]
             measured = int(line.split("measured on the example inputs: ")[1].split(" B")[0])
     exchanges = [nbytes for name, nbytes in executed if name == "all_to_all_single"]
@@ -341,18 +342,19 @@ def test_experts_cut_over_dp_shard_with_a_local_batch_as_on_one_device():
         _check_one_step(result["local_replicas"], experts=2)
 
 
-def test_module_list_experts_held_cut_over_dp_shard_and_cp_train_as_on_one_device():
-    """Each of an ``nn.ModuleList``'s experts held as a quarter of its weights (cut along the
-    hidden features) and sent whole to the rank computing it: stock foreach AdamW and
-    ``clip_grad_norm_`` step them as on one device; the routing explain measures off the graph is
-    what the ranks get back."""
+@pytest.mark.parametrize("run, w1, w2", [("module_list", [64, 8], [8, 64]), ("module_list_tp", [32, 16], [16, 32])])
+def test_module_list_experts_held_cut_by_ep_train_as_on_one_device(run, w1, w2):
+    """Each of an ``nn.ModuleList``'s experts held cut along its hidden features over the expert
+    group (a quarter of it at dp_shard2 x ulysses2; at tp2 x ring2 a half of its tp half) and sent
+    whole to the rank computing it: stock foreach AdamW and ``clip_grad_norm_`` step them as on
+    one device; the routing explain measures off the graph is what the ranks get back."""
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
-    results = [r["module_list"] for r in TRAINED.result()]
+    results = [r[run] for r in TRAINED.result()]
     assert results[0]["measured"] == max(r["back"] for r in results), results
     for result in results:
         assert result["forward"] <= 1e-5 and result["grad"] <= 1e-5 and result["param"] <= 1e-5, result
-        assert result["local"] == {"moe.experts.0.w1.weight": [64, 8], "moe.experts.0.w3.weight": [64, 8],
-                                   "moe.experts.0.w2.weight": [8, 64]}, result
+        assert result["local"] == {"moe.experts.0.w1.weight": w1, "moe.experts.0.w3.weight": w1,
+                                   "moe.experts.0.w2.weight": w2}, result
         assert result["ran"] == result["table"] and result["ran"]["all_to_all_single"] >= 8, result
 
 
