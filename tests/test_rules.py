@@ -189,6 +189,10 @@ OPS = {
     # xLSTM's norms: the variance over the features, unbiased or not
     "var": (lambda x: x.var(-1, keepdim=True, unbiased=False), [_t(2, 4, 6)]),
     "std_correction": (lambda x: torch.std(x, dim=1, correction=1), [_t(2, 4, 6)]),
+    # Inkling2's L2 clip of the hidden states (as Dynamo records it), a norm method, and F.normalize
+    "vector_norm": (lambda x: torch._C._linalg.linalg_vector_norm(x, dim=-1, keepdim=True), [_t(2, 4, 6)]),
+    "norm_method": (lambda x: x.norm(dim=1), [_t(2, 4, 6)]),
+    "normalize": (lambda x: F.normalize(x, dim=1), [_t(2, 4, 6)]),
     "type_cast": (lambda x: x.type(torch.float64), [_t(2, 4)]),
     "bool_cast": (lambda x: x.bool(), [_t(2, 4)]),
 }

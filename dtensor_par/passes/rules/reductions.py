@@ -95,12 +95,14 @@ def localize_group_norm(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> No
     set_communications(new, sums)
 
 
-def softmax_rule(node, ins, cur, env):
+def along_dim_rule(node, ins, cur, env):
+    """``softmax`` and ``F.normalize``: each slice along ``dim`` normalized alone, so a shard of
+    another dim stays and a shard of ``dim`` is gathered."""
     cur = resolve_partial(ins, cur, env)
     p, ndim = cur[0], tensor_val(ins[0]).dim()
     if shard_dim(p) is not None and p.dim != norm_dim(arguments(node)["dim"], ndim):
         return NodeSharding(p, (p,))
-    return replicate_all(node, ins, cur, "softmax over the sharded dim")
+    return replicate_all(node, ins, cur, f"{target_name(node)} over the sharded dim")
 
 
 _LINEAR = ("sum", "mean", torch.sum, torch.mean)
@@ -116,7 +118,8 @@ def _reduced_dims(node: fx.Node, ndim: int) -> set[int]:
 def reduce_rule(node, ins, cur, env):
     """A shard of a dim kept stays. A sum or mean over a sharded dim gives partial sums,
     unless the dim is padded (an uneven sequence: the padding would count); any other
-    reduction over it (``amax``, ``var``, ``std``: xLSTM's norms) is gathered."""
+    reduction over it (``amax``, ``var``, ``std``: xLSTM's norms; a vector norm: Inkling2's L2
+    clip, ``F.normalize``) is gathered."""
     p, val = cur[0], tensor_val(ins[0])
     reduced = _reduced_dims(node, val.dim())
     if isinstance(p, Partial) and node.target in _LINEAR:
@@ -254,11 +257,14 @@ register("norm", "reductions", norm_rule, functions=[F.layer_norm, F.rms_norm, t
          localize=localize_norm)
 register("group_norm", "reductions", group_norm_rule, functions=[F.group_norm, torch.group_norm],
          localize=localize_group_norm)
-register("softmax", "reductions", softmax_rule, functions=[F.softmax, torch.softmax, F.log_softmax,
-                                                           torch.log_softmax],
+register("softmax", "reductions", along_dim_rule, functions=[F.softmax, torch.softmax, F.log_softmax,
+                                                              torch.log_softmax],
          methods=["softmax", "log_softmax"])
-register("reduce", "reductions", reduce_rule, functions=[torch.sum, torch.mean, torch.amax, torch.var, torch.std],
-         methods=["sum", "mean", "amax", "var", "std"], localize=localize_mean)
+register("normalize", "reductions", along_dim_rule, functions=[F.normalize])
+register("reduce", "reductions", reduce_rule, functions=[torch.sum, torch.mean, torch.amax, torch.var, torch.std,
+                                                         torch.linalg.vector_norm, torch._C._linalg.linalg_vector_norm,
+                                                         torch.norm],
+         methods=["sum", "mean", "amax", "var", "std", "norm"], localize=localize_mean)
 register("extreme", "reductions", extreme_rule, functions=[torch.max, torch.min], methods=["max", "min"])
 register("recurrence", "reductions", recurrence_rule, functions=[linear_recurrence], localize=localize_recurrence)
 register("cumsum", "reductions", cumsum_rule, functions=[torch.cumsum], methods=["cumsum"], localize=localize_cumsum)
