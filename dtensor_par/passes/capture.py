@@ -21,7 +21,7 @@ from ..symbolic import SymbolicInputs, is_symbolic, recording_guards
 from .context import ParallelContext, ParamInfo, at_node
 from .expert_loop import loop_of_experts_as_rows
 from .meta import BufferValue, module_paths, record_capture, set_buffer_value, set_param_fqn
-from .nodes import acts_beyond_value, target_name, writes_in_place
+from .nodes import acts_beyond_value, target_name, value_from_inputs, writes_in_place
 from .rules.registry import lookup
 
 _SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)(?:'\])?\['([^']+)'\]")
@@ -268,8 +268,8 @@ def with_val(node: fx.Node, value) -> fx.Node:
 
 def emitted(graph: fx.Graph, fn, *args, **kwargs) -> fx.Node:
     """``fn(*args, **kwargs)`` inserted at the graph's cursor, its value computed from its inputs'."""
-    value = fn(*fx.node.map_arg(args, lambda n: n.meta["val"]), **fx.node.map_arg(kwargs, lambda n: n.meta["val"]))
-    return with_val(graph.call_function(fn, args, kwargs), value)
+    node = graph.call_function(fn, args, kwargs)
+    return with_val(node, value_from_inputs(node))
 
 
 def erase_unused(gm: fx.GraphModule, node: fx.Node) -> None:

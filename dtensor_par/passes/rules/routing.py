@@ -143,8 +143,8 @@ def experts_from_rows_rule(node, ins, cur, env):
     ``Shard(0)`` out); elsewhere it sends nothing and a cut of another dim (tp's) stays."""
     rows_dim, p, over = node.args[1], cur[0], experts_cut_over(node)
     moved = env.dim in over
-    if p != (Shard(rows_dim) if moved else p) or (not moved and shard_dim(p) in (0, rows_dim)) \
-            or isinstance(p, Partial):
+    fits = p == Shard(rows_dim) if moved else not isinstance(p, Partial) and shard_dim(p) not in (0, rows_dim)
+    if not fits:
         raise NotSupported(f"plan: {node.name} ({target_name(node)}) sends each rank its experts whole from their "
                            f"pieces along dim {rows_dim} over {list(over)}, but {ins[0].name} "
                            f"{list(tensor_val(ins[0]).shape)} reaches it {p} on mesh dim {env.dim!r}")
