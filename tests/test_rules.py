@@ -150,6 +150,7 @@ OPS = {
     "index_by_list": (lambda x: x[:, :, [-2]], [_t(2, 4, 6, 2)]),  # Falcon's key of each kv group
     "index_by_tensor": (lambda x, i: x[i], [_t(4, 6), torch.tensor([3, 0, 3, 1])]),  # tokens in expert order
     "t": (lambda x: x.t(), [_t(4, 6)]),
+    "numpy_T": (lambda x: torch.ops.aten.numpy_T(x), [_t(2, 4, 6)]),  # w.T, as torch 2.14's Dynamo records it
     # Jamba's selective scan moves the state's dims
     "movedim": (lambda x: torch.movedim(x, (0, 1), (2, 0)), [_t(2, 4, 6)]),
     "moveaxis_method": (lambda x: x.moveaxis(-1, 0), [_t(2, 4, 6)]),

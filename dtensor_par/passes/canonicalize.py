@@ -152,8 +152,10 @@ def conv1d_linear(gm: fx.GraphModule, addmm: fx.Node) -> bool:
 
 
 def _transposed_parameter(node, ctx: ParallelContext) -> fx.Node | None:
-    """``W`` when ``node`` is ``W.T`` (as Dynamo records it: ``getattr(W, "T")``) of a 2-d parameter."""
-    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is getattr and node.args[1] == "T"):
+    """``W`` when ``node`` is ``W.T`` of a 2-d parameter (as Dynamo records it: ``getattr(W, "T")``;
+    from torch 2.14, ``torch.ops.aten.numpy_T(W)``)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"
+            and (node.target is getattr and node.args[1] == "T" or node.target is torch.ops.aten.numpy_T)):
         return None
     weight = node.args[0]
     return weight if isinstance(weight, fx.Node) and weight.name in ctx.params and tensor_val(weight).dim() == 2 \

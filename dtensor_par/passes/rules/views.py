@@ -201,7 +201,7 @@ def localize_interpolate(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> N
 def dim_order(node: fx.Node, ndim: int) -> list[int]:
     """Output dim i comes from input dim order[i]."""
     if op_kind(node) == "transpose":
-        if node.target in ("t", torch.t):
+        if node.target in ("t", torch.t, torch.ops.aten.numpy_T):
             return list(reversed(range(ndim)))
         given = arguments(node)
         swapped = ("axis0", "axis1") if "axis0" in given else ("dim0", "dim1")  # swapaxes names them axes
@@ -273,7 +273,8 @@ register("view", "views", view_rule, functions=[torch.reshape, torch.flatten, to
 register("repeat", "views", repeat_rule, methods=["repeat"])
 register("expand", "views", expand_rule, functions=[torch.broadcast_to], methods=["expand", "expand_as"],
          localize=localize_view)
-register("transpose", "views", permute_rule, functions=[torch.transpose, torch.swapaxes, torch.t],
+register("transpose", "views", permute_rule, functions=[torch.transpose, torch.swapaxes, torch.t,
+                                                        torch.ops.aten.numpy_T],  # w.T, as torch 2.14 records it
          methods=["transpose", "swapaxes", "t"])
 register("permute", "views", permute_rule, functions=[torch.permute], methods=["permute"])
 register("movedim", "views", permute_rule, functions=[torch.movedim, torch.moveaxis], methods=["movedim", "moveaxis"])
