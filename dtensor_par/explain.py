@@ -95,6 +95,9 @@ class Report:
                 out += [f"    {s}" for s in g.specialized]
             for site, flops in g.coverage.ring_attention_flops.items():
                 out.append(f"  {site}: attention FLOPs per ring rank {[f'{f:,}' for f in flops]}")
+            if g.coverage.output_gathers:
+                out.append("  outputs gathered before their last reshapes (as many bytes as at the output):")
+                out += [f"    {f}" for f in g.coverage.output_gathers]
             if g.coverage.fallback_gathers:
                 out.append("  fallback gathers (correct, but not parallel):")
                 out += [f"    {f}" for f in g.coverage.fallback_gathers]

@@ -9,6 +9,8 @@ launch's time, grows with the layers.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 VOCAB, BATCH, SEQ = 128, 2, 32
@@ -546,6 +548,32 @@ def ltx():
 
 ONE_GRAPH = {"hidream"}
 """Models run under Dynamo's ``capture_dynamic_output_shape_ops`` (``passes.expert_loop``)."""
+
+
+def checkpointing_enabled(model) -> None:
+    """Gradient checkpointing on, as users turn it on for training: transformers'
+    ``gradient_checkpointing_enable`` (no cache: its warning under checkpointing breaks the
+    graph), diffusers' ``enable_gradient_checkpointing``."""
+    model.train()
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.enable_gradient_checkpointing()
+
+
+@functools.cache
+def explained(name: str, sizes: tuple[tuple[str, int], ...], checkpointed: bool = False):
+    """``explain`` of the model ``name`` over the mesh ``sizes`` (with its gradient checkpointing
+    on), made once: test_real_models and test_activation_checkpointing both read it."""
+    import dtensor_par
+
+    torch.manual_seed(0)
+    model, args, kwargs = FACTORIES[name]()
+    if checkpointed:
+        checkpointing_enabled(model)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=name in ONE_GRAPH):
+        return dtensor_par.explain(model, args, example_kwargs=kwargs, **dict(sizes))
 
 
 FACTORIES = {"llama": llama, "gemma2": gemma2, "gemma2_left_padded": gemma2_left_padded, "t5_padded": t5_padded, "gpt2": gpt2, "qwen2": qwen2, "mistral": mistral, "mistral_padded": mistral_padded,

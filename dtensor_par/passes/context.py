@@ -84,6 +84,7 @@ class Coverage:
     parameters: int = 0  # elements
     sharded_parameters: int = 0
     fallback_gathers: list[str] = field(default_factory=list)  # "node (op) on dim: why"
+    output_gathers: list[str] = field(default_factory=list)  # "node on dim: why": the outputs' gather, done early
     parallel_sites: int = 0
     ring_attention_flops: dict[str, list[int]] = field(default_factory=dict)  # site -> FLOPs per ring rank
     cache_bytes: int = 0  # of the kv cache the graph returns, on one device
@@ -110,7 +111,8 @@ class Coverage:
                 "sharded_block_linear_flops": self.sharded_block_linear_flops,
                 "whole_block_linears": dict(self.whole_block_linears),
                 "parameters": self.parameters, "sharded_parameters": self.sharded_parameters,
-                "fallback_gathers": list(self.fallback_gathers), "parallel_sites": self.parallel_sites,
+                "fallback_gathers": list(self.fallback_gathers), "output_gathers": list(self.output_gathers),
+                "parallel_sites": self.parallel_sites,
                 "ring_attention_flops": dict(self.ring_attention_flops), "cache_bytes": self.cache_bytes,
                 "cache_bytes_per_rank": self.cache_bytes_per_rank}
 

@@ -30,7 +30,7 @@ from .rules.registry import lookup, op_kind
 _IN_BLOCK = re.compile(r"\.\d+\.")
 
 
-_CONTRACTIONS = ("linear", "matmul", "grouped_mm", "conv")
+CONTRACTIONS = ("linear", "matmul", "grouped_mm", "conv")
 """The ops whose FLOPs coverage counts: a grouped matmul is each expert's linear on its tokens,
 a convolution a linear at each position."""
 
@@ -105,7 +105,9 @@ def measure_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> Coverage:
         for dim, sharding in plans.items():
             if sharding.note:
                 cov.fallback_gathers.append(f"{node.name} on {dim!r}: {sharding.note}")
-        if op_kind(node) not in _CONTRACTIONS or tensor_val(node) is None:
+            if sharding.for_output:
+                cov.output_gathers.append(f"{node.name} on {dim!r}: {sharding.for_output}")
+        if op_kind(node) not in CONTRACTIONS or tensor_val(node) is None:
             continue
         with at_node("coverage", node):
             flops, fqn = _linear_flops(node, ctx), _weight_fqn(node, ctx)
@@ -168,7 +170,7 @@ def rank_flops(node: fx.Node, sites: dict, ctx: ParallelContext) -> int:
     ``_linear_flops`` (its piece of the output, over the ranks a Partial output splits the
     contraction among), an attention's by the ring schedule; 0 for any other op."""
     kind, mesh = op_kind(node), ctx.mesh
-    if kind in _CONTRACTIONS:
+    if kind in CONTRACTIONS:
         split = math.prod(mesh.size(d) for d, p in placements(node).items() if isinstance(p, Partial))
         local, whole = (hint(math.prod(shape)) for shape in (planned_local_shape(node, mesh), global_shape(node)))
         return _linear_flops(node, ctx) * local // (whole * split)

@@ -43,6 +43,7 @@ class NodeSharding:
     out: Placement | tuple[Placement, ...] | None  # a tuple for ops returning several tensors
     inputs: tuple[Placement, ...]  # required placement of each tensor input (``tensor_inputs`` order)
     note: str | None = None  # why the node was gathered, if it was
+    for_output: str | None = None  # why it was gathered where only reshapes lead on to the output, whole there anyway
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ same rules from one seed alone, apart from the plan (``batch_pass``: which input
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -490,8 +492,27 @@ def _plan_dim(gm: fx.GraphModule, ctx: ParallelContext, dim, dispatch: dict[fx.N
                   dim.chunks_per_rank)
     for node in gm.graph.nodes:
         with at_node("plan", node):
-            set_sharding(node, dim.name, plan_node(node, env, ctx, dispatch))
+            sharding = plan_node(node, env, ctx, dispatch)
+            if sharding.note is not None and op_kind(node) in _RESHAPES and _reshaped_into_whole_outputs(node, ctx):
+                sharding = dataclasses.replace(sharding, note=None, for_output=sharding.note)
+            set_sharding(node, dim.name, sharding)
     return sum(shardings(node)[dim.name].note is not None for node in gm.graph.nodes)
+
+
+_RESHAPES = {"view", "transpose", "permute", "movedim", "cast"}
+"""Op kinds that give their input's elements in another shape (or a copy), no more, no fewer."""
+
+
+def _reshaped_into_whole_outputs(node: fx.Node, ctx: ParallelContext) -> bool:
+    """Whether ``node``'s value reaches only outputs that are gathered whole, through reshapes:
+    where ``node`` is a reshape too, gathering its input is the outputs' gather, done earlier and
+    of as many bytes (Wan's unpatchify, a view of the zigzag sequence that splits it)."""
+    output = next(iter(node.graph.find_nodes(op="output")))
+    caches = {output.args[0][c.index] for c in ctx.cache_outputs}
+    if ctx.config.output == "local" or node in caches or not node.users:
+        return False
+    return all(user is output or op_kind(user) in _RESHAPES and _reshaped_into_whole_outputs(user, ctx)
+               for user in node.users)
 
 
 def head_groups(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, int]:
