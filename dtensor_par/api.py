@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import torch
@@ -68,26 +69,30 @@ def parallel(tp: int = 1, ring: int = 1, ulysses: int = 1, *, dp_replicate: int 
     profile = _auto_machine(auto, machine, training, given, mesh)
     meshes: dict[tuple, DeviceMesh] = {}  # by degrees and order, made at the first call that needs it, shared
 
-    def mesh_for(self, args, kwargs) -> DeviceMesh:
+    def mesh_for(self, args, kwargs) -> tuple[DeviceMesh, ParallelConfig]:
+        """The mesh an instance runs on, and the config: with the activation checkpointing
+        the chosen mesh needs to fit in memory (``auto=True``)."""
         if mesh is not None:
-            return mesh
-        degrees, order = given, None
+            return mesh, config
+        degrees, order, chosen = given, None, config
         if profile is not None:
             ranking = _choose(self, args, kwargs, profile, training is None or training, config)
             self.__dict__[RANKING] = ranking
             degrees, order = ranking[0].degrees, ranking[0].order
+            if ranking[0].activation_checkpointing is not None:
+                chosen = dataclasses.replace(config, activation_checkpointing=ranking[0].activation_checkpointing)
         key = (tuple(degrees.values()), order)
         if key not in meshes:
             meshes[key] = init_mesh(**degrees, order=order)
-        return meshes[key]
+        return meshes[key], chosen
 
     def call(self, *args, **kwargs):
         compiled = self.__dict__.get(_COMPILED)
         if compiled is None:
-            built = mesh_for(self, args, kwargs)
-            parallelize_with(self, built, args, kwargs, config, "parallel")
+            built, chosen = mesh_for(self, args, kwargs)
+            parallelize_with(self, built, args, kwargs, chosen, "parallel")
             compiled = torch.compile(types.MethodType(nn.Module.__call__, self),
-                                     backend=ParallelBackend(built, config))
+                                     backend=ParallelBackend(built, chosen))
             self.__dict__[_COMPILED] = compiled
         return compiled(*args, **kwargs)
 
@@ -139,7 +144,8 @@ def _choose(model: nn.Module, args: tuple, kwargs: dict, profile: Machine, train
     check_every_rank_agrees("parallel(auto=True)", "the mesh chosen", (best.degrees, best.order),
                             lambda layout: mesh_text(*layout), "choose_mesh is deterministic: were the ranks given "
                             "different models, inputs, options or machine profiles?")
-    logger.info("parallel(auto=True): %s runs on %s of %d ranks, predicted on %s: %s (%d meshes rejected; the "
+    logger.info("parallel(auto=True): %s runs on %s of %d ranks%s, predicted on %s: %s (%d meshes rejected; the "
                 "instance's %s holds the ranking)", type(model).__name__, mesh_text(best.degrees, best.order), world,
-                profile.name, best.predicted, len(ranking.rejected), RANKING)
+                f" with activation_checkpointing={best.activation_checkpointing!r}" if best.activation_checkpointing
+                else "", profile.name, best.predicted, len(ranking.rejected), RANKING)
     return ranking

@@ -35,6 +35,7 @@ from .passes.context import ParallelContext
 from .passes.batch import batch_pass
 from .passes.kv_cache import kv_cache_pass
 from .passes.plan import plan_pass
+from .passes.recompute import recompute_pass
 from .pipeline import PASSES, fork, run_passes
 from .symbolic import hint
 
@@ -69,6 +70,7 @@ class MeshChoice:
     predicted: StepTime
     memory: Memory
     warnings: tuple[str, ...]  # the plan's (padded heads or sequences, gathers)
+    activation_checkpointing: str | None = None  # the policy the mesh needs to fit in memory (training)
 
     @property
     def collectives(self) -> dict[str, Traffic]:
@@ -76,8 +78,10 @@ class MeshChoice:
         return self.predicted.traffic
 
     def __str__(self) -> str:
-        return (f"{mesh_text(self.degrees, self.order)}: {self.predicted}; {bytes_text(self.memory.total)} per rank; "
-                f"{traffic_text(self.collectives)}")
+        checkpointing = (f" with activation_checkpointing={self.activation_checkpointing!r}"
+                         if self.activation_checkpointing else "")
+        return (f"{mesh_text(self.degrees, self.order)}{checkpointing}: {self.predicted}; "
+                f"{bytes_text(self.memory.total)} per rank; {traffic_text(self.collectives)}")
 
 
 @dataclass(frozen=True)
@@ -227,17 +231,42 @@ def _lowering_problem(planned: list, layout: MeshInfo, machine: Machine) -> str 
     return None
 
 
+def _checkpointed(planned: list, policy: str) -> list:
+    """``planned`` with its blocks checkpointed by ``policy`` (``passes.recompute``)."""
+    checkpointed = []
+    for gm, ctx in planned:
+        gm, ctx = fork(gm, ctx, ctx.mesh)
+        ctx.config = dataclasses.replace(ctx.config, activation_checkpointing=policy)
+        checkpointed.append((recompute_pass(gm, ctx), ctx))
+    return checkpointed
+
+
+def _fitting(planned: list, machine: Machine, training: bool) -> tuple[list, Memory, str | None] | str:
+    """(the plan, its memory, the activation checkpointing it needs) that fits a device of
+    ``machine``: as planned, or else, training a model the options leave unchecked, with
+    "selective" then "full" checkpointing of its blocks; or why none fits."""
+    unchecked = training and planned[0][1].config.activation_checkpointing is None
+    for policy in (None, "selective", "full") if unchecked else (None,):
+        tried = _checkpointed(planned, policy) if policy else planned
+        memory = _memory(tried, training)
+        if memory.total <= machine.memory_per_device:
+            return tried, memory, policy
+    held = ", ".join(f"{f.name} {bytes_text(getattr(memory, f.name))}" for f in dataclasses.fields(memory))
+    tried_text = f", with activation_checkpointing={policy!r}" if policy else ""
+    return (f"{bytes_text(memory.total)} per rank ({held}{tried_text}), over the "
+            f"{bytes_text(machine.memory_per_device)} of a {machine.name} device")
+
+
 def _judge(degrees: dict[str, int], planned: list | str, machine: Machine, training: bool
            ) -> tuple[list[MeshChoice], list[Rejection]]:
     """The legal orders of one split, predicted, and the refused ones; of orders that put
     every mesh dim on the same links and are alike legal, the first only."""
     if isinstance(planned, str):
         return [], [Rejection(degrees, None, planned)]
-    memory = _memory(planned, training)
-    if memory.total > machine.memory_per_device:
-        held = ", ".join(f"{f.name} {bytes_text(getattr(memory, f.name))}" for f in dataclasses.fields(memory))
-        return [], [Rejection(degrees, None, f"{bytes_text(memory.total)} per rank ({held}), over the "
-                              f"{bytes_text(machine.memory_per_device)} of a {machine.name} device")]
+    fitting = _fitting(planned, machine, training)
+    if isinstance(fitting, str):
+        return [], [Rejection(degrees, None, fitting)]
+    planned, memory, policy = fitting
     choices, rejected, seen = [], [], set()
     warnings = tuple(w for _, ctx in planned for w in ctx.warnings)
     for order in layouts(degrees, machine.device_type):
@@ -252,7 +281,7 @@ def _judge(degrees: dict[str, int], planned: list | str, machine: Machine, train
             continue
         predicted = functools.reduce(operator.add, (cost_pass(gm, ctx, machine, layout=layout, training=training)
                                                     for gm, ctx in planned))
-        choices.append(MeshChoice(degrees, order, predicted, memory, warnings))
+        choices.append(MeshChoice(degrees, order, predicted, memory, warnings, policy))
     return choices, rejected
 
 

@@ -23,6 +23,7 @@ OUTPUTS = ("full", "local")
 EXPERT_PARALLEL = (None, "cp")
 BATCHES = ("global", "local")
 COLLECTIVES = ("auto", *LOWERINGS)
+CHECKPOINT_POLICIES = (None, "full", "selective")
 
 
 def resolve_collectives(choice: str, device_types: set[str]) -> str:
@@ -66,6 +67,13 @@ class ParallelConfig:
               "and the dp_shard ranks where the mesh has them, E / ep a rank, "
               "and sends each rank's tokens to their experts and back by uneven all-to-alls; None: "
               "every cp rank holds every expert (tp still cuts each expert's features)", choices=EXPERT_PARALLEL)
+    activation_checkpointing: str | Callable | None = _option(
+        None, "recompute activations in backward instead of keeping them, block by block (the numbered module "
+              "that holds each attention or MLP site): 'full' keeps each block's input and recomputes every op, "
+              "collectives included; 'selective' keeps the outputs of attention, collectives and matmuls but an "
+              "MLP's up and gate projections, and recomputes the rest; or a callable policy(node) -> bool | "
+              "CheckpointPolicy asked for each op of a block in the rank's graph (True: keep its output). None: as "
+              "the model says (its own torch.utils.checkpoint regions recompute every op)")
     sequence_parallel: bool = _option(
         False, "Megatron sequence parallelism: norms, residuals and pointwise ops between sites run on sequence "
                "shards over tp; each all-reduce becomes reduce-scatter + all-gather")
@@ -127,6 +135,9 @@ class ParallelConfig:
         if not isinstance(self.grad_bucket_mb, (int, float)) or not self.grad_bucket_mb >= 0:
             raise ValueError(f"grad_bucket_mb must be a number >= 0 (0: one all-reduce per gradient), "
                              f"got {self.grad_bucket_mb!r}")
+        if not (self.activation_checkpointing in CHECKPOINT_POLICIES or callable(self.activation_checkpointing)):
+            raise ValueError(f"activation_checkpointing must be one of {CHECKPOINT_POLICIES} or a callable "
+                             f"policy(node) -> bool | CheckpointPolicy, got {self.activation_checkpointing!r}")
         if not (isinstance(self.inner_backend, str) or callable(self.inner_backend)):
             raise TypeError(f"inner_backend must be a backend name or callable, got {self.inner_backend!r}")
 

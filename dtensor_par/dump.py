@@ -1,8 +1,8 @@
 """Graph dumps: what each pass made of a graph, the collectives, the plan as JSON, the mesh.
 
 A dump folder holds, for one compiled graph: ``0_dynamo.py`` (the graph as Dynamo captured
-it), one file per pass (``1_capture.py`` ... ``9_lower.py``, the graph the inner backend
-compiles), ``10_aten.py`` (with the functional lowering, its forward traced to aten ops on
+it), one file per pass (``1_capture.py`` ... ``11_recompute.py``, the graph the inner backend
+compiles), ``12_aten.py`` (with the functional lowering, its forward traced to aten ops on
 fake tensors: the functional collectives gloo and NCCL run, as they are), ``sites.txt``,
 ``collectives.md``, ``plan.json`` and ``mesh.svg``.
 """
@@ -28,12 +28,14 @@ from .passes.experts import group_text
 from .passes.localize import graph_communications
 from .passes.meta import communications, global_shape, param_fqn, placements, shardings, site_role
 from .passes.nodes import target_name
+from .passes.saved import kept_for_backward
 from .params import expert_dim, expert_group, held_layouts, held_tensor
 from .placements import Replicate, Shard, describe, local_shape_on
 
-PLAN_VERSION = 5
+PLAN_VERSION = 6
 """2: parameter_state, coverage, bytes_per_rank is what the rank holds; 3: lowering, replica-group
-sets; 4: batch (the dp dims); 5: fsdp, and each parameter's fsdp placement."""
+sets; 4: batch (the dp dims); 5: fsdp, and each parameter's fsdp placement; 6: activations (kept
+for backward, activation checkpointing)."""
 
 
 def _format_arg(a) -> str:
@@ -150,6 +152,29 @@ def fsdp_line(ctx: ParallelContext) -> str | None:
             f"block at a time" + (f"; held as tp cuts them (no dim divides): {', '.join(whole)}" if whole else ""))
 
 
+def activations(gm: fx.GraphModule, ctx: ParallelContext) -> dict:
+    """What a rank keeps for backward (``passes.saved``), with its checkpointed regions and
+    without, and what backward recomputes: plan.json's ``activations``."""
+    kept, without = kept_for_backward(gm), kept_for_backward(gm, checkpointing=False)
+    option = ctx.config.activation_checkpointing
+    policy = (None if not ctx.recompute_regions else "full (the model's torch.utils.checkpoint)" if option is None
+              else option if isinstance(option, str) else f"policy {getattr(option, '__name__', option)}")
+    return {"kept_bytes": kept.bytes, "kept_bytes_without_checkpointing": without.bytes, "policy": policy,
+            "regions": [r.name for r in ctx.recompute_regions], "recomputed_flops": kept.recomputed_flops,
+            "recomputed_collectives": kept.recomputed_collectives, "recomputed_bytes": kept.recomputed_bytes}
+
+
+def activations_line(kept: dict) -> str:
+    """``activations``' line in explain's report."""
+    line = f"activations kept for backward: {kept['kept_bytes']:,} bytes per rank"
+    if kept["policy"] is None:
+        return line + " (no activation checkpointing)"
+    return (f"{line} with activation checkpointing ({kept['policy']}, {len(kept['regions'])} regions), "
+            f"{kept['kept_bytes_without_checkpointing']:,} without; backward recomputes "
+            f"{kept['recomputed_flops']:,} FLOPs and {kept['recomputed_collectives']} collectives "
+            f"({kept['recomputed_bytes']:,} bytes)")
+
+
 def collective_rows(gm: fx.GraphModule) -> list[dict]:
     """Collectives of a localized graph grouped by (direction, op, dim, size, bytes, site)."""
     counts = Counter()
@@ -213,6 +238,7 @@ def plan_dict(nodes: list[dict], local_gm: fx.GraphModule, ctx: ParallelContext)
         "replica_group_sets": {what: [list(g) for g in groups] for what, groups in ctx.replica_group_sets.items()},
         "warnings": list(ctx.warnings),
         "coverage": ctx.coverage.as_dict(),
+        "activations": activations(local_gm, ctx),
     }
 
 
@@ -320,7 +346,7 @@ class GraphDump:
             self._write("sites.txt", sites_text(ctx))
         if name == "plan":
             self.nodes = planned_nodes(gm)
-        if name == "lower":
+        if name == "recompute":  # the last pass
             if ctx.comm == FUNCTIONAL:
                 self._write(f"{self.step + 1}_aten.py", aten_code(gm, ctx))
             plan = plan_dict(self.nodes, gm, ctx)

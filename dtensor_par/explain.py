@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 
 from .config import ParallelConfig
-from .dump import (GraphDump, batch_line, collective_rows, fsdp_line, mesh_svg, parameter_rows, site_placement_lines,
-                   sites_text)
+from .dump import (GraphDump, activations, activations_line, batch_line, collective_rows, fsdp_line, mesh_svg,
+                   parameter_rows, site_placement_lines, sites_text)
 from .gcpause import paused_gc
 from .machines import Machine, machine as machine_profile
 from .pipeline import parallelize_graph
@@ -41,6 +41,7 @@ class GraphReport:
     batch: str | None = None  # how the batch is cut over the dp dims (dump.batch_line); None without dp
     fsdp: str | None = None  # which parameters FSDP cuts (dump.fsdp_line); None where it cuts none
     predicted: StepTime | None = None  # on the machine explain was given (passes.cost); None without one
+    activations: dict | None = None  # kept for backward, with and without checkpointing (dump.activations)
 
 
 @dataclass
@@ -85,6 +86,8 @@ class Report:
             out += [f"    {c['direction']:8} {c['op']:14} {c['mesh_dims']}[{c['group_size']}] "
                     f"{c['bytes_per_rank']:>12,} B x {c['count']}  {c['site']}" for c in g.collectives]
             out.append(f"  replica-group sets: {g.replica_group_sets} ({g.lowering})")
+            if g.activations is not None:
+                out.append(f"  {activations_line(g.activations)}")
             if g.predicted is not None:
                 step = "training step" if self.training else "forward"
                 out.append(f"  predicted {step} on {self.machine}: {g.predicted}; {traffic_text(g.predicted.traffic)}")
@@ -181,4 +184,5 @@ def _graph_report(gm, inputs: list, info: MeshInfo, config: ParallelConfig, feed
                        collective_rows(local_gm), list(ctx.warnings), plan_seconds, ctx.coverage,
                        ctx.comm, len(ctx.replica_group_sets), spec.symbolic_names() if spec else [],
                        spec.specialized() if spec else [], batch_line(ctx), fsdp_line(ctx),
-                       cost_pass(local_gm, ctx, machine, training=training) if machine else None)
+                       cost_pass(local_gm, ctx, machine, training=training) if machine else None,
+                       activations(local_gm, ctx) if training else None)

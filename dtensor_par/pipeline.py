@@ -17,6 +17,7 @@ from .symbolic import Specialization, recording_guards
 from .passes.batch import batch_pass
 from .passes.canonicalize import canonicalize_pass
 from .passes.capture import capture_pass
+from .passes.recompute import recompute_pass
 from .config import ParallelConfig
 from .mesh import MeshInfo
 from .params import WHOLE, WholeParameters
@@ -32,7 +33,7 @@ from .passes.rewrite import rewrite_pass
 from .passes.sequence import sequence_pass
 
 PASSES = (capture_pass, canonicalize_pass, detect_pass, kv_cache_pass, rewrite_pass, sequence_pass, batch_pass,
-          plan_pass, localize_pass, lower_pass)
+          plan_pass, localize_pass, lower_pass, recompute_pass)
 PLANNING_PASSES = PASSES[:PASSES.index(plan_pass) + 1]  # enough for every node's placement
 
 

@@ -36,7 +36,8 @@ from .mesh import MeshInfo
 from .kv_cache import cache_shard, hold, laid_out
 from .params import WholeParameters, feeding_for, standin_param
 from .passes import meta
-from .passes.capture import graph_breaks, record_module_names, scalar_inputs
+from .passes.capture import graph_breaks, handed_over, scalar_inputs
+from .passes.recompute import allow_side_effects_in_regions
 from .errors import PlanningError
 from .passes.kv_cache import CacheOutput
 from .passes.overlap import overlapped_aot_eager
@@ -86,10 +87,11 @@ class ParallelBackend:
         self.plan_ids = itertools.count()
         self.breaks_counted, self.breaks_warned = graph_breaks(), set()
         _route_generate_of_compiled_modules()
+        allow_side_effects_in_regions()
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> ParallelRuntime:
         self._warn_of_graph_breaks()
-        return ParallelRuntime(record_module_names(gm), self)
+        return ParallelRuntime(handed_over(gm), self)
 
     def _warn_of_graph_breaks(self) -> None:
         """Warn once of each graph break Dynamo counted since the last graph it handed over."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from tests import recurrences
 
@@ -59,6 +60,20 @@ class GPT(nn.Module):
     def forward(self, x):
         for block in self.blocks:
             x = block(x)
+        return x
+
+
+class CheckpointedGPT(GPT):
+    """GPT whose blocks run under ``torch.utils.checkpoint``, as nanoGPT-style training code
+    checkpoints them."""
+
+    def __init__(self, layers: int = 2, use_reentrant: bool = False, **block):
+        super().__init__(layers, **block)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant)
         return x
 
 

@@ -21,7 +21,8 @@ from tests.conftest import GoldenTestCase, _init_fake
 from tests.harness import reported_collectives, step_collectives
 
 PASS_FILES = sorted(["0_dynamo.py", "1_capture.py", "2_canonicalize.py", "3_detect.py", "4_kv_cache.py", "5_rewrite.py",
-                     "6_sequence.py", "7_batch.py", "8_plan.py", "9_localize.py", "10_lower.py", "11_aten.py",
+                     "6_sequence.py", "7_batch.py", "8_plan.py", "9_localize.py", "10_lower.py", "11_recompute.py",
+                     "12_aten.py",
                      "collectives.md",
                      "mesh.svg", "plan.json", "sites.txt"])
 
@@ -61,7 +62,7 @@ mlp0: mlp up=['fc'] down=['fc_out'] activations=['gelu']
 | backward | all_reduce | tp | 8 | 8192 | 1 | mlp0.colwise |
 | forward | all_reduce | tp | 8 | 8192 | 1 | mlp0.rowwise |
 """)
-        lowered = read("11_aten.py")
+        lowered = read("12_aten.py")
         assert lowered.count("torch.ops._c10d_functional.all_reduce.default") == 2
         assert lowered.count("torch.ops._c10d_functional.wait_tensor.default") == 2
         self.assertExpectedInline(read("8_plan.py"), """\
@@ -105,7 +106,8 @@ add_1 = _operator.add(x, add_2)  # [2, 16, 64]  tp: R <- (R, R)
 return (add_1,)  # tp: - <- (R)
 """)
         plan = json.loads(read("plan.json"))
-        assert sorted(plan) == ["batch", "collectives", "collectives_lowering", "coverage", "fsdp", "mesh", "nodes",
+        assert sorted(plan) == ["activations", "batch", "collectives", "collectives_lowering", "coverage", "fsdp", "mesh",
+                                "nodes",
                                 "parameter_state", "parameters", "replica_group_sets", "sites", "version", "warnings",
                                 "world_size"]
         assert plan["batch"] is None and plan["fsdp"] is None  # no dp dims; not parallelized
@@ -113,7 +115,9 @@ return (add_1,)  # tp: - <- (R)
         assert plan["coverage"]["sharded_linear_flops"] == plan["coverage"]["linear_flops"] > 0
         assert plan["collectives_lowering"] == "functional"
         assert plan["replica_group_sets"] == {"tp groups": [list(range(8))]}
-        assert plan["version"] == 5 and plan["parameter_state"].startswith("full (model not parallelized)")
+        assert plan["activations"]["policy"] is None and plan["activations"]["regions"] == []
+        assert plan["activations"]["kept_bytes"] == plan["activations"]["kept_bytes_without_checkpointing"] > 0
+        assert plan["version"] == 6 and plan["parameter_state"].startswith("full (model not parallelized)")
         assert plan["mesh"] == {"tp": 8, "ring": 1, "ulysses": 1} and plan["world_size"] == 8
         assert {p["name"]: p["placement"]["tp"] for p in plan["parameters"]}["qkv.weight"] == "IS(0,[64, 64, 64])"
         ET.fromstring(read("mesh.svg"))

@@ -19,10 +19,12 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from ..errors import NotSupported
 from ..symbolic import SymbolicInputs, is_symbolic, recording_guards
 from .context import ParallelContext, ParamInfo, at_node
+from .coverage import CONTRACTIONS
 from .expert_loop import loop_of_experts_as_rows
 from .meta import BufferValue, module_paths, record_capture, set_buffer_value, set_param_fqn
 from .nodes import acts_beyond_value, target_name, value_from_inputs, writes_in_place
-from .rules.registry import lookup
+from .recompute import allow_side_effects_in_regions, inline_checkpoints
+from .rules.registry import lookup, op_kind
 
 _SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)(?:'\])?\['([^']+)'\]")
 
@@ -43,6 +45,12 @@ def record_module_names(gm: fx.GraphModule) -> fx.GraphModule:
             names[node.name] = ".".join(parts)
     record_capture(gm, names, SymbolicInputs(gm))
     return gm
+
+
+def handed_over(gm: fx.GraphModule) -> fx.GraphModule:
+    """A graph as Dynamo hands it to a backend, made ready to plan: its module names recorded
+    (``record_module_names``) and its checkpointed regions inlined (``recompute.inline_checkpoints``)."""
+    return inline_checkpoints(record_module_names(gm))
 
 
 class _Captured(BaseException):
@@ -74,7 +82,7 @@ def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **exampl
     captured = []
 
     def record(gm, inputs):
-        captured.append((record_module_names(gm), list(inputs)))
+        captured.append((handed_over(gm), list(inputs)))
 
         def stop(*args):
             raise _Captured
@@ -84,6 +92,7 @@ def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **exampl
     if isinstance(model, torch.nn.Module) and type(model).__call__ is not torch.nn.Module.__call__:
         call = types.MethodType(torch.nn.Module.__call__, model)  # a parallel-decorated class: not its own __call__
     torch._dynamo.reset()
+    allow_side_effects_in_regions()
     breaks = graph_breaks()
     try:
         torch.compile(call, backend=record, dynamic=dynamic)(*example_inputs, **example_kwargs)
@@ -140,6 +149,7 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
 
     loop_of_experts_as_rows(gm)
     refuse_data_dependent_sizes(gm)
+    warn_of_unentered_subgraphs(gm, ctx)
     if scalars or ctx.fake_inputs is not None or not _values_from_dynamo(gm):
         _propagate(gm, ctx)
 
@@ -197,6 +207,26 @@ def refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
                 f"runs the code around it whole on every rank, between the planned graphs (a loop over every expert of "
                 f"an nn.ModuleList, one torch.where of the one-hot choice each or one mask of the chosen ids each, is "
                 f"read as experts and runs sharded; so do transformers' experts_implementation='grouped_mm' experts)")
+
+
+_ENTERED = {torch.ops.higher_order.autograd_function_apply}
+"""Calls of a subgraph the planner reads (``rules.pointwise.elementwise_function_rule``)."""
+
+
+def warn_of_unentered_subgraphs(gm: fx.GraphModule, ctx: ParallelContext) -> None:
+    """Warn of each call of a subgraph that computes linears or attention which the planner
+    does not enter (``torch.cond``, a nested compile region): it runs whole on every rank.
+    A checkpointed region is entered: it was inlined (``recompute.inline_checkpoints``)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target in _ENTERED:
+            continue
+        bodies = [getattr(gm, a.target) for a in node.all_input_nodes if a.op == "get_attr"
+                  and isinstance(getattr(gm, a.target), fx.GraphModule)]
+        computed = [n for body in bodies for n in body.graph.nodes if op_kind(n) in CONTRACTIONS + ("sdpa",)]
+        if computed:
+            ctx.warn(f"capture: {node.name} ({target_name(node)}) runs a subgraph the planner does not enter, whole on "
+                     f"every rank: {len(computed)} of its ops are linears or attention "
+                     f"({', '.join(sorted({target_name(n) for n in computed}))})")
 
 
 def _propagate(gm: fx.GraphModule, ctx: ParallelContext) -> None:

@@ -48,6 +48,7 @@ class ParallelContext:
     cache_outputs: tuple = ()  # kv_cache.CacheOutput per output the runtime holds as a cache shard
     positions_of: dict[str, str] = field(default_factory=dict)  # input added for a held cache's positions -> it
     output_placements: list[dict[str, Placement] | None] = field(default_factory=list)  # per output, by dim
+    recompute_regions: list = field(default_factory=list)  # meta.RecomputeRegion, in order: recompute_pass
     warnings: list[str] = field(default_factory=list)
     held_warnings: list[str] | None = None  # while a plan is tried (plan_pass): its warnings, kept back
     coverage: Coverage | None = None  # measured once planned (coverage.record_coverage)

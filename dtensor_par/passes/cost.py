@@ -24,11 +24,13 @@ Training adds the backward, after the forward, in reverse graph order: each op c
 ``BACKWARD_TIMES`` times its forward (a matmul's or attention's FLOPs: the gradients of its
 inputs and of its weights; another op's bytes, where its output is floating: the gradients of
 its inputs, two for most); each backward collective a Communication records is issued once the
-gradients of its node's users exist.
+gradients of its node's users exist. An op that activation checkpointing recomputes
+(``saved.recomputed_ops``) runs its forward again in backward, its collectives included.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -42,6 +44,7 @@ from ..ops import collectives as C
 from .context import ParallelContext
 from .localize import graph_communications
 from .meta import Communication, communications, work
+from .saved import kept_for_backward, recomputed_ops
 
 BACKWARD_TIMES = 2
 """An op's backward time over its forward time."""
@@ -163,6 +166,16 @@ def _node_time(node: fx.Node, machine: Machine, links: dict[str, str], direction
     return _NodeTime(compute, held, hidden, issued)
 
 
+def _backward_time(node: fx.Node, recomputed: bool, machine: Machine, links: dict[str, str]) -> _NodeTime:
+    """The node's backward, after its forward again where backward recomputes it (activation
+    checkpointing): its compute and, for a collective, its forward collective too."""
+    back = _node_time(node, machine, links, "backward")
+    if not recomputed:
+        return back
+    again = _node_time(node, machine, links, "forward")
+    return _NodeTime(*(a + b for a, b in zip(dataclasses.astuple(back), dataclasses.astuple(again))))
+
+
 def _run(nodes: Iterable[fx.Node], needs: Callable[[fx.Node], list[fx.Node]],
          time_of: Callable[[fx.Node], _NodeTime], share: float) -> tuple[float, float]:
     """(end, compute seconds) of the nodes run in order on one compute and one network stream,
@@ -204,21 +217,22 @@ def cost_pass(gm: fx.GraphModule, ctx: ParallelContext, machine: Machine, *, lay
     share = machine.collective_compute_share
     runs = [_run(nodes, lambda n: n.all_input_nodes, lambda n: _node_time(n, machine, links, "forward"), share)]
     if training:
+        recomputed = recomputed_ops(gm)
         runs.append(_run(reversed(nodes), lambda n: list(n.users),
-                         lambda n: _node_time(n, machine, links, "backward"), share))
+                         lambda n: _backward_time(n, n in recomputed, machine, links), share))
     end, compute = (sum(r[i] for r in runs) for i in range(2))
     directions = ("forward", "backward") if training else ("forward",)
     return StepTime(compute, end - compute, _traffic(gm, machine, links, directions))
 
 
 def activation_bytes(gm: fx.GraphModule, training: bool) -> int:
-    """Bytes of op outputs one rank holds at most: with ``training`` every output, kept for the
-    backward (an upper bound: some ops keep less); without, the peak of outputs still to be
-    read, in graph order."""
+    """Bytes of op outputs one rank holds at most: with ``training``, those kept for the
+    backward (``saved.kept_for_backward``: activation checkpointing keeps fewer); without, the
+    peak of outputs still to be read, in graph order."""
+    if training:
+        return kept_for_backward(gm).bytes
     nodes = list(gm.graph.nodes)
     outputs = [(i, done.out_bytes) for i, n in enumerate(nodes) if (done := work(n))]
-    if training:
-        return sum(nbytes for _, nbytes in outputs)
     position = {n: i for i, n in enumerate(nodes)}
     freed_after = defaultdict(int)
     for i, nbytes in outputs:

@@ -31,6 +31,7 @@ _WEIGHT_NAME = "dtensor_par_weight"
 _BUFFER = "dtensor_par_buffer"
 _WORK = "dtensor_par_work"
 _EXPERTS_OVER = "dtensor_par_experts_over"
+_RECOMPUTE = "dtensor_par_recompute"
 _MODULE_PATHS = "dtensor_par_fqns"  # on the graph module
 SYMBOLIC = "dtensor_par_symbolic"  # on the graph module
 _FSDP_GATHER = "dtensor_par_fsdp_gather"  # in node.meta["custom"], which AOTAutograd copies to the ops it traces
@@ -143,6 +144,30 @@ def experts_cut_over(node: fx.Node) -> tuple[str, ...]:
 
 def set_experts_cut_over(node: fx.Node, dims: tuple[str, ...]) -> None:
     node.meta[_EXPERTS_OVER] = dims
+
+
+@dataclass(frozen=True)
+class RecomputeRegion:
+    """Ops whose outputs backward recomputes instead of keeping (``passes.checkpoint``)."""
+
+    index: int  # from 1, in graph order: the ``ac_graph_id`` the partitioner reads
+    name: str  # the module it checkpoints: ``model.layers.0 (LlamaDecoderLayer)``
+    source: str  # "model": the model's own torch.utils.checkpoint; "backend": activation_checkpointing=
+    selective: bool = False  # the model gave it a selective policy (a context_fn), which is not applied
+
+
+def recompute_region(node: fx.Node) -> RecomputeRegion | None:
+    """The RecomputeRegion ``node`` belongs to, set by ``recompute.inline_checkpoints`` (the
+    model's own regions) or ``recompute.block_regions`` (the backend's); ``recompute_pass``
+    gives it to the ops other passes inserted. None outside every region."""
+    return node.meta.get(_RECOMPUTE)
+
+
+def set_recompute_region(node: fx.Node, region: RecomputeRegion | None) -> None:
+    if region is None:
+        node.meta.pop(_RECOMPUTE, None)
+    else:
+        node.meta[_RECOMPUTE] = region
 
 
 def param_fqn(node: fx.Node) -> str | None:
