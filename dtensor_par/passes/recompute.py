@@ -45,7 +45,7 @@ from ..logs import logger
 from ..placements import Replicate
 from .context import ParallelContext
 from .coverage import CONTRACTIONS
-from .detect import site_weight_names
+from .detect import AttentionSite, site_weight_names
 from .meta import (RecomputeRegion, communications, is_fsdp_gather, module_paths, placements, recompute_region,
                    set_recompute_region, site_role)
 from .nodes import arguments, target_name, writes_in_place
@@ -184,21 +184,22 @@ def _full(node: fx.Node) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective(node: fx.Node) -> CheckpointPolicy:
+def _selective(node: fx.Node, copied: set[fx.Node]) -> CheckpointPolicy:
     """Keep what costs most to compute again per byte kept: what communicates in forward (a
     collective, hybrid attention over cp: backward never communicates twice), attention's output
-    (its FLOPs grow with the sequence), a recurrence's, and the matmuls' outputs but an MLP's up
-    and gate projections': the block's widest values, one matmul each to recompute from the
-    normalized input."""
+    (its FLOPs grow with the sequence), a recurrence's, and the matmuls' outputs, but the MLP's up
+    and gate projections' (the block's widest values, one matmul each to recompute from the
+    normalized input) and the ``copied`` ones: q, k and v projections of an attention over cp,
+    which hybrid attention keeps copies of itself, in the layout it computes in."""
     if any(c.forward for c in communications(node)):
         return CheckpointPolicy.MUST_SAVE
     role = site_role(node) or ""
-    if role.startswith("mlp") and role.endswith(".colwise") or op_kind(node) not in _KEPT_BY_SELECTIVE:
+    if role.startswith("mlp") and role.endswith(".colwise") or node in copied or op_kind(node) not in _KEPT_BY_SELECTIVE:
         return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.PREFER_SAVE
 
 
-def region_policy(option) -> Callable[[fx.Node], CheckpointPolicy]:
+def region_policy(option, ctx: ParallelContext) -> Callable[[fx.Node], CheckpointPolicy]:
     """The policy each op of a region is asked: ``activation_checkpointing``'s, or, for the
     model's own regions (``None``), ``"full"``'s. An op kept is ``PREFER_SAVE``, not ``MUST_SAVE``:
     AOTAutograd gives the tag to every op it traces from it, a linear's ``t(weight)`` too, and a
@@ -206,7 +207,9 @@ def region_policy(option) -> Callable[[fx.Node], CheckpointPolicy]:
     if option is None or option == "full":
         return _full
     if option == "selective":
-        return _selective
+        copied = {n for site in ctx.sites if isinstance(site, AttentionSite) and op_kind(site.core) == "hybrid_attention"
+                  for n in site.q + site.k + site.v}
+        return functools.partial(_selective, copied=copied)
     return lambda node: _asked(option, node)
 
 
@@ -251,7 +254,7 @@ def recompute_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     _warn_of_writes_in_regions(gm, ctx)
     _warn_of_whole_regions(gm, ctx)
     _join_served_regions(gm)
-    policy = region_policy(option)
+    policy = region_policy(option, ctx)
     for node in gm.graph.nodes:
         region = recompute_region(node)
         if region is not None and is_fsdp_gather(node) and "recompute" not in node.meta:
