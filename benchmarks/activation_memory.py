@@ -21,8 +21,8 @@ import torch
 
 import dtensor_par
 from benchmarks.report import print_table, save_json
-from tests.harness import loss_of, run_ranks
-from tests.models import DiT, Llama
+from dtensor_par._testing.harness import loss_of, run_ranks
+from dtensor_par._testing.models import DiT, Llama
 
 POLICIES = (None, "selective", "full")
 MESHES = {"tp2": {"tp": 2}, "ulysses2": {"ulysses": 2}, "tp2 x ring2": {"tp": 2, "ring": 2}}

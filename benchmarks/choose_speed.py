@@ -15,7 +15,7 @@ import torch
 
 from benchmarks.report import print_table, save_json
 from dtensor_par import choose_mesh
-from tests.models import Llama
+from dtensor_par._testing.models import Llama
 
 TARGET_SECONDS = 60.0
 

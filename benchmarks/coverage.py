@@ -3,7 +3,7 @@ tp2 x ring2, planned in one process without hardware.
 
     python -m benchmarks.coverage [--models llama,flux] [--out survey.txt] [--json out.json]
 
-Each model of ``tests/real_models.py`` (transformers and diffusers from small configs) is
+Each model of ``dtensor_par/_testing/real_models.py`` (transformers and diffusers from small configs) is
 explained at each mesh: its sites, the share of linear FLOPs sharded (in blocks too), the
 fallback gathers, the collectives and the warnings. ``--out`` writes every line of every
 report, so that two trees can be compared line for line (a refactor must leave it unchanged).
@@ -18,7 +18,7 @@ import re
 import torch
 
 from benchmarks.report import failure, print_table, save_json
-from tests import real_models
+from dtensor_par._testing import real_models
 
 MESHES = {"tp2": (("tp", 2),), "tp2 x ulysses2": (("tp", 2), ("ulysses", 2)), "tp2 x ring2": (("tp", 2), ("ring", 2))}
 
@@ -54,7 +54,7 @@ def lines(row: dict) -> list[str]:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", help="comma-separated names of tests/real_models.py (default: every one)")
+    parser.add_argument("--models", help="comma-separated names of dtensor_par/_testing/real_models.py (default: every one)")
     parser.add_argument("--out", help="write every report line here")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()

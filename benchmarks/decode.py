@@ -28,7 +28,7 @@ import torch.distributed as dist
 import dtensor_par
 from benchmarks.report import failure, save_json, table
 from dtensor_par.kv_cache import cache_shard
-from tests.harness import run_ranks
+from dtensor_par._testing.harness import run_ranks
 
 FULL = {"sizes": {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 4, "mlp": 768, "vocab": 512},
         "cache": 4096, "steps": 32, "warmup": 2, "meshes": ["tp=2", "ring=2"], "backend": "aot_eager"}

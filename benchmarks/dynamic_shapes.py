@@ -21,8 +21,8 @@ import torch
 
 import dtensor_par
 from benchmarks.report import print_table, save_json
-from tests.harness import run_ranks
-from tests.models import GPT
+from dtensor_par._testing.harness import run_ranks
+from dtensor_par._testing.models import GPT
 
 BATCH, HIDDEN, HEADS = 2, 256, 8
 

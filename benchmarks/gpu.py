@@ -67,7 +67,7 @@ def ring_steps_vs_sdpa(seq: int, heads: int, head_dim: int, ring: int, reps: int
 
 def world_one_step(reps: int) -> dict:
     import dtensor_par
-    from tests.models import DiT
+    from dtensor_par._testing.models import DiT
 
     store = os.path.join(tempfile.mkdtemp(), "store")
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)

@@ -1,4 +1,4 @@
-"""What the benchmarks add to the models they run (``tests.models``' DiT and Llama, as a user
+"""What the benchmarks add to the models they run (``dtensor_par._testing.models``' DiT and Llama, as a user
 writes them): the hand-edited copies that torch's ``parallelize_module`` needs
 (``TP_HAND_EDITS``) and the loss compiled with each model."""
 
@@ -9,7 +9,7 @@ import copy
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from tests.models import DiTBlock
+from dtensor_par._testing.models import DiTBlock
 
 TP_HAND_EDITS = {
     "dit": ["attention uses the local head count (heads // tp), not the model's",

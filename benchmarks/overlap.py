@@ -23,7 +23,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dtensor_par
 from benchmarks.report import failure
-from tests.models import DiT
+from dtensor_par._testing.models import DiT
 
 _ARG = r"\.default\((?:reinterpret_tensor\()?(\w+)"  # the first argument's buffer
 _ISSUE = re.compile(r"_c10d_functional\.(all_reduce_?|all_to_all_single|all_gather_into_tensor|"

@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.report import print_table, save_json
 from dtensor_par import explain
-from tests.models import DiT, Llama
+from dtensor_par._testing.models import DiT, Llama
 
 MESHES = {"llama": {"tp": 64}, "dit": {"tp": 8, "ulysses": 4, "ring": 2}}
 

@@ -26,7 +26,7 @@ from benchmarks.report import print_table, save_json
 from dtensor_par import choose_mesh, explain
 from dtensor_par.choose import mesh_text
 from dtensor_par.machines import machine as machine_profile
-from tests.models import DiT
+from dtensor_par._testing.models import DiT
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from benchmarks.side_by_side import FULL, QUICK, adamw, model_and_input, ours, s
 from dtensor_par.calibrate import calibrate
 from dtensor_par.choose import choose_mesh
 from dtensor_par.machines import machine as machine_profile
-from tests.harness import run_ranks
+from dtensor_par._testing.harness import run_ranks
 
 WORLD = 4
 TOP_WITHIN = 0.10

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from benchmarks.report import print_table, save_json
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.ops.ring import ring_attention
-from tests.harness import run_ranks
+from dtensor_par._testing.harness import run_ranks
 
 
 def _time(rank, world, *, seq, heads, head_dim):

@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.report import print_table, save_json
 from dtensor_par import explain
-from tests.models import Llama
+from dtensor_par._testing.models import Llama
 
 TPS = (2, 4, 8)
 STATE_COPIES = 4  # parameters, gradients, AdamW exp_avg, AdamW exp_avg_sq

@@ -54,8 +54,8 @@ import dtensor_par
 from benchmarks import decode, gpu, overlap
 from benchmarks.models import TP_HAND_EDITS, WithLoss, ddp_anchor, fsdp_anchor, tp_anchor
 from benchmarks.report import failure
-from tests.harness import dp_rows, executed_collectives, logged, run_ranks
-from tests.models import DiT, Llama
+from dtensor_par._testing.harness import dp_rows, executed_collectives, logged, run_ranks
+from dtensor_par._testing.models import DiT, Llama
 
 FULL = {"dit": {"layers": 2, "dim": 256, "heads": 8, "mlp": 1024},
         "llama": {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 4, "mlp": 768, "vocab": 512}}

@@ -24,8 +24,8 @@ import torch._inductor.cpu_vec_isa
 
 import dtensor_par
 from benchmarks.dynamic_shapes import _in_cache, _lengths, _timed_calls
-from tests.harness import run_ranks
-from tests.models import DiT
+from dtensor_par._testing.harness import run_ranks
+from dtensor_par._testing.models import DiT
 
 CACHE_COUNTERS = {"inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
                   "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")}

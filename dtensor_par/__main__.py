@@ -20,7 +20,7 @@ from .choose import choose_mesh
 from .config import ParallelConfig
 from .explain import explain
 from .machines import MACHINES
-from .mesh import MESH_DIMS
+from .mesh import MESH_DIMS, PLAN_DIMS_DECLARED
 
 
 def load_factory(spec: str):
@@ -76,8 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     ex = commands.add_parser("explain", help="plan a model at any mesh size and print the plan")
     ex.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (model, example_inputs)")
-    for dim in MESH_DIMS:
-        ex.add_argument(f"--{dim.replace('_', '-')}", type=int, default=1, help=f"size of mesh dim {dim!r}")
+    for plan_dim in PLAN_DIMS_DECLARED:
+        for dim in plan_dim.mesh_dims:
+            ex.add_argument(f"--{dim.replace('_', '-')}", type=int, default=1,
+                            help=f"size of mesh dim {dim!r}, a part of {plan_dim.name}: {plan_dim.help}")
     ex.add_argument("--order", help="the mesh dims, comma-separated, the last fastest (default: by device type)")
     ex.add_argument("--device-type", default="cuda")
     ex.add_argument("--svg", help="write the mesh picture to this file")

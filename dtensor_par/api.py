@@ -14,7 +14,7 @@ from .config import ParallelConfig
 from .errors import InvalidPlan
 from .logs import logger
 from .machines import MACHINES, Machine, machine as machine_profile
-from .mesh import default_world_size, init_mesh
+from .mesh import default_world_size, init_mesh, split_degrees
 from .runtime import ParallelBackend
 from .same_inputs import check_every_rank_agrees
 from .sharded import parallelize_with
@@ -46,13 +46,13 @@ RANKING = "mesh_ranking"
 its mesh was chosen from (``[0]`` built), once chosen."""
 
 
-def parallel(tp: int = 1, ring: int = 1, ulysses: int = 1, *, dp_replicate: int = 1, dp_shard: int = 1,
-             mesh: DeviceMesh | None = None, auto: bool = False, machine: str | Machine | None = None,
+def parallel(*, mesh: DeviceMesh | None = None, auto: bool = False, machine: str | Machine | None = None,
              training: bool | None = None, **options):
     """Class decorator: instances of the decorated ``nn.Module`` class run parallelized.
 
-    At an instance's first call (its inputs are known then) ``parallelize`` shards its
-    parameters over ``mesh`` (default: ``init_mesh(tp, ring, ulysses)`` over the default
+    ``options``: a degree for each mesh dim (``tp=2, ulysses=2``: ``mesh.MESH_DIMS``) and those of
+    ``hybrid_parallel``. At an instance's first call (its inputs are known then) ``parallelize``
+    shards its parameters over ``mesh`` (default: ``init_mesh`` of those degrees over the default
     process group), and that call and every later one run through ``torch.compile`` with
     ``hybrid_parallel(mesh, **options)``. Before its first call an instance is the plain
     module: load a full ``state_dict`` then, and build the optimizer after. Works on
@@ -64,8 +64,8 @@ def parallel(tp: int = 1, ring: int = 1, ulysses: int = 1, *, dp_replicate: int 
     every rank checks that all chose alike, and the fastest is built: the instance's
     ``mesh_ranking`` holds the ranking (``mesh_ranking[0]`` the mesh built).
     """
+    given, options = split_degrees(options)
     config = ParallelConfig.of("parallel", options)
-    given = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "ring": ring, "ulysses": ulysses}
     profile = _auto_machine(auto, machine, training, given, mesh)
     meshes: dict[tuple, DeviceMesh] = {}  # by degrees and order, made at the first call that needs it, shared
 

@@ -30,17 +30,15 @@ from .params import SHARDED
 from .passes.capture import capture_graphs
 from .passes.cost import StepTime, Traffic, activation_bytes, bytes_text, cost_pass, link_classes, traffic_text
 from .passes.localize import graph_communications
-from .passes.lower import check_all_to_all_contiguous, check_replica_group_limit, lower_pass, replica_group_sets
+from .passes.lower import check_all_to_all_contiguous, check_replica_group_limit, replica_group_sets
 from .passes.context import ParallelContext
-from .passes.batch import batch_pass
-from .passes.kv_cache import kv_cache_pass
-from .passes.plan import plan_pass
 from .passes.recompute import recompute_pass
-from .pipeline import PASSES, fork, run_passes
+from .passes.steps import STEPS, Step
+from .planning import fork, run_steps
 from .symbolic import hint
 
-PLANNING = tuple(p for p in PASSES if p is not lower_pass)
-"""The passes a split is planned with: lower's checks depend on the order, judged per order."""
+PLANNING = tuple(s for s in STEPS if not s.each_order)
+"""The steps a split is planned with: lower's checks depend on the mesh's order, judged per order."""
 ADAM_STATES = 2
 """Optimizer state per gradient byte: Adam's two moments, in the parameters' dtype."""
 
@@ -134,31 +132,40 @@ def layouts(degrees: dict[str, int], device_type: str) -> list[tuple[str, ...]]:
     return [ones + p for p in itertools.permutations([d for d in default if degrees[d] > 1])]
 
 
-def _dp(degrees: dict[str, int]) -> int:
-    return degrees["dp_replicate"] * degrees["dp_shard"]
-
-
 @dataclass(frozen=True)
 class Stage:
-    """A run of the planning passes and what it reads of a split's degrees: two splits that agree
-    on it plan alike up to its end, so it runs once per value and its result is forked
-    (``pipeline.fork``). ``refused_by``: what a refusal of its reads alone, where that is less."""
+    """A run of steps (``passes.steps``) that starts at one reading more of the mesh: two splits
+    that agree on what it and the stages before read plan alike up to its end, so it runs once per
+    value of that and its result is forked (``planning.fork``). ``refused_by``: what a refusal of
+    it depends on alone, where that is less."""
 
-    passes: tuple
-    reads: Callable[[dict[str, int]], object]
-    refused_by: Callable[[dict[str, int]], object] | None = None
+    steps: tuple[Step, ...]
+    before: tuple[Step, ...]  # the steps of the stages before
+
+    def reads(self, degrees: dict[str, int]) -> tuple:
+        return tuple(s.reads(degrees) for s in self.before + self.steps if s.reads)
+
+    @property
+    def refused_by(self) -> Callable[[dict[str, int]], object] | None:
+        return self.steps[0].refused_by
 
 
-_AT = {p: PASSES.index(p) for p in (kv_cache_pass, batch_pass, plan_pass)}
-STAGES = (
-    # capture, canonicalize and detect read only whether cp > 1 (canonicalize's grouped kv heads)
-    Stage(PASSES[:_AT[kv_cache_pass]], lambda degrees: degrees["ring"] * degrees["ulysses"] > 1),
-    # the passes before plan read dp_replicate x dp_shard only as dp
-    Stage(PASSES[_AT[kv_cache_pass]:_AT[batch_pass]], lambda d: (_dp(d), d["tp"], d["ring"], d["ulysses"])),
-    # a batch shorter than dp refuses every split of that dp: no pass before changes the batch
-    Stage((batch_pass,), lambda d: (_dp(d), d["tp"], d["ring"], d["ulysses"]), refused_by=_dp),
-    Stage(PLANNING[_AT[plan_pass]:], lambda degrees: tuple(degrees.values())),
-)
+def stages(planning: tuple[Step, ...]) -> tuple[Stage, ...]:
+    """``planning`` cut where a step reads another thing of the mesh than the steps before it, or
+    can refuse a split on less than it reads: a step that reads nothing joins the stage before."""
+    runs: list[list[Step]] = []
+    for step in planning:
+        reads = [s.reads for s in runs[-1] if s.reads] if runs else []
+        joins = runs and not runs[-1][0].refused_by and not step.refused_by and (
+            step.reads is None or not reads or step.reads is reads[-1])
+        if joins:
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    return tuple(Stage(tuple(run), tuple(s for earlier in runs[:i] for s in earlier)) for i, run in enumerate(runs))
+
+
+STAGES = stages(PLANNING)
 
 
 def _plan(captured: list, degrees: dict[str, int], machine: Machine, config: ParallelConfig, done: dict
@@ -198,10 +205,10 @@ def _refusals(index: int, degrees: dict[str, int], depth: int | None = None) -> 
 
 
 def _run_stage(stage: Stage, gm: fx.GraphModule, ctx: ParallelContext, mesh: MeshInfo) -> tuple | str:
-    """The stage's passes on a fork of (gm, ctx) over ``mesh``, or why they refuse it."""
+    """The stage's steps on a fork of (gm, ctx) over ``mesh``, or why they refuse it."""
     try:
         forked, ctx = fork(gm, ctx, mesh)
-        return run_passes(forked, ctx, stage.passes), ctx
+        return run_steps(forked, ctx, stage.steps), ctx
     except (InvalidPlan, NotImplementedError) as e:
         return str(e)
 

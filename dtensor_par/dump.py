@@ -1,10 +1,10 @@
 """Graph dumps: what each pass made of a graph, the collectives, the plan as JSON, the mesh.
 
 A dump folder holds, for one compiled graph: ``0_dynamo.py`` (the graph as Dynamo captured
-it), one file per pass (``1_capture.py`` ... ``11_recompute.py``, the graph the inner backend
-compiles), ``12_aten.py`` (with the functional lowering, its forward traced to aten ops on
-fake tensors: the functional collectives gloo and NCCL run, as they are), ``sites.txt``,
-``collectives.md``, ``plan.json`` and ``mesh.svg``.
+it), one file per step of ``passes.steps`` (``1_capture.py`` ... ``14_recompute.py``, the graph
+the inner backend compiles), ``15_aten.py`` (with the functional lowering, its forward traced to
+aten ops on fake tensors: the functional collectives gloo and NCCL run, as they are),
+``sites.txt``, ``collectives.md``, ``plan.json`` and ``mesh.svg``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .ops.experts import combine_rows, dispatch_rows, experts_from_rows
 from .ops.lowerings import FUNCTIONAL
 from .passes.context import ParallelContext
-from .passes.detect import AttentionSite, MoESite, module_name, site_weight_names
 from .passes.experts import group_text
 from .passes.localize import graph_communications
 from .passes.meta import communications, global_shape, param_fqn, placements, shardings, site_role
 from .passes.nodes import target_name
 from .passes.saved import kept_for_backward
+from .passes.sites import AttentionSite, MoESite, module_name, site_weight_names
+from .passes.steps import STEPS
 from .params import expert_dim, expert_group, held_layouts, held_tensor
 from .placements import Replicate, Shard, describe, local_shape_on
 
@@ -131,7 +132,7 @@ def batch_line(ctx: ParallelContext) -> str | None:
     dp = f"dp_replicate x dp_shard = {ctx.mesh.size('dp')}"
     if ctx.config.batch == "local":
         return f"batch: local, each of {dp} ranks given its own slice; parameter gradients averaged over dp"
-    cut = ", ".join(f"{name} dim {p.dim}" for name, p in ctx.batch_placements.items())
+    cut = ", ".join(f"{name} dim {p.dim}" for name, p in ctx.input_cuts.get("dp", {}).items())
     sized = (f" (of the batch's size, but no dim of theirs reaches the sites' batch: {', '.join(ctx.batch_sized_whole)})"
              if ctx.batch_sized_whole else "")
     return f"batch: global, cut over {dp} along {cut or 'no input (warned)'}; other inputs whole{sized}"
@@ -338,15 +339,16 @@ class GraphDump:
     def captured(self, gm: fx.GraphModule) -> None:
         self._write("0_dynamo.py", gm.code)
 
-    def after(self, pass_name: str, gm: fx.GraphModule, ctx: ParallelContext) -> None:
+    def after(self, name: str, gm: fx.GraphModule, ctx: ParallelContext) -> None:
+        """The graph step ``name`` (``passes.steps``) left; after detect the sites, after plan the
+        placements, after the last step the plan, its collectives and its mesh."""
         self.step += 1
-        name = pass_name.removesuffix("_pass")
         self._write(f"{self.step}_{name}.py", graph_text(gm))
         if name == "detect":
             self._write("sites.txt", sites_text(ctx))
         if name == "plan":
             self.nodes = planned_nodes(gm)
-        if name == "recompute":  # the last pass
+        if name == STEPS[-1].name:
             if ctx.comm == FUNCTIONAL:
                 self._write(f"{self.step + 1}_aten.py", aten_code(gm, ctx))
             plan = plan_dict(self.nodes, gm, ctx)

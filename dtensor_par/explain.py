@@ -12,15 +12,15 @@ from .dump import (GraphDump, activations, activations_line, batch_line, collect
                    parameter_rows, site_placement_lines, sites_text)
 from .gcpause import paused_gc
 from .machines import Machine, machine as machine_profile
-from .pipeline import parallelize_graph
+from .planning import parallelize_graph
 from .routing import UNMEASURED, measure_routing, routing_probes
-from .mesh import MeshInfo
+from .mesh import MeshInfo, split_degrees
 from .params import SHARDED, WHOLE
 from .passes import meta
 from .passes.capture import capture_graphs
 from .passes.cost import StepTime, cost_pass, traffic_text
 from .passes.coverage import Coverage
-from .passes.detect import MoESite
+from .passes.sites import MoESite
 from .sharded import cast_floating, sharded_state, traced_in
 from .symbolic import hint
 
@@ -110,8 +110,7 @@ class Report:
         return "\n".join(out)
 
 
-def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int = 1, dp_replicate: int = 1,
-            dp_shard: int = 1, device_type: str = "cuda",
+def explain(model, example_inputs, *, device_type: str = "cuda",
             order: tuple[str, ...] | None = None, parallelized: bool | None = None,
             example_kwargs: dict | None = None, dynamic: bool | None = None, machine: str | Machine | None = None,
             training: bool = True, measure_routing: bool = False, **options) -> Report:
@@ -119,10 +118,11 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
 
     The model may live on the ``meta`` device, so a model too large for this machine can be
     planned at its real size; it is not run (``capture_graphs``). Capturing resets Dynamo's caches.
+    ``options``: a degree for each mesh dim (``tp=8, ulysses=4``: ``mesh.MESH_DIMS``), and those of
+    ``hybrid_parallel`` (``config.ParallelConfig``).
     ``parallelized``: report parameters held as by ``parallelize`` (DTensor pieces, no
     gradient gathers) or as by ``hybrid_parallel`` alone (full); default: as the model is.
-    ``options``: those of ``hybrid_parallel`` (``config.ParallelConfig``); with
-    ``device_type="neuron"`` or ``collectives="xla"`` the plan is checked as Neuron needs it.
+    With ``device_type="neuron"`` or ``collectives="xla"`` the plan is checked as Neuron needs it.
     ``dynamic=True``: capture with symbolic sizes (as ``torch.compile(dynamic=True)``) and
     plan on them, reporting the sizes the plan is symbolic in and any op that specialized it.
     ``machine`` (a ``machines`` profile, its name or a JSON profile's path): also predict each
@@ -130,8 +130,8 @@ def explain(model, example_inputs, *, tp: int = 1, ring: int = 1, ulysses: int =
     ``measure_routing``: with experts cut over cp (``ep="cp"``), run the captured graph once on one
     device to report what each mixture's routing of the example inputs sends back (``routing``).
     """
+    sizes, options = split_degrees(options)
     config = ParallelConfig.of("explain", options)
-    sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "ring": ring, "ulysses": ulysses}
     info = MeshInfo.for_planning(sizes, device_type, order)
     sizes = {d: info.size(d) for d in info.order}
     config.check_mesh(info, "explain")

@@ -13,21 +13,52 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-DP_DIMS = ("dp_replicate", "dp_shard")
-"""The data-parallel mesh dims: replicas (DDP) and, with ``parallelize``, parameter shards (FSDP)."""
-MESH_DIMS = (*DP_DIMS, "tp", "ring", "ulysses")
-PLAN_DIMS = ("tp", "cp", "dp")
+@dataclass(frozen=True)
+class PlanDim:
+    """A dim the planner cuts tensors over: one or more mesh dims, flattened (the last fastest)."""
+
+    name: str
+    mesh_dims: tuple[str, ...]  # the mesh dims it flattens, outermost first; each a degree of init_mesh
+    cuts: str  # what it cuts: "features" (heads, hidden), "sequence" or "batch"
+    pads: bool  # a length that does not divide is padded at the end to equal shards (else refused)
+    seeded_by: str | None  # the step that chooses which inputs it cuts (passes.steps); None: the plan's weights
+    fsdp: tuple[str, ...]  # its mesh dims ``parallelize`` may also cut parameters over (FSDP)
+    help: str  # what one of its mesh dims does, for the CLI and errors
+
+
+PLAN_DIMS_DECLARED = (
+    PlanDim("tp", ("tp",), "features", pads=False, seeded_by=None, fsdp=(),
+            help="tensor parallelism: heads and features cut Megatron-style"),
+    PlanDim("cp", ("ring", "ulysses"), "sequence", pads=True, seeded_by="sequence", fsdp=("ring", "ulysses"),
+            help="context parallelism: the sequence cut; attention runs as ring attention over ring, Ulysses over "
+                 "ulysses"),
+    PlanDim("dp", ("dp_replicate", "dp_shard"), "batch", pads=True, seeded_by="batch", fsdp=("dp_shard",),
+            help="data parallelism: the batch cut; parameters replicated over dp_replicate, cut over dp_shard (FSDP)"),
+)
+"""Every dim the planner cuts over, in the order it plans them: each declared once, with what
+it cuts; the mesh dims, their names and degrees, the CLI's flags and the groups are read off it."""
+PLAN = {d.name: d for d in PLAN_DIMS_DECLARED}
+PLAN_DIMS = tuple(PLAN)
 """The dims the planner shards over: tp (heads, features), cp = ring x ulysses (sequence) and
 dp = dp_replicate x dp_shard (the batch)."""
-FSDP_DIMS = ("dp_shard", "ring", "ulysses")
+DP_DIMS = PLAN["dp"].mesh_dims
+"""The data-parallel mesh dims: replicas (DDP) and, with ``parallelize``, parameter shards (FSDP)."""
+MESH_DIMS = (*DP_DIMS, *(n for d in PLAN_DIMS_DECLARED if d.name != "dp" for n in d.mesh_dims))
+"""Every mesh dim, the data-parallel ones first: the degrees of ``init_mesh``, in order."""
+FSDP_DIMS = tuple(n for n in MESH_DIMS if any(n in d.fsdp for d in PLAN_DIMS_DECLARED))
 """The mesh dims ``parallelize`` may shard parameters over (FSDP): every rank of them holds the
 same parameters, as tp cuts them."""
-SPANS = {"dp_replicate": ("dp_replicate",), "dp_shard": ("dp_shard",), "tp": ("tp",), "ring": ("ring",),
-         "ulysses": ("ulysses",), "cp": ("ring", "ulysses"), "dp": DP_DIMS, "fsdp": FSDP_DIMS}
+SPANS = {**{n: (n,) for n in MESH_DIMS}, **{d.name: d.mesh_dims for d in PLAN_DIMS_DECLARED if len(d.mesh_dims) > 1},
+         "fsdp": FSDP_DIMS}
 """The mesh dims each dim of MeshInfo flattens, the last fastest: cp is ring-major, dp replicate-major,
 fsdp in the mesh's own order (the order in which DTensor nests Shard placements on them)."""
-FLATTENED = ("cp", "dp", "fsdp")
+FLATTENED = tuple(name for name, spans in SPANS.items() if spans != (name,))
 
+
+def split_degrees(options: dict) -> tuple[dict[str, int], dict]:
+    """(the degree of every mesh dim, 1 where ``options`` names none, in MESH_DIMS' order; the
+    other options): how an entry point that takes both as keywords reads them."""
+    return {n: options.get(n, 1) for n in MESH_DIMS}, {k: v for k, v in options.items() if k not in MESH_DIMS}
 
 def default_device_type() -> str:
     if torch.cuda.is_available():
@@ -89,15 +120,17 @@ def default_world_size(device_type: str | None = None) -> int:
     return dist.get_world_size()
 
 
-def init_mesh(tp: int = 1, ring: int = 1, ulysses: int = 1, *, dp_replicate: int = 1, dp_shard: int = 1,
-              device_type: str | None = None, order: tuple[str, ...] | None = None) -> DeviceMesh:
-    """Build the mesh over the default process group: dims "tp", "ring", "ulysses", and
-    "dp_replicate", "dp_shard" where their degree is above 1.
+def init_mesh(*, device_type: str | None = None, order: tuple[str, ...] | None = None, **degrees: int) -> DeviceMesh:
+    """Build the mesh over the default process group: a degree for each mesh dim (``tp=2,
+    ulysses=4``; MESH_DIMS, 1 where not given), dims "tp", "ring", "ulysses" always and the
+    data-parallel ones where their degree is above 1.
 
     ``order`` lists the dim names, the last varying fastest across ranks (``mesh_order``).
     """
     device_type = device_type or default_device_type()
-    sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "ring": ring, "ulysses": ulysses}
+    sizes, unknown = split_degrees(degrees)
+    if unknown:
+        raise TypeError(f"init_mesh: unknown mesh dims {sorted(unknown)}; the mesh dims are {MESH_DIMS}")
     order = mesh_order("init_mesh", sizes, device_type, order)
     world = default_world_size(device_type)
     total = math.prod(sizes.values())

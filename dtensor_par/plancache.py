@@ -37,7 +37,7 @@ from .logs import logger
 from .params import HeldLayout, fed_placements, held_layouts
 from .passes import meta
 from .passes.context import ParallelContext, ParamInfo
-from .pipeline import on_captured
+from .planning import on_captured
 from .placements import Placement
 from .same_inputs import fingerprint
 from .symbolic import Specialization

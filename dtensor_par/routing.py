@@ -24,10 +24,11 @@ from .logs import quiet
 from .mesh import MeshDim, MeshInfo
 from .ops.collectives import shard_local
 from .passes.context import ParallelContext
-from .passes.detect import MoESite, detect_pass
 from .passes.meta import shardings
 from .passes.nodes import arguments
-from .pipeline import PASSES, parallelize_graph
+from .passes.sites import MoESite
+from .passes.steps import steps
+from .planning import parallelize_graph
 from .placements import Placement, interleaved_parts, shard_dim
 from .symbolic import Specialization, hint, materialize_sizes
 
@@ -98,7 +99,7 @@ def measure_routing(gm: fx.GraphModule, inputs: list, mesh: MeshInfo, config: Pa
     sorts (token by token, ``k`` each), and run by an interpreter (its symbolic sizes computed in
     it, as localize makes them), whatever spells the experts."""
     with quiet():
-        found, ctx = parallelize_graph(gm, inputs, mesh, config, passes=PASSES[:PASSES.index(detect_pass) + 1],
+        found, ctx = parallelize_graph(gm, inputs, mesh, config, steps=steps(last="detect"),
                                        specialization=specialization)
     if specialization is not None:
         materialize_sizes(found)

@@ -28,11 +28,11 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from .pipeline import parallelize_graph
+from .planning import parallelize_graph
 from .config import ParallelConfig
 from .dump import GraphDump
 from .logs import logger
-from .mesh import MeshInfo
+from .mesh import PLAN_DIMS_DECLARED, MeshInfo
 from .kv_cache import cache_shard, hold, laid_out
 from .params import WholeParameters, feeding_for, standin_param
 from .passes import meta
@@ -516,8 +516,5 @@ class ParallelRuntime:
         the batch shard on the dp dims (the plan refuses zigzag and padded shards)."""
         if not isinstance(out, torch.Tensor) or placements is None or cache_shard(out) is not None:
             return out
-        names = self.mesh.mesh_dim_names
-        cp, dp = placements.get("cp", Replicate()), placements.get("dp", Replicate())
-        per_dim = {"tp": placements.get("tp", Replicate()), "ring": cp, "ulysses": cp, "dp_replicate": dp,
-                   "dp_shard": dp}
-        return DTensor.from_local(out, self.mesh, [per_dim[n] for n in names], run_check=False)
+        per_dim = {n: placements.get(d.name, Replicate()) for d in PLAN_DIMS_DECLARED for n in d.mesh_dims}
+        return DTensor.from_local(out, self.mesh, [per_dim[n] for n in self.mesh.mesh_dim_names], run_check=False)

@@ -35,11 +35,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .pipeline import PLANNING_PASSES, parallelize_graph
 from .config import ParallelConfig
 from .mesh import MeshInfo
 from .params import SHARDED, STANDIN_OF, HeldLayout, expert_dim, held_mesh, holds_whole, layout_maker
 from .passes.capture import capture_graphs
+from .passes.steps import steps
+from .planning import parallelize_graph
 from .placements import Placement, Replicate, describe
 
 _STATE = "_dtensor_par_sharded"  # the root module's attribute holding its ShardedState
@@ -200,7 +201,7 @@ def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, exa
                                       MeshInfo.full_order(mesh.mesh_dim_names))
     placements: dict[str, tuple[Placement, int | None]] = {}
     for gm, inputs in capture_graphs(model, *example_args, **example_kwargs):
-        _, ctx = parallelize_graph(gm, inputs, mesh_info, config, feeding=SHARDED, passes=PLANNING_PASSES)
+        _, ctx = parallelize_graph(gm, inputs, mesh_info, config, feeding=SHARDED, steps=steps(last="coverage"))
         for name, param in ctx.params.items():
             p = (ctx.param_placements.get(name, Replicate()), expert_dim(ctx, name))
             if placements.setdefault(param.fqn, p) != p:

@@ -9,10 +9,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 import dtensor_par
-from tests import models
 from dtensor_par.choose import Ranking
 from dtensor_par.sharded import sharded_state
-from tests.harness import assert_every_rank_matches, compare, logged, loss_of, max_rel, run_ranks_together, whole
+from dtensor_par._testing import models, patterns
+from dtensor_par._testing.harness import assert_matches, compare, logged, loss_of, max_rel, run_ranks_together, whole
 
 def _keep(seq: int) -> torch.Tensor:
     """Key padding: the second sequence of the batch ends in 5 padding positions."""
@@ -39,83 +39,83 @@ CASES = {
     "llama_repeat_interleave_kv4": (lambda: models.Llama(layers=1, kv_heads=4, gqa="repeat_interleave"),
                                     lambda: [(torch.randint(0, 50, (2, 8)),)]),
     "parts_first_qkv": (models.PartsFirstBlock, lambda: [(torch.randn(2, 8, 48),)]),
-    "graph_break": (models.GraphBreakModel, lambda: [(torch.randn(2, 8, 32),)]),
-    "odd_mlp_width": (models.OddMLPBlock, lambda: [(torch.randn(2, 8, 32),)]),
-    "unshardable_op": (models.UnruledOpMLP, lambda: [(torch.randn(2, 4, 16),)]),
-    "keyword_sdpa_scale": (models.KeywordAttention, lambda: [(torch.randn(2, 8, 32),)]),
+    "graph_break": (patterns.GraphBreakModel, lambda: [(torch.randn(2, 8, 32),)]),
+    "odd_mlp_width": (patterns.OddMLPBlock, lambda: [(torch.randn(2, 8, 32),)]),
+    "unshardable_op": (patterns.UnruledOpMLP, lambda: [(torch.randn(2, 4, 16),)]),
+    "keyword_sdpa_scale": (patterns.KeywordAttention, lambda: [(torch.randn(2, 8, 32),)]),
     "uneven_heads_14": (lambda: models.Llama(layers=1, hidden=56, heads=14, kv_heads=2, mlp=64),
                         lambda: [(torch.randint(0, 50, (2, 8)),)]),
-    "bool_mask": (lambda: models.MaskedAttention("bool"), lambda: [(torch.randn(2, 16, 32), _keep(16))]),
-    "additive_mask": (lambda: models.MaskedAttention("additive"), lambda: [(torch.randn(2, 16, 32), _keep(16))]),
+    "bool_mask": (lambda: patterns.MaskedAttention("bool"), lambda: [(torch.randn(2, 16, 32), _keep(16))]),
+    "additive_mask": (lambda: patterns.MaskedAttention("additive"), lambda: [(torch.randn(2, 16, 32), _keep(16))]),
     # scores filled with the lowest finite value where an input hides them, the first 5 query rows hidden entirely
-    "rows_hidden_by_an_input": (models.RowsHiddenByAnInput, lambda: [(torch.randn(2, 16, 32), _rows_hidden(16, 5))]),
+    "rows_hidden_by_an_input": (patterns.RowsHiddenByAnInput, lambda: [(torch.randn(2, 16, 32), _rows_hidden(16, 5))]),
     # Sequence length 30: not divisible into the 8 chunks of ring=2 x ulysses=2.
     "uneven_seq_30": (lambda: models.Llama(layers=1), lambda: [(torch.randint(0, 50, (2, 30)),)]),
-    "uneven_seq_30_masked": (lambda: models.MaskedAttention("additive"), lambda: [(torch.randn(2, 30, 32), _keep(30))]),
-    "uneven_seq_30_bidirectional": (lambda: models.MaskedAttention(None), lambda: [(torch.randn(2, 30, 32),)]),
-    "uneven_seq_30_pooling": (models.SequencePooling, lambda: [(torch.randn(2, 30, 32),)]),
-    "mean_loss": (models.MeanLoss, lambda: [(torch.randn(2, 16, 32),)]),
-    "conv1d": (models.Conv1DBlock, lambda: [(torch.randn(2, 16, 32),)]),
-    "joint_attention": (models.JointBlock, lambda: [(torch.randn(2, 16, 32), torch.randn(2, 8, 32))]),
+    "uneven_seq_30_masked": (lambda: patterns.MaskedAttention("additive"), lambda: [(torch.randn(2, 30, 32), _keep(30))]),
+    "uneven_seq_30_bidirectional": (lambda: patterns.MaskedAttention(None), lambda: [(torch.randn(2, 30, 32),)]),
+    "uneven_seq_30_pooling": (patterns.SequencePooling, lambda: [(torch.randn(2, 30, 32),)]),
+    "mean_loss": (patterns.MeanLoss, lambda: [(torch.randn(2, 16, 32),)]),
+    "conv1d": (patterns.Conv1DBlock, lambda: [(torch.randn(2, 16, 32),)]),
+    "joint_attention": (patterns.JointBlock, lambda: [(torch.randn(2, 16, 32), torch.randn(2, 8, 32))]),
     # the text's padding hidden: each rank's slices of text and image, the mask put in their order
-    "joint_attention_masked": (models.JointBlock,
+    "joint_attention_masked": (patterns.JointBlock,
                                lambda: [(torch.randn(2, 16, 32), torch.randn(2, 8, 32), _keep(8))]),
-    "complex_rope_pad": (models.ComplexRoPEAttention, lambda: [(torch.randn(2, 16, 32),)]),
-    "qk_norm_across_heads": (models.CrossHeadQKNorm, lambda: [(torch.randn(2, 16, 32),)]),
-    "flatten_tokens": (models.TokenMLP, lambda: [(torch.randn(2, 16, 32),)]),
+    "complex_rope_pad": (patterns.ComplexRoPEAttention, lambda: [(torch.randn(2, 16, 32),)]),
+    "qk_norm_across_heads": (patterns.CrossHeadQKNorm, lambda: [(torch.randn(2, 16, 32),)]),
+    "flatten_tokens": (patterns.TokenMLP, lambda: [(torch.randn(2, 16, 32),)]),
     # [seq, batch, hidden] beside a table of 2 rows at a batch of 2: the batch is dim 1, the table whole
-    "seq_first_table": (models.SequenceFirst, lambda: [(torch.randn(8, 2, 32), torch.randn(2, 32))]),
+    "seq_first_table": (patterns.SequenceFirst, lambda: [(torch.randn(8, 2, 32), torch.randn(2, 32))]),
     # experts in an nn.ModuleList looped over: the loop's torch.where breaks the graph; each expert's MLP a graph
-    "looped_experts": (lambda: models.LoopedExperts(32, 64, 4, 2), lambda: [(torch.randn(2, 8, 32),)]),
-    "looped_moe_block": (models.LoopedMoEBlock, lambda: [(torch.randn(2, 16, 32),)]),
+    "looped_experts": (lambda: patterns.LoopedExperts(32, 64, 4, 2), lambda: [(torch.randn(2, 8, 32),)]),
+    "looped_moe_block": (patterns.LoopedMoEBlock, lambda: [(torch.randn(2, 16, 32),)]),
     # one projection for qkv and a gated MLP's pair, split, then chunked and sliced (Flux.2's single blocks)
-    "fused_attention_mlp": (models.FusedAttentionMLP, lambda: [(torch.randn(2, 16, 32),)]),
+    "fused_attention_mlp": (patterns.FusedAttentionMLP, lambda: [(torch.randn(2, 16, 32),)]),
     # running sums along the sequence: integer position ids of the kept tokens, a running mean with a gradient
-    "running_positions": (models.RunningPositions, lambda: [(torch.randn(2, 16, 32), _keep(16))]),
+    "running_positions": (patterns.RunningPositions, lambda: [(torch.randn(2, 16, 32), _keep(16))]),
     # experts picked by a mask each and written back in place (DeepSeek's reference MoE, HiDream's)
-    "masked_loop_experts": (lambda: models.MaskedLoopExperts(32, 64, 4, 2), lambda: [(torch.randn(2, 8, 32),)]),
-    "folded_heads_attention": (models.FoldedHeadsAttention, lambda: [(torch.randn(2, 8, 32),)]),
+    "masked_loop_experts": (lambda: patterns.MaskedLoopExperts(32, 64, 4, 2), lambda: [(torch.randn(2, 8, 32),)]),
+    "folded_heads_attention": (patterns.FoldedHeadsAttention, lambda: [(torch.randn(2, 8, 32),)]),
     # Sana's block written small: linear attention and a feed-forward of convolutions, each cut over tp as an MLP
-    "linear_attention_conv": (models.LinearAttentionConvBlock, lambda: [(torch.randn(2, 16, 32),)]),
+    "linear_attention_conv": (patterns.LinearAttentionConvBlock, lambda: [(torch.randn(2, 16, 32),)]),
     # Sana-Video's feed-forward: a partial sum over tp summed, then a convolution over frames cut over cp
-    "temporal_conv": (models.TemporalConvBlock, lambda: [(torch.randn(2, 16, 32),)]),
+    "temporal_conv": (patterns.TemporalConvBlock, lambda: [(torch.randn(2, 16, 32),)]),
     # a UNet's group norms, downsampling and nearest upsampling over an image's rows cut over cp, its resnet
     # block's convolutions colwise and rowwise over tp
-    "small_unet": (models.SmallUNet, lambda: [(torch.randn(2, 16, 16, 16),)]),
+    "small_unet": (patterns.SmallUNet, lambda: [(torch.randn(2, 16, 16, 16),)]),
     # the gated delta rule (by rows, float64: exact) over the sequence: each rank's rows from the state the rows
     # before leave; at 30 rows over 8 runs, the 2 that pad the last leave it as it is
-    "gated_delta_rule": (lambda: models.GatedDeltaRuleBlock().double(),
+    "gated_delta_rule": (lambda: patterns.GatedDeltaRuleBlock().double(),
                          lambda: [(torch.randn(2, 16, 32, dtype=torch.float64),)]),
-    "gated_delta_rule_uneven_30": (lambda: models.GatedDeltaRuleBlock().double(),
+    "gated_delta_rule_uneven_30": (lambda: patterns.GatedDeltaRuleBlock().double(),
                                    lambda: [(torch.randn(2, 30, 32, dtype=torch.float64),)]),
     # Mamba-2's mixer (its scan by rows, float64: exact): one projection fused [z, x, B, C, dt] cut part by part
     # over tp, B and C of 1 group whole on every rank, of 2 cut by group; over cp, each rank's rows from the state
     # the rows before leave; at 30 rows over 8 runs, the 2 that pad the last leave it as it is
-    "state_space_scan": (lambda: models.StateSpaceBlock().double(),
+    "state_space_scan": (lambda: patterns.StateSpaceBlock().double(),
                          lambda: [(torch.randn(2, 16, 32, dtype=torch.float64),)]),
-    "state_space_scan_groups_2": (lambda: models.StateSpaceBlock(groups=2).double(),
+    "state_space_scan_groups_2": (lambda: patterns.StateSpaceBlock(groups=2).double(),
                                   lambda: [(torch.randn(2, 16, 32, dtype=torch.float64),)]),
-    "state_space_scan_uneven_30": (lambda: models.StateSpaceBlock().double(),
+    "state_space_scan_uneven_30": (lambda: patterns.StateSpaceBlock().double(),
                                    lambda: [(torch.randn(2, 30, 32, dtype=torch.float64),)]),
     # Mamba-1's mixer (its scan by rows, float64: exact): in_proj and dt_proj cut by features over tp, x_proj and
     # out_proj by input features, B and C whole on every rank; over cp, each rank's rows from the state the rows
     # before leave; at 30 rows over 8 runs, the 2 that pad the last leave it as it is
-    "selective_scan": (lambda: models.SelectiveScanBlock().double(),
+    "selective_scan": (lambda: patterns.SelectiveScanBlock().double(),
                        lambda: [(torch.randn(2, 16, 32, dtype=torch.float64),)]),
-    "selective_scan_uneven_30": (lambda: models.SelectiveScanBlock().double(),
+    "selective_scan_uneven_30": (lambda: patterns.SelectiveScanBlock().double(),
                                  lambda: [(torch.randn(2, 30, 32, dtype=torch.float64),)]),
     # Qwen3-Next's gated norm: heads flattened with the batch and sequence, viewed back
-    "gated_head_norm": (models.GatedHeadNorm, lambda: [(torch.randn(2, 16, 32),)]),
+    "gated_head_norm": (patterns.GatedHeadNorm, lambda: [(torch.randn(2, 16, 32),)]),
     # ViT's class token concatenated before the patches a convolution made: cut over cp where they meet
-    "class_token": (models.ClassTokenBlock, lambda: [(torch.randn(2, 3, 12, 20),)]),
+    "class_token": (patterns.ClassTokenBlock, lambda: [(torch.randn(2, 3, 12, 20),)]),
     # PyTorch's nn.TransformerEncoderLayer (key padding, causal mask) and nn.MultiheadAttention with kdim and vdim
-    "torch_encoder": (models.TorchEncoder, lambda: [(torch.randn(2, 16, 32), ~_keep(16), torch.randn(2, 16, 16))]),
+    "torch_encoder": (patterns.TorchEncoder, lambda: [(torch.randn(2, 16, 32), ~_keep(16), torch.randn(2, 16, 16))]),
     # causal masks kept in a module buffer (nanoGPT's, GPT-Neo's local window): read as causal attention
-    "causal_mask_in_a_buffer": (models.BufferMaskedAttention, lambda: [(torch.randn(2, 16, 32),)]),
-    "window_mask_in_a_buffer": (lambda: models.BufferMaskedAttention("gpt_neo", window=5),
+    "causal_mask_in_a_buffer": (patterns.BufferMaskedAttention, lambda: [(torch.randn(2, 16, 32),)]),
+    "window_mask_in_a_buffer": (lambda: patterns.BufferMaskedAttention("gpt_neo", window=5),
                                 lambda: [(torch.randn(2, 16, 32),)]),
     # text and image concatenated before the projections (CogVideoX): each cut as a part of the joint sequence
-    "joint_before_projection": (models.JointBeforeProjection,
+    "joint_before_projection": (patterns.JointBeforeProjection,
                                 lambda: [(torch.randn(2, 16, 32), torch.randn(2, 8, 32))]),
 }
 
@@ -149,14 +149,29 @@ def run_cases(rank: int, world: int, *, names: list[str], options: dict | None =
     return results
 
 
-def run_labelled_cases(world: int, runs: dict[str, dict]) -> dict:
+def run_labelled_cases(world: int, runs: dict[str, dict]) -> list[dict]:
     """Each ``label: run_cases' keyword arguments`` of ``runs`` in one launch of ``world`` gloo
-    ranks; rank 0's results by label, every rank's checked against one device."""
-    results = run_ranks_together(world, {label: (run_cases, kwargs) for label, kwargs in runs.items()})
-    for label, run in runs.items():
-        cases = assert_every_rank_matches([rank_results[label] for rank_results in results])
-        assert set(cases) == set(run["names"]), label
-    return results[0]
+    ranks; each rank's results by label and case, checked by the tests that read them
+    (``case_matches``)."""
+    return run_ranks_together(world, {label: (run_cases, kwargs) for label, kwargs in runs.items()})
+
+
+def labelled_cases(runs: dict[int, dict[str, dict]], *labels: str) -> list[tuple[int, str, str]]:
+    """``(world, label, case)`` of every case ``runs`` (world size -> label -> ``run_cases``'
+    keyword arguments) names under ``labels`` (default: every label), for pytest's parametrize."""
+    return [(world, label, name) for world, by_label in runs.items() for label, run in by_label.items()
+            if not labels or label in labels for name in run["names"]]
+
+
+def case_matches(launch, world: int, label: str, name: str, **tolerances) -> dict:
+    """Case ``name`` of run ``label`` within the tolerances on every rank of ``launch`` (a
+    background job that returns each rank's results by label and case); rank 0's metrics. A
+    failure names the run, the case and the world, and prints every rank's numbers."""
+    results = launch.result()
+    missing = [rank for rank, rank_results in enumerate(results) if name not in rank_results[label]]
+    assert not missing, f"{label}: case {name} at world {world} did not run on ranks {missing}"
+    return assert_matches(f"{label}: {name} at world {world}", [rank_results[label][name] for rank_results in results],
+                          **tolerances)
 
 
 AUTO = {"machine": "h100-sxm-8", "inner_backend": "aot_eager"}

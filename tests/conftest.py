@@ -9,11 +9,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dtensor_par
 from dtensor_par.passes.capture import capture_graphs
-from dtensor_par.pipeline import parallelize_graph
+from dtensor_par.planning import parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.config import ParallelConfig
+from dtensor_par._testing.harness import CPU_TIME_LOG, RANK_TIMEOUT, start_fork_server
 from tests import background
-from tests.harness import CPU_TIME_LOG, RANK_TIMEOUT, start_fork_server
 
 # every test plans afresh (tests patch passes and count plans); the plan cache's own tests turn it on
 os.environ.setdefault("DTENSOR_PAR_PLAN_CACHE", "0")
@@ -24,6 +24,9 @@ os.environ.setdefault(RANK_TIMEOUT, "900")
 # ranks need (a 4-rank launch beside a loop of small matmuls: 40 CPU-s for the loop's work that
 # takes 24 CPU-s on one thread).
 torch.set_num_threads(1)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+"""The devices a one-process test of a device-specific path runs on: CUDA where a GPU is present."""
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -81,12 +84,12 @@ class GoldenTestCase(expecttest.TestCase):
         _reset_world()
 
 
-def plan_graph(model, inputs, *, tp: int, passes=None, **options):
-    """Capture the model's one graph and run the passes on it at ``tp`` on a fake group."""
+def plan_graph(model, inputs, *, tp: int, steps=None, **options):
+    """Capture the model's one graph and run the steps on it (default: every one) at ``tp`` on a fake group."""
     _init_fake(tp)
     mesh = dtensor_par.init_mesh(tp=tp)
     (gm, example_inputs), = capture_graphs(model, *inputs)
-    kwargs = {"passes": passes} if passes is not None else {}
+    kwargs = {"steps": steps} if steps is not None else {}
     return parallelize_graph(gm, example_inputs, MeshInfo.from_mesh(mesh), ParallelConfig(**options), **kwargs)
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from tests import models
+from dtensor_par._testing import models
 
 
 def gpt():

@@ -15,18 +15,17 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
 import dtensor_par
 from dtensor_par.errors import InvalidPlan
 from dtensor_par.params import local_value
-from dtensor_par.passes.meta import placements, recompute_region
+from dtensor_par.passes.meta import placements
 from dtensor_par.passes.saved import kept_for_backward
 from dtensor_par.runtime import compile_local
-from tests import models
+from dtensor_par._testing import models
+from dtensor_par._testing.harness import capturing_backend, logged, loss_of, max_rel, run_ranks_together, whole
 from tests.background import in_background
-from tests.harness import capturing_backend, logged, loss_of, max_rel, run_ranks_together, whole
 
 PARAM_RTOL = 1e-5
 """As the sharded-state tests: parameters after 3 AdamW steps with clipping."""
@@ -211,7 +210,7 @@ def test_choose_mesh_checkpoints_a_model_that_would_not_fit():
 # ---- real models: coverage with gradient checkpointing equals coverage without ----------------------
 
 try:
-    from tests import real_models
+    from dtensor_par._testing import real_models
 except ImportError:  # the models extra
     real_models = None
 

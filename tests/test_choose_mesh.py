@@ -18,12 +18,12 @@ from dtensor_par.passes.context import ParallelContext
 from dtensor_par.passes.cost import cost_pass, link_classes
 from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.passes.meta import Communication, Work, set_communications, set_work, work
-from dtensor_par.pipeline import parallelize_graph
+from dtensor_par.planning import parallelize_graph
 from dtensor_par.calibrate import measure
-from tests import models
+from dtensor_par._testing import models, patterns
+from dtensor_par._testing.harness import run_ranks_together
 from tests.background import in_background
 from tests.cases import AUTO, auto_mesh
-from tests.harness import run_ranks_together
 
 LAUNCH = in_background(run_ranks_together, 2, {
     "calibrate": (measure, dict(sizes=(2**10, 2**14), reps=2, matmul_size=64, attention_length=64)),
@@ -206,7 +206,7 @@ def test_work_is_each_ranks_share_of_the_flops_coverage_counts():
     assert flops[1] == {"matmul": ctx.coverage.linear_flops, "attention": whole}
 
 
-@pytest.mark.parametrize("block", [models.SelectiveScanBlock, models.StateSpaceBlock, models.GatedDeltaRuleBlock])
+@pytest.mark.parametrize("block", [patterns.SelectiveScanBlock, patterns.StateSpaceBlock, patterns.GatedDeltaRuleBlock])
 def test_a_recurrences_work_is_its_kinds_flops_on_each_ranks_heads_and_rows(block):
     """A recurrence over the sequence counts its kind's FLOPs at attention's rate: at tp=2 half
     the heads', at ring=2 the two calls a rank makes on half the rows (each kind's ``cp`` count),
@@ -220,7 +220,7 @@ def test_a_recurrences_work_is_its_kinds_flops_on_each_ranks_heads_and_rows(bloc
                                           if work(n) is not None and work(n).engine == "attention"]
     whole, cp = flops[(("tp", 1),)], flops[(("ring", 2),)] * 2
     assert flops[(("tp", 2),)] * 2 == whole and flops[(("tp", 2), ("ring", 2))] * 4 == cp and whole < cp < 3 * whole
-    if block is models.SelectiveScanBlock:  # batch 2, 16 rows, 64 channels, states of 4
+    if block is patterns.SelectiveScanBlock:  # batch 2, 16 rows, 64 channels, states of 4
         assert whole == 12 * 2 * 16 * 64 * 4 and cp == 18 * 2 * 16 * 64 * 4
 
 
@@ -309,22 +309,40 @@ def test_a_graph_forked_after_detect_plans_as_a_straight_run(name):
     (a mixture's dispatch region and biases, attention's sink logits) are the fork's, so expert
     parallelism and sinks plan there as in one straight run (before: the fork's collectives
     were not explain's)."""
-    from dtensor_par.passes.detect import detect_pass
-    from dtensor_par.passes.localize import graph_communications, localize_pass
-    from dtensor_par.pipeline import PASSES, copy_graph_module, fork, run_passes
+    from dtensor_par.passes.localize import graph_communications
+    from dtensor_par.passes.steps import steps
+    from dtensor_par.planning import copy_graph_module, fork, run_steps
 
-    real_models = pytest.importorskip("tests.real_models")
+    real_models = pytest.importorskip("dtensor_par._testing.real_models")
     model, args, kwargs = real_models.FACTORIES[name]()
     (gm, inputs), = capture_graphs(model, *args, **kwargs)
     mesh, config = MeshInfo.for_planning({"tp": 2, "ring": 2}, "cpu"), ParallelConfig.of("test", {"ep": "cp"})
-    passes, at = PASSES[:PASSES.index(localize_pass) + 1], PASSES.index(detect_pass) + 1
-    straight, _ = parallelize_graph(gm, inputs, mesh, config, passes=passes)
+    straight, _ = parallelize_graph(gm, inputs, mesh, config, steps=steps(last="localize"))
     ctx = ParallelContext(config, mesh, list(inputs))
-    forked, forked_ctx = fork(run_passes(copy_graph_module(gm), ctx, passes[:at]), ctx, mesh)
-    communicated = [[c for _, c in graph_communications(g)] for g in (run_passes(forked, forked_ctx, passes[at:]),
-                                                                     straight)]
+    forked, forked_ctx = fork(run_steps(copy_graph_module(gm), ctx, steps(last="detect")), ctx, mesh)
+    communicated = [[c for _, c in graph_communications(g)]
+                    for g in (run_steps(forked, forked_ctx, steps("kv_cache", "localize")), straight)]
     sites = {"mixtral": {"moe0.experts"}, "gpt_oss": {"moe0.experts", "attention0"}}[name]
     assert communicated[0] == communicated[1] and sites <= {c.site for c in communicated[0]}
+
+
+def test_choose_mesh_plans_a_mixtures_experts_over_dp_shard_apart_from_dp_replicate():
+    """With ``ep="cp"`` the experts are cut over dp_shard x cp where the mesh has dp_shard, over
+    cp beside dp_replicate: a split planned after the other plans its own exchange (before: dp's
+    two splits shared one, and choose_mesh priced the second's all-to-alls over the first's group)."""
+    from dtensor_par.choose import _plan
+    from dtensor_par.passes.localize import graph_communications
+
+    real_models = pytest.importorskip("dtensor_par._testing.real_models")
+    model, args, kwargs = real_models.FACTORIES["mixtral"]()
+    captured, config = capture_graphs(model, *args, **kwargs), ParallelConfig.of("test", {"ep": "cp"})
+    done, exchanged = {}, {}
+    for split in ("dp_replicate", "dp_shard"):
+        degrees = {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "ring": 2, "ulysses": 1, split: 2}
+        planned = _plan(captured, degrees, machine("h100-sxm-8"), config, done)
+        exchanged[split] = {(c.mesh_dim, c.group_size) for gm, _ in planned for _, c in graph_communications(gm)
+                            if c.site == "moe0.experts"}
+    assert exchanged == {"dp_replicate": {("cp", 2)}, "dp_shard": {("fsdp", 4)}}
 
 
 def test_calibrate_measures_a_profile_that_machine_loads_and_choose_ranks_on(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.background import in_background
-from tests.cases import run_labelled_cases
+from tests.cases import case_matches, labelled_cases, run_labelled_cases
 
 PAIRS = {
     "tp2-ring2": dict(mesh_sizes={"tp": 2, "ring": 2}, traced=["llama_gqa_rope", "additive_mask", "gated_delta_rule",
@@ -76,54 +76,61 @@ RUNS = {
 LAUNCHES = {world: in_background(run_labelled_cases, world, runs) for world, runs in RUNS.items()}
 
 
-@pytest.mark.parametrize("pair", PAIRS)
-def test_each_pair_of_mesh_dims_at_world_4(pair):
-    launched = LAUNCHES[4].result()
-    result = {**launched[pair], **launched[f"{pair} eager"]}
-    assert set(result) == set(PAIRS[pair]["names"]), result.keys()
-    for name, metrics in result.items():
-        # Masked attention runs as hybrid attention too, never gathered.
-        assert not any("gathered" in w and "attention" in w for w in metrics["warnings"]), (name, metrics)
-        padded = any("sequence length 30 does not divide into 8 equal chunks" in w for w in metrics["warnings"])
-        assert padded == name.startswith("uneven_seq_30"), (name, metrics["warnings"])
-    if "uneven_heads_14" in result:
-        assert any("padded to 8 heads" in w for w in result["uneven_heads_14"]["warnings"])
-    if "rows_hidden_by_an_input" in result:  # as written (hybrid attention gave these rows NaN or 0.25 off)
-        assert any("it may hide a query row entirely" in w for w in result["rows_hidden_by_an_input"]["warnings"])
-    if "mean_loss" in result:  # means over the even sequence shards: partial sums, nothing gathered
-        assert not any("gathered" in w for w in result["mean_loss"]["warnings"]), result["mean_loss"]
-    if "uneven_seq_30_pooling" in result:
-        gathered = " ".join(result["uneven_seq_30_pooling"]["warnings"])
+def _case(world: int, label: str, name: str) -> dict:
+    """Case ``name`` of run ``label`` within the tolerances on every rank; rank 0's metrics."""
+    return case_matches(LAUNCHES[world], world, label, name)
+
+
+EXACT = ("gated_delta_rule", "gated_delta_rule_uneven_30", "state_space_scan", "state_space_scan_groups_2",
+         "state_space_scan_uneven_30", "selective_scan", "selective_scan_uneven_30")
+"""The recurrences in float64: exact to its rounding, each rank's rows run from the state the rows
+before leave (the padding's leave it as it is), nothing gathered."""
+NO_WARNING = ("temporal_conv", "gated_head_norm", "small_unet", "running_positions")
+"""temporal_conv: the MLP's sum reduced before the convolution over frames, not a fallback;
+gated_head_norm: heads flattened with the rows for a norm, run unflattened, nothing gathered;
+small_unet: group norms, a stride-2 convolution and nearest upsampling over rows cut;
+running_positions: position ids and a running mean summed along the sequence cut over cp."""
+
+
+@pytest.mark.parametrize("pair, name", [(pair, name) for pair, spec in PAIRS.items() for name in spec["names"]])
+def test_each_pair_of_mesh_dims_at_world_4(pair, name):
+    case = _case(4, pair if name in PAIRS[pair]["traced"] else f"{pair} eager", name)
+    warnings = case["warnings"]
+    # Masked attention runs as hybrid attention too, never gathered.
+    assert not any("gathered" in w and "attention" in w for w in warnings), warnings
+    padded = any("sequence length 30 does not divide into 8 equal chunks" in w for w in warnings)
+    assert padded == name.startswith("uneven_seq_30"), warnings
+    if name == "uneven_heads_14":
+        assert any("padded to 8 heads" in w for w in warnings), warnings
+    if name == "rows_hidden_by_an_input":  # as written (hybrid attention gave these rows NaN or 0.25 off)
+        assert any("it may hide a query row entirely" in w for w in warnings), warnings
+    if name == "mean_loss":  # means over the even sequence shards: partial sums, nothing gathered
+        assert not any("gathered" in w for w in warnings), warnings
+    if name == "uneven_seq_30_pooling":
+        gathered = " ".join(warnings)
         for op in ("conv1d", "mean"):
             assert op in gathered and "'cp'" in gathered, (op, gathered)
         assert "getitem" not in gathered, gathered  # the last token: picked by its rank, the others add zeros
         assert "cumsum" not in gathered, gathered  # each rank's runs summed, the totals before them added
-    if "temporal_conv" in result:  # the MLP's sum reduced before the convolution over frames: not a fallback
-        assert result["temporal_conv"]["warnings"] == [], result["temporal_conv"]
-    if "gated_head_norm" in result:  # heads flattened with the rows for a norm: run unflattened, nothing gathered
-        assert result["gated_head_norm"]["warnings"] == [], result["gated_head_norm"]
-    if "small_unet" in result:  # group norms, a stride-2 convolution and nearest upsampling over rows cut
-        assert result["small_unet"]["warnings"] == [], result["small_unet"]
-    if "running_positions" in result:  # position ids and a running mean summed along the sequence cut over cp
-        assert result["running_positions"]["warnings"] == [], result["running_positions"]
-    # float64: exact to its rounding, each rank's rows run from the state the rows before leave (the padding's leave
-    # it as it is), nothing gathered
-    for name in ("gated_delta_rule", "gated_delta_rule_uneven_30", "state_space_scan", "state_space_scan_groups_2",
-                 "state_space_scan_uneven_30", "selective_scan", "selective_scan_uneven_30"):
-        if name in result:
-            case = result[name]
-            assert case["forward_abs"] <= 1e-12 and case["grad_rel"] <= 1e-12 and case["warnings"] == [], case
+    if name in NO_WARNING:
+        assert warnings == [], warnings
+    if name in EXACT:
+        assert case["forward_abs"] <= 1e-12 and case["grad_rel"] <= 1e-12 and warnings == [], case
 
 
-def test_tp_ring_ulysses_at_world_8_in_a_non_default_order():
-    assert LAUNCHES[8].result()["non_default_order"]
+@pytest.mark.parametrize("name", RUNS[8]["non_default_order"]["names"])
+def test_tp_ring_ulysses_at_world_8_in_a_non_default_order(name):
+    _case(8, "non_default_order", name)
 
 
-def test_small_gradient_buckets_at_world_2():
-    assert LAUNCHES[2].result()["small_buckets"]
+@pytest.mark.parametrize("name", RUNS[2]["small_buckets"]["names"])
+def test_small_gradient_buckets_at_world_2(name):
+    _case(2, "small_buckets", name)
 
 
-def test_a_loop_over_experts_in_one_graph_beside_attention_matches_single_device():
+@pytest.mark.parametrize("world, label, name", labelled_cases(RUNS, "tp2-ring2 experts in one graph",
+                                                              "looped_experts_ulysses2"))
+def test_a_loop_over_experts_in_one_graph_beside_attention_matches_single_device(world, label, name):
     """At tp2 x ring2 with ``ep='cp'`` and at ulysses2 without, with no warning."""
-    assert LAUNCHES[4].result()["tp2-ring2 experts in one graph"]["looped_moe_block"]["warnings"] == []
-    assert LAUNCHES[2].result()["looped_experts_ulysses2"]["looped_moe_block"]["warnings"] == []
+    warnings = _case(world, label, name)["warnings"]
+    assert warnings == [], warnings

@@ -14,11 +14,10 @@ import torch
 
 import dtensor_par
 from dtensor_par.mesh import MESH_DIMS, MeshInfo
-from tests import models
+from dtensor_par._testing import models, patterns
+from dtensor_par._testing.harness import dp_rows, max_rel, reported_collectives, run_ranks_together, step_collectives
 from tests.background import in_background
-from tests.cases import run_cases
-from tests.harness import (assert_every_rank_matches, dp_rows, max_rel, reported_collectives, run_ranks_together,
-                           step_collectives)
+from tests.cases import case_matches, run_cases
 
 GLOBAL_CASES = ["gpt_fused_qkv", "bool_mask", "joint_attention", "mean_loss", "seq_first_table"]
 
@@ -117,45 +116,44 @@ def _world4() -> dict:
     }
 
 
-LAUNCHES = {world: in_background(run_ranks_together, world, calls()) for world, calls in ((2, _world2), (4, _world4))}
+CALLS = {2: _world2(), 4: _world4()}
+"""World size -> label -> (rank function, its keyword arguments)."""
+LAUNCHES = {world: in_background(run_ranks_together, world, calls) for world, calls in CALLS.items()}
 """Every multi-process case of this file, one launch per world size (``tests.background``)."""
 
 
-@pytest.fixture(scope="module")
-def launched() -> dict:
-    """Rank results by world size and label."""
-    return {world: job.result() for world, job in LAUNCHES.items()}
+def _case(world: int, label: str, name: str) -> dict:
+    """Case ``name`` of run ``label`` within the tolerances on every rank; rank 0's metrics."""
+    return case_matches(LAUNCHES[world], world, label, name)
 
 
-def _matching(launched, world: int, label: str) -> dict:
-    """Rank 0's results of a run by case, every rank's checked against one device."""
-    return assert_every_rank_matches([r[label] for r in launched[world]])
+GLOBAL_BATCH = [(2, "dp_replicate2"), (2, "dp_shard2_batch3"), (4, "dp_shard2_tp2"), (4, "dp_replicate2_ulysses2"),
+                (4, "dp_replicate2_ring2"), (4, "dp_shard2_tp2_batch3")]
+"""The runs of ``run_cases`` (world size, label): the whole batch given to every rank."""
 
 
-@pytest.mark.parametrize("world,label", [(2, "dp_replicate2"), (2, "dp_shard2_batch3"), (4, "dp_shard2_tp2"),
-                                         (4, "dp_replicate2_ulysses2"), (4, "dp_replicate2_ring2"),
-                                         (4, "dp_shard2_tp2_batch3")])
-def test_global_batch_is_cut_over_dp_and_matches_one_device(launched, world, label):
+@pytest.mark.parametrize("world, label, name", [(world, label, name) for world, label in GLOBAL_BATCH
+                                                for name in CALLS[world][label][1]["names"]])
+def test_global_batch_is_cut_over_dp_and_matches_one_device(world, label, name):
     """Every rank is given the whole batch and gets one device's result and gradients, with the
     batch cut over dp beside tp, ulysses or ring (a batch of 3 padded to 4 rows over dp=2)."""
-    cases = _matching(launched, world, label)
-    for name, metrics in cases.items():
-        assert not any("gathered on mesh dim 'dp'" in w for w in metrics["warnings"]), (name, metrics["warnings"])
-        assert not any("none of the" in w for w in metrics["warnings"]), (name, metrics["warnings"])
+    warnings = _case(world, label, name)["warnings"]
+    assert not any("gathered on mesh dim 'dp'" in w for w in warnings), warnings
+    assert not any("none of the" in w for w in warnings), warnings
 
 
 @pytest.mark.parametrize("world,label", [(2, "local_dp_replicate2"), (4, "local_dp_shard2_tp2"),
                                          (4, "local_dp_replicate2_ring2")])
-def test_local_batch_averages_gradients_over_dp(launched, world, label):
+def test_local_batch_averages_gradients_over_dp(world, label):
     """Each dp coordinate given its own rows: its rows of one device's output, and one device's
     gradients of the mean loss over the whole batch."""
-    _matching(launched, world, label)
+    _case(world, label, CALLS[world][label][1]["model"])
 
 
 @pytest.mark.parametrize("world,label", [(2, "mismatch_dp2"), (4, "mismatch_dp2_tp2")])
-def test_ranks_given_different_inputs_are_told_which(launched, world, label):
+def test_ranks_given_different_inputs_are_told_which(world, label):
     last = world - 1
-    for told in (r[label] for r in launched[world]):
+    for told in (r[label] for r in LAUNCHES[world].result()):
         assert f"'l_x_': ranks [{last}] hold other values than rank 0" in told["global"]
         assert "batch='local'" in told["global"] and "check_inputs=False" in told["global"]
         assert told["global_unchecked"] is None
@@ -269,7 +267,7 @@ def test_explain_names_the_batch_cut_and_the_default_order_puts_dp_outermost():
     """The dp dims outermost; explain names the dim each input is cut along (dim 1 of a [seq,
     batch, hidden] one), and the inputs of the batch's size that stay whole."""
     torch.manual_seed(0)
-    model = models.JointBlock()
+    model = patterns.JointBlock()
     report = dtensor_par.explain(model, (torch.randn(4, 16, 32), torch.randn(4, 8, 32)), dp_replicate=2, dp_shard=2,
                                  tp=2, device_type="cpu")
     assert report.order == ("dp_replicate", "dp_shard", "ring", "ulysses", "tp")
@@ -279,7 +277,7 @@ def test_explain_names_the_batch_cut_and_the_default_order_puts_dp_outermost():
     assert "0 fallback gathers" in text
     svg = report.svg()
     assert "dp_replicate=1,dp_shard=1,ring=0" in svg and "same cell across panels: dp_replicate x dp_shard x ring" in svg
-    report = dtensor_par.explain(models.SequenceFirst(), (torch.randn(8, 2, 32), torch.randn(2, 32)), dp_shard=2,
+    report = dtensor_par.explain(patterns.SequenceFirst(), (torch.randn(8, 2, 32), torch.randn(2, 32)), dp_shard=2,
                                  device_type="cpu")
     assert report.graphs[0].batch == ("batch: global, cut over dp_replicate x dp_shard = 2 along l_x_ dim 1; other inputs "
                                       "whole (of the batch's size, but no dim of theirs reaches the sites' batch: l_table_)")
@@ -320,7 +318,7 @@ def test_bad_data_parallel_input_is_named(fake_world):
                             device_type="cpu")
 
 
-def test_cfg_example_latents_equal_one_device(launched):
+def test_cfg_example_latents_equal_one_device():
     """The guided batch's halves on two dp_replicate groups, each Ulysses-parallel: every step's
     latents within 1e-5 of one device's (no gradient in inference)."""
-    _matching(launched, 4, "cfg_example")
+    _case(4, "cfg_example", "latents")

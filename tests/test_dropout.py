@@ -11,11 +11,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtensor_par.pipeline import parallelize_graph
+from dtensor_par.planning import parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.ops.dropout import sharded_dropout
 from dtensor_par.passes.capture import capture_graphs
-from tests.harness import DEVICES
+from tests.conftest import DEVICES
 
 P = 0.3
 SHAPE = (64, 64)

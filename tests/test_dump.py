@@ -16,13 +16,19 @@ import torch
 import torch.distributed as dist
 
 import dtensor_par
-from tests import factories, models
+from dtensor_par.passes.steps import STEPS
+from dtensor_par._testing import models, patterns
+from dtensor_par._testing.harness import reported_collectives, step_collectives
+from tests import factories
 from tests.conftest import GoldenTestCase, _init_fake
-from tests.harness import reported_collectives, step_collectives
 
-PASS_FILES = sorted(["0_dynamo.py", "1_capture.py", "2_canonicalize.py", "3_detect.py", "4_kv_cache.py", "5_rewrite.py",
-                     "6_sequence.py", "7_batch.py", "8_plan.py", "9_localize.py", "10_lower.py", "11_recompute.py",
-                     "12_aten.py",
+
+def _dumped_after(step: str) -> str:
+    """The file of the graph a dump writes after ``step``: numbered in the order of ``STEPS``."""
+    return f"{[s.name for s in STEPS].index(step) + 1}_{step}.py"
+
+
+PASS_FILES = sorted(["0_dynamo.py", *(_dumped_after(step.name) for step in STEPS), f"{len(STEPS) + 1}_aten.py",
                      "collectives.md",
                      "mesh.svg", "plan.json", "sites.txt"])
 
@@ -62,10 +68,10 @@ mlp0: mlp up=['fc'] down=['fc_out'] activations=['gelu']
 | backward | all_reduce | tp | 8 | 8192 | 1 | mlp0.colwise |
 | forward | all_reduce | tp | 8 | 8192 | 1 | mlp0.rowwise |
 """)
-        lowered = read("12_aten.py")
+        lowered = read(f"{len(STEPS) + 1}_aten.py")
         assert lowered.count("torch.ops._c10d_functional.all_reduce.default") == 2
         assert lowered.count("torch.ops._c10d_functional.wait_tensor.default") == 2
-        self.assertExpectedInline(read("8_plan.py"), """\
+        self.assertExpectedInline(read(_dumped_after("plan")), """\
 l_x_ = input('L_x_')  # [2, 16, 64]  tp: R
 l_self_modules_ln1_parameters_weight_ = input('L_self_modules_ln1_parameters_weight_')  # ln1.weight  [64]  tp: R
 l_self_modules_ln1_parameters_bias_ = input('L_self_modules_ln1_parameters_bias_')  # ln1.bias  [64]  tp: R
@@ -209,7 +215,7 @@ def test_running_sums_along_the_sequence_send_their_totals_as_explain_reports(fa
     tensor; the floating sum's gradient comes back through their reduce-scatter. A training
     step runs, collective by collective and byte by byte, what explain reports."""
     fake_world(2)
-    model, (x, keep) = models.RunningPositions(), (torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.bool))
+    model, (x, keep) = patterns.RunningPositions(), (torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.bool))
     reported = reported_collectives(dtensor_par.explain(model, (x, keep), ring=2, device_type="cpu").graphs[0])
     ids, means = 2 * 2 * 8, 2 * 2 * 32 * 4  # batch 2 x 2 runs: int64 counts, then 32 float32 features
     assert reported["forward"]["all_gather_into_tensor", ids] == reported["forward"]["all_gather_into_tensor", means] == 1
@@ -226,7 +232,7 @@ def test_a_view_taken_again_alike_is_recut_once_as_explain_reports(fake_world):
     shares that re-cut: 2 gathers of [2, 16, 1, 8] float32 halves, as a training step under
     aot_eager runs them (before: explain reported 4, one for each take)."""
     fake_world(2)
-    model = models.JointRotary()
+    model = patterns.JointRotary()
     inputs = (torch.randn(2, 16, 32), torch.randn(2, 8, 32), torch.randn(2, 8, 32), torch.arange(16.0).expand(2, 16),
               torch.zeros(2, 16))
     reported = reported_collectives(dtensor_par.explain(model, inputs, ring=2, device_type="cpu").graphs[0])
@@ -263,7 +269,7 @@ def test_explain_cuts_a_loop_over_experts_by_features_and_sums_its_tokens_once()
     w1 and w3 colwise, w2 rowwise, and one forward all-reduce for the mixture, of the tokens' rows
     (2 x 16 x 32 floats, as the attention's), not of their top-2 rows."""
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        report = dtensor_par.explain(models.LoopedMoEBlock(), (torch.randn(2, 16, 32),), tp=2)
+        report = dtensor_par.explain(patterns.LoopedMoEBlock(), (torch.randn(2, 16, 32),), tp=2)
     (graph,) = report.graphs
     text = str(report)
     assert graph.warnings == [] and "moe0: 4 experts, top-2" in text and "each 1/2 of its features (tp)" in text
@@ -281,9 +287,9 @@ def test_explain_holds_a_loop_over_experts_cut_by_rows_with_ep_and_sends_each_ra
     stacked weight sends each rank its 2 experts whole, ``[2, 32, 32]`` floats of this rank's
     pieces each way. A hidden size that does not divide over the group leaves them whole, warned."""
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        report = dtensor_par.explain(models.LoopedMoEBlock(), (torch.randn(1, 16, 32),), tp=2, ring=2, ep="cp",
+        report = dtensor_par.explain(patterns.LoopedMoEBlock(), (torch.randn(1, 16, 32),), tp=2, ring=2, ep="cp",
                                      parallelized=True)
-        uneven = dtensor_par.explain(models.LoopedMoEBlock(hidden=30, heads=2), (torch.randn(2, 16, 30),),
+        uneven = dtensor_par.explain(patterns.LoopedMoEBlock(hidden=30, heads=2), (torch.randn(2, 16, 30),),
                                      dp_shard=2, ulysses=2, ep="cp")
     (graph,) = report.graphs
     text, rows = str(report), [r for r in graph.parameters if ".experts." in r["name"]]
@@ -315,7 +321,7 @@ def test_explain_counts_repeated_kv_heads_once_in_the_ulysses_exchange(tmp_path,
                  and c["mesh_dims"] == "ulysses" for _ in range(c["count"])]
     assert sorted(exchanges) == [per_head * 8, per_head * 2 * 4, per_head * 8]  # q, k/v, the output back
     assert "attention0: attention hybrid_attention, 8 heads, 4 kv heads" in graph.sites[0]
-    rewritten = (tmp_path / "graph0" / "5_rewrite.py").read_text()
+    rewritten = (tmp_path / "graph0" / _dumped_after("rewrite")).read_text()
     (attention,) = [line for line in rewritten.splitlines() if "hybrid_attention(" in line]
     assert "enable_gqa=True" in attention
     assert "expand(" not in rewritten and "repeat_interleave" not in rewritten and "reshape(" in rewritten

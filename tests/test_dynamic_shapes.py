@@ -6,19 +6,20 @@ import contextlib
 import logging
 import math
 
+import pytest
 import torch
 
 import dtensor_par
-from dtensor_par.pipeline import parallelize_graph
+from dtensor_par.planning import parallelize_graph
 from dtensor_par.explain import explain
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.passes.meta import symbolic_inputs
 from dtensor_par.symbolic import hint
-from tests import models
+from dtensor_par._testing import models, patterns
+from dtensor_par._testing.harness import assert_matches, compare, logged, run_ranks
 from tests.background import in_background
 from tests.conftest import GoldenTestCase, _init_fake
-from tests.harness import assert_every_rank_matches, compare, logged, run_ranks
 
 # Five lengths at two batch sizes: 13, 18 and 30 are padded over every mesh below (cp = 2, or
 # 4 and 8 chunks in the zigzag layout), 16 and 24 are not.
@@ -29,7 +30,7 @@ SIZES = [(2, 16), (2, 13), (3, 18), (2, 24), (3, 30)]
 # ring attention); causal attention (zigzag) and bidirectional (the padded keys masked).
 MODES = {
     "tp2_ulysses2": ({"tp": 2, "ulysses": 2}, lambda: models.Llama(layers=1)),
-    "tp2_ring2": ({"tp": 2, "ring": 2}, lambda: models.MaskedAttention(None)),
+    "tp2_ring2": ({"tp": 2, "ring": 2}, lambda: patterns.MaskedAttention(None)),
     "ring2_ulysses2": ({"ring": 2, "ulysses": 2}, lambda: models.GPT(layers=1)),
 }
 
@@ -101,16 +102,18 @@ def _run_modes(rank: int, world: int, *, names: list[str]) -> dict:
 LAUNCH = in_background(run_ranks, 4, _run_modes, names=list(MODES))
 
 
-def test_one_compile_serves_every_length_and_batch_size():
+@pytest.mark.parametrize("name", [*MODES, "static"])
+def test_one_compile_serves_every_length_and_batch_size(name):
     """Five lengths (three padded over cp) and two batch sizes through one plan and one inner
     compile per mesh, exact against one device in forward and backward; ``dynamic=False``
-    compiles each size."""
-    result = assert_every_rank_matches(LAUNCH.result())
-    for name in MODES:
-        assert result[name]["compiles"] == 1 and result[name]["symbolic_compiles"] == 1, (name, result[name])
-        assert len(result[name]["plans"]) == 1 and "symbolic in L['" in result[name]["plans"][0], result[name]
-        assert result[name]["torch_errors"] == [], result[name]  # the ring's merge traced on symbolic sizes
-    assert result["static"]["compiles"] == 2 and result["static"]["symbolic_compiles"] == 0, result["static"]
+    compiles each size (``static``)."""
+    result = assert_matches(name, [rank_results[name] for rank_results in LAUNCH.result()])
+    if name == "static":
+        assert result["compiles"] == 2 and result["symbolic_compiles"] == 0, result
+    else:
+        assert result["compiles"] == 1 and result["symbolic_compiles"] == 1, result
+        assert len(result["plans"]) == 1 and "symbolic in L['" in result["plans"][0], result
+        assert result["torch_errors"] == [], result  # the ring's merge traced on symbolic sizes
 
 
 def _plan_symbolic(model, inputs, **sizes):

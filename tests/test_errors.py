@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import dtensor_par
 from dtensor_par.ops import collectives as C
 from dtensor_par.errors import NotSupported, PlanningError
-from tests import models
+from dtensor_par._testing import models, patterns
 
 
 def test_unknown_mesh_dim_name(fake_world):
@@ -120,7 +120,7 @@ def test_unknown_output_mode(fake_world):
 
 
 def test_unshardable_op_gathers_with_a_warning_naming_the_node(planned):
-    gm, ctx = planned(models.UnruledOpMLP(), [torch.randn(2, 4, 16)], tp=4)
+    gm, ctx = planned(patterns.UnruledOpMLP(), [torch.randn(2, 4, 16)], tp=4)
     assert ctx.warnings == ["logcumsumexp (torch.logcumsumexp): inputs gathered on mesh dim 'tp': no sharding rule "
                             "for torch.logcumsumexp"]
     gathered = [n for n in gm.graph.nodes if n.target is C.all_gather]
@@ -174,15 +174,15 @@ class _KeptRows(torch.nn.Module):
         return rows[torch.nonzero(rows.sum(-1) > 0).squeeze(1)]
 
 
-class _UnevenExperts(models.LoopedExperts):
+class _UnevenExperts(patterns.LoopedExperts):
     """Expert 1 twice as wide as the others: no stack holds their weights."""
 
     def __init__(self):
         super().__init__(32, 64, 4, 2)
-        self.experts[1] = models.GatedExpert(32, 128)
+        self.experts[1] = patterns.GatedExpert(32, 128)
 
 
-class _SkippedExpert(models.MaskedLoopExperts):
+class _SkippedExpert(patterns.MaskedLoopExperts):
     """The last expert left out of the loop: its rows would keep ``empty_like``'s values."""
 
     def __init__(self):
@@ -217,7 +217,7 @@ INTERNAL_ERRORS = {
     "capture": ("torch.fx.passes.fake_tensor_prop.FakeTensorProp.run_node", IndexError("list index out of range")),
     "canonicalize": ("dtensor_par.passes.canonicalize.canonicalize_node",
                      ValueError("not enough values to unpack (expected 3, got 1)")),
-    "detect": ("dtensor_par.passes.detect.attention_site", KeyError("query")),
+    "detect": ("dtensor_par.passes.detect.attention.attention_site", KeyError("query")),
     "kv_cache": ("dtensor_par.passes.kv_cache.to_cached_attention", AttributeError("no meta")),
     "rewrite": ("dtensor_par.passes.rewrite.split_rowwise_bias", TypeError("not subscriptable")),
     "sequence": ("dtensor_par.passes.sequence.sequence_lengths", IndexError("tuple index out of range")),

@@ -21,9 +21,9 @@ import torch.distributed as dist
 import dtensor_par
 from dtensor_par.mesh import MeshDim
 from dtensor_par.ops.experts import combine_rows, dispatch_rows, exchange_counts, local_offsets
+from dtensor_par._testing.harness import FUNCTIONAL_OPS, dp_rows, executed_collectives, loss_of, max_rel, run_ranks, whole
 from tests import xm_gloo
 from tests.background import in_background
-from tests.harness import FUNCTIONAL_OPS, dp_rows, executed_collectives, loss_of, max_rel, run_ranks, whole
 
 EXPERTS, WIDTH, OUT = 6, 5, 3
 
@@ -142,7 +142,7 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
     and dp_replicate2 x dp_shard2 (parallelized: ``one_step``), one at ulysses2 x ring2
     (``one_step_ulysses_first``), and an ``nn.ModuleList`` mixture trained at dp_shard2 x ulysses2
     and tp2 x ring2 (``train_module_list_with_ep``)."""
-    from tests import real_models
+    from dtensor_par._testing import real_models
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     mesh = dtensor_par.init_mesh(dp_shard=2, ulysses=2)
@@ -163,17 +163,14 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
     ran = Counter(name for name, _ in executed)
     exchanges = [nbytes for name, nbytes in executed if name == "all_to_all_single"]
     counts = exchanges.index(4 * 8)  # the 4 experts' counts, int64: then the rows sent, then the rows back
-    measured = None
+    routing = None
     if rank == 0:  # explain's routing, measured on one device holding the same weights
         (graph,) = dtensor_par.explain(reference, args, example_kwargs=kwargs, dp_shard=2, ulysses=2, ep="cp",
                                        measure_routing=True).graphs
-        (line,) = [s for s in graph.sites if s.startswith("moe0")]
-        assert "experts per rank: 1 of 4 (ep over dp_shard=2 x cp=2), each whole" in line, line
-        assert "(all-to-alls over dp_shard=2 x cp=2)" in line, line
-        measured = int(line.split("measured on the example inputs: ")[1].split(" B")[0])
+        routing = [s for s in graph.sites if s.startswith("moe0")]
     table = _collectives_table(dump_dir, f"dp_shard{rank // 2}_ring0_ulysses{rank % 2}_tp0")
     return {**worst, "held": held, "whole": experts.numel() * experts.element_size(), "ran": dict(ran),
-            "table": dict(table), "back": exchanges[counts + 2], "measured": measured,
+            "table": dict(table), "back": exchanges[counts + 2], "routing": routing,
             "ring": one_step(os.path.join(dump_dir, "ring"), dp_shard=2, ring=2),
             "replicas": one_step(os.path.join(dump_dir, "replicas"), rows=4, modes=(True,), dp_replicate=2,
                                  dp_shard=2),
@@ -187,17 +184,17 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
 
 
 def train_module_list_with_ep(dump_dir: str, **sizes) -> dict:
-    """An ``nn.ModuleList`` mixture beside attention (``tests.models.LoopedMoEBlock``, captured in
+    """An ``nn.ModuleList`` mixture beside attention (``_testing.patterns.LoopedMoEBlock``, captured in
     one graph) parallelized on the mesh of ``sizes`` with ``ep="cp"``: 2 foreach AdamW steps with
     clipping against one device, each expert weight's piece held, the collectives a step runs
     against the dumped table, and explain's routing measured on one device against what the
     ranks get back."""
-    from tests import models
+    from dtensor_par._testing import patterns
 
     mesh = dtensor_par.init_mesh(**sizes)
     folder = "_".join(f"{n}{c}" for n, c in zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     torch.manual_seed(0)
-    model, x = models.LoopedMoEBlock(), torch.randn(2, 16, 32)
+    model, x = patterns.LoopedMoEBlock(), torch.randn(2, 16, 32)
     reference = copy.deepcopy(model)
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         dtensor_par.parallelize(model, mesh, (x,), ep="cp")
@@ -205,15 +202,14 @@ def train_module_list_with_ep(dump_dir: str, **sizes) -> dict:
                                                                             dump_dir=dump_dir))
         worst = _train_against_one_device(model, reference, lambda: (compiled(x), reference(x)))
         executed = executed_collectives(lambda: loss_of(compiled(x)).backward())
-        measured = None
+        routing = None
         if dist.get_rank() == 0:  # explain's routing, measured on one device holding the same weights
             (graph,) = dtensor_par.explain(reference, (x,), ep="cp", measure_routing=True, **sizes).graphs
-            (line,) = [s for s in graph.sites if s.startswith("moe0")]
-            measured = int(line.split("measured on the example inputs: ")[1].split(" B")[0])
+            routing = [s for s in graph.sites if s.startswith("moe0")]
     exchanges = [nbytes for name, nbytes in executed if name == "all_to_all_single"]
     experts = {n: list(p.to_local().shape) for n, p in model.named_parameters() if n.startswith("moe.experts.0.")}
     return {**worst, "local": experts, "ran": dict(Counter(name for name, _ in executed)),
-            "table": dict(_collectives_table(dump_dir, folder)), "measured": measured,
+            "table": dict(_collectives_table(dump_dir, folder)), "routing": routing,
             "back": exchanges[exchanges.index(4 * 8) + 2]}  # the 4 experts' counts, the rows sent, the rows back
 
 
@@ -224,7 +220,7 @@ def one_step(dump_dir: str, rows: int = 2, batch: str = "global", modes=(True, F
     rank's experts and gathers their gradients back), as ``modes`` says. With a local batch
     each dp coordinate runs its own rows, its loss scaled so that dp's average of the gradients
     is one device's on every row."""
-    from tests import real_models
+    from dtensor_par._testing import real_models
 
     mesh = dtensor_par.init_mesh(**sizes)
     folder = "_".join(f"{n}{c}" for n, c in zip(mesh.mesh_dim_names, mesh.get_coordinate()))
@@ -261,7 +257,7 @@ def one_step_ulysses_first() -> dict:
     ulysses first, against one device: the experts are cut over the ranks in the mesh's order,
     as DTensor nests them, which is not cp's ring-major order. Each rank's local expert weights
     and their gradients against the chunk of its mesh coordinate (its rank, without tp)."""
-    from tests import real_models
+    from dtensor_par._testing import real_models
 
     mesh = dtensor_par.init_mesh(ring=2, ulysses=2, order=("ulysses", "ring", "tp"))
     torch.manual_seed(0)
@@ -289,13 +285,23 @@ def _train_launch() -> list:
 TRAINED = in_background(_train_launch)
 
 
+def _measured(routing: list[str]) -> int:
+    """The bytes back explain's routing line (rank 0's ``routing``: the lines of its moe0 sites)
+    says it measured on one device."""
+    (line,) = routing
+    return int(line.split("measured on the example inputs: ")[1].split(" B")[0])
+
+
 def test_experts_cut_over_dp_shard_and_cp_train_as_on_one_device():
     """And explain's routing measured on one device is what the ranks get back from their experts."""
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
     results = TRAINED.result()
-    assert results[0]["measured"] == max(r["back"] for r in results), results
-    for result in results:
-        assert result["forward"] <= 1e-5 and result["grad"] <= 1e-5 and result["param"] <= 1e-5, result
+    (line,) = results[0]["routing"]
+    assert "experts per rank: 1 of 4 (ep over dp_shard=2 x cp=2), each whole" in line, line
+    assert "(all-to-alls over dp_shard=2 x cp=2)" in line, line
+    assert _measured(results[0]["routing"]) == max(r["back"] for r in results), results
+    for rank, result in enumerate(results):
+        assert result["forward"] <= 1e-5 and result["grad"] <= 1e-5 and result["param"] <= 1e-5, (rank, result)
         assert result["held"] == [result["whole"] // 4] * 3, result  # 1 of the 4 experts, no FSDP cut
         assert result["ran"] == result["table"] and result["ran"]["all_to_all_single"] >= 5, result
 
@@ -304,8 +310,8 @@ def _check_one_step(result: dict, experts: int) -> dict:
     """``one_step``'s result: every mode exact against one device; parallelized, ``experts`` of
     Mixtral's 4 held a rank and the collectives run those of the dumped table. Returns the
     parallelized mode's."""
-    for case in result.values():
-        assert case["forward"] <= 1e-5 and case["grad"] <= 1e-5, result
+    for mode, case in result.items():
+        assert case["forward"] <= 1e-5 and case["grad"] <= 1e-5, (mode, result)
     held = result["parallelized"]
     assert held["local"] == {"model.layers.0.mlp.experts.gate_up_proj": [experts, 256, 64],
                              "model.layers.0.mlp.experts.down_proj": [experts, 64, 128]}, held["local"]
@@ -331,15 +337,15 @@ def test_experts_cut_over_dp_shard_beside_dp_replicate_as_on_one_device():
         assert held["ran"]["all_reduce"] == 1, held  # the replicas' sums, the experts' in the others' bucket
 
 
-def test_experts_cut_over_dp_shard_with_a_local_batch_as_on_one_device():
+@pytest.mark.parametrize("run, experts", [("local", 1), ("local_replicas", 2)])
+def test_experts_cut_over_dp_shard_with_a_local_batch_as_on_one_device(run, experts):
     """With a local batch (each dp coordinate its own rows) the experts are cut over dp_shard too,
     parallelized: at dp_shard2 x ulysses2 one expert a rank; at dp_replicate2 x dp_shard2 two a
     rank, their gradients summed over the replicas. The experts' gradients are averaged over dp
     as every other parameter's: one device's on the whole batch."""
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
     for result in TRAINED.result():
-        _check_one_step(result["local"], experts=1)
-        _check_one_step(result["local_replicas"], experts=2)
+        _check_one_step(result[run], experts=experts)
 
 
 @pytest.mark.parametrize("run, w1, w2", [("module_list", [64, 8], [8, 64]), ("module_list_tp", [32, 16], [16, 32])])
@@ -350,9 +356,9 @@ def test_module_list_experts_held_cut_by_ep_train_as_on_one_device(run, w1, w2):
     one device; the routing explain measures off the graph is what the ranks get back."""
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
     results = [r[run] for r in TRAINED.result()]
-    assert results[0]["measured"] == max(r["back"] for r in results), results
-    for result in results:
-        assert result["forward"] <= 1e-5 and result["grad"] <= 1e-5 and result["param"] <= 1e-5, result
+    assert _measured(results[0]["routing"]) == max(r["back"] for r in results), results
+    for rank, result in enumerate(results):
+        assert result["forward"] <= 1e-5 and result["grad"] <= 1e-5 and result["param"] <= 1e-5, (rank, result)
         assert result["local"] == {"moe.experts.0.w1.weight": w1, "moe.experts.0.w3.weight": w1,
                                    "moe.experts.0.w2.weight": w2}, result
         assert result["ran"] == result["table"] and result["ran"]["all_to_all_single"] >= 8, result
@@ -372,7 +378,7 @@ def test_experts_cut_in_the_mesh_order_over_ulysses_then_ring():
     """On a mesh that puts ulysses before ring the experts are cut over the ranks in the mesh's
     order ("fsdp"), not cp's ring-major one: their exchanges run over "fsdp"."""
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
-    from tests import real_models
+    from dtensor_par._testing import real_models
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     model, args, kwargs = real_models.mixtral(experts=8)
@@ -391,7 +397,7 @@ def test_routing_measured_per_replica_and_not_guessed_for_a_local_batch():
     ulysses2); with a local batch the other ranks' rows are not given, and the report says it
     did not measure."""
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
-    from tests import real_models
+    from dtensor_par._testing import real_models
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.manual_seed(0)

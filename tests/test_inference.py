@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 
 import dtensor_par
-from tests import models
+from dtensor_par._testing import models
+from dtensor_par._testing.harness import FORWARD_ATOL, logged, run_ranks_together
 from tests.background import in_background
-from tests.harness import FORWARD_ATOL, logged, run_ranks_together
 
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
 
@@ -39,19 +39,19 @@ def _state(block: StatefulBlock) -> dict:
     return {"calls": block.calls, "seen": list(block.seen), "steps": block.steps.item()}
 
 
-def _run(block: nn.Module, reference: nn.Module, call, sizes: list[int]) -> float:
-    """Call ``call`` and the one-device ``reference`` on inputs of each sequence length; the
-    largest difference. Afterwards the block's state must equal the reference's."""
+def _run(block: nn.Module, reference: nn.Module, call, sizes: list[int]) -> dict:
+    """Call ``call`` and the one-device ``reference`` on inputs of each sequence length: the
+    largest difference, and the block's state and the reference's afterwards."""
     worst = 0.0
     for seq in sizes:
         x = torch.randn(2, seq, 32)
         worst = max(worst, (call(x) - reference(x)).abs().max().item())
-    assert _state(block) == _state(reference), (_state(block), _state(reference))
-    return worst
+    return {"forward": worst, "state": _state(block), "expected": _state(reference)}
 
 
 def side_effects_once(rank: int, world: int) -> dict:
-    """Every entry point, each from a fresh block: its state after the calls equals one device's."""
+    """Every entry point, each from a fresh block: its output and its state after the calls
+    against one device's; explain's, whose state after planning must be the fresh block's."""
     mesh = dtensor_par.init_mesh(tp=world)
     torch.manual_seed(0)
     diffs = {}
@@ -70,8 +70,15 @@ def side_effects_once(rank: int, world: int) -> dict:
     diffs["decorator"] = _run(block, reference, block, [8])
     block = StatefulBlock()
     dtensor_par.explain(block, (torch.randn(2, 8, 32),), tp=world)
-    assert _state(block) == {"calls": 0, "seen": [], "steps": 0.0}, _state(block)
+    diffs["explain"] = {"forward": 0.0, "state": _state(block), "expected": {"calls": 0, "seen": [], "steps": 0.0}}
     return diffs
+
+
+GENERATED = ["decorated ring", "written out ring", "alibi ring", "recurrence tp", "recurrence ring", "scan tp",
+             "scan ring", "selective scan tp", "selective scan ring"]
+"""The world-2 runs of ``decorated_generate`` (the first) and ``decorated_written_out_generate``."""
+CP_DECODE = [({"ring": 2}, "mistral"), ({"ulysses": 2}, "llama")]
+"""``cp_decode``'s runs at world 2: a mesh's sizes and a model family."""
 
 
 def _world2_launch() -> list[dict]:
@@ -89,7 +96,7 @@ def _world2_launch() -> list[dict]:
         "selective scan tp": (decorated_written_out_generate, {"name": "jamba", "tp": 2}),
         "selective scan ring": (decorated_written_out_generate, {"name": "jamba", "ring": 2}),
         "decode plans": (decode_plans, {}),
-        "cp decode": (cp_decode, {"runs": [({"ring": 2}, "mistral"), ({"ulysses": 2}, "llama")]}),
+        "cp decode": (cp_decode, {"runs": CP_DECODE}),
         "entry points": (generate_entry_points, {}),
     })
 
@@ -97,9 +104,10 @@ def _world2_launch() -> list[dict]:
 WORLD2 = in_background(_world2_launch)
 
 
-def test_planning_runs_no_side_effect_twice():
-    for diffs in (r["side effects"] for r in WORLD2.result()):
-        assert all(d <= FORWARD_ATOL for d in diffs.values()), diffs
+@pytest.mark.parametrize("entry", ["compile, replan", "parallelize + compile", "decorator", "explain"])
+def test_planning_runs_no_side_effect_twice(entry):
+    for rank, result in enumerate(r["side effects"][entry] for r in WORLD2.result()):
+        assert result["forward"] <= FORWARD_ATOL and result["state"] == result["expected"], (rank, result)
 
 
 GREEDY = {"max_new_tokens": 16, "do_sample": False, "pad_token_id": 0}
@@ -150,7 +158,7 @@ def decorated_written_out_generate(rank: int, world: int, name: str, **sizes) ->
     query against the cache rows each rank holds (``cached_attention`` with the score function,
     the sinks, the bias evaluated at the held rows' positions). Greedy tokens and every step's
     logits against one device."""
-    from tests import real_models
+    from dtensor_par._testing import real_models
 
     torch.manual_seed(0)
     reference, _, _ = real_models.FACTORIES[name]()
@@ -170,7 +178,8 @@ def _check_decorated_generate(result: dict) -> None:
     assert result["logits"] <= FORWARD_ATOL, result
 
 
-def test_decorated_transformers_llama_generates_one_devices_tokens():
+@pytest.mark.parametrize("run", GENERATED)
+def test_decorated_transformers_llama_generates_one_devices_tokens(run):
     """Under ring=2 here; under tp (beside ulysses) at world 4. Attention written out by hand
     decodes under ring=2 too: GPT-OSS's (sink logits, a sliding window) and Bloom's (ALiBi).
     So does Qwen3.5's linear attention, its cache's convolution and recurrent states made whole
@@ -182,13 +191,12 @@ def test_decorated_transformers_llama_generates_one_devices_tokens():
     So does Jamba's Mamba-1 layer: its prompt's 8 rows as many as its state's size (the output
     and the state told apart by what reads C), its decode step's state read through an alias
     (``state.float()``) before the write."""
-    for result in WORLD2.result():
-        _check_decorated_generate(result["decorated ring"])
-        for written in (result["written out ring"], result["alibi ring"], result["recurrence tp"],
-                        result["recurrence ring"], result["scan tp"], result["scan ring"],
-                        result["selective scan tp"], result["selective scan ring"]):
-            assert written["tokens"] == written["expected"] and written["steps"] == 16, written
-            assert written["logits"] <= FORWARD_ATOL, written
+    for rank, result in enumerate(r[run] for r in WORLD2.result()):
+        if run == "decorated ring":
+            _check_decorated_generate(result)
+        else:
+            assert result["tokens"] == result["expected"] and result["steps"] == 16, (rank, result)
+            assert result["logits"] <= FORWARD_ATOL, (rank, result)
 
 
 def _decoder(family: str):
@@ -196,7 +204,7 @@ def _decoder(family: str):
     ``real_models``, and its config."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    from tests import real_models
+    from dtensor_par._testing import real_models
 
     torch.manual_seed(0)
     if family not in ("llama", "mistral"):
@@ -282,53 +290,62 @@ def decode_plans(rank: int, world: int) -> dict:
     return results
 
 
-def test_decode_is_one_plan_and_holds_this_ranks_heads():
+@pytest.mark.parametrize("name", ["dynamic", "static", "sliding window"])
+def test_decode_is_one_plan_and_holds_this_ranks_heads(name):
     """Prefill and decode plan once each (decode symbolic in the cache length for a
     DynamicCache; a StaticCache's shapes do not change), and each rank holds half the cache."""
-    for results in (r["decode plans"] for r in WORLD2.result()):
-        for name, r in results.items():
-            assert r["same"] and r["held"] * 2 == r["whole"], (name, r)
-            assert len(r["plans"]) == 2, (name, r["plans"])
-        for name in ("dynamic", "sliding window"):
-            assert "symbolic in" in results[name]["plans"][1], (name, results[name]["plans"])
+    for rank, results in enumerate(r["decode plans"] for r in WORLD2.result()):
+        assert set(results) == {"dynamic", "static", "sliding window"}, results.keys()
+        r = results[name]
+        assert r["same"] and r["held"] * 2 == r["whole"], (rank, r)
+        assert len(r["plans"]) == 2, (rank, r["plans"])
+        if name != "static":
+            assert "symbolic in" in r["plans"][1], (rank, r["plans"])
 
 
-def _check_cp_decode(results: dict) -> None:
-    for name, r in results.items():
-        assert r["logits"] <= FORWARD_ATOL, (name, r)
-        assert r["cache"] == r["expected_cache"], (name, r)
-        block = 2 * LAYERS * 4 * 8 * 4 * 2  # one row of every layer's keys and values, batch 2
-        assert r["held"] <= r["whole"] / r["ranks"] + block, (name, r)
+def _check_cp_decode(r: dict) -> None:
+    assert r["logits"] <= FORWARD_ATOL, r
+    assert r["cache"] == r["expected_cache"], r
+    block = 2 * LAYERS * 4 * 8 * 4 * 2  # one row of every layer's keys and values, batch 2
+    assert r["held"] <= r["whole"] / r["ranks"] + block, r
 
 
-def test_decode_with_the_kv_cache_cut_over_cp_matches_one_device():
+@pytest.mark.parametrize("name", [f"{family} {sizes}" for sizes, family in CP_DECODE])
+def test_decode_with_the_kv_cache_cut_over_cp_matches_one_device(name):
     """Prefill under cp leaves each rank its sequence rows; decode (1 and 3 new tokens, a
     padded batch, a sliding window) attends to them and merges: one device's logits, and
     at most 1/(tp x cp) of one device's cache bytes per rank (+ one row per layer)."""
-    for result in WORLD2.result():
-        _check_cp_decode(result["cp decode"])
+    for rank, result in enumerate(r["cp decode"] for r in WORLD2.result()):
+        assert name in result, (rank, result.keys())
+        _check_cp_decode({**result[name], "rank": rank})
 
 
+CP_DECODE_BESIDE_TP = [({"tp": 2, "ring": 2}, "llama"), ({"tp": 2, "ring": 2}, "falcon_multi_query")]
+"""``cp_decode``'s runs at world 4."""
 WORLD4 = in_background(run_ranks_together, 4, {
     # Mistral's window under cp: at world 2 (ring); under tp: decode_plans. The cp decode graphs are
     # traced through AOTAutograd at world 2; beside tp they run as they are (CI time).
-    "decode": (cp_decode, {"runs": [({"tp": 2, "ring": 2}, "llama"), ({"tp": 2, "ring": 2}, "falcon_multi_query")],
-                           "inner_backend": "eager"}),
+    "decode": (cp_decode, {"runs": CP_DECODE_BESIDE_TP, "inner_backend": "eager"}),
     "generate": (decorated_generate, {"tp": 2, "ulysses": 2}),
     "generate dp": (decorated_generate, {"dp_replicate": 2, "ring": 2, "batch": 2})})
 
 
-def test_decode_at_tp_x_ring_and_decorated_generate_under_cp():
+@pytest.mark.parametrize("run", [f"decode {family} {sizes}" for sizes, family in CP_DECODE_BESIDE_TP]
+                         + ["generate", "generate dp"])
+def test_decode_at_tp_x_ring_and_decorated_generate_under_cp(run):
     """tp=2 x ring=2 decode (Llama, and Falcon-7B's multi-query fused qkv, whose one key and value
     head every tp rank holds whole: gathered as they are split off, in prefill and decode alike,
     so the cache is cut over cp only); the decorator's ``generate`` with a cp prefill and cp
     decode, also with two prompts cut over dp_replicate=2 beside ring=2."""
-    for result in WORLD4.result():
-        multi_query = result["decode"].pop("falcon_multi_query {'tp': 2, 'ring': 2}")
-        assert multi_query["held"] * multi_query["cp"] == multi_query["whole"], multi_query
-        _check_cp_decode({"falcon_multi_query": {**multi_query, "ranks": multi_query["cp"]}, **result["decode"]})
-        _check_decorated_generate(result["generate"])
-        _check_decorated_generate(result["generate dp"])
+    for rank, result in enumerate(WORLD4.result()):
+        if run.startswith("decode "):
+            decoded = {**result["decode"][run.removeprefix("decode ")], "rank": rank}
+            if "falcon_multi_query" in run:
+                assert decoded["held"] * decoded["cp"] == decoded["whole"], decoded
+                decoded["ranks"] = decoded["cp"]
+            _check_cp_decode(decoded)
+        else:
+            _check_decorated_generate({**result[run], "rank": rank})
 
 
 def _compiled_forward(model: nn.Module, backend) -> nn.Module:
@@ -379,8 +396,18 @@ def generate_entry_points(rank: int, world: int) -> dict:
     return results
 
 
-def test_every_generate_entry_point_gives_one_devices_tokens():
-    for result in (r["entry points"] for r in WORLD2.result()):
-        assert result.pop("model left uncompiled"), result
-        assert result.pop("torch.compile(model).generate, again") == {"same tokens": True, "planned": False}, result
-        assert all(outcome == {"same tokens": True, "planned": True} for outcome in result.values()), result
+ENTRY_POINTS = ["torch.compile(model).generate", "torch.compile(model).generate, again", "model left uncompiled",
+                "compiled forward", "model.compile()", "parallelize + compiled forward"]
+"""What ``generate_entry_points`` returns, by entry point."""
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_every_generate_entry_point_gives_one_devices_tokens(entry):
+    for rank, result in enumerate(r["entry points"] for r in WORLD2.result()):
+        assert set(result) == set(ENTRY_POINTS), result.keys()
+        if entry == "model left uncompiled":
+            assert result[entry], (rank, result)
+        elif entry == "torch.compile(model).generate, again":
+            assert result[entry] == {"same tokens": True, "planned": False}, (rank, result)
+        else:
+            assert result[entry] == {"same tokens": True, "planned": True}, (rank, result)

@@ -7,12 +7,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import dtensor_par
-from dtensor_par.pipeline import parallelize_graph
+from dtensor_par.planning import parallelize_graph
 from dtensor_par.mesh import MeshDim, MeshInfo
 from dtensor_par.ops import collectives as C
 from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.passes.meta import communications
-from tests import models
+from dtensor_par._testing import models, patterns
 
 
 def test_cp_process_groups_are_created_once_per_mesh(fake_world, monkeypatch):
@@ -53,7 +53,7 @@ def test_every_collective_node_states_its_layout(fake_world):
     fake_world(8)
     info = MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2, ring=2, ulysses=2))
     keep = torch.ones(2, 30, dtype=torch.bool)
-    (g, inputs), = capture_graphs(models.MaskedAttention("additive"), torch.randn(2, 30, 32), keep)
+    (g, inputs), = capture_graphs(patterns.MaskedAttention("additive"), torch.randn(2, 30, 32), keep)
     gm, _ = parallelize_graph(g, inputs, info)
     seen = set()
     for node in gm.graph.nodes:

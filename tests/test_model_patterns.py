@@ -11,7 +11,7 @@ import torch.fx as fx
 import dtensor_par
 from dtensor_par.errors import InvalidPlan
 from dtensor_par.passes.rewrite import PositionalMask, positional_mask
-from tests import models
+from dtensor_par._testing import models, patterns
 
 
 def _explain(model, inputs, **mesh):
@@ -21,7 +21,7 @@ def _explain(model, inputs, **mesh):
 
 
 def test_conv1d_is_a_linear_with_a_transposed_weight():
-    graph = _explain(models.Conv1DBlock(), (torch.randn(2, 16, 32),), tp=2, ring=2)
+    graph = _explain(patterns.Conv1DBlock(), (torch.randn(2, 16, 32),), tp=2, ring=2)
     assert graph.placements == ["attention0: c_attn_w=IS(1,[32, 32, 32]), c_proj_w=S(0)"], graph.placements
     assert graph.coverage.fallback_gathers == [] and graph.coverage.sharded_linear_flops == graph.coverage.linear_flops
 
@@ -29,7 +29,7 @@ def test_conv1d_is_a_linear_with_a_transposed_weight():
 def test_joint_attention_single_stream_mlp_and_sliced_fused_qkv_stay_split():
     inputs = (torch.randn(2, 16, 32), torch.randn(2, 8, 32))
     for mesh in ({"tp": 2, "ulysses": 2}, {"tp": 2, "ring": 2}, {"tp": 2, "ring": 2, "ulysses": 2}):
-        graph = _explain(models.JointBlock(), inputs, **mesh)
+        graph = _explain(patterns.JointBlock(), inputs, **mesh)
         assert graph.coverage.fallback_gathers == [], (mesh, graph.coverage.fallback_gathers)
         assert graph.coverage.parallel_sites == len(graph.sites) == 2, graph.sites
     assert any("proj_mlp.weight=S(0)" in p and "proj_out.weight=IS(1,[32, 64])" in p for p in graph.placements)
@@ -41,7 +41,7 @@ def test_a_projection_split_into_parts_split_again_is_cut_part_by_part():
     q, k and v, the pair sliced into gate and up. Each of the five parts is cut over tp (before:
     the two pieces only, so the chunk and the slices gathered them: 3 fallback gathers)."""
     for mesh in ({"tp": 2}, {"tp": 2, "ulysses": 2}):
-        graph = _explain(models.FusedAttentionMLP(), (torch.randn(2, 16, 32),), **mesh)
+        graph = _explain(patterns.FusedAttentionMLP(), (torch.randn(2, 16, 32),), **mesh)
         assert graph.coverage.fallback_gathers == [], (mesh, graph.coverage.fallback_gathers)
         assert graph.coverage.sharded_linear_flops == graph.coverage.linear_flops, graph.coverage.summary()
     assert any("fused.weight=IS(0,[32, 32, 32, 64, 64])" in p and "out.weight=IS(1,[32, 64])" in p
@@ -54,10 +54,10 @@ def test_parts_are_read_past_ops_that_keep_each_feature_apart():
     gate and up with a low-rank adapter's added, then chunked: both projections cut in two parts
     (before: the chunk gathered); the adapter's first projection, to its rank, lies outside the
     site, whole on every rank, and is named (a fifth of this block's linear FLOPs)."""
-    graph = _explain(models.StateSpaceBlock(), (torch.randn(2, 16, 32),), tp=2)
+    graph = _explain(patterns.StateSpaceBlock(), (torch.randn(2, 16, 32),), tp=2)
     assert graph.coverage.fallback_gathers == [] and graph.warnings == [], graph.warnings
     assert any("mixer.in_proj.weight=IS(0,[32, 32, 4, 4, 4])" in p for p in graph.placements), graph.placements
-    graph = _explain(models.AdaptedGateUp(), (torch.randn(2, 16, 32),), tp=2)
+    graph = _explain(patterns.AdaptedGateUp(), (torch.randn(2, 16, 32),), tp=2)
     assert graph.coverage.fallback_gathers == [] and graph.warnings == [
         "1 block linears outside every attention and MLP site run whole on every rank of some mesh dim, 20.0% of the "
         "block linears' FLOPs; the largest: adapter.0.weight (20.0%)"], graph.warnings
@@ -71,7 +71,7 @@ def test_mamba1s_mixer_is_one_site_with_x_proj_inside():
     their input features, one site (``MLPSite.inner``): x_proj's partial sums reduced once, the
     scan on each rank's channels. Before, in_proj to x_proj was a site, dt_proj ran whole on every
     rank and out_proj was gathered."""
-    graph = _explain(models.SelectiveScanBlock(), (torch.randn(2, 16, 32),), tp=2)
+    graph = _explain(patterns.SelectiveScanBlock(), (torch.randn(2, 16, 32),), tp=2)
     assert graph.coverage.fallback_gathers == [] and graph.warnings == [], graph.warnings
     assert graph.coverage.sharded_linear_flops == graph.coverage.linear_flops, graph.coverage.summary()
     assert graph.placements == ["mlp0: mixer.in_proj.weight=IS(0,[64, 64]), mixer.dt_proj.weight=S(0), "
@@ -179,14 +179,14 @@ def test_masks_with_key_padding_are_recognized_exactly():
 
 def test_complex_rope_pad_and_like_ops_stay_split():
     for mesh in ({"tp": 2, "ulysses": 2}, {"tp": 2, "ring": 2}):
-        graph = _explain(models.ComplexRoPEAttention(), (torch.randn(2, 16, 32),), **mesh)
+        graph = _explain(patterns.ComplexRoPEAttention(), (torch.randn(2, 16, 32),), **mesh)
         assert graph.coverage.fallback_gathers == [], (mesh, graph.coverage.fallback_gathers)
         assert graph.coverage.parallel_sites == 1
 
 
 def test_attention_flops_per_ring_rank_are_reported_and_balanced_when_causal():
     causal = _explain(models.Llama(layers=1), (torch.randint(0, 50, (2, 32)),), ring=4).coverage
-    masked = _explain(models.MaskedAttention("additive"), (torch.randn(2, 32, 32), torch.ones(2, 32, dtype=torch.bool)),
+    masked = _explain(patterns.MaskedAttention("additive"), (torch.randn(2, 32, 32), torch.ones(2, 32, dtype=torch.bool)),
                       ring=4).coverage
     (per_rank,), (whole,) = causal.ring_attention_flops.values(), masked.ring_attention_flops.values()
     assert len(per_rank) == 4 and len(set(per_rank)) == 1  # zigzag: every ring rank does the same work
@@ -205,16 +205,16 @@ def test_a_causal_mask_kept_in_a_buffer_runs_as_causal_attention():
     x = torch.randn(2, 32, 32)
     whole = 4 * 2 * 4 * 8 * 32 * 32  # every block computed whole (batch 2, 4 heads of 8)
     for spelling, window in (("nanogpt", None), ("gpt_neo", None), ("gpt_neo", 5)):
-        graph = _explain(models.BufferMaskedAttention(spelling, window), (x,), ring=4)
+        graph = _explain(patterns.BufferMaskedAttention(spelling, window), (x,), ring=4)
         (per_rank,) = graph.coverage.ring_attention_flops.values()
         balanced, skipped = len(set(per_rank)) == 1, sum(per_rank) < (whole / 4 if window else whole * 5 / 8)
         assert skipped and (balanced or window), (spelling, window, per_rank)  # a window skips unevenly
         assert graph.warnings == [], graph.warnings
     # under dynamic=True the scale is made of sizes (head_dim ** 0.5): read at its value, the plan pinned to it
-    graph = _explain(models.BufferMaskedAttention(), (x,), ring=4, dynamic=True)
+    graph = _explain(patterns.BufferMaskedAttention(), (x,), ring=4, dynamic=True)
     assert graph.warnings == [] and graph.coverage.ring_attention_flops, graph.warnings
     with torch.device("meta"):
-        nanogpt, gpt_neo = models.BufferMaskedAttention(), models.BufferMaskedAttention("gpt_neo")
+        nanogpt, gpt_neo = patterns.BufferMaskedAttention(), patterns.BufferMaskedAttention("gpt_neo")
     (per_rank,) = _explain(nanogpt, (x.to("meta"),), ring=4).coverage.ring_attention_flops.values()
     assert sum(per_rank) == whole
     graph = _explain(gpt_neo, (x.to("meta"),), ring=4)
@@ -227,7 +227,7 @@ def test_linear_attention_and_a_feed_forward_of_convolutions_are_cut_over_tp():
     feed-forward's pointwise convolutions are colwise (its gate chunked off after the depthwise
     convolution: part by part) and rowwise, the depthwise one cut with the channels. One
     all-reduce each in forward; before, both ran whole (15% of Sana's block FLOPs sharded)."""
-    graph = _explain(models.LinearAttentionConvBlock(), (torch.randn(2, 16, 32),), tp=2)
+    graph = _explain(patterns.LinearAttentionConvBlock(), (torch.randn(2, 16, 32),), tp=2)
     assert graph.placements == ["mlp0: q.weight=S(0), k.weight=S(0), v.weight=S(0), out.weight=S(1)",
                                 "mlp1: up.weight=IS(0,[48, 48]), depthwise.weight=IS(0,[48, 48]), down.weight=S(1)"]
     cov = graph.coverage
@@ -244,7 +244,7 @@ def test_heads_flattened_with_the_batch_and_sequence_for_a_norm_stay_cut_over_tp
     gathered them; exact: test_cp_gloo, case gated_head_norm)."""
     inputs = (torch.randn(2, 16, 32),)
     for sizes in ({"tp": 2}, {"tp": 2, "ulysses": 2}):
-        graph = _explain(models.GatedHeadNorm(), inputs, **sizes)
+        graph = _explain(patterns.GatedHeadNorm(), inputs, **sizes)
         cov = graph.coverage
         assert graph.warnings == [] and cov.sharded_linear_flops == cov.linear_flops, (sizes, graph.warnings)
 
@@ -254,7 +254,7 @@ def test_a_norm_between_a_projection_and_an_mlp_makes_no_mlp_of_them():
     ``rsqrt`` of a mean lies beside the residual stream: before, a projection before the norm
     (DiffLlama's out projection, not then read as attention's) was taken with the MLP's gate as
     an MLP (colwise, rowwise), and the MLP's down projection gathered its input."""
-    graph = _explain(models.NormBetweenLinears(), (torch.randn(2, 8, 32),), tp=2)
+    graph = _explain(patterns.NormBetweenLinears(), (torch.randn(2, 8, 32),), tp=2)
     assert graph.placements == ["mlp0: up.weight=S(0), gate.weight=S(0), down.weight=S(1)"], graph.placements
     assert graph.warnings == [], graph.warnings
 
@@ -264,7 +264,7 @@ def test_a_class_token_concatenated_before_the_patches_is_cut_with_them_where_th
     patches alone (15) cannot be cut beside the one class token, but their concatenation can:
     cut over cp where it is made, every linear after it runs on each rank's tokens, the patch
     convolution alone whole (before: the block's q, k, v projections ran whole too)."""
-    graph = _explain(models.ClassTokenBlock(), (torch.randn(2, 3, 12, 20),), ulysses=2)
+    graph = _explain(patterns.ClassTokenBlock(), (torch.randn(2, 3, 12, 20),), ulysses=2)
     cov = graph.coverage
     assert graph.warnings == [] and cov.linear_flops - cov.sharded_linear_flops == 2 * 2 * 15 * 32 * (3 * 4 * 4)
 
@@ -277,7 +277,7 @@ def test_pytorchs_own_multihead_attention_is_written_out_and_sharded():
     without gradients PyTorch takes a fused fast path instead: a warning says so and how to
     avoid it."""
     inputs = (torch.randn(2, 16, 32), torch.zeros(2, 16, dtype=torch.bool), torch.randn(2, 16, 16))
-    graph = _explain(models.TorchEncoder(), inputs, tp=2, ring=2)
+    graph = _explain(patterns.TorchEncoder(), inputs, tp=2, ring=2)
     assert graph.placements[:2] == [
         "attention0: layer.self_attn.in_proj_weight=IS(0,[32, 32, 32]), layer.self_attn.out_proj.weight=S(1)",
         "attention1: cross.q_proj_weight=S(0), cross.k_proj_weight=S(0), cross.v_proj_weight=S(0), "
@@ -294,7 +294,7 @@ def test_a_convolution_over_frames_after_a_rowwise_mlp_sums_it_then_fetches_its_
     all-reduced over tp (the MLP's own all-reduce, named by its site, not a fallback), then the
     convolution over frames cut over cp fetches one halo frame each side. Before, localize
     crashed: the all-reduce it had inserted carried no global shape."""
-    graph = _explain(models.TemporalConvBlock(), (torch.randn(2, 16, 32),), tp=2, ulysses=2)
+    graph = _explain(patterns.TemporalConvBlock(), (torch.randn(2, 16, 32),), tp=2, ulysses=2)
     assert graph.warnings == [] and graph.coverage.fallback_gathers == []
     forward = [(c["op"], c["mesh_dims"], c["site"]) for c in graph.collectives if c["direction"] == "forward"]
     assert ("all_reduce", "tp", "mlp1.rowwise") in forward and ("all_gather", "cp", "-") in forward, forward
@@ -307,7 +307,7 @@ def test_a_resnet_block_is_an_mlp_site_over_tp_and_the_residual_stream_is_not():
     convolution whose output also feeds a residual is no up projection: the downsampling one,
     whose output the half-resolution attention adds to, stays whole, as does the last one.
     Before, only 1 x 1 convolutions were projections: every convolution here ran whole."""
-    graph = _explain(models.SmallUNet(), (torch.randn(2, 16, 16, 16),), tp=2)
+    graph = _explain(patterns.SmallUNet(), (torch.randn(2, 16, 16, 16),), tp=2)
     assert graph.warnings == [] and graph.coverage.fallback_gathers == []
     assert "mlp0: mlp up=['conv1'] down=['conv2'] activations=['silu_1']" in graph.sites, graph.sites
     held = {p["name"]: p["placement"]["tp"] for p in graph.parameters}
@@ -321,7 +321,7 @@ def test_parts_of_unequal_sizes_are_held_whole_and_sliced_under_parallelize():
     under parallelize it is held whole and sliced at each call, its gradient all-gathered over
     tp, and its site runs cut (before: the site stayed replicated)."""
     inputs = (torch.randn(2, 16, 32), torch.randn(2, 8, 32))
-    graph = _explain(models.JointBlock(), inputs, tp=2, parallelized=True)
+    graph = _explain(patterns.JointBlock(), inputs, tp=2, parallelized=True)
     unequal = [w for w in graph.warnings if "no DTensor placement describes" in w]
     assert any("qkv" in w and "[32, 16, 16]" in w and "held whole" in w for w in unequal), graph.warnings
     assert graph.coverage.parallel_sites == 2

@@ -13,25 +13,25 @@ import torch.nn.functional as F
 
 import dtensor_par
 from dtensor_par.errors import InvalidPlan
-from dtensor_par.passes.batch import batch_pass
 from dtensor_par.passes.capture import capture_graphs
-from dtensor_par.pipeline import PASSES, parallelize_graph
+from dtensor_par.planning import parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.ops.position_bias import PositionBias
-from dtensor_par.passes.canonicalize import canonicalize_pass
-from dtensor_par.passes.capture import capture_pass
-from dtensor_par.passes.detect import AttentionSite, MLPSite, detect_pass
+from dtensor_par.passes.sites import AttentionSite, MLPSite
 from dtensor_par.passes.meta import buffer_value
 from dtensor_par.passes.nodes import arguments, target_name, tensor_inputs, tensor_val
-from dtensor_par.passes.rewrite import gqa_repeat, rewrite_pass
+from dtensor_par.passes.rewrite import gqa_repeat
 from dtensor_par.passes.rules.registry import op_kind
 from dtensor_par.passes.rules.views import sequence_start
-from dtensor_par.passes.sequence import sequence_pass
 from dtensor_par.passes.rules.indexing import _index_map
 from dtensor_par.passes.rules.views import view_target
+from dtensor_par.passes.steps import named, steps
 from dtensor_par.placements import InterleavedShard, Replicate, Shard, local_chunk
-from tests import models
+from dtensor_par._testing import models, patterns
 from tests.conftest import plan_graph
+
+CAPTURED = steps(last="specialize")
+"""The steps that read Dynamo's graph: capture, expert_loop, specialize."""
 
 
 def test_capture_names_parameters_and_specializes_symbolic_sizes(fake_world):
@@ -40,7 +40,7 @@ def test_capture_names_parameters_and_specializes_symbolic_sizes(fake_world):
     sizes = iter([3, 5])
     concrete = [next(sizes) if isinstance(i, torch.SymInt) else
                 torch.randn(3, 5, 32) if isinstance(i, torch.Tensor) and i.dim() == 3 else i for i in inputs]
-    gm, ctx = parallelize_graph(gm, concrete, MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2)), passes=(capture_pass,))
+    gm, ctx = parallelize_graph(gm, concrete, MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2)), steps=CAPTURED)
     assert sorted(p.fqn for p in ctx.params.values()) == sorted(
         ["ln1.weight", "ln1.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias",
          "ln2.weight", "ln2.bias", "fc.weight", "fc.bias", "fc_out.weight", "fc_out.bias"])
@@ -49,7 +49,7 @@ def test_capture_names_parameters_and_specializes_symbolic_sizes(fake_world):
     assert not any(isinstance(n.meta.get("val"), torch.SymInt) for n in gm.graph.nodes if n.op != "placeholder")
 
 
-class CountingMaskedAttention(models.BufferMaskedAttention):
+class CountingMaskedAttention(patterns.BufferMaskedAttention):
     """A causal mask kept in a buffer, beside a buffer the forward writes (a step counter)."""
 
     def __init__(self):
@@ -64,18 +64,18 @@ class CountingMaskedAttention(models.BufferMaskedAttention):
 def test_capture_keeps_the_values_of_the_buffers_the_graph_only_reads():
     """A buffer's value may be read as a constant (``meta.BufferValue``) only if the graph never
     writes it, and only where it has one (not on the meta device)."""
-    gm, _ = _passes_on(CountingMaskedAttention(), (torch.randn(2, 8, 32),), (capture_pass,))
+    gm, _ = _passes_on(CountingMaskedAttention(), (torch.randn(2, 8, 32),), CAPTURED)
     kept = {n.name: buffer_value(n) for n in gm.graph.nodes if n.op == "placeholder" and buffer_value(n)}
     assert [b.fqn for b in kept.values()] == ["bias"] and not any(b.read for b in kept.values())
     assert torch.equal(next(iter(kept.values())).value, torch.ones(64, 64).tril())
     with torch.device("meta"):
-        on_meta = models.BufferMaskedAttention()
-    gm, _ = _passes_on(on_meta, (torch.randn(2, 8, 32, device="meta"),), (capture_pass,))
+        on_meta = patterns.BufferMaskedAttention()
+    gm, _ = _passes_on(on_meta, (torch.randn(2, 8, 32, device="meta"),), CAPTURED)
     assert not any(buffer_value(n) for n in gm.graph.nodes)
 
 
 def test_detect_finds_fused_qkv_attention_and_mlp(fake_world):
-    _, ctx = plan_graph(models.GPTBlock(), [torch.randn(2, 8, 32)], tp=2, passes=(capture_pass, detect_pass))
+    _, ctx = plan_graph(models.GPTBlock(), [torch.randn(2, 8, 32)], tp=2, steps=CAPTURED + named("detect"))
     attention, mlp = ctx.sites
     assert isinstance(attention, AttentionSite) and isinstance(mlp, MLPSite)
     names = lambda nodes: [ctx.params[n.args[1].name].fqn for n in nodes]  # noqa: E731
@@ -87,7 +87,7 @@ def test_detect_finds_fused_qkv_attention_and_mlp(fake_world):
 
 def test_detect_finds_gated_mlp_and_gqa_heads(fake_world):
     ids = [torch.randint(0, 50, (2, 8))]
-    _, ctx = plan_graph(models.Llama(layers=1), ids, tp=2, passes=(capture_pass, detect_pass))
+    _, ctx = plan_graph(models.Llama(layers=1), ids, tp=2, steps=CAPTURED + named("detect"))
     attention, mlp = ctx.sites
     names = lambda nodes: sorted(ctx.params[n.args[1].name].fqn for n in nodes)  # noqa: E731
     assert (attention.num_heads, attention.num_kv_heads) == (8, 2)
@@ -126,14 +126,14 @@ def test_detect_reads_experts_run_on_every_token_as_an_mlp_of_batched_linears(fa
 
 def test_rewrite_splits_rowwise_bias_and_expands_gqa_kv(fake_world):
     _, ctx = plan_graph(models.GPTBlock(), [torch.randn(2, 8, 32)], tp=2,
-                        passes=(capture_pass, detect_pass, rewrite_pass))
+                        steps=CAPTURED + named("detect", "rewrite"))
     attention, mlp = ctx.sites
     for linear in attention.out + [mlp.down]:
         assert len(linear.args) == 2 and not linear.kwargs
         (add,) = linear.users
         assert add.target is operator.add and add.args[1].op == "placeholder"
     model = models.Llama(layers=1, gqa="enable_gqa")
-    gm, ctx = plan_graph(model, [torch.randint(0, 50, (2, 8))], tp=4, passes=(capture_pass, detect_pass, rewrite_pass))
+    gm, ctx = plan_graph(model, [torch.randint(0, 50, (2, 8))], tp=4, steps=CAPTURED + named("detect", "rewrite"))
     core = ctx.sites[0].core
     # 2 kv heads for 8 query heads at tp=4: each kv head repeated twice (4 kv heads, one per
     # rank, each serving that rank's 2 query heads), not four times.
@@ -173,10 +173,10 @@ class RepeatedKV(torch.nn.Module):
         return out + key.mean() if self.spelling == "read_elsewhere" else out
 
 
-def _passes_on(model, inputs, passes, **sizes):
-    """``model``'s graph after ``passes``, planned for a mesh of ``sizes`` (no process group)."""
+def _passes_on(model, inputs, run, **sizes):
+    """``model``'s graph after the steps ``run``, planned for a mesh of ``sizes`` (no process group)."""
     (gm, example_inputs), = capture_graphs(model, *inputs)
-    return parallelize_graph(gm, example_inputs, MeshInfo.for_planning(sizes, "cpu"), passes=passes)
+    return parallelize_graph(gm, example_inputs, MeshInfo.for_planning(sizes, "cpu"), steps=run)
 
 
 class PatchTokens(torch.nn.Module):
@@ -190,16 +190,16 @@ class PatchTokens(torch.nn.Module):
         return self.block(self.embed(pixels).flatten(2).transpose(1, 2) + positions)
 
 
-SEQUENCE_PASSES = (capture_pass, detect_pass, rewrite_pass, sequence_pass)
+SEQUENCE_STEPS = CAPTURED + named("detect", "rewrite", "sequence")
 
 
 def test_parts_concatenated_before_the_projections_are_cut_part_by_part():
     """CogVideoX concatenates text and image tokens before the projections: the text input is cut
     as a part of the joint sequence, so the concatenation holds each rank's piece of each part
     and the split after attention takes them back, nothing gathered."""
-    model, inputs = models.JointBeforeProjection(), [torch.randn(2, 16, 32), torch.randn(2, 8, 32)]
-    _, ctx = _passes_on(model, inputs, SEQUENCE_PASSES, ulysses=2)
-    assert ctx.sequence_placements == {"l_image_": Shard(1), "l_text_": Shard(1)}, ctx.sequence_placements
+    model, inputs = patterns.JointBeforeProjection(), [torch.randn(2, 16, 32), torch.randn(2, 8, 32)]
+    _, ctx = _passes_on(model, inputs, SEQUENCE_STEPS, ulysses=2)
+    assert ctx.input_cuts.get("cp", {}) == {"l_image_": Shard(1), "l_text_": Shard(1)}, ctx.input_cuts.get("cp", {})
     (graph,) = dtensor_par.explain(model, inputs, ulysses=2).graphs
     assert graph.coverage.fallback_gathers == [] and graph.warnings == [], graph.warnings
 
@@ -207,15 +207,15 @@ def test_parts_concatenated_before_the_projections_are_cut_part_by_part():
 
 def test_sequence_pass_shards_sequence_inputs_and_cuts_sequences_made_inside():
     keep = torch.ones(2, 16, dtype=torch.bool)
-    _, ctx = _passes_on(models.MaskedAttention("additive"), [torch.randn(2, 16, 32), keep], SEQUENCE_PASSES, ring=2)
-    assert ctx.sequence_placements == {"l_x_": Shard(1)}  # keep only builds the mask: it stays whole
-    gm, ctx = _passes_on(PatchTokens(), [torch.randn(2, 4, 8, 8), torch.randn(16, 32)], SEQUENCE_PASSES, ulysses=2)
-    assert ctx.sequence_placements == {}  # no input has the sequence's shape: 4 x 4 patches are made inside
+    _, ctx = _passes_on(patterns.MaskedAttention("additive"), [torch.randn(2, 16, 32), keep], SEQUENCE_STEPS, ring=2)
+    assert ctx.input_cuts.get("cp", {}) == {"l_x_": Shard(1)}  # keep only builds the mask: it stays whole
+    gm, ctx = _passes_on(PatchTokens(), [torch.randn(2, 4, 8, 8), torch.randn(16, 32)], SEQUENCE_STEPS, ulysses=2)
+    assert ctx.input_cuts.get("cp", {}) == {}  # no input has the sequence's shape: 4 x 4 patches are made inside
     tokens = next(n for n in gm.graph.nodes if n.target == "transpose")  # [2, 16, 32], out of the patches
     (start,) = tokens.users
     assert start.target is sequence_start and [u.target for u in start.users] == [operator.add]
-    _, ctx = _passes_on(models.GPTBlock(), [torch.randn(2, 16, 32)], SEQUENCE_PASSES, tp=2)
-    assert ctx.sequence_placements == {}  # without cp it does nothing
+    _, ctx = _passes_on(models.GPTBlock(), [torch.randn(2, 16, 32)], SEQUENCE_STEPS, tp=2)
+    assert ctx.input_cuts.get("cp", {}) == {}  # without cp it does nothing
 
 
 class RotaryTable(nn.Module):
@@ -259,14 +259,14 @@ def test_sequence_candidates_are_traced_to_the_attention_sequence():
     angles = torch.outer(torch.arange(64.0), torch.arange(8.0) / 8)
     table = torch.polar(torch.ones_like(angles), angles)  # [64, 8]: 8 pairs for 8 tokens
     for spelling in (table, torch.view_as_real(table)):
-        _, ctx = _passes_on(RotaryTable(), [torch.randn(2, 8, 32), spelling], SEQUENCE_PASSES, ring=2)
-        assert ctx.sequence_placements == {"l_x_": Shard(1)}, (spelling.shape, ctx.sequence_placements)
-    gm, _ = _passes_on(PatchesByView(), [torch.randn(2, 8, 8, 16), torch.randn(32, 32)], SEQUENCE_PASSES, ulysses=2)
+        _, ctx = _passes_on(RotaryTable(), [torch.randn(2, 8, 32), spelling], SEQUENCE_STEPS, ring=2)
+        assert ctx.input_cuts.get("cp", {}) == {"l_x_": Shard(1)}, (spelling.shape, ctx.input_cuts.get("cp", {}))
+    gm, _ = _passes_on(PatchesByView(), [torch.randn(2, 8, 8, 16), torch.randn(32, 32)], SEQUENCE_STEPS, ulysses=2)
     (start,) = [n for n in gm.graph.nodes if n.target is sequence_start]
     assert list(tensor_val(start).shape) == [2, 32, 32] and start.args[0].target == "flatten", start.args
 
 
-BATCH_PASSES = PASSES[:PASSES.index(batch_pass) + 1]
+BATCH_STEPS = steps(last="batch")
 
 
 class TimestepBlock(torch.nn.Module):
@@ -297,21 +297,21 @@ def test_batch_pass_cuts_each_input_along_the_dim_its_batch_traces_to():
     input, a [batch] timestep and a key-padding mask cut with it; a 2-row table beside a batch
     of 2 whole; with the batch as long as the sequence, the token ids' dim 0."""
     keep = torch.ones(2, 16, dtype=torch.bool)
-    cases = [(models.SequenceFirst(), [torch.randn(8, 2, 32), torch.randn(2, 32)], {"l_x_": Shard(1)}, ["l_table_"]),
+    cases = [(patterns.SequenceFirst(), [torch.randn(8, 2, 32), torch.randn(2, 32)], {"l_x_": Shard(1)}, ["l_table_"]),
              (TimestepBlock(), [torch.randn(2, 8, 32), torch.rand(2)], {"l_x_": Shard(0), "l_t_": Shard(0)}, []),
-             (models.MaskedAttention("bool"), [torch.randn(2, 16, 32), keep], {"l_x_": Shard(0), "l_keep_": Shard(0)},
+             (patterns.MaskedAttention("bool"), [torch.randn(2, 16, 32), keep], {"l_x_": Shard(0), "l_keep_": Shard(0)},
               []),
              (models.Llama(layers=1), [torch.randint(0, 50, (4, 4))], {"l_ids_": Shard(0)}, [])]
     for model, inputs, cut, whole in cases:
-        _, ctx = _passes_on(model, inputs, BATCH_PASSES, dp_shard=2)
-        assert (ctx.batch_placements, ctx.batch_sized_whole) == (cut, whole), type(model).__name__
+        _, ctx = _passes_on(model, inputs, BATCH_STEPS, dp_shard=2)
+        assert (ctx.input_cuts.get("dp", {}), ctx.batch_sized_whole) == (cut, whole), type(model).__name__
 
 
 def test_batch_pass_refuses_an_input_whose_batch_dim_cannot_be_told():
     with pytest.raises(InvalidPlan, match=r"batch: input 'l_x_' of shape \[2, 2, 32\]: the sites' batch traces back "
                                           r"to more than one of its dims \(dim 0 of size 2 to attention0; dim 1 of "
                                           r"size 2 to attention1\).*batch='local'"):
-        _passes_on(SwappedAttention(), [torch.randn(2, 2, 32)], BATCH_PASSES, dp_replicate=2)
+        _passes_on(SwappedAttention(), [torch.randn(2, 2, 32)], BATCH_STEPS, dp_replicate=2)
 
 
 def _gated_rows(x, w):
@@ -326,22 +326,22 @@ def test_rows_flattened_for_ops_row_by_row_run_unflattened():
     (``[B, S, H, d]``): the same values; no ``[B * S * H, d]`` tensor is left. Rows read by an op
     across them (a softmax over the rows) or not viewed back to sizes given stay flattened."""
     inputs = [torch.randn(2, 16, 32), torch.randn(8)]
-    gm, ctx = _passes_on(Spelled(_gated_rows), inputs, (capture_pass, canonicalize_pass), ulysses=2)
+    gm, ctx = _passes_on(Spelled(_gated_rows), inputs, steps(last="canonicalize"), ulysses=2)
     assert all(tuple(tensor_val(n).shape) != (128, 8) for n in gm.graph.nodes if tensor_val(n) is not None)
     torch.testing.assert_close(gm(*ctx.example_inputs)[0], _gated_rows(*inputs))
     for kept in (lambda x: x.reshape(-1, 8).softmax(0).reshape(2, 16, -1),  # across the rows
                  lambda x: x.reshape(-1, 8).float().unsqueeze(0)):  # read as rows: not viewed back
-        gm, ctx = _passes_on(Spelled(kept), inputs[:1], (capture_pass, canonicalize_pass), ulysses=2)
+        gm, ctx = _passes_on(Spelled(kept), inputs[:1], steps(last="canonicalize"), ulysses=2)
         assert any(tuple(tensor_val(n).shape) == (128, 8) for n in gm.graph.nodes if tensor_val(n) is not None)
         torch.testing.assert_close(gm(*ctx.example_inputs)[0], kept(inputs[0]))
 
 
 @pytest.mark.parametrize("block, unlike_transformers", [
-    (models.GatedDeltaRuleBlock, {"normalized": False}), (models.StateSpaceBlock, {"dt_softplus": False}),
-    (models.SelectiveScanBlock, {"dt_softplus": False})])
+    (patterns.GatedDeltaRuleBlock, {"normalized": False}), (patterns.StateSpaceBlock, {"dt_softplus": False}),
+    (patterns.SelectiveScanBlock, {"dt_softplus": False})])
 def test_a_recurrence_traced_from_the_module_wrapping_it_becomes_one_op(block, unlike_transformers):
     """The gated delta rule's, Mamba-2's and Mamba-1's scan's ops, traced from the module
-    transformers wraps each in (here their rows one by one, ``tests.recurrences``), become one
+    transformers wraps each in (here their rows one by one, ``dtensor_par._testing.recurrences``), become one
     ``linear_recurrence``, computing the same (Mamba-1's channels-first tensors laid out rows
     first for it, its output laid out back). Called otherwise than transformers calls it (without
     q's and k's l2 norms; time steps without a softplus), its ops stay as traced: the one op calls
@@ -349,11 +349,11 @@ def test_a_recurrence_traced_from_the_module_wrapping_it_becomes_one_op(block, u
     read-out tensor (q; C), not by their shapes: at 4 rows, Mamba-1's are alike."""
     model = block()
     for inputs in ([torch.randn(2, 16, 32)], [torch.randn(2, 4, 32)]):
-        gm, ctx = _passes_on(model, inputs, (capture_pass, canonicalize_pass), ulysses=2)
+        gm, ctx = _passes_on(model, inputs, steps(last="canonicalize"), ulysses=2)
         ops = [op_kind(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
         assert ops.count("recurrence") == 1 and len(ops) < 40, ops
         torch.testing.assert_close(gm(*ctx.example_inputs)[0], model(*inputs), atol=1e-6, rtol=1e-6)
-    gm, _ = _passes_on(block(**unlike_transformers), inputs, (capture_pass, canonicalize_pass), ulysses=2)
+    gm, _ = _passes_on(block(**unlike_transformers), inputs, steps(last="canonicalize"), ulysses=2)
     assert "recurrence" not in [op_kind(n) for n in gm.graph.nodes]
 
 
@@ -361,10 +361,10 @@ def test_a_recurrence_traced_from_the_module_wrapping_it_becomes_one_op(block, u
 def test_canonicalize_turns_repeated_kv_heads_into_enable_gqa(spelling):
     inputs = [torch.randn(2, 8, 6, 4), torch.randn(2, 4, 6, 4), torch.randn(2, 4, 6, 4)]
     model = RepeatedKV(spelling)
-    captured, _ = _passes_on(model, inputs, (capture_pass,))
-    gm, ctx = _passes_on(model, inputs, (capture_pass, canonicalize_pass), ulysses=2)
+    captured, _ = _passes_on(model, inputs, CAPTURED)
+    gm, ctx = _passes_on(model, inputs, steps(last="canonicalize"), ulysses=2)
     # Without cp (nothing to send) every spelling is left as it is.
-    assert _passes_on(model, inputs, (capture_pass, canonicalize_pass), tp=2)[0].code == captured.code
+    assert _passes_on(model, inputs, steps(last="canonicalize"), tp=2)[0].code == captured.code
     if spelling in LEFT_AS_IS:
         assert gm.code == captured.code
     else:
@@ -581,7 +581,7 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
     inputs, spellings = CANONICALIZED[rule]
     forms = []
     for fn in spellings:
-        gm, ctx = _passes_on(Spelled(fn), inputs, (capture_pass, canonicalize_pass), ulysses=2)
+        gm, ctx = _passes_on(Spelled(fn), inputs, steps(last="canonicalize"), ulysses=2)
         forms.append(_canonical_form(gm))
         torch.testing.assert_close(gm(*ctx.example_inputs)[0], fn(*inputs), atol=1e-6, rtol=1e-6)
     assert all(form == forms[0] for form in forms[1:]), forms
@@ -594,7 +594,7 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
         assert ops == ["conv"] and forms[0][0][1]["pad"] == (2, 0), forms[0]
     if rule == "reshaped_back":  # the convolution reads the weight itself
         assert ops == ["conv"] and forms[0][0][2] == ["l_inputs_0_", "l_inputs_1_"], forms[0]
-        gm, ctx = _passes_on(Spelled(_written_reshaped_back), inputs[:1], (capture_pass, canonicalize_pass), ulysses=2)
+        gm, ctx = _passes_on(Spelled(_written_reshaped_back), inputs[:1], steps(last="canonicalize"), ulysses=2)
         assert [op for op, _, _ in _canonical_form(gm)].count("view") == 2
         torch.testing.assert_close(gm(*ctx.example_inputs)[0], _written_reshaped_back(*inputs[:1]))
     if rule == "sink_scale_as_sink_logits":  # GPT-OSS's sink logits: a column concatenated, dropped after the softmax
@@ -602,7 +602,7 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
     if rule == "copy_into_fresh_out_of_place":  # the value written, read in place of the buffer
         assert ops == ["mul", "add"], ops
         for read, rewritten in ((_read_then_written, True), (_aliased_then_written, False)):
-            gm, ctx = _passes_on(Spelled(read), inputs, (capture_pass, canonicalize_pass), ulysses=2)
+            gm, ctx = _passes_on(Spelled(read), inputs, steps(last="canonicalize"), ulysses=2)
             assert any(n.target == "copy_" for n in gm.graph.nodes) != rewritten, gm.graph
             torch.testing.assert_close(gm(*ctx.example_inputs)[0], read(*inputs))
     if rule == "elementwise_extreme":  # of two tensors: no reduction
@@ -610,19 +610,19 @@ def test_each_canonicalize_rule_reads_keywords_as_positions(rule):
     if rule == "softmax_of_unshifted":  # a shift along another dim than the softmax's would change it
         assert ops == ["softmax"], ops
         gm, _ = _passes_on(Spelled(lambda x: F.softmax(x - x.amax(2, keepdim=True), -1)), inputs,
-                           (capture_pass, canonicalize_pass), ulysses=2)
+                           steps(last="canonicalize"), ulysses=2)
         assert [op for op, _, _ in _canonical_form(gm)] == ["reduce", "sub", "softmax"]
     if rule == "split_features_before_views":  # the projection's features split, each part viewed as its piece
         assert ops[:8] == ["linear", "split", "getitem", "view", "getitem", "view", "getitem", "view"], ops
         assert forms[0][1][1]["split_size"] == [64, 8, 8], forms[0][1]
         gm, _ = _passes_on(Spelled(lambda x, w: _mixed(*F.linear(x, w).view(2, 8, 8, 10).split([8, 1, 1], dim=-1))),
                            inputs,
-                           (capture_pass, canonicalize_pass), ulysses=2)  # split inside each group: as written
+                           steps(last="canonicalize"), ulysses=2)  # split inside each group: as written
         assert [op for op, _, _ in _canonical_form(gm)][:3] == ["linear", "view", "split"]
     if rule == "slice_write_as_cat":  # out of place: the untouched slice and the value concatenated
         assert "cat" in ops and "setitem" not in ops, ops
         for kept in (_read_beside_the_write, _written_through_a_view):
-            gm, ctx = _passes_on(Spelled(kept), inputs, (capture_pass, canonicalize_pass), ulysses=2)
+            gm, ctx = _passes_on(Spelled(kept), inputs, steps(last="canonicalize"), ulysses=2)
             assert "setitem" in [op for op, _, _ in _canonical_form(gm)], kept
             torch.testing.assert_close(gm(*ctx.example_inputs)[0], kept(*inputs))
     if rule == "grouped_kv_attention":
@@ -649,11 +649,11 @@ def _filled_and_read_between(nope, rot):
 
 def test_canonicalize_reads_a_tensor_filled_slice_by_slice_as_their_concatenation():
     inputs = [torch.randn(2, 4, 6, 16), torch.randn(2, 1, 6, 8)]
-    gm, ctx = _passes_on(Spelled(_filled_key), inputs, (capture_pass, canonicalize_pass), tp=2)
+    gm, ctx = _passes_on(Spelled(_filled_key), inputs, steps(last="canonicalize"), tp=2)
     ops = [op for op, _, _ in _canonical_form(gm)]
     assert "cat" in ops and not {"new_tensor", "Tensor.copy_"} & set(ops), ops
     torch.testing.assert_close(gm(*ctx.example_inputs)[0], _filled_key(*inputs))
-    gm, _ = _passes_on(Spelled(_filled_and_read_between), inputs, (capture_pass, canonicalize_pass), tp=2)
+    gm, _ = _passes_on(Spelled(_filled_and_read_between), inputs, steps(last="canonicalize"), tp=2)
     assert "Tensor.copy_" in [op for op, _, _ in _canonical_form(gm)]
 
 
@@ -672,7 +672,7 @@ def test_canonicalize_groups_experts_read_a_row_at_a_time():
     tokens, logits = EXPERTS[:2]
     up, down = (torch.randn(*shape) / shape[1] ** 0.5 for shape in [(4, 8, 16), (4, 16, 8)])
     up, down = up.requires_grad_(), down.requires_grad_()
-    gm, ctx = _passes_on(Spelled(_experts_stored_in_out), [tokens, logits, up, down], (capture_pass, canonicalize_pass))
+    gm, ctx = _passes_on(Spelled(_experts_stored_in_out), [tokens, logits, up, down], steps(last="canonicalize"))
     ops = [op for op, _, _ in _canonical_form(gm)]
     assert ops.count("grouped_mm") == 2 and "matmul" not in ops, ops
     out = gm(*ctx.example_inputs)[0]
@@ -681,12 +681,12 @@ def test_canonicalize_groups_experts_read_a_row_at_a_time():
     grads = torch.autograd.grad(out.square().sum(), ctx.example_inputs[2:])
     torch.testing.assert_close(grads, torch.autograd.grad(expected.square().sum(), (up, down)), atol=1e-5, rtol=1e-5)
     read_between = Spelled(lambda *xs: _experts_stored_in_out(*xs, read_between=True))
-    gm, ctx = _passes_on(read_between, [tokens, logits, up, down], (capture_pass, canonicalize_pass))
+    gm, ctx = _passes_on(read_between, [tokens, logits, up, down], steps(last="canonicalize"))
     assert [op for op, _, _ in _canonical_form(gm)].count("matmul") == 2
     assert any("experts read a row at a time through" in w and "between them" in w for w in ctx.warnings), ctx.warnings
 
 
-class _MixtralLoop(models.LoopedExperts):
+class _MixtralLoop(patterns.LoopedExperts):
     """The loop as transformers wrote Mixtral's from 4.36: ``hidden[None, top_x].reshape(-1, hidden)``,
     the rows cast back to the output's dtype."""
 
@@ -711,10 +711,10 @@ def test_capture_makes_a_loop_over_experts_the_experts_read_a_row_at_a_time():
     stacked, and canonicalize the grouped chain: no such size is left, and forward and gradients
     are the loops'."""
     torch.manual_seed(0)
-    model = nn.Sequential(models.LoopedExperts(32, 64, 4, 2), _MixtralLoop(32, 48, 4, 2), models.MaskedLoopExperts(32, 40, 4, 2))
+    model = nn.Sequential(patterns.LoopedExperts(32, 64, 4, 2), _MixtralLoop(32, 48, 4, 2), patterns.MaskedLoopExperts(32, 40, 4, 2))
     x = torch.randn(2, 8, 32)
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        gm, ctx = _passes_on(model, [x], (capture_pass, canonicalize_pass))
+        gm, ctx = _passes_on(model, [x], steps(last="canonicalize"))
     ops = [op for op, _, _ in _canonical_form(gm)]
     assert ops.count("stack") == 9 and ops.count("grouped_mm") == 9, ops
     assert not any(n.target in (torch.where, operator.setitem) or n.meta.get("unbacked_bindings")
@@ -726,7 +726,7 @@ def test_capture_makes_a_loop_over_experts_the_experts_read_a_row_at_a_time():
                                torch.autograd.grad(expected.square().sum(), params), atol=1e-5, rtol=1e-5)
 
 
-class _RoutedPerPosition(models.MaskedLoopExperts):
+class _RoutedPerPosition(patterns.MaskedLoopExperts):
     """The router run on ``[batch, seq, hidden]``: its weights, and the rows summed over the k
     slots, never shaped ``[tokens, hidden]`` as the rows the experts read."""
 
@@ -755,7 +755,7 @@ def test_a_ranks_share_of_the_linear_flops_counts_cuts_on_some_mesh_dims():
     every mesh dim, yet a rank computes half of each expert's FLOPs and all of the router's, and
     the summary says so."""
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        report = dtensor_par.explain(models.MaskedLoopExperts(32, 64, 4, 2), (torch.randn(2, 8, 32),), tp=2, ring=2)
+        report = dtensor_par.explain(patterns.MaskedLoopExperts(32, 64, 4, 2), (torch.randn(2, 8, 32),), tp=2, ring=2)
     cov, router = report.graphs[0].coverage, 2 * 16 * 32 * 4  # 16 tokens, 32 features, 4 experts
     assert cov.sharded_linear_flops == 0 and cov.rank_linear_flops == router + (cov.linear_flops - router) // 2
     assert f"per rank {cov.rank_linear_flops / cov.linear_flops:.1%} of one device's" in cov.summary(), cov.summary()
@@ -768,7 +768,7 @@ def test_attention_with_its_heads_folded_around_a_3d_softmax_is_a_site_of_its_he
     hybrid attention: the clamp changes nothing after a constant finite mask. After a mask given
     as an input, which may hold -inf, or after two (the lowest value added twice is -inf), it
     runs as written over cp, saying why."""
-    model, x = models.FoldedHeadsAttention(), torch.randn(2, 8, 32)
+    model, x = patterns.FoldedHeadsAttention(), torch.randn(2, 8, 32)
     (graph,) = dtensor_par.explain(model, (x,), tp=2).graphs
     assert graph.sites[0].startswith("attention0: attention") and "4 heads, 4 kv heads" in graph.sites[0], graph.sites
     assert graph.warnings == [] and graph.coverage.sharded_linear_flops == graph.coverage.linear_flops
@@ -778,7 +778,7 @@ def test_attention_with_its_heads_folded_around_a_3d_softmax_is_a_site_of_its_he
     (graph,) = dtensor_par.explain(model, (x, mask), ulysses=2).graphs
     assert any("runs op by op on the whole sequence over cp: the scores are clamped at the lowest value after a "
                "mask" in w for w in graph.warnings), graph.warnings
-    (graph,) = dtensor_par.explain(models.FoldedHeadsAttention(masks=2), (x,), ulysses=2).graphs
+    (graph,) = dtensor_par.explain(patterns.FoldedHeadsAttention(masks=2), (x,), ulysses=2).graphs
     assert any("clamped at the lowest value after 2 masks, whose sum may be -inf" in w for w in graph.warnings), \
         graph.warnings
 
@@ -798,7 +798,7 @@ class TransposedWeight(torch.nn.Module):
 @pytest.mark.parametrize("on_the_left", [False, True])
 def test_canonicalize_turns_a_product_with_a_weight_into_a_linear(on_the_left):
     model, x = TransposedWeight(on_the_left), torch.randn(2, 6, 8)
-    gm, ctx = _passes_on(model, (x,), (capture_pass, canonicalize_pass), tp=2)
+    gm, ctx = _passes_on(model, (x,), steps(last="canonicalize"), tp=2)
     assert [op for op, _, _ in _canonical_form(gm)].count("linear") == 1
     assert not any(n.target in (operator.matmul, torch.matmul, "matmul") for n in gm.graph.nodes)
     torch.testing.assert_close(gm(*ctx.example_inputs)[0], model(x), atol=1e-6, rtol=1e-6)
@@ -820,7 +820,7 @@ def test_capture_keeps_the_levels_of_vmap():
     closed. Capture keeps both calls; before, it folded the level into the ops reading it and
     dropped the calls, and the batched ops failed when run."""
     model, x = Vmapped(), torch.randn(2, 6, 8)
-    gm, ctx = _passes_on(model, (x,), (capture_pass,), tp=2)
+    gm, ctx = _passes_on(model, (x,), CAPTURED, tp=2)
     levels = [n.target.__name__ for n in gm.graph.nodes if "nesting" in getattr(n.target, "__name__", "")]
     assert levels == ["_vmap_increment_nesting", "_vmap_decrement_nesting"], levels
     torch.testing.assert_close(gm(*ctx.example_inputs)[0], model(x), atol=1e-6, rtol=1e-6)
@@ -960,10 +960,9 @@ def test_written_out_attention_on_cp_is_hybrid_attention_with_its_score_function
     drops something keeps it as written, with a warning naming the dropout."""
     from dtensor_par.ops.attention import hybrid_attention
     from dtensor_par.ops.score_mod import ScoreMod
-    from dtensor_par.pipeline import PLANNING_PASSES
 
     (gm, inputs), = capture_graphs(WrittenOutAttention(dropout, fill, values), torch.randn(2, 16, 32))
-    local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning({"ulysses": 2}, "cpu"), passes=PLANNING_PASSES)
+    local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning({"ulysses": 2}, "cpu"), steps=steps(last="coverage"))
     attention = [n for n in local.graph.nodes if n.target is hybrid_attention]
     if dropout:
         assert not attention and any("attention written out by hand runs op by op on the whole sequence over cp: "
@@ -984,10 +983,9 @@ def test_scores_filled_with_the_lowest_finite_value_by_an_input_are_not_hybrid_a
     warning naming the condition. (A boolean mask gave such rows NaN at ulysses2 and an error of
     0.25 at ring2; ``tests.test_cp_gloo`` runs it exactly.)"""
     from dtensor_par.ops.attention import hybrid_attention
-    from dtensor_par.pipeline import PLANNING_PASSES
 
-    (gm, inputs), = capture_graphs(models.RowsHiddenByAnInput(), torch.randn(2, 16, 32), torch.ones(2, 1, 16, 16).bool())
-    local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning({cp: 2}, "cpu"), passes=PLANNING_PASSES)
+    (gm, inputs), = capture_graphs(patterns.RowsHiddenByAnInput(), torch.randn(2, 16, 32), torch.ones(2, 1, 16, 16).bool())
+    local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning({cp: 2}, "cpu"), steps=steps(last="coverage"))
     assert not any(n.target is hybrid_attention for n in local.graph.nodes)
     assert any(re.search(r"runs op by op on the whole sequence over cp: \w+: the scores are filled with the lowest "
                          r"finite value where it hides them, and it may hide a query row entirely", w)
@@ -1028,10 +1026,9 @@ def test_alibi_is_read_as_a_position_bias_only_where_it_is_exactly_one(form, rea
     from the last key: an offset); a bias that only equals one in exact arithmetic stays the
     attention's mask, whole."""
     from dtensor_par.ops.attention import hybrid_attention
-    from dtensor_par.pipeline import PLANNING_PASSES
 
     (gm, inputs), = capture_graphs(AlibiAttention(form), torch.randn(2, 16, 32))
-    local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning({"ring": 2}, "cpu"), passes=PLANNING_PASSES)
+    local, ctx = parallelize_graph(gm, inputs, MeshInfo.for_planning({"ring": 2}, "cpu"), steps=steps(last="coverage"))
     (hybrid,) = [n for n in local.graph.nodes if n.target is hybrid_attention]
     if read is None:
         assert "position_bias" not in hybrid.kwargs and hybrid.kwargs["attn_mask"] is not None

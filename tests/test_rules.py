@@ -424,11 +424,11 @@ def test_a_running_sum_keeps_every_cut_but_part_by_part_along_its_dim():
 
 
 def _recurrence_graph(*names: str, rule: str = "torch_chunk_gated_delta_rule", options: tuple = ()) -> fx.GraphModule:
-    """``linear_recurrence`` of ``rule`` by rows (``tests.recurrences``) on inputs ``names``, built
+    """``linear_recurrence`` of ``rule`` by rows (``dtensor_par._testing.recurrences``) on inputs ``names``, built
     by hand (symbolic tracing would trace into the function)."""
     graph = fx.Graph()
     tensors = [graph.placeholder(name) for name in names]
-    graph.output(graph.call_function(linear_recurrence, (f"tests.recurrences:{rule}", *tensors),
+    graph.output(graph.call_function(linear_recurrence, (f"dtensor_par._testing.recurrences:{rule}", *tensors),
                                      {"options": options} if options else {}))
     return fx.GraphModule(torch.nn.Module(), graph)
 

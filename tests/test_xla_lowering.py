@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections import Counter
 import math
@@ -14,23 +13,21 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dtensor_par
-from dtensor_par.pipeline import parallelize_graph
+from dtensor_par.planning import parallelize_graph
 from dtensor_par.mesh import MESH_DIMS, SPANS, MeshDim, MeshInfo
 from dtensor_par.ops.lowerings import ring_pairs
-from dtensor_par.passes.capture import capture_graphs, capture_pass
+from dtensor_par.passes.capture import capture_graphs
 from dtensor_par.config import ParallelConfig, resolve_collectives
-from dtensor_par.passes.detect import detect_pass
-from dtensor_par.passes.localize import localize_pass
-from dtensor_par.passes.lower import check_circular, check_contiguous, check_partition, lower_pass
+from dtensor_par.passes.lower import check_circular, check_contiguous, check_partition
 from dtensor_par.passes.meta import communications, placements
-from dtensor_par.passes.plan import plan_pass
-from dtensor_par.passes.rewrite import rewrite_pass
+from dtensor_par.passes.steps import steps
 from dtensor_par.params import local_value
-from tests import factories, models, xm_gloo
+from dtensor_par._testing import models
+from dtensor_par._testing.harness import assert_matches, run_ranks
+from tests import factories, xm_gloo
 from tests.background import in_background
 from tests.cases import run_cases
 from tests.conftest import GoldenTestCase, _init_fake
-from tests.harness import assert_every_rank_matches, run_ranks
 
 NEURON_ORDER = ("ring", "tp", "ulysses")  # ulysses innermost: contiguous all-to-all groups
 
@@ -139,11 +136,11 @@ def test_xla_chosen_by_auto_only_for_xla_tensors(fake_world, xm):
     fake_world(2)
     (gm, inputs), = capture_graphs(models.GPTBlock(), torch.randn(2, 8, 32))
     mesh = MeshInfo.from_mesh(dtensor_par.init_mesh(tp=2))
-    passes = (capture_pass, detect_pass, rewrite_pass, plan_pass, localize_pass, lower_pass)
+    only = steps(last="lower")
     for device, lowered in (("cpu", None), ("xla", "xla")):
         with FakeTensorMode(allow_non_fake_inputs=True):
             on_device = [torch.empty(inputs[0].shape, device=device), *inputs[1:]]  # the input x
-        local_gm, ctx = parallelize_graph(gm, on_device, mesh, passes=passes)
+        local_gm, ctx = parallelize_graph(gm, on_device, mesh, steps=only)
         collectives = [n for n in local_gm.graph.nodes if n.op == "call_function" and communications(n)]
         assert ctx.comm == (lowered or "functional") and len(collectives) == 4
         assert {n.kwargs.get("comm") for n in collectives} == {lowered}
@@ -237,27 +234,28 @@ LAUNCHES = {world: in_background(run_ranks, world, _runs, runs=runs) for world, 
 """One launch per world size for all of its runs."""
 
 
-@functools.cache
 def _results(world: int) -> dict:
-    """Rank 0's results of the launch of ``world`` ranks, every rank checked."""
-    results = LAUNCHES[world].result()
-    for label, (_, _, cases) in RUNS[world].items():
-        metrics = assert_every_rank_matches([rank_results[label]["metrics"] for rank_results in results])
-        assert set(metrics) == set(cases), label
-    return results[0]
+    """Rank 0's results of the launch of ``world`` ranks (``test_xla_lowering_matches_single_device``
+    checks every rank's)."""
+    return LAUNCHES[world].result()[0]
 
 
-@pytest.mark.parametrize("world", [4, 8])
-def test_xla_lowering_matches_single_device(world):
+@pytest.mark.parametrize("world, label, name", [(world, label, name) for world, runs in RUNS.items()
+                                                for label, (_, _, cases) in runs.items() for name in cases])
+def test_xla_lowering_matches_single_device(world, label, name):
     """tp x ulysses and tp x ring through the xm calls only: forward and every gradient exact."""
-    for label, result in _results(world).items():
-        if label.startswith("xla"):
-            expected = {"all_gather", "all_reduce"} | (
-                {"collective_permute"} if "ring" in label else
-                {"reduce_scatter"} if "all_gather" in label else {"all_to_all"})
-            assert set(result["xm"]) == expected, (label, result["xm"])
-        else:
-            assert result["xm"] == [], label
+    results = LAUNCHES[world].result()
+    assert all(name in rank_results[label]["metrics"] for rank_results in results), (label, name)
+    assert_matches(f"{label}: {name} at world {world}",
+                   [rank_results[label]["metrics"][name] for rank_results in results])
+    xm = results[0][label]["xm"]
+    if label.startswith("xla"):
+        expected = {"all_gather", "all_reduce"} | (
+            {"collective_permute"} if "ring" in label else
+            {"reduce_scatter"} if "all_gather" in label else {"all_to_all"})
+        assert set(xm) == expected, (label, xm)
+    else:
+        assert xm == [], label
 
 
 def test_ulysses_all_gather_form_matches_single_device():

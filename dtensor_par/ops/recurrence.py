@@ -286,7 +286,7 @@ RECURRENCES = {"torch_chunk_gated_delta_rule": (GatedDeltaRule, ("query", "key",
                "recurrent_kimi_delta_attention": (GatedDeltaRule, ("query", "key", "value", "g", "beta", "state")),
                "mamba2_chunk_scan": (StateSpaceScan, ("dt_bias", "dt", "hidden_states", "B", "C", "D", "A", "state")),
                "mamba_selective_scan": (SelectiveScan, ("delta_bias", "dt", "B", "C", "A", "hidden_states", "D", "z"))}
-"""The recurrences read as one op (``canonicalize.recurrence_as_one_op``), by the name of the
+"""The recurrences read as one op (``canonicalize.recurrence.recurrence_as_one_op``), by the name of the
 module transformers wraps each in: its kind, and its tensor arguments in the order the function
 first reads them (the state it starts from, if it takes one, last)."""
 

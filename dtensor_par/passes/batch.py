@@ -30,12 +30,12 @@ from ..errors import InvalidPlan
 from ..placements import Replicate, Shard, shard_dim
 from ..symbolic import hint, same_size
 from .context import ParallelContext
-from .detect import AttentionSite
 from .meta import module_paths
 from .nodes import tensor_inputs, tensor_val
 from .plan import traced_cuts
 from .rules.core import RuleEnv
 from .rules.registry import lookup
+from .sites import AttentionSite
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Carrier:
 
 
 def batch_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    """Fill ``ctx.batch_placements`` and ``ctx.batch_sized_whole`` (with dp and ``batch="global"`` only)."""
+    """Fill ``ctx.input_cuts["dp"]`` and ``ctx.batch_sized_whole`` (with dp and ``batch="global"`` only)."""
     dp = ctx.mesh.size("dp")
     if dp == 1 or ctx.config.batch == "local":
         return gm
@@ -65,9 +65,9 @@ def batch_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
                           f"would hold no sample; use a batch of at least {dp} or a smaller dp")
     carriers = batch_carriers(ctx)
     found = {node: batch_dim(gm, ctx, node, dims, carriers) for node, dims in sized.items()}
-    ctx.batch_placements = {node.name: Shard(dim) for node, dim in found.items() if dim is not None}
+    ctx.input_cuts["dp"] = {node.name: Shard(dim) for node, dim in found.items() if dim is not None}
     ctx.batch_sized_whole = [node.name for node, dim in found.items() if dim is None]
-    if not ctx.batch_placements:
+    if not ctx.input_cuts["dp"]:
         ctx.warn(f"no graph input's dim reaches the batch of {hint(batch)} the sites run on: mesh dims "
                  f"'dp_replicate' x 'dp_shard' = {dp} shard nothing")
     return gm

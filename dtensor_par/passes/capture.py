@@ -1,4 +1,5 @@
-"""capture: name the parameter placeholders, keep the buffers' values and give every node its concrete shape."""
+"""capture and specialize: name the parameter placeholders and keep the buffers' values; give
+every node its concrete shape. Also what reads Dynamo's graph as it hands it over."""
 
 from __future__ import annotations
 
@@ -20,9 +21,8 @@ from ..errors import NotSupported
 from ..symbolic import SymbolicInputs, is_symbolic, recording_guards
 from .context import ParallelContext, ParamInfo, at_node
 from .coverage import CONTRACTIONS
-from .expert_loop import loop_of_experts_as_rows
 from .meta import BufferValue, module_paths, record_capture, set_buffer_value, set_param_fqn
-from .nodes import acts_beyond_value, target_name, value_from_inputs, writes_in_place
+from .nodes import acts_beyond_value, target_name, writes_in_place
 from .recompute import allow_side_effects_in_regions, inline_checkpoints
 from .rules.registry import lookup, op_kind
 
@@ -122,14 +122,9 @@ def scalar_inputs(gm: fx.GraphModule) -> list[int]:
 
 
 def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    """Record parameters and the values of the buffers the graph only reads, then specialize
-    the graph to the concrete example inputs.
-
-    Scalars read with ``.item()`` become constants. Every node gets ``meta["val"]``: a fake
-    tensor with static sizes, or, planning symbolically (``ctx.fake_inputs``), sizes in the
-    symbols. Integer-valued nodes (sizes of dynamic graphs) are replaced by their values (ints,
-    or SymInts that localize turns back into nodes), so later passes see global sizes only.
-    """
+    """Record parameters and the values of the buffers the graph only reads; scalars read with
+    ``.item()`` become constants (their readers lose Dynamo's values: ``specialize_pass`` finds
+    them again)."""
     names = module_paths(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(ctx.example_inputs):
@@ -140,19 +135,25 @@ def capture_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             set_param_fqn(node, ctx.params[node.name].fqn)
         elif node.name in names and _known_value(value) and not _written(node):
             set_buffer_value(node, BufferValue(names[node.name], i, value))
-
-    scalars = scalar_inputs(gm)
-    for i in scalars:
+    for i in scalar_inputs(gm):
         for item in list(placeholders[i].users):
+            for reader in item.users:
+                reader.meta.pop("example_value", None)
             item.replace_all_uses_with(ctx.example_inputs[i].item())
             gm.graph.erase_node(item)
+    gm.recompile()
+    return gm
 
-    loop_of_experts_as_rows(gm)
+
+def specialize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
+    """Specialize the graph to the concrete example inputs: every node gets ``meta["val"]``, a
+    fake tensor with static sizes, or, planning symbolically (``ctx.fake_inputs``), sizes in the
+    symbols. Integer-valued nodes (sizes of dynamic graphs) are replaced by their values (ints,
+    or SymInts that localize turns back into nodes), so later passes see global sizes only."""
     refuse_data_dependent_sizes(gm)
     warn_of_unentered_subgraphs(gm, ctx)
-    if scalars or ctx.fake_inputs is not None or not _values_from_dynamo(gm):
+    if ctx.fake_inputs is not None or not _values_from_dynamo(gm):
         _propagate(gm, ctx)
-
     for node in list(gm.graph.nodes):
         value = node.meta.get("val")
         if node.op == "output" or not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
@@ -287,34 +288,6 @@ class _GuardedProp(FakeTensorProp):
         with at_node("capture", n), \
                 recording_guards(self.spec, f"{n.name} ({n.target if isinstance(n.target, str) else n.target.__name__})"):
             return super().run_node(n)
-
-
-def with_val(node: fx.Node, value) -> fx.Node:
-    """Give a node a later pass inserts the metadata capture gives every node."""
-    node.meta["val"] = value
-    node.meta["requires_grad"] = any(i.meta["requires_grad"] for i in node.all_input_nodes)
-    return node
-
-
-def emitted(graph: fx.Graph, fn, *args, **kwargs) -> fx.Node:
-    """``fn(*args, **kwargs)`` inserted at the graph's cursor, its value computed from its inputs'."""
-    node = graph.call_function(fn, args, kwargs)
-    return with_val(node, value_from_inputs(node))
-
-
-def erase_unused(gm: fx.GraphModule, node: fx.Node) -> None:
-    """Erase ``node`` if nothing reads it, then every input it leaves without readers (a dead
-    mask subgraph, a repeat-kv no attention reads any more)."""
-    stack, erased = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in erased or n.users or n.op not in ("call_function", "call_method") or n.is_impure() \
-                or acts_beyond_value(n):
-            continue
-        inputs = n.all_input_nodes
-        gm.graph.erase_node(n)
-        erased.add(n)
-        stack.extend(inputs)
 
 
 def _mark_requires_grad(gm: fx.GraphModule, example_inputs: list) -> None:

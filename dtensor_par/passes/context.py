@@ -41,8 +41,8 @@ class ParallelContext:
     sites: list = field(default_factory=list)  # AttentionSite | MoESite | MLPSite, from detect
     param_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> tp placement
     expert_placements: dict[str, dict[str, Placement]] = field(default_factory=dict)  # with ep: name -> plan dim -> cut
-    sequence_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> cp, from sequence
-    batch_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> dp, from batch
+    input_cuts: dict[str, dict[str, Placement]] = field(default_factory=dict)  # plan dim -> placeholder name -> its
+    # cut, by the step that seeds the dim (``mesh.PlanDim.seeded_by``: cp's sequence, dp's batch)
     batch_sized_whole: list[str] = field(default_factory=list)  # inputs with the batch's size whole on dp: batch
     cache_inputs: dict[str, dict[str, Placement]] = field(default_factory=dict)  # kv cache stand-in -> its cut
     cache_outputs: tuple = ()  # kv_cache.CacheOutput per output the runtime holds as a cache shard
@@ -51,7 +51,7 @@ class ParallelContext:
     recompute_regions: list = field(default_factory=list)  # meta.RecomputeRegion, in order: recompute_pass
     warnings: list[str] = field(default_factory=list)
     held_warnings: list[str] | None = None  # while a plan is tried (plan_pass): its warnings, kept back
-    coverage: Coverage | None = None  # measured once planned (coverage.record_coverage)
+    coverage: Coverage | None = None  # measured once planned (coverage.coverage_pass)
     comm: str = field(init=False)  # the lowering: known from the config and the inputs' devices alone
     replica_group_sets: dict[str, tuple] = field(default_factory=dict)  # from lower_pass
     specialization: Specialization | None = None  # a symbolic plan's guards (symbolic.py); None: static sizes

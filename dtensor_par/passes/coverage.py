@@ -22,10 +22,10 @@ from ..ops.ring_schedule import ring_step_flops
 from ..placements import Partial, Replicate, local_shape_on, shard_dim, shard_length
 from ..symbolic import hint
 from .context import Coverage, ParallelContext, at_node
-from .detect import AttentionSite, MoESite, site_weight_names
 from .meta import Work, global_shape, placements, planned_local_shape, set_work, shardings, site_role
 from .nodes import arguments, stacked_params, tensor_inputs, tensor_val, weight_param
 from .rules.registry import lookup, op_kind
+from .sites import AttentionSite, MoESite, site_weight_names
 
 _IN_BLOCK = re.compile(r"\.\d+\.")
 
@@ -58,9 +58,9 @@ def _weight_fqn(node: fx.Node, ctx: ParallelContext) -> str | None:
     return ctx.params[weight.name].fqn if isinstance(weight, fx.Node) and weight.name in ctx.params else None
 
 
-def record_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> None:
+def coverage_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Measure ``ctx.coverage`` once the graph is planned (before localize drops the values it
-    reads), and warn when no site runs parallel."""
+    reads), record each op's Work, and warn when no site runs parallel."""
     ctx.coverage = measure_coverage(gm, ctx)
     record_work(gm, ctx)
     recurrences_cut = any(op_kind(n) == "recurrence" and any(shard_dim(s.inputs[0]) is not None
@@ -70,6 +70,7 @@ def record_coverage(gm: fx.GraphModule, ctx: ParallelContext) -> None:
                  f"model (see the warnings above for why)")
     else:
         warn_whole_block_linears(ctx)
+    return gm
 
 
 WHOLE_BLOCK_SHARE = 0.05

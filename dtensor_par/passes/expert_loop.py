@@ -1,9 +1,8 @@
-"""expert_loop, a step of ``capture``: a loop over an ``nn.ModuleList`` of experts, captured in
-one graph, becomes the experts read a row at a time (transformers' ``batched_mm`` layout), which
+"""expert_loop: a loop over an ``nn.ModuleList`` of experts, captured in one graph, becomes the experts read a row at a time (transformers' ``batched_mm`` layout), which
 ``canonicalize`` makes the grouped chain that tp and expert parallelism shard.
 
 Under Dynamo's ``capture_dynamic_output_shape_ops`` such a loop (Mixtral's before transformers
-4.57, ``tests.models.LoopedExperts``) unrolls to one iteration per expert ``e``::
+4.57, ``dtensor_par._testing.patterns.LoopedExperts``) unrolls to one iteration per expert ``e``::
 
     slot, token = torch.where(one_hot(chosen, E).permute(2, 1, 0)[e])  # a size the values make
     y = expert_e(tokens[token]) * weights[token, slot, None]
@@ -36,7 +35,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import NotSupported
-from .detect import is_topk
+from .context import ParallelContext
+from .detect.experts import is_topk
 from .nodes import arguments
 from .rules.registry import kinds_in, op_kind
 
@@ -208,7 +208,7 @@ def _refuse(first: fx.Node, why: str):
         f"whole on every rank, between the planned graphs")
 
 
-def loop_of_experts_as_rows(gm: fx.GraphModule) -> fx.GraphModule:
+def expert_loop_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Rewrite each loop over experts (see the module's docstring) into the experts read a row at
     a time; a loop that cannot be read so is refused, saying why."""
     for wheres in _loops(gm).values():

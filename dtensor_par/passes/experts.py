@@ -1,4 +1,4 @@
-"""Expert parallelism (``ep="cp"``), a step of ``rewrite``: each mixture of experts' experts are
+"""The experts step: with expert parallelism (``ep="cp"``) each mixture of experts' experts are
 cut over the cp ranks, and the dp_shard ranks where the mesh has them (``params.expert_group``),
 ``E / ep`` a rank, and the rows each rank's tokens send to experts travel to the rank holding
 them and back (``ops.experts``).
@@ -35,15 +35,16 @@ import torch.fx as fx
 from ..mesh import MeshDim, MeshInfo
 from ..ops.experts import combine_rows, dispatch_rows, exchange_counts, experts_from_rows, local_expert_ids, \
     local_offsets
+from ..params import expert_group
 from ..placements import Shard
 from ..symbolic import is_symbolic
-from .capture import erase_unused, with_val
-from .context import ParallelContext
-from .detect import MoESite
+from .context import ParallelContext, at_node
+from .edits import erase_unused, with_val
 from .meta import set_experts_cut_over, set_site_role
 from .nodes import arguments, tensor_inputs, tensor_val, weight_param
 from .rules.matmul import grouped_operands
 from .rules.registry import op_kind
+from .sites import MoESite
 
 
 def _chain(site: MoESite) -> list[fx.Node]:
@@ -223,3 +224,59 @@ def _biases_by_local_ids(graph: fx.Graph, site: MoESite, offs: fx.Node, sent: fx
         bias.add.replace_input_with(bias.rows, rows)
         site.biases[grouped] = dataclasses.replace(bias, rows=rows)
     return [ids, *(bias.rows for bias in site.biases.values())]
+
+
+def _linear_in(node: fx.Node, rows: fx.Node) -> bool:
+    """Whether ``node`` is linear in ``rows``, its one input computed from them: weighted by
+    another tensor, reordered, viewed, or summed or averaged."""
+    kind, others = op_kind(node), [i for i in tensor_inputs(node) if i is not rows]
+    if kind == "mul":
+        return len(others) == 1
+    if kind == "reduce":
+        return node.target in (torch.sum, "sum", torch.mean, "mean")
+    return kind in ("getitem", "view") and arguments(node)["input"] is rows
+
+
+def sink_expert_bias(gm: fx.GraphModule, site: MoESite) -> None:
+    """Add the experts' down projection bias (GPT-OSS: each row its expert's) after the rows are
+    weighted and summed per token, not before: the ops between are linear in the rows, so
+    ``f(out + bias) = f(out) + f(bias)``, and over tp the partial sums are reduced on the tokens'
+    rows, top-k times fewer, as for experts without a bias."""
+    bias = site.biases.get(site.down[0])
+    chain, node = [], bias.add if bias is not None else None
+    while node is not None and node is not site.output and len(node.users) == 1 \
+            and _linear_in(next(iter(node.users)), node):
+        node = next(iter(node.users))
+        chain.append(node)
+    if not chain or chain[-1] is not site.output:
+        return
+    graph, made = gm.graph, {bias.add: bias.rows}
+    with graph.inserting_before(next(iter(site.output.users))):
+        for n in chain:
+            made[n] = with_val(graph.node_copy(n, lambda a: made.get(a, a)), tensor_val(n))
+        total = with_val(graph.call_function(operator.add, (site.output, made[site.output])), tensor_val(site.output))
+    site.output.replace_all_uses_with(total, delete_user_cb=lambda user: user is not total)
+    set_site_role(total, f"{site.name}.rowwise")  # where its partial sums are reduced
+    chain[0].replace_input_with(bias.add, site.down[0])
+    graph.erase_node(bias.add)
+    del site.biases[site.down[0]]
+    copies = {made[n] for n in chain if n in site.expert_order} | ({total} if site.output in site.expert_order else set())
+    site.region = (site.region - {bias.add}) | {made[n] for n in chain} | {total}
+    site.expert_order = (site.expert_order - {bias.add}) | copies
+    site.output = total
+
+
+def experts_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
+    """Each mixture's experts sent their rows over the expert group (``ep="cp"``), and over tp
+    its down projection's bias added after the rows are summed per token."""
+    tp, ep = ctx.mesh.size("tp"), expert_group(ctx.mesh)
+    for site in ctx.sites:
+        if not isinstance(site, MoESite):
+            continue
+        with at_node("experts", site.down[0]):
+            if ctx.config.ep == "cp" and ep.size > 1:
+                experts_to_ranks(gm, site, ctx, ep)
+            if tp > 1:
+                sink_expert_bias(gm, site)
+    gm.recompile()
+    return gm

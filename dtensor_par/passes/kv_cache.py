@@ -28,13 +28,13 @@ from ..kv_cache import cache_shard
 from ..ops.cache_attention import cache_buffer, cached_attention
 from ..placements import Placement, shard_dim
 from ..symbolic import same_size
-from .capture import erase_unused, with_val
 from .context import ParallelContext, at_node
-from .detect import AttentionSite
+from .edits import erase_unused, with_val
 from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.indexing import cat_dim, per_dim
 from .rules.registry import kinds_in, op_kind
 from .scores import WrittenAttention, as_sdpa_arguments, bias_kwargs, sinks_per_head, written_attention
+from .sites import AttentionSite
 
 _ALIASES = kinds_in("views") | {"cast", "getitem"}
 """Ops between a cache tensor and the attention that reads it."""

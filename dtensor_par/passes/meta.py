@@ -36,6 +36,16 @@ _MODULE_PATHS = "dtensor_par_fqns"  # on the graph module
 SYMBOLIC = "dtensor_par_symbolic"  # on the graph module
 _FSDP_GATHER = "dtensor_par_fsdp_gather"  # in node.meta["custom"], which AOTAutograd copies to the ops it traces
 
+ANNOTATIONS = {
+    "shardings": (_SHARDINGS,), "global_shape": (_GLOBAL_SHAPE,), "communications": (_COMMUNICATIONS,),
+    "site_role": (_SITE_ROLE,), "param_fqn": (_PARAM_FQN,), "weight_names": (_WEIGHT_NAME,), "buffer_value": (_BUFFER,),
+    "work": (_WORK,), "experts_cut_over": (_EXPERTS_OVER,), "recompute_region": (_RECOMPUTE,),
+    "fsdp_gather": ("custom",),
+    # torch's own keys: FX's value of a node, autograd's, AOTAutograd's partitioner's (activation checkpointing)
+    "val": ("val",), "requires_grad": ("requires_grad",), "recompute": ("recompute", "ac_graph_id"),
+}
+"""Each annotation a step may write (``passes.steps``) and the node meta keys it is kept under."""
+
 
 @dataclass(frozen=True)
 class NodeSharding:
@@ -117,7 +127,7 @@ def clear_communications(node: fx.Node) -> None:
 
 
 def work(node: fx.Node) -> Work | None:
-    """The node's Work, set by ``coverage.record_coverage`` on each planned op with a tensor
+    """The node's Work, set by ``coverage.coverage_pass`` on each planned op with a tensor
     output (localize keeps it: it rewrites those nodes' arguments, not the nodes)."""
     return node.meta.get(_WORK)
 

@@ -18,7 +18,7 @@ network and the compute take turns. Two passes, the policy of inductor's ``raise
 Random ops keep their order among themselves (which numbers one draws depends on how many
 were drawn before), and so do ops with side effects. Used on both graphs of the
 ``"aot_eager"`` inner backend (``overlapped_aot_eager``); with inductor, ``hybrid_parallel``
-turns on inductor's own passes instead (``api.INDUCTOR_OVERLAP``).
+turns on inductor's own passes instead (``runtime.INDUCTOR_OVERLAP``).
 """
 
 from __future__ import annotations

@@ -16,13 +16,14 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-from ..mesh import SPANS
+from ..mesh import PLAN, SPANS
 from ..params import unequal_parts
 from ..errors import InvalidPlan, NotSupported
 from ..placements import InterleavedShard, Placement, Replicate, Shard, parts_of, shard_dim
 from .context import ParallelContext, at_node
-from .detect import (AttentionSite, MLPSite, MoESite, concatenated_features, is_batched_linear,
-                     module_name, parts_major_split)
+from .detect.attention import concatenated_features
+from .detect.heads import parts_major_split
+from .detect.mlp import is_batched_linear
 from .meta import NodeSharding, set_global_shape, set_sharding, shardings
 from .nodes import arguments, stacked_params, target_name, tensor_inputs, tensor_val, weight_param, writes_in_place
 from .rules.core import RuleEnv, check_divisible, moved, replicate_all
@@ -31,6 +32,7 @@ from .rules.matmul import grouped_operands, is_channelwise_conv
 from .rules.pointwise import is_activation
 from .rules.registry import lookup, op_kind
 from .rules.views import dim_order
+from .sites import AttentionSite, MLPSite, MoESite, module_name
 
 R = Replicate()
 
@@ -111,7 +113,7 @@ def fused_parts(linear: fx.Node) -> FusedParts | None:
     """The parts when the projection's features (``features_carried``) are only cut into parts:
     by one chunk/split or by slices that tile them (``qkv[..., :q]``, ``qkv[..., q:q + kv]``,
     ...), each part cut so again giving its own parts (``_parts_taken_off``), or by a view that
-    splits them part first (``detect.parts_major_split``)."""
+    splits them part first (``detect.heads.parts_major_split``)."""
     node, dim = features_carried(linear, features_dim(linear))
     users = list(node.users)
     parts_major = parts_major_split(users[0]) if len(users) == 1 and dim == tensor_val(node).dim() - 1 else None
@@ -316,7 +318,7 @@ def _check_local_outputs(outputs: list[fx.Node], placements: list[Placement], en
                 f"which a DTensor placement cannot describe; use output='full'")
         if env.padded(tensor_val(node).shape[p.dim]):
             raise NotSupported(
-                f"output='local' with a {'batch' if env.dim == 'dp' else 'sequence'} of length "
+                f"output='local' with a {'batch' if env.cuts_batch else 'sequence'} of length "
                 f"{tensor_val(node).shape[p.dim]} padded to split over mesh dims "
                 f"{' x '.join(map(repr, SPANS[env.dim]))} = {env.size} (output {node.name!r}): a DTensor cannot "
                 f"hold the padding; use output='full'")
@@ -329,7 +331,7 @@ def _plan_outputs(output: fx.Node, cur: list[Placement], env: RuleEnv, ctx: Para
     caches = {output.args[0][c.index] for c in ctx.cache_outputs}
     if ctx.config.output == "local":
         _check_local_outputs(tensors, cur, env)
-    kept = [p if (ctx.config.output == "local" or (o in caches and env.dim != "dp"))
+    kept = [p if (ctx.config.output == "local" or (o in caches and not env.cuts_batch))
             and isinstance(p, (Shard, Replicate)) else R
             for o, p in zip(tensors, cur)]
     return NodeSharding(None, tuple(kept))
@@ -383,7 +385,7 @@ def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext, dispatch: dict[
     ins = tensor_inputs(node)
     cur = [env.out_of(i) for i in ins]
     site = dispatch.get(node)
-    if site is not None and env.dim != "tp" and shard_dim(env.out_of(site.token_order)) == 0:
+    if site is not None and not env.cuts_features and shard_dim(env.out_of(site.token_order)) == 0:
         return token_local_sharding(node, site, ins, cur, env)
     if node.op == "placeholder":
         return NodeSharding(env.input_placements.get(node.name, R), ())
@@ -479,8 +481,9 @@ def traced_cuts(gm: fx.GraphModule, ctx: ParallelContext, dim: str, seeds: dict[
 
 
 def _seeds(ctx: ParallelContext, dim: str) -> dict[str, Placement]:
-    """The inputs' placements on mesh dim ``dim`` that its plan starts from."""
-    seeds = dict({"tp": ctx.param_placements, "cp": ctx.sequence_placements, "dp": ctx.batch_placements}[dim])
+    """The inputs' placements on plan dim ``dim`` that its plan starts from: the weights' (tp's,
+    chosen by the plan from the sites) or the inputs its seeding step cut."""
+    seeds = dict(ctx.input_cuts.get(dim, {}) if PLAN[dim].seeded_by else ctx.param_placements)
     for name, cut in (*ctx.cache_inputs.items(), *ctx.expert_placements.items()):
         seeds.update({name: p for d, p in cut.items() if d == dim})
     return seeds
@@ -488,7 +491,7 @@ def _seeds(ctx: ParallelContext, dim: str) -> dict[str, Placement]:
 
 def _plan_dim(gm: fx.GraphModule, ctx: ParallelContext, dim, dispatch: dict[fx.Node, MoESite]) -> int:
     """Plan every node on mesh dim ``dim``; return how many gather a cut input (a note each)."""
-    env = RuleEnv(dim.name, dim.size, _seeds(ctx, dim.name), ctx.config.sequence_parallel and dim.name == "tp",
+    env = RuleEnv(dim.name, dim.size, _seeds(ctx, dim.name), ctx.config.sequence_parallel and PLAN[dim.name].cuts == "features",
                   dim.chunks_per_rank)
     for node in gm.graph.nodes:
         with at_node("plan", node):

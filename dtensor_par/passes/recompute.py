@@ -32,7 +32,6 @@ import functools
 import itertools
 import operator
 import re
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -45,12 +44,12 @@ from ..logs import logger
 from ..placements import Replicate
 from .context import ParallelContext
 from .coverage import CONTRACTIONS
-from .detect import AttentionSite, site_weight_names
 from .meta import (RecomputeRegion, communications, is_fsdp_gather, module_paths, placements, recompute_region,
                    set_recompute_region, site_role)
 from .nodes import arguments, target_name, writes_in_place
 from .rules.registry import op_kind
 from .saved import storage
+from .sites import AttentionSite, site_weight_names
 
 _OPS = ("call_function", "call_method", "call_module")
 _KEPT_BY_SELECTIVE = {"linear", "matmul", "grouped_mm", "conv", "sdpa", "hybrid_attention", "recurrence"}

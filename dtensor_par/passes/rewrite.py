@@ -33,13 +33,11 @@ from ..errors import InvalidPlan
 from ..logs import logger
 from ..ops.attention import hybrid_attention
 from ..ops.score_mod import ScoreMod
-from ..params import expert_group
 from ..placements import InterleavedShard, is_padded, shard_length
 from ..symbolic import guards_at, hint, is_symbolic
-from .capture import erase_unused, with_val
 from .context import ParallelContext, at_node
-from .detect import AttentionSite, MoESite, find_head_projections
-from .experts import experts_to_ranks
+from .detect.heads import find_head_projections
+from .edits import erase_unused, with_val
 from .meta import Communication, set_communications, set_site_role, site_role
 from .nodes import arguments, tensor_inputs, tensor_val
 from .plan import colwise_placement, fused_parts
@@ -47,6 +45,7 @@ from .rules.attention import kv_whole_on_tp
 from .rules.registry import op_kind
 from .biases import FoundBias, constant_ancestors, evaluate_constant, position_bias
 from .scores import as_sdpa_arguments, bias_kwargs, hiding_value, sinks_per_head, written_attention
+from .sites import AttentionSite
 
 
 def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:
@@ -68,46 +67,6 @@ def split_rowwise_bias(gm: fx.GraphModule, linear: fx.Node) -> None:
         ((), {**given, "bias": None})
     with_val(add, linear.meta["val"])
     set_site_role(add, site_role(linear))
-
-
-def _linear_in(node: fx.Node, rows: fx.Node) -> bool:
-    """Whether ``node`` is linear in ``rows``, its one input computed from them: weighted by
-    another tensor, reordered, viewed, or summed or averaged."""
-    kind, others = op_kind(node), [i for i in tensor_inputs(node) if i is not rows]
-    if kind == "mul":
-        return len(others) == 1
-    if kind == "reduce":
-        return node.target in (torch.sum, "sum", torch.mean, "mean")
-    return kind in ("getitem", "view") and arguments(node)["input"] is rows
-
-
-def sink_expert_bias(gm: fx.GraphModule, site: MoESite) -> None:
-    """Add the experts' down projection bias (GPT-OSS: each row its expert's) after the rows are
-    weighted and summed per token, not before: the ops between are linear in the rows, so
-    ``f(out + bias) = f(out) + f(bias)``, and over tp the partial sums are reduced on the tokens'
-    rows, top-k times fewer, as for experts without a bias."""
-    bias = site.biases.get(site.down[0])
-    chain, node = [], bias.add if bias is not None else None
-    while node is not None and node is not site.output and len(node.users) == 1 \
-            and _linear_in(next(iter(node.users)), node):
-        node = next(iter(node.users))
-        chain.append(node)
-    if not chain or chain[-1] is not site.output:
-        return
-    graph, made = gm.graph, {bias.add: bias.rows}
-    with graph.inserting_before(next(iter(site.output.users))):
-        for n in chain:
-            made[n] = with_val(graph.node_copy(n, lambda a: made.get(a, a)), tensor_val(n))
-        total = with_val(graph.call_function(operator.add, (site.output, made[site.output])), tensor_val(site.output))
-    site.output.replace_all_uses_with(total, delete_user_cb=lambda user: user is not total)
-    set_site_role(total, f"{site.name}.rowwise")  # where its partial sums are reduced
-    chain[0].replace_input_with(bias.add, site.down[0])
-    graph.erase_node(bias.add)
-    del site.biases[site.down[0]]
-    copies = {made[n] for n in chain if n in site.expert_order} | ({total} if site.output in site.expert_order else set())
-    site.region = (site.region - {bias.add}) | {made[n] for n in chain} | {total}
-    site.expert_order = (site.expert_order - {bias.add}) | copies
-    site.output = total
 
 
 def gqa_repeat(heads: int, kv_heads: int, divisor: int) -> int:
@@ -505,17 +464,11 @@ def gather_fused_kv(gm: fx.GraphModule, site: AttentionSite, ctx: ParallelContex
 
 
 def rewrite_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    tp, ep = ctx.mesh.size("tp"), expert_group(ctx.mesh)
+    tp = ctx.mesh.size("tp")
     for site in ctx.sites:
         for linear in site.rowwise:
             with at_node("rewrite", linear):
                 split_rowwise_bias(gm, linear)
-        if isinstance(site, MoESite) and ctx.config.ep == "cp" and ep.size > 1:
-            with at_node("rewrite", site.down[0]):
-                experts_to_ranks(gm, site, ctx, ep)
-        if isinstance(site, MoESite) and tp > 1:
-            with at_node("rewrite", site.down[0]):
-                sink_expert_bias(gm, site)
         if not isinstance(site, AttentionSite):
             continue
         with at_node("rewrite", site.core):

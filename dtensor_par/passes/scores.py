@@ -7,7 +7,7 @@ last (tensors added, ``masked_fill`` or ``where`` of the scores with -inf or the
 lowest value, one or several in a row) becomes the attention's mask, which rewrite then reads as
 it reads an SDPA mask (built from positions: no ``S x S`` tensor kept); a tensor added there that is a bias built
 from positions (ALiBi, T5's relative buckets: ``passes.biases``) travels as hybrid attention's
-position bias beside it. Sink logits concatenated after the scores (GPT-OSS: ``detect.SinkLogits``)
+position bias beside it. Sink logits concatenated after the scores (GPT-OSS: ``sites.SinkLogits``)
 travel as hybrid attention's sinks. Heads folded into the batch around the scores (Bloom's
 ``[batch * heads, seq, keys]``) are read unfolded. Between the softmax and ``@ v``:
 float casts and a dropout that drops nothing. Anything else is a reason, naming its node,
@@ -27,10 +27,11 @@ from ..logs import logger
 from ..ops.score_mod import ScoreMod
 from ..symbolic import guards_at
 from .biases import FoundBias, constant_ancestors, evaluate_constant, position_bias
-from .capture import with_val
-from .detect import AttentionSite, folds_heads, unfolded_heads
+from .detect.heads import folds_heads, unfolded_heads
+from .edits import with_val
 from .nodes import arguments, tensor_inputs, tensor_val
 from .rules.registry import op_kind
+from .sites import AttentionSite
 
 _TANH = {torch.tanh, F.tanh, "tanh"}
 _SOFTMAX = {F.softmax, torch.softmax, "softmax"}

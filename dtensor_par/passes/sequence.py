@@ -20,18 +20,20 @@ from ..ops.recurrence import kind_of, named_arguments
 from ..placements import Shard, shard_dim
 from ..symbolic import same_size
 from .batch import Carrier
-from .capture import with_val
 from .context import ParallelContext, at_node
-from .detect import TO_ATTENTION, AttentionSite, find_producers
+from .detect.heads import TO_ATTENTION
+from .detect.walk import find_producers
+from .edits import with_val
 from .nodes import arguments, tensor_inputs, tensor_val
 from .plan import traced_cuts
 from .rules.indexing import cat_dim
 from .rules.registry import op_kind
 from .rules.views import sequence_start
+from .sites import AttentionSite
 
 
 def sequence_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    """Fill ``ctx.sequence_placements`` and cut the sequences the graph makes (with cp only)."""
+    """Fill ``ctx.input_cuts["cp"]`` and cut the sequences the graph makes (with cp only)."""
     if ctx.mesh.size("cp") == 1:
         return gm
     lengths = [tensor_val(node.args[1]).shape[1] for node in _recurrences(gm)]
@@ -49,7 +51,7 @@ def sequence_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     inputs = sequence_inputs(gm, ctx, lengths, masks)
     starts = sequence_start_candidates(gm, lengths, masks | made_of_parameters(gm, ctx))
     cut = traced_sequences(gm, ctx, inputs + starts)
-    ctx.sequence_placements = {node.name: Shard(1) for node in inputs if node in cut}
+    ctx.input_cuts["cp"] = {node.name: Shard(1) for node in inputs if node in cut}
     mark_sequence_starts(gm, [node for node in starts if node in cut])
     gm.recompile()
     return gm

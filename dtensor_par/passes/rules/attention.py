@@ -67,7 +67,7 @@ def hybrid_attention_rule(node, ins, cur, env):
     is the same attention permuted alike, and the mask is permuted to the order the ranks hold
     (``localize_joint_mask``).
     """
-    if env.dim != "cp":
+    if not env.cuts_sequence:
         return sdpa_rule(node, ins, cur, env)
     seq_dim = tensor_val(ins[0]).dim() - 2
     joint, given = cur[0], arguments(node)
@@ -82,7 +82,7 @@ def hybrid_attention_rule(node, ins, cur, env):
 def cached_attention_rule(node, ins, cur, env):
     """Heads split on tp as for SDPA; on cp the queries and new rows are whole and the held
     cache rows are this rank's (``ops.cache_attention``)."""
-    if env.dim != "cp":
+    if not env.cuts_sequence:
         return sdpa_rule(node, ins, cur, env)
     held = Shard(tensor_val(ins[3]).dim() - 2)
     return NodeSharding(R, (R, R, R, held, held) + (R,) * (len(ins) - 5))
@@ -124,7 +124,7 @@ def kv_whole_on_tp(x: torch.Tensor) -> torch.Tensor:
 
 
 def kv_whole_on_tp_rule(node, ins, cur, env):
-    p = R if env.dim == "tp" else cur[0]
+    p = R if env.cuts_features else cur[0]
     return NodeSharding(p, (p,))
 
 

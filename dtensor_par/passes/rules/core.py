@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ...mesh import PLAN
 from ...placements import InterleavedShard, Partial, Placement, Replicate, Shard, is_padded, parts_of, shard_dim
 from ..meta import NodeSharding, shardings
 from ..nodes import tensor_val
@@ -17,17 +18,32 @@ R = Replicate()
 
 @dataclass
 class RuleEnv:
-    dim: str  # the mesh dim planned: "tp", "cp" or "dp"
+    """The plan dim a rule places a node on (``mesh.PLAN``): rules ask it what it cuts, not its name."""
+
+    dim: str  # the plan dim planned: "tp", "cp" or "dp"
     size: int
     input_placements: dict[str, Placement]  # placeholder name -> placement (others Replicate)
     sequence_parallel: bool
     chunks_per_rank: int = 1  # 2 for cp's zigzag layout
 
     @property
+    def cuts_features(self) -> bool:
+        """Heads and hidden features (tp)."""
+        return PLAN[self.dim].cuts == "features"
+
+    @property
+    def cuts_sequence(self) -> bool:
+        return PLAN[self.dim].cuts == "sequence"
+
+    @property
+    def cuts_batch(self) -> bool:
+        return PLAN[self.dim].cuts == "batch"
+
+    @property
     def pads(self) -> bool:
-        """Whether a shard here that does not divide is padded: an uneven sequence over cp or
-        batch over dp; ``check_divisible`` refuses uneven tp shards."""
-        return self.dim in ("cp", "dp")
+        """Whether a shard here that does not divide is padded: an uneven sequence or batch;
+        ``check_divisible`` refuses uneven feature shards."""
+        return PLAN[self.dim].pads
 
     def padded(self, length: int) -> bool:
         """Whether a dim of this length is laid out padded when sharded here."""

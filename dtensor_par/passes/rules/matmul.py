@@ -263,7 +263,7 @@ def conv_rule(node, ins, cur, env):
     if x_p.dim == 0:
         return NodeSharding(x_p, tuple(cur))
     rows, reach = tensor_val(ins[0]).shape[x_p.dim], reach_of(node, x_p.dim)
-    if reach == (0, 0, 1) or (reach and (env.dim == "cp" or reach[:2] == (0, 0)) and _runs_fit(rows, reach, env)):
+    if reach == (0, 0, 1) or (reach and (env.cuts_sequence or reach[:2] == (0, 0)) and _runs_fit(rows, reach, env)):
         return NodeSharding(x_p, tuple(cur))
     return replicate_all(node, ins, cur, f"a convolution over rows cut along dim {x_p.dim} (kernel, stride, padding, "
                                          f"dilation {_spatial(node, x_p.dim)}) that reads past a run of them "

@@ -36,7 +36,7 @@ def norm_rule(node, ins, cur, env):
     first = ndim - _normalized_ndim(node)
     if shard_dim(x_p) is not None and x_p.dim < first:
         return NodeSharding(x_p, (x_p,) + tuple(R for _ in ins[1:]))
-    if shard_dim(x_p) is not None and env.dim == "tp":
+    if shard_dim(x_p) is not None and env.cuts_features:
         return NodeSharding(x_p, (x_p,) + tuple(moved(x_p, x_p.dim - first) for _ in ins[1:]))
     return replicate_all(node, ins, cur, "normalization over the sequence sharded on cp")
 
@@ -208,7 +208,7 @@ def recurrence_rule(node, ins, cur, env):
     if alike and state is not None and set(start) <= {R, state}:
         per_head = Shard(0) if p.dim == 2 else R
         return NodeSharding((p, state), needed + (per_head,) * len(kind.per_head) + (state,) * len(start))
-    if alike and p.dim == 1 and not start and env.dim == "cp" and not is_symbolic(tensor_val(ins[0]).shape[1]):
+    if alike and p.dim == 1 and not start and env.cuts_sequence and not is_symbolic(tensor_val(ins[0]).shape[1]):
         return NodeSharding((p, R), needed + (R,) * len(kind.per_head))
     return replicate_all(node, ins, cur, "a recurrence's inputs cut differently, or along a sequence of symbolic "
                                          "length or from a given state")

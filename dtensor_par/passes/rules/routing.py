@@ -123,7 +123,7 @@ def expert_exchange_rule(node, ins, cur, env):
     cp they run only on each rank's own tokens, which the mixture's dispatch places
     (``plan.token_local_sharding``): here its tokens are not cut over cp."""
     rows, counts = cur[0], cur[1:]  # exchange_counts' and local_offsets' only input: counts
-    if env.dim == "cp" or shard_dim(rows) == 0 or any(c != R for c in counts):
+    if env.cuts_sequence or shard_dim(rows) == 0 or any(c != R for c in counts):
         raise NotSupported(f"plan: {node.name} ({target_name(node)}): expert parallelism (ep='cp') runs on each "
                            f"cp rank's own tokens, but the mixture's inputs reach it {[str(c) for c in cur]} on "
                            f"mesh dim {env.dim!r} (gathered before it: see the warnings); run it with ep=None")

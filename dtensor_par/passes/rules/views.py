@@ -262,7 +262,7 @@ def sequence_start(x: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_start_rule(node, ins, cur, env):
-    p = Shard(1) if env.dim == "cp" and cur[0] == R else cur[0]
+    p = Shard(1) if env.cuts_sequence and cur[0] == R else cur[0]
     return NodeSharding(p, (p,))
 
 

@@ -1,4 +1,4 @@
-"""The pass pipeline: one captured graph in, this rank's graph out."""
+"""Planning: one captured graph in, this rank's graph out, by the steps of ``passes.steps``."""
 
 from __future__ import annotations
 
@@ -14,27 +14,13 @@ from .dump import GraphDump
 from .logs import logger
 from .symbolic import Specialization, recording_guards
 
-from .passes.batch import batch_pass
-from .passes.canonicalize import canonicalize_pass
-from .passes.capture import capture_pass
-from .passes.recompute import recompute_pass
 from .config import ParallelConfig
+from .errors import USER_ERRORS, PlanningError
 from .mesh import MeshInfo
 from .params import WHOLE, WholeParameters
-from .errors import USER_ERRORS, PlanningError
 from .passes.context import ParallelContext
-from .passes.coverage import record_coverage
-from .passes.detect import detect_pass
-from .passes.kv_cache import kv_cache_pass
-from .passes.localize import graph_communications, localize_pass
-from .passes.lower import lower_pass
-from .passes.plan import plan_pass
-from .passes.rewrite import rewrite_pass
-from .passes.sequence import sequence_pass
-
-PASSES = (capture_pass, canonicalize_pass, detect_pass, kv_cache_pass, rewrite_pass, sequence_pass, batch_pass,
-          plan_pass, localize_pass, lower_pass, recompute_pass)
-PLANNING_PASSES = PASSES[:PASSES.index(plan_pass) + 1]  # enough for every node's placement
+from .passes.localize import graph_communications
+from .passes.steps import STEPS, Step
 
 
 def on_captured(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
@@ -83,40 +69,39 @@ def fork(gm: fx.GraphModule, ctx: ParallelContext, mesh: MeshInfo) -> tuple[fx.G
     return copied, dataclasses.replace(ctx, **{**containers, "mesh": mesh, "sites": sites})
 
 
-def run_passes(gm: fx.GraphModule, ctx: ParallelContext, passes, dump: GraphDump | None = None) -> fx.GraphModule:
-    """``passes`` in order on ``gm`` itself, coverage recorded once planned."""
-    for run in passes:
-        gm = _step(run, gm, ctx)
-        if run is plan_pass:  # once, on the planned global graph
-            _step(record_coverage, gm, ctx)
+def run_steps(gm: fx.GraphModule, ctx: ParallelContext, steps: tuple[Step, ...],
+              dump: GraphDump | None = None) -> fx.GraphModule:
+    """``steps`` in order on ``gm`` itself."""
+    for step in steps:
+        gm = _run(step, gm, ctx)
         if dump is not None:
-            dump.after(run.__name__, gm, ctx)
+            dump.after(step.name, gm, ctx)
     return gm
 
 
-def _step(step, gm: fx.GraphModule, ctx: ParallelContext):
-    """``step(gm, ctx)``, timed, its guards attributed to it; an internal error becomes a
+def _run(step: Step, gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
+    """The step on ``gm``, timed, its guards attributed to it; an internal error becomes a
     PlanningError naming the step."""
     t0 = time.perf_counter()
     try:
-        with recording_guards(ctx.specialization, step.__name__), warnings.catch_warnings():
+        with recording_guards(ctx.specialization, step.name), warnings.catch_warnings():
             # symbolic sizes sit in arguments until localize turns them into nodes (materialize_sizes)
             warnings.filterwarnings("ignore", "Raw SymInt value", UserWarning)
-            result = step(gm, ctx)
+            result = step.run(gm, ctx)
     except USER_ERRORS:
         raise
     except Exception as e:
-        raise PlanningError(f"{step.__name__}: {type(e).__name__}: {e}. This is a dtensor_par bug: please report "
+        raise PlanningError(f"{step.name}: {type(e).__name__}: {e}. This is a dtensor_par bug: please report "
                             f"it with this message, or set DTENSOR_PAR_DUMP=DIR to see the graph") from e
-    logger.debug("%s: %.1f ms", step.__name__, 1e3 * (time.perf_counter() - t0))
+    logger.debug("%s: %.1f ms", step.name, 1e3 * (time.perf_counter() - t0))
     return result
 
 
 def parallelize_graph(gm: fx.GraphModule, example_inputs: list, mesh: MeshInfo,
                       config: ParallelConfig | None = None, *, feeding: WholeParameters = WHOLE,
-                      passes=PASSES, dump: GraphDump | None = None,
+                      steps: tuple[Step, ...] = STEPS, dump: GraphDump | None = None,
                       specialization: Specialization | None = None) -> tuple[fx.GraphModule, ParallelContext]:
-    """Run ``passes`` in order on a copy of ``gm`` for concrete ``example_inputs`` over ``mesh``,
+    """Run ``steps`` in order on a copy of ``gm`` for concrete ``example_inputs`` over ``mesh``,
     the parameters fed as ``feeding`` says; with a ``specialization``
     (``symbolic.SymbolicInputs.fake_inputs``), on its symbolic sizes."""
     ctx = ParallelContext(config or ParallelConfig(), mesh, list(example_inputs), feeding,
@@ -126,7 +111,7 @@ def parallelize_graph(gm: fx.GraphModule, example_inputs: list, mesh: MeshInfo,
         dump.captured(gm)
     gm = copy_graph_module(gm)
     start = time.perf_counter()
-    gm = run_passes(gm, ctx, passes, dump)
+    gm = run_steps(gm, ctx, steps, dump)
     logger.info("planned a graph of %d nodes: %d sites, %d ops that communicate, %s, %d warnings, %.1f ms",
                 len(gm.graph.nodes), len(ctx.sites), len(graph_communications(gm)),
                 ctx.coverage.summary() if ctx.coverage else "not planned", len(ctx.warnings),

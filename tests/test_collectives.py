@@ -1,4 +1,4 @@
-"""Exact structure of the per-rank graph at world size 8, on a fake process group."""
+"""The collectives of the per-rank graph at world size 8, counted exactly on a fake process group."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from dtensor_par.ops import collectives as C
 from dtensor_par.passes.localize import collectives_in
 from dtensor_par.passes.meta import communications, placements
 from dtensor_par.placements import InterleavedShard, Replicate, Shard
-from tests import models
+from dtensor_par._testing import models, patterns
+from dtensor_par._testing.harness import aot_graphs, capturing_backend
 from tests.conftest import GoldenTestCase, plan_graph
-from tests.harness import aot_graphs, capturing_backend
 
 
 def forward_collectives(gm) -> Counter:
@@ -149,7 +149,7 @@ def test_hybrid_attention_collectives_per_attention(fake_world):
     reuses the kv blocks and rotates the dk/dv accumulators ring-1 times."""
     import dtensor_par
     from dtensor_par.passes.capture import capture_graphs
-    from dtensor_par.pipeline import parallelize_graph
+    from dtensor_par.planning import parallelize_graph
     from dtensor_par.mesh import MeshInfo
 
     fake_world(8)
@@ -197,14 +197,14 @@ def test_mask_stays_whole_and_an_uneven_sequence_is_padded(fake_world):
     of the output cuts the padding off."""
     import dtensor_par
     from dtensor_par.passes.capture import capture_graphs
-    from dtensor_par.pipeline import parallelize_graph
+    from dtensor_par.planning import parallelize_graph
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.ops.attention import hybrid_attention
 
     fake_world(4)
     info = MeshInfo.from_mesh(dtensor_par.init_mesh(ring=2, ulysses=2))
     keep = torch.ones(2, 30, dtype=torch.bool)
-    (g, inputs), = capture_graphs(models.MaskedAttention("additive"), torch.randn(2, 30, 32), keep)
+    (g, inputs), = capture_graphs(patterns.MaskedAttention("additive"), torch.randn(2, 30, 32), keep)
     gm, ctx = parallelize_graph(g, inputs, info)
     inputs = {n.name: placements(n)["cp"] for n in gm.graph.nodes if n.op == "placeholder"}
     assert inputs["l_x_"] == Shard(1) and inputs["l_keep_"] == Replicate()
@@ -223,13 +223,13 @@ def test_contraction_over_the_sequence_sums_shards_unless_padded(fake_world):
     one would sum the padding, so its shards are gathered (cut to the real length) first."""
     import dtensor_par
     from dtensor_par.passes.capture import capture_graphs
-    from dtensor_par.pipeline import parallelize_graph
+    from dtensor_par.planning import parallelize_graph
     from dtensor_par.mesh import MeshInfo
 
     fake_world(4)
     info = MeshInfo.from_mesh(dtensor_par.init_mesh(ring=2, ulysses=2))
     for seq, gathers, reduces in ((32, 0, 1), (30, 1, 0)):
-        (g, inputs), = capture_graphs(models.SequenceGram(), torch.randn(2, seq, 32))
+        (g, inputs), = capture_graphs(patterns.SequenceGram(), torch.randn(2, seq, 32))
         gm, ctx = parallelize_graph(g, inputs, info)
         matmul, = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "matmul"]
         around = set(matmul.all_input_nodes) | set(matmul.users)
@@ -242,7 +242,7 @@ def test_parameter_gradients_reduced_in_buckets_over_cp(fake_world):
     """At tp2 x ulysses2 every parameter is replicated over cp and used rank-locally: its
     gradient is a per-rank partial. They are reduced in flat buckets, issued where autograd
     produces their last gradient; sink_waits then waits for each just before its first reader."""
-    from dtensor_par.pipeline import parallelize_graph
+    from dtensor_par.planning import parallelize_graph
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.passes.capture import capture_graphs
     from dtensor_par.config import ParallelConfig
@@ -301,7 +301,7 @@ def test_bucket_flatten_and_unflatten_ops_round_trip():
 def test_forward_issues_q_exchange_before_the_kv_projections(fake_world):
     """Ulysses exchanges q alone; overlap_pass issues it as soon as q exists, so the k and v
     projections run while it is in flight (as traced, it waits at once, after them)."""
-    from dtensor_par.pipeline import parallelize_graph
+    from dtensor_par.planning import parallelize_graph
     from dtensor_par.mesh import MeshInfo
     from dtensor_par.passes.capture import capture_graphs
     from dtensor_par.passes.overlap import WAIT, overlap_pass

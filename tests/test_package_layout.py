@@ -20,8 +20,9 @@ FLOORS = (
     ("passes.rules",),
     ("passes.context",),
     ("passes",),  # the passes themselves
-    ("dump", "pipeline", "plancache", "routing"),
+    ("dump", "planning", "plancache", "routing"),
     ("sharded", "runtime", "api", "explain", "choose", "calibrate", "__init__", "__main__"),
+    ("_testing",),  # what the tests and benchmarks share: above the public API, which no module imports it from
 )
 
 
@@ -101,6 +102,23 @@ def test_node_annotations_only_through_passes_meta():
     spelled = re.compile(r"""meta(\[|\.get\(|\.setdefault\(|\.pop\()\s*["']dtensor_par|["']dtensor_par_?\w*["']\s+in\s""")
     found = [f"{path.relative_to(ROOT)}:{i}" for path in sources if path != PACKAGE / "passes" / "meta.py"
              for i, line in enumerate(path.read_text().splitlines(), 1) if spelled.search(line)]
+    assert found == []
+
+
+def test_modules_are_short():
+    """A module over 700 lines is a catalogue to split by family (as passes/canonicalize/ is)."""
+    long = [f"{path.relative_to(ROOT)} ({n} lines)" for path in PACKAGE.rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > 700]
+    assert long == []
+
+
+def test_benchmarks_and_examples_import_no_test_module():
+    """What both need lives in dtensor_par/_testing: tests/ is no library."""
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}" for folder in ("benchmarks", "examples")
+             for path in (ROOT / folder).rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, (ast.Import, ast.ImportFrom))
+             and any(name == "tests" or name.startswith("tests.") for name in
+                     ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]))]
     assert found == []
 
 
