@@ -1,4 +1,5 @@
-"""``python -m dtensor_par explain module.py:factory --tp 8``: the plan, without hardware;
+"""``python -m dtensor_par explain module.py:factory --tp 8`` (or a transformers checkpoint folder:
+``explain ./llama-70b --tp 8 --seq 4096``): the plan, without hardware;
 ``python -m dtensor_par choose module.py:factory --world 64 --machine trn2-48xl``: every mesh
 of 64 ranks ranked by predicted step time there, and why the others are refused;
 ``python -m dtensor_par calibrate --world 4 --out profile.json``: a profile of this machine."""
@@ -10,6 +11,7 @@ import dataclasses
 import gc
 import importlib
 import importlib.util
+import json
 import os
 import sys
 
@@ -45,6 +47,39 @@ def load_factory(spec: str):
     return factory
 
 
+def model_from_checkpoint(path: str, seq: int):
+    """A transformers checkpoint folder (or its ``config.json``) -> (the model built from its
+    config on the meta device, in the config's dtype, example input ids of ``seq`` tokens): what
+    explain and choose plan needs no weights, and a model of any size costs no memory."""
+    config_file = path if os.path.isfile(path) else os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise SystemExit(f"explain: {path!r} is neither MODULE:FACTORY nor a checkpoint folder with a config.json")
+    with open(config_file) as f:
+        raw = json.load(f)
+    if "model_type" not in raw:
+        known = "a diffusers component" if "_class_name" in raw else "no transformers config"
+        raise SystemExit(f"explain: {config_file} is {known} (no 'model_type'): its example inputs depend on the "
+                         f"model; write MODULE:FACTORY returning (model, example_inputs)")
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(os.path.dirname(config_file) or ".")
+    config.use_cache = False  # a cache is generate's; its empty tensors are not the model's
+    architecture = (config.architectures or [None])[0]
+    model_cls = getattr(transformers, architecture, None) if architecture else None
+    with torch.device("meta"):
+        model = model_cls(config) if model_cls else transformers.AutoModelForCausalLM.from_config(config)
+        ids = torch.randint(0, config.vocab_size, (1, seq))
+    dtype = getattr(config, "dtype", None)
+    return model.to(dtype) if isinstance(dtype, torch.dtype) else model, (ids,)
+
+
+def load_model(spec: str, seq: int):
+    """(model, example inputs) of ``MODULE:FACTORY`` or of a transformers checkpoint."""
+    if os.path.isdir(spec) or spec.endswith(".json"):
+        return model_from_checkpoint(spec, seq)
+    return load_factory(spec)()
+
+
 def _dtype(name: str):
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
@@ -71,11 +106,15 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
                                 choices=choices, help=f.metadata["help"] + shown)
 
 
+MODEL_HELP = ("MODULE:FACTORY (FACTORY() returns (model, example_inputs)), or a transformers checkpoint folder "
+              "or its config.json (built on the meta device; --seq input tokens)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dtensor_par")
     commands = parser.add_subparsers(dest="command", required=True)
     ex = commands.add_parser("explain", help="plan a model at any mesh size and print the plan")
-    ex.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (model, example_inputs)")
+    ex.add_argument("factory", help=MODEL_HELP)
     for plan_dim in PLAN_DIMS_DECLARED:
         for dim in plan_dim.mesh_dims:
             ex.add_argument(f"--{dim.replace('_', '-')}", type=int, default=1,
@@ -87,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="report parameters as dtensor_par.parallelize holds them (tp and FSDP pieces), not whole")
     ex.add_argument("--machine", help="also predict the step time on this machine profile (a name or a JSON path)")
     ch = commands.add_parser("choose", help="rank every mesh of a world size by predicted step time on a machine")
-    ch.add_argument("factory", help="MODULE:FACTORY; FACTORY() returns (model, example_inputs)")
+    ch.add_argument("factory", help=MODEL_HELP)
     ch.add_argument("--world", type=int, required=True, help="the number of ranks")
     ch.add_argument("--machine", required=True, help=f"a profile's name ({', '.join(MACHINES)}) or a JSON path")
     ch.add_argument("--top", type=int, default=5, help="how many legal meshes to list (default: 5)")
@@ -97,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement (median)")
     for sub in (ex, ch):
         sub.add_argument("--inference", action="store_true", help="predict a forward, not a training step")
+        sub.add_argument("--seq", type=int, default=4096, help="a checkpoint's example input tokens (default: 4096)")
         add_option_flags(sub)
     return parser
 
@@ -109,7 +149,7 @@ def main(argv=None) -> int:
             print(describe(profile) + f"\nwritten to {args['out']}")
         return 0
     gc.freeze()  # what the imports made lives until exit: no collection need walk it again (~0.2 s)
-    model, example_inputs = load_factory(args["factory"])()
+    model, example_inputs = load_model(args["factory"], args["seq"])
     options = {f.name: args[f.name] for f in dataclasses.fields(ParallelConfig) if f.name in args}
     training = not args["inference"]
     try:

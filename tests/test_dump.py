@@ -367,6 +367,37 @@ def test_cli_bad_factory(spec, message, monkeypatch):
         main(["explain", spec, "--tp", "2"])
 
 
+def test_cli_plans_a_transformers_checkpoint_folder_on_the_meta_device(tmp_path, capsys):
+    """A folder with only a config.json (no weights: the model is built on meta), in its dtype,
+    with --seq input ids; the plan is the same as the model's own at that size."""
+    transformers = pytest.importorskip("transformers", reason="the models extra is not installed")
+    from dtensor_par.__main__ import main
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4,
+                                      architectures=["LlamaForCausalLM"], dtype="bfloat16")
+    config.save_pretrained(tmp_path)
+    for spec in (str(tmp_path), str(tmp_path / "config.json")):
+        assert main(["explain", spec, "--tp", "2", "--ulysses", "2", "--seq", "64"]) == 0
+        out = capsys.readouterr().out
+        assert "graph 0: 4 sites; linear FLOPs sharded 90.0% (in blocks 100.0%" in out and "0 fallback gathers" in out
+        params = 128 * 64 * 2 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
+        assert f"parameters: {2 * params:,} bytes held per rank" in out, out  # bfloat16
+
+
+@pytest.mark.parametrize("config, message", [
+    (None, "is neither MODULE:FACTORY nor a checkpoint folder with a config.json"),
+    ({"_class_name": "FluxTransformer2DModel"}, "is a diffusers component .no 'model_type'.: its example inputs"),
+])
+def test_cli_refuses_a_folder_it_cannot_build_saying_why(tmp_path, config, message):
+    from dtensor_par.__main__ import main
+
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit, match=message):
+        main(["explain", str(tmp_path), "--tp", "2"])
+
+
 def test_cli_mesh_larger_than_heads_allow(monkeypatch, capsys):
     from dtensor_par.__main__ import main
 
