@@ -175,12 +175,11 @@ def _entry(rank: int, world: int, store: str, out_dir: str, fn, kwargs: dict) ->
 
 _RANK_PRELOAD = ["torch", "torch._dynamo.backends.debugging", "torch._inductor.compile_fx", "dtensor_par",
                  "dtensor_par._testing.harness", "dtensor_par._testing.models", "transformers.modeling_utils",
-                 "transformers.generation", "diffusers.models.transformers", "dtensor_par._testing.warm"]
+                 "transformers.generation", "diffusers.models.transformers"]
 """What the process the ranks fork from imports once (the compilers' modules too, the small
 models, and the real models' libraries where the models extra is installed; one that is not is
-skipped), and a first compile (``warm``): a rank spawned afresh takes seconds of CPU to import
-them (transformers and diffusers 3 s) and a second to compile its first graph, and a suite
-starts dozens of ranks. Each rank still starts with nothing compiled."""
+skipped): a rank spawned afresh takes seconds of CPU to import them (transformers and diffusers
+3 s), and a suite starts dozens of ranks. Each rank still starts with nothing compiled."""
 
 
 def start_fork_server() -> None:
