@@ -9,7 +9,7 @@ and the partial results merge by their log-sum-exp after one all-gather across c
 for the cached rows: each rank takes the mask columns of the positions it holds. Attention
 written out by hand brings its score function, applied to every row's scores, its sink
 logits, one more log-sum-exp in the merge whose output is zero, and its bias built from
-positions (``ops.position_bias``: Bloom's ALiBi), evaluated at the queries' and the keys'
+positions (``ops.position_bias``: ALiBi), evaluated at the queries' and the keys'
 positions.
 """
 

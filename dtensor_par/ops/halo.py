@@ -1,5 +1,5 @@
-"""A convolution over a spatial dim cut over the sequence ranks (Sana's depthwise 3 x 3 conv over
-image rows cut over cp, a UNet's downsampling of stride 2): each run of rows a rank holds is
+"""A convolution over a spatial dim cut over the sequence ranks (a depthwise 3 x 3 convolution over
+image rows cut over cp, a downsampling of stride 2): each run of rows a rank holds is
 convolved with the rows it reaches across its edges, its halo, fetched from the ranks that hold
 them.
 

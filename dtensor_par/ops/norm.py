@@ -1,5 +1,5 @@
 """layer_norm and rms_norm over features sharded across ranks (a cross-head qk-norm on tp), and
-group_norm over an image's rows cut over cp (a UNet's).
+group_norm over an image's rows cut over cp.
 
 Each rank sums over its own features or rows; only those sums, one or two fp32 numbers per
 token or per image and group, are all-reduced, never the activation. The sums are used

@@ -6,7 +6,7 @@ positions alone (no tensor), the same in forward and backward; and what that cos
 Under a causal mask this rank's own block runs with the kernel's causal mask; in the
 contiguous layout an earlier rank's block is computed whole and a later one's not at all, in
 the zigzag layout every other rank's block in half. A causal sliding window (``window``:
-query ``p`` sees keys ``p - window < k <= p``, as Mistral's) keeps the box of rows and
+query ``p`` sees keys ``p - window < k <= p``) keeps the box of rows and
 columns where the window leaves something visible (a block outside the window is skipped,
 forward and backward), marked ``positional`` when the box itself holds hidden pairs. An
 uneven sequence padded at its end (``kv_len`` real keys) leaves the padded keys out of every

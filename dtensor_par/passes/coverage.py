@@ -1,6 +1,6 @@
 """How much of a planned graph actually runs split: the numbers behind every report.
 
-A linear (or matmul, an expert's grouped matmul, a convolution: Sana's feed-forward is three)
+A linear (or matmul, an expert's grouped matmul, a convolution)
 runs sharded on a mesh dim when its output there is not Replicate (sharded, or partial sums):
 each rank then does 1/size of its work on that dim. "Sharded" counts the ones sharded on every
 planned dim; one rank's share divides each by the sizes of the dims it is split on (a linear cut

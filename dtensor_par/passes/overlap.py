@@ -13,7 +13,7 @@ network and the compute take turns. Two passes, the policy of inductor's ``raise
   before the first other op that reads them.
 - ``reinplace_all_reduces`` reduces in place a tensor that nothing else reads (a matmul's
   output, a gradient bucket): the functional ``all_reduce`` copies its input first, a
-  pass over the whole tensor (7 MiB a step for a Llama bucket).
+  pass over the whole tensor.
 
 Random ops keep their order among themselves (which numbers one draws depends on how many
 were drawn before), and so do ops with side effects. Used on both graphs of the
