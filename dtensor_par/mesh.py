@@ -60,6 +60,7 @@ def split_degrees(options: dict) -> tuple[dict[str, int], dict]:
     other options): how an entry point that takes both as keywords reads them."""
     return {n: options.get(n, 1) for n in MESH_DIMS}, {k: v for k, v in options.items() if k not in MESH_DIMS}
 
+
 def default_device_type() -> str:
     if torch.cuda.is_available():
         return "cuda"

@@ -65,3 +65,25 @@ def test_every_collective_node_states_its_layout(fake_world):
     assert seen == {"tp", "cp", "ring", "ulysses"} and info.dims["cp"].zigzag == 2
     gather, = [n for n in gm.graph.nodes if n.target is C.all_gather]
     assert gather.args[3].name == "cp" and gather.kwargs == {"length": 30}
+
+
+def test_every_declared_mesh_dim_reaches_the_mesh_the_entry_points_and_the_cli(fake_world):
+    """Each mesh dim of ``mesh.PLAN_DIMS_DECLARED`` is read off the declaration everywhere: a
+    degree of init_mesh and of the entry points' keywords, a CLI flag with its plan dim's help,
+    a span of MeshInfo, and a dim choose_mesh factors the world over."""
+    from dtensor_par.__main__ import _parser
+    from dtensor_par.choose import factorizations
+    from dtensor_par.mesh import MESH_DIMS, PLAN_DIMS_DECLARED, SPANS, split_degrees
+
+    explain_flags = {a.dest: a.help for a in _parser()._subparsers._group_actions[0].choices["explain"]._actions}
+    fake_world(2)
+    for plan_dim in PLAN_DIMS_DECLARED:
+        for dim in plan_dim.mesh_dims:
+            assert dim in MESH_DIMS and SPANS[dim] == (dim,), dim
+            assert split_degrees({dim: 2, "ep": "cp"}) == ({n: 2 if n == dim else 1 for n in MESH_DIMS}, {"ep": "cp"})
+            assert plan_dim.help in explain_flags[dim], (dim, explain_flags.get(dim))
+            assert {n: 2 if n == dim else 1 for n in MESH_DIMS} in factorizations(2), dim
+            mesh = dtensor_par.init_mesh(**{dim: 2})
+            assert dict(zip(mesh.mesh_dim_names, mesh.shape))[dim] == 2, (dim, mesh)
+        if len(plan_dim.mesh_dims) > 1:
+            assert SPANS[plan_dim.name] == plan_dim.mesh_dims
