@@ -10,17 +10,16 @@ import warnings
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .dump import GraphDump
-from .logs import logger
-from .symbolic import Specialization, recording_guards
-
 from .config import ParallelConfig
+from .dump import GraphDump
 from .errors import USER_ERRORS, PlanningError
+from .logs import logger
 from .mesh import MeshInfo
 from .params import WHOLE, WholeParameters
 from .passes.context import ParallelContext
 from .passes.localize import graph_communications
 from .passes.steps import STEPS, Step
+from .symbolic import Specialization, recording_guards
 
 
 def on_captured(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:

@@ -32,7 +32,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..mesh import MeshDim, MeshInfo
+from ..mesh import SPANS, MeshDim, MeshInfo
 from ..ops.experts import combine_rows, dispatch_rows, exchange_counts, experts_from_rows, local_expert_ids, \
     local_offsets
 from ..params import expert_group
@@ -137,9 +137,8 @@ def _rows_times(value, times: int):
 def group_text(mesh: MeshInfo, ep: MeshDim) -> str:
     """``dp_shard=2 x cp=2``: what an expert group (``params.expert_group``) spans, as reports name it."""
     spanned = mesh.spanned(ep.name)
-    return " x ".join(f"{name}={mesh.size(name)}" for name, parts in (("dp_shard", ("dp_shard",)),
-                                                                      ("cp", ("ring", "ulysses")))
-                      if any(p in spanned for p in parts))
+    return " x ".join(f"{name}={mesh.size(name)}" for name in ("dp_shard", "cp")
+                      if any(part in spanned for part in SPANS[name]))
 
 
 def plan_dims_cut(mesh: MeshInfo, ep: MeshDim, batch: str) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..mesh import SPANS, MeshDim
+from ..mesh import PLAN_DIMS_DECLARED, SPANS, MeshDim
 from ..ops import collectives as C
 from ..params import HeldLayout, expert_group, fed_placements, held_layouts, held_tensor
 from ..placements import (Partial, Placement, Replicate, Shard, interleaved_parts, is_padded, local_shape,
@@ -125,8 +125,13 @@ def _valued_as(node: fx.Node, source: fx.Node, dtype: torch.dtype | None = None)
     return node
 
 
+INPUT_CUT_DIMS = tuple(d.name for d in PLAN_DIMS_DECLARED if d.seeded_by)
+"""The plan dims that cut the inputs (cp's sequence, dp's batch): each rank's parameter gradient is
+a part of the whole one, summed over them."""
+
+
 def _summing_dims(plan_dim: str, fsdp: MeshDim, mesh) -> MeshDim | None:
-    """The part of plan dim ``plan_dim`` (cp or dp) that an FSDP gather's reduce-scatter over
+    """The part of plan dim ``plan_dim`` (one of ``INPUT_CUT_DIMS``) that an FSDP gather's reduce-scatter over
     ``fsdp`` does not sum a gradient over, as a mesh dim; None if it sums over all of it."""
     spanned = mesh.spanned(plan_dim)
     rest = [n for n in spanned if n not in SPANS[fsdp.name]]
@@ -153,7 +158,7 @@ def gather_fsdp_param(gm: fx.GraphModule, ctx: ParallelContext, node: fx.Node, l
     held = numel * val.element_size()
     x = node
     with graph.inserting_before(first), at_node("localize", node):
-        for plan_dim in ("cp", "dp"):
+        for plan_dim in INPUT_CUT_DIMS:
             rest = _summing_dims(plan_dim, layout.fsdp, mesh)
             if rest is not None and mesh.size(plan_dim) > 1 and grad:
                 x = _plain(graph, C.grad_all_reduce, (x, rest))
