@@ -47,10 +47,11 @@ def load_factory(spec: str):
     return factory
 
 
-def model_from_checkpoint(path: str, seq: int):
+def model_from_checkpoint(path: str, seq: int, batch: int):
     """A transformers checkpoint folder (or its ``config.json``) -> (the model built from its
-    config on the meta device, in the config's dtype, example input ids of ``seq`` tokens): what
-    explain and choose plan needs no weights, and a model of any size costs no memory."""
+    config on the meta device, in the config's dtype, example input ids of ``batch`` sequences of
+    ``seq`` tokens): what explain and choose plan needs no weights, and a model of any size costs
+    no memory."""
     config_file = path if os.path.isfile(path) else os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise SystemExit(f"explain: {path!r} is neither MODULE:FACTORY nor a checkpoint folder with a config.json")
@@ -68,15 +69,15 @@ def model_from_checkpoint(path: str, seq: int):
     model_cls = getattr(transformers, architecture, None) if architecture else None
     with torch.device("meta"):
         model = model_cls(config) if model_cls else transformers.AutoModelForCausalLM.from_config(config)
-        ids = torch.randint(0, config.vocab_size, (1, seq))
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
     dtype = getattr(config, "dtype", None)
     return model.to(dtype) if isinstance(dtype, torch.dtype) else model, (ids,)
 
 
-def load_model(spec: str, seq: int):
+def load_model(spec: str, seq: int, batch: int):
     """(model, example inputs) of ``MODULE:FACTORY`` or of a transformers checkpoint."""
     if os.path.isdir(spec) or spec.endswith(".json"):
-        return model_from_checkpoint(spec, seq)
+        return model_from_checkpoint(spec, seq, batch)
     return load_factory(spec)()
 
 
@@ -107,7 +108,7 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
 
 
 MODEL_HELP = ("MODULE:FACTORY (FACTORY() returns (model, example_inputs)), or a transformers checkpoint folder "
-              "or its config.json (built on the meta device; --seq input tokens)")
+              "or its config.json (built on the meta device; --batch-size x --seq input tokens)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -137,6 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     for sub in (ex, ch):
         sub.add_argument("--inference", action="store_true", help="predict a forward, not a training step")
         sub.add_argument("--seq", type=int, default=4096, help="a checkpoint's example input tokens (default: 4096)")
+        sub.add_argument("--batch-size", type=int, default=1, help="a checkpoint's example sequences (default: 1)")
         add_option_flags(sub)
     return parser
 
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
             print(describe(profile) + f"\nwritten to {args['out']}")
         return 0
     gc.freeze()  # what the imports made lives until exit: no collection need walk it again (~0.2 s)
-    model, example_inputs = load_model(args["factory"], args["seq"])
+    model, example_inputs = load_model(args["factory"], args["seq"], args["batch_size"])
     options = {f.name: args[f.name] for f in dataclasses.fields(ParallelConfig) if f.name in args}
     training = not args["inference"]
     try:

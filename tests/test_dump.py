@@ -369,7 +369,7 @@ def test_cli_bad_factory(spec, message, monkeypatch):
 
 def test_cli_plans_a_transformers_checkpoint_folder_on_the_meta_device(tmp_path, capsys):
     """A folder with only a config.json (no weights: the model is built on meta), in its dtype,
-    with --seq input ids; the plan is the same as the model's own at that size."""
+    with --batch-size x --seq input ids; the plan is the same as the model's own at that size."""
     transformers = pytest.importorskip("transformers", reason="the models extra is not installed")
     from dtensor_par.__main__ import main
 
@@ -383,6 +383,8 @@ def test_cli_plans_a_transformers_checkpoint_folder_on_the_meta_device(tmp_path,
         assert "graph 0: 4 sites; linear FLOPs sharded 90.0% (in blocks 100.0%" in out and "0 fallback gathers" in out
         params = 128 * 64 * 2 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
         assert f"parameters: {2 * params:,} bytes held per rank" in out, out  # bfloat16
+    assert main(["explain", str(tmp_path), "--dp-shard", "2", "--seq", "64", "--batch-size", "2"]) == 0
+    assert "batch: global, cut over dp_replicate x dp_shard = 2 along l_args_1_ dim 0" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("config, message", [
