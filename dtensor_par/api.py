@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .checkpoints import checkpoint_entries, empty_model, load_checkpoint
 from .choose import Ranking, choose_mesh, mesh_text
 from .config import ParallelConfig
 from .errors import InvalidPlan
@@ -41,6 +42,9 @@ def hybrid_parallel(mesh: DeviceMesh, **options) -> ParallelBackend:
 
 _COMPILED = "_dtensor_par_compiled"
 """The attribute of a decorated instance holding its compiled call, once made."""
+_CHECKPOINT = "_dtensor_par_checkpoint"
+"""The attribute of an instance the decorated class's ``from_pretrained`` built on meta: the
+checkpoint folder its pieces are read from once its first call parallelizes it."""
 RANKING = "mesh_ranking"
 """The attribute of an instance of a ``parallel(auto=True)`` class holding the ``choose.Ranking``
 its mesh was chosen from (``[0]`` built), once chosen."""
@@ -91,16 +95,27 @@ def parallel(*, mesh: DeviceMesh | None = None, auto: bool = False, machine: str
         if compiled is None:
             built, chosen = mesh_for(self, args, kwargs)
             parallelize_with(self, built, args, kwargs, chosen, "parallel")
+            if _CHECKPOINT in self.__dict__:
+                load_checkpoint(self, self.__dict__.pop(_CHECKPOINT))
             compiled = torch.compile(types.MethodType(nn.Module.__call__, self),
                                      backend=ParallelBackend(built, chosen))
             self.__dict__[_COMPILED] = compiled
         return compiled(*args, **kwargs)
 
+    def from_pretrained(cls, path: str, *, torch_dtype: torch.dtype | None = None):
+        """An instance built on meta from the checkpoint folder ``path``'s config; its first call
+        parallelizes it and reads each rank's pieces from ``path`` (``checkpoints.from_pretrained``)."""
+        checkpoint_entries(path)  # not a checkpoint folder: said now, not at the first call
+        model = empty_model(cls, path, torch_dtype)
+        model.__dict__[_CHECKPOINT] = path
+        return model
+
     def decorate(cls):
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise TypeError(f"dtensor_par.parallel decorates torch.nn.Module subclasses, got {cls!r}")
-        return type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__,
-                                           "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+        return type(cls.__name__, (cls,), {"__call__": call, "from_pretrained": classmethod(from_pretrained),
+                                           "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                           "__doc__": cls.__doc__})
 
     return decorate
 

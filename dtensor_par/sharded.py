@@ -211,6 +211,22 @@ def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, exa
     return placements
 
 
+@contextlib.contextmanager
+def _planned_on_meta(model: nn.Module, inputs):
+    """While a model whose parameters are on ``meta`` is planned: its buffers built for real and
+    the example ``inputs`` (yielded) on ``meta`` too. Ops refuse tensors of two devices (a
+    ``layer_norm`` of real inputs by a meta weight), and the plan reads no value."""
+    real = [(module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()
+            if buffer is not None and not buffer.is_meta]
+    for module, name, buffer in real:
+        module._buffers[name] = buffer.to("meta")
+    try:
+        yield pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), inputs)
+    finally:
+        for module, name, buffer in real:
+            module._buffers[name] = buffer
+
+
 def _held_piece(param: nn.Parameter, layout: HeldLayout, mesh: DeviceMesh, info: MeshInfo) -> torch.Tensor:
     """This rank's piece of ``param`` in storage of its own; of a meta ``param``, only that piece
     materialized, uninitialized (as ``Module.to_empty``)."""
@@ -266,7 +282,11 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
         return model
     info = MeshInfo.from_mesh(mesh, entry)
     config.check_mesh(info, entry)
-    placements = plan_placements(model, mesh, example_args, example_kwargs, config)
+    if any(p.is_meta for p in model.parameters()):
+        with _planned_on_meta(model, (example_args, example_kwargs)) as (example_args, example_kwargs):
+            placements = plan_placements(model, mesh, example_args, example_kwargs, config)
+    else:
+        placements = plan_placements(model, mesh, example_args, example_kwargs, config)
     layout_of, held, whole = layout_maker(info, config, True), held_mesh(mesh), holds_whole(info, config)
     state = ShardedState(mesh, config, [])
     # id(old) -> (held param, stand-in): tied weights share them

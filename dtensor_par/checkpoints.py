@@ -1,0 +1,392 @@
+"""Checkpoint folders in the transformers and diffusers layout (config.json + safetensors), read
+and written piece by piece.
+
+``from_pretrained`` builds the model from its config with every parameter on ``meta`` (buffers
+computed for real, so rotary frequencies and position ids come out as the constructor computes
+them), parallelizes it, which allocates only this rank's pieces, and reads each piece's bytes
+from the files: no rank ever holds a whole copy. Files are read with ``pread``, not memory-mapped:
+mapped pages count toward a process's RSS, and a column slice touches every page of a tensor.
+``save_pretrained`` writes the same layout from a parallelized model, one gathered tensor at a
+time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .sharded import parallelize, sharded_state
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+          "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
+          "U8": torch.uint8, "BOOL": torch.bool}
+"""safetensors' dtype names."""
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+WEIGHTS = ("model.safetensors", "diffusion_pytorch_model.safetensors")
+"""The weights file of a transformers folder, of a diffusers component folder; sharded, each
+with ``.index.json`` beside its numbered shards."""
+
+READ_BYTES = 16 << 20
+"""The most one read of a tensor that must be selected from (a piece that is not whole rows, or
+of another dtype or device) holds at once: the bound on what loading adds to a rank's memory
+beyond its pieces."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a safetensors file: its bytes start at ``offset`` of ``file``."""
+
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+
+def read_header(file: str) -> dict[str, Entry]:
+    """The tensors of one safetensors file, by key: an 8-byte little-endian header length, the
+    JSON header ``{key: {dtype, shape, data_offsets}}``, then the data. Each tensor's bytes are
+    checked to lie in the file, so a truncated file fails here, before anything is read."""
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise ValueError(f"{file} is not a safetensors file: {size} bytes")
+        (length,) = struct.unpack("<Q", f.read(8))
+        if 8 + length > size:
+            raise ValueError(f"{file} is not a safetensors file: a header of {length} bytes in a file of {size}")
+        header = json.loads(f.read(length))
+    entries = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        if entry["dtype"] not in DTYPES:
+            raise ValueError(f"{file}: tensor {key!r} has safetensors dtype {entry['dtype']!r}, which torch does not "
+                             f"read (known: {', '.join(DTYPES)})")
+        dtype, shape, (begin, end) = DTYPES[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"]
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes or 8 + length + end > size:
+            raise ValueError(f"{file}: tensor {key!r} ({entry['dtype']}, shape {shape}: {nbytes} bytes) has bytes "
+                             f"[{begin}, {end}) after the header, in a file of {size - 8 - length} data bytes")
+        entries[key] = Entry(file, dtype, shape, 8 + length + begin)
+    return entries
+
+
+def checkpoint_entries(path: str) -> dict[str, Entry]:
+    """Every tensor of the checkpoint folder ``path``, by key, from the headers alone."""
+    for weights in WEIGHTS:
+        single, index = os.path.join(path, weights), os.path.join(path, weights + ".index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+            missing = [name for name in files if not os.path.isfile(os.path.join(path, name))]
+            if missing:
+                raise FileNotFoundError(f"{index} names shard files that are not in {path}: {missing}")
+            entries = {}
+            for name in files:
+                entries.update(read_header(os.path.join(path, name)))
+            absent = sorted(key for key, name in weight_map.items()
+                            if key not in entries or entries[key].file != os.path.join(path, name))
+            if absent:
+                raise ValueError(f"{index} places tensors in shard files whose headers lack them: {absent}")
+            return entries
+        if os.path.isfile(single):
+            return read_header(single)
+    looked = [name for weights in WEIGHTS for name in (weights, weights + ".index.json")]
+    raise FileNotFoundError(f"{path!r} is not a checkpoint folder: it has none of {looked}")
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """While a model is built: each parameter put on ``meta`` as it is registered, buffers built
+    for real (accelerate's ``init_empty_weights``). A parameter is made, then moved before any
+    initializer writes it: its memory is never touched. Tied parameters stay one object."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def empty_model(model_cls: type, path: str, torch_dtype: torch.dtype | None = None) -> nn.Module:
+    """``model_cls`` built from the config of the checkpoint folder ``path``, parameters on
+    ``meta``, in eval mode (as the libraries' ``from_pretrained``): transformers'
+    ``_from_config``, diffusers' ``from_config``."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path!r} is not a checkpoint folder: it has no config.json")
+    with _parameters_on_meta():
+        if hasattr(model_cls, "load_config"):  # diffusers' ConfigMixin
+            model = model_cls.from_config(model_cls.load_config(path))
+            if torch_dtype is not None:
+                model.to(torch_dtype)
+        elif hasattr(model_cls, "_from_config"):  # transformers' PreTrainedModel
+            config = model_cls.config_class.from_pretrained(path)
+            model = model_cls._from_config(config, **({"dtype": torch_dtype} if torch_dtype is not None else {}))
+        else:
+            raise TypeError(f"from_pretrained builds transformers and diffusers models from their config, not "
+                            f"{model_cls.__name__}: build it on meta, parallelize it and call load_checkpoint")
+    return model.eval()
+
+
+def from_pretrained(model_cls: type, path: str, mesh: DeviceMesh, *, example_inputs: tuple = (),
+                    example_kwargs: dict | None = None, torch_dtype: torch.dtype | None = None,
+                    **options) -> nn.Module:
+    """``model_cls`` from the checkpoint folder ``path``, parallelized over ``mesh``: built on
+    ``meta`` from its config, ``parallelize``d (``example_inputs``, ``options``), then each
+    rank's pieces read from the files, only its own bytes."""
+    entries = checkpoint_entries(path)
+    model = empty_model(model_cls, path, torch_dtype)
+    parallelize(model, mesh, example_inputs, example_kwargs=example_kwargs, **options)
+    _load(model, entries, path)
+    return model
+
+
+def load_checkpoint(model: nn.Module, path: str) -> nn.Module:
+    """Fill ``model``'s parameters and persistent buffers, in place, from the checkpoint folder
+    ``path``; of a parallelized model each rank reads only the bytes of its pieces. Every key,
+    shape and dtype is checked against the files' headers before anything is read."""
+    _load(model, checkpoint_entries(path), path)
+    return model
+
+
+def _load(model: nn.Module, entries: dict[str, Entry], path: str) -> None:
+    reads = _matched(model, entries, path)
+    fds = {file: os.open(file, os.O_RDONLY) for file in {entry.file for _, entry in reads}}
+    try:
+        with torch.no_grad():
+            for tensor, entry in sorted(reads, key=lambda read: (read[1].file, read[1].offset)):
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                _read_into(local.detach(), entry, _held_indices(tensor), fds[entry.file])
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    state = sharded_state(model)
+    if state is not None:  # buffers built on the CPU go where the pieces are
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device.type != state.mesh.device_type:
+                    module._buffers[name] = buffer.to(state.mesh.device_type)
+
+
+def _key_mapping(model: nn.Module, keys, found):
+    """How checkpoint keys name the model's: as they are, or with the model's
+    ``base_model_prefix`` added or removed (a base model's checkpoint into a model with a head,
+    and back, as transformers loads them), whichever names most."""
+    prefix = getattr(model, "base_model_prefix", "")
+    candidates = [lambda k: k]
+    if prefix:
+        candidates += [lambda k: f"{prefix}.{k}", lambda k: k.removeprefix(f"{prefix}.")]
+    return max(candidates, key=lambda rename: len(keys & {rename(k) for k in found}))
+
+
+def _convertible(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether ``copy_`` keeps a value of ``source`` as a ``target`` one means it: no float into an
+    integer or bool, no complex into a real."""
+    return not ((source.is_floating_point or source.is_complex) and not (target.is_floating_point or target.is_complex)
+                or source.is_complex and not target.is_complex)
+
+
+def _matched(model: nn.Module, entries: dict[str, Entry], path: str) -> list[tuple[torch.Tensor, Entry]]:
+    """(held tensor, its checkpoint entry) for every parameter and persistent buffer of
+    ``model``: tied ones once, from any of their keys the checkpoint has (transformers saves one).
+    Every mismatch is raised at once, before anything is read."""
+    state = model.state_dict(keep_vars=True)
+    tied: dict[int, list[str]] = {}
+    for key, tensor in state.items():
+        tied.setdefault(id(tensor), []).append(key)
+    rename = _key_mapping(model, set(state), entries)
+    found = {rename(key): key for key in entries}
+    problems = [f"unexpected key {key!r} (not in the model)" for key in entries if rename(key) not in state]
+    reads = []
+    for keys in tied.values():
+        present = [key for key in keys if key in found]
+        if not present:
+            problems.append(f"missing key {' or '.join(map(repr, keys))}")
+            continue
+        key, tensor = present[0], state[present[0]]
+        entry = entries[found[key]]
+        if tensor.is_meta:
+            problems.append(f"{key!r} is on meta: parallelize the model first (it materializes the pieces)")
+        elif entry.shape != tuple(tensor.shape):
+            problems.append(f"{key!r} has shape {list(entry.shape)} in the checkpoint, {list(tensor.shape)} in the "
+                            f"model")
+        elif not _convertible(entry.dtype, tensor.dtype):
+            problems.append(f"{key!r} is {entry.dtype} in the checkpoint, which does not convert to the model's "
+                            f"{tensor.dtype}")
+        else:
+            reads.append((tensor, entry))
+    if problems:
+        raise ValueError(f"checkpoint {path!r} does not fit {type(model).__name__}:\n  " + "\n  ".join(problems))
+    return reads
+
+
+def _held_indices(tensor: torch.Tensor) -> list[torch.Tensor | None]:
+    """For each dim of ``tensor``, the global indices along it of what this rank holds, in the
+    order it holds them (None: all). DTensor places a dim's indices as it places the dim:
+    ``distribute_tensor`` of an ``arange`` with the placements on that dim moved to dim 0
+    (``src_data_rank=None``: split locally, nothing sent); cuts of different dims are independent,
+    so the piece is the outer product of these."""
+    if not isinstance(tensor, DTensor):
+        return [None] * tensor.dim()
+    mesh, indices = tensor.device_mesh, []
+    for dim, size in enumerate(tensor.shape):
+        placements = [_on_dim0(p) if isinstance(p, Shard | _StridedShard) and p.dim == dim else Replicate()
+                      for p in tensor.placements]
+        if all(isinstance(p, Replicate) for p in placements):
+            indices.append(None)
+            continue
+        arange = torch.arange(size, device=mesh.device_type)
+        indices.append(distribute_tensor(arange, mesh, placements, src_data_rank=None).to_local().cpu())
+    return indices
+
+
+def _on_dim0(p: Shard | _StridedShard) -> Shard | _StridedShard:
+    return _StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(0)
+
+
+def _runs(index: torch.Tensor) -> list[tuple[int, int]]:
+    """``index`` as its stretches of consecutive ascending values: (first, stop) each, in order."""
+    breaks = (torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1).tolist()
+    return [(int(index[a]), int(index[b - 1]) + 1) for a, b in zip([0] + breaks, breaks + [len(index)])]
+
+
+def _pread(fd: int, into: torch.Tensor, offset: int) -> None:
+    """Fill the contiguous CPU tensor ``into`` with the file's bytes from ``offset``."""
+    view = memoryview(into.reshape(-1).view(torch.uint8).numpy())
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise EOFError(f"file descriptor {fd} ended at byte {offset}")
+        view, offset = view[n:], offset + n
+
+
+def _read_into(local: torch.Tensor, entry: Entry, indices: list[torch.Tensor | None], fd: int) -> None:
+    """Read this rank's piece of ``entry`` into ``local``: runs of rows along dim 0 in blocks of
+    at most ``READ_BYTES``, each block's other dims selected. Whole rows of the same dtype into a
+    contiguous CPU piece are read straight into it, with no block."""
+    if local.dim() == 0:
+        local, indices, shape = local.view(1), [None], (1,)
+    else:
+        shape = entry.shape
+    if local.numel() == 0:
+        return
+    row_bytes = math.prod(shape[1:]) * entry.dtype.itemsize
+    rows_per_read = max(1, READ_BYTES // row_bytes)
+    direct = (all(i is None for i in indices[1:]) and local.dtype == entry.dtype and local.device.type == "cpu"
+              and local.is_contiguous())
+    buffer = None if direct else torch.empty(min(shape[0], rows_per_read) * row_bytes, dtype=torch.uint8)
+    row = 0
+    for first, stop in [(0, shape[0])] if indices[0] is None else _runs(indices[0]):
+        for start in range(first, stop, rows_per_read):
+            n = min(stop, start + rows_per_read) - start
+            offset = entry.offset + start * row_bytes
+            if direct:
+                _pread(fd, local[row:row + n], offset)
+            else:
+                block = buffer[:n * row_bytes].view(entry.dtype).view(n, *shape[1:])
+                _pread(fd, block, offset)
+                for dim, index in enumerate(indices[1:], 1):
+                    if index is not None:
+                        block = block.index_select(dim, index)
+                local[row:row + n].copy_(block)
+            row += n
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _size_bytes(size: int | str) -> int:
+    """``max_shard_size`` in bytes: an int, or "5GB" (10**9) / "5GiB" (2**30), as transformers reads it."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]I?B|B)\s*", size.upper())
+    if match is None:
+        raise ValueError(f"save_pretrained: max_shard_size {size!r} is not a size such as '5GB', '500MiB' or 10**9")
+    return int(match[1]) * _UNITS[match[2]]
+
+
+def _shards(tensors: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """``tensors`` in order, cut into files of at most ``limit`` bytes (a larger tensor alone)."""
+    shards, size = [[]], 0
+    for key, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, tensor))
+        size += nbytes
+    return shards
+
+
+def _header(tensors: list[tuple[str, torch.Tensor]]) -> bytes:
+    """A safetensors header for ``tensors`` (global shapes: a DTensor's are known before any gather),
+    padded to 8 bytes as safetensors pads it."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for key, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        header[key] = {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def save_pretrained(model: nn.Module, path: str, *, max_shard_size: int | str = "5GB") -> None:
+    """Write ``model`` (parallelized or not) to the folder ``path`` as its library does: config
+    (transformers' ``config.save_pretrained``, diffusers' ``save_config``) and safetensors under
+    the model's own keys, tied parameters once, cut into numbered files with an index past
+    ``max_shard_size``. Every rank calls it: each DTensor is gathered in turn, and rank 0 writes
+    it as it comes, so no rank holds more than one whole tensor."""
+    limit = _size_bytes(max_shard_size)
+    seen, tensors = set(), []
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors.append((key, tensor))
+    shards = _shards(tensors, limit)
+    weights = WEIGHTS[1] if hasattr(model, "save_config") else WEIGHTS[0]
+    stem = weights.removesuffix(".safetensors")
+    names = [weights] if len(shards) == 1 else [f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
+                                                 for i in range(1, len(shards) + 1)]
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    if writer:
+        os.makedirs(path, exist_ok=True)
+        if hasattr(model, "save_config"):
+            model.save_config(path)
+        elif hasattr(getattr(model, "config", None), "save_pretrained"):
+            model.config.save_pretrained(path)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for _, t in tensors)},
+                     "weight_map": {key: name for name, shard in zip(names, shards) for key, _ in shard}}
+            with open(os.path.join(path, weights + ".index.json"), "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+    for name, shard in zip(names, shards):
+        with open(os.path.join(path, name), "wb") if writer else contextlib.nullcontext() as f:
+            if writer:
+                f.write(_header(shard))
+            for _, tensor in shard:
+                whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                if writer:
+                    f.write(whole.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    if dist.is_initialized():
+        dist.barrier()  # the files are whole before any rank reads them
