@@ -132,19 +132,20 @@ def empty_model(model_cls: type, path: str, torch_dtype: torch.dtype | None = No
     """``model_cls`` built from the config of the checkpoint folder ``path``, parameters on
     ``meta``, in eval mode (as the libraries' ``from_pretrained``): transformers'
     ``_from_config``, diffusers' ``from_config``."""
+    diffusers = hasattr(model_cls, "load_config")  # ConfigMixin; transformers' PreTrainedModel has _from_config
+    if not (diffusers or hasattr(model_cls, "_from_config")):
+        raise TypeError(f"from_pretrained builds transformers and diffusers models from their config, not "
+                        f"{model_cls.__name__}: build it on meta, parallelize it and call load_checkpoint")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path!r} is not a checkpoint folder: it has no config.json")
     with _parameters_on_meta():
-        if hasattr(model_cls, "load_config"):  # diffusers' ConfigMixin
+        if diffusers:
             model = model_cls.from_config(model_cls.load_config(path))
             if torch_dtype is not None:
                 model.to(torch_dtype)
-        elif hasattr(model_cls, "_from_config"):  # transformers' PreTrainedModel
+        else:
             config = model_cls.config_class.from_pretrained(path)
             model = model_cls._from_config(config, **({"dtype": torch_dtype} if torch_dtype is not None else {}))
-        else:
-            raise TypeError(f"from_pretrained builds transformers and diffusers models from their config, not "
-                            f"{model_cls.__name__}: build it on meta, parallelize it and call load_checkpoint")
     return model.eval()
 
 

@@ -24,6 +24,11 @@ from dtensor_par._testing import models
 from dtensor_par._testing.harness import run_ranks_together
 from tests.background import in_background
 
+pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
+# imported here, once, before this module's launches start: transformers' lazy imports are not thread-safe
+from transformers import (LlamaConfig, LlamaForCausalLM, LlamaModel, MixtralConfig, MixtralForCausalLM,  # noqa: E402
+                          Phi3Config, Phi3ForCausalLM)
+
 KW = {"use_cache": False}
 """Llama's keyword arguments: a kv cache is generate's, not what is planned here."""
 SHARD = "100KB"
@@ -31,7 +36,6 @@ SHARD = "100KB"
 
 
 def _llama_config(**overrides):
-    from transformers import LlamaConfig
     return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=128, bos_token_id=0, eos_token_id=0, **overrides)
 
@@ -67,7 +71,6 @@ def llama_round_trip(rank: int, world: int, *, folder: str, out: str, sizes: dic
     """A transformers Llama checkpoint (4 shards and an index) read piece by piece over the mesh
     of ``sizes``; with ``run``, its logits against one device's ``from_pretrained``; then written
     by ``save_pretrained`` and read back by transformers on one device."""
-    from transformers import LlamaForCausalLM
 
     torch._dynamo.reset()
     mesh, ids = dtensor_par.init_mesh(**sizes), _ids()
@@ -91,7 +94,6 @@ def llama_round_trip(rank: int, world: int, *, folder: str, out: str, sizes: dic
 def decorated_llama(rank: int, world: int, *, folder: str) -> dict:
     """``parallel(tp=2)(LlamaForCausalLM).from_pretrained(folder)``: built on meta, its pieces read
     at its first call, which parallelizes it."""
-    from transformers import LlamaForCausalLM
 
     torch._dynamo.reset()
     ids = _ids()
@@ -106,7 +108,6 @@ def decorated_llama(rank: int, world: int, *, folder: str) -> dict:
 
 def phi3_fused(rank: int, world: int, *, folder: str) -> dict:
     """Phi3's fused qkv and gate_up projections (``_StridedShard``) read at tp2, against one device."""
-    from transformers import Phi3ForCausalLM
 
     torch._dynamo.reset()
     mesh, ids = dtensor_par.init_mesh(tp=2), _ids()
@@ -137,7 +138,6 @@ def gpt_pieces(rank: int, world: int, *, folder: str, sizes: dict) -> dict:
 def mixtral_ep(rank: int, world: int, *, folder: str) -> dict:
     """Mixtral's stacked experts cut over dp_shard x ulysses (``ep="cp"``), written by
     ``save_pretrained`` under the model's own keys and read back piece by piece."""
-    from transformers import MixtralConfig, MixtralForCausalLM
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.manual_seed(0)
@@ -155,7 +155,6 @@ def mixtral_ep(rank: int, world: int, *, folder: str) -> dict:
 
 def _calls(world: int, folder: str) -> dict:
     """Each launch's rank functions, by label, with the checkpoints they read written first."""
-    from transformers import LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(0)
     tied, untied = os.path.join(folder, "tied"), os.path.join(folder, "untied")
@@ -223,3 +222,152 @@ def test_experts_cut_by_ep_read_their_pieces():
     for rank, result in enumerate(r["ep"] for r in LAUNCHES[4].result()):
         assert result["pieces_differ"] == [] and result["experts"] == ["S(0)", "S(0)"], (rank, result)
         assert result["local"] == [1, 256, 64], (rank, result)
+
+
+# --- one process: the files against the safetensors library, and bad input ----------------------
+
+class Small(nn.Module):
+    """Tensors of several dtypes and ranks: a 0-dim parameter, an integer and a bool buffer."""
+
+    def __init__(self, dtype=torch.bfloat16):
+        super().__init__()
+        self.linear = nn.Linear(4, 3).to(dtype)
+        self.scale = nn.Parameter(torch.tensor(0.5, dtype=torch.float16))
+        self.register_buffer("steps", torch.arange(3))
+        self.register_buffer("mask", torch.tensor([True, False]))
+        self.register_buffer("cache", torch.zeros(2), persistent=False)
+
+
+def _save(tensors: dict, folder: str) -> str:
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    return folder
+
+
+def _state(model: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_reads_and_writes_what_the_safetensors_library_does(tmp_path):
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    source = Small()
+    source.steps.copy_(torch.tensor([7, -1, 3]))
+    model = load_checkpoint(Small(), _save(_state(source), str(tmp_path / "library")))
+    assert _differ(_state(model), _state(source)) == []
+    dtensor_par.save_pretrained(model, str(tmp_path / "ours"), max_shard_size=20)
+    with open(tmp_path / "ours" / "model.safetensors.index.json") as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    assert files == [f"model-0000{i}-of-00005.safetensors" for i in range(1, 6)]  # 2+24+2 | 24 | 6 bytes: 5 files
+    read = {k: v for name in files for k, v in load_file(str(tmp_path / "ours" / name)).items()}
+    assert _differ(read, _state(source)) == []
+
+
+def test_a_base_model_checkpoint_loads_into_a_model_with_a_head_and_back(tmp_path):
+    """Checkpoint keys without the model's ``base_model_prefix`` ("model."), or with it where the
+    model has none, as transformers loads them; a tied LM head needs no key of its own."""
+
+    torch.manual_seed(0)
+    base = LlamaModel(_llama_config(tie_word_embeddings=True))
+    base.save_pretrained(str(tmp_path / "base"))
+    head = load_checkpoint(LlamaForCausalLM(_llama_config(tie_word_embeddings=True)), str(tmp_path / "base"))
+    assert _differ(_state(head.model), _state(base)) == [] and head.lm_head.weight is head.model.embed_tokens.weight
+    head.save_pretrained(str(tmp_path / "head"))
+    again = load_checkpoint(LlamaModel(_llama_config(tie_word_embeddings=True)), str(tmp_path / "head"))
+    assert _differ(_state(again), _state(base)) == []
+
+
+def test_not_a_checkpoint_folder_is_named_with_what_was_looked_for(tmp_path, fake_world):
+
+    fake_world(2)
+    mesh = dtensor_par.init_mesh(tp=2)
+    looked = r"has none of \['model.safetensors', 'model.safetensors.index.json', 'diffusion_pytorch_model.safetensors'"
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}' is not a checkpoint folder: it {looked}"):
+        dtensor_par.from_pretrained(LlamaForCausalLM, str(tmp_path), mesh)
+    with pytest.raises(FileNotFoundError, match=looked):
+        dtensor_par.parallel(tp=2)(LlamaForCausalLM).from_pretrained(str(tmp_path))
+    _save({"x": torch.zeros(1)}, str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="is not a checkpoint folder: it has no config.json"):
+        dtensor_par.from_pretrained(LlamaForCausalLM, str(tmp_path), mesh)
+    with pytest.raises(TypeError, match="builds transformers and diffusers models from their config, not Small"):
+        dtensor_par.from_pretrained(Small, str(tmp_path), mesh)
+    with pytest.raises(ValueError, match="max_shard_size '5 parsecs' is not a size"):
+        dtensor_par.save_pretrained(Small(), str(tmp_path / "out"), max_shard_size="5 parsecs")
+
+
+def test_a_shard_file_the_index_names_must_be_there(tmp_path):
+
+    LlamaForCausalLM(_llama_config()).save_pretrained(str(tmp_path), max_shard_size=SHARD)
+    os.remove(tmp_path / "model-00003-of-00004.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"model.safetensors.index.json names shard files that are not in "
+                                                r".*: \['model-00003-of-00004.safetensors'\]"):
+        load_checkpoint(LlamaForCausalLM(_llama_config()), str(tmp_path))
+
+
+def test_every_mismatch_is_named_before_anything_is_read(tmp_path):
+    torch.manual_seed(0)
+    good = _state(Small())
+    bad = {**{k: v for k, v in good.items() if k != "linear.bias"}, "linear.weight": torch.zeros(3, 5),
+           "steps": torch.zeros(3), "other": torch.zeros(1)}
+    model = Small()
+    before = _state(model)
+    with pytest.raises(ValueError) as error:
+        load_checkpoint(model, _save(bad, str(tmp_path)))
+    assert str(error.value) == (
+        f"checkpoint {str(tmp_path)!r} does not fit Small:\n"
+        "  unexpected key 'other' (not in the model)\n"
+        "  'steps' is torch.float32 in the checkpoint, which does not convert to the model's torch.int64\n"
+        "  'linear.weight' has shape [3, 5] in the checkpoint, [3, 4] in the model\n"
+        "  missing key 'linear.bias'")
+    assert _differ(_state(model), before) == []
+
+
+def _rewrite_header(file: str, edit) -> None:
+    with open(file, "rb") as f:
+        data = f.read()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data[8 + length:])
+
+
+def test_an_unknown_dtype_and_a_truncated_file_are_named(tmp_path):
+    folder = _save(_state(Small()), str(tmp_path))
+    file = os.path.join(folder, "model.safetensors")
+    _rewrite_header(file, lambda header: header["linear.weight"].update(dtype="F4"))
+    with pytest.raises(ValueError, match=r"tensor 'linear.weight' has safetensors dtype 'F4', which torch does not "
+                                         r"read \(known: F64, F32"):
+        load_checkpoint(Small(), folder)
+    _save(_state(Small()), folder)
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) - 1)
+    with pytest.raises(ValueError, match=r"tensor '\w+' \(\w+, shape \(.*\): \d+ bytes\) has bytes \[\d+, \d+\) after "
+                                         r"the header, in a file of \d+ data bytes"):
+        load_checkpoint(Small(), folder)
+
+
+def test_a_diffusers_component_folder_reads_the_pieces_parallelize_holds(tmp_path, fake_world):
+    """A diffusers transformer saved by diffusers (sharded, an index), read on rank 0 of a fake
+    tp2 world (planning and reading send nothing); written by ``save_pretrained`` (not
+    parallelized), diffusers reads it back bit-exact."""
+    pytest.importorskip("diffusers", reason="the models extra (pip install -e '.[models]') is not installed")
+    from diffusers import FluxTransformer2DModel
+
+    from dtensor_par._testing import real_models
+
+    torch.manual_seed(0)
+    whole, _, kwargs = real_models.flux()
+    whole.save_pretrained(str(tmp_path / "transformer"), max_shard_size="50KB")
+    assert "diffusion_pytorch_model.safetensors.index.json" in os.listdir(tmp_path / "transformer")
+    fake_world(2)
+    mesh = dtensor_par.init_mesh(tp=2)
+    model = dtensor_par.from_pretrained(FluxTransformer2DModel, str(tmp_path / "transformer"), mesh,
+                                        example_kwargs=kwargs)
+    assert _pieces_differ(model, whole, mesh, (), example_kwargs=kwargs) == []
+    assert _placements(model.transformer_blocks[0].attn.to_q.weight) == ["S(0)"]
+    dtensor_par.save_pretrained(whole, str(tmp_path / "ours"), max_shard_size="50KB")
+    assert _differ(_state(FluxTransformer2DModel.from_pretrained(str(tmp_path / "ours"))), _state(whole)) == []
