@@ -102,22 +102,24 @@ def parallel(*, mesh: DeviceMesh | None = None, auto: bool = False, machine: str
             self.__dict__[_COMPILED] = compiled
         return compiled(*args, **kwargs)
 
-    def from_pretrained(cls, path: str, *, torch_dtype: torch.dtype | None = None):
-        """An instance built on meta from the checkpoint folder ``path``'s config; its first call
-        parallelizes it and reads each rank's pieces from ``path`` (``checkpoints.from_pretrained``)."""
-        checkpoint_entries(path)  # not a checkpoint folder: said now, not at the first call
-        model = empty_model(cls, path, torch_dtype)
-        model.__dict__[_CHECKPOINT] = path
-        return model
-
     def decorate(cls):
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise TypeError(f"dtensor_par.parallel decorates torch.nn.Module subclasses, got {cls!r}")
-        return type(cls.__name__, (cls,), {"__call__": call, "from_pretrained": classmethod(from_pretrained),
+        return type(cls.__name__, (cls,), {"__call__": call, "from_pretrained": classmethod(_from_pretrained),
                                            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                                            "__doc__": cls.__doc__})
 
     return decorate
+
+
+def _from_pretrained(cls, path: str, *, torch_dtype: torch.dtype | None = None) -> nn.Module:
+    """A decorated class's ``from_pretrained``: an instance built on meta from the checkpoint folder
+    ``path``'s config; its first call parallelizes it and reads each rank's pieces from ``path``
+    (as ``checkpoints.from_pretrained``)."""
+    checkpoint_entries(path)  # not a checkpoint folder: said now, not at the first call
+    model = empty_model(cls, path, torch_dtype)
+    model.__dict__[_CHECKPOINT] = path
+    return model
 
 
 def _auto_machine(auto: bool, machine: str | Machine | None, training: bool | None, given: dict[str, int],
