@@ -203,8 +203,9 @@ def _key_mapping(model: nn.Module, keys, found):
 def _convertible(source: torch.dtype, target: torch.dtype) -> bool:
     """Whether ``copy_`` keeps a value of ``source`` as a ``target`` one means it: no float into an
     integer or bool, no complex into a real."""
-    return not ((source.is_floating_point or source.is_complex) and not (target.is_floating_point or target.is_complex)
-                or source.is_complex and not target.is_complex)
+    if source.is_complex:
+        return target.is_complex
+    return not source.is_floating_point or target.is_floating_point or target.is_complex
 
 
 def _matched(model: nn.Module, entries: dict[str, Entry], path: str) -> list[tuple[torch.Tensor, Entry]]:
@@ -345,7 +346,8 @@ def _header(tensors: list[tuple[str, torch.Tensor]]) -> bytes:
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for key, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        header[key] = {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -382,7 +384,7 @@ def save_pretrained(model: nn.Module, path: str, *, max_shard_size: int | str = 
             with open(os.path.join(path, weights + ".index.json"), "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
     for name, shard in zip(names, shards):
-        with open(os.path.join(path, name), "wb") if writer else contextlib.nullcontext() as f:
+        with open(os.path.join(path, name), "wb") if writer else contextlib.nullcontext() as f, torch.no_grad():
             if writer:
                 f.write(_header(shard))
             for _, tensor in shard:

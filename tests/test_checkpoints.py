@@ -107,17 +107,13 @@ def decorated_llama(rank: int, world: int, *, folder: str) -> dict:
 
 
 def phi3_fused(rank: int, world: int, *, folder: str) -> dict:
-    """Phi3's fused qkv and gate_up projections (``_StridedShard``) read at tp2, against one device."""
-
-    torch._dynamo.reset()
+    """Phi3's fused qkv and gate_up projections (``_StridedShard``) read at tp2: the pieces
+    ``parallelize`` holds (what they compute is ``parallelize``'s to show, tests/test_sharded_state.py)."""
     mesh, ids = dtensor_par.init_mesh(tp=2), _ids()
-    model = dtensor_par.from_pretrained(Phi3ForCausalLM, folder, mesh, example_inputs=(ids,), example_kwargs=KW,
-                                        inner_backend="aot_eager")
-    reference = Phi3ForCausalLM.from_pretrained(folder)
-    logits = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager"))(ids, **KW).logits
+    model = dtensor_par.from_pretrained(Phi3ForCausalLM, folder, mesh, example_inputs=(ids,), example_kwargs=KW)
     layer = model.model.layers[0]
-    return {"forward": (logits - reference(ids, **KW).logits).abs().max().item(),
-            "pieces_differ": _pieces_differ(model, reference, mesh, (ids,), example_kwargs=KW),
+    return {"pieces_differ": _pieces_differ(model, Phi3ForCausalLM.from_pretrained(folder), mesh, (ids,),
+                                            example_kwargs=KW),
             "qkv": _placements(layer.self_attn.qkv_proj.weight), "gate_up": _placements(layer.mlp.gate_up_proj.weight)}
 
 
@@ -207,8 +203,7 @@ def test_decorated_class_reads_its_pieces_at_the_first_call():
 
 def test_fused_projections_read_their_strided_pieces():
     for rank, result in enumerate(r["phi3"] for r in LAUNCHES[2].result()):
-        assert result["pieces_differ"] == [] and result["forward"] <= 1e-5, (rank, result)
-        assert result["qkv"] == ["_S(0, 3)"] and result["gate_up"] == ["_S(0, 2)"], (rank, result)
+        assert result == {"pieces_differ": [], "qkv": ["_S(0, 3)"], "gate_up": ["_S(0, 2)"]}, (rank, result)
 
 
 @pytest.mark.parametrize("world, label, qkv, fc", [(2, "gpt tp2", ["_S(0, 3)"], ["S(0)"]),
