@@ -366,3 +366,18 @@ def test_a_diffusers_component_folder_reads_the_pieces_parallelize_holds(tmp_pat
     assert _placements(model.transformer_blocks[0].attn.to_q.weight) == ["S(0)"]
     dtensor_par.save_pretrained(whole, str(tmp_path / "ours"), max_shard_size="50KB")
     assert _differ(_state(FluxTransformer2DModel.from_pretrained(str(tmp_path / "ours"))), _state(whole)) == []
+
+
+def test_torch_dtype_casts_the_parameters_not_the_rotary_frequencies(tmp_path, fake_world):
+    """``torch_dtype``: parameters built in it (transformers' ``dtype``) and read converted from the
+    float32 files; the rotary frequencies stay the float32 the constructor computes."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(_llama_config()).save_pretrained(str(tmp_path), max_shard_size=SHARD)
+    reference = LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    fake_world(2)
+    mesh, ids = dtensor_par.init_mesh(tp=2), _ids()
+    model = dtensor_par.from_pretrained(LlamaForCausalLM, str(tmp_path), mesh, example_inputs=(ids,),
+                                        example_kwargs=KW, torch_dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert _pieces_differ(model, reference, mesh, (ids,), example_kwargs=KW) == []
