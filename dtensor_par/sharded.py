@@ -87,12 +87,14 @@ def _check_optimizer(replaced: dict[int, tuple[weakref.ref, str]], optimizer: to
                     f"parallelize (or after the first call of a dtensor_par.parallel model)")
 
 
-def _standin(param: nn.Parameter, compute_dtype: torch.dtype | None) -> nn.Parameter:
+def _standin(param: nn.Parameter, compute_dtype: torch.dtype | None, device: torch.device | None = None
+             ) -> nn.Parameter:
     """A plain parameter of ``param``'s global shape that owns one element: NaN, so any
     backend but ours that computes with it shows it at once. Of ``compute_dtype`` if given
-    (``param_dtype``): Dynamo then traces the model computing in it, as it will run."""
+    (``param_dtype``): Dynamo then traces the model computing in it, as it will run. On
+    ``param``'s device, or ``device``."""
     dtype = compute_dtype if compute_dtype is not None and param.is_floating_point() else param.dtype
-    device = (param.to_local() if isinstance(param, DTensor) else param).device
+    device = device or (param.to_local() if isinstance(param, DTensor) else param).device
     nan = torch.full((), float("nan"), dtype=dtype, device=device)
     standin = nn.Parameter(nan.expand(param.shape), requires_grad=param.requires_grad)
     setattr(standin, STANDIN_OF, param)
@@ -212,19 +214,32 @@ def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, exa
 
 
 @contextlib.contextmanager
-def _planned_on_meta(model: nn.Module, inputs):
-    """While a model whose parameters are on ``meta`` is planned: its buffers built for real and
-    the example ``inputs`` (yielded) on ``meta`` too. Ops refuse tensors of two devices (a
-    ``layer_norm`` of real inputs by a meta weight), and the plan reads no value."""
-    real = [(module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()
-            if buffer is not None and not buffer.is_meta]
-    for module, name, buffer in real:
-        module._buffers[name] = buffer.to("meta")
+def _planned_on(model: nn.Module, device: torch.device):
+    """While a model with parameters on ``meta`` is planned on inputs of ``device``: each such
+    parameter in the place of a stand-in of ``device`` (``_standin``: one element) and each
+    ``meta`` buffer of an empty one there. Dynamo reads no value, but ops refuse tensors of two
+    devices (a ``layer_norm`` of real inputs by a meta weight; a kv cache the model builds on its
+    inputs' device)."""
+    slots = [(module, store, name, tensor) for module in model.modules()
+             for store in (module._parameters, module._buffers) for name, tensor in store.items()
+             if tensor is not None and tensor.is_meta]
+    standins: dict[int, torch.Tensor] = {}  # tied parameters share one
+    for module, store, name, tensor in slots:
+        if id(tensor) not in standins:
+            standins[id(tensor)] = (_standin(tensor, None, device) if store is module._parameters
+                                    else torch.empty_like(tensor, device=device))
+        store[name] = standins[id(tensor)]
     try:
-        yield pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), inputs)
+        yield
     finally:
-        for module, name, buffer in real:
-            module._buffers[name] = buffer
+        for module, store, name, tensor in slots:
+            store[name] = tensor
+
+
+def _inputs_device(inputs) -> torch.device | None:
+    """The device of the first tensor of ``inputs`` that is not on ``meta`` (None: none is)."""
+    return next((t.device for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and not t.is_meta),
+                None)
 
 
 def _held_piece(param: nn.Parameter, layout: HeldLayout, mesh: DeviceMesh, info: MeshInfo) -> torch.Tensor:
@@ -282,10 +297,8 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
         return model
     info = MeshInfo.from_mesh(mesh, entry)
     config.check_mesh(info, entry)
-    if any(p.is_meta for p in model.parameters()):
-        with _planned_on_meta(model, (example_args, example_kwargs)) as (example_args, example_kwargs):
-            placements = plan_placements(model, mesh, example_args, example_kwargs, config)
-    else:
+    device = _inputs_device((example_args, example_kwargs))
+    with _planned_on(model, device) if device is not None else contextlib.nullcontext():
         placements = plan_placements(model, mesh, example_args, example_kwargs, config)
     layout_of, held, whole = layout_maker(info, config, True), held_mesh(mesh), holds_whole(info, config)
     state = ShardedState(mesh, config, [])

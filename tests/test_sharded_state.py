@@ -427,6 +427,32 @@ def test_meta_model_materializes_only_local_pieces(fake_world):
     assert not any(b.is_meta for b in model.buffers())
 
 
+@pytest.mark.parametrize("name", ["gpt", "transformers_llama"])
+def test_a_meta_model_is_planned_on_real_example_inputs(name, fake_world):
+    """A model built on meta (``from_pretrained``'s) planned on real inputs: a layer norm of a real
+    input by a meta weight, and transformers' kv cache built on the inputs' device, trace as on one
+    device; the parameters stay on meta until the pieces are materialized, and tied ones stay tied."""
+    fake_world(2)
+    mesh = dtensor_par.init_mesh(tp=2)
+    if name == "gpt":
+        with torch.device("meta"):
+            model = models.GPT(layers=1)
+        inputs, weight = (torch.randn(2, 8, 32),), "blocks.0.qkv.weight"
+    else:
+        transformers = pytest.importorskip("transformers")
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)  # use_cache: the call builds a DynamicCache
+        inputs, weight = (torch.randint(0, 64, (1, 8)),), "model.layers.0.self_attn.q_proj.weight"
+    dtensor_par.parallelize(model, mesh, inputs)
+    held = model.get_parameter(weight)
+    assert held.to_local().device.type == "cpu" and held.to_local().shape[0] == held.shape[0] // 2
+    assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+    if name != "gpt":
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
 def test_parallel_decorator_refuses_a_non_module():
     with pytest.raises(TypeError, match="decorates torch.nn.Module subclasses"):
         dtensor_par.parallel(tp=2)(object)
