@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
 
+from .pieces import held_indices, runs
 from .sharded import parallelize, sharded_state
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -177,7 +177,7 @@ def _load(model: nn.Module, entries: dict[str, Entry], path: str) -> None:
         with torch.no_grad():
             for tensor, entry in sorted(reads, key=lambda read: (read[1].file, read[1].offset)):
                 local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-                _read_into(local.detach(), entry, _held_indices(tensor), fds[entry.file])
+                _read_into(local.detach(), entry, held_indices(tensor), fds[entry.file])
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -242,36 +242,6 @@ def _matched(model: nn.Module, entries: dict[str, Entry], path: str) -> list[tup
     return reads
 
 
-def _held_indices(tensor: torch.Tensor) -> list[torch.Tensor | None]:
-    """For each dim of ``tensor``, the global indices along it of what this rank holds, in the
-    order it holds them (None: all). DTensor places a dim's indices as it places the dim:
-    ``distribute_tensor`` of an ``arange`` with the placements on that dim moved to dim 0
-    (``src_data_rank=None``: split locally, nothing sent); cuts of different dims are independent,
-    so the piece is the outer product of these."""
-    if not isinstance(tensor, DTensor):
-        return [None] * tensor.dim()
-    mesh, indices = tensor.device_mesh, []
-    for dim, size in enumerate(tensor.shape):
-        placements = [_on_dim0(p) if isinstance(p, Shard | _StridedShard) and p.dim == dim else Replicate()
-                      for p in tensor.placements]
-        if all(isinstance(p, Replicate) for p in placements):
-            indices.append(None)
-            continue
-        arange = torch.arange(size, device=mesh.device_type)
-        indices.append(distribute_tensor(arange, mesh, placements, src_data_rank=None).to_local().cpu())
-    return indices
-
-
-def _on_dim0(p: Shard | _StridedShard) -> Shard | _StridedShard:
-    return _StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(0)
-
-
-def _runs(index: torch.Tensor) -> list[tuple[int, int]]:
-    """``index`` as its stretches of consecutive ascending values: (first, stop) each, in order."""
-    breaks = (torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1).tolist()
-    return [(int(index[a]), int(index[b - 1]) + 1) for a, b in zip([0] + breaks, breaks + [len(index)])]
-
-
 def _pread(fd: int, into: torch.Tensor, offset: int) -> None:
     """Fill the contiguous CPU tensor ``into`` with the file's bytes from ``offset``."""
     view = memoryview(into.reshape(-1).view(torch.uint8).numpy())
@@ -298,7 +268,7 @@ def _read_into(local: torch.Tensor, entry: Entry, indices: list[torch.Tensor | N
               and local.is_contiguous())
     buffer = None if direct else torch.empty(min(shape[0], rows_per_read) * row_bytes, dtype=torch.uint8)
     row = 0
-    for first, stop in [(0, shape[0])] if indices[0] is None else _runs(indices[0]):
+    for first, stop in [(0, shape[0])] if indices[0] is None else runs(indices[0]):
         for start in range(first, stop, rows_per_read):
             n = min(stop, start + rows_per_read) - start
             offset = entry.offset + start * row_bytes

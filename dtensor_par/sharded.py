@@ -5,7 +5,8 @@ the same names, each parameter by an ``nn.Parameter`` holding a DTensor with the
 placements (``Shard`` or, for fused projections, ``_StridedShard`` on tp; with FSDP,
 ``Shard`` on each of ``fsdp_dims`` along a dim tp does not cut, ``params.HeldLayout``;
 ``Replicate`` elsewhere). The optimizer, ``clip_grad_norm_``
-and ``torch.distributed.checkpoint`` then work as they do for FSDP2/TP models. Where no mesh
+and ``torch.distributed.checkpoint`` then work as they do for FSDP2/TP models (the state dict
+hands DCP a fused projection's piece as the blocks it holds, ``pieces.Blocks``). Where no mesh
 dim cuts a parameter (``params.holds_whole``: dp_replicate alone), each stays a plain
 ``nn.Parameter`` held whole, as DDP holds it; everything below applies to it alike.
 
@@ -40,6 +41,7 @@ from .mesh import MeshInfo
 from .params import SHARDED, STANDIN_OF, HeldLayout, expert_dim, held_mesh, holds_whole, layout_maker
 from .passes.capture import capture_graphs
 from .passes.steps import steps
+from .pieces import blocks_for_dcp
 from .planning import parallelize_graph
 from .placements import Placement, Replicate, describe
 
@@ -319,6 +321,7 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
     setattr(model, _STATE, state)
     model.register_forward_pre_hook(_swap_in, with_kwargs=True)
     model.register_forward_hook(_swap_out, always_call=True)
+    model.register_state_dict_post_hook(blocks_for_dcp)
     hook = register_optimizer_step_pre_hook(functools.partial(_check_optimizer, state.replaced))
     weakref.finalize(model, hook.remove)  # the check hangs off the model: it goes with it
     return model

@@ -149,6 +149,40 @@ def mixtral_ep(rank: int, world: int, *, folder: str) -> dict:
             "experts": _placements(experts), "local": list(experts.to_local().shape)}
 
 
+def dcp_between_meshes(rank: int, world: int, *, folder: str) -> dict:
+    """The test GPT (a fused qkv: ``_StridedShard`` on tp) parallelized at tp2 x ring2 and saved
+    by DCP, loaded by DCP into fresh meta models at tp4 (``model.state_dict``) and dp_shard2 x tp2
+    (``get_model_state_dict``): parameters bit-equal to the saved ones; tp4 computes one device's
+    output."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    whole, x = models.GPT(layers=1), torch.randn(2, 8, 32)
+    saved = dtensor_par.parallelize(copy.deepcopy(whole), dtensor_par.init_mesh(tp=2, ring=2), (x,))
+    dcp.save(get_model_state_dict(saved), checkpoint_id=folder)
+    result = {"saved qkv": _placements(saved.blocks[0].qkv.weight)}
+    for label, sizes in (("tp4", {"tp": 4}), ("dp_shard2-tp2", {"dp_shard": 2, "tp": 2})):
+        mesh = dtensor_par.init_mesh(**sizes)
+        with torch.device("meta"):
+            model = models.GPT(layers=1)
+        dtensor_par.parallelize(model, mesh, (x,))
+        if label == "tp4":
+            state = model.state_dict()
+            dcp.load(state, checkpoint_id=folder)
+            model.load_state_dict(state)
+            backend = dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager")
+            result["forward"] = (torch.compile(model, backend=backend)(x) - whole(x)).abs().max().item()
+        else:
+            state = get_model_state_dict(model)
+            dcp.load(state, checkpoint_id=folder)
+            set_model_state_dict(model, state)
+        gathered = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        result[label] = {"differ": _differ(gathered, _state(whole)), "qkv": _placements(model.blocks[0].qkv.weight)}
+    return result
+
+
 def _calls(world: int, folder: str) -> dict:
     """Each launch's rank functions, by label, with the checkpoints they read written first."""
 
@@ -170,7 +204,8 @@ def _calls(world: int, folder: str) -> dict:
             "dp_shard2-tp2": (llama_round_trip, dict(folder=tied, sizes={"dp_shard": 2, "tp": 2}, run=False,
                                                      **out("dp_shard2-tp2"))),
             "gpt dp_shard2-tp2": (gpt_pieces, dict(folder=os.path.join(folder, "gpt"), sizes={"dp_shard": 2, "tp": 2})),
-            "ep": (mixtral_ep, dict(folder=os.path.join(folder, "mixtral")))}
+            "ep": (mixtral_ep, dict(folder=os.path.join(folder, "mixtral"))),
+            "dcp": (dcp_between_meshes, dict(folder=os.path.join(folder, "dcp")))}
 
 
 def _launch(world: int) -> list[dict]:
@@ -217,6 +252,17 @@ def test_experts_cut_by_ep_read_their_pieces():
     for rank, result in enumerate(r["ep"] for r in LAUNCHES[4].result()):
         assert result["pieces_differ"] == [] and result["experts"] == ["S(0)", "S(0)"], (rank, result)
         assert result["local"] == [1, 256, 64], (rank, result)
+
+
+def test_dcp_reshards_fused_projections_between_meshes():
+    """DCP (torch 2.13) records a DTensor as one block from its first offset: a ``_StridedShard``
+    piece failed its overlap check at save and read other rows at load; ``parallelize``'s state
+    dict hands it the blocks each piece holds (``pieces.Blocks``)."""
+    for rank, result in enumerate(r["dcp"] for r in LAUNCHES[4].result()):
+        assert result["saved qkv"] == ["S(1)", "_S(0, 3)"], (rank, result)
+        assert result["tp4"] == {"differ": [], "qkv": ["_S(0, 3)"]}, (rank, result)
+        assert result["dp_shard2-tp2"] == {"differ": [], "qkv": ["S(1)", "_S(0, 3)"]}, (rank, result)
+        assert result["forward"] <= 1e-5, (rank, result)
 
 
 # --- one process: the files against the safetensors library, and bad input ----------------------

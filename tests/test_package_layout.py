@@ -15,7 +15,7 @@ PACKAGE = ROOT / "dtensor_par"
 FLOORS = (
     ("errors", "gcpause", "logs", "machines", "mesh", "placements", "same_inputs", "symbolic"),
     ("ops",),
-    ("params", "config", "kv_cache"),
+    ("params", "config", "kv_cache", "pieces"),
     ("passes.nodes", "passes.meta"),
     ("passes.rules",),
     ("passes.context",),

@@ -1,0 +1,102 @@
+"""Where a rank's piece of a DTensor lies in the whole tensor, and DCP shown it so.
+
+A fused projection's piece (``_StridedShard`` on tp: this rank's slice of each of its equal
+parts) is not one block of the whole tensor, but ``torch.distributed.checkpoint`` (torch 2.13)
+records each DTensor as one block from its first offset (``compute_local_shape_and_global_offset``):
+saving one fails DCP's check for overlapping chunks, and loading one reads other rows than it
+holds. ``parallelize``'s state dicts hand DCP such a piece as ``Blocks``: one chunk per block
+of consecutive indices, so a checkpoint holds the whole fused tensor in plain chunks, and loads
+into any layout (tp of another size, FSDP, one device).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+
+def held_indices(tensor: torch.Tensor) -> list[torch.Tensor | None]:
+    """For each dim of ``tensor``, the global indices along it of what this rank holds, in the
+    order it holds them (None: all). DTensor places a dim's indices as it places the dim:
+    ``distribute_tensor`` of an ``arange`` with the placements on that dim moved to dim 0
+    (``src_data_rank=None``: split locally, nothing sent); cuts of different dims are independent,
+    so the piece is the outer product of these."""
+    if not isinstance(tensor, DTensor):
+        return [None] * tensor.dim()
+    mesh, indices = tensor.device_mesh, []
+    for dim, size in enumerate(tensor.shape):
+        placements = [_on_dim0(p) if isinstance(p, Shard | _StridedShard) and p.dim == dim else Replicate()
+                      for p in tensor.placements]
+        if all(isinstance(p, Replicate) for p in placements):
+            indices.append(None)
+            continue
+        arange = torch.arange(size, device=mesh.device_type)
+        indices.append(distribute_tensor(arange, mesh, placements, src_data_rank=None).to_local().cpu())
+    return indices
+
+
+def _on_dim0(p: Shard | _StridedShard) -> Shard | _StridedShard:
+    return _StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(0)
+
+
+def runs(index: torch.Tensor) -> list[tuple[int, int]]:
+    """``index`` as its stretches of consecutive ascending values: (first, stop) each, in order."""
+    if not len(index):
+        return []
+    breaks = (torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1).tolist()
+    return [(int(index[a]), int(index[b - 1]) + 1) for a, b in zip([0] + breaks, breaks + [len(index)])]
+
+
+class Blocks(DTensor):
+    """A DTensor whose piece is not one block of the whole tensor (a ``_StridedShard`` one), as
+    DCP's ``_Checkpointable`` protocol should show it: one chunk, and one view of the piece, per
+    block of consecutive indices of every dim. DCP saves and loads each chunk as a shard of its own."""
+
+    def blocks(self) -> list[tuple[ChunkStorageMetadata, torch.Tensor]]:
+        """(chunk of the whole tensor, the view of this rank's piece holding it), for each block."""
+        spans = []  # per dim: (global first, length, first in the piece) of each run
+        for size, index in zip(self.shape, held_indices(self)):
+            found, at = [], 0
+            for first, stop in [(0, size)] if index is None else runs(index):
+                found.append((first, stop - first, at))
+                at += stop - first
+            spans.append(found)
+        found = []
+        for block in itertools.product(*spans):
+            piece = self.to_local()
+            for dim, (_, length, at) in enumerate(block):
+                piece = piece.narrow(dim, at, length)
+            chunk = ChunkStorageMetadata(offsets=torch.Size(b[0] for b in block), sizes=torch.Size(b[1] for b in block))
+            found.append((chunk, piece))
+        return found
+
+    def __create_write_items__(self, fqn: str, object) -> list[WriteItem]:
+        properties = TensorProperties.create_from_tensor(self.to_local())
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.size()))
+                for chunk, _ in self.blocks()]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [chunk for chunk, _ in self.blocks()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        pieces = [piece for chunk, piece in self.blocks() if chunk.offsets == index.offset]
+        if not pieces:
+            raise ValueError(f"{index.fqn!r} ({list(self.shape)}, {self.placements}): this rank holds no block at "
+                             f"offsets {list(index.offset)}")
+        return pieces[0]
+
+
+def blocks_for_dcp(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """A state dict post-hook: each DTensor whose piece is not one block, as ``Blocks`` of the
+    same piece (the parameters themselves stay where ``keep_vars`` asks for them)."""
+    for key, value in state_dict.items():
+        if (key.startswith(prefix) and isinstance(value, DTensor) and not isinstance(value, nn.Parameter)
+                and any(isinstance(p, _StridedShard) for p in value.placements)):
+            state_dict[key] = Blocks(value.to_local(), value._spec, requires_grad=False)
