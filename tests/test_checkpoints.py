@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 import dtensor_par
 from dtensor_par.checkpoints import load_checkpoint
-from dtensor_par._testing import models
+from dtensor_par._testing import loading, models
 from dtensor_par._testing.harness import run_ranks_together
 from tests.background import in_background
 
@@ -192,10 +192,13 @@ def _calls(world: int, folder: str) -> dict:
     LlamaForCausalLM(_llama_config()).save_pretrained(untied, max_shard_size=SHARD)
     out = lambda name: dict(out=os.path.join(folder, name))  # noqa: E731
     if world == 2:
+        big = loading.llama_checkpoint(os.path.join(folder, "big"), **BIG)
         phi3 = os.path.join(folder, "phi3")
         Phi3ForCausalLM(Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=4, pad_token_id=0)).save_pretrained(phi3)
-        return {"tp2": (llama_round_trip, dict(folder=tied, sizes={"tp": 2}, run=True, **out("tp2"))),
+        # first: a rank's peak RSS then rises from a process that has allocated nothing yet
+        return {"memory": (loading.load_measured, dict(folder=big, sizes={"tp": 2})),
+                "tp2": (llama_round_trip, dict(folder=tied, sizes={"tp": 2}, run=True, **out("tp2"))),
                 "decorated": (decorated_llama, dict(folder=tied)),
                 "phi3": (phi3_fused, dict(folder=phi3)),
                 "gpt tp2": (gpt_pieces, dict(folder=os.path.join(folder, "gpt"), sizes={"tp": 2}))}
@@ -228,6 +231,20 @@ def test_llama_pieces_equal_parallelize_and_compute_as_one_device(world, label, 
         assert result["tied"] == (label != "tp2-ulysses2"), (rank, result)
         assert result.get("forward", 0.0) <= 1e-5, (rank, result)
         assert result["saved_differ"] == [] and result["files"] == LLAMA_FILES, (rank, result)
+
+
+BIG = dict(hidden=1024, intermediate=8192, layers=2, vocab=1000, max_shard_size="100MB")
+"""A checkpoint where a whole copy would show (235 MB), 96% of it in what tp cuts, planned in 2 layers."""
+SLACK = 64 * 2**20
+"""What reading may add to a rank's memory beyond its pieces: the 16 MB read blocks, allocator slack."""
+
+
+def test_reading_a_rank_pieces_raises_its_peak_rss_by_those_pieces_only():
+    for rank, result in enumerate(r["memory"] for r in LAUNCHES[2].result()):
+        whole = result["checkpoint_bytes"]
+        assert whole > 200e6 and result["held_bytes"] < 0.6 * whole, (rank, result)
+        assert result["read_rise"] <= result["held_bytes"] + SLACK and result["read_rise"] < whole, (rank, result)
+        assert result["read_bytes"] < result["held_bytes"] + SLACK, (rank, result)
 
 
 def test_decorated_class_reads_its_pieces_at_the_first_call():

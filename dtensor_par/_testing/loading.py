@@ -1,0 +1,106 @@
+"""What loading a checkpoint costs a rank: its peak RSS rise, the bytes it reads from disk and
+the bytes it holds, and the time (``tests/test_checkpoints.py``'s memory test and
+``benchmarks.loading``). ``python -m dtensor_par._testing.loading FOLDER``: one device's
+transformers ``from_pretrained`` of a Llama folder, measured alike, as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.distributed.tensor import DTensor
+
+MIB = 2**20
+KW = {"use_cache": False}
+"""Llama's keyword arguments when planned: a kv cache is generate's."""
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def start_peak() -> int:
+    """Reset this process's peak RSS (VmHWM) to its RSS now and return that RSS. Without the
+    kernel's leave to (``clear_refs``), VmHWM stays the process's lifetime peak: a rise then
+    reads larger than it was, never smaller (as ``ru_maxrss`` would)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status("VmRSS")
+
+
+def peak_rise(start: int) -> int:
+    """How far the peak RSS rose above ``start`` (``start_peak``'s)."""
+    return _status("VmHWM") - start
+
+
+def read_bytes() -> int:
+    """The bytes this process has read so far (``rchar``: ``pread`` included, from the page cache or not)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """The bytes of parameters this rank holds (its DTensor pieces; tied ones once)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
+
+
+def checkpoint_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
+
+
+def llama_checkpoint(folder: str, *, hidden: int, intermediate: int, layers: int, vocab: int,
+                     max_shard_size: str) -> str:
+    """A transformers Llama checkpoint of random float32 weights (16 heads, 8 kv heads, untied
+    head) at ``folder``, unless one is there (it is written beside it, then renamed)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not os.path.isdir(folder):
+        torch.manual_seed(0)
+        config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                             num_attention_heads=16, num_key_value_heads=8, vocab_size=vocab, bos_token_id=0,
+                             eos_token_id=0, tie_word_embeddings=False)
+        LlamaForCausalLM(config).save_pretrained(folder + ".partial", max_shard_size=max_shard_size)
+        os.replace(folder + ".partial", folder)
+    return folder
+
+
+def load_measured(rank: int, world: int, *, folder: str, sizes: dict) -> dict:
+    """A rank's ``from_pretrained`` of the Llama ``folder`` over the mesh of ``sizes``, in its two
+    steps: planning (built on meta and ``parallelize``d: Dynamo traces the model once) and reading
+    (``load_checkpoint``: this rank's pieces). Bytes and seconds of each; the RSS rises are peaks."""
+    from transformers import LlamaForCausalLM
+
+    import dtensor_par
+    from dtensor_par.checkpoints import empty_model, load_checkpoint
+
+    torch._dynamo.reset()
+    mesh, ids = dtensor_par.init_mesh(**sizes), torch.zeros(1, 16, dtype=torch.long)
+    start, began = start_peak(), time.perf_counter()
+    model = dtensor_par.parallelize(empty_model(LlamaForCausalLM, folder), mesh, (ids,), example_kwargs=KW)
+    planned, plan_rise = time.perf_counter(), peak_rise(start)
+    start, read = start_peak(), read_bytes()
+    load_checkpoint(model, folder)
+    return {"plan_s": planned - began, "read_s": time.perf_counter() - planned, "plan_rise": plan_rise,
+            "read_rise": peak_rise(start), "read_bytes": read_bytes() - read, "held_bytes": held_bytes(model),
+            "checkpoint_bytes": checkpoint_bytes(folder)}
+
+
+def one_device(folder: str) -> dict:
+    """transformers' own ``from_pretrained`` of ``folder`` in this process: its peak RSS rise and seconds."""
+    from transformers import LlamaForCausalLM
+
+    start, read, began = start_peak(), read_bytes(), time.perf_counter()
+    model = LlamaForCausalLM.from_pretrained(folder)
+    return {"seconds": time.perf_counter() - began, "rise": peak_rise(start), "read_bytes": read_bytes() - read,
+            "held_bytes": held_bytes(model)}
+
+
+if __name__ == "__main__":
+    print(json.dumps(one_device(sys.argv[1])))
