@@ -173,11 +173,14 @@ def load_checkpoint(model: nn.Module, path: str) -> nn.Module:
 def _load(model: nn.Module, entries: dict[str, Entry], path: str) -> None:
     reads = _matched(model, entries, path)
     fds = {file: os.open(file, os.O_RDONLY) for file in {entry.file for _, entry in reads}}
+    # one block buffer for every read: one freed per tensor would stay in the allocator's heap
+    rows = [math.prod(entry.shape[1:]) * entry.dtype.itemsize for _, entry in reads]
+    buffer = torch.empty(max([READ_BYTES, *rows]), dtype=torch.uint8)
     try:
         with torch.no_grad():
             for tensor, entry in sorted(reads, key=lambda read: (read[1].file, read[1].offset)):
                 local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-                _read_into(local.detach(), entry, held_indices(tensor), fds[entry.file])
+                _read_into(local.detach(), entry, held_indices(tensor), fds[entry.file], buffer)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -252,10 +255,12 @@ def _pread(fd: int, into: torch.Tensor, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _read_into(local: torch.Tensor, entry: Entry, indices: list[torch.Tensor | None], fd: int) -> None:
+def _read_into(local: torch.Tensor, entry: Entry, indices: list[torch.Tensor | None], fd: int,
+               buffer: torch.Tensor) -> None:
     """Read this rank's piece of ``entry`` into ``local``: runs of rows along dim 0 in blocks of
-    at most ``READ_BYTES``, each block's other dims selected. Whole rows of the same dtype into a
-    contiguous CPU piece are read straight into it, with no block."""
+    at most ``READ_BYTES`` (``buffer``), each block's other dims selected (a view where they are
+    one run: a column cut copies from the block with no copy of its own). Whole rows of the same
+    dtype into a contiguous CPU piece are read straight into it, with no block."""
     if local.dim() == 0:
         local, indices, shape = local.view(1), [None], (1,)
     else:
@@ -266,7 +271,6 @@ def _read_into(local: torch.Tensor, entry: Entry, indices: list[torch.Tensor | N
     rows_per_read = max(1, READ_BYTES // row_bytes)
     direct = (all(i is None for i in indices[1:]) and local.dtype == entry.dtype and local.device.type == "cpu"
               and local.is_contiguous())
-    buffer = None if direct else torch.empty(min(shape[0], rows_per_read) * row_bytes, dtype=torch.uint8)
     row = 0
     for first, stop in [(0, shape[0])] if indices[0] is None else runs(indices[0]):
         for start in range(first, stop, rows_per_read):
@@ -278,7 +282,10 @@ def _read_into(local: torch.Tensor, entry: Entry, indices: list[torch.Tensor | N
                 block = buffer[:n * row_bytes].view(entry.dtype).view(n, *shape[1:])
                 _pread(fd, block, offset)
                 for dim, index in enumerate(indices[1:], 1):
-                    if index is not None:
+                    cut = None if index is None else runs(index)
+                    if cut is not None and len(cut) == 1:
+                        block = block.narrow(dim, cut[0][0], cut[0][1] - cut[0][0])
+                    elif cut is not None:
                         block = block.index_select(dim, index)
                 local[row:row + n].copy_(block)
             row += n
