@@ -1,4 +1,4 @@
-"""The shared device mesh (dims "dp_replicate", "dp_shard", "tp", "ring", "ulysses") and a
+"""The shared device mesh (dims "pp", "dp_replicate", "dp_shard", "tp", "ring", "ulysses") and a
 read-only view of it for the passes."""
 
 from __future__ import annotations
@@ -53,6 +53,26 @@ SPANS = {**{n: (n,) for n in MESH_DIMS}, **{d.name: d.mesh_dims for d in PLAN_DI
 """The mesh dims each dim of MeshInfo flattens, the last fastest: cp is ring-major, dp replicate-major,
 fsdp in the mesh's own order (the order in which DTensor nests Shard placements on them)."""
 FLATTENED = tuple(name for name, spans in SPANS.items() if spans != (name,))
+
+
+@dataclass(frozen=True)
+class StageDim:
+    """A mesh dim the model is cut over into stages (pipeline parallelism), not tensors: the planner
+    never sees it. Each rank plans and compiles its stage over the mesh without it (its slice,
+    ``mesh[other dims]``); only ``dtensor_par.pipeline`` takes a mesh that has it."""
+
+    name: str
+    help: str
+
+
+STAGE_DIMS_DECLARED = (
+    StageDim("pp", help="pipeline parallelism: the model cut at block boundaries into stages, one per pp rank, "
+                        "run by dtensor_par.pipeline"),
+)
+"""The dims that cut the model into stages, outermost in the default order: a degree of
+``init_mesh`` each, but no plan dim, no degree of ``explain``, ``parallel`` or ``choose_mesh``
+(they plan one stage's mesh)."""
+STAGE_DIMS = tuple(d.name for d in STAGE_DIMS_DECLARED)
 
 
 def split_degrees(options: dict) -> tuple[dict[str, int], dict]:
@@ -129,16 +149,40 @@ def init_mesh(*, device_type: str | None = None, order: tuple[str, ...] | None =
     ``order`` lists the dim names, the last varying fastest across ranks (``mesh_order``).
     """
     device_type = device_type or default_device_type()
+    stages = {n: degrees.pop(n) for n in STAGE_DIMS if n in degrees}
     sizes, unknown = split_degrees(degrees)
     if unknown:
-        raise TypeError(f"init_mesh: unknown mesh dims {sorted(unknown)}; the mesh dims are {MESH_DIMS}")
-    order = mesh_order("init_mesh", sizes, device_type, order)
+        raise TypeError(f"init_mesh: unknown mesh dims {sorted(unknown)}; the mesh dims are {STAGE_DIMS + MESH_DIMS}")
+    order = stage_order("init_mesh", stages, mesh_order("init_mesh", sizes, device_type, _without_stages(order)),
+                        order)
+    sizes.update({n: stages.get(n, 1) for n in STAGE_DIMS})
     world = default_world_size(device_type)
     total = math.prod(sizes.values())
     if total != world:
-        degrees = " x ".join(f"{n}={sizes[n]}" for n in MESH_DIMS)
+        degrees = " x ".join(f"{n}={sizes[n]}" for n in STAGE_DIMS + MESH_DIMS if n in order or n in MESH_DIMS)
         raise ValueError(f"init_mesh: {degrees} = {total} ranks, but the world size is {world}")
     return init_device_mesh(device_type, tuple(sizes[n] for n in order), mesh_dim_names=order)
+
+
+def _without_stages(order: Sequence[str] | None) -> tuple[str, ...] | None:
+    return None if order is None else tuple(n for n in order if n not in STAGE_DIMS)
+
+
+def stage_order(entry: str, stages: dict[str, int], inner: tuple[str, ...], order: Sequence[str] | None
+                ) -> tuple[str, ...]:
+    """The layout ``inner`` (``mesh_order``'s) with the stage dims of degree > 1 of ``stages`` put in:
+    outermost by default (a stage sends its neighbour one activation a microbatch, the least
+    traffic of any dim), else where ``order`` names them. A degree must be a positive int."""
+    for name, size in stages.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{entry}: mesh dim {name!r} must be a positive int, got {size!r}")
+    needed = [n for n in STAGE_DIMS if stages.get(n, 1) > 1]
+    if order is None:
+        return (*needed, *inner)
+    missing = [n for n in needed if n not in order]
+    if missing:
+        raise ValueError(f"{entry}: order must name {missing} (degree > 1), got {tuple(order)}")
+    return tuple(n for n in order if n in inner or n in needed)
 
 
 def partition(ranks: torch.Tensor, names: Sequence[str], spans: Sequence[str]) -> tuple[tuple[int, ...], ...]:
@@ -194,13 +238,15 @@ class MeshInfo:
     device_type: str
     dims: dict[str, MeshDim]
     order: tuple[str, ...]  # the mesh's dim names (tp, ring, ulysses at least), the last varying fastest
+    stages: int = 1  # a pipeline stage's slice: how many slices of these ranks the world holds (pp)
 
     def size(self, name: str) -> int:
         return self.dims[name].size
 
     @property
     def world_size(self) -> int:
-        return math.prod(self.size(n) for n in MESH_DIMS)
+        """The ranks of the world: every stage's (the groups of each dim cover them all)."""
+        return math.prod(self.size(n) for n in MESH_DIMS) * self.stages
 
     def fsdp(self, names: tuple[str, ...] | None) -> MeshDim | None:
         """The mesh dim ``parallelize`` shards parameters over for FSDP over the mesh dims ``names``
@@ -246,16 +292,33 @@ class MeshInfo:
         if names is None:
             raise ValueError(f"{entry}: the mesh needs dim names drawn from {MESH_DIMS}")
         unknown = [n for n in names if n not in MESH_DIMS]
+        staged = [n for n, size in zip(names, mesh.shape) if n in STAGE_DIMS and size > 1]
+        if staged:
+            raise ValueError(
+                f"{entry}: the mesh {dict(zip(names, mesh.shape))} cuts the model into stages over {staged}: run it "
+                f"with dtensor_par.pipeline, which compiles each stage over the mesh without them "
+                f"(mesh[{tuple(n for n in names if n not in STAGE_DIMS)}])")
         if unknown:
             raise ValueError(
                 f"{entry}: unknown mesh dim names {unknown} (mesh dims {tuple(names)} with "
                 f"sizes {tuple(mesh.shape)}); allowed names are {MESH_DIMS}"
             )
-        if dist.get_world_size() != mesh.size():
+        root = MeshInfo.stages_root(mesh)
+        if dist.get_world_size() != (root or mesh).size():
             raise ValueError(
                 f"{entry}: the mesh {dict(zip(names, mesh.shape))} holds {mesh.size()} "
                 f"ranks but the world size is {dist.get_world_size()}"
             )
+
+    @staticmethod
+    def stages_root(mesh: DeviceMesh) -> DeviceMesh | None:
+        """The mesh with stage dims that ``mesh`` is one stage's slice of (``mesh[every other dim]``),
+        or None where it is not such a slice."""
+        root = mesh._get_root_mesh()
+        if root is mesh or root.mesh_dim_names is None:
+            return None
+        dropped = set(root.mesh_dim_names) - set(mesh.mesh_dim_names)
+        return root if dropped and dropped <= set(STAGE_DIMS) and root.size() == dist.get_world_size() else None
 
     @staticmethod
     def full_order(names: tuple[str, ...]) -> tuple[str, ...]:
@@ -279,17 +342,23 @@ class MeshInfo:
             dims[name] = MeshDim(name, len(groups[index]), groups[index].index(me),
                                  same[0] if same else group_name(name, groups, index), groups, index,
                                  zigzag=ring if ring > 1 else 0)
-        return MeshInfo(device_type, dims, MeshInfo.full_order(names))
+        stages = math.prod(ranks.shape[names.index(n)] for n in STAGE_DIMS if n in names)
+        return MeshInfo(device_type, dims, MeshInfo.full_order(tuple(n for n in names if n not in STAGE_DIMS)), stages)
 
     @staticmethod
     def from_mesh(mesh: DeviceMesh, entry: str = "hybrid_parallel") -> MeshInfo:
         """Built once per mesh, with the cp process groups, and kept on the mesh for every
-        ``hybrid_parallel`` call and recompile over it."""
+        ``hybrid_parallel`` call and recompile over it.
+
+        ``mesh`` may be one pipeline stage's slice of a mesh with stage dims (``pipeline``): its
+        groups are then built over the whole mesh (every rank builds every stage's, in one order),
+        the stage dims outermost coordinates no group spans."""
         info = getattr(mesh, _INFO_OF, None)
         if info is None:
             MeshInfo.check_names(mesh, entry)
-            info = MeshInfo.build(mesh.device_type, mesh.mesh, tuple(mesh.mesh_dim_names), dist.get_rank(),
-                                  functools.partial(_group_name, mesh))
+            whole = MeshInfo.stages_root(mesh) or mesh
+            info = MeshInfo.build(mesh.device_type, whole.mesh, tuple(whole.mesh_dim_names), dist.get_rank(),
+                                  functools.partial(_group_name, whole))
             setattr(mesh, _INFO_OF, info)
         return info
 
