@@ -9,7 +9,8 @@ with paused_gc():  # importing torch and Dynamo: ~0.5 s of collections that find
     from .explain import explain
     from .logs import set_verbosity
     from .mesh import init_mesh
+    from .pipelining import pipeline
     from .sharded import parallelize
 
 __all__ = ["choose_mesh", "explain", "from_pretrained", "hybrid_parallel", "init_mesh", "parallel", "parallelize",
-           "save_pretrained", "set_verbosity"]
+           "pipeline", "save_pretrained", "set_verbosity"]

@@ -1,0 +1,378 @@
+"""Pipeline parallelism: ``pipeline(model, mesh, example_inputs, loss_fn=..., microbatches=...)``.
+
+The model's one Dynamo graph (captured on one example microbatch) is cut at block boundaries
+(the children of the ``nn.ModuleList`` that holds most of its parameters) into pp stages,
+balanced by each block's parameter count: what runs before the first block goes with the first
+stage, what runs after the last with the last. Each stage is a ``GraphModule`` whose inputs are
+the values the previous stage outputs (a value a later stage needs is passed through the stages
+between) and whose parameters are the model's own, under their FQNs (``get_attr``). Each rank
+builds only its stage, holds its parameters as ``parallelize`` holds them over the mesh without
+pp (the rank's slice), compiles it with ``hybrid_parallel`` over that slice, and runs it as a
+``torch.distributed.pipelining.PipelineStage`` under one of torch's schedules, which sends what
+crosses a cut point to point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
+
+from .config import ParallelConfig
+from .mesh import STAGE_DIMS, MeshInfo
+from .passes.capture import capture_graphs
+from .passes.meta import module_paths
+from .same_inputs import check_same_inputs
+
+SCHEDULES = ("GPipe", "1F1B")
+"""torch's schedules ``pipeline`` runs, by name (one stage a rank)."""
+
+
+def blocks_of(model: nn.Module) -> list[str]:
+    """The FQNs of the children of the ``nn.ModuleList`` that holds the most parameters
+    (``layers.0``, ``layers.1``, ...): the model's repeated blocks, where stages are cut."""
+    best, most = None, -1
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            held = sum(p.numel() for p in module.parameters())
+            if held > most:
+                best, most = name, held
+    if best is None:
+        raise ValueError(f"pipeline: {type(model).__name__} holds no nn.ModuleList of blocks to cut into stages")
+    return [f"{best}.{i}" if best else str(i) for i in range(len(model.get_submodule(best)))]
+
+
+def balanced_cuts(costs: list[int], stages: int) -> list[int]:
+    """The first block of each stage: contiguous runs of blocks, each stage at least one, the most
+    costly stage as cheap as can be (the first such split in order)."""
+    n = len(costs)
+    prefix = [0, *torch.tensor(costs).cumsum(0).tolist()]
+    best: dict[tuple[int, int], tuple[int, list[int]]] = {}
+
+    def split(start: int, left: int) -> tuple[int, list[int]]:
+        if left == 1:
+            return prefix[n] - prefix[start], [start]
+        if (start, left) not in best:
+            options = []
+            for end in range(start + 1, n - left + 2):
+                rest, starts = split(end, left - 1)
+                options.append((max(prefix[end] - prefix[start], rest), [start, *starts]))
+            best[start, left] = min(options, key=lambda o: o[0])
+        return best[start, left]
+
+    return split(0, stages)[1]
+
+
+def _node_block(node: fx.Node, blocks: dict[str, int]) -> int | None:
+    """The index of the block a node runs in, from its module path (``nn_module_stack``)."""
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        path = path.removeprefix("L['self']").removeprefix(".")
+        parts = path.split(".")
+        for k in range(len(parts), 0, -1):
+            index = blocks.get(".".join(parts[:k]))
+            if index is not None:
+                return index
+    return None
+
+
+@dataclass
+class Cut:
+    """The captured graph cut into stages: each node's stage, and what each stage takes and gives."""
+
+    gm: fx.GraphModule
+    stage_of: dict[fx.Node, int]
+    inputs: list[list[fx.Node]]  # per stage: the values it takes (stage 0: the user's tensors)
+    outputs: list[list[fx.Node]]  # per stage: the values it gives (the last: the graph's outputs)
+    params: dict[fx.Node, str]  # parameter and buffer placeholders: their FQNs
+    user: list[int]  # stage 0's inputs: the index of each among the flattened call's tensors
+    blocks: list[list[str]]  # each stage's blocks
+    tensors: dict[str, torch.Tensor]  # the model's parameters and buffers by FQN
+
+
+def cut_graph(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inputs: list, stages: int) -> Cut:
+    """Cut ``gm`` (Dynamo's graph of ``model`` called on ``flat_inputs``) into ``stages`` stages."""
+    blocks = blocks_of(model)
+    if len(blocks) < stages:
+        raise ValueError(f"pipeline: {type(model).__name__} has {len(blocks)} blocks ({blocks[0].rpartition('.')[0]}) "
+                         f"but {stages} stages were asked for: each stage needs at least one block")
+    costs = [sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks]
+    starts = balanced_cuts(costs, stages)
+    stage_of_block = {b: sum(1 for s in starts if s <= i) - 1 for i, b in enumerate(blocks)}
+    block_index = {b: i for i, b in enumerate(blocks)}
+    paths = module_paths(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    params = {n: paths[n.name] for n in placeholders if n.name in paths}
+    user = []
+    for node, value in zip(placeholders, graph_inputs):
+        if node in params:
+            continue
+        found = [i for i, leaf in enumerate(flat_inputs) if leaf is value]
+        if not found:
+            raise NotImplementedError(f"pipeline: graph input {node.name!r} is neither a parameter, a buffer nor an "
+                                      f"input tensor of the call")
+        user.append(found[0])
+    stage_of: dict[fx.Node, int] = {n: 0 for n in placeholders if n not in params}
+    current = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_module":
+            raise NotImplementedError(f"pipeline: the captured graph calls module {node.target!r} (call_module)")
+        index = _node_block(node, block_index)
+        if index is not None:
+            current = stage_of_block[blocks[index]]
+        stage = current
+        for arg in node.all_input_nodes:
+            if arg in stage_of and stage_of[arg] > stage:
+                raise NotImplementedError(f"pipeline: {node.name} (stage {stage}) reads {arg.name} of stage "
+                                          f"{stage_of[arg]}: the blocks do not run in order")
+        stage_of[node] = stage
+    used_at: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        at = stages - 1 if node.op == "output" else stage_of.get(node)
+        for arg in node.all_input_nodes:
+            if arg in params:
+                if node.op == "output":
+                    raise NotImplementedError(f"pipeline: the model returns its parameter {params[arg]!r}")
+                if used_at.get(arg, at) != at:
+                    raise NotImplementedError(f"pipeline: {params[arg]!r} is read by stages {used_at[arg]} and {at} "
+                                              f"(tied weights across stages are not supported yet)")
+            used_at[arg] = max(used_at.get(arg, at), at)
+    values = [n for n in gm.graph.nodes if n in stage_of]
+    crossing = [[v for v in values if stage_of[v] <= k < used_at.get(v, -1)] for k in range(stages - 1)]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(pytree.tree_leaves(output.args[0]))
+    by_stage = [[blocks[i] for i in range(len(blocks)) if stage_of_block[blocks[i]] == s] for s in range(stages)]
+    tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    return Cut(gm, stage_of, [[n for n in placeholders if n not in params], *crossing], [*crossing, outs], params,
+               user, by_stage, tensors)
+
+
+def stage_module(cut: Cut, stage: int) -> fx.GraphModule:
+    """Stage ``stage`` of ``cut`` as a GraphModule: its inputs as placeholders, its parameters and
+    buffers as ``get_attr`` of the model's own tensors under their FQNs, its outputs a tuple (the
+    last stage's: the graph's output, one tensor as one tensor)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    root = nn.Module()
+    for node in cut.inputs[stage]:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+
+    def read(node: fx.Node) -> fx.Node:
+        if node not in env:
+            fqn = cut.params[node]
+            _put(root, fqn, cut.tensors[fqn])
+            env[node] = graph.get_attr(fqn)
+        return env[node]
+
+    for node in cut.gm.graph.nodes:
+        if cut.stage_of.get(node) != stage or node.op == "placeholder":
+            continue
+        for arg in node.all_input_nodes:
+            if arg in cut.params:
+                read(arg)
+        if node.op == "get_attr":
+            _put(root, node.target, getattr(cut.gm, node.target))
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    outs = [env[n] for n in cut.outputs[stage]]
+    last = stage == len(cut.outputs) - 1
+    graph.output(outs[0] if last and len(outs) == 1 else tuple(outs))
+    return fx.GraphModule(root, graph, class_name=f"Stage{stage}")
+
+
+def _put(root: nn.Module, fqn: str, tensor: torch.Tensor) -> None:
+    """Register ``tensor`` (the model's parameter or buffer ``fqn``, or a constant of the graph) on
+    ``root`` under the path ``fqn``."""
+    *path, name = fqn.split(".")
+    owner = root
+    for part in path:
+        if part not in owner._modules:
+            owner.add_module(part, nn.Module())
+        owner = owner._modules[part]
+    if isinstance(tensor, nn.Parameter):
+        owner.register_parameter(name, tensor)
+    else:
+        owner.register_buffer(name, tensor)
+
+
+def _batch_rows(entry: str, flat: list, microbatches: int, what: str = "input") -> None:
+    """Every tensor of ``flat`` cut along dim 0 into ``microbatches`` equal microbatches: refuse sizes
+    that do not divide."""
+    for i, leaf in enumerate(flat):
+        if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or leaf.shape[0] % microbatches):
+            raise ValueError(f"{entry}: {what} {i} of shape {list(leaf.shape)} has a batch (dim 0) of "
+                             f"{leaf.shape[0] if leaf.dim() else 'no size'}, not divisible by microbatches="
+                             f"{microbatches}")
+
+
+def _chunk(flat: list, microbatches: int) -> list:
+    """The first microbatch of each tensor of ``flat`` (what each stage is planned on)."""
+    return [leaf[: leaf.shape[0] // microbatches] if isinstance(leaf, torch.Tensor) else leaf for leaf in flat]
+
+
+def _example(node: fx.Node, device: torch.device) -> torch.Tensor:
+    """A tensor of the shape and dtype Dynamo saw at ``node`` (a stage's input: its values unread by planning)."""
+    value = node.meta["example_value"]
+    return torch.zeros(value.shape, dtype=value.dtype, device=device).requires_grad_(value.is_floating_point())
+
+
+def _stage_options(config: ParallelConfig) -> ParallelConfig:
+    """A stage's config: its inputs checked by ``pipeline`` over the world at the first step (each
+    stage's differ, and the runtime's check is a collective of every rank, which the stages reach
+    at different times)."""
+    import dataclasses
+
+    return dataclasses.replace(config, check_inputs=False)
+
+
+def _compiled_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list, config: ParallelConfig,
+                    options: dict) -> nn.Module:
+    """The stage held and compiled over ``submesh`` (the mesh without pp): ``parallelize`` and
+    ``hybrid_parallel``; over a slice of one rank (pp alone), compiled by the inner backend."""
+    from .runtime import ParallelBackend
+    from .sharded import parallelize_with
+
+    if submesh.size() == 1:
+        ignored = sorted(set(options) - {"inner_backend", "check_inputs"})
+        if ignored:
+            raise NotImplementedError(f"pipeline: options {ignored} with pp alone (the stage's mesh is one rank) are "
+                                      f"not applied yet; the stage is compiled by the inner backend alone")
+        backend = config.inner_backend
+        return stage_gm if backend == "eager" else torch.compile(stage_gm, backend=backend)
+    stage_config = _stage_options(config)
+    parallelize_with(stage_gm, submesh, tuple(example), {}, stage_config, "pipeline")
+    return torch.compile(stage_gm, backend=ParallelBackend(submesh, stage_config))
+
+
+class PipelineStep:
+    """This rank's stage of a pipelined model and the schedule that runs it: ``step(*inputs,
+    target=target, **kwargs)`` runs forward and backward over the microbatches and returns the mean
+    loss on every rank; ``parameters()``/``named_parameters()`` are this rank's (model FQNs)."""
+
+    def __init__(self, model_name: str, mesh: DeviceMesh, cut: Cut, stage_gm: fx.GraphModule, schedule,
+                 spec, example_flat: list, microbatches: int, config: ParallelConfig):
+        self.model_name, self.mesh, self.cut, self.module = model_name, mesh, cut, stage_gm
+        self.schedule, self._spec, self._example_flat = schedule, spec, example_flat
+        self.microbatches, self.config = microbatches, config
+        self.pp_group = mesh.get_group("pp")
+        self.pp, self.stage = mesh["pp"].size(), mesh.get_local_rank("pp")
+        self._checked, self._loss_dtype = False, None
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def _stage_inputs(self, args: tuple, kwargs: dict, target) -> list:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self._spec:
+            raise ValueError(f"pipeline: the step was called with inputs structured as {spec}, but the model was "
+                             f"captured on {self._spec}")
+        for i, (leaf, example) in enumerate(zip(flat, self._example_flat)):
+            if not isinstance(leaf, torch.Tensor) and leaf != example:
+                raise ValueError(f"pipeline: input {i} is {leaf!r}, but the model was captured with {example!r} "
+                                 f"(a non-tensor input is part of the captured graph)")
+        _batch_rows("pipeline", flat, self.microbatches)
+        if target is None:
+            raise ValueError("pipeline: the step needs target=, what loss_fn compares the last stage's output with")
+        _batch_rows("pipeline", [target], self.microbatches, "target")
+        if self.config.check_inputs and not self._checked:
+            named = {f"input {i}": leaf for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)}
+            check_same_inputs("pipeline", {**named, "target": target}, [list(range(dist.get_world_size()))],
+                              "Give every rank the same inputs and target; check_inputs=False turns this check off")
+            self._checked = True
+        return [flat[i] for i in self.cut.user]
+
+    def __call__(self, *args, target=None, **kwargs) -> torch.Tensor:
+        inputs = self._stage_inputs(args, kwargs, target)
+        losses: list[torch.Tensor] = []
+        if self.stage == 0:
+            self.schedule.step(*inputs, target=target, losses=losses)
+        else:
+            self.schedule.step(target=target, losses=losses)
+        last = self.pp - 1
+        if self._loss_dtype is None:
+            dtype = [losses[0].dtype if losses else None]
+            dist.broadcast_object_list(dtype, group=self.pp_group, group_src=last)
+            self._loss_dtype = dtype[0]
+        device = inputs[0].device if inputs else torch.device(self.mesh.device_type)
+        loss = (torch.stack([x.detach() for x in losses]).mean() if losses else
+                torch.zeros((), dtype=self._loss_dtype, device=device))
+        dist.broadcast(loss, group=self.pp_group, group_src=last)
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float, foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the 2-norm of every stage's
+        gradients (each stage's squared norm summed over pp), every gradient scaled alike."""
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in self.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        local = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach) if grads else torch.zeros(())
+        if isinstance(local, DTensor):
+            local = local.full_tensor()
+        squared = local.float().square() if local.dtype != torch.float64 else local.square()
+        dist.all_reduce(squared, group=self.pp_group)
+        total = squared.sqrt().to(local.dtype)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).item()
+        for g in grads:
+            g.mul_(coef)
+        return total
+
+
+def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, loss_fn, microbatches: int,
+             schedule: str = "1F1B", example_kwargs: dict | None = None, **options) -> PipelineStep:
+    """Run ``model`` pipeline-parallel over ``mesh``'s pp dim, each stage over the other dims as
+    ``hybrid_parallel`` runs a model (``options``: its options).
+
+    ``example_inputs``/``example_kwargs``: a whole batch, as the step will be called; every tensor
+    is cut along dim 0 into ``microbatches``. ``loss_fn(output, target)``: a mean over its
+    microbatch, given the last stage's output (the model's output where it is one tensor).
+    ``schedule``: one of ``SCHEDULES``. Returns a ``PipelineStep``: ``loss = step(*inputs,
+    target=target, **kwargs)`` is the mean of ``loss_fn`` over the microbatches on every rank, the
+    gradients those of that mean; build the optimizer over ``step.parameters()`` and clip with
+    ``step.clip_grad_norm_``.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    schedules = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+    if schedule not in schedules:
+        raise ValueError(f"pipeline: unknown schedule {schedule!r}; the schedules are {list(schedules)}")
+    config = ParallelConfig.of("pipeline", options)
+    names = tuple(mesh.mesh_dim_names or ())
+    if "pp" not in names:
+        raise ValueError(f"pipeline: the mesh {dict(zip(names, mesh.shape))} has no pp dim: build it with "
+                         f"init_mesh(pp=..., ...)")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"pipeline: microbatches must be a positive int, got {microbatches!r}")
+    pp, stage = mesh["pp"].size(), mesh.get_local_rank("pp")
+    submesh = mesh[tuple(n for n in names if n not in STAGE_DIMS)]
+    MeshInfo.from_mesh(submesh, "pipeline")  # every rank now, in one order: every stage's groups
+    flat, spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs or {}))
+    _batch_rows("pipeline", flat, microbatches)
+    first = _chunk(flat, microbatches)
+    args, kwargs = pytree.tree_unflatten(first, spec)
+    try:
+        graphs = capture_graphs(model, *args, dynamic=False, **kwargs)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"pipeline: the model must be one graph to cut into stages: {e}") from None
+    if len(graphs) != 1:
+        raise NotImplementedError(f"pipeline: Dynamo captured {len(graphs)} graphs of {type(model).__name__}; "
+                                  f"stages are cut from one graph")
+    (gm, graph_inputs), = graphs
+    cut = cut_graph(model, gm, graph_inputs, first, pp)
+    stage_gm = stage_module(cut, stage)
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
+        torch.device(mesh.device_type)
+    example = [first[i] for i in cut.user] if stage == 0 else [_example(n, device) for n in cut.inputs[stage]]
+    compiled = _compiled_stage(stage_gm, submesh, example, config, options)
+    runner = PipelineStage(compiled, stage, pp, device, group=mesh.get_group("pp"))
+    runs = schedules[schedule](runner, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    return PipelineStep(type(model).__name__, mesh, cut, stage_gm, runs, spec, flat, microbatches, config)

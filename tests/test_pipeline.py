@@ -1,0 +1,143 @@
+"""Pipeline parallelism (``dtensor_par.pipeline``): a 4-layer Llama cut into pp stages trains
+exactly like one device accumulating the same microbatches (a mean loss over them), alone and
+beside tp; each rank holds its stage's parameters only. Bad inputs are refused by name."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import dtensor_par
+from dtensor_par._testing import models
+from dtensor_par._testing.harness import max_rel, run_ranks_together, whole
+from tests.background import in_background
+
+LAYERS, BATCH, SEQ, VOCAB, MICROBATCHES = 4, 4, 8, 50, 2
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def _model_and_batch():
+    torch.manual_seed(0)
+    model = models.Llama(vocab=VOCAB, layers=LAYERS)
+    return model, torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
+
+
+def _one_device_step(model, ids, target) -> torch.Tensor:
+    """The mean loss over the microbatches, its gradients accumulated microbatch by microbatch."""
+    losses = []
+    for x, t in zip(ids.chunk(MICROBATCHES), target.chunk(MICROBATCHES)):
+        loss = _loss(model(x), t)
+        (loss / MICROBATCHES).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
+
+
+def train_against_one_device(rank: int, world: int, *, sizes: dict, schedule: str) -> dict:
+    """The first step's loss and every gradient, then 3 AdamW steps with clipping (the norm over
+    every stage), against one device; the share of the model's parameters this rank holds."""
+    torch._dynamo.reset()
+    mesh = dtensor_par.init_mesh(**sizes)
+    model, ids, target = _model_and_batch()
+    reference = copy.deepcopy(model)
+    step = dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=MICROBATCHES, schedule=schedule,
+                                inner_backend="aot_eager")
+    make_opt = lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-3)  # noqa: E731
+    opt, opt_ref = make_opt(step.parameters()), make_opt(reference.parameters())
+    worst = Counter()
+    initial = {fqn: whole(p).detach().clone() for fqn, p in step.named_parameters()}
+    for i in range(3):
+        loss, loss_ref = step(ids, target=target), _one_device_step(reference, ids, target)
+        worst["loss"] = max(worst["loss"], abs(loss.item() - loss_ref.item()))
+        if i == 0:
+            worst["grad"] = max(max_rel(whole(p.grad), reference.get_parameter(fqn).grad)
+                                for fqn, p in step.named_parameters())
+        norm = step.clip_grad_norm_(0.05)
+        norm_ref = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        worst["norm"] = max(worst["norm"], abs(norm.item() - norm_ref.item()) / norm_ref.item())
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        worst["param"] = max(worst["param"], max(max_rel(whole(p), reference.get_parameter(fqn))
+                                                 for fqn, p in step.named_parameters()))
+    worst["least_moved"] = min((whole(p) - initial[fqn]).abs().max().item() for fqn, p in step.named_parameters())
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in step.parameters())
+    return {**worst, "held": held / sum(p.numel() for p in model.parameters()),
+            "fqns": sorted(fqn for fqn, _ in step.named_parameters()),
+            "dtensor": sorted({isinstance(p, DTensor) for p in step.parameters()})}
+
+
+RUNS = {  # label: world, mesh, schedule
+    "pp2 GPipe": (2, {"pp": 2}, "GPipe"),
+    "pp2 1F1B": (2, {"pp": 2}, "1F1B"),
+    "pp2 x tp2 1F1B": (4, {"pp": 2, "tp": 2}, "1F1B"),
+}
+
+
+def _launch(world: int) -> list[dict]:
+    return run_ranks_together(world, {label: (train_against_one_device, {"sizes": sizes, "schedule": schedule})
+                                      for label, (w, sizes, schedule) in RUNS.items() if w == world})
+
+
+LAUNCHES = {world: in_background(_launch, world) for world in (2, 4)}
+"""One launch per world size."""
+
+
+@pytest.mark.parametrize("label", list(RUNS))
+def test_training_matches_one_device_accumulating_the_microbatches(label):
+    world, sizes, _ = RUNS[label]
+    per_rank = [results[label] for results in LAUNCHES[world].result()]
+    every = set()
+    for rank, worst in enumerate(per_rank):
+        assert worst["loss"] <= 1e-6 and worst["grad"] <= 1e-5, (label, rank, worst)
+        assert worst["norm"] <= 1e-5 and worst["param"] <= 1e-5, (label, rank, worst)
+        assert worst["least_moved"] > 1e-3, (label, rank, worst)  # every parameter trained
+        assert worst["held"] <= 0.6, (label, rank, worst["held"])
+        assert worst["dtensor"] == [sizes.get("tp", 1) > 1], (label, rank, worst["dtensor"])
+        every |= set(worst["fqns"])
+    model, _, _ = _model_and_batch()
+    assert every == {fqn for fqn, _ in model.named_parameters()}, label
+
+
+def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
+    """An unknown schedule, fewer blocks than stages, a batch the microbatches do not divide."""
+    fake_world(2)
+    mesh = dtensor_par.init_mesh(pp=2)
+    model, ids, _ = _model_and_batch()
+    with pytest.raises(ValueError, match=r"unknown schedule 'ZBV'; the schedules are \['GPipe', '1F1B'\]"):
+        dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=2, schedule="ZBV")
+    with pytest.raises(ValueError, match=r"input 0 of shape \[4, 8\] has a batch \(dim 0\) of 4, not divisible by "
+                                         r"microbatches=3"):
+        dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=3)
+    with pytest.raises(ValueError, match=r"Llama has 1 blocks \(blocks\) but 2 stages were asked for"):
+        dtensor_par.pipeline(models.Llama(vocab=VOCAB, layers=1), mesh, (ids,), loss_fn=_loss, microbatches=2)
+    with pytest.raises(ValueError, match="cuts the model into stages over \\['pp'\\]: run it with dtensor_par.pipeline"):
+        dtensor_par.parallelize(model, mesh, (ids,))
+
+
+def test_stages_are_cut_at_block_boundaries_balanced_by_parameters():
+    """4 equal blocks in 2 stages: two each, the embedding with the first, the norm and head with
+    the last; unequal costs move the cut."""
+    from dtensor_par.passes.capture import capture_graphs
+    from dtensor_par.pipelining import balanced_cuts, cut_graph, stage_module
+
+    assert balanced_cuts([1, 1, 1, 1], 2) == [0, 2]
+    assert balanced_cuts([3, 1, 1, 1], 2) == [0, 1]
+    assert balanced_cuts([1, 1, 1, 1], 4) == [0, 1, 2, 3]
+    model, ids, _ = _model_and_batch()
+    (gm, inputs), = capture_graphs(model, ids)
+    cut = cut_graph(model, gm, inputs, [ids], 2)
+    assert cut.blocks == [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]]
+    first, last = stage_module(cut, 0), stage_module(cut, 1)
+    assert {n.split(".")[0] for n, _ in first.named_parameters()} == {"embed", "blocks"}
+    assert {n for n, _ in last.named_parameters()} >= {"norm.weight", "lm_head.weight", "blocks.2.q_proj.weight"}
+    hidden = first(ids)
+    assert torch.equal(last(*hidden), model(ids))
