@@ -29,8 +29,8 @@ from .passes.capture import capture_graphs
 from .passes.meta import module_paths
 from .same_inputs import check_same_inputs
 
-SCHEDULES = ("GPipe", "1F1B")
-"""torch's schedules ``pipeline`` runs, by name (one stage a rank)."""
+SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
+"""torch's schedules ``pipeline`` runs, by name: how many stages each rank holds."""
 
 
 def blocks_of(model: nn.Module) -> list[str]:
@@ -255,20 +255,23 @@ class PipelineStep:
     target=target, **kwargs)`` runs forward and backward over the microbatches and returns the mean
     loss on every rank; ``parameters()``/``named_parameters()`` are this rank's (model FQNs)."""
 
-    def __init__(self, model_name: str, mesh: DeviceMesh, cut: Cut, stage_gm: fx.GraphModule, schedule,
+    def __init__(self, model_name: str, mesh: DeviceMesh, cut: Cut, stage_gms: list[fx.GraphModule], schedule,
                  spec, example_flat: list, microbatches: int, config: ParallelConfig):
-        self.model_name, self.mesh, self.cut, self.module = model_name, mesh, cut, stage_gm
+        self.model_name, self.mesh, self.cut, self.modules = model_name, mesh, cut, stage_gms
         self.schedule, self._spec, self._example_flat = schedule, spec, example_flat
         self.microbatches, self.config = microbatches, config
         self.pp_group = mesh.get_group("pp")
         self.pp, self.stage = mesh["pp"].size(), mesh.get_local_rank("pp")
         self._checked, self._loss_dtype = False, None
 
-    def named_parameters(self, *args, **kwargs):
-        return self.module.named_parameters(*args, **kwargs)
+    def named_parameters(self):
+        """This rank's parameters (every stage it holds) under the model's FQNs."""
+        for module in self.modules:
+            yield from module.named_parameters()
 
-    def parameters(self, recurse: bool = True):
-        return self.module.parameters(recurse)
+    def parameters(self):
+        for _, param in self.named_parameters():
+            yield param
 
     def _stage_inputs(self, args: tuple, kwargs: dict, target) -> list:
         flat, spec = pytree.tree_flatten((args, kwargs))
@@ -340,11 +343,10 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     gradients those of that mean; build the optimizer over ``step.parameters()`` and clip with
     ``step.clip_grad_norm_``.
     """
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed import pipelining
 
-    schedules = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
-    if schedule not in schedules:
-        raise ValueError(f"pipeline: unknown schedule {schedule!r}; the schedules are {list(schedules)}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline: unknown schedule {schedule!r}; the schedules are {list(SCHEDULES)}")
     config = ParallelConfig.of("pipeline", options)
     names = tuple(mesh.mesh_dim_names or ())
     if "pp" not in names:
@@ -367,12 +369,17 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
         raise NotImplementedError(f"pipeline: Dynamo captured {len(graphs)} graphs of {type(model).__name__}; "
                                   f"stages are cut from one graph")
     (gm, graph_inputs), = graphs
-    cut = cut_graph(model, gm, graph_inputs, first, pp)
-    stage_gm = stage_module(cut, stage)
+    virtual = SCHEDULES[schedule]
+    cut = cut_graph(model, gm, graph_inputs, first, pp * virtual)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
         torch.device(mesh.device_type)
-    example = [first[i] for i in cut.user] if stage == 0 else [_example(n, device) for n in cut.inputs[stage]]
-    compiled = _compiled_stage(stage_gm, submesh, example, config, options)
-    runner = PipelineStage(compiled, stage, pp, device, group=mesh.get_group("pp"))
-    runs = schedules[schedule](runner, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-    return PipelineStep(type(model).__name__, mesh, cut, stage_gm, runs, spec, flat, microbatches, config)
+    held, runners = [], []
+    for index in range(stage, pp * virtual, pp):  # stage i on pp rank i % pp
+        stage_gm = stage_module(cut, index)
+        example = [first[i] for i in cut.user] if index == 0 else [_example(n, device) for n in cut.inputs[index]]
+        compiled = _compiled_stage(stage_gm, submesh, example, config, options)
+        held.append(stage_gm)
+        runners.append(pipelining.PipelineStage(compiled, index, pp * virtual, device, group=mesh.get_group("pp")))
+    runs = getattr(pipelining, f"Schedule{schedule}")(runners if virtual > 1 else runners[0],
+                                                      n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    return PipelineStep(type(model).__name__, mesh, cut, held, runs, spec, flat, microbatches, config)

@@ -78,6 +78,7 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, schedule: st
 RUNS = {  # label: world, mesh, schedule
     "pp2 GPipe": (2, {"pp": 2}, "GPipe"),
     "pp2 1F1B": (2, {"pp": 2}, "1F1B"),
+    "pp2 Interleaved1F1B": (2, {"pp": 2}, "Interleaved1F1B"),
     "pp2 x tp2 1F1B": (4, {"pp": 2, "tp": 2}, "1F1B"),
 }
 
@@ -112,7 +113,7 @@ def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
     fake_world(2)
     mesh = dtensor_par.init_mesh(pp=2)
     model, ids, _ = _model_and_batch()
-    with pytest.raises(ValueError, match=r"unknown schedule 'ZBV'; the schedules are \['GPipe', '1F1B'\]"):
+    with pytest.raises(ValueError, match=r"unknown schedule 'ZBV'; the schedules are \['GPipe', '1F1B', 'Interleaved1F1B'\]"):
         dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=2, schedule="ZBV")
     with pytest.raises(ValueError, match=r"input 0 of shape \[4, 8\] has a batch \(dim 0\) of 4, not divisible by "
                                          r"microbatches=3"):
