@@ -14,6 +14,7 @@ crosses a cut point to point.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -22,12 +23,15 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from .config import ParallelConfig
 from .mesh import STAGE_DIMS, MeshInfo
 from .passes.capture import capture_graphs
 from .passes.meta import module_paths
+from .runtime import ParallelBackend
 from .same_inputs import check_same_inputs
+from .sharded import parallelize_with
 
 SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
 """torch's schedules ``pipeline`` runs, by name: how many stages each rank holds."""
@@ -226,8 +230,6 @@ def _stage_options(config: ParallelConfig) -> ParallelConfig:
     """A stage's config: its inputs checked by ``pipeline`` over the world at the first step (each
     stage's differ, and the runtime's check is a collective of every rank, which the stages reach
     at different times)."""
-    import dataclasses
-
     return dataclasses.replace(config, check_inputs=False)
 
 
@@ -235,9 +237,6 @@ def _compiled_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list
                     options: dict) -> nn.Module:
     """The stage held and compiled over ``submesh`` (the mesh without pp): ``parallelize`` and
     ``hybrid_parallel``; over a slice of one rank (pp alone), compiled by the inner backend."""
-    from .runtime import ParallelBackend
-    from .sharded import parallelize_with
-
     if submesh.size() == 1:
         ignored = sorted(set(options) - {"inner_backend", "check_inputs"})
         if ignored:
@@ -314,8 +313,6 @@ class PipelineStep:
     def clip_grad_norm_(self, max_norm: float, foreach: bool | None = None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model: the 2-norm of every stage's
         gradients (each stage's squared norm summed over pp), every gradient scaled alike."""
-        from torch.distributed.tensor import DTensor
-
         params = [p for p in self.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         local = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach) if grads else torch.zeros(())
