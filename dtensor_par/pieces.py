@@ -11,6 +11,7 @@ into any layout (tp of another size, FSDP, one device).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -93,10 +94,38 @@ class Blocks(DTensor):
         return pieces[0]
 
 
+def _strided(value) -> bool:
+    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
+
+
 def blocks_for_dcp(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     """A state dict post-hook: each DTensor whose piece is not one block, as ``Blocks`` of the
     same piece (the parameters themselves stay where ``keep_vars`` asks for them)."""
     for key, value in state_dict.items():
-        if (key.startswith(prefix) and isinstance(value, DTensor) and not isinstance(value, nn.Parameter)
-                and any(isinstance(p, _StridedShard) for p in value.placements)):
+        if key.startswith(prefix) and _strided(value) and not isinstance(value, nn.Parameter):
             state_dict[key] = Blocks(value.to_local(), value._spec, requires_grad=False)
+
+
+_HOOKED = "_dtensor_par_blocks_for_dcp"
+"""The attribute of an optimizer whose state dicts show DCP ``Blocks`` (``optimizer_blocks_for_dcp``)."""
+
+
+def optimizer_blocks_for_dcp(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """A global optimizer step pre-hook: once per optimizer, its state dicts show a fused
+    projection's moments (pieces as its parameter's) to DCP as ``Blocks``, and loading takes them
+    back as plain DTensors, so the optimizer never keeps a DCP view as its state. Registered at a
+    step: DCP's ``get_optimizer_state_dict`` makes one before it reads a fresh optimizer's state."""
+    if getattr(optimizer, _HOOKED, False):
+        return
+    setattr(optimizer, _HOOKED, True)
+    optimizer.register_state_dict_post_hook(functools.partial(_each_state, Blocks))
+    optimizer.register_load_state_dict_pre_hook(functools.partial(_each_state, DTensor))
+
+
+def _each_state(kind: type, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``state_dict`` with each strided DTensor of its state held as ``kind`` (same piece, same spec)."""
+    for state in state_dict["state"].values():
+        for key, value in state.items():
+            if _strided(value):
+                state[key] = kind(value.to_local(), value._spec, requires_grad=False)
+    return state_dict

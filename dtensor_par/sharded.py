@@ -41,7 +41,7 @@ from .mesh import MeshInfo
 from .params import SHARDED, STANDIN_OF, HeldLayout, expert_dim, held_mesh, holds_whole, layout_maker
 from .passes.capture import capture_graphs
 from .passes.steps import steps
-from .pieces import blocks_for_dcp
+from .pieces import blocks_for_dcp, optimizer_blocks_for_dcp
 from .planning import parallelize_graph
 from .placements import Placement, Replicate, describe
 
@@ -322,6 +322,7 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
     model.register_forward_pre_hook(_swap_in, with_kwargs=True)
     model.register_forward_hook(_swap_out, always_call=True)
     model.register_state_dict_post_hook(blocks_for_dcp)
-    hook = register_optimizer_step_pre_hook(functools.partial(_check_optimizer, state.replaced))
-    weakref.finalize(model, hook.remove)  # the check hangs off the model: it goes with it
+    for hook in (register_optimizer_step_pre_hook(functools.partial(_check_optimizer, state.replaced)),
+                 register_optimizer_step_pre_hook(optimizer_blocks_for_dcp)):
+        weakref.finalize(model, hook.remove)  # the hooks hang off the model: they go with it
     return model

@@ -129,21 +129,22 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, names: list[
         set_model_state_dict(fresh, dict(reference.state_dict()), options=StateDictOptions(full_state_dict=True))
         worst["loaded_full"] = max(max_rel(whole(p), q) for p, q in zip(fresh.parameters(), reference.parameters()))
 
-        if checkpoint_dir is not None and name == "llama":  # DCP: sharded files, optimizer included
+        if checkpoint_dir is not None:  # DCP: sharded files, optimizer included (gpt's fused qkv: pieces.Blocks)
             import torch.distributed.checkpoint as dcp
             saved = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-            dcp.save(saved, checkpoint_id=checkpoint_dir)
+            dcp.save(saved, checkpoint_id=os.path.join(checkpoint_dir, name))
             expected = {k: whole(v).clone() for k, v in model.state_dict().items()}
             expected_avg = [whole(opt.state[p]["exp_avg"]).clone() for p in model.parameters()]
             loss_of(compiled(x)).backward()
             opt.step()  # move weights and state away from the checkpoint
             state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-            dcp.load(state, checkpoint_id=checkpoint_dir)
+            dcp.load(state, checkpoint_id=os.path.join(checkpoint_dir, name))
             set_model_state_dict(model, state["model"])
             set_optimizer_state_dict(model, opt, state["optim"])
             worst["dcp_params"] = max(max_rel(whole(v), expected[k]) for k, v in model.state_dict().items())
             worst["dcp_exp_avg"] = max(max_rel(whole(opt.state[p]["exp_avg"]), e)
                                        for p, e in zip(model.parameters(), expected_avg))
+            worst["dcp_state_types"] = sorted({type(v).__name__ for s in opt.state.values() for v in s.values()})
         results[name] = {**worst, "plain": sorted(plain), "other_storage": storage}
     return results
 
@@ -259,8 +260,9 @@ def test_training_matches_one_device_holding_one_tp_and_fsdp_share(world, label,
         assert worst["plain"] == [label == "ddp"], (rank, worst)
         for key in ("loss", "norm", "param", "full_state_dict", "loaded_full", "dcp_params", "dcp_exp_avg"):
             assert worst.get(key, 0.0) <= PARAM_RTOL, (rank, key, worst)
-        if name == "llama" and (label == "ddp" or (label == "training" and world == 4)):
+        if label == "ddp" or (label == "training" and world == 4):
             assert "dcp_params" in worst, (rank, worst)
+            assert worst["dcp_state_types"] == ["Tensor"] if label == "ddp" else ["DTensor", "Tensor"], (rank, worst)
 
 
 def test_a_projection_cut_into_unequal_parts_is_held_whole_and_sliced_at_each_call():
