@@ -3,8 +3,8 @@
 from .gcpause import paused_gc
 
 with paused_gc():  # importing torch and Dynamo: ~0.5 s of collections that find no garbage
-    from .api import hybrid_parallel, parallel
-    from .checkpoints import from_pretrained, save_pretrained
+    from .api import from_pretrained, hybrid_parallel, parallel
+    from .checkpoints import save_pretrained
     from .choose import choose_mesh
     from .explain import explain
     from .logs import set_verbosity

@@ -1,4 +1,4 @@
-"""Public entry points: the ``torch.compile`` backend and the class decorator."""
+"""Public entry points: the ``torch.compile`` backend, the class decorator and ``from_pretrained``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .checkpoints import checkpoint_entries, empty_model, load_checkpoint
+from .checkpoints import empty_model, load_checkpoint
 from .choose import Ranking, choose_mesh, mesh_text
 from .config import ParallelConfig
 from .errors import InvalidPlan
@@ -18,7 +18,7 @@ from .machines import MACHINES, Machine, machine as machine_profile
 from .mesh import default_world_size, init_mesh, split_degrees
 from .runtime import ParallelBackend
 from .same_inputs import check_every_rank_agrees
-from .sharded import parallelize_with
+from .sharded import parallelize, parallelize_with
 
 
 def hybrid_parallel(mesh: DeviceMesh, **options) -> ParallelBackend:
@@ -114,12 +114,27 @@ def parallel(*, mesh: DeviceMesh | None = None, auto: bool = False, machine: str
 
 def _from_pretrained(cls, path: str, *, torch_dtype: torch.dtype | None = None) -> nn.Module:
     """A decorated class's ``from_pretrained``: an instance built on meta from the checkpoint folder
-    ``path``'s config; its first call parallelizes it and reads each rank's pieces from ``path``
-    (as ``checkpoints.from_pretrained``)."""
-    checkpoint_entries(path)  # not a checkpoint folder: said now, not at the first call
+    ``path``'s config; its first call parallelizes it and reads each rank's pieces from ``path``."""
     model = empty_model(cls, path, torch_dtype)
     model.__dict__[_CHECKPOINT] = path
     return model
+
+
+def from_pretrained(model_cls: type, path: str, mesh: DeviceMesh, *, example_inputs: tuple = (),
+                    example_kwargs: dict | None = None, torch_dtype: torch.dtype | None = None,
+                    **options) -> nn.Module:
+    """``model_cls`` (transformers or diffusers) from the checkpoint folder ``path``, parallelized
+    over ``mesh``, each rank reading only its pieces' bytes (``checkpoints``).
+
+    With example inputs: built on ``meta``, ``parallelize``d for them (``options``) and read now;
+    compile it with ``hybrid_parallel``. Without, nothing can be planned yet: the instance of
+    ``parallel(mesh=mesh, **options)(model_cls)``, built on meta; call it directly, its first call
+    plans, reads and compiles."""
+    if not example_inputs and not example_kwargs:
+        return parallel(mesh=mesh, **options)(model_cls).from_pretrained(path, torch_dtype=torch_dtype)
+    model = empty_model(model_cls, path, torch_dtype)
+    parallelize(model, mesh, example_inputs, example_kwargs=example_kwargs, **options)
+    return load_checkpoint(model, path)
 
 
 def _auto_machine(auto: bool, machine: str | Machine | None, training: bool | None, given: dict[str, int],

@@ -1,11 +1,12 @@
 """Checkpoint folders in the transformers and diffusers layout (config.json + safetensors), read
 and written piece by piece.
 
-``from_pretrained`` builds the model from its config with every parameter on ``meta`` (buffers
+``empty_model`` builds the model from its config with every parameter on ``meta`` (buffers
 computed for real, so rotary frequencies and position ids come out as the constructor computes
-them), parallelizes it, which allocates only this rank's pieces, and reads each piece's bytes
-from the files: no rank ever holds a whole copy. Files are read with ``pread``, not memory-mapped:
-mapped pages count toward a process's RSS, and a column slice touches every page of a tensor.
+them); parallelized (``api.from_pretrained``), it holds only this rank's pieces, and
+``load_checkpoint`` reads each piece's bytes from the files: no rank ever holds a whole copy.
+Files are read with ``pread``, not memory-mapped: mapped pages count toward a process's RSS, and
+a column slice touches every page of a tensor.
 ``save_pretrained`` writes the same layout from a parallelized model, one gathered tensor at a
 time.
 """
@@ -23,11 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .pieces import held_indices, runs
-from .sharded import parallelize, sharded_state
+from .sharded import sharded_state
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
@@ -131,7 +131,9 @@ def _parameters_on_meta():
 def empty_model(model_cls: type, path: str, torch_dtype: torch.dtype | None = None) -> nn.Module:
     """``model_cls`` built from the config of the checkpoint folder ``path``, parameters on
     ``meta``, in eval mode (as the libraries' ``from_pretrained``): transformers'
-    ``_from_config``, diffusers' ``from_config``."""
+    ``_from_config``, diffusers' ``from_config``. A folder with no weights or no config is
+    refused before anything is built, not where its pieces are read."""
+    checkpoint_entries(path)
     diffusers = hasattr(model_cls, "load_config")  # ConfigMixin; transformers' PreTrainedModel has _from_config
     if not (diffusers or hasattr(model_cls, "_from_config")):
         raise TypeError(f"from_pretrained builds transformers and diffusers models from their config, not "
@@ -147,19 +149,6 @@ def empty_model(model_cls: type, path: str, torch_dtype: torch.dtype | None = No
             config = model_cls.config_class.from_pretrained(path)
             model = model_cls._from_config(config, **({"dtype": torch_dtype} if torch_dtype is not None else {}))
     return model.eval()
-
-
-def from_pretrained(model_cls: type, path: str, mesh: DeviceMesh, *, example_inputs: tuple = (),
-                    example_kwargs: dict | None = None, torch_dtype: torch.dtype | None = None,
-                    **options) -> nn.Module:
-    """``model_cls`` from the checkpoint folder ``path``, parallelized over ``mesh``: built on
-    ``meta`` from its config, ``parallelize``d (``example_inputs``, ``options``), then each
-    rank's pieces read from the files, only its own bytes."""
-    entries = checkpoint_entries(path)
-    model = empty_model(model_cls, path, torch_dtype)
-    parallelize(model, mesh, example_inputs, example_kwargs=example_kwargs, **options)
-    _load(model, entries, path)
-    return model
 
 
 def load_checkpoint(model: nn.Module, path: str) -> nn.Module:
