@@ -229,9 +229,39 @@ def _matched(model: nn.Module, entries: dict[str, Entry], path: str) -> list[tup
                             f"{tensor.dtype}")
         else:
             reads.append((tensor, entry))
+    converted = _converted_by_transformers(model, [key for key in entries if rename(key) not in state], state)
+    if converted:
+        shown = "\n  ".join(f"{key!r} -> {target!r}" for key, target in converted[:CONVERTED_SHOWN])
+        raise ValueError(f"checkpoint {path!r} is in a layout transformers converts while loading "
+                         f"{type(model).__name__} (its conversion mapping), which is not read piece by piece: "
+                         f"{len(converted)} of its keys would become the model's, first\n  {shown}\nRead it once on one "
+                         f"device with transformers' from_pretrained and write it with dtensor_par.save_pretrained, "
+                         f"which writes the model's own keys")
     if problems:
         raise ValueError(f"checkpoint {path!r} does not fit {type(model).__name__}:\n  " + "\n  ".join(problems))
     return reads
+
+
+CONVERTED_SHOWN = 4
+"""How many converted keys the error names."""
+
+
+def _converted_by_transformers(model: nn.Module, unexpected: list[str], state: dict) -> list[tuple[str, str]]:
+    """(checkpoint key, the model key it would become) for each of ``unexpected`` that transformers'
+    conversion mapping for ``model`` renames into one of ``state``'s keys (v5 loading stacks
+    Mixtral's per-expert ``w1/w2/w3`` into ``experts.gate_up_proj``/``down_proj``, and its own
+    ``save_pretrained`` writes them back per expert)."""
+    if not unexpected or not hasattr(model, "_from_config"):
+        return []
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    targets = [(key, rename_source_key(key, renamings, converters, model.base_model_prefix, state)[0])
+               for key in unexpected]
+    return [(key, target) for key, target in targets if target != key and target in state]
 
 
 def _pread(fd: int, into: torch.Tensor, offset: int) -> None:

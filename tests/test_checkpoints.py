@@ -131,6 +131,12 @@ def gpt_pieces(rank: int, world: int, *, folder: str, sizes: dict) -> dict:
             "qkv": _placements(model.blocks[0].qkv.weight), "fc": _placements(model.blocks[0].fc.weight)}
 
 
+def _mixtral():
+    return MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                            num_attention_heads=8, num_key_value_heads=4, num_local_experts=4,
+                                            num_experts_per_tok=2)).eval()
+
+
 def mixtral_ep(rank: int, world: int, *, folder: str) -> dict:
     """Mixtral's stacked experts cut over dp_shard x ulysses (``ep="cp"``), written by
     ``save_pretrained`` under the model's own keys and read back piece by piece."""
@@ -380,6 +386,27 @@ def test_every_mismatch_is_named_before_anything_is_read(tmp_path):
         "  'linear.weight' has shape [3, 5] in the checkpoint, [3, 4] in the model\n"
         "  missing key 'linear.bias'")
     assert _differ(_state(model), before) == []
+
+
+def test_a_layout_transformers_converts_is_named_with_the_keys_it_would_become(tmp_path):
+    """transformers 5 stacks Mixtral's experts when loading (``mlp.experts.gate_up_proj``) and its
+    ``save_pretrained`` writes them back per expert (``block_sparse_moe.experts.0.w1.weight``):
+    such a folder is refused naming the conversion, not as missing and unexpected keys."""
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    _mixtral().save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError) as error:
+        load_checkpoint(_mixtral(), str(tmp_path))
+    layer = "'model.layers.0.block_sparse_moe.experts"
+    assert str(error.value) == (
+        f"checkpoint {str(tmp_path)!r} is in a layout transformers converts while loading MixtralForCausalLM (its "
+        "conversion mapping), which is not read piece by piece: 13 of its keys would become the model's, first\n"
+        f"  {layer}.0.w1.weight' -> 'model.layers.0.mlp.experts.gate_up_proj'\n"
+        f"  {layer}.0.w2.weight' -> 'model.layers.0.mlp.experts.down_proj'\n"
+        f"  {layer}.0.w3.weight' -> 'model.layers.0.mlp.experts.gate_up_proj'\n"
+        f"  {layer}.1.w1.weight' -> 'model.layers.0.mlp.experts.gate_up_proj'\n"
+        "Read it once on one device with transformers' from_pretrained and write it with dtensor_par.save_pretrained, "
+        "which writes the model's own keys")
 
 
 def _rewrite_header(file: str, edit) -> None:
