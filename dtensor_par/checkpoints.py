@@ -253,8 +253,11 @@ def _converted_by_transformers(model: nn.Module, unexpected: list[str], state: d
     ``save_pretrained`` writes them back per expert)."""
     if not unexpected or not hasattr(model, "_from_config"):
         return []
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    try:  # transformers 5's loading internals: without them, the keys are named as any mismatch
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return []
 
     mapping = get_model_conversion_mapping(model)
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 import dtensor_par
 from dtensor_par.checkpoints import load_checkpoint
 from dtensor_par._testing import loading, models
-from dtensor_par._testing.harness import run_ranks_together
+from dtensor_par._testing.harness import run_ranks, run_ranks_together
 from tests.background import in_background
 
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
@@ -236,24 +236,32 @@ def dcp_between_meshes(rank: int, world: int, *, folder: str) -> dict:
     return result
 
 
-def _calls(world: int, folder: str) -> dict:
-    """Each launch's rank functions, by label, with the checkpoints they read written first."""
-
+def write_checkpoints(rank: int, world: int, *, folder: str, launch: int) -> dict:
+    """The checkpoints launch ``launch``'s ranks read, written in a process of their own: building
+    transformers models on the pytest process's background thread would race its tests' Dynamo
+    traces (transformers registers each model class in a global that Dynamo guards on)."""
     torch.manual_seed(0)
+    LlamaForCausalLM(_llama_config(tie_word_embeddings=True)).save_pretrained(os.path.join(folder, "tied"),
+                                                                              max_shard_size=SHARD)
+    LlamaForCausalLM(_llama_config()).save_pretrained(os.path.join(folder, "untied"), max_shard_size=SHARD)
+    if launch == 2:
+        loading.llama_checkpoint(os.path.join(folder, "big"), **BIG)
+        Phi3ForCausalLM(Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=4, pad_token_id=0)
+                        ).save_pretrained(os.path.join(folder, "phi3"))
+    return {}
+
+
+def _calls(world: int, folder: str) -> dict:
+    """Each launch's rank functions, by label, with their arguments."""
     tied, untied = os.path.join(folder, "tied"), os.path.join(folder, "untied")
-    LlamaForCausalLM(_llama_config(tie_word_embeddings=True)).save_pretrained(tied, max_shard_size=SHARD)
-    LlamaForCausalLM(_llama_config()).save_pretrained(untied, max_shard_size=SHARD)
     out = lambda name: dict(out=os.path.join(folder, name))  # noqa: E731
     if world == 2:
-        big = loading.llama_checkpoint(os.path.join(folder, "big"), **BIG)
-        phi3 = os.path.join(folder, "phi3")
-        Phi3ForCausalLM(Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=4, pad_token_id=0)).save_pretrained(phi3)
         # first: a rank's peak RSS then rises from a process that has allocated nothing yet
-        return {"memory": (loading.load_measured, dict(folder=big, sizes={"tp": 2})),
+        return {"memory": (loading.load_measured, dict(folder=os.path.join(folder, "big"), sizes={"tp": 2})),
                 "tp2": (llama_round_trip, dict(folder=tied, sizes={"tp": 2}, **out("tp2"))),
                 "deferred": (deferred_llama, dict(folder=tied)),
-                "phi3": (phi3_fused, dict(folder=phi3)),
+                "phi3": (phi3_fused, dict(folder=os.path.join(folder, "phi3"))),
                 "gpt tp2": (gpt_pieces, dict(folder=os.path.join(folder, "gpt"), sizes={"tp": 2})),
                 "flux": (flux_component, dict(folder=os.path.join(folder, "flux")))}
     return {"tp2-ulysses2": (llama_round_trip, dict(folder=untied, sizes={"tp": 2, "ulysses": 2},
@@ -268,6 +276,7 @@ def _calls(world: int, folder: str) -> dict:
 
 def _launch(world: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
+        run_ranks(1, write_checkpoints, folder=folder, launch=world)
         return run_ranks_together(world, _calls(world, folder))
 
 
