@@ -29,6 +29,7 @@ from .config import ParallelConfig
 from .mesh import STAGE_DIMS, MeshInfo
 from .passes.capture import capture_graphs
 from .passes.meta import module_paths
+from .passes.recompute import module_stack
 from .runtime import ParallelBackend
 from .same_inputs import check_same_inputs
 from .sharded import parallelize_with
@@ -74,8 +75,7 @@ def balanced_cuts(costs: list[int], stages: int) -> list[int]:
 
 def _node_block(node: fx.Node, blocks: dict[str, int]) -> int | None:
     """The index of the block a node runs in, from its module path (``nn_module_stack``)."""
-    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-        path = path.removeprefix("L['self']").removeprefix(".")
+    for path, _ in module_stack(node):
         parts = path.split(".")
         for k in range(len(parts), 0, -1):
             index = blocks.get(".".join(parts[:k]))
@@ -121,7 +121,7 @@ def cut_graph(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inp
                                       f"input tensor of the call")
         user.append(found[0])
     stage_of: dict[fx.Node, int] = {n: 0 for n in placeholders if n not in params}
-    current = 0
+    current, traced = 0, set()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
@@ -130,12 +130,17 @@ def cut_graph(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inp
         index = _node_block(node, block_index)
         if index is not None:
             current = stage_of_block[blocks[index]]
+            traced.add(index)
         stage = current
         for arg in node.all_input_nodes:
             if arg in stage_of and stage_of[arg] > stage:
                 raise NotImplementedError(f"pipeline: {node.name} (stage {stage}) reads {arg.name} of stage "
                                           f"{stage_of[arg]}: the blocks do not run in order")
         stage_of[node] = stage
+    untraced = [b for i, b in enumerate(blocks) if i not in traced]
+    if untraced:
+        raise NotImplementedError(f"pipeline: no op of the captured graph was traced in blocks {untraced} (by "
+                                  f"Dynamo's nn_module_stack) of {len(blocks)}: the stages cannot be cut there")
     used_at: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
         at = stages - 1 if node.op == "output" else stage_of.get(node)

@@ -71,8 +71,9 @@ def allow_side_effects_in_regions() -> None:
 
 
 def _module_path(source: str) -> str:
-    """``L['self'].model.layers[0]`` (a Dynamo source) -> ``model.layers.0``."""
-    path = re.sub(r"^L\['[^']+'\]", "", source)
+    """``L['self'].model.layers[0]`` (a Dynamo source) -> ``model.layers.0``; the model is
+    ``L['args'][0]`` where its ``forward`` is wrapped in ``def wrapper(*args, **kwargs)`` (transformers')."""
+    path = re.sub(r"^L\['args'\]\[0\]|^L\['[^']+'\]", "", source)
     parts = re.findall(r"\._modules\['([^']+)'\]|\[(\d+)\]|\['([^']+)'\]|\.(\w+)", path)
     return ".".join(next(p for p in groups if p) for groups in parts if any(groups) and groups[-1] != "_modules")
 
