@@ -98,6 +98,34 @@ class Cut:
     tensors: dict[str, torch.Tensor]  # the model's parameters and buffers by FQN
 
 
+def _place_nodes(gm: fx.GraphModule, blocks: list[str], stage_of_block: dict[str, int],
+                 inputs: list[fx.Node]) -> dict[fx.Node, int]:
+    """Each node's stage: its block's, or (outside every block) that of the block traced last;
+    the call's tensors (``inputs``) with the first stage."""
+    block_index = {b: i for i, b in enumerate(blocks)}
+    stage_of: dict[fx.Node, int] = {n: 0 for n in inputs}
+    current, traced = 0, set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_module":
+            raise NotImplementedError(f"pipeline: the captured graph calls module {node.target!r} (call_module)")
+        index = _node_block(node, block_index)
+        if index is not None:
+            current = stage_of_block[blocks[index]]
+            traced.add(index)
+        for arg in node.all_input_nodes:
+            if arg in stage_of and stage_of[arg] > current:
+                raise NotImplementedError(f"pipeline: {node.name} (stage {current}) reads {arg.name} of stage "
+                                          f"{stage_of[arg]}: the blocks do not run in order")
+        stage_of[node] = current
+    untraced = [b for i, b in enumerate(blocks) if i not in traced]
+    if untraced:
+        raise NotImplementedError(f"pipeline: no op of the captured graph was traced in blocks {untraced} (by "
+                                  f"Dynamo's nn_module_stack) of {len(blocks)}: the stages cannot be cut there")
+    return stage_of
+
+
 def cut_graph(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inputs: list, stages: int) -> Cut:
     """Cut ``gm`` (Dynamo's graph of ``model`` called on ``flat_inputs``) into ``stages`` stages."""
     blocks = blocks_of(model)
@@ -107,7 +135,6 @@ def cut_graph(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inp
     costs = [sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks]
     starts = balanced_cuts(costs, stages)
     stage_of_block = {b: sum(1 for s in starts if s <= i) - 1 for i, b in enumerate(blocks)}
-    block_index = {b: i for i, b in enumerate(blocks)}
     paths = module_paths(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     params = {n: paths[n.name] for n in placeholders if n.name in paths}
@@ -120,27 +147,7 @@ def cut_graph(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inp
             raise NotImplementedError(f"pipeline: graph input {node.name!r} is neither a parameter, a buffer nor an "
                                       f"input tensor of the call")
         user.append(found[0])
-    stage_of: dict[fx.Node, int] = {n: 0 for n in placeholders if n not in params}
-    current, traced = 0, set()
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        if node.op == "call_module":
-            raise NotImplementedError(f"pipeline: the captured graph calls module {node.target!r} (call_module)")
-        index = _node_block(node, block_index)
-        if index is not None:
-            current = stage_of_block[blocks[index]]
-            traced.add(index)
-        stage = current
-        for arg in node.all_input_nodes:
-            if arg in stage_of and stage_of[arg] > stage:
-                raise NotImplementedError(f"pipeline: {node.name} (stage {stage}) reads {arg.name} of stage "
-                                          f"{stage_of[arg]}: the blocks do not run in order")
-        stage_of[node] = stage
-    untraced = [b for i, b in enumerate(blocks) if i not in traced]
-    if untraced:
-        raise NotImplementedError(f"pipeline: no op of the captured graph was traced in blocks {untraced} (by "
-                                  f"Dynamo's nn_module_stack) of {len(blocks)}: the stages cannot be cut there")
+    stage_of = _place_nodes(gm, blocks, stage_of_block, [n for n in placeholders if n not in params])
     used_at: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
         at = stages - 1 if node.op == "output" else stage_of.get(node)
@@ -339,7 +346,8 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
 
     ``example_inputs``/``example_kwargs``: a whole batch, as the step will be called; every tensor
     is cut along dim 0 into ``microbatches``. ``loss_fn(output, target)``: a mean over its
-    microbatch, given the last stage's output (the model's output where it is one tensor).
+    microbatch, given the last stage's output: the tensors the model returns, as the captured graph
+    returns them (a ``ModelOutput``'s without its ``None``s), one tensor as itself.
     ``schedule``: one of ``SCHEDULES``. Returns a ``PipelineStep``: ``loss = step(*inputs,
     target=target, **kwargs)`` is the mean of ``loss_fn`` over the microbatches on every rank, the
     gradients those of that mean; build the optimizer over ``step.parameters()`` and clip with
