@@ -1,6 +1,7 @@
-"""Pipeline parallelism (``dtensor_par.pipeline``): a 4-layer Llama cut into pp stages trains
-exactly like one device accumulating the same microbatches (a mean loss over them), alone and
-beside tp; each rank holds its stage's parameters only. Bad inputs are refused by name."""
+"""Pipeline parallelism (``dtensor_par.pipeline``): a 4-layer Llama (the toy one, and transformers'
+``LlamaForCausalLM``) cut into pp stages trains exactly like one device accumulating the same
+microbatches (a mean loss over them), alone and beside tp; each rank holds its stage's parameters
+only. Bad inputs are refused by name."""
 
 from __future__ import annotations
 
@@ -24,37 +25,56 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, 1), target.flatten())
 
 
-def _model_and_batch():
+def _hf_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=4,
+                                        initializer_range=0.1))
+
+
+MODELS = {  # name: (build, the call's kwargs)
+    "toy": (lambda: models.Llama(vocab=VOCAB, layers=LAYERS), {}),
+    "hf": (_hf_llama, {"use_cache": False}),
+}
+
+
+def _model_and_batch(name: str = "toy"):
     torch.manual_seed(0)
-    model = models.Llama(vocab=VOCAB, layers=LAYERS)
+    model = MODELS[name][0]()
     return model, torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
 
-def _one_device_step(model, ids, target) -> torch.Tensor:
+def _logits(model, ids, kwargs: dict) -> torch.Tensor:
+    out = model(ids, **kwargs)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _one_device_step(model, ids, target, kwargs: dict) -> torch.Tensor:
     """The mean loss over the microbatches, its gradients accumulated microbatch by microbatch."""
     losses = []
     for x, t in zip(ids.chunk(MICROBATCHES), target.chunk(MICROBATCHES)):
-        loss = _loss(model(x), t)
+        loss = _loss(_logits(model, x, kwargs), t)
         (loss / MICROBATCHES).backward()
         losses.append(loss.detach())
     return torch.stack(losses).mean()
 
 
-def train_against_one_device(rank: int, world: int, *, sizes: dict, schedule: str) -> dict:
+def train_against_one_device(rank: int, world: int, *, sizes: dict, schedule: str, model: str) -> dict:
     """The first step's loss and every gradient, then 3 AdamW steps with clipping (the norm over
     every stage), against one device; the share of the model's parameters this rank holds."""
     torch._dynamo.reset()
     mesh = dtensor_par.init_mesh(**sizes)
-    model, ids, target = _model_and_batch()
+    kwargs = MODELS[model][1]
+    model, ids, target = _model_and_batch(model)
     reference = copy.deepcopy(model)
     step = dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=MICROBATCHES, schedule=schedule,
-                                inner_backend="aot_eager")
+                                example_kwargs=kwargs, inner_backend="aot_eager")
     make_opt = lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-3)  # noqa: E731
     opt, opt_ref = make_opt(step.parameters()), make_opt(reference.parameters())
     worst = Counter()
     initial = {fqn: whole(p).detach().clone() for fqn, p in step.named_parameters()}
     for i in range(3):
-        loss, loss_ref = step(ids, target=target), _one_device_step(reference, ids, target)
+        loss, loss_ref = step(ids, target=target, **kwargs), _one_device_step(reference, ids, target, kwargs)
         worst["loss"] = max(worst["loss"], abs(loss.item() - loss_ref.item()))
         if i == 0:
             worst["grad"] = max(max_rel(whole(p.grad), reference.get_parameter(fqn).grad)
@@ -75,17 +95,22 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, schedule: st
             "dtensor": sorted({isinstance(p, DTensor) for p in step.parameters()})}
 
 
-RUNS = {  # label: world, mesh, schedule
-    "pp2 GPipe": (2, {"pp": 2}, "GPipe"),
-    "pp2 1F1B": (2, {"pp": 2}, "1F1B"),
-    "pp2 Interleaved1F1B": (2, {"pp": 2}, "Interleaved1F1B"),
-    "pp2 x tp2 1F1B": (4, {"pp": 2, "tp": 2}, "1F1B"),
+RUNS = {  # label: world, mesh, schedule, model
+    "pp2 GPipe": (2, {"pp": 2}, "GPipe", "toy"),
+    "pp2 1F1B": (2, {"pp": 2}, "1F1B", "toy"),
+    "pp2 Interleaved1F1B": (2, {"pp": 2}, "Interleaved1F1B", "toy"),
+    "transformers pp2 1F1B": (2, {"pp": 2}, "1F1B", "hf"),
+    "pp2 x tp2 1F1B": (4, {"pp": 2, "tp": 2}, "1F1B", "toy"),
+    "transformers pp2 x tp2 1F1B": (4, {"pp": 2, "tp": 2}, "1F1B", "hf"),
+    "pp2 x ulysses2 GPipe": (4, {"pp": 2, "ulysses": 2}, "GPipe", "toy"),
+    "transformers pp2 x ulysses2 1F1B": (4, {"pp": 2, "ulysses": 2}, "1F1B", "hf"),
 }
 
 
 def _launch(world: int) -> list[dict]:
-    return run_ranks_together(world, {label: (train_against_one_device, {"sizes": sizes, "schedule": schedule})
-                                      for label, (w, sizes, schedule) in RUNS.items() if w == world})
+    return run_ranks_together(world, {label: (train_against_one_device,
+                                              {"sizes": sizes, "schedule": schedule, "model": model})
+                                      for label, (w, sizes, schedule, model) in RUNS.items() if w == world})
 
 
 LAUNCHES = {world: in_background(_launch, world) for world in (2, 4)}
@@ -94,7 +119,7 @@ LAUNCHES = {world: in_background(_launch, world) for world in (2, 4)}
 
 @pytest.mark.parametrize("label", list(RUNS))
 def test_training_matches_one_device_accumulating_the_microbatches(label):
-    world, sizes, _ = RUNS[label]
+    world, sizes, _, name = RUNS[label]
     per_rank = [results[label] for results in LAUNCHES[world].result()]
     every = set()
     for rank, worst in enumerate(per_rank):
@@ -102,14 +127,28 @@ def test_training_matches_one_device_accumulating_the_microbatches(label):
         assert worst["norm"] <= 1e-5 and worst["param"] <= 1e-5, (label, rank, worst)
         assert worst["least_moved"] > 1e-3, (label, rank, worst)  # every parameter trained
         assert worst["held"] <= 0.6, (label, rank, worst["held"])
-        assert worst["dtensor"] == [sizes.get("tp", 1) > 1], (label, rank, worst["dtensor"])
+        sliced = any(size > 1 for dim, size in sizes.items() if dim != "pp")  # held over tp or FSDP over cp
+        assert worst["dtensor"] == [sliced], (label, rank, worst["dtensor"])
         every |= set(worst["fqns"])
-    model, _, _ = _model_and_batch()
+    model, _, _ = _model_and_batch(name)
     assert every == {fqn for fqn, _ in model.named_parameters()}, label
 
 
+class _BrokenLlama(models.Llama):
+    """The toy Llama with a graph break between its blocks."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 0:
+                torch._dynamo.graph_break()
+        return self.lm_head(self.norm(x))
+
+
 def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
-    """An unknown schedule, fewer blocks than stages, a batch the microbatches do not divide."""
+    """An unknown schedule, fewer blocks than stages, a batch the microbatches do not divide, a
+    model Dynamo breaks into several graphs."""
     fake_world(2)
     mesh = dtensor_par.init_mesh(pp=2)
     model, ids, _ = _model_and_batch()
@@ -120,6 +159,10 @@ def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
         dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=3)
     with pytest.raises(ValueError, match=r"Llama has 1 blocks \(blocks\) but 2 stages were asked for"):
         dtensor_par.pipeline(models.Llama(vocab=VOCAB, layers=1), mesh, (ids,), loss_fn=_loss, microbatches=2)
+    with pytest.raises(NotImplementedError, match=r"pipeline: the model must be one graph to cut into stages: "
+                                                  r"_BrokenLlama: Dynamo breaks its graph \(.*graph_break"):
+        torch.manual_seed(0)
+        dtensor_par.pipeline(_BrokenLlama(vocab=VOCAB, layers=LAYERS), mesh, (ids,), loss_fn=_loss, microbatches=2)
     with pytest.raises(ValueError, match="cuts the model into stages over \\['pp'\\]: run it with dtensor_par.pipeline"):
         dtensor_par.parallelize(model, mesh, (ids,))
 
@@ -142,3 +185,11 @@ def test_stages_are_cut_at_block_boundaries_balanced_by_parameters():
     assert {n for n, _ in last.named_parameters()} >= {"norm.weight", "lm_head.weight", "blocks.2.q_proj.weight"}
     hidden = first(ids)
     assert torch.equal(last(*hidden), model(ids))
+
+    # transformers' Llama: rotary cos and sin and the mask, made before the first block, cross with the hidden states
+    model, ids, _ = _model_and_batch("hf")
+    (gm, inputs), = capture_graphs(model, ids, use_cache=False)
+    cut = cut_graph(model, gm, inputs, [ids], 2)
+    assert cut.blocks == [["model.layers.0", "model.layers.1"], ["model.layers.2", "model.layers.3"]]
+    assert len(cut.inputs[1]) == 4, cut.inputs[1]
+    assert torch.equal(stage_module(cut, 1)(*stage_module(cut, 0)(ids)), model(ids, use_cache=False).logits)
