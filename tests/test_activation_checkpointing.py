@@ -231,6 +231,23 @@ def _numbered_apart(sites: list[str]) -> list[str]:
 
 
 @pytest.mark.skipif(real_models is None, reason="the models extra is not installed")
+def test_the_option_finds_the_blocks_of_a_model_whose_forward_transformers_wraps():
+    """transformers wraps ``forward`` (``def wrapper(*args, **kwargs)``): Dynamo names the model
+    ``L['args'][0]``, and its blocks are found there as under ``L['self']``."""
+    model, args, kwargs = real_models.FACTORIES["llama"]()
+    report = dtensor_par.explain(model, args, example_kwargs=kwargs, tp=2, activation_checkpointing="full")
+    line = next(line for line in str(report).splitlines() if "activations kept" in line)
+    assert "with activation checkpointing (full, 2 regions)" in line, line
+
+
+def test_the_option_with_no_block_to_checkpoint_says_so():
+    with logged(logging.WARNING) as records:
+        dtensor_par.explain(nn.Sequential(nn.LayerNorm(32)), (X,), tp=2, activation_checkpointing="full")
+    assert any("activation checkpointing='full': no block to checkpoint (0 sites" in r.getMessage()
+               for r in records), [r.getMessage() for r in records]
+
+
+@pytest.mark.skipif(real_models is None, reason="the models extra is not installed")
 @pytest.mark.parametrize("name", sorted(set(real_models.FACTORIES) - set(NOT_CHECKPOINTED)) if real_models else [])
 def test_gradient_checkpointing_keeps_every_site_and_its_coverage(name):
     """At tp2 x ulysses2 the plan with the model's own gradient checkpointing has the same sites

@@ -178,6 +178,10 @@ def block_regions(gm: fx.GraphModule, ctx: ParallelContext) -> None:
         if path not in regions:
             regions[path] = RecomputeRegion(len(regions) + 1, _region_name(path, cls), "backend")
         set_recompute_region(node, regions[path])
+    if not regions:  # asked for, and nothing checkpointed: said, not silent
+        ctx.warn(f"activation checkpointing={ctx.config.activation_checkpointing!r}: no block to checkpoint "
+                 f"({len(ctx.sites)} sites; no op was traced in a module that holds one): every activation is kept "
+                 f"for backward")
 
 
 def _full(node: fx.Node) -> CheckpointPolicy:
