@@ -34,8 +34,46 @@ from .runtime import ParallelBackend
 from .same_inputs import check_same_inputs
 from .sharded import parallelize_with
 
-SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
-"""torch's schedules ``pipeline`` runs, by name: how many stages each rank holds."""
+@dataclass(frozen=True)
+class Schedule:
+    """How ``pipeline`` runs one of torch's schedules: the stages each rank holds, and where."""
+
+    stages_per_rank: int
+    v_shaped: bool = False  # rank r holds stages r and 2*pp-1-r (the first and last both on rank 0), not r, r+pp, ...
+    splits_backward: bool = False  # computes each stage's input gradients and weight gradients apart
+
+    def stages_of(self, rank: int, pp: int) -> list[int]:
+        """The stages pp rank ``rank`` holds, in order (torch's ``generate_stage_to_rank_mapping``)."""
+        if self.v_shaped:
+            return [rank, 2 * pp - 1 - rank]
+        return list(range(rank, pp * self.stages_per_rank, pp))
+
+    def check_backend(self, name: str, inner_backend) -> None:
+        """Refuse to split the backward of stages compiled whole: an AOT-compiled stage's backward is
+        one autograd node, which torch's split runs whole for the input gradients and again for the
+        weights (exact, but twice the backward and no bubble saved); torch 2.13 refuses it too."""
+        if self.splits_backward and inner_backend != "eager":
+            raise NotImplementedError(
+                f"pipeline: schedule {name!r} computes a stage's input gradients and weight gradients apart, by "
+                f"walking the stage's autograd graph, which takes inner_backend='eager' (one autograd node per op); "
+                f"under inner_backend={inner_backend!r} a stage's backward is one compiled node, which the split runs "
+                f"whole twice (exact, but twice the backward and no bubble saved), and torch 2.13 refuses these "
+                f"schedules over compiled stages")
+
+    def rank_of(self, stage: int, pp: int) -> int:
+        """The pp rank that holds ``stage``."""
+        return next(r for r in range(pp) if stage in self.stages_of(r, pp))
+
+
+SCHEDULES = {
+    "GPipe": Schedule(1),
+    "1F1B": Schedule(1),
+    "Interleaved1F1B": Schedule(2),
+    "InterleavedZeroBubble": Schedule(2, splits_backward=True),
+    "ZBVZeroBubble": Schedule(2, v_shaped=True, splits_backward=True),
+    "DualPipeV": Schedule(2, v_shaped=True, splits_backward=True),
+}
+"""torch's schedules ``pipeline`` runs, by name (``torch.distributed.pipelining.Schedule<name>``)."""
 
 
 def blocks_of(model: nn.Module) -> list[str]:
@@ -245,20 +283,23 @@ def _stage_options(config: ParallelConfig) -> ParallelConfig:
     return dataclasses.replace(config, check_inputs=False)
 
 
-def _compiled_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list, config: ParallelConfig,
-                    options: dict) -> nn.Module:
-    """The stage held and compiled over ``submesh`` (the mesh without pp): ``parallelize`` and
-    ``hybrid_parallel``; over a slice of one rank (pp alone), compiled by the inner backend."""
+def _compile_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list, config: ParallelConfig,
+                   options: dict) -> None:
+    """Hold and compile the stage over ``submesh`` (the mesh without pp): ``parallelize`` and
+    ``hybrid_parallel``; over a slice of one rank (pp alone), the inner backend alone. Compiled in
+    place (``nn.Module.compile``): the module the schedule runs is the one that holds the
+    parameters, which torch's input/weight backward split walks."""
     if submesh.size() == 1:
         ignored = sorted(set(options) - {"inner_backend", "check_inputs"})
         if ignored:
             raise NotImplementedError(f"pipeline: options {ignored} with pp alone (the stage's mesh is one rank) are "
                                       f"not applied yet; the stage is compiled by the inner backend alone")
-        backend = config.inner_backend
-        return stage_gm if backend == "eager" else torch.compile(stage_gm, backend=backend)
+        if config.inner_backend != "eager":
+            stage_gm.compile(backend=config.inner_backend)
+        return
     stage_config = _stage_options(config)
     parallelize_with(stage_gm, submesh, tuple(example), {}, stage_config, "pipeline")
-    return torch.compile(stage_gm, backend=ParallelBackend(submesh, stage_config))
+    stage_gm.compile(backend=ParallelBackend(submesh, stage_config))
 
 
 class PipelineStep:
@@ -267,9 +308,10 @@ class PipelineStep:
     loss on every rank; ``parameters()``/``named_parameters()`` are this rank's (model FQNs)."""
 
     def __init__(self, model_name: str, mesh: DeviceMesh, cut: Cut, stage_gms: list[fx.GraphModule], schedule,
-                 spec, example_flat: list, microbatches: int, config: ParallelConfig):
+                 loss_rank: int, spec, example_flat: list, microbatches: int, config: ParallelConfig):
         self.model_name, self.mesh, self.cut, self.modules = model_name, mesh, cut, stage_gms
-        self.schedule, self._spec, self._example_flat = schedule, spec, example_flat
+        self.schedule, self.loss_rank = schedule, loss_rank  # loss_rank: the pp rank of the last stage
+        self._spec, self._example_flat = spec, example_flat
         self.microbatches, self.config = microbatches, config
         self.pp_group = mesh.get_group("pp")
         self.pp, self.stage = mesh["pp"].size(), mesh.get_local_rank("pp")
@@ -311,7 +353,7 @@ class PipelineStep:
             self.schedule.step(*inputs, target=target, losses=losses)
         else:
             self.schedule.step(target=target, losses=losses)
-        last = self.pp - 1
+        last = self.loss_rank
         if self._loss_dtype is None:
             dtype = [losses[0].dtype if losses else None]
             dist.broadcast_object_list(dtype, group=self.pp_group, group_src=last)
@@ -358,6 +400,8 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: unknown schedule {schedule!r}; the schedules are {list(SCHEDULES)}")
     config = ParallelConfig.of("pipeline", options)
+    runs = SCHEDULES[schedule]
+    runs.check_backend(schedule, config.inner_backend)
     names = tuple(mesh.mesh_dim_names or ())
     if "pp" not in names:
         raise ValueError(f"pipeline: the mesh {dict(zip(names, mesh.shape))} has no pp dim: build it with "
@@ -379,17 +423,18 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
         raise NotImplementedError(f"pipeline: Dynamo captured {len(graphs)} graphs of {type(model).__name__}; "
                                   f"stages are cut from one graph")
     (gm, graph_inputs), = graphs
-    virtual = SCHEDULES[schedule]
-    cut = cut_graph(model, gm, graph_inputs, first, pp * virtual)
+    stages = pp * runs.stages_per_rank
+    cut = cut_graph(model, gm, graph_inputs, first, stages)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
         torch.device(mesh.device_type)
     held, runners = [], []
-    for index in range(stage, pp * virtual, pp):  # stage i on pp rank i % pp
+    for index in runs.stages_of(stage, pp):
         stage_gm = stage_module(cut, index)
         example = [first[i] for i in cut.user] if index == 0 else [_example(n, device) for n in cut.inputs[index]]
-        compiled = _compiled_stage(stage_gm, submesh, example, config, options)
+        _compile_stage(stage_gm, submesh, example, config, options)
         held.append(stage_gm)
-        runners.append(pipelining.PipelineStage(compiled, index, pp * virtual, device, group=mesh.get_group("pp")))
-    runs = getattr(pipelining, f"Schedule{schedule}")(runners if virtual > 1 else runners[0],
-                                                      n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-    return PipelineStep(type(model).__name__, mesh, cut, held, runs, spec, flat, microbatches, config)
+        runners.append(pipelining.PipelineStage(stage_gm, index, stages, device, group=mesh.get_group("pp")))
+    order = getattr(pipelining, f"Schedule{schedule}")(runners if runs.stages_per_rank > 1 else runners[0],
+                                                       n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    return PipelineStep(type(model).__name__, mesh, cut, held, order, runs.rank_of(stages - 1, pp), spec, flat,
+                        microbatches, config)
