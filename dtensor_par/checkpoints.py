@@ -131,8 +131,9 @@ def _parameters_on_meta():
 def empty_model(model_cls: type, path: str, torch_dtype: torch.dtype | None = None) -> nn.Module:
     """``model_cls`` built from the config of the checkpoint folder ``path``, parameters on
     ``meta``, in eval mode (as the libraries' ``from_pretrained``): transformers'
-    ``_from_config``, diffusers' ``from_config``. A folder with no weights or no config is
-    refused before anything is built, not where its pieces are read."""
+    ``_from_config``, diffusers' ``from_config``; under ``torch_dtype``, its state (not other
+    buffers) in that dtype or, as the library keeps them, float32. A folder with no weights or no
+    config is refused before anything is built, not where its pieces are read."""
     checkpoint_entries(path)
     diffusers = hasattr(model_cls, "load_config")  # ConfigMixin; transformers' PreTrainedModel has _from_config
     if not (diffusers or hasattr(model_cls, "_from_config")):
@@ -143,12 +144,33 @@ def empty_model(model_cls: type, path: str, torch_dtype: torch.dtype | None = No
     with _parameters_on_meta():
         if diffusers:
             model = model_cls.from_config(model_cls.load_config(path))
-            if torch_dtype is not None:
-                model.to(torch_dtype)
         else:
             config = model_cls.config_class.from_pretrained(path)
             model = model_cls._from_config(config, **({"dtype": torch_dtype} if torch_dtype is not None else {}))
+    if torch_dtype is not None:
+        kept = _kept_in_float32(model, torch_dtype)
+        for key, tensor in model.state_dict(keep_vars=True).items():
+            if key in kept:
+                tensor.data = tensor.data.to(torch.float32)
+            elif diffusers and tensor.is_floating_point():  # transformers built them in torch_dtype
+                tensor.data = tensor.data.to(torch_dtype)
     return model.eval()
+
+
+def _kept_in_float32(model: nn.Module, torch_dtype: torch.dtype) -> set[str]:
+    """The keys of the parameters and persistent buffers the library's own ``from_pretrained``
+    keeps in float32 under ``torch_dtype`` (its ``_keep_in_fp32_modules``: modules whose precision
+    the model needs): transformers' dtype plan (key patterns, searched), diffusers' module names (a
+    key's parts)."""
+    if hasattr(model, "_get_dtype_plan"):
+        patterns = [re.compile(p.replace("*", ".*")) for p, dtype in model._get_dtype_plan(torch_dtype).items()
+                    if dtype == torch.float32]
+        kept = lambda key: any(p.search(key) for p in patterns)  # noqa: E731
+    else:
+        modules = getattr(model, "_keep_in_fp32_modules", None) or []
+        modules = [modules] if isinstance(modules, str) else modules
+        kept = lambda key: any(m in key.split(".") for m in modules)  # noqa: E731
+    return {key for key, t in model.state_dict(keep_vars=True).items() if t.is_floating_point() and kept(key)}
 
 
 def load_checkpoint(model: nn.Module, path: str) -> nn.Module:

@@ -518,3 +518,31 @@ def test_torch_dtype_casts_the_parameters_not_the_rotary_frequencies(tmp_path, f
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     theirs = dict(dtensor_par.parallelize(reference, mesh, (ids,), example_kwargs=KW).named_parameters())
     assert [name for name, p in model.named_parameters() if not torch.equal(_local(p), _local(theirs[name]))] == []
+
+
+def test_torch_dtype_keeps_the_modules_the_library_keeps_in_float32(tmp_path, fake_world):
+    """The libraries' ``_keep_in_fp32_modules`` stay float32 as their own ``from_pretrained`` keeps
+    them (before: every parameter cast): T5's ``wo`` under float16, as transformers loads it; Wan's
+    time embedder, norm2 and scale-shift tables under bfloat16, as diffusers' loading does (its
+    ``from_pretrained`` needs accelerate for Wan), Wan's rotary tables the constructor's float32."""
+    from diffusers import WanTransformer3DModel
+    from transformers import T5Model
+
+    from dtensor_par._testing import real_models
+
+    torch.manual_seed(0)
+    real_models.t5()[0].save_pretrained(str(tmp_path / "t5"))
+    real_models.wan()[0].save_pretrained(str(tmp_path / "wan"))
+    fake_world(2)
+    mesh = dtensor_par.init_mesh(tp=2)
+    t5 = dtensor_par.from_pretrained(T5Model, str(tmp_path / "t5"), mesh, torch_dtype=torch.float16)
+    theirs = {k: t.dtype for k, t in T5Model.from_pretrained(str(tmp_path / "t5"), dtype=torch.float16).state_dict().items()}
+    assert {k: t.dtype for k, t in t5.state_dict().items()} == theirs
+    assert t5.encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == torch.float32
+    wan = dtensor_par.from_pretrained(WanTransformer3DModel, str(tmp_path / "wan"), mesh, torch_dtype=torch.bfloat16)
+    assert sorted(k for k, t in wan.state_dict().items() if t.dtype != torch.bfloat16) == [
+        "blocks.0.norm2.bias", "blocks.0.norm2.weight", "blocks.0.scale_shift_table",
+        "condition_embedder.time_embedder.linear_1.bias", "condition_embedder.time_embedder.linear_1.weight",
+        "condition_embedder.time_embedder.linear_2.bias", "condition_embedder.time_embedder.linear_2.weight",
+        "scale_shift_table"]
+    assert {b.dtype for b in wan.rope.buffers()} == {torch.float32}
