@@ -195,7 +195,8 @@ def cut_graph(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inp
                     raise NotImplementedError(f"pipeline: the model returns its parameter {params[arg]!r}")
                 if used_at.get(arg, at) != at:
                     raise NotImplementedError(f"pipeline: {params[arg]!r} is read by stages {used_at[arg]} and {at} "
-                                              f"(tied weights across stages are not supported yet)")
+                                              f"(tied weights across stages are not supported yet): untie them, e.g. "
+                                              f"transformers' tie_word_embeddings=False in the model's config")
             used_at[arg] = max(used_at.get(arg, at), at)
     values = [n for n in gm.graph.nodes if n in stage_of]
     crossing = [[v for v in values if stage_of[v] <= k < used_at.get(v, -1)] for k in range(stages - 1)]

@@ -158,7 +158,7 @@ class _BrokenLlama(models.Llama):
 
 def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
     """An unknown schedule, fewer blocks than stages, a batch the microbatches do not divide, a
-    model Dynamo breaks into several graphs."""
+    weight tied across stages, a model Dynamo breaks into several graphs."""
     fake_world(2)
     mesh = dtensor_par.init_mesh(pp=2)
     model, ids, _ = _model_and_batch()
@@ -177,6 +177,12 @@ def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
         dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=3)
     with pytest.raises(ValueError, match=r"Llama has 1 blocks \(blocks\) but 2 stages were asked for"):
         dtensor_par.pipeline(models.Llama(vocab=VOCAB, layers=1), mesh, (ids,), loss_fn=_loss, microbatches=2)
+    tied, _, _ = _model_and_batch()
+    tied.lm_head.weight = tied.embed.weight
+    with pytest.raises(NotImplementedError, match=r"'embed.weight' is read by stages 0 and 1 \(tied weights across "
+                                                  r"stages are not supported yet\): untie them, e.g. transformers' "
+                                                  r"tie_word_embeddings=False"):
+        dtensor_par.pipeline(tied, mesh, (ids,), loss_fn=_loss, microbatches=2)
     with pytest.raises(NotImplementedError, match=r"pipeline: the model must be one graph to cut into stages: "
                                                   r"_BrokenLlama: Dynamo breaks its graph \(.*graph_break"):
         torch.manual_seed(0)
