@@ -272,7 +272,8 @@ def _chunk(flat: list, microbatches: int) -> list:
 
 
 def _example(node: fx.Node, device: torch.device) -> torch.Tensor:
-    """A tensor of the shape and dtype Dynamo saw at ``node`` (a stage's input: its values unread by planning)."""
+    """A tensor of the shape and dtype Dynamo saw at ``node`` (a stage's input or output: its values
+    unread by planning and by torch's stage, which takes them as metadata)."""
     value = node.meta["example_value"]
     return torch.zeros(value.shape, dtype=value.dtype, device=device).requires_grad_(value.is_floating_point())
 
@@ -350,10 +351,12 @@ class PipelineStep:
     def __call__(self, *args, target=None, **kwargs) -> torch.Tensor:
         inputs = self._stage_inputs(args, kwargs, target)
         losses: list[torch.Tensor] = []
+        # the outputs are not merged over the microbatches: only the losses are used (and a 0-dim output,
+        # a model's own loss, does not concatenate)
         if self.stage == 0:
-            self.schedule.step(*inputs, target=target, losses=losses)
+            self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
         else:
-            self.schedule.step(target=target, losses=losses)
+            self.schedule.step(target=target, losses=losses, return_outputs=False)
         last = self.loss_rank
         if self._loss_dtype is None:
             dtype = [losses[0].dtype if losses else None]
@@ -434,7 +437,11 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
         example = [first[i] for i in cut.user] if index == 0 else [_example(n, device) for n in cut.inputs[index]]
         _compile_stage(stage_gm, submesh, example, config, options)
         held.append(stage_gm)
-        runners.append(pipelining.PipelineStage(stage_gm, index, stages, device, group=mesh.get_group("pp")))
+        # static metadata (both example inputs and outputs): torch's inference at the first step would run
+        # each later stage on uninitialized tensors, garbage where a stage indexes with an integer input
+        outputs = tuple(_example(n, device) for n in cut.outputs[index])
+        runners.append(pipelining.PipelineStage(stage_gm, index, stages, device, input_args=tuple(example),
+                                                output_args=outputs, group=mesh.get_group("pp")))
     order = getattr(pipelining, f"Schedule{schedule}")(runners if runs.stages_per_rank > 1 else runners[0],
                                                        n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
     return PipelineStep(type(model).__name__, mesh, cut, held, order, runs.rank_of(stages - 1, pp), spec, flat,
