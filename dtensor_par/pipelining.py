@@ -437,11 +437,10 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
         example = [first[i] for i in cut.user] if index == 0 else [_example(n, device) for n in cut.inputs[index]]
         _compile_stage(stage_gm, submesh, example, config, options)
         held.append(stage_gm)
-        # static metadata (both example inputs and outputs): torch's inference at the first step would run
-        # each later stage on uninitialized tensors, garbage where a stage indexes with an integer input
-        outputs = tuple(_example(n, device) for n in cut.outputs[index])
+        # static metadata: torch's inference would run a later stage on uninitialized tensors (garbage integers)
         runners.append(pipelining.PipelineStage(stage_gm, index, stages, device, input_args=tuple(example),
-                                                output_args=outputs, group=mesh.get_group("pp")))
+                                                output_args=tuple(_example(n, device) for n in cut.outputs[index]),
+                                                group=mesh.get_group("pp")))
     order = getattr(pipelining, f"Schedule{schedule}")(runners if runs.stages_per_rank > 1 else runners[0],
                                                        n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
     return PipelineStep(type(model).__name__, mesh, cut, held, order, runs.rank_of(stages - 1, pp), spec, flat,
