@@ -238,31 +238,34 @@ def write_checkpoints(rank: int, world: int, *, folder: str, launch: int) -> dic
 
 
 MESHES = {"tp2": {"tp": 2}, "tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2},
-          "dp_shard2-tp2": {"dp_shard": 2, "tp": 2}}
-"""The issue's meshes: tp2 in the world-2 launch, the others in the world-4 one."""
+          "dp_shard2-tp2": {"dp_shard": 2, "tp": 2}, "dp_shard2-ulysses2": {"dp_shard": 2, "ulysses": 2}}
+"""tp2 runs in the world-2 launch, the others in the world-4 one."""
+ISSUE_MESHES = ("tp2", "tp2-ulysses2", "tp2-ring2", "dp_shard2-tp2")
+"""Issue 57's acceptance meshes."""
 ROUND_TRIPS = {
-    "llama tied": dict(model_cls=LlamaForCausalLM, folder="tied", probe="model.layers.0.self_attn.q_proj.weight"),
-    "llama untied": dict(model_cls=LlamaForCausalLM, folder="untied", probe="model.layers.0.self_attn.q_proj.weight"),
+    "llama": dict(model_cls=LlamaForCausalLM, folder="tied", probe="model.layers.0.self_attn.q_proj.weight",
+                  meshes=("tp2", "dp_shard2-tp2")),
+    "llama untied": dict(model_cls=LlamaForCausalLM, folder="untied", probe="model.layers.0.self_attn.q_proj.weight",
+                         meshes=("tp2-ulysses2", "tp2-ring2")),
     "phi3": dict(model_cls=Phi3ForCausalLM, folder="phi3", probe="model.layers.0.self_attn.qkv_proj.weight"),
     "mixtral": dict(model_cls=MixtralForCausalLM, folder="mixtral", probe="model.layers.0.mlp.experts.gate_up_proj",
-                    options={"ep": "cp"}),
+                    options={"ep": "cp"}, meshes=(*ISSUE_MESHES, "dp_shard2-ulysses2")),
     "flux": dict(model_cls=FluxTransformer2DModel, folder="flux/transformer", probe="transformer_blocks.0.attn.to_q.weight",
                  inputs=_flux_inputs)}
-"""Each model ``round_trip`` reads, by name, at every mesh of ``MESHES`` (the Llama with tied
-embeddings at tp2 and dp_shard2 x tp2, the untied one at the two cp meshes)."""
+"""Each model ``round_trip`` reads, by name, at its ``meshes`` (the issue's by default): Llama with
+tied embeddings at tp2 and dp_shard2 x tp2, untied at the two cp meshes; Mixtral's experts also cut
+4 ways, over dp_shard x ulysses."""
 
 
 def _round_trips(world: int, folder: str) -> dict:
     calls = {}
-    for mesh, sizes in MESHES.items():
-        if (world == 2) != (mesh == "tp2"):
-            continue
-        for model, spec in ROUND_TRIPS.items():
-            if model.startswith("llama") and (model == "llama tied") != (mesh in ("tp2", "dp_shard2-tp2")):
-                continue
-            kwargs = {**spec, "sizes": sizes,
-                      "folder": os.path.join(folder, spec["folder"]), "out": os.path.join(folder, f"{model} {mesh}")}
-            calls[f"{model.split()[0]} {mesh}"] = (round_trip, kwargs)
+    for model, spec in ROUND_TRIPS.items():
+        spec = {"meshes": ISSUE_MESHES, **spec}
+        for mesh in spec.pop("meshes"):
+            if (world == 2) == (mesh == "tp2"):
+                kwargs = {**spec, "sizes": MESHES[mesh], "folder": os.path.join(folder, spec["folder"]),
+                          "out": os.path.join(folder, f"{model} {mesh}")}
+                calls[f"{model.split()[0]} {mesh}"] = (round_trip, kwargs)
     return calls
 
 
@@ -303,11 +306,13 @@ def _each_rank_wrote_its_own_files(results: list[dict]) -> None:
     (4, "phi3 tp2-ring2", ["S(1)", "_S(0, 3)"], False), (4, "phi3 dp_shard2-tp2", ["S(1)", "_S(0, 3)"], False),
     (2, "mixtral tp2", ["_S(1, 2)"], False), (4, "mixtral tp2-ulysses2", ["S(0)", "_S(1, 2)"], False),
     (4, "mixtral tp2-ring2", ["S(0)", "_S(1, 2)"], False), (4, "mixtral dp_shard2-tp2", ["S(0)", "_S(1, 2)"], False),
+    (4, "mixtral dp_shard2-ulysses2", ["S(0)", "S(0)"], False),
     (2, "flux tp2", ["S(0)"], False), (4, "flux tp2-ulysses2", ["S(1)", "S(0)"], False),
     (4, "flux tp2-ring2", ["S(1)", "S(0)"], False), (4, "flux dp_shard2-tp2", ["S(1)", "S(0)"], False)])
 def test_checkpoints_read_at_each_mesh_compute_as_one_device_and_write_back(world, label, probe, tied):
     """Llama (4 shards and an index), Phi3's fused qkv and gate_up (``_StridedShard``), Mixtral's
-    stacked experts with ``ep="cp"`` and a diffusers Flux transformer from its component folder:
+    stacked experts with ``ep="cp"`` (which cuts none at tp2, where cp is 1) and a diffusers Flux
+    transformer from its component folder:
     pieces bit-equal to the library's one-device read, output within 1e-5 of it, and the files
     ``save_pretrained`` writes (each rank its own) read back by the library bit-exact."""
     results = [r[label] for r in LAUNCHES[world].result()]

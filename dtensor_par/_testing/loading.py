@@ -94,6 +94,7 @@ def load_measured(rank: int, world: int, *, folder: str, sizes: dict, save_to: s
               "read_rise": peak_rise(start), "read_bytes": read_bytes() - read, "held_bytes": held_bytes(model),
               "checkpoint_bytes": checkpoint_bytes(folder)}
     if save_to is not None:
+        torch.distributed.barrier()  # timed from when every rank is there, not from when this one finished reading
         start, began = start_peak(), time.perf_counter()
         written = dtensor_par.save_pretrained(model, save_to)
         result.update(save_s=time.perf_counter() - began, save_rise=peak_rise(start),
