@@ -414,14 +414,15 @@ def _check_gatherable(tensors: list[tuple[str, torch.Tensor]], world: int) -> No
     for key, tensor in tensors:
         if not isinstance(tensor, DTensor):
             continue
+        dims = " x ".join(tensor.device_mesh.mesh_dim_names or ())
         if any(p.is_partial() for p in tensor.placements):
-            raise ValueError(f"save_pretrained: {key!r} ({list(tensor.shape)}) is {tensor.placements} on mesh dims "
-                             f"{tensor.device_mesh.mesh_dim_names}: a Partial sum is not a value to write; "
-                             f"redistribute it to Replicate or Shard first")
+            raise ValueError(f"save_pretrained: {key!r} ({list(tensor.shape)}) is {list(tensor.placements)} on mesh "
+                             f"dims {dims}: a Partial sum is not a value to write; redistribute it to Replicate or "
+                             f"Shard first")
         if tensor.device_mesh.size() != world:
             raise ValueError(f"save_pretrained: {key!r} lives on a mesh of {tensor.device_mesh.size()} ranks "
-                             f"({tensor.device_mesh.mesh_dim_names}), the world has {world}: every rank calls "
-                             f"save_pretrained with the whole model (a pipeline stage's model is not written)")
+                             f"({dims}), the world has {world}: every rank calls save_pretrained with the whole "
+                             f"model (a pipeline stage's model is not written)")
 
 
 def _writer_runs(tensors: list[tuple[str, torch.Tensor]], writers: int) -> list[list[tuple[str, torch.Tensor]]]:

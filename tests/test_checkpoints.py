@@ -452,6 +452,24 @@ def test_not_a_checkpoint_folder_is_named_with_what_was_looked_for(tmp_path, fak
         dtensor_par.save_pretrained(Small(), str(tmp_path / "out"), max_shard_size="5 parsecs")
 
 
+def test_a_tensor_no_gather_makes_whole_is_refused_before_anything_is_sent(tmp_path, fake_world):
+    """A ``Partial`` DTensor (a sum still to take), and one on a mesh that leaves out ranks (a
+    pipeline stage's), named with their key and mesh, before any file or message."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    fake_world(4)
+    mesh = dtensor_par.init_mesh(tp=2, ulysses=2)
+    model = nn.Module()
+    model.register_buffer("partial", DTensor.from_local(torch.zeros(2), mesh["tp"], [Partial()]))
+    with pytest.raises(ValueError, match=r"'partial' \(\[2\]\) is \[Partial\(sum\)\] on mesh dims tp: a Partial sum "
+                                         r"is not a value to write"):
+        dtensor_par.save_pretrained(model, str(tmp_path / "partial"))
+    model.partial = DTensor.from_local(torch.zeros(2), mesh["tp"], [Replicate()])
+    with pytest.raises(ValueError, match=r"'partial' lives on a mesh of 2 ranks \(tp\), the world has 4"):
+        dtensor_par.save_pretrained(model, str(tmp_path / "stage"))
+    assert not os.path.exists(tmp_path / "partial") and not os.path.exists(tmp_path / "stage")
+
+
 def test_a_shard_file_the_index_names_must_be_there(tmp_path):
 
     LlamaForCausalLM(_llama_config()).save_pretrained(str(tmp_path), max_shard_size=SHARD)
