@@ -153,3 +153,23 @@ def test_a_meta_model_reads_its_stages_and_trains_as_one_device_loaded_alike(lab
         assert "model.safetensors.index.json" in result["files"], (label, rank, result["files"])
         every |= set(result["fqns"])
     assert every == set(result["model_fqns"]), label  # each parameter on some rank
+
+
+def test_a_meta_model_without_what_fills_it_is_refused_by_name(fake_world, tmp_path):
+    """Parameters on meta and no checkpoint; buffers on meta that no checkpoint holds (the toy
+    Llama's rotary frequencies, built under ``torch.device("meta")``); a step given to
+    ``dtensor_par.save_pretrained``."""
+    fake_world(2)
+    mesh, ids = dtensor_par.init_mesh(pp=2), _tokens(1)
+    dit = _built_with(torch.device("meta"), _toy_dit)
+    with pytest.raises(ValueError, match=r"pipeline: 64 parameters of DiT are on meta \(first 'blocks.0.norm1.weight'\) "
+                                         r"and no checkpoint= was given"):
+        dtensor_par.pipeline(dit, mesh, (torch.randn(BATCH, SEQ, DIM),), loss_fn=F.mse_loss, microbatches=2)
+    llama = _built_with(torch.device("meta"), _toy_llama)
+    with pytest.raises(ValueError, match=r"pipeline: buffers \['blocks.0.inv_freq', 'blocks.1.inv_freq', "
+                                         r"'blocks.2.inv_freq', 'blocks.3.inv_freq'\] of Llama \(4 in all\) are on meta "
+                                         r"and no checkpoint holds them; .*parameters_on_meta\(\)"):
+        dtensor_par.pipeline(llama, mesh, (ids,), loss_fn=_token_loss, microbatches=2, checkpoint=str(tmp_path))
+    with pytest.raises(TypeError, match=r"save_pretrained writes an nn.Module, not a PipelineStep; a pipeline's step "
+                                        r"writes its stages itself: step.save_pretrained\(path\)"):
+        dtensor_par.save_pretrained(object.__new__(dtensor_par.pipelining.PipelineStep), str(tmp_path))
