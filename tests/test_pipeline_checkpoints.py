@@ -3,8 +3,8 @@ model whose parameters are on ``meta`` is cut into stages and each rank reads on
 pieces, so a rank holds at most 0.6 of the model's parameters at pp2 (and 1/(tp x dp_shard) of
 that beyond) and no other copy; the loss and gradients equal one device's model loaded from the
 same checkpoint; ``step.save_pretrained`` writes what the model's own loading reads back bit for
-bit. transformers' Llama at pp2 and pp2 x tp2, the toy DiT at pp2 (built under
-``torch.device("meta")``), the toy Llama at pp2 x dp_shard2 x tp2 (8 ranks)."""
+bit. transformers' Llama at pp2 and pp2 x tp2, the toy DiT at pp2 in 4 stages (Interleaved1F1B;
+built under ``torch.device("meta")``), the toy Llama at pp2 x dp_shard2 x tp2 (8 ranks)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def _output(out):
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def pipeline_from_checkpoint(rank: int, world: int, *, folder: str, out: str, sizes: dict, model: str) -> dict:
+def pipeline_from_checkpoint(rank: int, world: int, *, folder: str, out: str, sizes: dict, model: str,
+                             schedule: str) -> dict:
     """A pipeline of the meta model of ``folder`` reading its stages' pieces: its first step's loss
     and gradients against one device's loaded model accumulating the same microbatches; the share
     of the model's parameters this rank holds, and whether it holds anything else; then the step
@@ -81,8 +82,8 @@ def pipeline_from_checkpoint(rank: int, world: int, *, folder: str, out: str, si
     build_meta, build_loaded, make_input, make_target, kwargs, loss_fn = CASES[model]
     mesh, x, target = dtensor_par.init_mesh(**sizes), make_input(), make_target()
     meta = build_meta(folder)
-    step = dtensor_par.pipeline(meta, mesh, (x,), loss_fn=loss_fn, microbatches=MICROBATCHES, example_kwargs=kwargs,
-                                checkpoint=folder, inner_backend="aot_eager")
+    step = dtensor_par.pipeline(meta, mesh, (x,), loss_fn=loss_fn, microbatches=MICROBATCHES, schedule=schedule,
+                                example_kwargs=kwargs, checkpoint=folder, inner_backend="aot_eager")
     reference = build_loaded(folder)
     loss = step(x, target=target, **kwargs)
     losses = []
@@ -120,11 +121,11 @@ def write_checkpoints(rank: int, world: int, *, folder: str) -> dict:
     return {}
 
 
-RUNS = {  # label: world, mesh, model; the most a rank holds of the model's parameters
-    "transformers Llama pp2": (2, {"pp": 2}, "llama", 0.6),
-    "DiT pp2": (2, {"pp": 2}, "dit", 0.6),
-    "transformers Llama pp2 x tp2": (4, {"pp": 2, "tp": 2}, "llama", 0.6 / 2),
-    "toy Llama pp2 x dp_shard2 x tp2": (8, {"pp": 2, "dp_shard": 2, "tp": 2}, "toy llama", 0.6 / 4),
+RUNS = {  # label: world, mesh, model, schedule; the most a rank holds of the model's parameters
+    "transformers Llama pp2": (2, {"pp": 2}, "llama", "1F1B", 0.6),
+    "DiT pp2 Interleaved1F1B": (2, {"pp": 2}, "dit", "Interleaved1F1B", 0.6),
+    "transformers Llama pp2 x tp2": (4, {"pp": 2, "tp": 2}, "llama", "1F1B", 0.6 / 2),
+    "toy Llama pp2 x dp_shard2 x tp2": (8, {"pp": 2, "dp_shard": 2, "tp": 2}, "toy llama", "1F1B", 0.6 / 4),
 }
 
 
@@ -133,8 +134,8 @@ def _launch(world: int) -> list[dict]:
         run_ranks(1, write_checkpoints, folder=folder)
         return run_ranks_together(world, {
             label: (pipeline_from_checkpoint, dict(folder=os.path.join(folder, model), sizes=sizes, model=model,
-                                                   out=os.path.join(folder, f"saved {label}")))
-            for label, (w, sizes, model, _) in RUNS.items() if w == world})
+                                                   schedule=schedule, out=os.path.join(folder, f"saved {label}")))
+            for label, (w, sizes, model, schedule, _) in RUNS.items() if w == world})
 
 
 LAUNCHES = {world: in_background(_launch, world) for world in (2, 4, 8)}
@@ -143,7 +144,7 @@ LAUNCHES = {world: in_background(_launch, world) for world in (2, 4, 8)}
 
 @pytest.mark.parametrize("label", list(RUNS))
 def test_a_meta_model_reads_its_stages_and_trains_as_one_device_loaded_alike(label):
-    world, _, model, most = RUNS[label]
+    world, _, _, _, most = RUNS[label]
     every = set()
     for rank, result in enumerate(r[label] for r in LAUNCHES[world].result()):
         assert result["loss"] <= 1e-6 and result["grad"] <= 1e-5, (label, rank, result)
