@@ -111,10 +111,11 @@ def checkpoint_entries(path: str) -> dict[str, Entry]:
 
 
 @contextlib.contextmanager
-def _parameters_on_meta():
+def parameters_on_meta():
     """While a model is built: each parameter put on ``meta`` as it is registered, buffers built
-    for real (accelerate's ``init_empty_weights``). A parameter is made, then moved before any
-    initializer writes it: its memory is never touched. Tied parameters stay one object."""
+    for real (accelerate's ``init_empty_weights``), so that values only the constructor computes
+    (rotary frequencies) are there. A parameter is made, then moved before any initializer writes
+    it: its memory is never touched. Tied parameters stay one object."""
     register = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -141,7 +142,7 @@ def empty_model(model_cls: type, path: str, torch_dtype: torch.dtype | None = No
                         f"{model_cls.__name__}: build it on meta, parallelize it and call load_checkpoint")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path!r} is not a checkpoint folder: it has no config.json")
-    with _parameters_on_meta():
+    with parameters_on_meta():
         if diffusers:
             model = model_cls.from_config(model_cls.load_config(path))
             if torch_dtype is not None:
@@ -152,16 +153,35 @@ def empty_model(model_cls: type, path: str, torch_dtype: torch.dtype | None = No
     return model.eval()
 
 
-def load_checkpoint(model: nn.Module, path: str) -> nn.Module:
+def load_checkpoint(model: nn.Module, path: str, *, stages: list[nn.Module] | None = None) -> nn.Module:
     """Fill ``model``'s parameters and persistent buffers, in place, from the checkpoint folder
     ``path``; of a parallelized model each rank reads only the bytes of its pieces. Every key,
-    shape and dtype is checked against the files' headers before anything is read."""
-    _load(model, checkpoint_entries(path), path)
+    shape and dtype is checked against the files' headers before anything is read.
+
+    ``stages``: the modules holding this rank's part of ``model`` under its FQNs (a pipeline's
+    stages): only their tensors are filled, and ``model`` (on ``meta`` or not) names every key the
+    checkpoint must have."""
+    _load(model, checkpoint_entries(path), path, stages)
     return model
 
 
-def _load(model: nn.Module, entries: dict[str, Entry], path: str) -> None:
-    reads = _matched(model, entries, path)
+def held_tensors(stages: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """The parameters and buffers of ``stages`` by FQN, tied ones under each of their names."""
+    return {fqn: t for stage in stages for fqn, t in [*stage.named_parameters(remove_duplicate=False),
+                                                      *stage.named_buffers(remove_duplicate=False)]}
+
+
+def tied_groups(state: dict[str, torch.Tensor]) -> list[list[str]]:
+    """The keys of ``state`` (a ``state_dict(keep_vars=True)``) grouped by the tensor they name:
+    tied parameters share one group, in the state dict's order."""
+    groups: dict[int, list[str]] = {}
+    for key, tensor in state.items():
+        groups.setdefault(id(tensor), []).append(key)
+    return list(groups.values())
+
+
+def _load(model: nn.Module, entries: dict[str, Entry], path: str, stages: list[nn.Module] | None) -> None:
+    reads = _matched(model, entries, path, None if stages is None else held_tensors(stages))
     fds = {file: os.open(file, os.O_RDONLY) for file in {entry.file for _, entry in reads}}
     # one block buffer for every read: one freed per tensor would stay in the allocator's heap
     rows = [math.prod(entry.shape[1:]) * entry.dtype.itemsize for _, entry in reads]
@@ -174,12 +194,13 @@ def _load(model: nn.Module, entries: dict[str, Entry], path: str) -> None:
     finally:
         for fd in fds.values():
             os.close(fd)
-    state = sharded_state(model)
-    if state is not None:  # buffers built on the CPU go where the pieces are
-        for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.device.type != state.mesh.device_type:
-                    module._buffers[name] = buffer.to(state.mesh.device_type)
+    for holder in [model] if stages is None else stages:
+        state = sharded_state(holder)
+        if state is not None:  # buffers built on the CPU go where the pieces are
+            for module in holder.modules():
+                for name, buffer in module._buffers.items():
+                    if buffer is not None and buffer.device.type != state.mesh.device_type:
+                        module._buffers[name] = buffer.to(state.mesh.device_type)
 
 
 def _key_mapping(model: nn.Module, keys, found):
@@ -201,24 +222,27 @@ def _convertible(source: torch.dtype, target: torch.dtype) -> bool:
     return not source.is_floating_point or target.is_floating_point or target.is_complex
 
 
-def _matched(model: nn.Module, entries: dict[str, Entry], path: str) -> list[tuple[torch.Tensor, Entry]]:
+def _matched(model: nn.Module, entries: dict[str, Entry], path: str, held: dict[str, torch.Tensor] | None
+             ) -> list[tuple[torch.Tensor, Entry]]:
     """(held tensor, its checkpoint entry) for every parameter and persistent buffer of
-    ``model``: tied ones once, from any of their keys the checkpoint has (transformers saves one).
-    Every mismatch is raised at once, before anything is read."""
+    ``model`` (of them, those ``held`` holds by FQN, when given): tied ones once, from any of
+    their keys the checkpoint has (transformers saves one). Every mismatch is raised at once,
+    before anything is read."""
     state = model.state_dict(keep_vars=True)
-    tied: dict[int, list[str]] = {}
-    for key, tensor in state.items():
-        tied.setdefault(id(tensor), []).append(key)
+    holder = state if held is None else held
     rename = _key_mapping(model, set(state), entries)
     found = {rename(key): key for key in entries}
     problems = [f"unexpected key {key!r} (not in the model)" for key in entries if rename(key) not in state]
     reads = []
-    for keys in tied.values():
+    for keys in tied_groups(state):
+        mine = [key for key in keys if key in holder]
+        if not mine:  # another rank's (a pipeline's other stages)
+            continue
         present = [key for key in keys if key in found]
         if not present:
             problems.append(f"missing key {' or '.join(map(repr, keys))}")
             continue
-        key, tensor = present[0], state[present[0]]
+        key, tensor = present[0], holder[mine[0]]
         entry = entries[found[key]]
         if tensor.is_meta:
             problems.append(f"{key!r} is on meta: parallelize the model first (it materializes the pieces)")
@@ -359,20 +383,45 @@ def save_pretrained(model: nn.Module, path: str, *, max_shard_size: int | str = 
     (transformers' ``config.save_pretrained``, diffusers' ``save_config``) and safetensors under
     the model's own keys, tied parameters once, in numbered files with an index (one file when
     there is one writer and it fits ``max_shard_size``). Every rank calls it, and the ranks write
-    in parallel: the tensors, in state dict order, are cut into one run of about equal bytes per
-    rank (``_writer_runs``), each run into files of at most ``max_shard_size``; a rank gathers
-    each tensor of its run from the ranks holding its pieces, alone, one tensor at a time, and
-    writes its files; rank 0 writes the config and the index. Returns the files this rank wrote."""
+    in parallel (``write_parts``). Returns the files this rank wrote. A pipeline's step writes
+    itself (``PipelineStep.save_pretrained``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save_pretrained writes an nn.Module, not a {type(model).__name__}; a pipeline's step "
+                        f"writes its stages itself: step.save_pretrained(path)")
+    state = model.state_dict(keep_vars=True)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return write_parts(model, path, max_shard_size, [Part([keys[0] for keys in tied_groups(state)],
+                                                          list(range(world)), state)])
+
+
+@dataclass
+class Part:
+    """Tensors of a model held, and written, by a group of ranks (the world; a pipeline stage's)."""
+
+    keys: list[str]  # in the order they are written, tied parameters under one key
+    ranks: list[int]  # the ranks that hold them, each a writer
+    held: dict[str, torch.Tensor] | None  # the tensors by key as this rank holds them (None: not one of ranks)
+
+
+def write_parts(model: nn.Module, path: str, max_shard_size: int | str, parts: list[Part]) -> list[str]:
+    """``save_pretrained``'s files, written in parallel: each part's tensors, in order, are cut into
+    one run of about equal bytes per rank of the part (``_writer_runs``), each run into files of at
+    most ``max_shard_size`` (numbered in order across parts); a rank gathers each tensor of its
+    runs from the ranks holding its pieces, alone, one tensor at a time, and writes its files;
+    rank 0 writes the config and the index. ``model`` gives each key's shape and dtype (it may be
+    on ``meta``). Returns the files this rank wrote."""
     limit = _size_bytes(max_shard_size)
-    seen, tensors = set(), []
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            tensors.append((key, tensor))
+    state = model.state_dict(keep_vars=True)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    _check_gatherable(tensors, world)
-    writer_runs = _writer_runs(tensors, world)
-    files = [(writer, shard) for writer, run in enumerate(writer_runs) for shard in _shards(run, limit) if shard]
+    writer_runs: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(world)]
+    files = []  # (writer, its tensors), in the files' order
+    for part in parts:
+        tensors = [(key, state[key] if part.held is None else part.held[key]) for key in part.keys]
+        if part.held is not None:
+            _check_gatherable(tensors, len(part.ranks))
+        for writer, run in zip(part.ranks, _writer_runs(tensors, len(part.ranks))):
+            writer_runs[writer].extend(run)
+            files.extend((writer, shard) for shard in _shards(run, limit) if shard)
     weights = WEIGHTS[1] if hasattr(model, "save_config") else WEIGHTS[0]
     stem = weights.removesuffix(".safetensors")
     names = [weights] if len(files) == 1 else [f"{stem}-{i:05d}-of-{len(files):05d}.safetensors"
@@ -381,7 +430,8 @@ def save_pretrained(model: nn.Module, path: str, *, max_shard_size: int | str = 
     if rank == 0:
         _write_config_and_index(model, path, weights, names, [shard for _, shard in files])
     mine = [(os.path.join(path, name), shard) for name, (writer, shard) in zip(names, files) if writer == rank]
-    _write_runs(mine, writer_runs, _held_everywhere(tensors, world), rank)
+    held = [(key, tensor) for part in parts if part.held is not None for key, tensor in part.held.items()]
+    _write_runs(mine, writer_runs, _held_everywhere(held, world), rank)
     if dist.is_initialized():
         dist.barrier()  # the files are whole before any rank reads them
     return [file for file, _ in mine]
@@ -407,10 +457,11 @@ def _cut_mesh_dims(tensor: torch.Tensor) -> list[int]:
     return [d for d, p in enumerate(tensor.placements) if isinstance(p, Shard | _StridedShard)]
 
 
-def _check_gatherable(tensors: list[tuple[str, torch.Tensor]], world: int) -> None:
-    """Refuse, on every rank alike and before anything is sent, a DTensor whose pieces do not add
-    up to the whole (Partial: a sum still to take) or whose mesh leaves out ranks (a pipeline
-    stage's model: another stage's ranks hold none of its tensors)."""
+def _check_gatherable(tensors: list[tuple[str, torch.Tensor]], ranks: int) -> None:
+    """Refuse, on every rank that holds them alike and before anything is sent, a DTensor whose
+    pieces do not add up to the whole (Partial: a sum still to take) or whose mesh is not the
+    ``ranks`` that hold it (a pipeline stage's model: another stage's ranks hold none of its
+    tensors)."""
     for key, tensor in tensors:
         if not isinstance(tensor, DTensor):
             continue
@@ -419,9 +470,9 @@ def _check_gatherable(tensors: list[tuple[str, torch.Tensor]], world: int) -> No
             raise ValueError(f"save_pretrained: {key!r} ({list(tensor.shape)}) is {list(tensor.placements)} on mesh "
                              f"dims {dims}: a Partial sum is not a value to write; redistribute it to Replicate or "
                              f"Shard first")
-        if tensor.device_mesh.size() != world:
+        if tensor.device_mesh.size() != ranks:
             raise ValueError(f"save_pretrained: {key!r} lives on a mesh of {tensor.device_mesh.size()} ranks "
-                             f"({dims}), the world has {world}: every rank calls save_pretrained with the whole "
+                             f"({dims}), the world has {ranks}: every rank calls save_pretrained with the whole "
                              f"model (a pipeline stage's model is not written)")
 
 

@@ -10,6 +10,10 @@ builds only its stage, holds its parameters as ``parallelize`` holds them over t
 pp (the rank's slice), compiles it with ``hybrid_parallel`` over that slice, and runs it as a
 ``torch.distributed.pipelining.PipelineStage`` under one of torch's schedules, which sends what
 crosses a cut point to point.
+
+A model with its parameters on ``meta`` holds nothing: each rank materializes only its stages'
+pieces and reads them from a checkpoint folder (``checkpoint=``, ``checkpoints.load_checkpoint``),
+so a rank's memory is its stages', never the whole model's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from .checkpoints import Part, held_tensors, load_checkpoint, tied_groups, write_parts
 from .config import ParallelConfig
 from .mesh import STAGE_DIMS, MeshInfo
 from .passes.capture import capture_graphs
@@ -32,10 +37,48 @@ from .passes.meta import module_paths
 from .passes.recompute import module_stack
 from .runtime import ParallelBackend
 from .same_inputs import check_same_inputs
-from .sharded import parallelize_with
+from .sharded import inputs_device, parallelize_with, planned_on
 
-SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
-"""torch's schedules ``pipeline`` runs, by name: how many stages each rank holds."""
+@dataclass(frozen=True)
+class Schedule:
+    """How ``pipeline`` runs one of torch's schedules: the stages each rank holds, and where."""
+
+    stages_per_rank: int
+    v_shaped: bool = False  # rank r holds stages r and 2*pp-1-r (the first and last both on rank 0), not r, r+pp, ...
+    splits_backward: bool = False  # computes each stage's input gradients and weight gradients apart
+
+    def stages_of(self, rank: int, pp: int) -> list[int]:
+        """The stages pp rank ``rank`` holds, in order (torch's ``generate_stage_to_rank_mapping``)."""
+        if self.v_shaped:
+            return [rank, 2 * pp - 1 - rank]
+        return list(range(rank, pp * self.stages_per_rank, pp))
+
+    def check_backend(self, name: str, inner_backend) -> None:
+        """Refuse to split the backward of stages compiled whole: an AOT-compiled stage's backward is
+        one autograd node, which torch's split runs whole for the input gradients and again for the
+        weights (exact, but twice the backward and no bubble saved); torch 2.13 refuses it too."""
+        if self.splits_backward and inner_backend != "eager":
+            raise NotImplementedError(
+                f"pipeline: schedule {name!r} computes a stage's input gradients and weight gradients apart, by "
+                f"walking the stage's autograd graph, which takes inner_backend='eager' (one autograd node per op); "
+                f"under inner_backend={inner_backend!r} a stage's backward is one compiled node, which the split runs "
+                f"whole twice (exact, but twice the backward and no bubble saved), and torch 2.13 refuses these "
+                f"schedules over compiled stages")
+
+    def rank_of(self, stage: int, pp: int) -> int:
+        """The pp rank that holds ``stage``."""
+        return next(r for r in range(pp) if stage in self.stages_of(r, pp))
+
+
+SCHEDULES = {
+    "GPipe": Schedule(1),
+    "1F1B": Schedule(1),
+    "Interleaved1F1B": Schedule(2),
+    "InterleavedZeroBubble": Schedule(2, splits_backward=True),
+    "ZBVZeroBubble": Schedule(2, v_shaped=True, splits_backward=True),
+    "DualPipeV": Schedule(2, v_shaped=True, splits_backward=True),
+}
+"""torch's schedules ``pipeline`` runs, by name (``torch.distributed.pipelining.Schedule<name>``)."""
 
 
 def blocks_of(model: nn.Module) -> list[str]:
@@ -96,6 +139,7 @@ class Cut:
     user: list[int]  # stage 0's inputs: the index of each among the flattened call's tensors
     blocks: list[list[str]]  # each stage's blocks
     tensors: dict[str, torch.Tensor]  # the model's parameters and buffers by FQN
+    owners: dict[str, int]  # the stage that reads each parameter and buffer, by FQN
 
 
 def _place_nodes(gm: fx.GraphModule, blocks: list[str], stage_of_block: dict[str, int],
@@ -166,7 +210,7 @@ def cut_graph(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inp
     by_stage = [[blocks[i] for i in range(len(blocks)) if stage_of_block[blocks[i]] == s] for s in range(stages)]
     tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     return Cut(gm, stage_of, [[n for n in placeholders if n not in params], *crossing], [*crossing, outs], params,
-               user, by_stage, tensors)
+               user, by_stage, tensors, {params[n]: at for n, at in used_at.items() if n in params})
 
 
 def stage_module(cut: Cut, stage: int) -> fx.GraphModule:
@@ -245,34 +289,79 @@ def _stage_options(config: ParallelConfig) -> ParallelConfig:
     return dataclasses.replace(config, check_inputs=False)
 
 
-def _compiled_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list, config: ParallelConfig,
-                    options: dict) -> nn.Module:
-    """The stage held and compiled over ``submesh`` (the mesh without pp): ``parallelize`` and
-    ``hybrid_parallel``; over a slice of one rank (pp alone), compiled by the inner backend."""
+def _refuse_unfilled_meta(model: nn.Module, checkpoint: str | None) -> None:
+    """A model on ``meta`` is filled from ``checkpoint``: refuse one without it, and ``meta``
+    buffers no checkpoint holds (values the model's constructor computes, such as rotary
+    frequencies), which would otherwise be used uninitialized."""
+    name = type(model).__name__
+    on_meta = [fqn for fqn, p in model.named_parameters() if p.is_meta]
+    if on_meta and checkpoint is None:
+        raise ValueError(f"pipeline: {len(on_meta)} parameters of {name} are on meta (first {on_meta[0]!r}) and no "
+                         f"checkpoint= was given to read each rank's stages from")
+    persistent = model.state_dict().keys() if checkpoint is not None else ()
+    unfilled = [fqn for fqn, b in model.named_buffers() if b.is_meta and fqn not in persistent]
+    if unfilled:
+        raise ValueError(f"pipeline: buffers {unfilled[:4]} of {name} ({len(unfilled)} in all) are on meta and no "
+                         f"checkpoint holds them; build the model with its buffers computed and its parameters on "
+                         f"meta: dtensor_par.checkpoints.empty_model, or a constructor called under "
+                         f"dtensor_par.checkpoints.parameters_on_meta()")
+
+
+def _materialize(stage_gm: fx.GraphModule, device: torch.device) -> None:
+    """A stage over a slice of one rank (pp alone), held whole: each ``meta`` parameter and
+    buffer materialized on ``device`` uninitialized (the checkpoint fills it next; tied ones stay
+    one), and each other buffer moved to ``device`` (``empty_model`` computes them on the CPU)."""
+    made: dict[int, torch.Tensor] = {}
+    for module in stage_gm.modules():
+        for store in (module._parameters, module._buffers):
+            for name, tensor in store.items():
+                if tensor is not None and tensor.is_meta:
+                    if id(tensor) not in made:
+                        empty = torch.empty_like(tensor, device=device)
+                        made[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                                            if isinstance(tensor, nn.Parameter) else empty)
+                    store[name] = made[id(tensor)]
+                elif store is module._buffers and tensor is not None and tensor.device.type != device.type:
+                    store[name] = tensor.to(device)
+
+
+def _compile_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list, config: ParallelConfig,
+                   options: dict, device: torch.device) -> None:
+    """Hold and compile the stage over ``submesh`` (the mesh without pp): ``parallelize`` and
+    ``hybrid_parallel``; over a slice of one rank (pp alone), held whole and compiled by the inner
+    backend alone. Compiled in place (``nn.Module.compile``): the module the schedule runs is the
+    one that holds the parameters, which torch's input/weight backward split walks."""
     if submesh.size() == 1:
         ignored = sorted(set(options) - {"inner_backend", "check_inputs"})
         if ignored:
             raise NotImplementedError(f"pipeline: options {ignored} with pp alone (the stage's mesh is one rank) are "
                                       f"not applied yet; the stage is compiled by the inner backend alone")
-        backend = config.inner_backend
-        return stage_gm if backend == "eager" else torch.compile(stage_gm, backend=backend)
+        _materialize(stage_gm, device)
+        if config.inner_backend != "eager":
+            stage_gm.compile(backend=config.inner_backend)
+        return
     stage_config = _stage_options(config)
     parallelize_with(stage_gm, submesh, tuple(example), {}, stage_config, "pipeline")
-    return torch.compile(stage_gm, backend=ParallelBackend(submesh, stage_config))
+    stage_gm.compile(backend=ParallelBackend(submesh, stage_config))
 
 
 class PipelineStep:
     """This rank's stage of a pipelined model and the schedule that runs it: ``step(*inputs,
     target=target, **kwargs)`` runs forward and backward over the microbatches and returns the mean
-    loss on every rank; ``parameters()``/``named_parameters()`` are this rank's (model FQNs)."""
+    loss on every rank; ``parameters()``/``named_parameters()`` are this rank's (model FQNs);
+    ``save_pretrained(path)`` writes the whole model."""
 
-    def __init__(self, model_name: str, mesh: DeviceMesh, cut: Cut, stage_gms: list[fx.GraphModule], schedule,
-                 spec, example_flat: list, microbatches: int, config: ParallelConfig):
-        self.model_name, self.mesh, self.cut, self.modules = model_name, mesh, cut, stage_gms
-        self.schedule, self._spec, self._example_flat = schedule, spec, example_flat
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, submesh: DeviceMesh, cut: Cut,
+                 stage_gms: list[fx.GraphModule], schedule, kind: Schedule, spec, example_flat: list,
+                 microbatches: int, config: ParallelConfig):
+        self.model, self.mesh, self.submesh, self.cut, self.modules = model, mesh, submesh, cut, stage_gms
+        self.schedule, self.kind = schedule, kind  # torch's schedule object, and how it places stages
+        self._spec, self._example_flat = spec, example_flat
         self.microbatches, self.config = microbatches, config
         self.pp_group = mesh.get_group("pp")
         self.pp, self.stage = mesh["pp"].size(), mesh.get_local_rank("pp")
+        self.stages = kind.stages_of(self.stage, self.pp)  # the stages this rank runs (by index)
+        self.loss_rank = kind.rank_of(len(cut.blocks) - 1, self.pp)  # the pp rank of the last stage
         self._checked, self._loss_dtype = False, None
 
     def named_parameters(self):
@@ -311,7 +400,7 @@ class PipelineStep:
             self.schedule.step(*inputs, target=target, losses=losses)
         else:
             self.schedule.step(target=target, losses=losses)
-        last = self.pp - 1
+        last = self.loss_rank
         if self._loss_dtype is None:
             dtype = [losses[0].dtype if losses else None]
             dist.broadcast_object_list(dtype, group=self.pp_group, group_src=last)
@@ -338,9 +427,47 @@ class PipelineStep:
             g.mul_(coef)
         return total
 
+    def save_pretrained(self, path: str, *, max_shard_size: int | str = "5GB") -> None:
+        """Write the whole model as ``dtensor_par.save_pretrained`` writes one (its config, its own
+        keys, an index): each stage's tensors in files of their own, written in parallel by the
+        ranks of the stage's slice of the mesh (``checkpoints.write_parts``). Every rank calls it."""
+        state = self.model.state_dict(keep_vars=True)
+        held = held_tensors(self.modules)
+        keys: list[list[str]] = [[] for _ in self.cut.blocks]
+        mine: dict[str, torch.Tensor] = {}
+        for group in tied_groups(state):
+            owner = next((self.cut.owners[key] for key in group if key in self.cut.owners), None)
+            if owner is None:
+                raise ValueError(f"pipeline: no stage of {type(self.model).__name__} reads {group[0]!r}, so no rank "
+                                 f"holds it to save")
+            keys[owner].append(group[0])
+            mine.update({group[0]: held[key] for key in group if key in held})
+        pp_dim = self.mesh.mesh_dim_names.index("pp")
+        ranks_of = [self.mesh.mesh.select(pp_dim, r).flatten().tolist() for r in range(self.pp)]
+        parts = [Part(stage_keys, ranks_of[self.kind.rank_of(index, self.pp)],
+                      {key: mine[key] for key in stage_keys} if index in self.stages else None)
+                 for index, stage_keys in enumerate(keys)]
+        write_parts(self.model, path, max_shard_size, parts)
+
+
+def _one_graph(model: nn.Module, call: tuple[tuple, dict], device: torch.device) -> tuple[fx.GraphModule, list]:
+    """Dynamo's one graph of ``model(*args, **kwargs)`` (``call``) and its inputs; a model on
+    ``meta`` is traced with stand-ins on ``device`` (``sharded.planned_on``)."""
+    args, kwargs = call
+    try:
+        with planned_on(model, device):
+            graphs = capture_graphs(model, *args, dynamic=False, **kwargs)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"pipeline: the model must be one graph to cut into stages: {e}") from None
+    if len(graphs) != 1:
+        raise NotImplementedError(f"pipeline: Dynamo captured {len(graphs)} graphs of {type(model).__name__}; "
+                                  f"stages are cut from one graph")
+    return graphs[0]
+
 
 def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, loss_fn, microbatches: int,
-             schedule: str = "1F1B", example_kwargs: dict | None = None, **options) -> PipelineStep:
+             schedule: str = "1F1B", example_kwargs: dict | None = None, checkpoint: str | None = None,
+             **options) -> PipelineStep:
     """Run ``model`` pipeline-parallel over ``mesh``'s pp dim, each stage over the other dims as
     ``hybrid_parallel`` runs a model (``options``: its options).
 
@@ -352,44 +479,45 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     target=target, **kwargs)`` is the mean of ``loss_fn`` over the microbatches on every rank, the
     gradients those of that mean; build the optimizer over ``step.parameters()`` and clip with
     ``step.clip_grad_norm_``.
+
+    ``checkpoint``: a checkpoint folder (safetensors, transformers or diffusers layout) each rank
+    reads its stages' pieces from. With it, ``model`` may hold its parameters on ``meta``
+    (``checkpoints.empty_model``): then no rank ever holds more than its stages.
     """
     from torch.distributed import pipelining
 
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: unknown schedule {schedule!r}; the schedules are {list(SCHEDULES)}")
     config = ParallelConfig.of("pipeline", options)
+    runs = SCHEDULES[schedule]
+    runs.check_backend(schedule, config.inner_backend)
     names = tuple(mesh.mesh_dim_names or ())
     if "pp" not in names:
         raise ValueError(f"pipeline: the mesh {dict(zip(names, mesh.shape))} has no pp dim: build it with "
                          f"init_mesh(pp=..., ...)")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline: microbatches must be a positive int, got {microbatches!r}")
+    _refuse_unfilled_meta(model, checkpoint)
     pp, stage = mesh["pp"].size(), mesh.get_local_rank("pp")
     submesh = mesh[tuple(n for n in names if n not in STAGE_DIMS)]
     MeshInfo.from_mesh(submesh, "pipeline")  # every rank now, in one order: every stage's groups
     flat, spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs or {}))
     _batch_rows("pipeline", flat, microbatches)
     first = _chunk(flat, microbatches)
-    args, kwargs = pytree.tree_unflatten(first, spec)
-    try:
-        graphs = capture_graphs(model, *args, dynamic=False, **kwargs)
-    except NotImplementedError as e:
-        raise NotImplementedError(f"pipeline: the model must be one graph to cut into stages: {e}") from None
-    if len(graphs) != 1:
-        raise NotImplementedError(f"pipeline: Dynamo captured {len(graphs)} graphs of {type(model).__name__}; "
-                                  f"stages are cut from one graph")
-    (gm, graph_inputs), = graphs
-    virtual = SCHEDULES[schedule]
-    cut = cut_graph(model, gm, graph_inputs, first, pp * virtual)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
         torch.device(mesh.device_type)
+    gm, graph_inputs = _one_graph(model, pytree.tree_unflatten(first, spec), inputs_device(first) or device)
+    stages = pp * runs.stages_per_rank
+    cut = cut_graph(model, gm, graph_inputs, first, stages)
     held, runners = [], []
-    for index in range(stage, pp * virtual, pp):  # stage i on pp rank i % pp
+    for index in runs.stages_of(stage, pp):
         stage_gm = stage_module(cut, index)
         example = [first[i] for i in cut.user] if index == 0 else [_example(n, device) for n in cut.inputs[index]]
-        compiled = _compiled_stage(stage_gm, submesh, example, config, options)
+        _compile_stage(stage_gm, submesh, example, config, options, device)
         held.append(stage_gm)
-        runners.append(pipelining.PipelineStage(compiled, index, pp * virtual, device, group=mesh.get_group("pp")))
-    runs = getattr(pipelining, f"Schedule{schedule}")(runners if virtual > 1 else runners[0],
-                                                      n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-    return PipelineStep(type(model).__name__, mesh, cut, held, runs, spec, flat, microbatches, config)
+        runners.append(pipelining.PipelineStage(stage_gm, index, stages, device, group=mesh.get_group("pp")))
+    if checkpoint is not None:
+        load_checkpoint(model, checkpoint, stages=held)
+    order = getattr(pipelining, f"Schedule{schedule}")(runners if runs.stages_per_rank > 1 else runners[0],
+                                                       n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    return PipelineStep(model, mesh, submesh, cut, held, order, runs, spec, flat, microbatches, config)
