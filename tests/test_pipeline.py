@@ -167,18 +167,23 @@ def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
         dtensor_par.parallelize(model, mesh, (ids,))
 
 
-def test_stages_are_cut_at_block_boundaries_balanced_by_parameters():
+def test_stages_are_cut_at_block_boundaries():
     """4 equal blocks in 2 stages: two each, the embedding with the first, the norm and head with
-    the last; unequal costs move the cut."""
+    the last; unequal costs move the cut (``pipeline_plan.balanced_cuts``: the costliest stage as
+    cheap as can be)."""
     from dtensor_par.passes.capture import capture_graphs
-    from dtensor_par.pipelining import balanced_cuts, cut_graph, stage_module
+    from dtensor_par.pipeline_plan import balanced_cuts
+    from dtensor_par.pipelining import cut_graph, stage_module
 
-    assert balanced_cuts([1, 1, 1, 1], 2) == [0, 2]
-    assert balanced_cuts([3, 1, 1, 1], 2) == [0, 1]
-    assert balanced_cuts([1, 1, 1, 1], 4) == [0, 1, 2, 3]
+    def by_sum(costs):
+        return lambda stage, start, end: (sum(costs[start:end]),)
+
+    assert balanced_cuts(4, 2, by_sum([1, 1, 1, 1])) == [0, 2]
+    assert balanced_cuts(4, 2, by_sum([3, 1, 1, 1])) == [0, 1]
+    assert balanced_cuts(4, 4, by_sum([1, 1, 1, 1])) == [0, 1, 2, 3]
     model, ids, _ = _model_and_batch()
     (gm, inputs), = capture_graphs(model, ids)
-    cut = cut_graph(model, gm, inputs, [ids], 2)
+    cut = cut_graph(model, gm, inputs, [ids], [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]])
     assert cut.blocks == [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]]
     first, last = stage_module(cut, 0), stage_module(cut, 1)
     assert {n.split(".")[0] for n, _ in first.named_parameters()} == {"embed", "blocks"}
@@ -189,7 +194,7 @@ def test_stages_are_cut_at_block_boundaries_balanced_by_parameters():
     # transformers' Llama: rotary cos and sin and the mask, made before the first block, cross with the hidden states
     model, ids, _ = _model_and_batch("hf")
     (gm, inputs), = capture_graphs(model, ids, use_cache=False)
-    cut = cut_graph(model, gm, inputs, [ids], 2)
+    cut = cut_graph(model, gm, inputs, [ids], [[f"model.layers.{i}" for i in run] for run in ((0, 1), (2, 3))])
     assert cut.blocks == [["model.layers.0", "model.layers.1"], ["model.layers.2", "model.layers.3"]]
     assert len(cut.inputs[1]) == 4, cut.inputs[1]
     assert torch.equal(stage_module(cut, 1)(*stage_module(cut, 0)(ids)), model(ids, use_cache=False).logits)
