@@ -14,6 +14,7 @@ report shows is what the ranks run.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -25,7 +26,7 @@ from .dump import parameter_rows
 from .machines import H100_SXM, Machine
 from .mesh import MeshInfo
 from .passes.context import ParallelContext
-from .passes.cost import bytes_text, duration_text, link_classes, node_seconds
+from .passes.cost import StepTime, Traffic, bytes_text, duration_text, link_classes, node_seconds
 from .passes.meta import planned_local_shape
 from .passes.recompute import module_stack
 from .passes.saved import kept_by_node
@@ -171,6 +172,7 @@ class StagePlan:
     blocks: list[str]
     seconds: float  # per microbatch, forward and backward
     parameter_bytes: int
+    trained_bytes: int  # of the parameters, those with a gradient (and AdamW's states)
     activation_bytes: int  # per microbatch
     in_flight: int  # microbatches whose activations it holds at once
     memory: int  # bytes at most: parameters, gradients, AdamW's states, activations in flight
@@ -181,7 +183,7 @@ def stage_plan(costs: list[BlockCost], blocks: list[str], schedule: Schedule, st
     held = in_flight(schedule.name, schedule.pp, schedule.virtual, schedule.microbatches, stage)
     params, trained = sum(c.parameter_bytes for c in costs), sum(c.trained_bytes for c in costs)
     activations = sum(c.activation_bytes for c in costs)
-    return StagePlan(blocks, sum(c.seconds for c in costs), params, activations, held,
+    return StagePlan(blocks, sum(c.seconds for c in costs), params, trained, activations, held,
                      params + (1 + ADAM_STATES) * trained + held * activations)
 
 
@@ -193,11 +195,22 @@ def cut_blocks(model_name: str, costs: list[BlockCost], blocks: list[str], sched
         raise ValueError(f"pipeline: {model_name} has {len(blocks)} blocks ({blocks[0].rpartition('.')[0]}) "
                          f"but {schedule.stages} stages were asked for: each stage needs at least one block")
 
-    def stage_cost(stage: int, start: int, end: int) -> tuple:
+    @functools.cache
+    def measures(stage: int, start: int, end: int) -> tuple[float, float, int]:
         plan = stage_plan(costs[start:end], blocks[start:end], schedule, stage)
         return max(0.0, plan.memory - memory_limit), float(f"{plan.seconds:.9g}"), plan.memory
 
-    starts = balanced_cuts(len(blocks), schedule.stages, stage_cost)
+    bounds: list[float] = []  # the best costliest stage of each measure before, kept while minimizing the next
+
+    def within(stage: int, start: int, end: int) -> tuple:
+        measured = measures(stage, start, end)
+        kept = all(m <= b for m, b in zip(measured, bounds))
+        return (measured[len(bounds)] if kept else math.inf,)
+
+    for measure in range(3):
+        starts = balanced_cuts(len(blocks), schedule.stages, within)
+        bounds.append(max(measures(stage, start, end)[measure]
+                          for stage, (start, end) in enumerate(zip(starts, [*starts[1:], len(blocks)]))))
     return [stage_plan(costs[start:end], blocks[start:end], schedule, stage)
             for stage, (start, end) in enumerate(zip(starts, [*starts[1:], len(blocks)]))]
 
@@ -239,12 +252,21 @@ class PipelinePlan:
         return self.stages[rank::self.schedule.pp]
 
     @property
-    def step_seconds(self) -> float:
-        """The slowest rank's microbatches with the fill and drain (the bubble), and the sends of
-        the fill and drain (every cut once forward and once backward; the others overlap)."""
+    def predicted(self) -> StepTime:
+        """A training step: the slowest rank's microbatches (compute, its collectives unhidden),
+        then what it waits: the fill and drain (the bubble) and their sends (every cut once
+        forward and once backward; the others overlap compute). Traffic: a middle rank's sends,
+        a microbatch's activation forward and its gradient back."""
+        m = self.schedule.microbatches
         slowest = max(sum(s.seconds for s in self.rank_stages(r)) for r in range(self.schedule.pp))
-        return (slowest * self.schedule.microbatches / (1 - self.schedule.bubble)
-                + 2 * (self.schedule.stages - 1) * self.send_seconds)
+        step = slowest * m / (1 - self.schedule.bubble) + 2 * (self.schedule.stages - 1) * self.send_seconds
+        sends = 2 * m * self.schedule.virtual
+        traffic = {"pp": Traffic(self.link, sends, sends * max(self.sent_bytes, default=0), sends * self.send_seconds)}
+        return StepTime(slowest * m, step - slowest * m, traffic)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.predicted.total
 
     def lines(self) -> list[str]:
         s = self.schedule
