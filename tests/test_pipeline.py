@@ -92,7 +92,7 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, schedule: st
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in step.parameters())
     return {**worst, "held": held / sum(p.numel() for p in model.parameters()),
             "fqns": sorted(fqn for fqn, _ in step.named_parameters()),
-            "dtensor": sorted({isinstance(p, DTensor) for p in step.parameters()})}
+            "dtensor": sorted({isinstance(p, DTensor) for p in step.parameters()}), "blocks": step.cut.blocks}
 
 
 RUNS = {  # label: world, mesh, schedule, model
@@ -130,8 +130,11 @@ def test_training_matches_one_device_accumulating_the_microbatches(label):
         sliced = any(size > 1 for dim, size in sizes.items() if dim != "pp")  # held over tp or FSDP over cp
         assert worst["dtensor"] == [sliced], (label, rank, worst["dtensor"])
         every |= set(worst["fqns"])
-    model, _, _ = _model_and_batch(name)
+    model, ids, _ = _model_and_batch(name)
     assert every == {fqn for fqn, _ in model.named_parameters()}, label
+    report = dtensor_par.explain(model, (ids,), example_kwargs=MODELS[name][1], device_type="cpu", **sizes,
+                                 microbatches=MICROBATCHES, schedule=RUNS[label][2])
+    assert all(worst["blocks"] == [s.blocks for s in report.pipeline.stages] for worst in per_rank), label
 
 
 class _BrokenLlama(models.Llama):
