@@ -166,20 +166,28 @@ def explain(model, example_inputs, *, device_type: str = "cuda",
             args, kwargs = microbatch_of((args, kwargs), microbatches, "explain")
         with traced_in(model, config.param_dtype):
             captured = capture_graphs(model, *args, dynamic=dynamic, **kwargs)
-        if pp > 1 and len(captured) != 1:
-            raise NotImplementedError(f"explain: Dynamo captured {len(captured)} graphs of {type(model).__name__}; "
-                                      f"pipeline stages are cut from one graph")
         for i, (gm, inputs) in enumerate(captured):
             dump = GraphDump(os.path.join(config.dump_dir, f"graph{i}"), info.order) if config.dump_dir else None
-            graph, local_gm, ctx = _graph_report(gm, [hint(a) for a in inputs], info, config, feeding, dump, profile,
-                                                 training, measure_routing)
+            graph, *planned = _graph_report(gm, [hint(a) for a in inputs], info, config, feeding, dump, profile,
+                                            training, measure_routing)
             report.graphs.append(graph)
         if pp > 1:
-            staging = Schedule(schedule, pp, SCHEDULES[schedule], microbatches)
-            stages = plan_stages(type(model).__name__, local_gm, ctx, blocks_of(model), staging, profile)
-            cut = cut_graph(model, gm, inputs, pytree.tree_leaves((args, kwargs)), [s.blocks for s in stages])
-            report.pipeline = pipeline_plan(stages, cut.outputs[:-1], local_gm, info, staging, profile)
+            report.pipeline = _stages(model, captured, (args, kwargs), planned, info,
+                                      Schedule(schedule, pp, SCHEDULES[schedule], microbatches), profile)
     return report
+
+
+def _stages(model, captured: list, example: tuple, planned: list, info: MeshInfo, schedule: Schedule,
+            machine: Machine | None) -> PipelinePlan:
+    """The stages ``pipeline`` cuts of the one captured graph (``planned``: its plan over one
+    stage's mesh ``info``), and what crosses each cut."""
+    if len(captured) != 1:
+        raise NotImplementedError(f"explain: Dynamo captured {len(captured)} graphs of {type(model).__name__}; "
+                                  f"pipeline stages are cut from one graph")
+    (gm, inputs), = captured
+    stages = plan_stages(type(model).__name__, *planned, blocks_of(model), schedule, machine)
+    cut = cut_graph(model, gm, inputs, pytree.tree_leaves(example), [s.blocks for s in stages])
+    return pipeline_plan(stages, cut.outputs[:-1], planned[0], info, schedule, machine)
 
 
 def _pipelined(pp: int, microbatches, schedule: str, parallelized: bool | None, dynamic: bool | None,

@@ -11,7 +11,6 @@ import torch
 import dtensor_par
 from dtensor_par.choose import choose_mesh
 from dtensor_par.machines import H100_SXM, KINDS, Link
-from dtensor_par.pipeline_plan import bubble
 from dtensor_par._testing import models
 
 BATCH, SEQ, HIDDEN = 4, 8, 64
