@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import dtensor_par
 from benchmarks.report import failure, print_table, save_json
 from dtensor_par._testing.harness import run_ranks_together
-from dtensor_par._testing.models import Llama
+from dtensor_par._testing.models import Llama, meta_llama_32_layers
 from dtensor_par.pipeline_plan import bubble
 from dtensor_par.pipelining import SCHEDULES
 
@@ -40,16 +40,8 @@ QUICK = {"sizes": {"vocab": 64, "layers": 4, "hidden": 64, "heads": 4, "kv_heads
          "rows": 1, "seq": 16, "pp": (2,), "microbatches": (4, 8), "schedules": ("GPipe",)}
 
 
-def llama_32():
-    """A Llama-70B-sized stack of 32 layers on the meta device and a batch of 32 x 4096 tokens."""
-    with torch.device("meta"):
-        model = Llama(vocab=32000, layers=32, hidden=8192, heads=64, kv_heads=8, mlp=28672)
-        ids = torch.randint(0, 32000, (32, 4096))
-    return model, (ids,)
-
-
 def explain_seconds() -> dict:
-    model, inputs = llama_32()
+    model, inputs = meta_llama_32_layers()
     wall, cpu = time.perf_counter(), time.process_time()
     report = dtensor_par.explain(model, inputs, pp=4, tp=8, dp_shard=4, microbatches=8, machine="h100-sxm-8")
     return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu, "ranks": report.world_size,
