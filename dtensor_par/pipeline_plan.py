@@ -101,8 +101,8 @@ def node_blocks(gm: fx.GraphModule, blocks: list[str]) -> dict[fx.Node, int]:
     current, of = 0, {}
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "output"):
-            current = node_block(node, index)
-            current = of[node] = current if current is not None else max(of.values(), default=0)
+            found = node_block(node, index)
+            current = of[node] = current if found is None else found
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             of[node] = min((of[u] for u in node.users if u in of), default=0)
