@@ -230,9 +230,14 @@ def _value(node: fx.Node):
     return node.meta.get("example_value", node.meta.get("val"))
 
 
-def _piece_bytes(captured: fx.Node, planned: fx.Node, mesh: MeshInfo) -> int:
-    """This rank's bytes of a value as the plan cuts it (``planned``: its node in the planned graph)."""
-    return math.prod(planned_local_shape(planned, mesh)) * _value(captured).element_size()
+def _piece_bytes(captured: fx.Node, planned: dict[str, fx.Node], mesh: MeshInfo) -> int:
+    """This rank's bytes of a value as the plan cuts it (``planned``: the planned graph's nodes by
+    name); whole where the plan rewrote it away (transformers' mask under cp: the planned
+    attention reads none), as the stage that makes it returns it."""
+    value = _value(captured)
+    if captured.name not in planned:
+        return value.numel() * value.element_size()
+    return math.prod(planned_local_shape(planned[captured.name], mesh)) * value.element_size()
 
 
 @dataclass(frozen=True)
@@ -241,7 +246,7 @@ class PipelinePlan:
 
     schedule: Schedule
     stages: list[StagePlan]
-    sent_bytes: list[int]  # per microbatch, one rank to its peer across each cut (its gradient back: as many)
+    sent_bytes: list[int]  # per microbatch, one rank to its peer across each cut (the gradients back: as many at most)
     piece_bytes: list[int]  # of them, the rank's own piece as the plan cuts the values (cp: its sequence shard)
     send_seconds: float  # one send across the largest cut, on the pp link
     link: str  # the link class pp's sends cross
@@ -279,8 +284,8 @@ class PipelinePlan:
                        f"{bytes_text(st.memory)} (parameters {bytes_text(st.parameter_bytes)}, activations "
                        f"{bytes_text(st.activation_bytes)} a microbatch x {st.in_flight} in flight)")
         for i, (sent, piece) in enumerate(zip(self.sent_bytes, self.piece_bytes)):
-            out.append(f"  cut {i}->{i + 1}: {sent:,} bytes a microbatch a rank ({self.link}), its gradient back as "
-                       f"many; the rank's own piece {piece:,}")
+            out.append(f"  cut {i}->{i + 1}: {sent:,} bytes a microbatch a rank ({self.link}), and back the gradients "
+                       f"of those that need one; the rank's own piece {piece:,}")
         if self.machine:
             out.append(f"  predicted training step on {self.machine}: {duration_text(self.step_seconds)}")
         return out
@@ -298,7 +303,7 @@ def pipeline_plan(stages: list[StagePlan], crossing: list[list[fx.Node]], gm: fx
     size) apart."""
     planned = {n.name: n for n in gm.graph.nodes}
     sent = [sum(_value(v).numel() * _value(v).element_size() for v in values) for values in crossing]
-    pieces = [sum(_piece_bytes(v, planned[v.name], mesh) for v in values) for values in crossing]
+    pieces = [sum(_piece_bytes(v, planned, mesh) for v in values) for values in crossing]
     rates = machine or REFERENCE
     apart = mesh.world_size // mesh.stages
     link = "inter_node" if (schedule.pp - 1) * apart >= rates.devices_per_node else "intra_node"
