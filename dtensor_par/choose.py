@@ -30,13 +30,13 @@ from .ops.lowerings import FUNCTIONAL
 from .params import SHARDED
 from .passes.capture import capture_graphs
 from .passes.cost import StepTime, Traffic, activation_bytes, bytes_text, cost_pass, link_classes, traffic_text
-from .pipeline_plan import ADAM_STATES, PipelinePlan, Schedule, block_costs, blocks_of, cut_blocks, pipeline_plan
-from .pipelining import SCHEDULES, cut_graph, microbatch_of
 from .passes.localize import graph_communications
 from .passes.lower import check_all_to_all_contiguous, check_replica_group_limit, replica_group_sets
 from .passes.context import ParallelContext
 from .passes.recompute import recompute_pass
 from .passes.steps import STEPS, Step
+from .pipeline_plan import ADAM_STATES, PipelinePlan, Schedule, block_costs, blocks_of, cut_blocks, pipeline_plan
+from .pipelining import SCHEDULES, cut_graph, microbatch_of
 from .planning import fork, run_steps
 from .symbolic import hint
 
@@ -362,8 +362,8 @@ def _pipelined(model, example: tuple, world_size: int, degrees_pp: list[int], mi
         why = f"Dynamo captured {len(graphs)} graphs of {type(model).__name__}; pipeline stages are cut from one"
         return [], [Rejection({"pp": d, **dict.fromkeys(MESH_DIMS, 1)}, None, why) for d in degrees_pp]
     (gm, inputs), = graphs
-    captured, flat, blocks, done = [(gm, [hint(a) for a in inputs])], pytree.tree_leaves((args, kwargs)), \
-        blocks_of(model), {}
+    captured, flat, blocks = [(gm, [hint(a) for a in inputs])], pytree.tree_leaves((args, kwargs)), blocks_of(model)
+    done: dict = {}
     choices, rejected = [], []
     for pp in degrees_pp:
         for degrees in factorizations(world_size // pp):

@@ -3,9 +3,10 @@
 The model's one Dynamo graph (captured on one example microbatch) is cut at block boundaries
 (the children of the ``nn.ModuleList`` that holds most of its parameters) into pp stages,
 balanced by each block's time and memory (``pipeline_plan``): what runs before the first block
-goes with the first stage, what runs after the last with the last. Each stage is a ``GraphModule`` whose inputs are
-the values the previous stage outputs (a value a later stage needs is passed through the stages
-between) and whose parameters are the model's own, under their FQNs (``get_attr``). Each rank
+goes with the first stage, what runs after the last with the last. Each stage is a
+``GraphModule`` whose inputs are the values the previous stage outputs (a value a later stage
+needs is passed through the stages between) and whose parameters are the model's own, under
+their FQNs (``get_attr``). Each rank
 builds only its stage, holds its parameters as ``parallelize`` holds them over the mesh without
 pp (the rank's slice), compiles it with ``hybrid_parallel`` over that slice, and runs it as a
 ``torch.distributed.pipelining.PipelineStage`` under one of torch's schedules, which sends what
@@ -323,7 +324,8 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     microbatch, given the last stage's output: the tensors the model returns, as the captured graph
     returns them (a ``ModelOutput``'s without its ``None``s), one tensor as itself.
     ``schedule``: one of ``SCHEDULES``. ``machine``: the profile whose time model (and memory)
-    balances the stages (``pipeline_plan``), as ``explain(pp=..., machine=...)`` reports them. Returns a ``PipelineStep``: ``loss = step(*inputs,
+    balances the stages (``pipeline_plan``), as ``explain(pp=..., machine=...)`` reports them.
+    Returns a ``PipelineStep``: ``loss = step(*inputs,
     target=target, **kwargs)`` is the mean of ``loss_fn`` over the microbatches on every rank, the
     gradients those of that mean; build the optimizer over ``step.parameters()`` and clip with
     ``step.clip_grad_norm_``.
