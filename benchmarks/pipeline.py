@@ -32,10 +32,10 @@ from benchmarks.report import failure, print_table, save_json
 from dtensor_par._testing.harness import run_ranks_together
 from dtensor_par._testing.models import Llama, meta_llama_32_layers
 from dtensor_par.pipeline_plan import bubble
-from dtensor_par.pipelining import SCHEDULES
+from dtensor_par.pipeline_plan import MODELED_SCHEDULES, SCHEDULES
 
 FULL = {"sizes": {"vocab": 512, "layers": 8, "hidden": 256, "heads": 8, "kv_heads": 4, "mlp": 768},
-        "rows": 2, "seq": 128, "pp": (2, 4), "microbatches": (4, 8), "schedules": tuple(SCHEDULES)}
+        "rows": 2, "seq": 128, "pp": (2, 4), "microbatches": (4, 8), "schedules": MODELED_SCHEDULES}
 QUICK = {"sizes": {"vocab": 64, "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "mlp": 128},
          "rows": 1, "seq": 16, "pp": (2,), "microbatches": (4, 8), "schedules": ("GPipe",)}
 
@@ -90,7 +90,7 @@ def measure(setup: dict, steps: int) -> list[dict]:
                 step = seconds[f"{schedule} m{m}"]
                 rows.append({"schedule": schedule, "pp": pp, "microbatches": m, "step_ms": 1e3 * step,
                              "measured_bubble": 1 - per_microbatch * m / step,
-                             "predicted_bubble": bubble(pp, SCHEDULES[schedule], m)})
+                             "predicted_bubble": bubble(pp, SCHEDULES[schedule].stages_per_rank, m)})
     return rows
 
 

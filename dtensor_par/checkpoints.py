@@ -110,10 +110,11 @@ def checkpoint_entries(path: str) -> dict[str, Entry]:
 
 
 @contextlib.contextmanager
-def _parameters_on_meta():
+def parameters_on_meta():
     """While a model is built: each parameter put on ``meta`` as it is registered, buffers built
-    for real (accelerate's ``init_empty_weights``). A parameter is made, then moved before any
-    initializer writes it: its memory is never touched. Tied parameters stay one object."""
+    for real (accelerate's ``init_empty_weights``), so that values only the constructor computes
+    (rotary frequencies) are there. A parameter is made, then moved before any initializer writes
+    it: its memory is never touched. Tied parameters stay one object."""
     register = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -140,7 +141,7 @@ def empty_model(model_cls: type, path: str, torch_dtype: torch.dtype | None = No
                         f"{model_cls.__name__}: build it on meta, parallelize it and call load_checkpoint")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path!r} is not a checkpoint folder: it has no config.json")
-    with _parameters_on_meta():
+    with parameters_on_meta():
         if diffusers:
             model = model_cls.from_config(model_cls.load_config(path))
             if torch_dtype is not None:
@@ -151,16 +152,35 @@ def empty_model(model_cls: type, path: str, torch_dtype: torch.dtype | None = No
     return model.eval()
 
 
-def load_checkpoint(model: nn.Module, path: str) -> nn.Module:
+def load_checkpoint(model: nn.Module, path: str, *, stages: list[nn.Module] | None = None) -> nn.Module:
     """Fill ``model``'s parameters and persistent buffers, in place, from the checkpoint folder
     ``path``; of a parallelized model each rank reads only the bytes of its pieces. Every key,
-    shape and dtype is checked against the files' headers before anything is read."""
-    _load(model, checkpoint_entries(path), path)
+    shape and dtype is checked against the files' headers before anything is read.
+
+    ``stages``: the modules holding this rank's part of ``model`` under its FQNs (a pipeline's
+    stages): only their tensors are filled, and ``model`` (on ``meta`` or not) names every key the
+    checkpoint must have."""
+    _load(model, checkpoint_entries(path), path, stages)
     return model
 
 
-def _load(model: nn.Module, entries: dict[str, Entry], path: str) -> None:
-    reads = _matched(model, entries, path)
+def held_tensors(stages: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """The parameters and buffers of ``stages`` by FQN, tied ones under each of their names."""
+    return {fqn: t for stage in stages for fqn, t in [*stage.named_parameters(remove_duplicate=False),
+                                                      *stage.named_buffers(remove_duplicate=False)]}
+
+
+def tied_groups(state: dict[str, torch.Tensor]) -> list[list[str]]:
+    """The keys of ``state`` (a ``state_dict(keep_vars=True)``) grouped by the tensor they name:
+    tied parameters share one group, in the state dict's order."""
+    groups: dict[int, list[str]] = {}
+    for key, tensor in state.items():
+        groups.setdefault(id(tensor), []).append(key)
+    return list(groups.values())
+
+
+def _load(model: nn.Module, entries: dict[str, Entry], path: str, stages: list[nn.Module] | None) -> None:
+    reads = _matched(model, entries, path, None if stages is None else held_tensors(stages))
     fds = {file: os.open(file, os.O_RDONLY) for file in {entry.file for _, entry in reads}}
     # one block buffer for every read: one freed per tensor would stay in the allocator's heap
     rows = [math.prod(entry.shape[1:]) * entry.dtype.itemsize for _, entry in reads]
@@ -173,12 +193,13 @@ def _load(model: nn.Module, entries: dict[str, Entry], path: str) -> None:
     finally:
         for fd in fds.values():
             os.close(fd)
-    state = sharded_state(model)
-    if state is not None:  # buffers built on the CPU go where the pieces are
-        for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.device.type != state.mesh.device_type:
-                    module._buffers[name] = buffer.to(state.mesh.device_type)
+    for holder in [model] if stages is None else stages:
+        state = sharded_state(holder)
+        if state is not None:  # buffers built on the CPU go where the pieces are
+            for module in holder.modules():
+                for name, buffer in module._buffers.items():
+                    if buffer is not None and buffer.device.type != state.mesh.device_type:
+                        module._buffers[name] = buffer.to(state.mesh.device_type)
 
 
 def _key_mapping(model: nn.Module, keys, found):
@@ -200,24 +221,27 @@ def _convertible(source: torch.dtype, target: torch.dtype) -> bool:
     return not source.is_floating_point or target.is_floating_point or target.is_complex
 
 
-def _matched(model: nn.Module, entries: dict[str, Entry], path: str) -> list[tuple[torch.Tensor, Entry]]:
+def _matched(model: nn.Module, entries: dict[str, Entry], path: str, held: dict[str, torch.Tensor] | None
+             ) -> list[tuple[torch.Tensor, Entry]]:
     """(held tensor, its checkpoint entry) for every parameter and persistent buffer of
-    ``model``: tied ones once, from any of their keys the checkpoint has (transformers saves one).
-    Every mismatch is raised at once, before anything is read."""
+    ``model`` (of them, those ``held`` holds by FQN, when given): tied ones once, from any of
+    their keys the checkpoint has (transformers saves one). Every mismatch is raised at once,
+    before anything is read."""
     state = model.state_dict(keep_vars=True)
-    tied: dict[int, list[str]] = {}
-    for key, tensor in state.items():
-        tied.setdefault(id(tensor), []).append(key)
+    holder = state if held is None else held
     rename = _key_mapping(model, set(state), entries)
     found = {rename(key): key for key in entries}
     problems = [f"unexpected key {key!r} (not in the model)" for key in entries if rename(key) not in state]
     reads = []
-    for keys in tied.values():
+    for keys in tied_groups(state):
+        mine = [key for key in keys if key in holder]
+        if not mine:  # another rank's (a pipeline's other stages)
+            continue
         present = [key for key in keys if key in found]
         if not present:
             problems.append(f"missing key {' or '.join(map(repr, keys))}")
             continue
-        key, tensor = present[0], state[present[0]]
+        key, tensor = present[0], holder[mine[0]]
         entry = entries[found[key]]
         if tensor.is_meta:
             problems.append(f"{key!r} is on meta: parallelize the model first (it materializes the pieces)")
@@ -358,37 +382,61 @@ def save_pretrained(model: nn.Module, path: str, *, max_shard_size: int | str = 
     (transformers' ``config.save_pretrained``, diffusers' ``save_config``) and safetensors under
     the model's own keys, tied parameters once, cut into numbered files with an index past
     ``max_shard_size``. Every rank calls it: each DTensor is gathered in turn, and rank 0 writes
-    it as it comes, so no rank holds more than one whole tensor."""
+    it as it comes, so no rank holds more than one whole tensor. A pipeline's step writes itself
+    (``PipelineStep.save_pretrained``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save_pretrained writes an nn.Module, not a {type(model).__name__}; a pipeline's step "
+                        f"writes its stages itself: step.save_pretrained(path)")
+    state = model.state_dict(keep_vars=True)
+    writes = not dist.is_initialized() or dist.get_rank() == 0
+    write_parts(model, path, max_shard_size, [Part([keys[0] for keys in tied_groups(state)], state, writes)])
+
+
+@dataclass
+class Part:
+    """Tensors of a model written to files of their own, by one rank."""
+
+    keys: list[str]  # in the order they are written, tied parameters under one key
+    held: dict[str, torch.Tensor] | None  # the tensors by key as this rank holds them (None: another rank's part)
+    writes: bool  # whether this rank writes the files (the others gather with it)
+
+
+def write_parts(model: nn.Module, path: str, max_shard_size: int | str, parts: list[Part]) -> None:
+    """``save_pretrained``'s files, each part cut into its own files (numbered in order across
+    parts): each rank gathers the DTensors of the parts it holds, in turn, and the writer of a part
+    writes them as they come; rank 0 writes the config and the index. ``model`` gives each key's
+    shape and dtype (it may be on ``meta``)."""
     limit = _size_bytes(max_shard_size)
-    seen, tensors = set(), []
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            tensors.append((key, tensor))
-    shards = _shards(tensors, limit)
+    state = model.state_dict(keep_vars=True)
+    shards = [(part, shard) for part in parts for shard in _shards([(key, state[key]) for key in part.keys], limit)]
     weights = WEIGHTS[1] if hasattr(model, "save_config") else WEIGHTS[0]
     stem = weights.removesuffix(".safetensors")
     names = [weights] if len(shards) == 1 else [f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
                                                  for i in range(1, len(shards) + 1)]
-    writer = not dist.is_initialized() or dist.get_rank() == 0
-    if writer:
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    if first or any(part.writes and part.held is not None for part in parts):
         os.makedirs(path, exist_ok=True)
+    if first:
         if hasattr(model, "save_config"):
             model.save_config(path)
         elif hasattr(getattr(model, "config", None), "save_pretrained"):
             model.config.save_pretrained(path)
         if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for _, t in tensors)},
-                     "weight_map": {key: name for name, shard in zip(names, shards) for key, _ in shard}}
+            total = sum(t.numel() * t.element_size() for _, shard in shards for _, t in shard)
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {key: name for name, (_, shard) in zip(names, shards) for key, _ in shard}}
             with open(os.path.join(path, weights + ".index.json"), "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
-    for name, shard in zip(names, shards):
-        with open(os.path.join(path, name), "wb") if writer else contextlib.nullcontext() as f, torch.no_grad():
-            if writer:
+    for name, (part, shard) in zip(names, shards):
+        if part.held is None:
+            continue
+        with open(os.path.join(path, name), "wb") if part.writes else contextlib.nullcontext() as f, torch.no_grad():
+            if part.writes:
                 f.write(_header(shard))
-            for _, tensor in shard:
+            for key, _ in shard:
+                tensor = part.held[key]
                 whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-                if writer:
+                if part.writes:
                     f.write(whole.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     if dist.is_initialized():
         dist.barrier()  # the files are whole before any rank reads them

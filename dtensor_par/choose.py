@@ -35,8 +35,9 @@ from .passes.lower import check_all_to_all_contiguous, check_replica_group_limit
 from .passes.context import ParallelContext
 from .passes.recompute import recompute_pass
 from .passes.steps import STEPS, Step
-from .pipeline_plan import ADAM_STATES, PipelinePlan, Schedule, block_costs, blocks_of, cut_blocks, pipeline_plan
-from .pipelining import SCHEDULES, cut_graph, microbatch_of
+from .pipeline_plan import (ADAM_STATES, MODELED_SCHEDULES, SCHEDULES, PipelinePlan, ScheduleRun, block_costs,
+                            blocks_of, cut_blocks, pipeline_plan)
+from .pipelining import cut_graph, microbatch_of
 from .planning import fork, run_steps
 from .symbolic import hint
 
@@ -301,7 +302,7 @@ def _judge(degrees: dict[str, int], planned: list | str, machine: Machine, train
 
 def choose_mesh(model, example_inputs, world_size: int, *, machine: str | Machine, training: bool = True,
                 example_kwargs: dict | None = None, batch: str = "global", top: int = 5, pp: tuple[int, ...] = (1,),
-                microbatches: int | None = None, schedules: tuple[str, ...] = tuple(SCHEDULES), **options) -> Ranking:
+                microbatches: int | None = None, schedules: tuple[str, ...] = MODELED_SCHEDULES, **options) -> Ranking:
     """The ``top`` meshes of ``world_size`` ranks for ``model(*example_inputs,
     **example_kwargs)`` on ``machine`` (a built-in name, a ``machines.Machine`` or a JSON
     profile's path), fastest first by predicted step time (the forward alone without
@@ -339,9 +340,10 @@ def _pipeline_degrees(pp: tuple[int, ...], world_size: int, microbatches, schedu
     if wrong or not pp:
         raise ValueError(f"choose_mesh: pp={pp} must name degrees that divide the world size {world_size}; "
                          f"{wrong} do not")
-    unknown = [name for name in schedules if name not in SCHEDULES]
+    unknown = [name for name in schedules if name not in MODELED_SCHEDULES]
     if unknown or not schedules:
-        raise ValueError(f"choose_mesh: unknown schedules {unknown}; the schedules are {list(SCHEDULES)}")
+        raise ValueError(f"choose_mesh: schedules {unknown} cannot be ranked; the schedules whose bubble is modeled "
+                         f"are {list(MODELED_SCHEDULES)}")
     staged = sorted(d for d in set(pp) if d > 1)
     if staged and (not isinstance(microbatches, int) or microbatches < 1 or not training):
         raise ValueError(f"choose_mesh: pp={pp} plans pipeline's training steps: it needs training=True and "
@@ -378,7 +380,7 @@ def _pipelined(model, example: tuple, world_size: int, degrees_pp: list[int], mi
             (local_gm, ctx), = planned
             costs = block_costs(local_gm, ctx, blocks, machine)
             for name in schedules:
-                schedule = Schedule(name, pp, SCHEDULES[name], microbatches)
+                schedule = ScheduleRun(name, pp, SCHEDULES[name].stages_per_rank, microbatches)
                 try:
                     stages = cut_blocks(type(model).__name__, costs, blocks, schedule,
                                         machine.memory_per_device / schedule.virtual)

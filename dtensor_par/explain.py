@@ -23,8 +23,8 @@ from .passes.capture import capture_graphs
 from .passes.cost import StepTime, cost_pass, traffic_text
 from .passes.coverage import Coverage
 from .passes.sites import MoESite
-from .pipeline_plan import PipelinePlan, Schedule, blocks_of, pipeline_plan, plan_stages
-from .pipelining import SCHEDULES, cut_graph, microbatch_of
+from .pipeline_plan import SCHEDULES, PipelinePlan, ScheduleRun, blocks_of, pipeline_plan, plan_stages
+from .pipelining import cut_graph, microbatch_of
 from .sharded import cast_floating, sharded_state, traced_in
 from .symbolic import hint
 
@@ -173,11 +173,11 @@ def explain(model, example_inputs, *, device_type: str = "cuda",
             report.graphs.append(graph)
         if pp > 1:
             report.pipeline = _stages(model, captured, (args, kwargs), planned, info,
-                                      Schedule(schedule, pp, SCHEDULES[schedule], microbatches), profile)
+                                      ScheduleRun(schedule, pp, SCHEDULES[schedule].stages_per_rank, microbatches), profile)
     return report
 
 
-def _stages(model, captured: list, example: tuple, planned: list, info: MeshInfo, schedule: Schedule,
+def _stages(model, captured: list, example: tuple, planned: list, info: MeshInfo, schedule: ScheduleRun,
             machine: Machine | None) -> PipelinePlan:
     """The stages ``pipeline`` cuts of the one captured graph (``planned``: its plan over one
     stage's mesh ``info``), and what crosses each cut."""

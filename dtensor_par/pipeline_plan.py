@@ -136,7 +136,7 @@ def in_flight(schedule: str, pp: int, virtual: int, microbatches: int, stage: in
     """Microbatches whose activations a stage holds at once under torch's ``schedule``: GPipe runs
     every forward before any backward; 1F1B's rank r runs pp - r forwards before its first
     backward; Interleaved1F1B's runs its warmup forwards (torch's ``_get_warmup_ops``), spread
-    over its v stages."""
+    over its v stages. The schedules that split the backward are bounded as GPipe is."""
     rank = stage % pp
     if schedule == "GPipe":
         return microbatches
@@ -146,12 +146,56 @@ def in_flight(schedule: str, pp: int, virtual: int, microbatches: int, stage: in
         per_round = microbatches // max(1, microbatches // pp)
         warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank) + 1, microbatches * virtual)
         return math.ceil(warmup / virtual)
-    raise ValueError(f"pipeline: no memory model for schedule {schedule!r}")
+    return microbatches  # the schedules that split the backward: at most every microbatch, GPipe's bound
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """A pipeline's schedule: torch's by name, over pp ranks of ``virtual`` stages each."""
+    """How ``pipeline`` runs one of torch's schedules: the stages each rank holds, and where."""
+
+    stages_per_rank: int
+    v_shaped: bool = False  # rank r holds stages r and 2*pp-1-r (the first and last both on rank 0), not r, r+pp, ...
+    splits_backward: bool = False  # computes each stage's input gradients and weight gradients apart
+
+    def stages_of(self, rank: int, pp: int) -> list[int]:
+        """The stages pp rank ``rank`` holds, in order (torch's ``generate_stage_to_rank_mapping``)."""
+        if self.v_shaped:
+            return [rank, 2 * pp - 1 - rank]
+        return list(range(rank, pp * self.stages_per_rank, pp))
+
+    def check_backend(self, name: str, inner_backend) -> None:
+        """Refuse to split the backward of stages compiled whole: an AOT-compiled stage's backward is
+        one autograd node, which torch's split runs whole for the input gradients and again for the
+        weights (exact, but twice the backward and no bubble saved); torch 2.13 refuses it too."""
+        if self.splits_backward and inner_backend != "eager":
+            raise NotImplementedError(
+                f"pipeline: schedule {name!r} computes a stage's input gradients and weight gradients apart, by "
+                f"walking the stage's autograd graph, which takes inner_backend='eager' (one autograd node per op); "
+                f"under inner_backend={inner_backend!r} a stage's backward is one compiled node, which the split runs "
+                f"whole twice (exact, but twice the backward and no bubble saved), and torch 2.13 refuses these "
+                f"schedules over compiled stages")
+
+    def rank_of(self, stage: int, pp: int) -> int:
+        """The pp rank that holds ``stage``."""
+        return next(r for r in range(pp) if stage in self.stages_of(r, pp))
+
+
+SCHEDULES = {
+    "GPipe": Schedule(1),
+    "1F1B": Schedule(1),
+    "Interleaved1F1B": Schedule(2),
+    "InterleavedZeroBubble": Schedule(2, splits_backward=True),
+    "ZBVZeroBubble": Schedule(2, v_shaped=True, splits_backward=True),
+    "DualPipeV": Schedule(2, v_shaped=True, splits_backward=True),
+}
+"""torch's schedules ``pipeline`` runs, by name (``torch.distributed.pipelining.Schedule<name>``)."""
+MODELED_SCHEDULES = tuple(name for name, kind in SCHEDULES.items() if not kind.splits_backward)
+"""Those whose bubble ``bubble`` models: the ones ``choose_mesh`` ranks."""
+
+
+@dataclass(frozen=True)
+class ScheduleRun:
+    """A schedule of ``SCHEDULES`` run over pp ranks of ``virtual`` stages each."""
 
     name: str
     pp: int
@@ -162,9 +206,13 @@ class Schedule:
     def stages(self) -> int:
         return self.pp * self.virtual
 
+    def stages_of(self, rank: int) -> list[int]:
+        return SCHEDULES[self.name].stages_of(rank, self.pp)
+
     @property
-    def bubble(self) -> float:
-        return bubble(self.pp, self.virtual, self.microbatches)
+    def bubble(self) -> float | None:
+        """``bubble``'s share; None for the schedules that split the backward, which no formula here models."""
+        return None if SCHEDULES[self.name].splits_backward else bubble(self.pp, self.virtual, self.microbatches)
 
 
 @dataclass(frozen=True)
@@ -178,7 +226,7 @@ class StagePlan:
     memory: int  # bytes at most: parameters, gradients, AdamW's states, activations in flight
 
 
-def stage_plan(costs: list[BlockCost], blocks: list[str], schedule: Schedule, stage: int) -> StagePlan:
+def stage_plan(costs: list[BlockCost], blocks: list[str], schedule: ScheduleRun, stage: int) -> StagePlan:
     """Stage ``stage`` made of ``blocks`` (their ``costs``)."""
     held = in_flight(schedule.name, schedule.pp, schedule.virtual, schedule.microbatches, stage)
     params, trained = sum(c.parameter_bytes for c in costs), sum(c.trained_bytes for c in costs)
@@ -187,7 +235,7 @@ def stage_plan(costs: list[BlockCost], blocks: list[str], schedule: Schedule, st
                      params + (1 + ADAM_STATES) * trained + held * activations)
 
 
-def cut_blocks(model_name: str, costs: list[BlockCost], blocks: list[str], schedule: Schedule,
+def cut_blocks(model_name: str, costs: list[BlockCost], blocks: list[str], schedule: ScheduleRun,
                memory_limit: float = math.inf) -> list[StagePlan]:
     """The pp x v stages, cut by ``balanced_cuts``: first every stage within ``memory_limit``
     where it can be, then the slowest stage as fast as can be, then the fullest as small."""
@@ -215,7 +263,7 @@ def cut_blocks(model_name: str, costs: list[BlockCost], blocks: list[str], sched
             for stage, (start, end) in enumerate(zip(starts, [*starts[1:], len(blocks)]))]
 
 
-def plan_stages(model_name: str, gm: fx.GraphModule, ctx: ParallelContext, blocks: list[str], schedule: Schedule,
+def plan_stages(model_name: str, gm: fx.GraphModule, ctx: ParallelContext, blocks: list[str], schedule: ScheduleRun,
                 machine: Machine | None) -> list[StagePlan]:
     """The stages of the graph ``gm`` planned over one stage's mesh (``ctx``), costed on
     ``machine`` (``REFERENCE``'s rates, no memory limit, where None); a rank's v stages share its
@@ -244,7 +292,7 @@ def _piece_bytes(captured: fx.Node, planned: dict[str, fx.Node], mesh: MeshInfo)
 class PipelinePlan:
     """A pipelined model's stages and what its schedule predicts (``explain(pp=...)``)."""
 
-    schedule: Schedule
+    schedule: ScheduleRun
     stages: list[StagePlan]
     sent_bytes: list[int]  # per microbatch, one rank to its peer across each cut (the gradients back: as many at most)
     piece_bytes: list[int]  # of them, the rank's own piece as the plan cuts the values (cp: its sequence shard)
@@ -253,8 +301,8 @@ class PipelinePlan:
     machine: str | None  # the profile the seconds are of; None: REFERENCE's rates, shown only as shares
 
     def rank_stages(self, rank: int) -> list[StagePlan]:
-        """The stages pp rank ``rank`` holds: stage i on rank i mod pp."""
-        return self.stages[rank::self.schedule.pp]
+        """The stages pp rank ``rank`` holds (``Schedule.stages_of``)."""
+        return [self.stages[i] for i in self.schedule.stages_of(rank)]
 
     @property
     def predicted(self) -> StepTime:
@@ -262,6 +310,9 @@ class PipelinePlan:
         then what it waits: the fill and drain (the bubble) and their sends (every cut once
         forward and once backward; the others overlap compute). Traffic: a middle rank's sends,
         a microbatch's activation forward and its gradient back."""
+        if self.schedule.bubble is None:
+            raise ValueError(f"pipeline: no step is predicted for schedule {self.schedule.name!r}: its bubble (a "
+                             f"backward split into input and weight gradients) is not modeled")
         m = self.schedule.microbatches
         slowest = max(sum(s.seconds for s in self.rank_stages(r)) for r in range(self.schedule.pp))
         step = slowest * m / (1 - self.schedule.bubble) + 2 * (self.schedule.stages - 1) * self.send_seconds
@@ -275,18 +326,20 @@ class PipelinePlan:
 
     def lines(self) -> list[str]:
         s = self.schedule
+        bubble = (f"bubble {s.bubble:.1%} ((pp-1)/(v*m+pp-1))" if s.bubble is not None else
+                  "bubble not modeled (a backward split into input and weight gradients)")
         out = [f"pipeline: {s.name}, pp={s.pp} x {s.virtual} stage{'s' if s.virtual > 1 else ''} a rank, "
-               f"{s.microbatches} microbatches; bubble {s.bubble:.1%} ((pp-1)/(v*m+pp-1))"]
+               f"{s.microbatches} microbatches; {bubble}"]
         total = sum(st.seconds for st in self.stages) or 1.0
         for i, st in enumerate(self.stages):
             time = duration_text(st.seconds) if self.machine else f"{st.seconds / total:.1%} of the model's time"
-            out.append(f"  stage {i} (pp rank {i % s.pp}): {_block_span(st.blocks)}; {time} a microbatch; "
+            out.append(f"  stage {i} (pp rank {SCHEDULES[s.name].rank_of(i, s.pp)}): {_block_span(st.blocks)}; {time} a microbatch; "
                        f"{bytes_text(st.memory)} (parameters {bytes_text(st.parameter_bytes)}, activations "
                        f"{bytes_text(st.activation_bytes)} a microbatch x {st.in_flight} in flight)")
         for i, (sent, piece) in enumerate(zip(self.sent_bytes, self.piece_bytes)):
             out.append(f"  cut {i}->{i + 1}: {sent:,} bytes a microbatch a rank ({self.link}), and back the gradients "
                        f"of those that need one; the rank's own piece {piece:,}")
-        if self.machine:
+        if self.machine and s.bubble is not None:
             out.append(f"  predicted training step on {self.machine}: {duration_text(self.step_seconds)}")
         return out
 
@@ -296,7 +349,7 @@ def _block_span(blocks: list[str]) -> str:
 
 
 def pipeline_plan(stages: list[StagePlan], crossing: list[list[fx.Node]], gm: fx.GraphModule, mesh: MeshInfo,
-                  schedule: Schedule, machine: Machine | None) -> PipelinePlan:
+                  schedule: ScheduleRun, machine: Machine | None) -> PipelinePlan:
     """The report of ``stages`` whose cuts send ``crossing`` (values of the captured graph): each
     whole, as a stage compiled by ``hybrid_parallel`` returns it, and the piece the plan of ``gm``
     (its planned graph) cuts of it. The pp group of rank 0 spans one stage's ranks (its mesh's

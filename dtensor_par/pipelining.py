@@ -11,6 +11,10 @@ builds only its stage, holds its parameters as ``parallelize`` holds them over t
 pp (the rank's slice), compiles it with ``hybrid_parallel`` over that slice, and runs it as a
 ``torch.distributed.pipelining.PipelineStage`` under one of torch's schedules, which sends what
 crosses a cut point to point.
+
+A model with its parameters on ``meta`` holds nothing: each rank materializes only its stages'
+pieces and reads them from a checkpoint folder (``checkpoint=``, ``checkpoints.load_checkpoint``),
+so a rank's memory is its stages', never the whole model's.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from .checkpoints import Part, held_tensors, load_checkpoint, tied_groups, write_parts
 from .config import ParallelConfig
 from .mesh import STAGE_DIMS, MeshInfo
 from .passes.capture import capture_graphs
@@ -33,15 +38,13 @@ from .machines import Machine, machine as machine_profile
 from .params import SHARDED
 from .passes.context import ParallelContext
 from .passes.meta import module_paths
-from .pipeline_plan import Schedule, blocks_of, node_block, plan_stages
+from .pipeline_plan import SCHEDULES, ScheduleRun, blocks_of, node_block, plan_stages
 from .planning import parallelize_graph
 from .runtime import ParallelBackend
 from .same_inputs import check_same_inputs
+from .sharded import inputs_device, parallelize_with, planned_on
 from .symbolic import hint
-from .sharded import parallelize_with
 
-SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
-"""torch's schedules ``pipeline`` runs, by name: how many stages each rank holds."""
 
 
 @dataclass
@@ -56,6 +59,7 @@ class Cut:
     user: list[int]  # stage 0's inputs: the index of each among the flattened call's tensors
     blocks: list[list[str]]  # each stage's blocks
     tensors: dict[str, torch.Tensor]  # the model's parameters and buffers by FQN
+    owners: dict[str, int]  # the stage that reads each parameter and buffer, by FQN
 
 
 def _place_nodes(gm: fx.GraphModule, blocks: list[str], stage_of_block: dict[str, int],
@@ -123,7 +127,8 @@ def cut_graph(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inp
     outs = list(pytree.tree_leaves(output.args[0]))
     tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     return Cut(gm, stage_of, [[n for n in placeholders if n not in params], *crossing], [*crossing, outs], params,
-               user, [list(run) for run in stage_blocks], tensors)
+               user, [list(run) for run in stage_blocks], tensors,
+               {params[n]: at for n, at in used_at.items() if n in params})
 
 
 def stage_module(cut: Cut, stage: int) -> fx.GraphModule:
@@ -210,34 +215,78 @@ def _stage_options(config: ParallelConfig) -> ParallelConfig:
     return dataclasses.replace(config, check_inputs=False)
 
 
-def _compiled_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list, config: ParallelConfig,
-                    options: dict) -> nn.Module:
-    """The stage held and compiled over ``submesh`` (the mesh without pp): ``parallelize`` and
-    ``hybrid_parallel``; over a slice of one rank (pp alone), compiled by the inner backend."""
+def _refuse_unfilled_meta(model: nn.Module, checkpoint: str | None) -> None:
+    """A model on ``meta`` is filled from ``checkpoint``: refuse one without it, and ``meta``
+    buffers no checkpoint holds (values the model's constructor computes, such as rotary
+    frequencies), which would otherwise be used uninitialized."""
+    name = type(model).__name__
+    on_meta = [fqn for fqn, p in model.named_parameters() if p.is_meta]
+    if on_meta and checkpoint is None:
+        raise ValueError(f"pipeline: {len(on_meta)} parameters of {name} are on meta (first {on_meta[0]!r}) and no "
+                         f"checkpoint= was given to read each rank's stages from")
+    persistent = model.state_dict().keys() if checkpoint is not None else ()
+    unfilled = [fqn for fqn, b in model.named_buffers() if b.is_meta and fqn not in persistent]
+    if unfilled:
+        raise ValueError(f"pipeline: buffers {unfilled[:4]} of {name} ({len(unfilled)} in all) are on meta and no "
+                         f"checkpoint holds them; build the model with its buffers computed and its parameters on "
+                         f"meta: dtensor_par.checkpoints.empty_model, or a constructor called under "
+                         f"dtensor_par.checkpoints.parameters_on_meta()")
+
+
+def _materialize(stage_gm: fx.GraphModule, device: torch.device) -> None:
+    """A stage over a slice of one rank (pp alone), held whole: each ``meta`` parameter and
+    buffer materialized on ``device`` uninitialized (the checkpoint fills it next; tied ones stay
+    one), and each other buffer moved to ``device`` (``empty_model`` computes them on the CPU)."""
+    made: dict[int, torch.Tensor] = {}
+    for module in stage_gm.modules():
+        for store in (module._parameters, module._buffers):
+            for name, tensor in store.items():
+                if tensor is not None and tensor.is_meta:
+                    if id(tensor) not in made:
+                        empty = torch.empty_like(tensor, device=device)
+                        made[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                                            if isinstance(tensor, nn.Parameter) else empty)
+                    store[name] = made[id(tensor)]
+                elif store is module._buffers and tensor is not None and tensor.device.type != device.type:
+                    store[name] = tensor.to(device)
+
+
+def _compile_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list, config: ParallelConfig,
+                   options: dict, device: torch.device) -> None:
+    """Hold and compile the stage over ``submesh`` (the mesh without pp): ``parallelize`` and
+    ``hybrid_parallel``; over a slice of one rank (pp alone), held whole and compiled by the inner
+    backend alone. Compiled in place (``nn.Module.compile``): the module the schedule runs is the
+    one that holds the parameters, which torch's input/weight backward split walks."""
     if submesh.size() == 1:
         ignored = sorted(set(options) - {"inner_backend", "check_inputs"})
         if ignored:
             raise NotImplementedError(f"pipeline: options {ignored} with pp alone (the stage's mesh is one rank) are "
                                       f"not applied yet; the stage is compiled by the inner backend alone")
-        backend = config.inner_backend
-        return stage_gm if backend == "eager" else torch.compile(stage_gm, backend=backend)
+        _materialize(stage_gm, device)
+        if config.inner_backend != "eager":
+            stage_gm.compile(backend=config.inner_backend)
+        return
     stage_config = _stage_options(config)
     parallelize_with(stage_gm, submesh, tuple(example), {}, stage_config, "pipeline")
-    return torch.compile(stage_gm, backend=ParallelBackend(submesh, stage_config))
+    stage_gm.compile(backend=ParallelBackend(submesh, stage_config))
 
 
 class PipelineStep:
     """This rank's stage of a pipelined model and the schedule that runs it: ``step(*inputs,
     target=target, **kwargs)`` runs forward and backward over the microbatches and returns the mean
-    loss on every rank; ``parameters()``/``named_parameters()`` are this rank's (model FQNs)."""
+    loss on every rank; ``parameters()``/``named_parameters()`` are this rank's (model FQNs);
+    ``save_pretrained(path)`` writes the whole model."""
 
-    def __init__(self, model_name: str, mesh: DeviceMesh, cut: Cut, stage_gms: list[fx.GraphModule], schedule,
-                 spec, example_flat: list, microbatches: int, config: ParallelConfig):
-        self.model_name, self.mesh, self.cut, self.modules = model_name, mesh, cut, stage_gms
-        self.schedule, self._spec, self._example_flat = schedule, spec, example_flat
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, submesh: DeviceMesh, cut: Cut,
+                 stage_gms: list[fx.GraphModule], schedule, loss_rank: int, spec, example_flat: list,
+                 microbatches: int, config: ParallelConfig):
+        self.model, self.mesh, self.submesh, self.cut, self.modules = model, mesh, submesh, cut, stage_gms
+        self.schedule, self.loss_rank = schedule, loss_rank  # loss_rank: the pp rank of the last stage
+        self._spec, self._example_flat = spec, example_flat
         self.microbatches, self.config = microbatches, config
         self.pp_group = mesh.get_group("pp")
         self.pp, self.stage = mesh["pp"].size(), mesh.get_local_rank("pp")
+        self.stages = list(range(self.stage, len(cut.blocks), self.pp))  # the stages this rank runs (by index)
         self._checked, self._loss_dtype = False, None
 
     def named_parameters(self):
@@ -276,7 +325,7 @@ class PipelineStep:
             self.schedule.step(*inputs, target=target, losses=losses)
         else:
             self.schedule.step(target=target, losses=losses)
-        last = self.pp - 1
+        last = self.loss_rank
         if self._loss_dtype is None:
             dtype = [losses[0].dtype if losses else None]
             dist.broadcast_object_list(dtype, group=self.pp_group, group_src=last)
@@ -303,6 +352,41 @@ class PipelineStep:
             g.mul_(coef)
         return total
 
+    def save_pretrained(self, path: str, *, max_shard_size: int | str = "5GB") -> None:
+        """Write the whole model as ``dtensor_par.save_pretrained`` writes one (its config, its own
+        keys, an index): each stage's tensors in files of their own, gathered over the stage's slice
+        of the mesh and written by its first rank, the stages in parallel. Every rank calls it."""
+        state = self.model.state_dict(keep_vars=True)
+        held = held_tensors(self.modules)
+        keys: list[list[str]] = [[] for _ in self.cut.blocks]
+        mine: dict[str, torch.Tensor] = {}
+        for group in tied_groups(state):
+            owner = next((self.cut.owners[key] for key in group if key in self.cut.owners), None)
+            if owner is None:
+                raise ValueError(f"pipeline: no stage of {type(self.model).__name__} reads {group[0]!r}, so no rank "
+                                 f"holds it to save")
+            keys[owner].append(group[0])
+            mine.update({group[0]: held[key] for key in group if key in held})
+        writes = int(self.submesh.mesh.flatten()[0]) == dist.get_rank()
+        parts = [Part(stage_keys, {key: mine[key] for key in stage_keys} if index in self.stages else None, writes)
+                 for index, stage_keys in enumerate(keys)]
+        write_parts(self.model, path, max_shard_size, parts)
+
+
+def _one_graph(model: nn.Module, call: tuple[tuple, dict], device: torch.device) -> tuple[fx.GraphModule, list]:
+    """Dynamo's one graph of ``model(*args, **kwargs)`` (``call``) and its inputs; a model on
+    ``meta`` is traced with stand-ins on ``device`` (``sharded.planned_on``)."""
+    args, kwargs = call
+    try:
+        with planned_on(model, device):
+            graphs = capture_graphs(model, *args, dynamic=False, **kwargs)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"pipeline: the model must be one graph to cut into stages: {e}") from None
+    if len(graphs) != 1:
+        raise NotImplementedError(f"pipeline: Dynamo captured {len(graphs)} graphs of {type(model).__name__}; "
+                                  f"stages are cut from one graph")
+    return graphs[0]
+
 
 def _planned_whole(gm: fx.GraphModule, graph_inputs: list, submesh: DeviceMesh, config: ParallelConfig
                    ) -> tuple[fx.GraphModule, ParallelContext]:
@@ -313,9 +397,18 @@ def _planned_whole(gm: fx.GraphModule, graph_inputs: list, submesh: DeviceMesh, 
     return parallelize_graph(gm, [hint(a) for a in graph_inputs], info, _stage_options(config), feeding=SHARDED)
 
 
+def _cut_by_cost(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, first: list, submesh: DeviceMesh,
+                 config: ParallelConfig, schedule: ScheduleRun, machine: str | Machine | None) -> Cut:
+    """``gm`` cut into the stages ``explain(pp=...)`` reports: blocks balanced by the time model
+    (and memory) over one stage's mesh (``pipeline_plan.plan_stages``)."""
+    stages = plan_stages(type(model).__name__, *_planned_whole(gm, graph_inputs, submesh, config), blocks_of(model),
+                         schedule, machine and machine_profile(machine))
+    return cut_graph(model, gm, graph_inputs, first, [s.blocks for s in stages])
+
+
 def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, loss_fn, microbatches: int,
-             schedule: str = "1F1B", example_kwargs: dict | None = None, machine: str | Machine | None = None,
-             **options) -> PipelineStep:
+             schedule: str = "1F1B", example_kwargs: dict | None = None, checkpoint: str | None = None,
+             machine: str | Machine | None = None, **options) -> PipelineStep:
     """Run ``model`` pipeline-parallel over ``mesh``'s pp dim, each stage over the other dims as
     ``hybrid_parallel`` runs a model (``options``: its options).
 
@@ -329,46 +422,47 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     target=target, **kwargs)`` is the mean of ``loss_fn`` over the microbatches on every rank, the
     gradients those of that mean; build the optimizer over ``step.parameters()`` and clip with
     ``step.clip_grad_norm_``.
+
+    ``checkpoint``: a checkpoint folder (safetensors, transformers or diffusers layout) each rank
+    reads its stages' pieces from. With it, ``model`` may hold its parameters on ``meta``
+    (``checkpoints.empty_model``): then no rank ever holds more than its stages.
     """
     from torch.distributed import pipelining
 
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: unknown schedule {schedule!r}; the schedules are {list(SCHEDULES)}")
     config = ParallelConfig.of("pipeline", options)
+    runs = SCHEDULES[schedule]
+    runs.check_backend(schedule, config.inner_backend)
     names = tuple(mesh.mesh_dim_names or ())
     if "pp" not in names:
         raise ValueError(f"pipeline: the mesh {dict(zip(names, mesh.shape))} has no pp dim: build it with "
                          f"init_mesh(pp=..., ...)")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline: microbatches must be a positive int, got {microbatches!r}")
+    _refuse_unfilled_meta(model, checkpoint)
     pp, stage = mesh["pp"].size(), mesh.get_local_rank("pp")
     submesh = mesh[tuple(n for n in names if n not in STAGE_DIMS)]
     MeshInfo.from_mesh(submesh, "pipeline")  # every rank now, in one order: every stage's groups
     flat, spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs or {}))
     _batch_rows("pipeline", flat, microbatches)
     first = _chunk(flat, microbatches)
-    args, kwargs = pytree.tree_unflatten(first, spec)
-    try:
-        graphs = capture_graphs(model, *args, dynamic=False, **kwargs)
-    except NotImplementedError as e:
-        raise NotImplementedError(f"pipeline: the model must be one graph to cut into stages: {e}") from None
-    if len(graphs) != 1:
-        raise NotImplementedError(f"pipeline: Dynamo captured {len(graphs)} graphs of {type(model).__name__}; "
-                                  f"stages are cut from one graph")
-    (gm, graph_inputs), = graphs
-    virtual = SCHEDULES[schedule]
-    stages = plan_stages(type(model).__name__, *_planned_whole(gm, graph_inputs, submesh, config), blocks_of(model),
-                         Schedule(schedule, pp, virtual, microbatches), machine and machine_profile(machine))
-    cut = cut_graph(model, gm, graph_inputs, first, [s.blocks for s in stages])
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
         torch.device(mesh.device_type)
+    gm, graph_inputs = _one_graph(model, pytree.tree_unflatten(first, spec), inputs_device(first) or device)
+    cut = _cut_by_cost(model, gm, graph_inputs, first, submesh, config,
+                       ScheduleRun(schedule, pp, runs.stages_per_rank, microbatches), machine)
+    stages = pp * runs.stages_per_rank
     held, runners = [], []
-    for index in range(stage, pp * virtual, pp):  # stage i on pp rank i % pp
+    for index in runs.stages_of(stage, pp):
         stage_gm = stage_module(cut, index)
         example = [first[i] for i in cut.user] if index == 0 else [_example(n, device) for n in cut.inputs[index]]
-        compiled = _compiled_stage(stage_gm, submesh, example, config, options)
+        _compile_stage(stage_gm, submesh, example, config, options, device)
         held.append(stage_gm)
-        runners.append(pipelining.PipelineStage(compiled, index, pp * virtual, device, group=mesh.get_group("pp")))
-    runs = getattr(pipelining, f"Schedule{schedule}")(runners if virtual > 1 else runners[0],
-                                                      n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-    return PipelineStep(type(model).__name__, mesh, cut, held, runs, spec, flat, microbatches, config)
+        runners.append(pipelining.PipelineStage(stage_gm, index, stages, device, group=mesh.get_group("pp")))
+    if checkpoint is not None:
+        load_checkpoint(model, checkpoint, stages=held)
+    order = getattr(pipelining, f"Schedule{schedule}")(runners if runs.stages_per_rank > 1 else runners[0],
+                                                       n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    return PipelineStep(model, mesh, submesh, cut, held, order, runs.rank_of(stages - 1, pp), spec, flat,
+                        microbatches, config)

@@ -1,7 +1,7 @@
 """Pipeline parallelism (``dtensor_par.pipeline``): a 4-layer Llama (the toy one, and transformers'
 ``LlamaForCausalLM``) cut into pp stages trains exactly like one device accumulating the same
-microbatches (a mean loss over them), alone and beside tp; each rank holds its stage's parameters
-only. Bad inputs are refused by name."""
+microbatches (a mean loss over them), under each of torch's schedules, alone and beside tp; each
+rank holds its stages' parameters only. Bad inputs are refused by name."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 import dtensor_par
 from dtensor_par._testing import models
 from dtensor_par._testing.harness import max_rel, run_ranks_together, whole
+from dtensor_par.pipelining import SCHEDULES
 from tests.background import in_background
 
 LAYERS, BATCH, SEQ, VOCAB, MICROBATCHES = 4, 4, 8, 50, 2
@@ -49,32 +50,36 @@ def _logits(model, ids, kwargs: dict) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def _one_device_step(model, ids, target, kwargs: dict) -> torch.Tensor:
+def _one_device_step(model, ids, target, kwargs: dict, microbatches: int) -> torch.Tensor:
     """The mean loss over the microbatches, its gradients accumulated microbatch by microbatch."""
     losses = []
-    for x, t in zip(ids.chunk(MICROBATCHES), target.chunk(MICROBATCHES)):
+    for x, t in zip(ids.chunk(microbatches), target.chunk(microbatches)):
         loss = _loss(_logits(model, x, kwargs), t)
-        (loss / MICROBATCHES).backward()
+        (loss / microbatches).backward()
         losses.append(loss.detach())
     return torch.stack(losses).mean()
 
 
-def train_against_one_device(rank: int, world: int, *, sizes: dict, schedule: str, model: str) -> dict:
+def train_against_one_device(rank: int, world: int, *, sizes: dict, schedule: str, model: str,
+                             microbatches: int) -> dict:
     """The first step's loss and every gradient, then 3 AdamW steps with clipping (the norm over
-    every stage), against one device; the share of the model's parameters this rank holds."""
+    every stage), against one device; the share of the model's parameters this rank holds. The
+    schedules that split the backward run their stages under inner_backend="eager", the others
+    under "aot_eager"."""
     torch._dynamo.reset()
     mesh = dtensor_par.init_mesh(**sizes)
     kwargs = MODELS[model][1]
     model, ids, target = _model_and_batch(model)
     reference = copy.deepcopy(model)
-    step = dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=MICROBATCHES, schedule=schedule,
-                                example_kwargs=kwargs, inner_backend="aot_eager")
+    backend = "eager" if SCHEDULES[schedule].splits_backward else "aot_eager"
+    step = dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=microbatches, schedule=schedule,
+                                example_kwargs=kwargs, inner_backend=backend)
     make_opt = lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-3)  # noqa: E731
     opt, opt_ref = make_opt(step.parameters()), make_opt(reference.parameters())
     worst = Counter()
     initial = {fqn: whole(p).detach().clone() for fqn, p in step.named_parameters()}
     for i in range(3):
-        loss, loss_ref = step(ids, target=target, **kwargs), _one_device_step(reference, ids, target, kwargs)
+        loss, loss_ref = step(ids, target=target, **kwargs), _one_device_step(reference, ids, target, kwargs, microbatches)
         worst["loss"] = max(worst["loss"], abs(loss.item() - loss_ref.item()))
         if i == 0:
             worst["grad"] = max(max_rel(whole(p.grad), reference.get_parameter(fqn).grad)
@@ -95,22 +100,27 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, schedule: st
             "dtensor": sorted({isinstance(p, DTensor) for p in step.parameters()}), "blocks": step.cut.blocks}
 
 
-RUNS = {  # label: world, mesh, schedule, model
-    "pp2 GPipe": (2, {"pp": 2}, "GPipe", "toy"),
-    "pp2 1F1B": (2, {"pp": 2}, "1F1B", "toy"),
-    "pp2 Interleaved1F1B": (2, {"pp": 2}, "Interleaved1F1B", "toy"),
-    "transformers pp2 1F1B": (2, {"pp": 2}, "1F1B", "hf"),
-    "pp2 x tp2 1F1B": (4, {"pp": 2, "tp": 2}, "1F1B", "toy"),
-    "transformers pp2 x tp2 1F1B": (4, {"pp": 2, "tp": 2}, "1F1B", "hf"),
-    "pp2 x ulysses2 GPipe": (4, {"pp": 2, "ulysses": 2}, "GPipe", "toy"),
-    "transformers pp2 x ulysses2 1F1B": (4, {"pp": 2, "ulysses": 2}, "1F1B", "hf"),
+RUNS = {  # label: world, mesh, schedule, model, microbatches (DualPipeV: at least the 4 stages)
+    "pp2 GPipe": (2, {"pp": 2}, "GPipe", "toy", MICROBATCHES),
+    "pp2 1F1B": (2, {"pp": 2}, "1F1B", "toy", MICROBATCHES),
+    "pp2 Interleaved1F1B": (2, {"pp": 2}, "Interleaved1F1B", "toy", MICROBATCHES),
+    "pp2 InterleavedZeroBubble": (2, {"pp": 2}, "InterleavedZeroBubble", "toy", MICROBATCHES),
+    "pp2 ZBVZeroBubble": (2, {"pp": 2}, "ZBVZeroBubble", "toy", MICROBATCHES),
+    "pp2 DualPipeV": (2, {"pp": 2}, "DualPipeV", "toy", 4),
+    "transformers pp2 1F1B": (2, {"pp": 2}, "1F1B", "hf", MICROBATCHES),
+    "transformers pp2 ZBVZeroBubble": (2, {"pp": 2}, "ZBVZeroBubble", "hf", MICROBATCHES),
+    "pp2 x tp2 1F1B": (4, {"pp": 2, "tp": 2}, "1F1B", "toy", MICROBATCHES),
+    "pp2 x tp2 ZBVZeroBubble": (4, {"pp": 2, "tp": 2}, "ZBVZeroBubble", "toy", MICROBATCHES),
+    "transformers pp2 x tp2 1F1B": (4, {"pp": 2, "tp": 2}, "1F1B", "hf", MICROBATCHES),
+    "pp2 x ulysses2 GPipe": (4, {"pp": 2, "ulysses": 2}, "GPipe", "toy", MICROBATCHES),
+    "transformers pp2 x ulysses2 1F1B": (4, {"pp": 2, "ulysses": 2}, "1F1B", "hf", MICROBATCHES),
 }
 
 
 def _launch(world: int) -> list[dict]:
-    return run_ranks_together(world, {label: (train_against_one_device,
-                                              {"sizes": sizes, "schedule": schedule, "model": model})
-                                      for label, (w, sizes, schedule, model) in RUNS.items() if w == world})
+    return run_ranks_together(world, {label: (train_against_one_device, {"sizes": sizes, "schedule": schedule,
+                                                                         "model": model, "microbatches": mb})
+                                      for label, (w, sizes, schedule, model, mb) in RUNS.items() if w == world})
 
 
 LAUNCHES = {world: in_background(_launch, world) for world in (2, 4)}
@@ -119,7 +129,7 @@ LAUNCHES = {world: in_background(_launch, world) for world in (2, 4)}
 
 @pytest.mark.parametrize("label", list(RUNS))
 def test_training_matches_one_device_accumulating_the_microbatches(label):
-    world, sizes, _, name = RUNS[label]
+    world, sizes, _, name, _ = RUNS[label]
     per_rank = [results[label] for results in LAUNCHES[world].result()]
     every = set()
     for rank, worst in enumerate(per_rank):
@@ -155,8 +165,16 @@ def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
     fake_world(2)
     mesh = dtensor_par.init_mesh(pp=2)
     model, ids, _ = _model_and_batch()
-    with pytest.raises(ValueError, match=r"unknown schedule 'ZBV'; the schedules are \['GPipe', '1F1B', 'Interleaved1F1B'\]"):
+    with pytest.raises(ValueError, match=r"unknown schedule 'ZBV'; the schedules are \['GPipe', '1F1B', "
+                                         r"'Interleaved1F1B', 'InterleavedZeroBubble', 'ZBVZeroBubble', 'DualPipeV'\]"):
         dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=2, schedule="ZBV")
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        with pytest.raises(NotImplementedError, match=rf"schedule '{schedule}' computes a stage's input gradients and "
+                                                      r"weight gradients apart.*takes inner_backend='eager'.*under "
+                                                      r"inner_backend='aot_eager' a stage's backward is one compiled "
+                                                      r"node"):
+            dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=2, schedule=schedule,
+                                 inner_backend="aot_eager")
     with pytest.raises(ValueError, match=r"input 0 of shape \[4, 8\] has a batch \(dim 0\) of 4, not divisible by "
                                          r"microbatches=3"):
         dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=3)

@@ -77,7 +77,7 @@ def test_the_runtime_cuts_what_explain_reports(fake_world):
     mesh, as rank 0 of the first stage sees it): on a heavy head, the same uneven stages."""
     from dtensor_par.config import ParallelConfig
     from dtensor_par.passes.capture import capture_graphs
-    from dtensor_par.pipeline_plan import Schedule, blocks_of, plan_stages
+    from dtensor_par.pipeline_plan import ScheduleRun, blocks_of, plan_stages
     from dtensor_par.pipelining import _planned_whole
 
     fake_world(2)
@@ -85,7 +85,7 @@ def test_the_runtime_cuts_what_explain_reports(fake_world):
     model, ids = _llama(vocab=4096)
     (gm, inputs), = capture_graphs(model, ids[:2], dynamic=False)
     planned = _planned_whole(gm, inputs, mesh["ring", "ulysses", "tp"], ParallelConfig())
-    stages = plan_stages("Llama", *planned, blocks_of(model), Schedule("1F1B", 2, 1, 2), None)
+    stages = plan_stages("Llama", *planned, blocks_of(model), ScheduleRun("1F1B", 2, 1, 2), None)
     report = dtensor_par.explain(model, (ids,), device_type="cpu", pp=2, microbatches=2)
     assert [s.blocks for s in stages] == _blocks(report) == [[f"blocks.{i}" for i in range(3)], ["blocks.3"]]
 
