@@ -2,10 +2,11 @@
 
 The model's one Dynamo graph (captured on one example microbatch) is cut at block boundaries
 (the children of the ``nn.ModuleList`` that holds most of its parameters) into pp stages,
-balanced by each block's parameter count: what runs before the first block goes with the first
-stage, what runs after the last with the last. Each stage is a ``GraphModule`` whose inputs are
-the values the previous stage outputs (a value a later stage needs is passed through the stages
-between) and whose parameters are the model's own, under their FQNs (``get_attr``). Each rank
+balanced by each block's time and memory (``pipeline_plan``): what runs before the first block
+goes with the first stage, what runs after the last with the last. Each stage is a
+``GraphModule`` whose inputs are the values the previous stage outputs (a value a later stage
+needs is passed through the stages between) and whose parameters are the model's own, under
+their FQNs (``get_attr``). Each rank
 builds only its stage, holds its parameters as ``parallelize`` holds them over the mesh without
 pp (the rank's slice), compiles it with ``hybrid_parallel`` over that slice, and runs it as a
 ``torch.distributed.pipelining.PipelineStage`` under one of torch's schedules, which sends what
@@ -33,98 +34,17 @@ from .checkpoints import Part, held_tensors, load_checkpoint, tied_groups, write
 from .config import ParallelConfig
 from .mesh import STAGE_DIMS, MeshInfo
 from .passes.capture import capture_graphs
+from .machines import Machine, machine as machine_profile
+from .params import SHARDED
+from .passes.context import ParallelContext
 from .passes.meta import module_paths
-from .passes.recompute import module_stack
+from .pipeline_plan import SCHEDULES, Schedule, ScheduleRun, blocks_of, node_block, plan_stages
+from .planning import parallelize_graph
 from .runtime import ParallelBackend
 from .same_inputs import check_same_inputs
 from .sharded import inputs_device, parallelize_with, planned_on
+from .symbolic import hint
 
-@dataclass(frozen=True)
-class Schedule:
-    """How ``pipeline`` runs one of torch's schedules: the stages each rank holds, and where."""
-
-    stages_per_rank: int
-    v_shaped: bool = False  # rank r holds stages r and 2*pp-1-r (the first and last both on rank 0), not r, r+pp, ...
-    splits_backward: bool = False  # computes each stage's input gradients and weight gradients apart
-
-    def stages_of(self, rank: int, pp: int) -> list[int]:
-        """The stages pp rank ``rank`` holds, in order (torch's ``generate_stage_to_rank_mapping``)."""
-        if self.v_shaped:
-            return [rank, 2 * pp - 1 - rank]
-        return list(range(rank, pp * self.stages_per_rank, pp))
-
-    def check_backend(self, name: str, inner_backend) -> None:
-        """Refuse to split the backward of stages compiled whole: an AOT-compiled stage's backward is
-        one autograd node, which torch's split runs whole for the input gradients and again for the
-        weights (exact, but twice the backward and no bubble saved); torch 2.13 refuses it too."""
-        if self.splits_backward and inner_backend != "eager":
-            raise NotImplementedError(
-                f"pipeline: schedule {name!r} computes a stage's input gradients and weight gradients apart, by "
-                f"walking the stage's autograd graph, which takes inner_backend='eager' (one autograd node per op); "
-                f"under inner_backend={inner_backend!r} a stage's backward is one compiled node, which the split runs "
-                f"whole twice (exact, but twice the backward and no bubble saved), and torch 2.13 refuses these "
-                f"schedules over compiled stages")
-
-    def rank_of(self, stage: int, pp: int) -> int:
-        """The pp rank that holds ``stage``."""
-        return next(r for r in range(pp) if stage in self.stages_of(r, pp))
-
-
-SCHEDULES = {
-    "GPipe": Schedule(1),
-    "1F1B": Schedule(1),
-    "Interleaved1F1B": Schedule(2),
-    "InterleavedZeroBubble": Schedule(2, splits_backward=True),
-    "ZBVZeroBubble": Schedule(2, v_shaped=True, splits_backward=True),
-    "DualPipeV": Schedule(2, v_shaped=True, splits_backward=True),
-}
-"""torch's schedules ``pipeline`` runs, by name (``torch.distributed.pipelining.Schedule<name>``)."""
-
-
-def blocks_of(model: nn.Module) -> list[str]:
-    """The FQNs of the children of the ``nn.ModuleList`` that holds the most parameters
-    (``layers.0``, ``layers.1``, ...): the model's repeated blocks, where stages are cut."""
-    best, most = None, -1
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            held = sum(p.numel() for p in module.parameters())
-            if held > most:
-                best, most = name, held
-    if best is None:
-        raise ValueError(f"pipeline: {type(model).__name__} holds no nn.ModuleList of blocks to cut into stages")
-    return [f"{best}.{i}" if best else str(i) for i in range(len(model.get_submodule(best)))]
-
-
-def balanced_cuts(costs: list[int], stages: int) -> list[int]:
-    """The first block of each stage: contiguous runs of blocks, each stage at least one, the most
-    costly stage as cheap as can be (the first such split in order)."""
-    n = len(costs)
-    prefix = [0, *torch.tensor(costs).cumsum(0).tolist()]
-    best: dict[tuple[int, int], tuple[int, list[int]]] = {}
-
-    def split(start: int, left: int) -> tuple[int, list[int]]:
-        if left == 1:
-            return prefix[n] - prefix[start], [start]
-        if (start, left) not in best:
-            options = []
-            for end in range(start + 1, n - left + 2):
-                rest, starts = split(end, left - 1)
-                options.append((max(prefix[end] - prefix[start], rest), [start, *starts]))
-            best[start, left] = min(options, key=lambda o: o[0])
-        return best[start, left]
-
-    return split(0, stages)[1]
-
-
-def _node_block(node: fx.Node, blocks: dict[str, int]) -> int | None:
-    """The index of the block a node runs in, from its module path (``nn_module_stack``)."""
-    for path, _ in module_stack(node):
-        parts = path.split(".")
-        for k in range(len(parts), 0, -1):
-            index = blocks.get(".".join(parts[:k]))
-            if index is not None:
-                return index
-    return None
 
 
 @dataclass
@@ -154,7 +74,7 @@ def _place_nodes(gm: fx.GraphModule, blocks: list[str], stage_of_block: dict[str
             continue
         if node.op == "call_module":
             raise NotImplementedError(f"pipeline: the captured graph calls module {node.target!r} (call_module)")
-        index = _node_block(node, block_index)
+        index = node_block(node, block_index)
         if index is not None:
             current = stage_of_block[blocks[index]]
             traced.add(index)
@@ -170,15 +90,13 @@ def _place_nodes(gm: fx.GraphModule, blocks: list[str], stage_of_block: dict[str
     return stage_of
 
 
-def cut_graph(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inputs: list, stages: int) -> Cut:
-    """Cut ``gm`` (Dynamo's graph of ``model`` called on ``flat_inputs``) into ``stages`` stages."""
-    blocks = blocks_of(model)
-    if len(blocks) < stages:
-        raise ValueError(f"pipeline: {type(model).__name__} has {len(blocks)} blocks ({blocks[0].rpartition('.')[0]}) "
-                         f"but {stages} stages were asked for: each stage needs at least one block")
-    costs = [sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks]
-    starts = balanced_cuts(costs, stages)
-    stage_of_block = {b: sum(1 for s in starts if s <= i) - 1 for i, b in enumerate(blocks)}
+def cut_graph(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inputs: list,
+              stage_blocks: list[list[str]]) -> Cut:
+    """Cut ``gm`` (Dynamo's graph of ``model`` called on ``flat_inputs``) into stages of the
+    blocks ``stage_blocks`` (``pipeline_plan.plan_stages``'s)."""
+    blocks = [b for run in stage_blocks for b in run]
+    stages = len(stage_blocks)
+    stage_of_block = {b: stage for stage, run in enumerate(stage_blocks) for b in run}
     paths = module_paths(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     params = {n: paths[n.name] for n in placeholders if n.name in paths}
@@ -207,10 +125,10 @@ def cut_graph(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inp
     crossing = [[v for v in values if stage_of[v] <= k < used_at.get(v, -1)] for k in range(stages - 1)]
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outs = list(pytree.tree_leaves(output.args[0]))
-    by_stage = [[blocks[i] for i in range(len(blocks)) if stage_of_block[blocks[i]] == s] for s in range(stages)]
     tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     return Cut(gm, stage_of, [[n for n in placeholders if n not in params], *crossing], [*crossing, outs], params,
-               user, by_stage, tensors, {params[n]: at for n, at in used_at.items() if n in params})
+               user, [list(run) for run in stage_blocks], tensors,
+               {params[n]: at for n, at in used_at.items() if n in params})
 
 
 def stage_module(cut: Cut, stage: int) -> fx.GraphModule:
@@ -274,6 +192,14 @@ def _batch_rows(entry: str, flat: list, microbatches: int, what: str = "input") 
 def _chunk(flat: list, microbatches: int) -> list:
     """The first microbatch of each tensor of ``flat`` (what each stage is planned on)."""
     return [leaf[: leaf.shape[0] // microbatches] if isinstance(leaf, torch.Tensor) else leaf for leaf in flat]
+
+
+def microbatch_of(tree, microbatches: int, entry: str):
+    """``tree`` with each tensor its first of ``microbatches`` (cut along dim 0; a batch they do not
+    divide refused): what ``pipeline`` captures and plans the stages on."""
+    flat, spec = pytree.tree_flatten(tree)
+    _batch_rows(entry, flat, microbatches)
+    return pytree.tree_unflatten(_chunk(flat, microbatches), spec)
 
 
 def _example(node: fx.Node, device: torch.device) -> torch.Tensor:
@@ -465,9 +391,27 @@ def _one_graph(model: nn.Module, call: tuple[tuple, dict], device: torch.device)
     return graphs[0]
 
 
+def _planned_whole(gm: fx.GraphModule, graph_inputs: list, submesh: DeviceMesh, config: ParallelConfig
+                   ) -> tuple[fx.GraphModule, ParallelContext]:
+    """The whole graph planned over one stage's mesh, as rank 0 of the first stage sees it (so
+    every rank costs the blocks alike and cuts the same stages), as ``explain`` plans it."""
+    names = tuple(submesh.mesh_dim_names)
+    info = MeshInfo.for_planning(dict(zip(names, submesh.shape)), submesh.device_type, names)
+    return parallelize_graph(gm, [hint(a) for a in graph_inputs], info, _stage_options(config), feeding=SHARDED)
+
+
+def _cut_by_cost(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, first: list, submesh: DeviceMesh,
+                 config: ParallelConfig, schedule: ScheduleRun, machine: str | Machine | None) -> Cut:
+    """``gm`` cut into the stages ``explain(pp=...)`` reports: blocks balanced by the time model
+    (and memory) over one stage's mesh (``pipeline_plan.plan_stages``)."""
+    stages = plan_stages(type(model).__name__, *_planned_whole(gm, graph_inputs, submesh, config), blocks_of(model),
+                         schedule, machine and machine_profile(machine))
+    return cut_graph(model, gm, graph_inputs, first, [s.blocks for s in stages])
+
+
 def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, loss_fn, microbatches: int,
              schedule: str = "1F1B", example_kwargs: dict | None = None, checkpoint: str | None = None,
-             **options) -> PipelineStep:
+             machine: str | Machine | None = None, **options) -> PipelineStep:
     """Run ``model`` pipeline-parallel over ``mesh``'s pp dim, each stage over the other dims as
     ``hybrid_parallel`` runs a model (``options``: its options).
 
@@ -475,7 +419,9 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     is cut along dim 0 into ``microbatches``. ``loss_fn(output, target)``: a mean over its
     microbatch, given the last stage's output: the tensors the model returns, as the captured graph
     returns them (a ``ModelOutput``'s without its ``None``s), one tensor as itself.
-    ``schedule``: one of ``SCHEDULES``. Returns a ``PipelineStep``: ``loss = step(*inputs,
+    ``schedule``: one of ``SCHEDULES``. ``machine``: the profile whose time model (and memory)
+    balances the stages (``pipeline_plan``), as ``explain(pp=..., machine=...)`` reports them.
+    Returns a ``PipelineStep``: ``loss = step(*inputs,
     target=target, **kwargs)`` is the mean of ``loss_fn`` over the microbatches on every rank, the
     gradients those of that mean; build the optimizer over ``step.parameters()`` and clip with
     ``step.clip_grad_norm_``.
@@ -507,8 +453,9 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
         torch.device(mesh.device_type)
     gm, graph_inputs = _one_graph(model, pytree.tree_unflatten(first, spec), inputs_device(first) or device)
+    cut = _cut_by_cost(model, gm, graph_inputs, first, submesh, config,
+                       ScheduleRun(schedule, pp, runs.stages_per_rank, microbatches), machine)
     stages = pp * runs.stages_per_rank
-    cut = cut_graph(model, gm, graph_inputs, first, stages)
     held, runners = [], []
     for index in runs.stages_of(stage, pp):
         stage_gm = stage_module(cut, index)

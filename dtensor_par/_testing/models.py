@@ -218,3 +218,13 @@ class Llama(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.norm(x))
+
+
+def meta_llama_32_layers() -> tuple[Llama, tuple[torch.Tensor]]:
+    """A Llama-70B-sized stack (hidden 8192, 64 heads, 8 kv heads, mlp 28672) of 32 layers on the
+    meta device and a batch of 32 x 4096 tokens: what ``explain`` plans at pp4 x tp8 x dp_shard4
+    (8 microbatches of 4 rows, one a dp_shard rank)."""
+    with torch.device("meta"):
+        model = Llama(vocab=32000, layers=32, hidden=8192, heads=64, kv_heads=8, mlp=28672)
+        ids = torch.randint(0, 32000, (32, 4096))
+    return model, (ids,)
