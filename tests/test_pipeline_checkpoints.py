@@ -3,8 +3,8 @@ model whose parameters are on ``meta`` is cut into stages and each rank reads on
 pieces, so a rank holds at most 0.6 of the model's parameters at pp2 (and 1/(tp x dp_shard) of
 that beyond) and no other copy; the loss and gradients equal one device's model loaded from the
 same checkpoint; ``step.save_pretrained`` writes what the model's own loading reads back bit for
-bit. transformers' Llama at pp2 and pp2 x tp2, the toy DiT at pp2 in 4 stages (Interleaved1F1B;
-built under ``torch.device("meta")``), the toy Llama at pp2 x dp_shard2 x tp2 (8 ranks)."""
+bit. transformers' Llama at pp2 and pp2 x tp2, the toy DiT at pp2 in 4 stages (Interleaved1F1B, and
+ZBVZeroBubble's V-shaped placement; built under ``torch.device("meta")``), the toy Llama at pp2 x dp_shard2 x tp2 (8 ranks)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import dtensor_par
 from dtensor_par._testing import models
 from dtensor_par._testing.harness import max_rel, run_ranks, run_ranks_together, whole
 from dtensor_par.checkpoints import empty_model, load_checkpoint, parameters_on_meta
+from dtensor_par.pipeline_plan import SCHEDULES
 from tests.background import in_background
 
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
@@ -82,8 +83,9 @@ def pipeline_from_checkpoint(rank: int, world: int, *, folder: str, out: str, si
     build_meta, build_loaded, make_input, make_target, kwargs, loss_fn = CASES[model]
     mesh, x, target = dtensor_par.init_mesh(**sizes), make_input(), make_target()
     meta = build_meta(folder)
+    backend = "eager" if SCHEDULES[schedule].splits_backward else "aot_eager"
     step = dtensor_par.pipeline(meta, mesh, (x,), loss_fn=loss_fn, microbatches=MICROBATCHES, schedule=schedule,
-                                example_kwargs=kwargs, checkpoint=folder, inner_backend="aot_eager")
+                                example_kwargs=kwargs, checkpoint=folder, inner_backend=backend)
     reference = build_loaded(folder)
     loss = step(x, target=target, **kwargs)
     losses = []
@@ -124,6 +126,7 @@ def write_checkpoints(rank: int, world: int, *, folder: str) -> dict:
 RUNS = {  # label: world, mesh, model, schedule; the most a rank holds of the model's parameters
     "transformers Llama pp2": (2, {"pp": 2}, "llama", "1F1B", 0.6),
     "DiT pp2 Interleaved1F1B": (2, {"pp": 2}, "dit", "Interleaved1F1B", 0.6),
+    "DiT pp2 ZBVZeroBubble": (2, {"pp": 2}, "dit", "ZBVZeroBubble", 0.6),  # V-shaped: rank 0 holds stages 0 and 3
     "transformers Llama pp2 x tp2": (4, {"pp": 2, "tp": 2}, "llama", "1F1B", 0.6 / 2),
     "toy Llama pp2 x dp_shard2 x tp2": (8, {"pp": 2, "dp_shard": 2, "tp": 2}, "toy llama", "1F1B", 0.6 / 4),
 }
