@@ -24,7 +24,7 @@ import torch
 
 import dtensor_par
 from benchmarks.models import flux, tp_anchor
-from dtensor_par._testing.harness import run_ranks
+from dtensor_par._testing.harness import called_ops, run_ranks
 from dtensor_par._testing.models import DiT, Llama
 
 KINDS = {
@@ -39,7 +39,6 @@ KINDS = {
     "collective": ("all_reduce", "all_reduce_", "wait_tensor", "all_gather_into_tensor", "reduce_scatter_tensor",
                    "all_to_all_single"),
 }
-NAMESPACES = ("aten::", "_c10d_functional::", "c10d::")
 CALL = "op_audit.call"
 
 
@@ -47,20 +46,6 @@ def kind(op: str) -> str:
     if "cpp_fused" in op:
         return "kernel"
     return next((k for k, names in KINDS.items() if op.split("::")[-1] in names), "elementwise/other")
-
-
-def _is_op(name: str) -> bool:
-    return name.startswith(NAMESPACES) or "cpp_fused" in name
-
-
-def _outermost_op(event) -> bool:
-    """An op the program calls: no op above it (``contiguous``'s ``clone`` is ``contiguous``'s)."""
-    parent = event.cpu_parent
-    while parent is not None:
-        if _is_op(parent.name):
-            return False
-        parent = parent.cpu_parent
-    return True
 
 
 def profile_forward(fn, args: tuple, kwargs: dict, calls: int) -> dict:
@@ -76,14 +61,13 @@ def profile_forward(fn, args: tuple, kwargs: dict, calls: int) -> dict:
     events = prof.events()
     total = sum(e.cpu_time_total for e in events if e.name == CALL)
     ops, time_by_kind, shapes = Counter(), Counter(), Counter()
-    for e in events:
-        if _is_op(e.name) and _outermost_op(e):
-            name = "cpp_fused kernel" if "cpp_fused" in e.name else e.name.split("::")[-1]
-            ops[name] += 1
-            time_by_kind[kind(e.name)] += e.cpu_time_total
-            if kind(e.name) in ("matmul", "attention"):  # a matmul by its operands (addmm's bias aside)
-                operands = [s for s in e.input_shapes if s][-2:] if kind(e.name) == "matmul" else e.input_shapes[:3]
-                shapes[f"{kind(e.name)} {operands}"] += 1
+    for e in called_ops(events):
+        name = "cpp_fused kernel" if "cpp_fused" in e.name else e.name.split("::")[-1]
+        ops[name] += 1
+        time_by_kind[kind(e.name)] += e.cpu_time_total
+        if kind(e.name) in ("matmul", "attention"):  # a matmul by its operands (addmm's bias aside)
+            operands = [s for s in e.input_shapes if s][-2:] if kind(e.name) == "matmul" else e.input_shapes[:3]
+            shapes[f"{kind(e.name)} {operands}"] += 1
     op_time = sum(time_by_kind.values())
     shares = {k: t / total for k, t in time_by_kind.items()}
     shares["python (outside ops)"] = (total - op_time) / total

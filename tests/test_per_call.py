@@ -12,7 +12,7 @@ import torch
 
 import dtensor_par
 from dtensor_par import params, runtime
-from dtensor_par._testing.harness import run_ranks_together
+from dtensor_par._testing.harness import called_ops, run_ranks_together
 from dtensor_par._testing.models import DiT
 from tests.background import in_background
 
@@ -41,14 +41,7 @@ def _ops_of_one_call(fn, x) -> Counter:
     fn(x)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn(x)
-    ops = Counter()
-    for e in prof.events():
-        parent = e.cpu_parent
-        while parent is not None and not parent.name.startswith(("aten::", "_c10d_functional::")):
-            parent = parent.cpu_parent
-        if parent is None and e.name.startswith(("aten::", "_c10d_functional::")):
-            ops[e.name.split("::")[1]] += 1
-    return ops
+    return Counter(e.name.split("::")[-1] for e in called_ops(prof.events()))
 
 
 def per_call(rank: int, world: int) -> dict:
