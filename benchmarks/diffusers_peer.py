@@ -36,7 +36,7 @@ import torch
 import dtensor_par
 from benchmarks.models import WithLoss, flux
 from benchmarks.report import failure
-from benchmarks.side_by_side import adamw, slowest, timed
+from benchmarks.timing import adamw, slowest, timed
 from dtensor_par._testing.harness import run_ranks
 
 

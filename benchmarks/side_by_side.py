@@ -54,13 +54,12 @@ import traceback
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import dtensor_par
 from benchmarks import decode, gpu, overlap
 from benchmarks.models import TP_HAND_EDITS, WithLoss, ddp_anchor, fsdp_anchor, tp_anchor
 from benchmarks.report import failure
+from benchmarks.timing import adamw, slowest, timed
 from dtensor_par._testing.harness import dp_rows, executed_collectives, logged, run_ranks
 from dtensor_par._testing.models import DiT, Llama
 
@@ -107,14 +106,6 @@ def train_step(fn, opt, x) -> None:
 def forward(fn, x) -> None:
     with torch.no_grad():
         fn(x)
-
-
-def timed(fn) -> float:
-    """Seconds ``fn`` takes on this rank, started together on every rank."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def pass_ms(records: list[logging.LogRecord]) -> dict[str, float]:
@@ -215,13 +206,6 @@ def ours(model, mesh, x, inner):
     return parallel, torch.compile(parallel, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=inner))
 
 
-def slowest(seconds: float) -> float:
-    """The largest of every rank's ``seconds``: a parallel call is done when its last rank is."""
-    t = torch.tensor(seconds, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def first_call_seconds(name, sizes, seq, mesh_sizes, mesh, inner, reps) -> tuple[dict, dict]:
     """Compile overhead: the first forward and backward of a model compiled afresh (Dynamo's
     caches reset, garbage collected), on the slowest rank, median of ``reps`` alternated
@@ -242,14 +226,6 @@ def first_call_seconds(name, sizes, seq, mesh_sizes, mesh, inner, reps) -> tuple
             records += logs
     return ({v: statistics.median(t) for v, t in times.items()},
             {k: ms / reps for k, ms in pass_ms(records).items()})
-
-
-def adamw(model) -> torch.optim.AdamW:
-    """AdamW as torch picks it on GPU: foreach (each op over every parameter at once) where the
-    parameters are of one tensor type. The tp anchor's mix DTensors and plain tensors, which
-    foreach refuses, so its AdamW loops over them (CPU's default for every variant)."""
-    params = list(model.parameters())
-    return torch.optim.AdamW(params, foreach=len({isinstance(p, DTensor) for p in params}) == 1)
 
 
 def measure_config(world, name, sizes, seq, mesh_sizes, reps, compile_reps, inner) -> dict:
