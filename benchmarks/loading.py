@@ -11,6 +11,9 @@ planning (built on meta, ``parallelize``: Dynamo traces the model once) and read
 (tp keeps the embedding and LM head whole, so "checkpoint / ranks + 64 MB" holds only for what is
 cut: both are shown), and the time at most 1.2 x one device's (run in a fresh process; transformers 5 maps a float32
 file into float32 parameters, so its time and RSS are also shown with every parameter read once).
+Then each rank's ``save_pretrained`` of what it read (each rank writes its share of the files;
+its RSS rise is at most the largest tensor it gathers + the 16 MB block buffer), beside one
+device's transformers ``save_pretrained`` of the whole model.
 """
 
 from __future__ import annotations
@@ -32,23 +35,27 @@ MESHES = {"tp2": {"tp": 2}, "tp2 x ulysses2": {"tp": 2, "ulysses": 2}, "dp_shard
 SLACK = 64 * MIB
 
 
-def one_device(folder: str) -> dict:
-    """transformers' ``from_pretrained`` of ``folder`` in a fresh process."""
-    out = subprocess.run([sys.executable, "-m", "dtensor_par._testing.loading", folder], check=True,
+def one_device(folder: str, save_to: str) -> dict:
+    """transformers' ``from_pretrained`` of ``folder``, then its ``save_pretrained``, in a fresh process."""
+    out = subprocess.run([sys.executable, "-m", "dtensor_par._testing.loading", folder, save_to], check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def rows_for(name: str, folder: str) -> list[dict]:
-    whole, reference = checkpoint_bytes(folder), one_device(folder)
-    rows = [{"checkpoint": name, "mesh": "one device", "bytes": whole, **reference}]
-    for mesh, sizes in MESHES.items():
-        world = 1
-        for size in sizes.values():
-            world *= size
-        for rank, r in enumerate(run_ranks(world, load_measured, folder=folder, sizes=sizes)):
-            rows.append({"checkpoint": name, "mesh": mesh, "rank": rank, "world": world, "bytes": whole, **r,
-                         "seconds": r["plan_s"] + r["read_s"], "one_device_s": reference["touched_s"]})
+    whole = checkpoint_bytes(folder)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(folder)) as saved:
+        reference = one_device(folder, os.path.join(saved, "one device"))
+        rows = [{"checkpoint": name, "mesh": "one device", "bytes": whole, **reference}]
+        for mesh, sizes in MESHES.items():
+            world = 1
+            for size in sizes.values():
+                world *= size
+            results = run_ranks(world, load_measured, folder=folder, sizes=sizes, save_to=os.path.join(saved, mesh))
+            for rank, r in enumerate(results):
+                rows.append({"checkpoint": name, "mesh": mesh, "rank": rank, "world": world, "bytes": whole, **r,
+                             "seconds": r["plan_s"] + r["read_s"], "one_device_s": reference["touched_s"],
+                             "one_device_save_s": reference["save_s"]})
     return rows
 
 
@@ -70,6 +77,18 @@ COLUMNS = ["checkpoint", "mesh", "rank", "held MiB", "read: RSS rise MiB", "goal
            "vs one device: plan + read / read"]
 
 
+def _save_cells(r: dict) -> list:
+    mib = lambda b: f"{b / MIB:.0f}"  # noqa: E731
+    if r["mesh"] == "one device":
+        return [r["checkpoint"], "one device", "", "", mib(r["save_rise"]), "", f"{r['save_s']:.2f}", ""]
+    return [r["checkpoint"], r["mesh"], r["rank"], mib(r["written_bytes"]), mib(r["save_rise"]),
+            mib(r["largest_bytes"]), f"{r['save_s']:.2f}", f"{r['save_s'] / r['one_device_save_s']:.2f}x"]
+
+
+SAVE_COLUMNS = ["checkpoint", "mesh", "rank", "wrote MiB", "save: RSS rise MiB", "largest tensor MiB", "save s",
+                "vs one device"]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "dtensor_par_loading"),
@@ -82,6 +101,8 @@ def main():
         if args.only in (None, name):
             rows += rows_for(name, llama_checkpoint(os.path.join(args.cache, f"llama-{name}"), **config))
     print_table(COLUMNS, [_cells(r) for r in rows])
+    print()
+    print_table(SAVE_COLUMNS, [_save_cells(r) for r in rows])
     print("\nRSS rises are peaks (VmHWM reset by clear_refs); read MiB: /proc/self/io rchar (mapped pages are not "
           "counted); one device: transformers maps the file, its pages come in at first use ('used': every parameter "
           "summed once), and runs alone; ranks share the machine's cores")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -22,16 +23,17 @@ projections' weights but leaves view and reshape sizes as written, i.e. global."
 
 
 class WithLoss(nn.Module):
-    """``model`` and the benchmark's loss (mean square of its output) in one module, as a
-    training script compiles them: the loss is reduced where the output lies, and no rank
-    needs the whole output."""
+    """``model`` and the benchmark's loss (mean square of its output, the first of a tuple) in
+    one module, as a training script compiles them: the loss is reduced where the output lies,
+    and no rank needs the whole output."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, x):
-        return self.model(x).square().mean()
+    def forward(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        return (out[0] if isinstance(out, tuple) else out).square().mean()
 
 
 def tp_anchor(model: nn.Module, mesh) -> nn.Module:
@@ -52,6 +54,24 @@ def tp_anchor(model: nn.Module, mesh) -> nn.Module:
                     "o_proj": RowwiseParallel(), "down_proj": RowwiseParallel()}
         parallelize_module(block, mesh, plan)
     return anchor
+
+
+def flux(heads: int = 8, head_dim: int = 32, image: int = 32, text: int = 128):
+    """diffusers' Flux transformer, one joint and one single-stream block, ``heads x head_dim``
+    wide (the rotary axes span ``head_dim``), on an ``image x image`` latent and ``text``
+    tokens: ``(model, kwargs)``, seeded."""
+    from diffusers import FluxTransformer2DModel
+    torch.manual_seed(0)
+    axes = (head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=64,
+                                   pooled_projection_dim=64, axes_dims_rope=axes)
+    ids = torch.zeros(image * image, 3)
+    ids[:, 1], ids[:, 2] = torch.arange(image * image) // image, torch.arange(image * image) % image
+    kwargs = {"hidden_states": torch.randn(1, image * image, 16), "encoder_hidden_states": torch.randn(1, text, 64),
+              "pooled_projections": torch.randn(1, 64), "timestep": torch.tensor([0.5]), "img_ids": ids,
+              "txt_ids": torch.zeros(text, 3), "return_dict": False}
+    return model, kwargs
 
 
 def fsdp_anchor(model: nn.Module, mesh) -> WithLoss:

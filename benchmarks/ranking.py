@@ -35,7 +35,8 @@ import torch
 import dtensor_par
 from benchmarks.models import WithLoss
 from benchmarks.report import save_json
-from benchmarks.side_by_side import FULL, QUICK, adamw, model_and_input, ours, slowest, timed, train_step
+from benchmarks.side_by_side import FULL, QUICK, model_and_input, ours, train_step
+from benchmarks.timing import adamw, slowest, timed
 from dtensor_par.calibrate import calibrate
 from dtensor_par.choose import choose_mesh
 from dtensor_par.machines import machine as machine_profile

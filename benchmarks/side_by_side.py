@@ -1,8 +1,9 @@
 """Ours against what a user would write by hand, side by side, in one run.
 
-    python -m benchmarks [--quick] [--reps 5] [--compile-reps 4] [--json benchmarks.json]   (from the repo root)
+    python -m benchmarks [--quick] [--reps 5] [--compile-reps 4] [--inner inductor] [--json benchmarks.json]
 
-(``__main__.py`` calls ``main`` here: spawned ranks import what they run from a module.)
+from the repo root; ``python -m benchmarks.side_by_side`` is the same run (``__main__.py`` calls
+``main`` here: spawned ranks import what they run from a module).
 
 Per configuration (a model and a mesh), on gloo ranks on CPU, one thread each, the same
 weights and input everywhere:
@@ -24,6 +25,12 @@ weights and input everywhere:
   variant in turn first); and the share of our passes in it (``dtensor_par`` debug log).
 - memory per rank: parameters, gradients and AdamW state (bytes of the local pieces), and
   activations saved for backward (measured with saved-tensor hooks: distinct storages).
+- parallel efficiency, one device / (world x ours), and the same for the anchor;
+- the models: the DiT (``dit``; ``dit_qk``: q and k RMS-normed per head, as Flux's), the Llama;
+  ``--inner``: the backend of ours, the one device model and the compiled anchors (aot_eager;
+  inductor); ``context_parallel`` runs eager;
+- diffusers' Flux transformer against diffusers' own ``enable_parallelism`` (ulysses2; tp2,
+  which diffusers refuses on CPU, recorded), ``diffusers_peer.py``;
 - forward overlap under inductor (``overlap.py``), greedy decoding with a kv cache at tp=2
   and ring=2 against one device (``decode.py``; skipped in ``--quick``), and a GPU section
   (``gpu.py``), skipped on CPU with a line saying so.
@@ -47,21 +54,23 @@ import traceback
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import dtensor_par
 from benchmarks import decode, gpu, overlap
 from benchmarks.models import TP_HAND_EDITS, WithLoss, ddp_anchor, fsdp_anchor, tp_anchor
 from benchmarks.report import failure
+from benchmarks.timing import adamw, slowest, timed
 from dtensor_par._testing.harness import dp_rows, executed_collectives, logged, run_ranks
 from dtensor_par._testing.models import DiT, Llama
 
 FULL = {"dit": {"layers": 2, "dim": 256, "heads": 8, "mlp": 1024},
+        "dit_qk": {"layers": 2, "dim": 256, "heads": 8, "mlp": 1024, "qk_norm": True},
         "llama": {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 4, "mlp": 768, "vocab": 512}}
 QUICK = {"dit": {"layers": 1, "dim": 64, "heads": 4, "mlp": 128},
+         "dit_qk": {"layers": 1, "dim": 64, "heads": 4, "mlp": 128, "qk_norm": True},
          "llama": {"layers": 1, "hidden": 64, "heads": 4, "kv_heads": 2, "mlp": 96, "vocab": 64}}
-CONFIGS = {2: [("dit", {"tp": 2}), ("llama", {"tp": 2}), ("dit", {"ring": 2}), ("llama", {"ulysses": 2}),
+CONFIGS = {2: [("dit", {"tp": 2}), ("dit_qk", {"tp": 2}), ("llama", {"tp": 2}), ("dit", {"ring": 2}),
+               ("dit_qk", {"ring": 2}), ("dit_qk", {"ulysses": 2}), ("llama", {"ulysses": 2}),
                ("llama", {"dp_replicate": 2})],
            4: [("dit", {"tp": 4}), ("dit", {"ring": 4}), ("llama", {"tp": 2, "ulysses": 2}),
                ("llama", {"dp_shard": 2, "tp": 2})]}
@@ -76,7 +85,7 @@ def build(name: str, sizes: dict, seq: int, mesh: dict):
 def model_and_input(name: str, sizes: dict, seq: int, batch: int):
     """The model (seeded: the same weights on every rank) and an input of ``batch`` sequences."""
     torch.manual_seed(0)
-    if name == "dit":
+    if name.startswith("dit"):
         return DiT(**sizes), torch.randn(batch, seq, sizes["dim"])
     return Llama(**sizes), torch.randint(0, sizes["vocab"], (batch, seq))
 
@@ -97,14 +106,6 @@ def train_step(fn, opt, x) -> None:
 def forward(fn, x) -> None:
     with torch.no_grad():
         fn(x)
-
-
-def timed(fn) -> float:
-    """Seconds ``fn`` takes on this rank, started together on every rank."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def pass_ms(records: list[logging.LogRecord]) -> dict[str, float]:
@@ -205,13 +206,6 @@ def ours(model, mesh, x, inner):
     return parallel, torch.compile(parallel, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=inner))
 
 
-def slowest(seconds: float) -> float:
-    """The largest of every rank's ``seconds``: a parallel call is done when its last rank is."""
-    t = torch.tensor(seconds, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def first_call_seconds(name, sizes, seq, mesh_sizes, mesh, inner, reps) -> tuple[dict, dict]:
     """Compile overhead: the first forward and backward of a model compiled afresh (Dynamo's
     caches reset, garbage collected), on the slowest rank, median of ``reps`` alternated
@@ -232,14 +226,6 @@ def first_call_seconds(name, sizes, seq, mesh_sizes, mesh, inner, reps) -> tuple
             records += logs
     return ({v: statistics.median(t) for v, t in times.items()},
             {k: ms / reps for k, ms in pass_ms(records).items()})
-
-
-def adamw(model) -> torch.optim.AdamW:
-    """AdamW as torch picks it on GPU: foreach (each op over every parameter at once) where the
-    parameters are of one tensor type. The tp anchor's mix DTensors and plain tensors, which
-    foreach refuses, so its AdamW loops over them (CPU's default for every variant)."""
-    params = list(model.parameters())
-    return torch.optim.AdamW(params, foreach=len({isinstance(p, DTensor) for p in params}) == 1)
 
 
 def measure_config(world, name, sizes, seq, mesh_sizes, reps, compile_reps, inner) -> dict:
@@ -391,6 +377,14 @@ def _ratio(a, b) -> str:
     return f"{a / b:.2f}" if a is not None and b else "-"
 
 
+def _efficiency(r: dict, phase: str) -> str:
+    """Parallel efficiency, one device's time / (world x the variant's): ours (the peer's)."""
+    ms, world = r["ms"], r["world"]
+    one = ms.get(f"{phase}/one_device")
+    cell = lambda v: f"{one / (world * ms[f'{phase}/{v}']):.0%}" if one and f"{phase}/{v}" in ms else "-"  # noqa: E731
+    return f"{cell('ours')} ({cell('torch')})"
+
+
 def _above(r: dict) -> str:
     """Bytes above the analytic minimum, forward and backward."""
     c, a = r["collectives"].get("ours", {}), r["analytic_bytes"]
@@ -402,8 +396,9 @@ def _above(r: dict) -> str:
 def tables(results: list[dict]) -> str:
     """The printed report: step time, collectives, gradient buckets, compile, memory, failures."""
     out = ["| model | mesh | fwd ours ms | fwd torch ms | fwd 1-dev ms | step ours ms | step torch ms "
-           "| step 1-dev ms | fwd ours/torch | step ours/torch | speedup 1-dev/ours (step) |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| step 1-dev ms | fwd ours/torch | step ours/torch | speedup 1-dev/ours (step) "
+           "| fwd efficiency ours (torch) | step efficiency ours (torch) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     ok = [r for r in results if "error" not in r]
     for r in ok:
         ms = r["ms"]
@@ -412,7 +407,8 @@ def tables(results: list[dict]) -> str:
                    f"| {cell('forward/one_device')} | {cell('step/ours')} | {cell('step/torch')} "
                    f"| {cell('step/one_device')} | {_ratio(ms.get('forward/ours'), ms.get('forward/torch'))} "
                    f"| {_ratio(ms.get('step/ours'), ms.get('step/torch'))} "
-                   f"| {_ratio(ms.get('step/one_device'), ms.get('step/ours'))} |")
+                   f"| {_ratio(ms.get('step/one_device'), ms.get('step/ours'))} "
+                   f"| {_efficiency(r, 'forward')} | {_efficiency(r, 'step')} |")
     out += ["", "Collectives per training step, ours (calls; MiB this rank puts into them; the analytic minimum):",
             "| model | mesh | fwd calls | fwd MiB | fwd min MiB | fwd ratio | bwd calls | bwd MiB | bwd min MiB "
             "| bwd ratio | grad buckets (per-parameter before) | forward ops (calls, MiB) | backward ops (calls, MiB) |",
@@ -455,13 +451,16 @@ def main():
     parser.add_argument("--compile-reps", type=int, default=4,
                         help="fresh compiles per variant for the compile overhead (median)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 1024, quick 64)")
+    parser.add_argument("--inner", choices=["aot_eager", "inductor"], default=None,
+                        help="the inner backend of ours, the one-device model and the compiled peers "
+                             "(default aot_eager, quick eager)")
     parser.add_argument("--json", default="benchmarks.json", help="where to write the measurements")
     args = parser.parse_args()
     shapes, configs = (QUICK, QUICK_CONFIGS) if args.quick else (FULL, CONFIGS)
     reps = 2 if args.quick else max(args.reps, 5)
     compile_reps = 1 if args.quick else max(args.compile_reps, 1)
     seq = args.seq or (64 if args.quick else 1024)
-    inner = "eager" if args.quick else "aot_eager"
+    inner = args.inner or ("eager" if args.quick else "aot_eager")
     start = time.perf_counter()
     results = []
     for world, world_configs in configs.items():
@@ -476,6 +475,9 @@ def main():
     overlap_report = overlap.report(quick=args.quick)
     decode_report = decode.section(quick=args.quick)
     gpu_report = gpu.report(quick=args.quick)
+    from benchmarks import diffusers_peer  # it imports this module's timing helpers
+
+    diffusers_report = diffusers_peer.measure(reps, "aot_eager" if inner == "eager" else inner, args.quick)
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, {platform.system()}",
             "torch": torch.__version__, "ranks": "gloo on CPU, 1 thread each", "reps": reps,
@@ -497,11 +499,13 @@ def main():
     print("\nForward overlap under inductor:\n" + overlap_report["text"])
     print("\nDecode with a kv cache:\n" + decode_report["text"])
     print("\nGPU:\n" + gpu_report["text"])
+    print(f"\ndiffusers' Flux transformer, ours against diffusers' enable_parallelism "
+          f"(inner backend {diffusers_report['inner']}):\n" + diffusers_report["text"])
     info["seconds"] = time.perf_counter() - start
     print(f"\n{info['seconds']:.0f} s")
     with open(args.json, "w") as f:
         json.dump({**info, "results": results, "overlap": overlap_report, "decode": decode_report,
-                   "gpu": gpu_report}, f, indent=1)
+                   "gpu": gpu_report, "diffusers": diffusers_report}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ them); parallelized (``api.from_pretrained``), it holds only this rank's pieces,
 ``load_checkpoint`` reads each piece's bytes from the files: no rank ever holds a whole copy.
 Files are read with ``pread``, not memory-mapped: mapped pages count toward a process's RSS, and
 a column slice touches every page of a tensor.
-``save_pretrained`` writes the same layout from a parallelized model, one gathered tensor at a
-time.
+``save_pretrained`` writes the same layout from a parallelized model, every rank writing files of
+its own: each tensor is gathered to the one rank that writes it, one at a time.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from .pieces import held_indices, runs
+from .pieces import held_indices, held_runs, piece_blocks, runs
 from .sharded import sharded_state
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -110,10 +111,11 @@ def checkpoint_entries(path: str) -> dict[str, Entry]:
 
 
 @contextlib.contextmanager
-def _parameters_on_meta():
+def parameters_on_meta():
     """While a model is built: each parameter put on ``meta`` as it is registered, buffers built
-    for real (accelerate's ``init_empty_weights``). A parameter is made, then moved before any
-    initializer writes it: its memory is never touched. Tied parameters stay one object."""
+    for real (accelerate's ``init_empty_weights``), so that values only the constructor computes
+    (rotary frequencies) are there. A parameter is made, then moved before any initializer writes
+    it: its memory is never touched. Tied parameters stay one object."""
     register = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -141,7 +143,7 @@ def empty_model(model_cls: type, path: str, torch_dtype: torch.dtype | None = No
                         f"{model_cls.__name__}: build it on meta, parallelize it and call load_checkpoint")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path!r} is not a checkpoint folder: it has no config.json")
-    with _parameters_on_meta():
+    with parameters_on_meta():
         if diffusers:
             model = model_cls.from_config(model_cls.load_config(path))
         else:
@@ -173,16 +175,35 @@ def _kept_in_float32(model: nn.Module, torch_dtype: torch.dtype) -> set[str]:
     return {key for key, t in model.state_dict(keep_vars=True).items() if t.is_floating_point() and kept(key)}
 
 
-def load_checkpoint(model: nn.Module, path: str) -> nn.Module:
+def load_checkpoint(model: nn.Module, path: str, *, stages: list[nn.Module] | None = None) -> nn.Module:
     """Fill ``model``'s parameters and persistent buffers, in place, from the checkpoint folder
     ``path``; of a parallelized model each rank reads only the bytes of its pieces. Every key,
-    shape and dtype is checked against the files' headers before anything is read."""
-    _load(model, checkpoint_entries(path), path)
+    shape and dtype is checked against the files' headers before anything is read.
+
+    ``stages``: the modules holding this rank's part of ``model`` under its FQNs (a pipeline's
+    stages): only their tensors are filled, and ``model`` (on ``meta`` or not) names every key the
+    checkpoint must have."""
+    _load(model, checkpoint_entries(path), path, stages)
     return model
 
 
-def _load(model: nn.Module, entries: dict[str, Entry], path: str) -> None:
-    reads = _matched(model, entries, path)
+def held_tensors(stages: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """The parameters and buffers of ``stages`` by FQN, tied ones under each of their names."""
+    return {fqn: t for stage in stages for fqn, t in [*stage.named_parameters(remove_duplicate=False),
+                                                      *stage.named_buffers(remove_duplicate=False)]}
+
+
+def tied_groups(state: dict[str, torch.Tensor]) -> list[list[str]]:
+    """The keys of ``state`` (a ``state_dict(keep_vars=True)``) grouped by the tensor they name:
+    tied parameters share one group, in the state dict's order."""
+    groups: dict[int, list[str]] = {}
+    for key, tensor in state.items():
+        groups.setdefault(id(tensor), []).append(key)
+    return list(groups.values())
+
+
+def _load(model: nn.Module, entries: dict[str, Entry], path: str, stages: list[nn.Module] | None) -> None:
+    reads = _matched(model, entries, path, None if stages is None else held_tensors(stages))
     fds = {file: os.open(file, os.O_RDONLY) for file in {entry.file for _, entry in reads}}
     # one block buffer for every read: one freed per tensor would stay in the allocator's heap
     rows = [math.prod(entry.shape[1:]) * entry.dtype.itemsize for _, entry in reads]
@@ -195,12 +216,13 @@ def _load(model: nn.Module, entries: dict[str, Entry], path: str) -> None:
     finally:
         for fd in fds.values():
             os.close(fd)
-    state = sharded_state(model)
-    if state is not None:  # buffers built on the CPU go where the pieces are
-        for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.device.type != state.mesh.device_type:
-                    module._buffers[name] = buffer.to(state.mesh.device_type)
+    for holder in [model] if stages is None else stages:
+        state = sharded_state(holder)
+        if state is not None:  # buffers built on the CPU go where the pieces are
+            for module in holder.modules():
+                for name, buffer in module._buffers.items():
+                    if buffer is not None and buffer.device.type != state.mesh.device_type:
+                        module._buffers[name] = buffer.to(state.mesh.device_type)
 
 
 def _key_mapping(model: nn.Module, keys, found):
@@ -222,24 +244,27 @@ def _convertible(source: torch.dtype, target: torch.dtype) -> bool:
     return not source.is_floating_point or target.is_floating_point or target.is_complex
 
 
-def _matched(model: nn.Module, entries: dict[str, Entry], path: str) -> list[tuple[torch.Tensor, Entry]]:
+def _matched(model: nn.Module, entries: dict[str, Entry], path: str, held: dict[str, torch.Tensor] | None
+             ) -> list[tuple[torch.Tensor, Entry]]:
     """(held tensor, its checkpoint entry) for every parameter and persistent buffer of
-    ``model``: tied ones once, from any of their keys the checkpoint has (transformers saves one).
-    Every mismatch is raised at once, before anything is read."""
+    ``model`` (of them, those ``held`` holds by FQN, when given): tied ones once, from any of
+    their keys the checkpoint has (transformers saves one). Every mismatch is raised at once,
+    before anything is read."""
     state = model.state_dict(keep_vars=True)
-    tied: dict[int, list[str]] = {}
-    for key, tensor in state.items():
-        tied.setdefault(id(tensor), []).append(key)
+    holder = state if held is None else held
     rename = _key_mapping(model, set(state), entries)
     found = {rename(key): key for key in entries}
     problems = [f"unexpected key {key!r} (not in the model)" for key in entries if rename(key) not in state]
     reads = []
-    for keys in tied.values():
+    for keys in tied_groups(state):
+        mine = [key for key in keys if key in holder]
+        if not mine:  # another rank's (a pipeline's other stages)
+            continue
         present = [key for key in keys if key in found]
         if not present:
             problems.append(f"missing key {' or '.join(map(repr, keys))}")
             continue
-        key, tensor = present[0], state[present[0]]
+        key, tensor = present[0], holder[mine[0]]
         entry = entries[found[key]]
         if tensor.is_meta:
             problems.append(f"{key!r} is on meta: parallelize the model first (it materializes the pieces)")
@@ -375,42 +400,237 @@ def _header(tensors: list[tuple[str, torch.Tensor]]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def save_pretrained(model: nn.Module, path: str, *, max_shard_size: int | str = "5GB") -> None:
+def save_pretrained(model: nn.Module, path: str, *, max_shard_size: int | str = "5GB") -> list[str]:
     """Write ``model`` (parallelized or not) to the folder ``path`` as its library does: config
     (transformers' ``config.save_pretrained``, diffusers' ``save_config``) and safetensors under
-    the model's own keys, tied parameters once, cut into numbered files with an index past
-    ``max_shard_size``. Every rank calls it: each DTensor is gathered in turn, and rank 0 writes
-    it as it comes, so no rank holds more than one whole tensor."""
+    the model's own keys, tied parameters once, in numbered files with an index (one file when
+    there is one writer and it fits ``max_shard_size``). Every rank calls it, and the ranks write
+    in parallel (``write_parts``). Returns the files this rank wrote. A pipeline's step writes
+    itself (``PipelineStep.save_pretrained``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save_pretrained writes an nn.Module, not a {type(model).__name__}; a pipeline's step "
+                        f"writes its stages itself: step.save_pretrained(path)")
+    state = model.state_dict(keep_vars=True)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return write_parts(model, path, max_shard_size, [Part([keys[0] for keys in tied_groups(state)],
+                                                          list(range(world)), state)])
+
+
+@dataclass
+class Part:
+    """Tensors of a model held, and written, by a group of ranks (the world; a pipeline stage's)."""
+
+    keys: list[str]  # in the order they are written, tied parameters under one key
+    ranks: list[int]  # the ranks that hold them, each a writer
+    held: dict[str, torch.Tensor] | None  # the tensors by key as this rank holds them (None: not one of ranks)
+
+
+def write_parts(model: nn.Module, path: str, max_shard_size: int | str, parts: list[Part]) -> list[str]:
+    """``save_pretrained``'s files, written in parallel: each part's tensors, in order, are cut into
+    one run of about equal bytes per rank of the part (``_writer_runs``), each run into files of at
+    most ``max_shard_size`` (numbered in order across parts); a rank gathers each tensor of its
+    runs from the ranks holding its pieces, alone, one tensor at a time, and writes its files;
+    rank 0 writes the config and the index. ``model`` gives each key's shape and dtype (it may be
+    on ``meta``). Returns the files this rank wrote."""
     limit = _size_bytes(max_shard_size)
-    seen, tensors = set(), []
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            tensors.append((key, tensor))
-    shards = _shards(tensors, limit)
+    state = model.state_dict(keep_vars=True)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    writer_runs: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(world)]
+    files = []  # (writer, its tensors), in the files' order
+    for part in parts:
+        tensors = [(key, state[key] if part.held is None else part.held[key]) for key in part.keys]
+        if part.held is not None:
+            _check_gatherable(tensors, len(part.ranks))
+        for writer, run in zip(part.ranks, _writer_runs(tensors, len(part.ranks))):
+            writer_runs[writer].extend(run)
+            files.extend((writer, shard) for shard in _shards(run, limit) if shard)
     weights = WEIGHTS[1] if hasattr(model, "save_config") else WEIGHTS[0]
     stem = weights.removesuffix(".safetensors")
-    names = [weights] if len(shards) == 1 else [f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
-                                                 for i in range(1, len(shards) + 1)]
-    writer = not dist.is_initialized() or dist.get_rank() == 0
-    if writer:
-        os.makedirs(path, exist_ok=True)
-        if hasattr(model, "save_config"):
-            model.save_config(path)
-        elif hasattr(getattr(model, "config", None), "save_pretrained"):
-            model.config.save_pretrained(path)
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for _, t in tensors)},
-                     "weight_map": {key: name for name, shard in zip(names, shards) for key, _ in shard}}
-            with open(os.path.join(path, weights + ".index.json"), "w") as f:
-                json.dump(index, f, indent=2, sort_keys=True)
-    for name, shard in zip(names, shards):
-        with open(os.path.join(path, name), "wb") if writer else contextlib.nullcontext() as f, torch.no_grad():
-            if writer:
-                f.write(_header(shard))
-            for _, tensor in shard:
-                whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-                if writer:
-                    f.write(whole.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    names = [weights] if len(files) == 1 else [f"{stem}-{i:05d}-of-{len(files):05d}.safetensors"
+                                                for i in range(1, len(files) + 1)]
+    os.makedirs(path, exist_ok=True)
+    if rank == 0:
+        _write_config_and_index(model, path, weights, names, [shard for _, shard in files])
+    mine = [(os.path.join(path, name), shard) for name, (writer, shard) in zip(names, files) if writer == rank]
+    held = [(key, tensor) for part in parts if part.held is not None for key, tensor in part.held.items()]
+    _write_runs(mine, writer_runs, _held_everywhere(held, world), rank)
     if dist.is_initialized():
         dist.barrier()  # the files are whole before any rank reads them
+    return [file for file, _ in mine]
+
+
+def _write_config_and_index(model: nn.Module, path: str, weights: str, names: list[str],
+                            shards: list[list[tuple[str, torch.Tensor]]]) -> None:
+    if hasattr(model, "save_config"):
+        model.save_config(path)
+    elif hasattr(getattr(model, "config", None), "save_pretrained"):
+        model.config.save_pretrained(path)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for shard in shards for _, t in shard)},
+                 "weight_map": {key: name for name, shard in zip(names, shards) for key, _ in shard}}
+        with open(os.path.join(path, weights + ".index.json"), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+
+
+def _cut_mesh_dims(tensor: torch.Tensor) -> list[int]:
+    """The mesh dims a DTensor's pieces differ along (Shard, _StridedShard); none for a plain tensor."""
+    if not isinstance(tensor, DTensor):
+        return []
+    return [d for d, p in enumerate(tensor.placements) if isinstance(p, Shard | _StridedShard)]
+
+
+def _check_gatherable(tensors: list[tuple[str, torch.Tensor]], ranks: int) -> None:
+    """Refuse, on every rank that holds them alike and before anything is sent, a DTensor whose
+    pieces do not add up to the whole (Partial: a sum still to take) or whose mesh is not the
+    ``ranks`` that hold it (a pipeline stage's model: another stage's ranks hold none of its
+    tensors)."""
+    for key, tensor in tensors:
+        if not isinstance(tensor, DTensor):
+            continue
+        dims = " x ".join(tensor.device_mesh.mesh_dim_names or ())
+        if any(p.is_partial() for p in tensor.placements):
+            raise ValueError(f"save_pretrained: {key!r} ({list(tensor.shape)}) is {list(tensor.placements)} on mesh "
+                             f"dims {dims}: a Partial sum is not a value to write; redistribute it to Replicate or "
+                             f"Shard first")
+        if tensor.device_mesh.size() != ranks:
+            raise ValueError(f"save_pretrained: {key!r} lives on a mesh of {tensor.device_mesh.size()} ranks "
+                             f"({dims}), the world has {ranks}: every rank calls save_pretrained with the whole "
+                             f"model (a pipeline stage's model is not written)")
+
+
+def _writer_runs(tensors: list[tuple[str, torch.Tensor]], writers: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """``tensors`` in order cut into ``writers`` runs, the largest as small as a cut in order
+    allows (the least capacity a greedy fill packs them into ``writers`` runs with, searched by
+    halving), none empty while tensors are left: each rank writes about its share of the bytes
+    and the files keep the state dict's order."""
+    sizes = [t.numel() * t.element_size() for _, t in tensors]
+
+    def packed(capacity: int) -> list[list[tuple[str, torch.Tensor]]]:
+        found, load = [[]], 0
+        for i, (item, nbytes) in enumerate(zip(tensors, sizes)):
+            if found[-1] and (load + nbytes > capacity or writers - len(found) >= len(tensors) - i):
+                found.append([])
+                load = 0
+            found[-1].append(item)
+            load += nbytes
+        return found
+
+    low, high = max(sizes, default=0), sum(sizes)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if len(packed(middle)) <= writers else (middle + 1, high)
+    found = packed(low)
+    return found + [[] for _ in range(writers - len(found))]
+
+
+def _held_everywhere(tensors: list[tuple[str, torch.Tensor]], world: int) -> list[dict[str, list]]:
+    """For each rank, the ``held_runs`` of its piece of every cut DTensor, by key: what a writer
+    needs to receive a piece (its shape) and place it (its blocks). One exchange for the model."""
+    mine = {key: held_runs(tensor) for key, tensor in tensors if _cut_mesh_dims(tensor)}
+    if world == 1:
+        return [mine]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _senders(tensor: DTensor, writer: int) -> list[int]:
+    """The ranks whose pieces of ``tensor`` make it whole for ``writer``: every coordinate along
+    the mesh dims that cut it, the writer's own along the others (its own piece is not sent)."""
+    ranks = tensor.device_mesh.mesh
+    coordinate = (ranks == writer).nonzero()[0].tolist()
+    cut = _cut_mesh_dims(tensor)
+    return ranks[tuple(slice(None) if d in cut else c for d, c in enumerate(coordinate))].flatten().tolist()
+
+
+def _write_runs(mine: list[tuple[str, list]], writer_runs: list[list[tuple[str, torch.Tensor]]],
+                held: list[dict[str, list]], rank: int) -> None:
+    """Write this rank's files (``mine``: file, its tensors) while sending the other writers the
+    pieces they gather: in round ``i`` each writer gathers its run's tensor ``i`` (sends and
+    receives of all writers at once, so no pair waits on another) and writes it. A writer holds
+    one gathered tensor beyond its pieces at a time, plus one block buffer of ``READ_BYTES``."""
+    files = iter(mine)
+    file, f, left = None, None, 0
+    buffer = torch.empty(READ_BYTES, dtype=torch.uint8)
+    try:
+        with torch.no_grad():
+            for round_ in range(max(map(len, writer_runs))):
+                jobs = [(writer, run[round_]) for writer, run in enumerate(writer_runs) if round_ < len(run)]
+                pieces = _exchange(jobs, held, rank)
+                if pieces is None:
+                    continue
+                if not left:
+                    if f is not None:
+                        f.close()
+                    file, shard = next(files)
+                    f, left = open(file, "wb"), len(shard)
+                    f.write(_header(shard))
+                _write_tensor(f, writer_runs[rank][round_][1], pieces, buffer)
+                pieces, left = None, left - 1  # freed before the next round gathers
+    finally:
+        if f is not None:
+            f.close()
+
+
+def _exchange(jobs: list[tuple[int, tuple[str, torch.Tensor]]], held: list[dict[str, list]], rank: int
+              ) -> list[tuple[torch.Tensor, list]] | None:
+    """One round: each writer's tensor gathered to it alone. Returns this rank's pieces of its own
+    tensor (piece, its held runs), None where it writes nothing this round."""
+    ops, pieces = [], None
+    for writer, (key, tensor) in jobs:
+        if not _cut_mesh_dims(tensor):
+            if writer == rank:
+                pieces = [(tensor.to_local() if isinstance(tensor, DTensor) else tensor, None)]
+            continue
+        local = tensor.to_local().detach()
+        if writer == rank:
+            pieces = []
+        for sender in _senders(tensor, writer):
+            runs_ = held[sender][key]
+            shape = [sum(stop - first for first, stop in dim) for dim in runs_]
+            if math.prod(shape) == 0:
+                continue
+            if sender == writer == rank:
+                pieces.append((local, runs_))
+            elif writer == rank:
+                pieces.append((torch.empty(shape, dtype=local.dtype, device=local.device), runs_))
+                ops.append(dist.P2POp(dist.irecv, pieces[-1][0], sender))
+            elif sender == rank:
+                ops.append(dist.P2POp(dist.isend, local.contiguous(), writer))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return pieces
+
+
+def _write_tensor(f, tensor: torch.Tensor, pieces: list[tuple[torch.Tensor, list | None]], buffer: torch.Tensor
+                  ) -> None:
+    """Write the whole ``tensor`` (its bytes, row-major) from ``pieces``: one that is whole (runs
+    None) as it is, else in blocks of rows assembled in ``buffer`` from every piece's blocks."""
+    if len(pieces) == 1 and pieces[0][1] is None:
+        f.write(pieces[0][0].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        return
+    if tensor.numel() == 0:
+        return
+    shape, dtype = tuple(tensor.shape), tensor.dtype
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    if row_bytes > buffer.numel():
+        buffer = torch.empty(row_bytes, dtype=torch.uint8)
+    rows = buffer.numel() // row_bytes
+    blocks = [(piece, piece_blocks(runs_)) for piece, runs_ in pieces]
+    for start in range(0, shape[0], rows):
+        stop = min(shape[0], start + rows)
+        staging = buffer[:(stop - start) * row_bytes]
+        rows_view = staging.view(dtype).view(stop - start, *shape[1:])
+        for piece, its_blocks in blocks:
+            for offsets, sizes, at in its_blocks:
+                first, last = max(start, offsets[0]), min(stop, offsets[0] + sizes[0])
+                if first >= last:
+                    continue
+                target = rows_view[first - start:last - start]
+                source = piece.narrow(0, at[0] + first - offsets[0], last - first)
+                for dim in range(1, len(shape)):
+                    target = target.narrow(dim, offsets[dim], sizes[dim])
+                    source = source.narrow(dim, at[dim], sizes[dim])
+                target.copy_(source)
+        f.write(staging.numpy().data)

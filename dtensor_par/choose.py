@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from .config import ParallelConfig
 from .dump import parameter_rows
 from .errors import InvalidPlan
 from .gcpause import paused_gc
 from .machines import Machine, machine as machine_profile
-from .mesh import MESH_DIMS, MeshInfo, mesh_order
+from .mesh import MESH_DIMS, STAGE_DIMS, MeshInfo, mesh_order
 from .ops.lowerings import FUNCTIONAL
 from .params import SHARDED
 from .passes.capture import capture_graphs
@@ -34,13 +35,14 @@ from .passes.lower import check_all_to_all_contiguous, check_replica_group_limit
 from .passes.context import ParallelContext
 from .passes.recompute import recompute_pass
 from .passes.steps import STEPS, Step
+from .pipeline_plan import (ADAM_STATES, MODELED_SCHEDULES, SCHEDULES, PipelinePlan, ScheduleRun, block_costs,
+                            blocks_of, cut_blocks, pipeline_plan)
+from .pipelining import cut_graph, microbatch_of
 from .planning import fork, run_steps
 from .symbolic import hint
 
 PLANNING = tuple(s for s in STEPS if not s.each_order)
 """The steps a split is planned with: lower's checks depend on the mesh's order, judged per order."""
-ADAM_STATES = 2
-"""Optimizer state per gradient byte: Adam's two moments, in the parameters' dtype."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class MeshChoice:
     memory: Memory
     warnings: tuple[str, ...]  # the plan's (padded heads or sequences, gathers)
     activation_checkpointing: str | None = None  # the policy the mesh needs to fit in memory (training)
+    pipeline: PipelinePlan | None = None  # with pp > 1: its stages and schedule (run by dtensor_par.pipeline)
 
     @property
     def collectives(self) -> dict[str, Traffic]:
@@ -78,6 +81,10 @@ class MeshChoice:
     def __str__(self) -> str:
         checkpointing = (f" with activation_checkpointing={self.activation_checkpointing!r}"
                          if self.activation_checkpointing else "")
+        if self.pipeline is not None:
+            s = self.pipeline.schedule
+            checkpointing = (f" ({s.name}, {s.microbatches} microbatches, bubble {s.bubble:.1%}, "
+                             f"{'/'.join(str(len(st.blocks)) for st in self.pipeline.stages)} blocks)")
         return (f"{mesh_text(self.degrees, self.order)}{checkpointing}: {self.predicted}; "
                 f"{bytes_text(self.memory.total)} per rank; {traffic_text(self.collectives)}")
 
@@ -111,8 +118,9 @@ class Ranking(list):
 
 
 def mesh_text(degrees: dict[str, int], order) -> str:
-    """The dims of degree above 1 in ``order``: ``ring=2 x tp=4``."""
-    return " x ".join(f"{d}={degrees[d]}" for d in order if degrees[d] > 1) or "one device"
+    """The dims of degree above 1 in ``order`` (a stage dim outermost): ``pp=2 x ring=2 x tp=4``."""
+    dims = (*(d for d in STAGE_DIMS if d in degrees and d not in order), *order)
+    return " x ".join(f"{d}={degrees[d]}" for d in dims if degrees[d] > 1) or "one device"
 
 
 def factorizations(world_size: int, dims: tuple[str, ...] = MESH_DIMS) -> list[dict[str, int]]:
@@ -293,22 +301,108 @@ def _judge(degrees: dict[str, int], planned: list | str, machine: Machine, train
 
 
 def choose_mesh(model, example_inputs, world_size: int, *, machine: str | Machine, training: bool = True,
-                example_kwargs: dict | None = None, batch: str = "global", top: int = 5, **options) -> Ranking:
+                example_kwargs: dict | None = None, batch: str = "global", top: int = 5, pp: tuple[int, ...] = (1,),
+                microbatches: int | None = None, schedules: tuple[str, ...] = MODELED_SCHEDULES, **options) -> Ranking:
     """The ``top`` meshes of ``world_size`` ranks for ``model(*example_inputs,
     **example_kwargs)`` on ``machine`` (a built-in name, a ``machines.Machine`` or a JSON
     profile's path), fastest first by predicted step time (the forward alone without
     ``training``); ``.rejected`` says why every other mesh was refused. The model may live on
     the ``meta`` device; it is not run. ``options``: those of ``hybrid_parallel`` that change
-    the plan (``config.ParallelConfig``)."""
+    the plan (``config.ParallelConfig``). ``pp``: the pipeline degrees allowed (above 1: meshes
+    ``dtensor_par.pipeline`` runs, each of ``schedules`` over ``microbatches`` of the example
+    batch, scored with its bubble and point-to-point sends: ``_pipelined``)."""
     profile = machine_profile(machine)
     config = ParallelConfig.of("choose_mesh", {"batch": batch, **options})
+    staged = _pipeline_degrees(pp, world_size, microbatches, schedules, training)
     choices, rejected, done = [], [], {}
     with paused_gc():
-        captured = [(gm, [hint(a) for a in inputs])
-                    for gm, inputs in capture_graphs(model, *example_inputs, **(example_kwargs or {}))]
-        for degrees in factorizations(world_size):
-            legal, refused = _judge(degrees, _plan(captured, degrees, profile, config, done), profile, training)
+        if 1 in pp:
+            captured = [(gm, [hint(a) for a in inputs])
+                        for gm, inputs in capture_graphs(model, *example_inputs, **(example_kwargs or {}))]
+            for degrees in factorizations(world_size):
+                legal, refused = _judge(degrees, _plan(captured, degrees, profile, config, done), profile, training)
+                choices += legal
+                rejected += refused
+        if staged:
+            legal, refused = _pipelined(model, (tuple(example_inputs), example_kwargs or {}), world_size, staged,
+                                        microbatches, schedules, profile, config)
             choices += legal
             rejected += refused
     choices.sort(key=lambda c: c.predicted.total)
     return Ranking(choices[:top], rejected, profile, world_size, training)
+
+
+def _pipeline_degrees(pp: tuple[int, ...], world_size: int, microbatches, schedules: tuple[str, ...],
+                      training: bool) -> list[int]:
+    """The pp degrees above 1 to try, refusing ones that do not divide the world, an unknown
+    schedule, and pp without microbatches or training (``pipeline`` runs training steps)."""
+    wrong = [d for d in pp if not isinstance(d, int) or d < 1 or world_size % d]
+    if wrong or not pp:
+        raise ValueError(f"choose_mesh: pp={pp} must name degrees that divide the world size {world_size}; "
+                         f"{wrong} do not")
+    unknown = [name for name in schedules if name not in MODELED_SCHEDULES]
+    if unknown or not schedules:
+        raise ValueError(f"choose_mesh: schedules {unknown} cannot be ranked; the schedules whose bubble is modeled "
+                         f"are {list(MODELED_SCHEDULES)}")
+    staged = sorted(d for d in set(pp) if d > 1)
+    if staged and (not isinstance(microbatches, int) or microbatches < 1 or not training):
+        raise ValueError(f"choose_mesh: pp={pp} plans pipeline's training steps: it needs training=True and "
+                         f"microbatches= (a positive int), got training={training}, microbatches={microbatches!r}")
+    return staged
+
+
+def _pipelined(model, example: tuple, world_size: int, degrees_pp: list[int], microbatches: int,
+               schedules: tuple[str, ...], machine: Machine, config: ParallelConfig
+               ) -> tuple[list[MeshChoice], list[Rejection]]:
+    """Meshes with pp: the model captured on one microbatch, as ``pipeline`` captures it, each split
+    of a stage's ranks planned (a stage's mesh, its default order), its blocks cut into stages for
+    each schedule (``pipeline_plan``) and predicted: the slowest rank's microbatches over 1 - bubble,
+    and the sends of the fill and drain."""
+    args, kwargs = microbatch_of(example, microbatches, "choose_mesh")
+    graphs = capture_graphs(model, *args, dynamic=False, **kwargs)
+    if len(graphs) != 1:
+        why = f"Dynamo captured {len(graphs)} graphs of {type(model).__name__}; pipeline stages are cut from one"
+        return [], [Rejection({"pp": d, **dict.fromkeys(MESH_DIMS, 1)}, None, why) for d in degrees_pp]
+    (gm, inputs), = graphs
+    captured, flat, blocks = [(gm, [hint(a) for a in inputs])], pytree.tree_leaves((args, kwargs)), blocks_of(model)
+    done: dict = {}
+    choices, rejected = [], []
+    for pp in degrees_pp:
+        for degrees in factorizations(world_size // pp):
+            staged = {"pp": pp, **degrees}
+            planned = _plan(captured, degrees, machine, config, done)
+            order = layouts(degrees, machine.device_type)[0]
+            layout = MeshInfo.for_planning(degrees, machine.device_type, order)
+            problem = planned if isinstance(planned, str) else _lowering_problem(planned, layout, machine)
+            if problem:
+                rejected.append(Rejection(staged, None, problem))
+                continue
+            (local_gm, ctx), = planned
+            costs = block_costs(local_gm, ctx, blocks, machine)
+            for name in schedules:
+                schedule = ScheduleRun(name, pp, SCHEDULES[name].stages_per_rank, microbatches)
+                try:
+                    stages = cut_blocks(type(model).__name__, costs, blocks, schedule,
+                                        machine.memory_per_device / schedule.virtual)
+                except ValueError as e:
+                    rejected.append(Rejection(staged, ("pp", *order), f"{name}: {e}"))
+                    continue
+                cut = cut_graph(model, gm, inputs, flat, [st.blocks for st in stages])
+                plan = pipeline_plan(stages, cut.outputs[:-1], local_gm, layout, schedule, machine)
+                verdict = _pipeline_choice(staged, ("pp", *order), plan, ctx, machine)
+                (choices if isinstance(verdict, MeshChoice) else rejected).append(verdict)
+    return choices, rejected
+
+
+def _pipeline_choice(degrees: dict[str, int], order: tuple[str, ...], plan: PipelinePlan, ctx: ParallelContext,
+                     machine: Machine) -> MeshChoice | Rejection:
+    """The choice, or its refusal where its fullest rank's memory is over a device's."""
+    held = [plan.rank_stages(rank) for rank in range(plan.schedule.pp)]
+    memory = max((Memory(sum(s.parameter_bytes for s in stages), sum(s.trained_bytes for s in stages),
+                         ADAM_STATES * sum(s.trained_bytes for s in stages),
+                         sum(s.in_flight * s.activation_bytes for s in stages)) for stages in held),
+                 key=lambda m: m.total)
+    if memory.total > machine.memory_per_device:
+        return Rejection(degrees, order, f"{plan.schedule.name}: {bytes_text(memory.total)} on its fullest rank, "
+                                         f"over the {bytes_text(machine.memory_per_device)} of a {machine.name} device")
+    return MeshChoice(degrees, order, plan.predicted, memory, tuple(ctx.warnings), None, plan)

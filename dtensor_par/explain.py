@@ -7,6 +7,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import torch.utils._pytree as pytree
+
 from .config import ParallelConfig
 from .dump import (GraphDump, activations, activations_line, batch_line, collective_rows, fsdp_line, mesh_svg,
                    parameter_rows, site_placement_lines, sites_text)
@@ -21,6 +23,8 @@ from .passes.capture import capture_graphs
 from .passes.cost import StepTime, cost_pass, traffic_text
 from .passes.coverage import Coverage
 from .passes.sites import MoESite
+from .pipeline_plan import SCHEDULES, PipelinePlan, ScheduleRun, blocks_of, pipeline_plan, plan_stages
+from .pipelining import cut_graph, microbatch_of
 from .sharded import cast_floating, sharded_state, traced_in
 from .symbolic import hint
 
@@ -55,10 +59,12 @@ class Report:
     graphs: list[GraphReport] = field(default_factory=list)
     machine: str | None = None  # the profile the predicted times are for
     training: bool = True  # whether they are of a training step or of a forward
+    pp: int = 1  # pipeline stages over ranks: the graphs are then the whole model over one stage's mesh
+    pipeline: PipelinePlan | None = None  # its stages, with pp > 1
 
     @property
     def world_size(self) -> int:
-        return math.prod(self.sizes.values())
+        return math.prod(self.sizes.values()) * self.pp
 
     @property
     def parameter_bytes(self) -> tuple[int, int]:
@@ -71,11 +77,14 @@ class Report:
         return mesh_svg(self.sizes, self.order, lines)
 
     def __str__(self) -> str:
-        mesh = " x ".join(f"{d}={self.sizes[d]}" for d in self.order)
+        mesh = " x ".join([f"pp={self.pp}"] * (self.pp > 1) + [f"{d}={self.sizes[d]}" for d in self.order])
         local, full = self.parameter_bytes
         out = [f"dtensor_par plan: mesh {mesh} ({self.world_size} ranks, {self.device_type}, last dim contiguous)",
                f"parameters: {local:,} bytes held per rank of {full:,} ({local / max(full, 1):.1%}); their "
                f"gradients as much, AdamW's exp_avg and exp_avg_sq {2 * local:,}; state {self.parameter_state}"]
+        if self.pipeline is not None:
+            out[1] += " (of the whole model over one stage's mesh: a rank holds its stages', below)"
+            out += self.pipeline.lines()
         for i, g in enumerate(self.graphs):
             out.append(f"\ngraph {i}: {len(g.sites)} sites; {g.coverage.summary()}")
             out += [f"  {s}" for s in g.sites]
@@ -113,7 +122,8 @@ class Report:
 def explain(model, example_inputs, *, device_type: str = "cuda",
             order: tuple[str, ...] | None = None, parallelized: bool | None = None,
             example_kwargs: dict | None = None, dynamic: bool | None = None, machine: str | Machine | None = None,
-            training: bool = True, measure_routing: bool = False, **options) -> Report:
+            training: bool = True, measure_routing: bool = False, pp: int = 1, microbatches: int | None = None,
+            schedule: str = "1F1B", **options) -> Report:
     """Plan ``model(*example_inputs, **example_kwargs)`` for the given mesh as rank 0 would, without hardware.
 
     The model may live on the ``meta`` device, so a model too large for this machine can be
@@ -129,12 +139,18 @@ def explain(model, example_inputs, *, device_type: str = "cuda",
     graph's time there (``passes.cost``), of a training step or, without ``training``, of a forward.
     ``measure_routing``: with experts cut over cp (``ep="cp"``), run the captured graph once on one
     device to report what each mixture's routing of the example inputs sends back (``routing``).
+    ``pp`` > 1: plan ``pipeline(..., microbatches=, schedule=)`` as it runs, the example inputs a
+    whole batch: its stages and their blocks, each one's time (on ``machine``) and memory, the
+    schedule's bubble and the bytes sent across each cut (``pipeline_plan``); the graph is the whole
+    model planned over one stage's mesh, on one microbatch.
     """
     sizes, options = split_degrees(options)
     config = ParallelConfig.of("explain", options)
     info = MeshInfo.for_planning(sizes, device_type, order)
     sizes = {d: info.size(d) for d in info.order}
     config.check_mesh(info, "explain")
+    if pp > 1:
+        parallelized, dynamic = _pipelined(pp, microbatches, schedule, parallelized, dynamic, training)
     if parallelized is None:
         parallelized = sharded_state(model) is not None or config.param_dtype is not None
     if config.param_dtype is not None and not parallelized:
@@ -143,17 +159,51 @@ def explain(model, example_inputs, *, device_type: str = "cuda",
     feeding = SHARDED if parallelized else WHOLE
     profile = machine_profile(machine) if machine is not None else None
     report = Report(sizes, info.order, device_type, feeding.state_on(info, config),
-                    machine=profile and profile.name, training=training)
+                    machine=profile and profile.name, training=training, pp=pp)
     with paused_gc():  # capture and passes: ~0.5 s of full collections finding little garbage
         args, kwargs = cast_floating((tuple(example_inputs), example_kwargs or {}), config.param_dtype)
+        if pp > 1:
+            args, kwargs = microbatch_of((args, kwargs), microbatches, "explain")
         with traced_in(model, config.param_dtype):
             captured = capture_graphs(model, *args, dynamic=dynamic, **kwargs)
         for i, (gm, inputs) in enumerate(captured):
             dump = GraphDump(os.path.join(config.dump_dir, f"graph{i}"), info.order) if config.dump_dir else None
-            graph = _graph_report(gm, [hint(a) for a in inputs], info, config, feeding, dump, profile, training,
-                                  measure_routing)
+            graph, *planned = _graph_report(gm, [hint(a) for a in inputs], info, config, feeding, dump, profile,
+                                            training, measure_routing)
             report.graphs.append(graph)
+        if pp > 1:
+            report.pipeline = _stages(model, captured, (args, kwargs), planned, info,
+                                      ScheduleRun(schedule, pp, SCHEDULES[schedule].stages_per_rank, microbatches), profile)
     return report
+
+
+def _stages(model, captured: list, example: tuple, planned: list, info: MeshInfo, schedule: ScheduleRun,
+            machine: Machine | None) -> PipelinePlan:
+    """The stages ``pipeline`` cuts of the one captured graph (``planned``: its plan over one
+    stage's mesh ``info``), and what crosses each cut."""
+    if len(captured) != 1:
+        raise NotImplementedError(f"explain: Dynamo captured {len(captured)} graphs of {type(model).__name__}; "
+                                  f"pipeline stages are cut from one graph")
+    (gm, inputs), = captured
+    stages = plan_stages(type(model).__name__, *planned, blocks_of(model), schedule, machine)
+    cut = cut_graph(model, gm, inputs, pytree.tree_leaves(example), [s.blocks for s in stages])
+    return pipeline_plan(stages, cut.outputs[:-1], planned[0], info, schedule, machine)
+
+
+def _pipelined(pp: int, microbatches, schedule: str, parallelized: bool | None, dynamic: bool | None,
+               training: bool) -> tuple[bool, bool]:
+    """(parallelized, dynamic) as ``pipeline`` plans a stage: parameters held as ``parallelize``
+    holds them, static sizes; a training step. Refuses a contradiction or an unknown schedule."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"explain: unknown schedule {schedule!r}; the schedules are {list(SCHEDULES)}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"explain: pp={pp} needs microbatches= (a positive int, as pipeline takes), got "
+                         f"{microbatches!r}")
+    if parallelized is False or dynamic or not training:
+        raise ValueError(f"explain: pp={pp} plans pipeline's training step, whose stages hold their parameters as "
+                         f"parallelize does on static sizes: parallelized=False, dynamic=True and training=False "
+                         f"do not apply")
+    return True, False
 
 
 def _with_measured_routing(sites: list[str], ctx, gm, inputs: list, info: MeshInfo, config: ParallelConfig,
@@ -169,9 +219,10 @@ def _with_measured_routing(sites: list[str], ctx, gm, inputs: list, info: MeshIn
 
 
 def _graph_report(gm, inputs: list, info: MeshInfo, config: ParallelConfig, feeding, dump, machine: Machine | None,
-                  training: bool, measure_routing: bool) -> GraphReport:
-    """Plan one captured graph at the example sizes (Dynamo's SymInt inputs at their hints);
-    ``measure_routing``: with the routing of experts cut over cp that the graph computes on them."""
+                  training: bool, measure_routing: bool) -> tuple[GraphReport, object, object]:
+    """Plan one captured graph at the example sizes (Dynamo's SymInt inputs at their hints):
+    its report, its planned graph and context; ``measure_routing``: with the routing of experts
+    cut over cp that the graph computes on them."""
     start = time.perf_counter()
     symbolic = meta.symbolic_inputs(gm)
     spec = symbolic.specialization(inputs) if symbolic.symbolic else None
@@ -185,4 +236,4 @@ def _graph_report(gm, inputs: list, info: MeshInfo, config: ParallelConfig, feed
                        ctx.comm, len(ctx.replica_group_sets), spec.symbolic_names() if spec else [],
                        spec.specialized() if spec else [], batch_line(ctx), fsdp_line(ctx),
                        cost_pass(local_gm, ctx, machine, training=training) if machine else None,
-                       activations(local_gm, ctx) if training else None)
+                       activations(local_gm, ctx) if training else None), local_gm, ctx

@@ -70,8 +70,8 @@ STAGE_DIMS_DECLARED = (
                         "run by dtensor_par.pipeline"),
 )
 """The dims that cut the model into stages, outermost in the default order: a degree of
-``init_mesh`` each, but no plan dim, no degree of ``explain``, ``parallel`` or ``choose_mesh``
-(they plan one stage's mesh)."""
+``init_mesh`` each, but no plan dim, no degree of ``parallel`` (``explain`` and ``choose_mesh``
+take pp as a keyword of their own and plan one stage's mesh)."""
 STAGE_DIMS = tuple(d.name for d in STAGE_DIMS_DECLARED)
 
 

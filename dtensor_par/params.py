@@ -258,20 +258,26 @@ class WholeParameters:
     state = ("full (model not parallelized): each rank holds every parameter whole, computes on its slice and "
              "all-gathers sharded parameters' gradients; dtensor_par.parallelize holds only the slices")
 
-    def local_input(self, value, placements: dict[str, Placement], mesh: MeshInfo, comm: str):
-        """This rank's piece of one graph input (a parameter's tp piece sliced from it, then cut
-        on the other dims as any input: expert weights over cp, with ep; a kv cache stand-in's
-        piece is the shard the runtime holds)."""
+    def local_input(self, value, cuts: dict[str, Placement], mesh: MeshInfo, comm: str):
+        """This rank's piece of one graph input, ``cuts`` its placements that shard it
+        (``sharding_placements``): a parameter's tp piece sliced from it, then cut on the other
+        dims as any input (expert weights over cp, with ep); a kv cache stand-in's piece is the
+        shard the runtime holds; an input nothing cuts is fed as it is."""
         shard = cache_shard(value)
         if shard is not None:
             return shard.local
+        if not cuts or not isinstance(value, torch.Tensor):
+            return value
         parameter = isinstance(value, nn.Parameter)
-        if parameter and shard_dim(placements.get("tp")) is not None:
-            value = local_param(value, placements["tp"], mesh.dims["tp"], comm)
-            placements = {name: p for name, p in placements.items() if name != "tp"}
-        if isinstance(value, torch.Tensor):
-            return local_value(value, placements, mesh, comm, parameter=parameter)
-        return value
+        if parameter and "tp" in cuts:
+            value = local_param(value, cuts["tp"], mesh.dims["tp"], comm)
+            cuts = {name: p for name, p in cuts.items() if name != "tp"}
+        return local_value(value, cuts, mesh, comm, parameter=parameter)
+
+    def cuts(self, placements: list[dict[str, Placement]], args) -> list[dict[str, Placement]]:
+        """Per graph input, the placements ``local_input`` slices it by at every call (those that
+        shard it), derived once per plan from its inputs ``placements`` and first ``args``."""
+        return [sharding_placements(p) for p in placements]
 
     def check(self, params: dict, layouts: dict[str, HeldLayout], args, mesh: DeviceMesh, info: MeshInfo) -> None:
         """Whole parameters fit any plan."""
@@ -290,16 +296,24 @@ class ShardedParameters(WholeParameters):
     whole_state = ("sharded (dtensor_par.parallelize): no mesh dim cuts a parameter, so each rank holds every "
                    "parameter whole, as a plain tensor (DDP's state)")
 
-    def local_input(self, value, placements: dict[str, Placement], mesh: MeshInfo, comm: str):
-        """A held parameter's piece (``to_local()``), sliced on tp where the plan cuts a parameter
+    def local_input(self, value, cuts: dict[str, Placement], mesh: MeshInfo, comm: str):
+        """A held parameter's piece (``held_local``), sliced on tp where the plan cuts a parameter
         held whole there (``HeldLayout.sliced``); any other input as ``WholeParameters`` cuts it."""
         param = standin_param(value)
         if param is None:
-            return super().local_input(value, placements, mesh, comm)
-        held = param.to_local() if isinstance(param, DTensor) else param
-        if _whole_on_tp(param) and shard_dim(placements.get("tp")) is not None:
-            return local_param(held, placements["tp"], mesh.dims["tp"], comm)
-        return held
+            return super().local_input(value, cuts, mesh, comm)
+        held = held_local(param)
+        return local_param(held, cuts["tp"], mesh.dims["tp"], comm) if "tp" in cuts else held
+
+    def cuts(self, placements: list[dict[str, Placement]], args) -> list[dict[str, Placement]]:
+        """A held parameter is fed its held piece as it is, unless held whole on tp where the plan
+        cuts it (``HeldLayout.sliced``): then sliced on tp alone. ``check`` verified the layouts."""
+        cuts = super().cuts(placements, args)
+        for i, value in enumerate(args):
+            param = standin_param(value)
+            if param is not None:
+                cuts[i] = {"tp": cuts[i]["tp"]} if "tp" in cuts[i] and _whole_on_tp(param) else {}
+        return cuts
 
     def check(self, params: dict, layouts: dict[str, HeldLayout], args, mesh: DeviceMesh, info: MeshInfo) -> None:
         """Held parameters must be laid out as this plan needs them, on this mesh: a DTensor with
@@ -325,6 +339,24 @@ class ShardedParameters(WholeParameters):
 
     def state_on(self, info: MeshInfo, config: ParallelConfig) -> str:
         return self.whole_state if holds_whole(info, config) else self.state
+
+
+def held_local(param: nn.Parameter) -> torch.Tensor:
+    """What a held parameter feeds the graph: its local tensor. ``to_local()`` only where a
+    gradient flows back through it (its autograd node returns the gradient as a DTensor):
+    elsewhere it is a Python call per parameter and call that makes a fresh view of a
+    ``Parameter(DTensor)`` and marks it as a parameter, an op one device's graph does not run."""
+    if not isinstance(param, DTensor):
+        return param
+    if param.requires_grad and torch.is_grad_enabled():
+        return param.to_local()
+    return param._local_tensor
+
+
+def sharding_placements(placements: dict[str, Placement]) -> dict[str, Placement]:
+    """The placements of a graph input that cut it (``Shard``, ``InterleavedShard``): what the
+    runtime slices it by at each call; Replicate and Partial leave it as it is."""
+    return {name: p for name, p in placements.items() if shard_dim(p) is not None}
 
 
 def _whole_on_tp(param) -> bool:

@@ -54,6 +54,25 @@ def runs(index: torch.Tensor) -> list[tuple[int, int]]:
     return [(int(index[a]), int(index[b - 1]) + 1) for a, b in zip([0] + breaks, breaks + [len(index)])]
 
 
+def held_runs(tensor: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """For each dim of ``tensor``, the runs of global indices (first, stop) this rank holds, in
+    the order it holds them: ``held_indices`` in a form small enough to send to another rank."""
+    return [[(0, size)] if index is None else runs(index) for size, index in zip(tensor.shape, held_indices(tensor))]
+
+
+def piece_blocks(held: list[list[tuple[int, int]]]) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """(offsets in the whole tensor, sizes, offsets in the piece) of each block of consecutive
+    indices of every dim, for a piece held as ``held`` (``held_runs``'s, of a tensor of 1 dim or more)."""
+    per_dim = []
+    for dim_runs in held:
+        found, at = [], 0
+        for first, stop in dim_runs:
+            found.append((first, stop - first, at))
+            at += stop - first
+        per_dim.append(found)
+    return [tuple(zip(*block)) for block in itertools.product(*per_dim)]
+
+
 class Blocks(DTensor):
     """A DTensor whose piece is not one block of the whole tensor (a ``_StridedShard`` one), as
     DCP's ``_Checkpointable`` protocol should show it: one chunk, and one view of the piece, per
@@ -61,20 +80,12 @@ class Blocks(DTensor):
 
     def blocks(self) -> list[tuple[ChunkStorageMetadata, torch.Tensor]]:
         """(chunk of the whole tensor, the view of this rank's piece holding it), for each block."""
-        spans = []  # per dim: (global first, length, first in the piece) of each run
-        for size, index in zip(self.shape, held_indices(self)):
-            found, at = [], 0
-            for first, stop in [(0, size)] if index is None else runs(index):
-                found.append((first, stop - first, at))
-                at += stop - first
-            spans.append(found)
         found = []
-        for block in itertools.product(*spans):
+        for offsets, sizes, at in piece_blocks(held_runs(self)):
             piece = self.to_local()
-            for dim, (_, length, at) in enumerate(block):
-                piece = piece.narrow(dim, at, length)
-            chunk = ChunkStorageMetadata(offsets=torch.Size(b[0] for b in block), sizes=torch.Size(b[1] for b in block))
-            found.append((chunk, piece))
+            for dim, (first, length) in enumerate(zip(at, sizes)):
+                piece = piece.narrow(dim, first, length)
+            found.append((ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)), piece))
         return found
 
     def __create_write_items__(self, fqn: str, object) -> list[WriteItem]:

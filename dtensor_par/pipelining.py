@@ -2,14 +2,19 @@
 
 The model's one Dynamo graph (captured on one example microbatch) is cut at block boundaries
 (the children of the ``nn.ModuleList`` that holds most of its parameters) into pp stages,
-balanced by each block's parameter count: what runs before the first block goes with the first
-stage, what runs after the last with the last. Each stage is a ``GraphModule`` whose inputs are
-the values the previous stage outputs (a value a later stage needs is passed through the stages
-between) and whose parameters are the model's own, under their FQNs (``get_attr``). Each rank
+balanced by each block's time and memory (``pipeline_plan``): what runs before the first block
+goes with the first stage, what runs after the last with the last. Each stage is a
+``GraphModule`` whose inputs are the values the previous stage outputs (a value a later stage
+needs is passed through the stages between) and whose parameters are the model's own, under
+their FQNs (``get_attr``). Each rank
 builds only its stage, holds its parameters as ``parallelize`` holds them over the mesh without
 pp (the rank's slice), compiles it with ``hybrid_parallel`` over that slice, and runs it as a
 ``torch.distributed.pipelining.PipelineStage`` under one of torch's schedules, which sends what
 crosses a cut point to point.
+
+A model with its parameters on ``meta`` holds nothing: each rank materializes only its stages'
+pieces and reads them from a checkpoint folder (``checkpoint=``, ``checkpoints.load_checkpoint``),
+so a rank's memory is its stages', never the whole model's.
 """
 
 from __future__ import annotations
@@ -25,101 +30,21 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from .checkpoints import Part, held_tensors, load_checkpoint, tied_groups, write_parts
 from .config import ParallelConfig
 from .mesh import STAGE_DIMS, MeshInfo
 from .passes.capture import capture_graphs
+from .machines import Machine, machine as machine_profile
+from .params import SHARDED
+from .passes.context import ParallelContext
 from .passes.meta import module_paths
-from .passes.recompute import module_stack
+from .pipeline_plan import SCHEDULES, Schedule, ScheduleRun, blocks_of, node_block, plan_stages
+from .planning import parallelize_graph
 from .runtime import ParallelBackend
 from .same_inputs import check_same_inputs
-from .sharded import parallelize_with
+from .sharded import inputs_device, parallelize_with, planned_on
+from .symbolic import hint
 
-@dataclass(frozen=True)
-class Schedule:
-    """How ``pipeline`` runs one of torch's schedules: the stages each rank holds, and where."""
-
-    stages_per_rank: int
-    v_shaped: bool = False  # rank r holds stages r and 2*pp-1-r (the first and last both on rank 0), not r, r+pp, ...
-    splits_backward: bool = False  # computes each stage's input gradients and weight gradients apart
-
-    def stages_of(self, rank: int, pp: int) -> list[int]:
-        """The stages pp rank ``rank`` holds, in order (torch's ``generate_stage_to_rank_mapping``)."""
-        if self.v_shaped:
-            return [rank, 2 * pp - 1 - rank]
-        return list(range(rank, pp * self.stages_per_rank, pp))
-
-    def check_backend(self, name: str, inner_backend) -> None:
-        """Refuse to split the backward of stages compiled whole: an AOT-compiled stage's backward is
-        one autograd node, which torch's split runs whole for the input gradients and again for the
-        weights (exact, but twice the backward and no bubble saved); torch 2.13 refuses it too."""
-        if self.splits_backward and inner_backend != "eager":
-            raise NotImplementedError(
-                f"pipeline: schedule {name!r} computes a stage's input gradients and weight gradients apart, by "
-                f"walking the stage's autograd graph, which takes inner_backend='eager' (one autograd node per op); "
-                f"under inner_backend={inner_backend!r} a stage's backward is one compiled node, which the split runs "
-                f"whole twice (exact, but twice the backward and no bubble saved), and torch 2.13 refuses these "
-                f"schedules over compiled stages")
-
-    def rank_of(self, stage: int, pp: int) -> int:
-        """The pp rank that holds ``stage``."""
-        return next(r for r in range(pp) if stage in self.stages_of(r, pp))
-
-
-SCHEDULES = {
-    "GPipe": Schedule(1),
-    "1F1B": Schedule(1),
-    "Interleaved1F1B": Schedule(2),
-    "InterleavedZeroBubble": Schedule(2, splits_backward=True),
-    "ZBVZeroBubble": Schedule(2, v_shaped=True, splits_backward=True),
-    "DualPipeV": Schedule(2, v_shaped=True, splits_backward=True),
-}
-"""torch's schedules ``pipeline`` runs, by name (``torch.distributed.pipelining.Schedule<name>``)."""
-
-
-def blocks_of(model: nn.Module) -> list[str]:
-    """The FQNs of the children of the ``nn.ModuleList`` that holds the most parameters
-    (``layers.0``, ``layers.1``, ...): the model's repeated blocks, where stages are cut."""
-    best, most = None, -1
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            held = sum(p.numel() for p in module.parameters())
-            if held > most:
-                best, most = name, held
-    if best is None:
-        raise ValueError(f"pipeline: {type(model).__name__} holds no nn.ModuleList of blocks to cut into stages")
-    return [f"{best}.{i}" if best else str(i) for i in range(len(model.get_submodule(best)))]
-
-
-def balanced_cuts(costs: list[int], stages: int) -> list[int]:
-    """The first block of each stage: contiguous runs of blocks, each stage at least one, the most
-    costly stage as cheap as can be (the first such split in order)."""
-    n = len(costs)
-    prefix = [0, *torch.tensor(costs).cumsum(0).tolist()]
-    best: dict[tuple[int, int], tuple[int, list[int]]] = {}
-
-    def split(start: int, left: int) -> tuple[int, list[int]]:
-        if left == 1:
-            return prefix[n] - prefix[start], [start]
-        if (start, left) not in best:
-            options = []
-            for end in range(start + 1, n - left + 2):
-                rest, starts = split(end, left - 1)
-                options.append((max(prefix[end] - prefix[start], rest), [start, *starts]))
-            best[start, left] = min(options, key=lambda o: o[0])
-        return best[start, left]
-
-    return split(0, stages)[1]
-
-
-def _node_block(node: fx.Node, blocks: dict[str, int]) -> int | None:
-    """The index of the block a node runs in, from its module path (``nn_module_stack``)."""
-    for path, _ in module_stack(node):
-        parts = path.split(".")
-        for k in range(len(parts), 0, -1):
-            index = blocks.get(".".join(parts[:k]))
-            if index is not None:
-                return index
-    return None
 
 
 @dataclass
@@ -134,6 +59,7 @@ class Cut:
     user: list[int]  # stage 0's inputs: the index of each among the flattened call's tensors
     blocks: list[list[str]]  # each stage's blocks
     tensors: dict[str, torch.Tensor]  # the model's parameters and buffers by FQN
+    owners: dict[str, int]  # the stage that reads each parameter and buffer, by FQN
 
 
 def _place_nodes(gm: fx.GraphModule, blocks: list[str], stage_of_block: dict[str, int],
@@ -148,7 +74,7 @@ def _place_nodes(gm: fx.GraphModule, blocks: list[str], stage_of_block: dict[str
             continue
         if node.op == "call_module":
             raise NotImplementedError(f"pipeline: the captured graph calls module {node.target!r} (call_module)")
-        index = _node_block(node, block_index)
+        index = node_block(node, block_index)
         if index is not None:
             current = stage_of_block[blocks[index]]
             traced.add(index)
@@ -164,15 +90,13 @@ def _place_nodes(gm: fx.GraphModule, blocks: list[str], stage_of_block: dict[str
     return stage_of
 
 
-def cut_graph(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inputs: list, stages: int) -> Cut:
-    """Cut ``gm`` (Dynamo's graph of ``model`` called on ``flat_inputs``) into ``stages`` stages."""
-    blocks = blocks_of(model)
-    if len(blocks) < stages:
-        raise ValueError(f"pipeline: {type(model).__name__} has {len(blocks)} blocks ({blocks[0].rpartition('.')[0]}) "
-                         f"but {stages} stages were asked for: each stage needs at least one block")
-    costs = [sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks]
-    starts = balanced_cuts(costs, stages)
-    stage_of_block = {b: sum(1 for s in starts if s <= i) - 1 for i, b in enumerate(blocks)}
+def cut_graph(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inputs: list,
+              stage_blocks: list[list[str]]) -> Cut:
+    """Cut ``gm`` (Dynamo's graph of ``model`` called on ``flat_inputs``) into stages of the
+    blocks ``stage_blocks`` (``pipeline_plan.plan_stages``'s)."""
+    blocks = [b for run in stage_blocks for b in run]
+    stages = len(stage_blocks)
+    stage_of_block = {b: stage for stage, run in enumerate(stage_blocks) for b in run}
     paths = module_paths(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     params = {n: paths[n.name] for n in placeholders if n.name in paths}
@@ -202,10 +126,10 @@ def cut_graph(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inp
     crossing = [[v for v in values if stage_of[v] <= k < used_at.get(v, -1)] for k in range(stages - 1)]
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outs = list(pytree.tree_leaves(output.args[0]))
-    by_stage = [[blocks[i] for i in range(len(blocks)) if stage_of_block[blocks[i]] == s] for s in range(stages)]
     tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     return Cut(gm, stage_of, [[n for n in placeholders if n not in params], *crossing], [*crossing, outs], params,
-               user, by_stage, tensors)
+               user, [list(run) for run in stage_blocks], tensors,
+               {params[n]: at for n, at in used_at.items() if n in params})
 
 
 def stage_module(cut: Cut, stage: int) -> fx.GraphModule:
@@ -271,6 +195,14 @@ def _chunk(flat: list, microbatches: int) -> list:
     return [leaf[: leaf.shape[0] // microbatches] if isinstance(leaf, torch.Tensor) else leaf for leaf in flat]
 
 
+def microbatch_of(tree, microbatches: int, entry: str):
+    """``tree`` with each tensor its first of ``microbatches`` (cut along dim 0; a batch they do not
+    divide refused): what ``pipeline`` captures and plans the stages on."""
+    flat, spec = pytree.tree_flatten(tree)
+    _batch_rows(entry, flat, microbatches)
+    return pytree.tree_unflatten(_chunk(flat, microbatches), spec)
+
+
 def _example(node: fx.Node, device: torch.device) -> torch.Tensor:
     """A tensor of the shape and dtype Dynamo saw at ``node`` (a stage's input or output: its values
     unread by planning and by torch's stage, which takes them as metadata)."""
@@ -285,17 +217,54 @@ def _stage_options(config: ParallelConfig) -> ParallelConfig:
     return dataclasses.replace(config, check_inputs=False)
 
 
+def _refuse_unfilled_meta(model: nn.Module, checkpoint: str | None) -> None:
+    """A model on ``meta`` is filled from ``checkpoint``: refuse one without it, and ``meta``
+    buffers no checkpoint holds (values the model's constructor computes, such as rotary
+    frequencies), which would otherwise be used uninitialized."""
+    name = type(model).__name__
+    on_meta = [fqn for fqn, p in model.named_parameters() if p.is_meta]
+    if on_meta and checkpoint is None:
+        raise ValueError(f"pipeline: {len(on_meta)} parameters of {name} are on meta (first {on_meta[0]!r}) and no "
+                         f"checkpoint= was given to read each rank's stages from")
+    persistent = model.state_dict().keys() if checkpoint is not None else ()
+    unfilled = [fqn for fqn, b in model.named_buffers() if b.is_meta and fqn not in persistent]
+    if unfilled:
+        raise ValueError(f"pipeline: buffers {unfilled[:4]} of {name} ({len(unfilled)} in all) are on meta and no "
+                         f"checkpoint holds them; build the model with its buffers computed and its parameters on "
+                         f"meta: dtensor_par.checkpoints.empty_model, or a constructor called under "
+                         f"dtensor_par.checkpoints.parameters_on_meta()")
+
+
+def _materialize(stage_gm: fx.GraphModule, device: torch.device) -> None:
+    """A stage over a slice of one rank (pp alone), held whole: each ``meta`` parameter and
+    buffer materialized on ``device`` uninitialized (the checkpoint fills it next; tied ones stay
+    one), and each other buffer moved to ``device`` (``empty_model`` computes them on the CPU)."""
+    made: dict[int, torch.Tensor] = {}
+    for module in stage_gm.modules():
+        for store in (module._parameters, module._buffers):
+            for name, tensor in store.items():
+                if tensor is not None and tensor.is_meta:
+                    if id(tensor) not in made:
+                        empty = torch.empty_like(tensor, device=device)
+                        made[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                                            if isinstance(tensor, nn.Parameter) else empty)
+                    store[name] = made[id(tensor)]
+                elif store is module._buffers and tensor is not None and tensor.device.type != device.type:
+                    store[name] = tensor.to(device)
+
+
 def _compile_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list, config: ParallelConfig,
-                   options: dict) -> None:
+                   options: dict, device: torch.device) -> None:
     """Hold and compile the stage over ``submesh`` (the mesh without pp): ``parallelize`` and
-    ``hybrid_parallel``; over a slice of one rank (pp alone), the inner backend alone. Compiled in
-    place (``nn.Module.compile``): the module the schedule runs is the one that holds the
-    parameters, which torch's input/weight backward split walks."""
+    ``hybrid_parallel``; over a slice of one rank (pp alone), held whole and compiled by the inner
+    backend alone. Compiled in place (``nn.Module.compile``): the module the schedule runs is the
+    one that holds the parameters, which torch's input/weight backward split walks."""
     if submesh.size() == 1:
         ignored = sorted(set(options) - {"inner_backend", "check_inputs"})
         if ignored:
             raise NotImplementedError(f"pipeline: options {ignored} with pp alone (the stage's mesh is one rank) are "
                                       f"not applied yet; the stage is compiled by the inner backend alone")
+        _materialize(stage_gm, device)
         if config.inner_backend != "eager":
             stage_gm.compile(backend=config.inner_backend)
         return
@@ -307,16 +276,20 @@ def _compile_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list,
 class PipelineStep:
     """This rank's stage of a pipelined model and the schedule that runs it: ``step(*inputs,
     target=target, **kwargs)`` runs forward and backward over the microbatches and returns the mean
-    loss on every rank; ``parameters()``/``named_parameters()`` are this rank's (model FQNs)."""
+    loss on every rank; ``parameters()``/``named_parameters()`` are this rank's (model FQNs);
+    ``save_pretrained(path)`` writes the whole model."""
 
-    def __init__(self, model_name: str, mesh: DeviceMesh, cut: Cut, stage_gms: list[fx.GraphModule], schedule,
-                 loss_rank: int, spec, example_flat: list, microbatches: int, config: ParallelConfig):
-        self.model_name, self.mesh, self.cut, self.modules = model_name, mesh, cut, stage_gms
-        self.schedule, self.loss_rank = schedule, loss_rank  # loss_rank: the pp rank of the last stage
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, submesh: DeviceMesh, cut: Cut,
+                 stage_gms: list[fx.GraphModule], schedule, kind: Schedule, spec, example_flat: list,
+                 microbatches: int, config: ParallelConfig):
+        self.model, self.mesh, self.submesh, self.cut, self.modules = model, mesh, submesh, cut, stage_gms
+        self.schedule, self.kind = schedule, kind  # torch's schedule object, and how it places stages
         self._spec, self._example_flat = spec, example_flat
         self.microbatches, self.config = microbatches, config
         self.pp_group = mesh.get_group("pp")
         self.pp, self.stage = mesh["pp"].size(), mesh.get_local_rank("pp")
+        self.stages = kind.stages_of(self.stage, self.pp)  # the stages this rank runs (by index)
+        self.loss_rank = kind.rank_of(len(cut.blocks) - 1, self.pp)  # the pp rank of the last stage
         self._checked, self._loss_dtype = False, None
 
     def named_parameters(self):
@@ -384,9 +357,65 @@ class PipelineStep:
             g.mul_(coef)
         return total
 
+    def save_pretrained(self, path: str, *, max_shard_size: int | str = "5GB") -> None:
+        """Write the whole model as ``dtensor_par.save_pretrained`` writes one (its config, its own
+        keys, an index): each stage's tensors in files of their own, written in parallel by the
+        ranks of the stage's slice of the mesh (``checkpoints.write_parts``). Every rank calls it."""
+        state = self.model.state_dict(keep_vars=True)
+        held = held_tensors(self.modules)
+        keys: list[list[str]] = [[] for _ in self.cut.blocks]
+        mine: dict[str, torch.Tensor] = {}
+        for group in tied_groups(state):
+            owner = next((self.cut.owners[key] for key in group if key in self.cut.owners), None)
+            if owner is None:
+                raise ValueError(f"pipeline: no stage of {type(self.model).__name__} reads {group[0]!r}, so no rank "
+                                 f"holds it to save")
+            keys[owner].append(group[0])
+            mine.update({group[0]: held[key] for key in group if key in held})
+        pp_dim = self.mesh.mesh_dim_names.index("pp")
+        ranks_of = [self.mesh.mesh.select(pp_dim, r).flatten().tolist() for r in range(self.pp)]
+        parts = [Part(stage_keys, ranks_of[self.kind.rank_of(index, self.pp)],
+                      {key: mine[key] for key in stage_keys} if index in self.stages else None)
+                 for index, stage_keys in enumerate(keys)]
+        write_parts(self.model, path, max_shard_size, parts)
+
+
+def _one_graph(model: nn.Module, call: tuple[tuple, dict], device: torch.device) -> tuple[fx.GraphModule, list]:
+    """Dynamo's one graph of ``model(*args, **kwargs)`` (``call``) and its inputs; a model on
+    ``meta`` is traced with stand-ins on ``device`` (``sharded.planned_on``)."""
+    args, kwargs = call
+    try:
+        with planned_on(model, device):
+            graphs = capture_graphs(model, *args, dynamic=False, **kwargs)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"pipeline: the model must be one graph to cut into stages: {e}") from None
+    if len(graphs) != 1:
+        raise NotImplementedError(f"pipeline: Dynamo captured {len(graphs)} graphs of {type(model).__name__}; "
+                                  f"stages are cut from one graph")
+    return graphs[0]
+
+
+def _planned_whole(gm: fx.GraphModule, graph_inputs: list, submesh: DeviceMesh, config: ParallelConfig
+                   ) -> tuple[fx.GraphModule, ParallelContext]:
+    """The whole graph planned over one stage's mesh, as rank 0 of the first stage sees it (so
+    every rank costs the blocks alike and cuts the same stages), as ``explain`` plans it."""
+    names = tuple(submesh.mesh_dim_names)
+    info = MeshInfo.for_planning(dict(zip(names, submesh.shape)), submesh.device_type, names)
+    return parallelize_graph(gm, [hint(a) for a in graph_inputs], info, _stage_options(config), feeding=SHARDED)
+
+
+def _cut_by_cost(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, first: list, submesh: DeviceMesh,
+                 config: ParallelConfig, schedule: ScheduleRun, machine: str | Machine | None) -> Cut:
+    """``gm`` cut into the stages ``explain(pp=...)`` reports: blocks balanced by the time model
+    (and memory) over one stage's mesh (``pipeline_plan.plan_stages``)."""
+    stages = plan_stages(type(model).__name__, *_planned_whole(gm, graph_inputs, submesh, config), blocks_of(model),
+                         schedule, machine and machine_profile(machine))
+    return cut_graph(model, gm, graph_inputs, first, [s.blocks for s in stages])
+
 
 def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, loss_fn, microbatches: int,
-             schedule: str = "1F1B", example_kwargs: dict | None = None, **options) -> PipelineStep:
+             schedule: str = "1F1B", example_kwargs: dict | None = None, checkpoint: str | None = None,
+             machine: str | Machine | None = None, **options) -> PipelineStep:
     """Run ``model`` pipeline-parallel over ``mesh``'s pp dim, each stage over the other dims as
     ``hybrid_parallel`` runs a model (``options``: its options).
 
@@ -394,10 +423,16 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     is cut along dim 0 into ``microbatches``. ``loss_fn(output, target)``: a mean over its
     microbatch, given the last stage's output: the tensors the model returns, as the captured graph
     returns them (a ``ModelOutput``'s without its ``None``s), one tensor as itself.
-    ``schedule``: one of ``SCHEDULES``. Returns a ``PipelineStep``: ``loss = step(*inputs,
+    ``schedule``: one of ``SCHEDULES``. ``machine``: the profile whose time model (and memory)
+    balances the stages (``pipeline_plan``), as ``explain(pp=..., machine=...)`` reports them.
+    Returns a ``PipelineStep``: ``loss = step(*inputs,
     target=target, **kwargs)`` is the mean of ``loss_fn`` over the microbatches on every rank, the
     gradients those of that mean; build the optimizer over ``step.parameters()`` and clip with
     ``step.clip_grad_norm_``.
+
+    ``checkpoint``: a checkpoint folder (safetensors, transformers or diffusers layout) each rank
+    reads its stages' pieces from. With it, ``model`` may hold its parameters on ``meta``
+    (``checkpoints.empty_model``): then no rank ever holds more than its stages.
     """
     from torch.distributed import pipelining
 
@@ -412,36 +447,31 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
                          f"init_mesh(pp=..., ...)")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline: microbatches must be a positive int, got {microbatches!r}")
+    _refuse_unfilled_meta(model, checkpoint)
     pp, stage = mesh["pp"].size(), mesh.get_local_rank("pp")
     submesh = mesh[tuple(n for n in names if n not in STAGE_DIMS)]
     MeshInfo.from_mesh(submesh, "pipeline")  # every rank now, in one order: every stage's groups
     flat, spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs or {}))
     _batch_rows("pipeline", flat, microbatches)
     first = _chunk(flat, microbatches)
-    args, kwargs = pytree.tree_unflatten(first, spec)
-    try:
-        graphs = capture_graphs(model, *args, dynamic=False, **kwargs)
-    except NotImplementedError as e:
-        raise NotImplementedError(f"pipeline: the model must be one graph to cut into stages: {e}") from None
-    if len(graphs) != 1:
-        raise NotImplementedError(f"pipeline: Dynamo captured {len(graphs)} graphs of {type(model).__name__}; "
-                                  f"stages are cut from one graph")
-    (gm, graph_inputs), = graphs
-    stages = pp * runs.stages_per_rank
-    cut = cut_graph(model, gm, graph_inputs, first, stages)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
         torch.device(mesh.device_type)
+    gm, graph_inputs = _one_graph(model, pytree.tree_unflatten(first, spec), inputs_device(first) or device)
+    cut = _cut_by_cost(model, gm, graph_inputs, first, submesh, config,
+                       ScheduleRun(schedule, pp, runs.stages_per_rank, microbatches), machine)
+    stages = pp * runs.stages_per_rank
     held, runners = [], []
     for index in runs.stages_of(stage, pp):
         stage_gm = stage_module(cut, index)
         example = [first[i] for i in cut.user] if index == 0 else [_example(n, device) for n in cut.inputs[index]]
-        _compile_stage(stage_gm, submesh, example, config, options)
+        _compile_stage(stage_gm, submesh, example, config, options, device)
         held.append(stage_gm)
         # static metadata: torch's inference would run a later stage on uninitialized tensors (garbage integers)
         runners.append(pipelining.PipelineStage(stage_gm, index, stages, device, input_args=tuple(example),
                                                 output_args=tuple(_example(n, device) for n in cut.outputs[index]),
                                                 group=mesh.get_group("pp")))
+    if checkpoint is not None:
+        load_checkpoint(model, checkpoint, stages=held)
     order = getattr(pipelining, f"Schedule{schedule}")(runners if runs.stages_per_rank > 1 else runners[0],
                                                        n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-    return PipelineStep(type(model).__name__, mesh, cut, held, order, runs.rank_of(stages - 1, pp), spec, flat,
-                        microbatches, config)
+    return PipelineStep(model, mesh, submesh, cut, held, order, runs, spec, flat, microbatches, config)

@@ -249,9 +249,10 @@ def _check_param_dtype(param_dtype: torch.dtype | None, feeding: WholeParameters
                          f"held and traced in {sorted({str(a.dtype) for a in whole})}")
 
 
-def _local_inputs(args, placements: list[dict[str, Placement]], feeding: WholeParameters, mesh: MeshInfo,
+def _local_inputs(args, cuts: list[dict[str, Placement]], feeding: WholeParameters, mesh: MeshInfo,
                   comm: str) -> list:
-    return [feeding.local_input(a, p, mesh, comm) for a, p in zip(args, placements)]
+    """This rank's piece of each input, ``cuts[i]`` the placements that shard input ``i``."""
+    return [feeding.local_input(a, c, mesh, comm) for a, c in zip(args, cuts)]
 
 
 def _append(held, shape: list, new: torch.Tensor, c: CacheOutput):
@@ -268,10 +269,10 @@ def _append(held, shape: list, new: torch.Tensor, c: CacheOutput):
 
 @dataclass
 class LocalGraph:
-    """One specialization: the compiled per-rank graph and its input/output placements."""
+    """One specialization: the compiled per-rank graph, how its inputs are cut and its outputs placed."""
 
     fn: Callable
-    input_placements: list[dict[str, Placement]]
+    cuts: list[dict[str, Placement]]  # per input, the placements it is sliced by at each call (feeding.cuts)
     output_placements: list[dict[str, Placement] | None]
     comm: str  # the lowering of the runtime's own collectives, as the graph's
     feeding: WholeParameters  # how this plan's parameters reach the graph
@@ -285,7 +286,7 @@ class LocalGraph:
     def local_args(self, args, mesh: MeshInfo) -> list:
         """This rank's piece of each graph input, as this plan feeds them, then the positions
         of the held kv cache shards that ``cached_attention`` reads."""
-        return (_local_inputs(args, self.input_placements, self.feeding, mesh, self.comm)
+        return (_local_inputs(args, self.cuts, self.feeding, mesh, self.comm)
                 + [cache_shard(args[i]).positions for i in self.positions_of])
 
     def hold_caches(self, outs, args, mesh: MeshInfo) -> list:
@@ -468,7 +469,8 @@ class ParallelRuntime:
             cached = None  # planned for other values of a buffer it read
         local_gm, plan = cached or self._plan(args, spec, feeding)
         feeding.check(plan.params(args), plan.param_layouts, args, self.mesh, self.info)
-        examples = self._local_examples(args, spec, plan, feeding, fake_mode)
+        cuts = feeding.cuts(plan.input_placements, args)
+        examples = self._local_examples(args, spec, plan, feeding, cuts, fake_mode)
         if cached:
             logger.info("hybrid_parallel: graph %d: plan read from the plan cache (%s)", self.id, store.path)
             for warning in plan.warnings:
@@ -481,8 +483,8 @@ class ParallelRuntime:
         fn = compile_recorded(self.backend.inner, local_gm, examples, fake_mode)
         if spec is not None:
             spec.seal()
-        return LocalGraph(fn, plan.input_placements, plan.output_placements, plan.comm, feeding, key, spec,
-                          plan.cache_outputs, plan.positions_of, plan.constants)
+        return LocalGraph(fn, cuts, plan.output_placements, plan.comm, feeding, key, spec, plan.cache_outputs,
+                          plan.positions_of, plan.constants)
 
     def _plan_store(self, args, key: tuple, spec: Specialization | None, feeding: WholeParameters) -> PlanStore | None:
         """Where the plan cache keeps this plan; None when it is off (``plan_cache``, or a dump
@@ -497,14 +499,14 @@ class ParallelRuntime:
         return local_gm, Plan.of(local_gm, ctx)
 
     def _local_examples(self, args, spec: Specialization | None, plan: Plan, feeding: WholeParameters,
-                        fake_mode: FakeTensorMode) -> list:
+                        cuts: list[dict[str, Placement]], fake_mode: FakeTensorMode) -> list:
         """This rank's pieces of the inputs, as fakes of ``fake_mode``: what the inner backend compiles for."""
         examples = args
         if spec is not None:  # the inner backend compiles for the symbolic sizes; parameters are sliced as at run time
             examples = [a if isinstance(a, torch.nn.Parameter) or standin_param(a) is not None else x
                         for a, x in zip(args, spec.global_inputs)]
         with torch.no_grad(), (spec.fake_mode if spec else contextlib.nullcontext()):
-            local = _local_inputs(examples, plan.input_placements, feeding, self.info, plan.comm)
+            local = _local_inputs(examples, cuts, feeding, self.info, plan.comm)
             # a held kv cache shard is fed as the runtime holds it: contiguous, not its stand-in's strides
             local = [x.contiguous() if cache_shard(a) is not None else x for x, a in zip(local, args)]
         examples = [x.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else x

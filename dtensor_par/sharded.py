@@ -216,7 +216,7 @@ def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, exa
 
 
 @contextlib.contextmanager
-def _planned_on(model: nn.Module, device: torch.device):
+def planned_on(model: nn.Module, device: torch.device):
     """While a model with parameters on ``meta`` is planned on inputs of ``device``: each such
     parameter in the place of a stand-in of ``device`` (``_standin``: one element) and each
     ``meta`` buffer of an empty one there. Dynamo reads no value, but ops refuse tensors of two
@@ -238,7 +238,7 @@ def _planned_on(model: nn.Module, device: torch.device):
             store[name] = tensor
 
 
-def _inputs_device(inputs) -> torch.device | None:
+def inputs_device(inputs) -> torch.device | None:
     """The device of the first tensor of ``inputs`` that is not on ``meta`` (None: none is)."""
     return next((t.device for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and not t.is_meta),
                 None)
@@ -299,8 +299,8 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
         return model
     info = MeshInfo.from_mesh(mesh, entry)
     config.check_mesh(info, entry)
-    device = _inputs_device((example_args, example_kwargs))
-    with _planned_on(model, device) if device is not None else contextlib.nullcontext():
+    device = inputs_device((example_args, example_kwargs))
+    with planned_on(model, device) if device is not None else contextlib.nullcontext():
         placements = plan_placements(model, mesh, example_args, example_kwargs, config)
     layout_of, held, whole = layout_maker(info, config, True), held_mesh(mesh), holds_whole(info, config)
     state = ShardedState(mesh, config, [])

@@ -1,5 +1,5 @@
-"""``python -m benchmarks --quick`` and ``python -m benchmarks.decode --quick`` start and write
-valid JSON (smoke tests: no timing is asserted)."""
+"""``python -m benchmarks --quick``, ``python -m benchmarks.decode --quick`` and ``python -m
+benchmarks.pipeline --quick`` start and write valid JSON (smoke tests: no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def _quick(module: str) -> tuple[subprocess.CompletedProcess, str]:
 
 QUICK = in_background(_quick, "benchmarks")
 QUICK_DECODE = in_background(_quick, "benchmarks.decode")
+QUICK_PIPELINE = in_background(_quick, "benchmarks.pipeline")
 
 
 def test_quick_benchmark_writes_json():
@@ -42,6 +43,11 @@ def test_quick_benchmark_writes_json():
     assert set(result["memory"]["ours"]) == {"params", "grads", "optimizer", "saved_activations"}
     assert report["gpu"]["skipped"] == (not __import__("torch").cuda.is_available())
     assert "| model | mesh |" in run.stdout
+    flux = report["diffusers"]  # diffusers' transformer: ours and diffusers' own ulysses2 ran (tp2: refused on CPU)
+    if flux.get("skipped"):
+        return
+    assert {"forward/ours ulysses2", "forward/ours tp2", "step/diffusers ulysses2 eager"} <= set(flux["ms"]), flux
+    assert set(flux["failed"]) <= {"diffusers tp2 eager"}, flux["failed"]
 
 
 def test_quick_decode_benchmark_decodes_one_devices_tokens_on_half_the_cache():
@@ -57,3 +63,13 @@ def test_quick_decode_benchmark_decodes_one_devices_tokens_on_half_the_cache():
     assert tp["cache_bytes_per_rank"] * 2 == one["cache_bytes_per_rank"] > 0, (one, tp)
     assert tp["final_cache_length"] == one["final_cache_length"] == one["cache_length"] + decoded, (one, tp)
     assert "| tp=2 | 2 |" in run.stdout
+
+
+def test_quick_pipeline_benchmark_measures_each_step_against_the_predicted_bubble():
+    run, written = QUICK_PIPELINE.result()
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(written)["rows"]
+    assert [(r["schedule"], r["pp"], r["microbatches"]) for r in rows] == [("GPipe", 2, 4), ("GPipe", 2, 8)], rows
+    assert [r["predicted_bubble"] for r in rows] == pytest.approx([1 / 5, 1 / 9])
+    assert all(r["step_ms"] > 0 and isinstance(r["measured_bubble"], float) for r in rows), rows
+    assert "| schedule | pp | microbatches | step ms | measured bubble | predicted bubble |" in run.stdout

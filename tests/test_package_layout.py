@@ -20,7 +20,7 @@ FLOORS = (
     ("passes.rules",),
     ("passes.context",),
     ("passes",),  # the passes themselves
-    ("dump", "planning", "plancache", "routing"),
+    ("dump", "planning", "plancache", "routing", "pipeline_plan"),
     ("sharded", "checkpoints", "runtime", "api", "explain", "choose", "calibrate", "pipelining", "__init__",
      "__main__"),
     ("_testing",),  # what the tests and benchmarks share: above the public API, which no module imports it from

@@ -109,7 +109,7 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, schedule: st
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in step.parameters())
     return {**worst, "held": held / sum(p.numel() for p in model.parameters()),
             "fqns": sorted(fqn for fqn, _ in step.named_parameters()),
-            "dtensor": sorted({isinstance(p, DTensor) for p in step.parameters()})}
+            "dtensor": sorted({isinstance(p, DTensor) for p in step.parameters()}), "blocks": step.cut.blocks}
 
 
 RUNS = {  # label: world, mesh, schedule, model, microbatches (DualPipeV: at least the 4 stages)
@@ -155,8 +155,11 @@ def test_training_matches_one_device_accumulating_the_microbatches(label):
         sliced = any(size > 1 for dim, size in sizes.items() if dim != "pp")  # held over tp or FSDP over cp
         assert worst["dtensor"] == [sliced], (label, rank, worst["dtensor"])
         every |= set(worst["fqns"])
-    model, _, _ = _model_and_batch(name)
+    model, ids, _ = _model_and_batch(name)
     assert every == {fqn for fqn, _ in model.named_parameters()}, label
+    report = dtensor_par.explain(model, (ids,), example_kwargs=MODELS[name][1], device_type="cpu", **sizes,
+                                 microbatches=MICROBATCHES, schedule=RUNS[label][2])
+    assert all(worst["blocks"] == [s.blocks for s in report.pipeline.stages] for worst in per_rank), label
 
 
 class _BrokenLlama(models.Llama):
@@ -206,18 +209,23 @@ def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
         dtensor_par.parallelize(model, mesh, (ids,))
 
 
-def test_stages_are_cut_at_block_boundaries_balanced_by_parameters():
+def test_stages_are_cut_at_block_boundaries():
     """4 equal blocks in 2 stages: two each, the embedding with the first, the norm and head with
-    the last; unequal costs move the cut."""
+    the last; unequal costs move the cut (``pipeline_plan.balanced_cuts``: the costliest stage as
+    cheap as can be)."""
     from dtensor_par.passes.capture import capture_graphs
-    from dtensor_par.pipelining import balanced_cuts, cut_graph, stage_module
+    from dtensor_par.pipeline_plan import balanced_cuts
+    from dtensor_par.pipelining import cut_graph, stage_module
 
-    assert balanced_cuts([1, 1, 1, 1], 2) == [0, 2]
-    assert balanced_cuts([3, 1, 1, 1], 2) == [0, 1]
-    assert balanced_cuts([1, 1, 1, 1], 4) == [0, 1, 2, 3]
+    def by_sum(costs):
+        return lambda stage, start, end: (sum(costs[start:end]),)
+
+    assert balanced_cuts(4, 2, by_sum([1, 1, 1, 1])) == [0, 2]
+    assert balanced_cuts(4, 2, by_sum([3, 1, 1, 1])) == [0, 1]
+    assert balanced_cuts(4, 4, by_sum([1, 1, 1, 1])) == [0, 1, 2, 3]
     model, ids, _ = _model_and_batch()
     (gm, inputs), = capture_graphs(model, ids)
-    cut = cut_graph(model, gm, inputs, [ids], 2)
+    cut = cut_graph(model, gm, inputs, [ids], [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]])
     assert cut.blocks == [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]]
     first, last = stage_module(cut, 0), stage_module(cut, 1)
     assert {n.split(".")[0] for n, _ in first.named_parameters()} == {"embed", "blocks"}
@@ -228,7 +236,7 @@ def test_stages_are_cut_at_block_boundaries_balanced_by_parameters():
     # transformers' Llama: rotary cos and sin and the mask, made before the first block, cross with the hidden states
     model, ids, _ = _model_and_batch("hf")
     (gm, inputs), = capture_graphs(model, ids, use_cache=False)
-    cut = cut_graph(model, gm, inputs, [ids], 2)
+    cut = cut_graph(model, gm, inputs, [ids], [[f"model.layers.{i}" for i in run] for run in ((0, 1), (2, 3))])
     assert cut.blocks == [["model.layers.0", "model.layers.1"], ["model.layers.2", "model.layers.3"]]
     assert len(cut.inputs[1]) == 4, cut.inputs[1]
     assert torch.equal(stage_module(cut, 1)(*stage_module(cut, 0)(ids)), model(ids, use_cache=False).logits)

@@ -285,6 +285,28 @@ def executed_collectives(step) -> list[tuple[str, int]]:
     return ran
 
 
+OP_NAMESPACES = ("aten::", "_c10d_functional::", "c10d::")
+
+
+def _is_op(name: str) -> bool:
+    """An op's profiler event: aten's, a collective's, or a kernel inductor generated (recorded
+    under ``cpp.enable_kernel_profile``)."""
+    return name.startswith(OP_NAMESPACES) or "cpp_fused" in name
+
+
+def called_ops(events) -> list:
+    """The profiled ops the program called itself: an op run inside another (``contiguous``'s
+    ``clone``) is the caller's, so a copy counts where it was asked for."""
+    called = []
+    for event in events:
+        parent = event.cpu_parent
+        while parent is not None and not _is_op(parent.name):
+            parent = parent.cpu_parent
+        if parent is None and _is_op(event.name):
+            called.append(event)
+    return called
+
+
 def reported_collectives(graph) -> dict[str, Counter]:
     """An explained graph's collectives by direction: ``(functional op, bytes per rank) -> count``,
     as ``step_collectives`` counts what runs."""

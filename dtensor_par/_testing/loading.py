@@ -1,7 +1,8 @@
 """What loading a checkpoint costs a rank: its peak RSS rise, the bytes it reads from disk and
 the bytes it holds, and the time (``tests/test_checkpoints.py``'s memory test and
-``benchmarks.loading``). ``python -m dtensor_par._testing.loading FOLDER``: one device's
-transformers ``from_pretrained`` of a Llama folder, measured alike, as JSON."""
+``benchmarks.loading``), and of writing one back. ``python -m dtensor_par._testing.loading FOLDER
+[SAVE_TO]``: one device's transformers ``from_pretrained`` of a Llama folder (and its
+``save_pretrained``), measured alike, as JSON."""
 
 from __future__ import annotations
 
@@ -71,10 +72,12 @@ def llama_checkpoint(folder: str, *, hidden: int, intermediate: int, layers: int
     return folder
 
 
-def load_measured(rank: int, world: int, *, folder: str, sizes: dict) -> dict:
+def load_measured(rank: int, world: int, *, folder: str, sizes: dict, save_to: str | None = None) -> dict:
     """A rank's ``from_pretrained`` of the Llama ``folder`` over the mesh of ``sizes``, in its two
     steps: planning (built on meta and ``parallelize``d: Dynamo traces the model once) and reading
-    (``load_checkpoint``: this rank's pieces). Bytes and seconds of each; the RSS rises are peaks."""
+    (``load_checkpoint``: this rank's pieces). Bytes and seconds of each; the RSS rises are peaks.
+    With ``save_to``: then ``save_pretrained`` there, measured alike, with the bytes of the files
+    this rank wrote and of the model's largest tensor (what a writer gathers at once)."""
     from transformers import LlamaForCausalLM
 
     import dtensor_par
@@ -87,15 +90,24 @@ def load_measured(rank: int, world: int, *, folder: str, sizes: dict) -> dict:
     planned, plan_rise = time.perf_counter(), peak_rise(start)
     start, read = start_peak(), read_bytes()
     load_checkpoint(model, folder)
-    return {"plan_s": planned - began, "read_s": time.perf_counter() - planned, "plan_rise": plan_rise,
-            "read_rise": peak_rise(start), "read_bytes": read_bytes() - read, "held_bytes": held_bytes(model),
-            "checkpoint_bytes": checkpoint_bytes(folder)}
+    result = {"plan_s": planned - began, "read_s": time.perf_counter() - planned, "plan_rise": plan_rise,
+              "read_rise": peak_rise(start), "read_bytes": read_bytes() - read, "held_bytes": held_bytes(model),
+              "checkpoint_bytes": checkpoint_bytes(folder)}
+    if save_to is not None:
+        torch.distributed.barrier()  # timed from when every rank is there, not from when this one finished reading
+        start, began = start_peak(), time.perf_counter()
+        written = dtensor_par.save_pretrained(model, save_to)
+        result.update(save_s=time.perf_counter() - began, save_rise=peak_rise(start),
+                      written_bytes=sum(os.path.getsize(f) for f in written),
+                      largest_bytes=max(t.numel() * t.element_size() for t in model.state_dict().values()))
+    return result
 
 
-def one_device(folder: str) -> dict:
+def one_device(folder: str, save_to: str | None = None) -> dict:
     """transformers' own ``from_pretrained`` of ``folder`` in this process, then every parameter
     read once (transformers 5 returns float32 weights of a float32 file mapped, not read: their
-    pages come in at first use): seconds, peak RSS rise and bytes read of each."""
+    pages come in at first use): seconds, peak RSS rise and bytes read of each. With ``save_to``:
+    then its own ``save_pretrained`` there, seconds and peak RSS rise."""
     from transformers import LlamaForCausalLM
 
     start, read, began = start_peak(), read_bytes(), time.perf_counter()
@@ -104,9 +116,14 @@ def one_device(folder: str) -> dict:
     with torch.no_grad():
         for p in model.parameters():
             p.sum()
-    return {"seconds": loaded - began, "rise": rise, "read_bytes": read_loading, "held_bytes": held_bytes(model),
-            "touched_s": time.perf_counter() - began, "touched_rise": peak_rise(start)}
+    result = {"seconds": loaded - began, "rise": rise, "read_bytes": read_loading, "held_bytes": held_bytes(model),
+              "touched_s": time.perf_counter() - began, "touched_rise": peak_rise(start)}
+    if save_to is not None:
+        start, began = start_peak(), time.perf_counter()
+        model.save_pretrained(save_to)
+        result.update(save_s=time.perf_counter() - began, save_rise=peak_rise(start))
+    return result
 
 
 if __name__ == "__main__":
-    print(json.dumps(one_device(sys.argv[1])))
+    print(json.dumps(one_device(*sys.argv[1:3])))

@@ -78,18 +78,22 @@ class CheckpointedGPT(GPT):
 
 class Attention(nn.Module):
     """Non-causal attention with separate q, k, v projections; ``width``: the output's width,
-    as written (a hand-edited copy for ``parallelize_module`` makes it -1, the local width)."""
+    as written (a hand-edited copy for ``parallelize_module`` makes it -1, the local width).
+    ``qk_norm``: q and k RMS-normed per head (over head_dim), as Flux and SD3 do."""
 
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, qk_norm: bool = False):
         super().__init__()
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
         self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.out = nn.Linear(dim, dim)
         self.width = dim
+        self.norm_q, self.norm_k = ((nn.RMSNorm(self.head_dim, eps=1e-6), nn.RMSNorm(self.head_dim, eps=1e-6))
+                                    if qk_norm else (nn.Identity(), nn.Identity()))
 
     def forward(self, x):
         b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, self.heads, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = (p(x).view(b, s, self.heads, self.head_dim) for p in (self.q, self.k, self.v))
+        q, k, v = self.norm_q(q).transpose(1, 2), self.norm_k(k).transpose(1, 2), v.transpose(1, 2)
         a = F.scaled_dot_product_attention(q, k, v)
         return self.out(a.transpose(1, 2).reshape(b, s, self.width))
 
@@ -115,10 +119,10 @@ class CrossAttention(nn.Module):
 class DiTBlock(nn.Module):
     """DiT-style pre-norm block: non-causal attention, GELU MLP."""
 
-    def __init__(self, dim: int, heads: int, mlp: int):
+    def __init__(self, dim: int, heads: int, mlp: int, qk_norm: bool = False):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads)
+        self.attn = Attention(dim, heads, qk_norm)
         self.up, self.down = nn.Linear(dim, mlp), nn.Linear(mlp, dim)
 
     def forward(self, x):
@@ -129,9 +133,9 @@ class DiTBlock(nn.Module):
 class DiT(nn.Module):
     """A stack of DiT blocks on a (batch, seq, dim) input."""
 
-    def __init__(self, layers: int = 2, dim: int = 256, heads: int = 8, mlp: int = 1024):
+    def __init__(self, layers: int = 2, dim: int = 256, heads: int = 8, mlp: int = 1024, qk_norm: bool = False):
         super().__init__()
-        self.blocks = nn.ModuleList(DiTBlock(dim, heads, mlp) for _ in range(layers))
+        self.blocks = nn.ModuleList(DiTBlock(dim, heads, mlp, qk_norm) for _ in range(layers))
 
     def forward(self, x):
         for block in self.blocks:
@@ -218,3 +222,13 @@ class Llama(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.norm(x))
+
+
+def meta_llama_32_layers() -> tuple[Llama, tuple[torch.Tensor]]:
+    """A Llama-70B-sized stack (hidden 8192, 64 heads, 8 kv heads, mlp 28672) of 32 layers on the
+    meta device and a batch of 32 x 4096 tokens: what ``explain`` plans at pp4 x tp8 x dp_shard4
+    (8 microbatches of 4 rows, one a dp_shard rank)."""
+    with torch.device("meta"):
+        model = Llama(vocab=32000, layers=32, hidden=8192, heads=64, kv_heads=8, mlp=28672)
+        ids = torch.randint(0, 32000, (32, 4096))
+    return model, (ids,)

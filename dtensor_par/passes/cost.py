@@ -176,6 +176,17 @@ def _backward_time(node: fx.Node, recomputed: bool, machine: Machine, links: dic
     return _NodeTime(*(a + b for a, b in zip(dataclasses.astuple(back), dataclasses.astuple(again))))
 
 
+def node_seconds(node: fx.Node, machine: Machine, links: dict[str, str], training: bool, recomputed: bool) -> float:
+    """The node's time with nothing overlapped but ring attention's rotations: its compute and its
+    collectives, forward and with ``training`` backward (``recomputed``: its forward again there).
+    What a part of a graph costs alone (a pipeline stage's blocks), where ``cost_pass`` times a
+    whole graph."""
+    times = [_node_time(node, machine, links, "forward")]
+    if training:
+        times.append(_backward_time(node, recomputed, machine, links))
+    return sum(t.held + max(t.compute, t.hidden) + t.issued for t in times)
+
+
 def _run(nodes: Iterable[fx.Node], needs: Callable[[fx.Node], list[fx.Node]],
          time_of: Callable[[fx.Node], _NodeTime], share: float) -> tuple[float, float]:
     """(end, compute seconds) of the nodes run in order on one compute and one network stream,

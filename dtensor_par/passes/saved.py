@@ -89,11 +89,30 @@ def kept_for_backward(gm: fx.GraphModule, checkpointing: bool = True) -> KeptFor
     would without its regions' tags."""
     kept, recomputed = _cut(gm, checkpointing)
     comms = [c for n in recomputed if not is_fsdp_gather(n) for c in communications(n) if c.forward]
-    attention = [n for n in gm.graph.nodes if op_kind(n) in ("sdpa", "hybrid_attention") and n not in recomputed]
     return KeptForBackward(
-        sum(map(_bytes, kept)) + sum(map(_attention_own_bytes, attention))
-        + _RNG_STATE_BYTES * sum(_random_ops(n) for n in recomputed),
+        sum(_held_bytes(gm, kept, recomputed).values()),
         sum(w.flops for n in recomputed if (w := work(n))), len(comms), sum(c.forward_bytes for c in comms))
+
+
+def kept_by_node(gm: fx.GraphModule) -> tuple[dict[fx.Node, int], set[fx.Node]]:
+    """(``kept_for_backward``'s bytes by the node that holds them, ``recomputed_ops``): a part of
+    the graph (a pipeline stage) sums its own."""
+    kept, recomputed = _cut(gm, checkpointing=True)
+    return _held_bytes(gm, kept, recomputed), {n for n in recomputed if not is_fsdp_gather(n)}
+
+
+def _held_bytes(gm: fx.GraphModule, kept: set[fx.Node], recomputed: set[fx.Node]) -> dict[fx.Node, int]:
+    """Bytes each node holds for backward: a kept value's storage, an attention's own saved
+    state, a recomputed random op's RNG state."""
+    held = dict.fromkeys(gm.graph.nodes, 0)
+    for node in kept:
+        held[node] += _bytes(node)
+    for node in gm.graph.nodes:
+        if op_kind(node) in ("sdpa", "hybrid_attention") and node not in recomputed:
+            held[node] += _attention_own_bytes(node)
+    for node in recomputed:
+        held[node] += _RNG_STATE_BYTES * _random_ops(node)
+    return {node: nbytes for node, nbytes in held.items() if nbytes}
 
 
 def recomputed_ops(gm: fx.GraphModule) -> set[fx.Node]:

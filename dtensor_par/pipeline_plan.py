@@ -1,0 +1,364 @@
+"""Where ``pipeline`` cuts a model into stages, and what each stage costs.
+
+The blocks are the children of the ``nn.ModuleList`` that holds the most parameters. Each is
+costed on the whole graph planned over one stage's mesh (the mesh without pp), by the time
+model (``passes.cost.node_seconds``: forward and backward of one microbatch) and by memory
+(the parameters a rank holds, their gradients and AdamW's states, and the activations kept for
+backward per microbatch). An op outside every block costs with the block traced before it, as
+``pipelining`` places it: the embedding with the first block, the norm, head and loss with the
+last. Stages are contiguous runs of blocks; the cut minimizes the slowest stage, after keeping
+every stage within the machine's memory where it can, then the fullest stage's memory.
+``explain(pp=...)`` and ``pipeline`` cut by the same function on the same costs, so what the
+report shows is what the ranks run.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.fx as fx
+import torch.nn as nn
+
+from .dump import parameter_rows
+from .machines import H100_SXM, Machine
+from .mesh import MeshInfo
+from .passes.context import ParallelContext
+from .passes.cost import StepTime, Traffic, bytes_text, duration_text, link_classes, node_seconds
+from .passes.meta import planned_local_shape
+from .passes.recompute import module_stack
+from .passes.saved import kept_by_node
+
+ADAM_STATES = 2
+"""Optimizer state per gradient byte: Adam's two moments, in the parameters' dtype."""
+REFERENCE = H100_SXM
+"""The rates stages are balanced by where no machine is given (only their ratios move a cut),
+with no memory limit."""
+
+
+def blocks_of(model: nn.Module) -> list[str]:
+    """The FQNs of the children of the ``nn.ModuleList`` that holds the most parameters
+    (``layers.0``, ``layers.1``, ...): the model's repeated blocks, where stages are cut."""
+    best, most = None, -1
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            held = sum(p.numel() for p in module.parameters())
+            if held > most:
+                best, most = name, held
+    if best is None:
+        raise ValueError(f"pipeline: {type(model).__name__} holds no nn.ModuleList of blocks to cut into stages")
+    return [f"{best}.{i}" if best else str(i) for i in range(len(model.get_submodule(best)))]
+
+
+def node_block(node: fx.Node, blocks: dict[str, int]) -> int | None:
+    """The index of the block a node runs in, from its module path (``nn_module_stack``)."""
+    for path, _ in module_stack(node):
+        parts = path.split(".")
+        for k in range(len(parts), 0, -1):
+            index = blocks.get(".".join(parts[:k]))
+            if index is not None:
+                return index
+    return None
+
+
+def balanced_cuts(blocks: int, stages: int, stage_cost: Callable[[int, int, int], tuple]) -> list[int]:
+    """The first block of each stage: contiguous runs of ``blocks``, each stage at least one, whose
+    costliest stage (``stage_cost(stage, first block, end)``, compared as tuples) is as cheap as
+    can be (the first such split in order)."""
+    best: dict[tuple[int, int], tuple[tuple, list[int]]] = {}
+
+    def split(start: int, left: int) -> tuple[tuple, list[int]]:
+        stage = stages - left
+        if left == 1:
+            return stage_cost(stage, start, blocks), [start]
+        if (start, left) not in best:
+            options = []
+            for end in range(start + 1, blocks - left + 2):
+                rest, starts = split(end, left - 1)
+                options.append((max(stage_cost(stage, start, end), rest), [start, *starts]))
+            best[start, left] = min(options, key=lambda o: o[0])
+        return best[start, left]
+
+    return split(0, stages)[1]
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block on one rank, per microbatch, with the ops outside every block it is placed with."""
+
+    seconds: float  # forward and backward, nothing overlapped but ring attention's rotations
+    parameter_bytes: int  # the rank's piece over the stage's mesh
+    trained_bytes: int  # of them, those with a gradient (and AdamW's states)
+    activation_bytes: int  # kept for backward
+
+
+def node_blocks(gm: fx.GraphModule, blocks: list[str]) -> dict[fx.Node, int]:
+    """Each node's block: the one it runs in, else the block traced before it (the first before
+    any), as ``pipelining`` places ops in stages; a placeholder goes with its first reader."""
+    index = {b: i for i, b in enumerate(blocks)}
+    current, of = 0, {}
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "output"):
+            found = node_block(node, index)
+            current = of[node] = current if found is None else found
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            of[node] = min((of[u] for u in node.users if u in of), default=0)
+    return of
+
+
+def block_costs(gm: fx.GraphModule, ctx: ParallelContext, blocks: list[str], machine: Machine) -> list[BlockCost]:
+    """Each block's cost on one rank of the planned graph ``gm`` (a training step's)."""
+    links = link_classes(ctx.mesh, machine.devices_per_node)
+    kept, recomputed = kept_by_node(gm)
+    held = {row["name"]: row["bytes_per_rank"] for row in parameter_rows(ctx)}
+    seconds, params, trained, acts = ([0] * len(blocks) for _ in range(4))
+    for node, block in node_blocks(gm, blocks).items():
+        seconds[block] += node_seconds(node, machine, links, True, node in recomputed)
+        acts[block] += kept.get(node, 0)
+        info = ctx.params.get(node.name) if node.op == "placeholder" else None
+        if info is not None:
+            params[block] += held[info.fqn]
+            trained[block] += held[info.fqn] if info.tensor.requires_grad else 0
+    return [BlockCost(*c) for c in zip(seconds, params, trained, acts)]
+
+
+def bubble(pp: int, virtual: int, microbatches: int) -> float:
+    """The share of a step each rank idles filling and draining the pipeline: (pp - 1) stage
+    times of 1/v of a microbatch's, against the m microbatches' work, (pp-1)/(v m + pp - 1);
+    GPipe's and 1F1B's at v = 1."""
+    return (pp - 1) / (virtual * microbatches + pp - 1)
+
+
+def in_flight(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) -> int:
+    """Microbatches whose activations a stage holds at once under torch's ``schedule``: GPipe runs
+    every forward before any backward; 1F1B's rank r runs pp - r forwards before its first
+    backward; Interleaved1F1B's runs its warmup forwards (torch's ``_get_warmup_ops``), spread
+    over its v stages. The schedules that split the backward are bounded as GPipe is."""
+    rank = stage % pp
+    if schedule == "GPipe":
+        return microbatches
+    if schedule == "1F1B":
+        return min(microbatches, pp - rank)
+    if schedule == "Interleaved1F1B":
+        per_round = microbatches // max(1, microbatches // pp)
+        warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank) + 1, microbatches * virtual)
+        return math.ceil(warmup / virtual)
+    return microbatches  # the schedules that split the backward: at most every microbatch, GPipe's bound
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How ``pipeline`` runs one of torch's schedules: the stages each rank holds, and where."""
+
+    stages_per_rank: int
+    v_shaped: bool = False  # rank r holds stages r and 2*pp-1-r (the first and last both on rank 0), not r, r+pp, ...
+    splits_backward: bool = False  # computes each stage's input gradients and weight gradients apart
+
+    def stages_of(self, rank: int, pp: int) -> list[int]:
+        """The stages pp rank ``rank`` holds, in order (torch's ``generate_stage_to_rank_mapping``)."""
+        if self.v_shaped:
+            return [rank, 2 * pp - 1 - rank]
+        return list(range(rank, pp * self.stages_per_rank, pp))
+
+    def check_backend(self, name: str, inner_backend) -> None:
+        """Refuse to split the backward of stages compiled whole: an AOT-compiled stage's backward is
+        one autograd node, which torch's split runs whole for the input gradients and again for the
+        weights (exact, but twice the backward and no bubble saved); torch 2.13 refuses it too."""
+        if self.splits_backward and inner_backend != "eager":
+            raise NotImplementedError(
+                f"pipeline: schedule {name!r} computes a stage's input gradients and weight gradients apart, by "
+                f"walking the stage's autograd graph, which takes inner_backend='eager' (one autograd node per op); "
+                f"under inner_backend={inner_backend!r} a stage's backward is one compiled node, which the split runs "
+                f"whole twice (exact, but twice the backward and no bubble saved), and torch 2.13 refuses these "
+                f"schedules over compiled stages")
+
+    def rank_of(self, stage: int, pp: int) -> int:
+        """The pp rank that holds ``stage``."""
+        return next(r for r in range(pp) if stage in self.stages_of(r, pp))
+
+
+SCHEDULES = {
+    "GPipe": Schedule(1),
+    "1F1B": Schedule(1),
+    "Interleaved1F1B": Schedule(2),
+    "InterleavedZeroBubble": Schedule(2, splits_backward=True),
+    "ZBVZeroBubble": Schedule(2, v_shaped=True, splits_backward=True),
+    "DualPipeV": Schedule(2, v_shaped=True, splits_backward=True),
+}
+"""torch's schedules ``pipeline`` runs, by name (``torch.distributed.pipelining.Schedule<name>``)."""
+MODELED_SCHEDULES = tuple(name for name, kind in SCHEDULES.items() if not kind.splits_backward)
+"""Those whose bubble ``bubble`` models: the ones ``choose_mesh`` ranks."""
+
+
+@dataclass(frozen=True)
+class ScheduleRun:
+    """A schedule of ``SCHEDULES`` run over pp ranks of ``virtual`` stages each."""
+
+    name: str
+    pp: int
+    virtual: int
+    microbatches: int
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.virtual
+
+    def stages_of(self, rank: int) -> list[int]:
+        return SCHEDULES[self.name].stages_of(rank, self.pp)
+
+    @property
+    def bubble(self) -> float | None:
+        """``bubble``'s share; None for the schedules that split the backward, which no formula here models."""
+        return None if SCHEDULES[self.name].splits_backward else bubble(self.pp, self.virtual, self.microbatches)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    blocks: list[str]
+    seconds: float  # per microbatch, forward and backward
+    parameter_bytes: int
+    trained_bytes: int  # of the parameters, those with a gradient (and AdamW's states)
+    activation_bytes: int  # per microbatch
+    in_flight: int  # microbatches whose activations it holds at once
+    memory: int  # bytes at most: parameters, gradients, AdamW's states, activations in flight
+
+
+def stage_plan(costs: list[BlockCost], blocks: list[str], schedule: ScheduleRun, stage: int) -> StagePlan:
+    """Stage ``stage`` made of ``blocks`` (their ``costs``)."""
+    held = in_flight(schedule.name, schedule.pp, schedule.virtual, schedule.microbatches, stage)
+    params, trained = sum(c.parameter_bytes for c in costs), sum(c.trained_bytes for c in costs)
+    activations = sum(c.activation_bytes for c in costs)
+    return StagePlan(blocks, sum(c.seconds for c in costs), params, trained, activations, held,
+                     params + (1 + ADAM_STATES) * trained + held * activations)
+
+
+def cut_blocks(model_name: str, costs: list[BlockCost], blocks: list[str], schedule: ScheduleRun,
+               memory_limit: float = math.inf) -> list[StagePlan]:
+    """The pp x v stages, cut by ``balanced_cuts``: first every stage within ``memory_limit``
+    where it can be, then the slowest stage as fast as can be, then the fullest as small."""
+    if len(blocks) < schedule.stages:
+        raise ValueError(f"pipeline: {model_name} has {len(blocks)} blocks ({blocks[0].rpartition('.')[0]}) "
+                         f"but {schedule.stages} stages were asked for: each stage needs at least one block")
+
+    @functools.cache
+    def measures(stage: int, start: int, end: int) -> tuple[float, float, int]:
+        plan = stage_plan(costs[start:end], blocks[start:end], schedule, stage)
+        return max(0.0, plan.memory - memory_limit), float(f"{plan.seconds:.9g}"), plan.memory
+
+    bounds: list[float] = []  # the best costliest stage of each measure before, kept while minimizing the next
+
+    def within(stage: int, start: int, end: int) -> tuple:
+        measured = measures(stage, start, end)
+        kept = all(m <= b for m, b in zip(measured, bounds))
+        return (measured[len(bounds)] if kept else math.inf,)
+
+    for measure in range(3):
+        starts = balanced_cuts(len(blocks), schedule.stages, within)
+        bounds.append(max(measures(stage, start, end)[measure]
+                          for stage, (start, end) in enumerate(zip(starts, [*starts[1:], len(blocks)]))))
+    return [stage_plan(costs[start:end], blocks[start:end], schedule, stage)
+            for stage, (start, end) in enumerate(zip(starts, [*starts[1:], len(blocks)]))]
+
+
+def plan_stages(model_name: str, gm: fx.GraphModule, ctx: ParallelContext, blocks: list[str], schedule: ScheduleRun,
+                machine: Machine | None) -> list[StagePlan]:
+    """The stages of the graph ``gm`` planned over one stage's mesh (``ctx``), costed on
+    ``machine`` (``REFERENCE``'s rates, no memory limit, where None); a rank's v stages share its
+    device's memory."""
+    costs = block_costs(gm, ctx, blocks, machine or REFERENCE)
+    limit = machine.memory_per_device / schedule.virtual if machine else math.inf
+    return cut_blocks(model_name, costs, blocks, schedule, limit)
+
+
+def _value(node: fx.Node):
+    """The captured graph's example of a node's value (Dynamo's)."""
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _piece_bytes(captured: fx.Node, planned: dict[str, fx.Node], mesh: MeshInfo) -> int:
+    """This rank's bytes of a value as the plan cuts it (``planned``: the planned graph's nodes by
+    name); whole where the plan rewrote it away (transformers' mask under cp: the planned
+    attention reads none), as the stage that makes it returns it."""
+    value = _value(captured)
+    if captured.name not in planned:
+        return value.numel() * value.element_size()
+    return math.prod(planned_local_shape(planned[captured.name], mesh)) * value.element_size()
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A pipelined model's stages and what its schedule predicts (``explain(pp=...)``)."""
+
+    schedule: ScheduleRun
+    stages: list[StagePlan]
+    sent_bytes: list[int]  # per microbatch, one rank to its peer across each cut (the gradients back: as many at most)
+    piece_bytes: list[int]  # of them, the rank's own piece as the plan cuts the values (cp: its sequence shard)
+    send_seconds: float  # one send across the largest cut, on the pp link
+    link: str  # the link class pp's sends cross
+    machine: str | None  # the profile the seconds are of; None: REFERENCE's rates, shown only as shares
+
+    def rank_stages(self, rank: int) -> list[StagePlan]:
+        """The stages pp rank ``rank`` holds (``Schedule.stages_of``)."""
+        return [self.stages[i] for i in self.schedule.stages_of(rank)]
+
+    @property
+    def predicted(self) -> StepTime:
+        """A training step: the slowest rank's microbatches (compute, its collectives unhidden),
+        then what it waits: the fill and drain (the bubble) and their sends (every cut once
+        forward and once backward; the others overlap compute). Traffic: a middle rank's sends,
+        a microbatch's activation forward and its gradient back."""
+        if self.schedule.bubble is None:
+            raise ValueError(f"pipeline: no step is predicted for schedule {self.schedule.name!r}: its bubble (a "
+                             f"backward split into input and weight gradients) is not modeled")
+        m = self.schedule.microbatches
+        slowest = max(sum(s.seconds for s in self.rank_stages(r)) for r in range(self.schedule.pp))
+        step = slowest * m / (1 - self.schedule.bubble) + 2 * (self.schedule.stages - 1) * self.send_seconds
+        sends = 2 * m * self.schedule.virtual
+        traffic = {"pp": Traffic(self.link, sends, sends * max(self.sent_bytes, default=0), sends * self.send_seconds)}
+        return StepTime(slowest * m, step - slowest * m, traffic)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.predicted.total
+
+    def lines(self) -> list[str]:
+        s = self.schedule
+        bubble = (f"bubble {s.bubble:.1%} ((pp-1)/(v*m+pp-1))" if s.bubble is not None else
+                  "bubble not modeled (a backward split into input and weight gradients)")
+        out = [f"pipeline: {s.name}, pp={s.pp} x {s.virtual} stage{'s' if s.virtual > 1 else ''} a rank, "
+               f"{s.microbatches} microbatches; {bubble}"]
+        total = sum(st.seconds for st in self.stages) or 1.0
+        for i, st in enumerate(self.stages):
+            time = duration_text(st.seconds) if self.machine else f"{st.seconds / total:.1%} of the model's time"
+            out.append(f"  stage {i} (pp rank {SCHEDULES[s.name].rank_of(i, s.pp)}): {_block_span(st.blocks)}; {time} a microbatch; "
+                       f"{bytes_text(st.memory)} (parameters {bytes_text(st.parameter_bytes)}, activations "
+                       f"{bytes_text(st.activation_bytes)} a microbatch x {st.in_flight} in flight)")
+        for i, (sent, piece) in enumerate(zip(self.sent_bytes, self.piece_bytes)):
+            out.append(f"  cut {i}->{i + 1}: {sent:,} bytes a microbatch a rank ({self.link}), and back the gradients "
+                       f"of those that need one; the rank's own piece {piece:,}")
+        if self.machine and s.bubble is not None:
+            out.append(f"  predicted training step on {self.machine}: {duration_text(self.step_seconds)}")
+        return out
+
+
+def _block_span(blocks: list[str]) -> str:
+    return blocks[0] if len(blocks) == 1 else f"{blocks[0]}..{blocks[-1].rpartition('.')[2]} ({len(blocks)} blocks)"
+
+
+def pipeline_plan(stages: list[StagePlan], crossing: list[list[fx.Node]], gm: fx.GraphModule, mesh: MeshInfo,
+                  schedule: ScheduleRun, machine: Machine | None) -> PipelinePlan:
+    """The report of ``stages`` whose cuts send ``crossing`` (values of the captured graph): each
+    whole, as a stage compiled by ``hybrid_parallel`` returns it, and the piece the plan of ``gm``
+    (its planned graph) cuts of it. The pp group of rank 0 spans one stage's ranks (its mesh's
+    size) apart."""
+    planned = {n.name: n for n in gm.graph.nodes}
+    sent = [sum(_value(v).numel() * _value(v).element_size() for v in values) for values in crossing]
+    pieces = [sum(_piece_bytes(v, planned, mesh) for v in values) for values in crossing]
+    rates = machine or REFERENCE
+    apart = mesh.world_size // mesh.stages
+    link = "inter_node" if (schedule.pp - 1) * apart >= rates.devices_per_node else "intra_node"
+    seconds = rates.collective_seconds("permute", max(sent, default=0), 2, link)
+    return PipelinePlan(schedule, stages, sent, pieces, seconds, link, machine and machine.name)
