@@ -404,6 +404,17 @@ def _planned_whole(gm: fx.GraphModule, graph_inputs: list, submesh: DeviceMesh, 
     return parallelize_graph(gm, [hint(a) for a in graph_inputs], info, _stage_options(config), feeding=SHARDED)
 
 
+def _pipeline_stage(stage_gm: fx.GraphModule, index: int, stages: int, device: torch.device, example: list, cut: Cut,
+                    mesh: DeviceMesh):
+    """Stage ``index`` as torch's ``PipelineStage``, given its inputs' and outputs' metadata: torch's
+    own inference runs a later stage on uninitialized tensors (garbage integers: labels, ids)."""
+    from torch.distributed import pipelining
+
+    return pipelining.PipelineStage(stage_gm, index, stages, device, input_args=tuple(example),
+                                    output_args=tuple(_example(n, device) for n in cut.outputs[index]),
+                                    group=mesh.get_group("pp"))
+
+
 def _cut_by_cost(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, first: list, submesh: DeviceMesh,
                  config: ParallelConfig, schedule: ScheduleRun, machine: str | Machine | None) -> Cut:
     """``gm`` cut into the stages ``explain(pp=...)`` reports: blocks balanced by the time model
@@ -466,10 +477,7 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
         example = [first[i] for i in cut.user] if index == 0 else [_example(n, device) for n in cut.inputs[index]]
         _compile_stage(stage_gm, submesh, example, config, options, device)
         held.append(stage_gm)
-        # static metadata: torch's inference would run a later stage on uninitialized tensors (garbage integers)
-        runners.append(pipelining.PipelineStage(stage_gm, index, stages, device, input_args=tuple(example),
-                                                output_args=tuple(_example(n, device) for n in cut.outputs[index]),
-                                                group=mesh.get_group("pp")))
+        runners.append(_pipeline_stage(stage_gm, index, stages, device, example, cut, mesh))
     if checkpoint is not None:
         load_checkpoint(model, checkpoint, stages=held)
     order = getattr(pipelining, f"Schedule{schedule}")(runners if runs.stages_per_rank > 1 else runners[0],
