@@ -23,8 +23,8 @@ from .passes.capture import capture_graphs
 from .passes.cost import StepTime, cost_pass, traffic_text
 from .passes.coverage import Coverage
 from .passes.sites import MoESite
-from .pipeline_plan import SCHEDULES, PipelinePlan, ScheduleRun, blocks_of, pipeline_plan, plan_stages
-from .pipelining import cut_graph, microbatch_of
+from .pipeline_plan import SCHEDULES, PipelinePlan, ScheduleRun, pipeline_plan
+from .pipelining import cut_by_cost, microbatch_of
 from .sharded import cast_floating, sharded_state, traced_in
 from .symbolic import hint
 
@@ -185,8 +185,7 @@ def _stages(model, captured: list, example: tuple, planned: list, info: MeshInfo
         raise NotImplementedError(f"explain: Dynamo captured {len(captured)} graphs of {type(model).__name__}; "
                                   f"pipeline stages are cut from one graph")
     (gm, inputs), = captured
-    stages = plan_stages(type(model).__name__, *planned, blocks_of(model), schedule, machine)
-    cut = cut_graph(model, gm, inputs, pytree.tree_leaves(example), [s.blocks for s in stages])
+    stages, cut = cut_by_cost(model, gm, inputs, pytree.tree_leaves(example), planned, schedule, machine)
     return pipeline_plan(stages, cut.outputs[:-1], planned[0], info, schedule, machine)
 
 

@@ -33,18 +33,18 @@ from torch.distributed.tensor import DTensor
 from .checkpoints import Part, held_tensors, load_checkpoint, tied_groups, write_parts
 from .config import ParallelConfig
 from .mesh import STAGE_DIMS, MeshInfo
-from .passes.capture import capture_graphs
 from .machines import Machine, machine as machine_profile
 from .params import SHARDED
+from .passes.capture import capture_graphs
 from .passes.context import ParallelContext
 from .passes.meta import module_paths
-from .pipeline_plan import SCHEDULES, Schedule, ScheduleRun, blocks_of, node_block, plan_stages
+from .pipeline_plan import (SCHEDULES, Schedule, ScheduleRun, StagePlan, blocks_of, node_block, node_blocks,
+                            plan_stages)
 from .planning import parallelize_graph
 from .runtime import ParallelBackend
 from .same_inputs import check_same_inputs
 from .sharded import inputs_device, parallelize_with, planned_on
 from .symbolic import hint
-
 
 
 @dataclass
@@ -64,25 +64,24 @@ class Cut:
 
 def _place_nodes(gm: fx.GraphModule, blocks: list[str], stage_of_block: dict[str, int],
                  inputs: list[fx.Node]) -> dict[fx.Node, int]:
-    """Each node's stage: its block's, or (outside every block) that of the block traced last;
-    the call's tensors (``inputs``) with the first stage."""
-    block_index = {b: i for i, b in enumerate(blocks)}
+    """Each node's stage: that of its block as ``pipeline_plan.node_blocks`` places it (the block
+    it runs in, else the block traced before it), the placement the stages were costed by; the
+    call's tensors (``inputs``) with the first stage."""
+    block_of = node_blocks(gm, blocks)
     stage_of: dict[fx.Node, int] = {n: 0 for n in inputs}
-    current, traced = 0, set()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         if node.op == "call_module":
             raise NotImplementedError(f"pipeline: the captured graph calls module {node.target!r} (call_module)")
-        index = node_block(node, block_index)
-        if index is not None:
-            current = stage_of_block[blocks[index]]
-            traced.add(index)
+        current = stage_of_block[blocks[block_of[node]]]
         for arg in node.all_input_nodes:
             if arg in stage_of and stage_of[arg] > current:
                 raise NotImplementedError(f"pipeline: {node.name} (stage {current}) reads {arg.name} of stage "
                                           f"{stage_of[arg]}: the blocks do not run in order")
         stage_of[node] = current
+    index = {b: i for i, b in enumerate(blocks)}
+    traced = {node_block(node, index) for node in block_of if node.op != "placeholder"}
     untraced = [b for i, b in enumerate(blocks) if i not in traced]
     if untraced:
         raise NotImplementedError(f"pipeline: no op of the captured graph was traced in blocks {untraced} (by "
@@ -415,13 +414,14 @@ def _pipeline_stage(stage_gm: fx.GraphModule, index: int, stages: int, device: t
                                     group=mesh.get_group("pp"))
 
 
-def _cut_by_cost(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, first: list, submesh: DeviceMesh,
-                 config: ParallelConfig, schedule: ScheduleRun, machine: str | Machine | None) -> Cut:
-    """``gm`` cut into the stages ``explain(pp=...)`` reports: blocks balanced by the time model
-    (and memory) over one stage's mesh (``pipeline_plan.plan_stages``)."""
-    stages = plan_stages(type(model).__name__, *_planned_whole(gm, graph_inputs, submesh, config), blocks_of(model),
-                         schedule, machine and machine_profile(machine))
-    return cut_graph(model, gm, graph_inputs, first, [s.blocks for s in stages])
+def cut_by_cost(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inputs: list,
+                planned: tuple[fx.GraphModule, ParallelContext], schedule: ScheduleRun, machine: Machine | None
+                ) -> tuple[list[StagePlan], Cut]:
+    """``gm`` cut into stages of blocks balanced by the time model (and memory) of ``planned``
+    (the graph planned over one stage's mesh; ``pipeline_plan.plan_stages``): what ``pipeline``
+    runs and ``explain(pp=...)`` reports."""
+    stages = plan_stages(type(model).__name__, *planned, blocks_of(model), schedule, machine)
+    return stages, cut_graph(model, gm, graph_inputs, flat_inputs, [s.blocks for s in stages])
 
 
 def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, loss_fn, microbatches: int,
@@ -468,8 +468,9 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
         torch.device(mesh.device_type)
     gm, graph_inputs = _one_graph(model, pytree.tree_unflatten(first, spec), inputs_device(first) or device)
-    cut = _cut_by_cost(model, gm, graph_inputs, first, submesh, config,
-                       ScheduleRun(schedule, pp, runs.stages_per_rank, microbatches), machine)
+    _, cut = cut_by_cost(model, gm, graph_inputs, first, _planned_whole(gm, graph_inputs, submesh, config),
+                         ScheduleRun(schedule, pp, runs.stages_per_rank, microbatches),
+                         machine and machine_profile(machine))
     stages = pp * runs.stages_per_rank
     held, runners = [], []
     for index in runs.stages_of(stage, pp):
