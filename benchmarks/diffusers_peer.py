@@ -10,10 +10,11 @@ joint and one single-stream block, 8 heads x 32, 1024 image + 128 text tokens, f
 repetitions alternated between the variants, each timed on its slowest rank:
 
 - one device: ``torch.compile(backend=inner)``, eager too (diffusers' own runs eager);
-- diffusers' ``enable_parallelism`` with ``ContextParallelConfig(ulysses_degree=2)``, eager and
-  compiled with ``inner``; and ``TensorParallelConfig`` where diffusers runs it (on CPU it
-  refuses, recorded). diffusers picks a device with ``rank % torch.accelerator.device_count()``,
-  0 on CPU: it is called with a count of 1, its only change;
+- diffusers' ``enable_parallelism`` with ``ContextParallelConfig(ulysses_degree=2)`` and with
+  ``TensorParallelConfig(tp_degree=2)`` (``parallelize_module`` over the model's ``_tp_plan``),
+  each eager and compiled with ``inner``. Two changes let it run on CPU: diffusers picks a device
+  with ``rank % torch.accelerator.device_count()``, 0 on CPU, so it is called with a count of 1;
+  its tensor parallelism refuses a CPU mesh by a device-type check alone, which is let pass;
 - ours: ``parallelize`` + ``hybrid_parallel(inner_backend=inner)`` at ulysses2 and at tp2.
 
 Parallel efficiency: one device's best (compiled) time / (2 x the variant's). What fails is recorded.
@@ -42,9 +43,13 @@ from dtensor_par._testing.harness import run_ranks
 
 def _diffusers(model, config, inner: str | None):
     """``model`` (a copy) under diffusers' ``enable_parallelism(config=config)``, with its loss;
-    compiled with ``inner`` unless None."""
+    compiled with ``inner`` unless None. Its tensor parallelism (``parallelize_module`` over the
+    model's ``_tp_plan``) refuses a CPU mesh by a device-type check alone: it is let run."""
+    from diffusers.hooks import tensor_parallel
+
     parallel = copy.deepcopy(model)
-    with mock.patch.object(torch.accelerator, "device_count", lambda: 1):
+    with mock.patch.object(torch.accelerator, "device_count", lambda: 1), \
+            mock.patch.object(tensor_parallel, "_SUPPORTED_TP_DEVICES", (*tensor_parallel._SUPPORTED_TP_DEVICES, "cpu")):
         parallel.enable_parallelism(config=config)
     with_loss = WithLoss(parallel)
     return with_loss, (torch.compile(with_loss, backend=inner) if inner else with_loss)
@@ -70,7 +75,8 @@ def variants(model, kwargs, inner: str) -> dict:
             "ours tp2": lambda: _ours(model, kwargs, inner, tp=2),
             "diffusers ulysses2 eager": lambda: _diffusers(model, ContextParallelConfig(ulysses_degree=2), None),
             f"diffusers ulysses2 {inner}": lambda: _diffusers(model, ContextParallelConfig(ulysses_degree=2), inner),
-            "diffusers tp2 eager": lambda: _diffusers(model, TensorParallelConfig(tp_degree=2), None)}
+            "diffusers tp2 eager": lambda: _diffusers(model, TensorParallelConfig(tp_degree=2), None),
+            f"diffusers tp2 {inner}": lambda: _diffusers(model, TensorParallelConfig(tp_degree=2), inner)}
 
 
 def _forward(fn, kwargs) -> None:
@@ -116,15 +122,17 @@ def run_world(rank: int, world: int, *, reps: int, inner: str, image: int, text:
 
 
 def table(result: dict) -> str:
-    """Forward and step per variant: ms, ratio to diffusers' best ulysses2 and parallel efficiency."""
+    """Forward and step per variant: ms, ratio to diffusers' best on the same mesh (ulysses2 or
+    tp2, eager or compiled) and parallel efficiency."""
     ms = result["ms"]
     labels = list(dict.fromkeys(k.split("/", 1)[1] for k in ms))
-    out = ["| variant | fwd ms | fwd / diffusers' best | fwd efficiency | step ms | step / diffusers' best "
-           "| step efficiency |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| variant | fwd ms | fwd / diffusers' best, same mesh | fwd efficiency | step ms "
+           "| step / diffusers' best, same mesh | step efficiency |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for label in labels:
         row = [label]
+        mesh = label.split()[1] if label.startswith(("ours", "diffusers")) else None
         for phase in ("forward", "step"):
-            peers = [v for k, v in ms.items() if k.startswith(f"{phase}/diffusers ulysses2")]
+            peers = [v for k, v in ms.items() if mesh and k.startswith(f"{phase}/diffusers {mesh}")]
             one, own = ms.get(f"{phase}/one_device"), ms[f"{phase}/{label}"]
             row += [f"{own:.1f}", f"{own / min(peers):.2f}" if peers else "-",
                     f"{one / (2 * own):.0%}" if one and "one_device" not in label else "-"]

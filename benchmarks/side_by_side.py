@@ -231,9 +231,10 @@ def first_call_seconds(name, sizes, seq, mesh_sizes, mesh, inner, reps) -> tuple
 def measure_config(world, name, sizes, seq, mesh_sizes, reps, compile_reps, inner) -> dict:
     mesh = dtensor_par.init_mesh(**mesh_sizes)
     result = {"model": name, "mesh": mesh_sizes, "world": world, "seq": seq, "notes": {}, "failed": {},
-              "first_call_s": {}, "ms": {}, "memory": {}, "collectives": {}}
-    result["first_call_s"], result["pass_ms"] = first_call_seconds(name, sizes, seq, mesh_sizes, mesh, inner,
-                                                                   compile_reps)
+              "first_call_s": {}, "pass_ms": {}, "ms": {}, "memory": {}, "collectives": {}}
+    if compile_reps:
+        result["first_call_s"], result["pass_ms"] = first_call_seconds(name, sizes, seq, mesh_sizes, mesh, inner,
+                                                                       compile_reps)
 
     torch._dynamo.reset()
     variants, x = _variants(name, sizes, seq, mesh_sizes, mesh, inner)
@@ -455,15 +456,22 @@ def main():
                         help="the inner backend of ours, the one-device model and the compiled peers "
                              "(default aot_eager, quick eager)")
     parser.add_argument("--json", default="benchmarks.json", help="where to write the measurements")
+    parser.add_argument("--world", type=int, action="append", choices=sorted(CONFIGS),
+                        help="only the configurations of this world size (repeatable; default all)")
+    parser.add_argument("--timed-only", action="store_true",
+                        help="the step and forward times and the diffusers section only: no compile overhead "
+                             "(first calls), forward overlap, decode or GPU section")
     args = parser.parse_args()
     shapes, configs = (QUICK, QUICK_CONFIGS) if args.quick else (FULL, CONFIGS)
     reps = 2 if args.quick else max(args.reps, 5)
-    compile_reps = 1 if args.quick else max(args.compile_reps, 1)
+    compile_reps = 0 if args.timed_only else 1 if args.quick else max(args.compile_reps, 1)
     seq = args.seq or (64 if args.quick else 1024)
     inner = args.inner or ("eager" if args.quick else "aot_eager")
     start = time.perf_counter()
     results = []
     for world, world_configs in configs.items():
+        if args.world and world not in args.world:
+            continue
         results += run_ranks(world, run_world, configs=world_configs, shapes=shapes, seq=seq, reps=reps,
                              compile_reps=compile_reps, inner=inner)[0]  # rank 0's numbers
     for r in results:
@@ -472,9 +480,10 @@ def main():
         r["analytic_bytes"] = analytic_bytes(r["model"], shapes[r["model"]], seq, r["mesh"],
                                              r["memory"].get("ours", {}).get("params", 0))
         r["grad_buckets"] = gradient_buckets(r["model"], shapes[r["model"]], seq, r["mesh"])
-    overlap_report = overlap.report(quick=args.quick)
-    decode_report = decode.section(quick=args.quick)
-    gpu_report = gpu.report(quick=args.quick)
+    skipped = {"text": "skipped (--timed-only)"}
+    overlap_report = skipped if args.timed_only else overlap.report(quick=args.quick)
+    decode_report = skipped if args.timed_only else decode.section(quick=args.quick)
+    gpu_report = skipped if args.timed_only else gpu.report(quick=args.quick)
     from benchmarks import diffusers_peer  # it imports this module's timing helpers
 
     diffusers_report = diffusers_peer.measure(reps, "aot_eager" if inner == "eager" else inner, args.quick)
