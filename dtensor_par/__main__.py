@@ -59,6 +59,12 @@ def load_model(spec: str, example: Example) -> Loaded:
     return Loaded(model, tuple(example_inputs), {}, "")
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
 def _dtype(name: str):
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
@@ -117,16 +123,16 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement (median)")
     for sub in (ex, ch):
         sub.add_argument("--inference", action="store_true", help="predict a forward, not a training step")
-        sub.add_argument("--seq", type=int, default=4096,
+        sub.add_argument("--seq", type=_positive, default=4096,
                          help="a transformers checkpoint's example input tokens (default: 4096)")
-        sub.add_argument("--batch-size", type=int, default=1, help="a checkpoint's example samples (default: 1)")
-        sub.add_argument("--latent-height", type=int, help="a diffusers denoiser's latent height: the image's over "
-                         "the VAE's scale, 8 (default: the config's sample_size, else 1024 pixels' 128; Wan: 60)")
-        sub.add_argument("--latent-width", type=int, help="a diffusers denoiser's latent width (default: as the "
+        sub.add_argument("--batch-size", type=_positive, default=1, help="a checkpoint's example samples (default: 1)")
+        sub.add_argument("--latent-height", type=_positive, help="a diffusers denoiser's latent height: the image's "
+                         "over the VAE's scale, 8 (default: the config's sample_size, else 1024 pixels' 128; Wan: 60)")
+        sub.add_argument("--latent-width", type=_positive, help="a diffusers denoiser's latent width (default: as the "
                          "height; Wan: 104)")
-        sub.add_argument("--latent-frames", type=int, help="a video denoiser's latent frames (default: Wan: 21, "
+        sub.add_argument("--latent-frames", type=_positive, help="a video denoiser's latent frames (default: Wan: 21, "
                          "81 frames')")
-        sub.add_argument("--text-tokens", type=int, help="a diffusers denoiser's prompt tokens (default: its "
+        sub.add_argument("--text-tokens", type=_positive, help="a diffusers denoiser's prompt tokens (default: its "
                          "pipeline's: Flux 512, SD3 333, Wan 512, UNet 77)")
         add_option_flags(sub)
     return parser

@@ -192,7 +192,8 @@ def _diffusers_model(raw: dict, source: str, example: Example) -> Loaded:
 
 def _denoiser_of_pipeline(index_file: str) -> str:
     """A pipeline's ``transformer`` component, else its ``unet``: the model each step runs."""
-    components = [k for k, v in _json(index_file).items() if not k.startswith("_") and isinstance(v, list)]
+    components = [k for k, v in _json(index_file).items()
+                  if not k.startswith("_") and isinstance(v, list) and any(v)]  # [null, null]: left out
     picked = next((c for c in ("transformer", "unet") if c in components), None)
     if picked is None:
         raise ValueError(f"{index_file} has no 'transformer' or 'unet' component to plan (its components: "

@@ -19,7 +19,8 @@ FLUX = {"_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels":
 FLUX_SIZE = ["--latent-height", "8", "--latent-width", "16", "--text-tokens", "16"]
 """``real_models.flux``'s inputs: 32 image tokens (8 x 16 latent pixels packed 2 x 2), 16 of text."""
 UNET = {"_class_name": "UNet2DConditionModel", "sample_size": 16, "in_channels": 4, "out_channels": 4,
-        "layers_per_block": 1, "block_out_channels": [32, 64], "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+        "layers_per_block": 1, "block_out_channels": [32, 64],
+        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
         "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"], "cross_attention_dim": 32, "attention_head_dim": 8,
         "norm_num_groups": 8}
 SD3 = {"_class_name": "SD3Transformer2DModel", "sample_size": 8, "patch_size": 2, "in_channels": 4, "num_layers": 2,
@@ -51,13 +52,12 @@ def test_a_flux_component_folder_plans_as_the_model_built_on_the_cpu(tmp_path, c
     _write(tmp_path / "transformer" / "config.json", FLUX)
     expected = str(real_models.explained("flux", (("tp", 2), ("ulysses", 2))))
     assert "attention0: attention hybrid_attention, 4 heads" in expected and "single_transformer_blocks.0" in expected
-    for spec in (tmp_path / "transformer", tmp_path / "transformer" / "config.json"):
-        assert main(["explain", str(spec), "--tp", "2", "--ulysses", "2", *FLUX_SIZE]) == 0
-        described, report = capsys.readouterr().out.split("\n", 1)
-        assert described == (f"{tmp_path / 'transformer' / 'config.json'}: FluxTransformer2DModel on the meta device, "
-                             "hidden_states 1x32x16, encoder_hidden_states 1x16x32, pooled_projections 1x32, "
-                             "img_ids 32x3, txt_ids 16x3")
-        assert report == expected + "\n"
+    assert main(["explain", str(tmp_path / "transformer"), "--tp", "2", "--ulysses", "2", *FLUX_SIZE]) == 0
+    described, report = capsys.readouterr().out.split("\n", 1)
+    assert described == (f"{tmp_path / 'transformer' / 'config.json'}: FluxTransformer2DModel on the meta device, "
+                         "hidden_states 1x32x16, encoder_hidden_states 1x16x32, pooled_projections 1x32, "
+                         "img_ids 32x3, txt_ids 16x3")
+    assert report == expected + "\n"
 
 
 def test_a_pipeline_folder_plans_its_transformer_at_its_pipelines_default_size(tmp_path, capsys):
@@ -69,9 +69,9 @@ def test_a_pipeline_folder_plans_its_transformer_at_its_pipelines_default_size(t
     assert main(["explain", str(tmp_path), "--tp", "2", "--ulysses", "2"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == (f"{tmp_path / 'transformer' / 'config.json'} (the pipeline's denoiser, "
-                                   "'transformer'): FluxTransformer2DModel on the meta device, hidden_states 1x4096x16, "
-                                   "encoder_hidden_states 1x512x32, pooled_projections 1x32, img_ids 4096x3, "
-                                   "txt_ids 512x3"), out
+                                   "'transformer'): FluxTransformer2DModel on the meta device, "
+                                   "hidden_states 1x4096x16, encoder_hidden_states 1x512x32, pooled_projections 1x32, "
+                                   "img_ids 4096x3, txt_ids 512x3"), out
     assert "graph 0: 7 sites;" in out and "0 fallback gathers" in out, out
     assert "mlp1: mlp up=['time_text_embed.guidance_embedder.linear_1']" in out, out
 
@@ -102,11 +102,11 @@ def test_other_denoisers_plan_from_their_folders(tmp_path, capsys, layout, confi
     assert f"graph 0: {sites} sites;" in out and "0 fallback gathers" in out, out
 
 
-def test_choose_ranks_meshes_for_a_flux_folder(tmp_path, capsys):
+def test_choose_ranks_meshes_for_a_flux_components_config(tmp_path, capsys):
     from dtensor_par.__main__ import main
 
     _write(tmp_path / "config.json", FLUX)
-    assert main(["choose", str(tmp_path), "--world", "2", "--machine", "h100-sxm-8", *FLUX_SIZE]) == 0
+    assert main(["choose", str(tmp_path / "config.json"), "--world", "2", "--machine", "h100-sxm-8", *FLUX_SIZE]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].endswith("FluxTransformer2DModel on the meta device, hidden_states 1x32x16, "
                                         "encoder_hidden_states 1x16x32, pooled_projections 1x32, img_ids 32x3, "
@@ -114,10 +114,10 @@ def test_choose_ranks_meshes_for_a_flux_folder(tmp_path, capsys):
     assert "meshes of 2 ranks on h100-sxm-8, by predicted training step time:" in out, out
 
 
-@pytest.mark.parametrize("files, flags, message", [
+@pytest.mark.parametrize("files, flags, message", [  # a pipeline saves a component it lacks as [null, null]
     ({}, [], "is neither MODULE:FACTORY nor a checkpoint folder with a config.json .or a diffusers pipeline's"),
     ({"model_index.json": {"_class_name": "SomePipeline", "vae": ["diffusers", "AutoencoderKL"],
-                           "text_encoder": ["transformers", "CLIPTextModel"]}}, [],
+                           "text_encoder": ["transformers", "CLIPTextModel"], "transformer": [None, None]}}, [],
      "model_index.json has no 'transformer' or 'unet' component to plan .its components: vae, text_encoder."),
     ({"config.json": {"_class_name": "AutoencoderKL"}}, [],
      "no example inputs are known for the diffusers class AutoencoderKL: supported are FluxTransformer2DModel, "
