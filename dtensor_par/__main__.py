@@ -1,5 +1,6 @@
-"""``python -m dtensor_par explain module.py:factory --tp 8`` (or a transformers checkpoint folder:
-``explain ./llama-70b --tp 8 --seq 4096``): the plan, without hardware;
+"""``python -m dtensor_par explain module.py:factory --tp 8`` (or a transformers or diffusers
+checkpoint folder: ``explain ./llama-70b --tp 8 --seq 4096``, ``explain ./flux --tp 8``): the plan,
+without hardware;
 ``python -m dtensor_par choose module.py:factory --world 64 --machine trn2-48xl``: every mesh
 of 64 ranks ranked by predicted step time there, and why the others are refused;
 ``python -m dtensor_par calibrate --world 4 --out profile.json``: a profile of this machine."""
@@ -11,7 +12,6 @@ import dataclasses
 import gc
 import importlib
 import importlib.util
-import json
 import os
 import sys
 
@@ -23,6 +23,7 @@ from .config import ParallelConfig
 from .explain import explain
 from .machines import MACHINES
 from .mesh import MESH_DIMS, PLAN_DIMS_DECLARED
+from .model_folders import Example, Loaded, load_folder
 
 
 def load_factory(spec: str):
@@ -47,38 +48,21 @@ def load_factory(spec: str):
     return factory
 
 
-def model_from_checkpoint(path: str, seq: int, batch: int):
-    """A transformers checkpoint folder (or its ``config.json``) -> (the model built from its
-    config on the meta device, in the config's dtype, example input ids of ``batch`` sequences of
-    ``seq`` tokens): what explain and choose plan needs no weights, and a model of any size costs
-    no memory."""
-    config_file = path if os.path.isfile(path) else os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        raise SystemExit(f"explain: {path!r} is neither MODULE:FACTORY nor a checkpoint folder with a config.json")
-    with open(config_file) as f:
-        raw = json.load(f)
-    if "model_type" not in raw:
-        known = "a diffusers component" if "_class_name" in raw else "no transformers config"
-        raise SystemExit(f"explain: {config_file} is {known} (no 'model_type'): its example inputs depend on the "
-                         f"model; write MODULE:FACTORY returning (model, example_inputs)")
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(os.path.dirname(config_file) or ".")
-    config.use_cache = False  # a cache is generate's; its empty tensors are not the model's
-    architecture = (config.architectures or [None])[0]
-    model_cls = getattr(transformers, architecture, None) if architecture else None
-    with torch.device("meta"):
-        model = model_cls(config) if model_cls else transformers.AutoModelForCausalLM.from_config(config)
-        ids = torch.randint(0, config.vocab_size, (batch, seq))
-    dtype = getattr(config, "dtype", None)
-    return model.to(dtype) if isinstance(dtype, torch.dtype) else model, (ids,)
-
-
-def load_model(spec: str, seq: int, batch: int):
-    """(model, example inputs) of ``MODULE:FACTORY`` or of a transformers checkpoint."""
+def load_model(spec: str, example: Example) -> Loaded:
+    """``MODULE:FACTORY``'s model and example inputs, or a checkpoint folder's (``model_folders``)."""
     if os.path.isdir(spec) or spec.endswith(".json"):
-        return model_from_checkpoint(spec, seq, batch)
-    return load_factory(spec)()
+        try:
+            return load_folder(spec, example)
+        except ValueError as e:
+            raise SystemExit(f"explain: {e}") from None
+    model, example_inputs = load_factory(spec)()
+    return Loaded(model, tuple(example_inputs), {}, "")
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
 
 
 def _dtype(name: str):
@@ -107,8 +91,10 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
                                 choices=choices, help=f.metadata["help"] + shown)
 
 
-MODEL_HELP = ("MODULE:FACTORY (FACTORY() returns (model, example_inputs)), or a transformers checkpoint folder "
-              "or its config.json (built on the meta device; --batch-size x --seq input tokens)")
+MODEL_HELP = ("MODULE:FACTORY (FACTORY() returns (model, example_inputs)); or a transformers or diffusers "
+              "checkpoint folder or its config.json, or a diffusers pipeline's folder (its transformer, else its "
+              "unet): built from the config on the meta device, with example inputs (--batch-size, --seq; "
+              "--latent-height, --latent-width, --latent-frames, --text-tokens)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -137,8 +123,17 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement (median)")
     for sub in (ex, ch):
         sub.add_argument("--inference", action="store_true", help="predict a forward, not a training step")
-        sub.add_argument("--seq", type=int, default=4096, help="a checkpoint's example input tokens (default: 4096)")
-        sub.add_argument("--batch-size", type=int, default=1, help="a checkpoint's example sequences (default: 1)")
+        sub.add_argument("--seq", type=_positive, default=4096,
+                         help="a transformers checkpoint's example input tokens (default: 4096)")
+        sub.add_argument("--batch-size", type=_positive, default=1, help="a checkpoint's example samples (default: 1)")
+        sub.add_argument("--latent-height", type=_positive, help="a diffusers denoiser's latent height: the image's "
+                         "over the VAE's scale, 8 (default: the config's sample_size, else 1024 pixels' 128; Wan: 60)")
+        sub.add_argument("--latent-width", type=_positive, help="a diffusers denoiser's latent width (default: as the "
+                         "height; Wan: 104)")
+        sub.add_argument("--latent-frames", type=_positive, help="a video denoiser's latent frames (default: Wan: 21, "
+                         "81 frames')")
+        sub.add_argument("--text-tokens", type=_positive, help="a diffusers denoiser's prompt tokens (default: its "
+                         "pipeline's: Flux 512, SD3 333, Wan 512, UNet 77)")
         add_option_flags(sub)
     return parser
 
@@ -151,17 +146,22 @@ def main(argv=None) -> int:
             print(describe(profile) + f"\nwritten to {args['out']}")
         return 0
     gc.freeze()  # what the imports made lives until exit: no collection need walk it again (~0.2 s)
-    model, example_inputs = load_model(args["factory"], args["seq"], args["batch_size"])
+    example = Example(batch=args["batch_size"], seq=args["seq"], latent_height=args["latent_height"],
+                      latent_width=args["latent_width"], latent_frames=args["latent_frames"],
+                      text_tokens=args["text_tokens"])
+    loaded = load_model(args["factory"], example)
+    if loaded.description:
+        print(loaded.description)
     options = {f.name: args[f.name] for f in dataclasses.fields(ParallelConfig) if f.name in args}
     training = not args["inference"]
     try:
         if args["command"] == "choose":
-            print(choose_mesh(model, example_inputs, args["world"], machine=args["machine"], training=training,
-                              top=args["top"], **options))
+            print(choose_mesh(loaded.model, loaded.args, args["world"], machine=args["machine"], training=training,
+                              example_kwargs=loaded.kwargs, top=args["top"], **options))
             return 0
         order = tuple(args["order"].split(",")) if args["order"] else None
-        report = explain(model, example_inputs, **{d: args[d] for d in MESH_DIMS}, order=order,
-                         device_type=args["device_type"], parallelized=args["parallelized"] or None,
+        report = explain(loaded.model, loaded.args, example_kwargs=loaded.kwargs, **{d: args[d] for d in MESH_DIMS},
+                         order=order, device_type=args["device_type"], parallelized=args["parallelized"] or None,
                          machine=args["machine"], training=training, **options)
     except (ValueError, NotImplementedError, TypeError) as e:
         print(e, file=sys.stderr)

@@ -389,7 +389,7 @@ def test_cli_plans_a_transformers_checkpoint_folder_on_the_meta_device(tmp_path,
 
 @pytest.mark.parametrize("config, message", [
     (None, "is neither MODULE:FACTORY nor a checkpoint folder with a config.json"),
-    ({"_class_name": "FluxTransformer2DModel"}, "is a diffusers component .no 'model_type'.: its example inputs"),
+    ({"hidden_size": 64}, "is neither a transformers config .'model_type'. nor a diffusers one"),
 ])
 def test_cli_refuses_a_folder_it_cannot_build_saying_why(tmp_path, config, message):
     from dtensor_par.__main__ import main

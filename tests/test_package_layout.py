@@ -13,7 +13,7 @@ PACKAGE = ROOT / "dtensor_par"
 
 # Lowest first: a module may import its own floor and those below, never one above.
 FLOORS = (
-    ("errors", "gcpause", "logs", "machines", "mesh", "placements", "same_inputs", "symbolic"),
+    ("errors", "gcpause", "logs", "machines", "mesh", "model_folders", "placements", "same_inputs", "symbolic"),
     ("ops",),
     ("params", "config", "kv_cache", "pieces"),
     ("passes.nodes", "passes.meta"),

@@ -13,6 +13,8 @@ import functools
 
 import torch
 
+from ..model_folders import Example, denoiser_inputs, flux_image_ids
+
 VOCAB, BATCH, SEQ = 128, 2, 32
 
 
@@ -87,13 +89,8 @@ def flux():
     model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
                                    attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
                                    pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
-    image, text = 32, 16
-    ids = torch.zeros(image, 3)
-    ids[:, 1], ids[:, 2] = torch.arange(image) // 8, torch.arange(image) % 8
-    kwargs = {"hidden_states": torch.randn(1, image, 16), "encoder_hidden_states": torch.randn(1, text, 32),
-              "pooled_projections": torch.randn(1, 32), "timestep": torch.tensor([0.5]), "img_ids": ids,
-              "txt_ids": torch.zeros(text, 3), "return_dict": False}
-    return model, (), kwargs
+    # 32 image tokens, a latent 8 x 16 packed in 2 x 2 patches
+    return model, (), denoiser_inputs(model, Example(latent_height=8, latent_width=16, text_tokens=16))
 
 
 def flux2():
@@ -104,8 +101,8 @@ def flux2():
                                     attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
                                     timestep_guidance_channels=16, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
     image, text = 32, 16
-    ids = torch.zeros(1, image, 4)
-    ids[0, :, 1], ids[0, :, 2] = torch.arange(image) // 8, torch.arange(image) % 8
+    ids = flux_image_ids(image // 8, 8).unsqueeze(0)
+    ids = torch.cat([ids, torch.zeros(1, image, 1)], dim=-1)  # FLUX.2's fourth axis
     return model, (), {"hidden_states": torch.randn(1, image, 16), "encoder_hidden_states": torch.randn(1, text, 32),
                        "timestep": torch.tensor([0.5]), "img_ids": ids, "txt_ids": torch.zeros(1, text, 4),
                        "return_dict": False}
@@ -151,9 +148,7 @@ def wan():
     model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4,
                                   out_channels=4, text_dim=16, freq_dim=16, ffn_dim=64, num_layers=1,
                                   rope_max_seq_len=32)
-    kwargs = {"hidden_states": torch.randn(1, 4, 2, 8, 12), "timestep": torch.tensor([1]),
-              "encoder_hidden_states": torch.randn(1, 8, 16), "return_dict": False}
-    return model, (), kwargs
+    return model, (), denoiser_inputs(model, Example(latent_frames=2, latent_height=8, latent_width=12, text_tokens=8))
 
 
 def sd3():
@@ -163,9 +158,7 @@ def sd3():
     model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
                                   num_attention_heads=4, joint_attention_dim=16, caption_projection_dim=32,
                                   pooled_projection_dim=16, out_channels=4, pos_embed_max_size=16)
-    kwargs = {"hidden_states": torch.randn(1, 4, 8, 8), "encoder_hidden_states": torch.randn(1, 8, 16),
-              "pooled_projections": torch.randn(1, 16), "timestep": torch.tensor([1]), "return_dict": False}
-    return model, (), kwargs
+    return model, (), denoiser_inputs(model, Example(text_tokens=8))  # its sample_size, 8
 
 
 def bloom():
@@ -511,8 +504,7 @@ def unet():
                                  block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
                                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
                                  attention_head_dim=8, norm_num_groups=8)
-    return model, (), dict(sample=torch.randn(BATCH, 4, 16, 16), timestep=torch.tensor([10, 500]),
-                           encoder_hidden_states=torch.randn(BATCH, 8, 32), return_dict=False)
+    return model, (), denoiser_inputs(model, Example(batch=BATCH, text_tokens=8))  # its sample_size, 16
 
 
 def hidream():
