@@ -36,7 +36,7 @@ from .mesh import PLAN_DIMS_DECLARED, MeshInfo
 from .kv_cache import cache_shard, hold, laid_out
 from .params import WholeParameters, feeding_for, standin_param
 from .passes import meta
-from .passes.capture import graph_breaks, handed_over, scalar_inputs
+from .passes.capture import breaks_at_frame_start, graph_breaks, handed_over, scalar_inputs
 from .passes.recompute import allow_side_effects_in_regions
 from .errors import PlanningError
 from .passes.kv_cache import CacheOutput
@@ -85,7 +85,7 @@ class ParallelBackend:
         self.inner = resolve_backend(config.inner_backend)
         self.graph_ids = itertools.count()
         self.plan_ids = itertools.count()
-        self.breaks_counted, self.breaks_warned = graph_breaks(), set()
+        self.breaks_counted, self.breaks_warned = graph_breaks() | breaks_at_frame_start(), set()
         _route_generate_of_compiled_modules()
         allow_side_effects_in_regions()
 
@@ -94,9 +94,10 @@ class ParallelBackend:
         return ParallelRuntime(handed_over(gm), self)
 
     def _warn_of_graph_breaks(self) -> None:
-        """Warn once of each graph break Dynamo counted since the last graph it handed over."""
+        """Warn once of each graph break Dynamo counted in the frames it handed over graphs of: since
+        the later of the last graph and the start of this graph's frame."""
         counted = graph_breaks()
-        for reason in map(_break_summary, counted - self.breaks_counted):
+        for reason in map(_break_summary, counted - (self.breaks_counted | breaks_at_frame_start())):
             if reason not in self.breaks_warned:
                 self.breaks_warned.add(reason)
                 logger.warning("hybrid_parallel: Dynamo broke the graph (%s): the code between two graphs runs "

@@ -417,3 +417,31 @@ def test_verbosity_switch(caplog):
         assert any("planned a graph of" in r.getMessage() for r in caplog.records)
     finally:
         dtensor_par.set_verbosity("warning")
+
+
+def test_a_graph_break_is_warned_of_by_the_backend_whose_frame_it_broke(fake_world, caplog):
+    """Dynamo counts graph breaks for the whole process: a break in a function another backend
+    compiled (a VAE under inductor beside the transformer) is not the parallel model's, which
+    still runs as one planned graph; a break in the parallel model's own frame is warned of."""
+    fake_world(2)
+    mesh = dtensor_par.init_mesh(tp=2)
+    model, x = models.GPTBlock(hidden=32, heads=4, mlp=64), torch.randn(2, 8, 32)
+
+    def broken(t):
+        t = t + 1
+        torch._dynamo.graph_break()
+        return t * 2
+
+    def with_break(t):
+        t = model(t)
+        torch._dynamo.graph_break()
+        return model(t)
+
+    backend = dtensor_par.hybrid_parallel(mesh, inner_backend="eager")
+    compiled = torch.compile(model, backend=backend)
+    with caplog.at_level(logging.WARNING, logger="dtensor_par"):
+        torch.compile(broken, backend="eager")(x)
+        compiled(x)
+        assert not [r for r in caplog.records if "broke the graph" in r.getMessage()], caplog.text
+        torch.compile(with_break, backend=backend)(x)
+    assert [r for r in caplog.records if "broke the graph" in r.getMessage()], caplog.text

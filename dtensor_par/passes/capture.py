@@ -66,6 +66,27 @@ def graph_breaks() -> Counter:
     return Counter(counters["graph_break"]) + Counter(counters["unimplemented"])
 
 
+_BREAKS_AT_FRAME_START = Counter()
+"""``graph_breaks()`` when Dynamo last started compiling a frame."""
+
+
+def _note_frame_start(_args) -> None:
+    global _BREAKS_AT_FRAME_START
+    _BREAKS_AT_FRAME_START = graph_breaks()
+
+
+def breaks_at_frame_start() -> Counter:
+    """``graph_breaks()`` when Dynamo started compiling the frame it compiles now (or last). The
+    counts are global: a backend that warns of the breaks since its last graph would warn of
+    those of frames other backends compiled in between (a VAE compiled with inductor beside the
+    transformer); the breaks since its frame started are its frame's own. Dynamo's reset drops
+    the callback that takes the count; a backend calls this at its construction and at each
+    graph to keep it registered (a frame started without it: the count taken before it)."""
+    if _note_frame_start not in torch._dynamo.callback_handler.start_callbacks:
+        torch._dynamo.callback_handler.register_start_callback(_note_frame_start)
+    return _BREAKS_AT_FRAME_START
+
+
 def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **example_kwargs) -> list[tuple]:
     """The (graph, example inputs) pairs Dynamo hands a backend for ``model(*example_inputs, **example_kwargs)``.
 
