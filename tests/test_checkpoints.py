@@ -27,8 +27,8 @@ from tests.background import in_background
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
 # imported here, once, before this module's launches start: transformers' lazy imports are not thread-safe
 from diffusers import FluxTransformer2DModel  # noqa: E402
-from transformers import (LlamaConfig, LlamaForCausalLM, LlamaModel, MixtralConfig, MixtralForCausalLM,  # noqa: E402
-                          Phi3Config, Phi3ForCausalLM)
+from transformers import (Dinov2Config, Dinov2Model, LlamaConfig, LlamaForCausalLM, LlamaModel,  # noqa: E402
+                          MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2MoeForCausalLM)
 
 KW = {"use_cache": False}
 """Llama's keyword arguments: a kv cache is generate's, not what is planned here."""
@@ -89,18 +89,23 @@ def round_trip(rank: int, world: int, *, model_cls: type, folder: str, out: str,
     the mesh of ``sizes`` (``options`` for planning and compiling), its output against one
     device's ``from_pretrained`` of it; then written by ``save_pretrained`` (each rank its own
     files) and read back by the library on one device. ``probe``: a parameter whose placements
-    are reported."""
+    are reported. The read is measured alone (read again: ``from_pretrained`` also plans): the
+    bytes read from disk beside the bytes this rank holds and the checkpoint's."""
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch._dynamo.reset()
     options = {"inner_backend": "eager", **(options or {})}
     mesh, (args, kwargs) = dtensor_par.init_mesh(**sizes), inputs()
     model = dtensor_par.from_pretrained(model_cls, folder, mesh, example_inputs=args, example_kwargs=kwargs, **options)
+    read = loading.read_bytes()
+    load_checkpoint(model, folder)
+    read = {"read_bytes": loading.read_bytes() - read, "held_bytes": loading.held_bytes(model),
+            "checkpoint_bytes": loading.checkpoint_bytes(folder)}
     reference = model_cls.from_pretrained(folder)
     computed = _output(torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, **options))(*args, **kwargs))
     embeddings = [getattr(model, f"get_{side}_embeddings", lambda: None)() for side in ("input", "output")]
     result = {"pieces_differ": _pieces_differ(model, reference), "probe": _placements(model.get_parameter(probe)),
               "tied": None not in embeddings and embeddings[0].weight is embeddings[1].weight,
-              "forward": (computed - _output(reference(*args, **kwargs))).abs().max().item()}
+              "forward": (computed - _output(reference(*args, **kwargs))).abs().max().item(), **read}
     written = dtensor_par.save_pretrained(model, out, max_shard_size=SHARD)
     result["saved_differ"] = _differ(_state(model_cls.from_pretrained(out)), _state(reference))
     result["written"], result["files"] = [os.path.basename(f) for f in written], sorted(os.listdir(out))
@@ -216,9 +221,9 @@ def write_checkpoints(rank: int, world: int, *, folder: str, launch: int) -> dic
     """The checkpoints the launches' ranks read, written in a process of their own: building
     transformers models on the pytest process's background thread would race its tests' Dynamo
     traces (transformers registers each model class in a global that Dynamo guards on). Mixtral's
-    by ``save_pretrained`` (the model's own keys; transformers' writes per-expert keys:
-    test_a_layout_transformers_converts_is_named_with_the_keys_it_would_become); a diffusers
-    transformer into a pipeline's component folder, sharded with an index."""
+    by ``save_pretrained`` (the model's own keys) and by transformers' (per expert, the layout
+    its loading converts), Qwen2-MoE's by transformers' too; a diffusers transformer into a
+    pipeline's component folder, sharded with an index."""
     torch.manual_seed(0)
     LlamaForCausalLM(_llama_config(tie_word_embeddings=True)).save_pretrained(os.path.join(folder, "tied"),
                                                                               max_shard_size=SHARD)
@@ -230,6 +235,10 @@ def write_checkpoints(rank: int, world: int, *, folder: str, launch: int) -> dic
     dtensor_par.save_pretrained(mixtral, os.path.join(folder, "mixtral"))
     read = _differ(_state(MixtralForCausalLM.from_pretrained(os.path.join(folder, "mixtral"))), _state(mixtral))
     assert read == [], f"transformers reads other values from save_pretrained's Mixtral: {read}"
+    mixtral.save_pretrained(os.path.join(folder, "legacy mixtral"))
+    real_models.qwen2_moe()[0].save_pretrained(os.path.join(folder, "legacy qwen2_moe"))
+    per_expert = [_checkpoint_keys(os.path.join(folder, name), "experts.0.") for name in LEGACY]
+    assert all(per_expert), f"transformers no longer writes experts one by one: {dict(zip(LEGACY, per_expert))}"
     torch.manual_seed(0)
     real_models.flux()[0].save_pretrained(os.path.join(folder, "flux", "transformer"), max_shard_size="50KB")
     if launch == 2:
@@ -237,6 +246,15 @@ def write_checkpoints(rank: int, world: int, *, folder: str, launch: int) -> dic
     return {}
 
 
+def _checkpoint_keys(folder: str, part: str) -> list[str]:
+    """The keys of the checkpoint ``folder`` that hold ``part``."""
+    from dtensor_par.checkpoints import checkpoint_entries
+    return sorted(key for key in checkpoint_entries(folder) if part in key)
+
+
+LEGACY = ("legacy mixtral", "legacy qwen2_moe")
+"""The folders transformers writes experts to one by one (its ``save_pretrained`` reverses its
+conversion mapping), which its loading stacks."""
 MESHES = {"tp2": {"tp": 2}, "tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2},
           "dp_shard2-tp2": {"dp_shard": 2, "tp": 2}, "dp_shard2-ulysses2": {"dp_shard": 2, "ulysses": 2}}
 """tp2 runs in the world-2 launch, the others in the world-4 one."""
@@ -250,11 +268,17 @@ ROUND_TRIPS = {
     "phi3": dict(model_cls=Phi3ForCausalLM, folder="phi3", probe="model.layers.0.self_attn.qkv_proj.weight"),
     "mixtral": dict(model_cls=MixtralForCausalLM, folder="mixtral", probe="model.layers.0.mlp.experts.gate_up_proj",
                     options={"ep": "cp"}, meshes=(*ISSUE_MESHES, "dp_shard2-ulysses2")),
+    "legacy-mixtral": dict(model_cls=MixtralForCausalLM, folder="legacy mixtral",
+                           probe="model.layers.0.mlp.experts.gate_up_proj", options={"ep": "cp"},
+                           meshes=("tp2", "tp2-ring2")),
+    "legacy-qwen2_moe": dict(model_cls=Qwen2MoeForCausalLM, folder="legacy qwen2_moe",
+                             probe="model.layers.0.mlp.experts.gate_up_proj", options={"ep": "cp"}, meshes=("tp2",)),
     "flux": dict(model_cls=FluxTransformer2DModel, folder="flux/transformer", probe="transformer_blocks.0.attn.to_q.weight",
                  inputs=_flux_inputs)}
 """Each model ``round_trip`` reads, by name, at its ``meshes`` (the issue's by default): Llama with
 tied embeddings at tp2 and dp_shard2 x tp2, untied at the two cp meshes; Mixtral's experts also cut
-4 ways, over dp_shard x ulysses."""
+4 ways, over dp_shard x ulysses; the per-expert folders transformers writes (``LEGACY``) at tp2 and,
+experts cut by ring, tp2 x ring2."""
 
 
 def _round_trips(world: int, folder: str) -> dict:
