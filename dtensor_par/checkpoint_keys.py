@@ -136,8 +136,9 @@ def model_sources(model: nn.Module, entries: dict, keys: set[str]) -> tuple[dict
     for target, (converter, by_pattern) in converted.items():
         source = _converted(converter, by_pattern, entries)
         if isinstance(source, str):
-            first = min(key for found in by_pattern.values() for key in found)
-            refused.append(f"{target!r} (from {first!r} and {sum(map(len, by_pattern.values())) - 1} more) {source}")
+            keys = sorted(key for found in by_pattern.values() for key in found)
+            more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
+            refused.append(f"{target!r} (from {keys[0]!r}{more}) {source}")
         else:
             sources[target] = source
     return sources, unexpected, refused
