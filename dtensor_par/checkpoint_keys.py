@@ -58,9 +58,9 @@ def _converted(converter, keys: dict[str, list[str]], entries: dict) -> Composit
 
     values = {p: [entries[k] for k in sorted(found, key=dot_natural_key)] for p, found in keys.items()}
     for op in converter.operations:
-        if isinstance(op, MergeModulelist):
+        if type(op) is MergeModulelist:  # a subclass may convert otherwise: refused by its name
             values = {p: _stacked(v, op.dim) if isinstance(v, list) else v for p, v in values.items()}
-        elif isinstance(op, Concatenate):
+        elif type(op) is Concatenate:
             parts = [part for p in converter.source_patterns if p in values
                      for part in (values[p] if isinstance(values[p], list) else [values[p]])]
             values = {"": _joined(parts, op.dim)}
