@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .checkpoint_keys import CONVERTED_SHOWN, Composite, leaves, model_sources
 from .pieces import held_indices, held_runs, piece_blocks, runs
 from .sharded import sharded_state
 
@@ -204,15 +205,15 @@ def tied_groups(state: dict[str, torch.Tensor]) -> list[list[str]]:
 
 def _load(model: nn.Module, entries: dict[str, Entry], path: str, stages: list[nn.Module] | None) -> None:
     reads = _matched(model, entries, path, None if stages is None else held_tensors(stages))
-    fds = {file: os.open(file, os.O_RDONLY) for file in {entry.file for _, entry in reads}}
+    fds = {file: os.open(file, os.O_RDONLY) for file in {leaf.file for _, source in reads for leaf in leaves(source)}}
     # one block buffer for every read: one freed per tensor would stay in the allocator's heap
-    rows = [math.prod(entry.shape[1:]) * entry.dtype.itemsize for _, entry in reads]
+    rows = [math.prod(leaf.shape[1:]) * leaf.dtype.itemsize for _, source in reads for leaf in leaves(source)]
     buffer = torch.empty(max([READ_BYTES, *rows]), dtype=torch.uint8)
     try:
         with torch.no_grad():
-            for tensor, entry in sorted(reads, key=lambda read: (read[1].file, read[1].offset)):
+            for tensor, source in sorted(reads, key=lambda read: (leaves(read[1])[0].file, leaves(read[1])[0].offset)):
                 local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-                _read_into(local.detach(), entry, held_indices(tensor), fds[entry.file], buffer)
+                _read_source(local.detach(), source, held_indices(tensor), fds, buffer)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -225,17 +226,6 @@ def _load(model: nn.Module, entries: dict[str, Entry], path: str, stages: list[n
                         module._buffers[name] = buffer.to(state.mesh.device_type)
 
 
-def _key_mapping(model: nn.Module, keys, found):
-    """How checkpoint keys name the model's: as they are, or with the model's
-    ``base_model_prefix`` added or removed (a base model's checkpoint into a model with a head,
-    and back, as transformers loads them), whichever names most."""
-    prefix = getattr(model, "base_model_prefix", "")
-    candidates = [lambda k: k]
-    if prefix:
-        candidates += [lambda k: f"{prefix}.{k}", lambda k: k.removeprefix(f"{prefix}.")]
-    return max(candidates, key=lambda rename: len(keys & {rename(k) for k in found}))
-
-
 def _convertible(source: torch.dtype, target: torch.dtype) -> bool:
     """Whether ``copy_`` keeps a value of ``source`` as a ``target`` one means it: no float into an
     integer or bool, no complex into a real."""
@@ -245,16 +235,22 @@ def _convertible(source: torch.dtype, target: torch.dtype) -> bool:
 
 
 def _matched(model: nn.Module, entries: dict[str, Entry], path: str, held: dict[str, torch.Tensor] | None
-             ) -> list[tuple[torch.Tensor, Entry]]:
-    """(held tensor, its checkpoint entry) for every parameter and persistent buffer of
-    ``model`` (of them, those ``held`` holds by FQN, when given): tied ones once, from any of
-    their keys the checkpoint has (transformers saves one). Every mismatch is raised at once,
-    before anything is read."""
+             ) -> list[tuple[torch.Tensor, Entry | Composite]]:
+    """(held tensor, its source: a checkpoint entry, or a ``Composite`` of entries that
+    transformers converts) for every parameter and persistent buffer of ``model`` (of them, those
+    ``held`` holds by FQN, when given): tied ones once, from any of their keys the checkpoint has
+    (transformers saves one). Every mismatch is raised at once, before anything is read."""
     state = model.state_dict(keep_vars=True)
     holder = state if held is None else held
-    rename = _key_mapping(model, set(state), entries)
-    found = {rename(key): key for key in entries}
-    problems = [f"unexpected key {key!r} (not in the model)" for key in entries if rename(key) not in state]
+    found, unexpected, refused = model_sources(model, entries, set(state))
+    if refused:
+        shown = "\n  ".join(refused[:CONVERTED_SHOWN])
+        raise ValueError(f"checkpoint {path!r} is in a layout transformers converts while loading "
+                         f"{type(model).__name__} (its conversion mapping) by operations that are not read piece by "
+                         f"piece: {len(refused)} of the model's tensors, first\n  {shown}\nRead it once on one "
+                         f"device with transformers' from_pretrained and write it with dtensor_par.save_pretrained, "
+                         f"which writes the model's own keys")
+    problems = [f"unexpected key {key!r} (not in the model)" for key in unexpected]
     reads = []
     for keys in tied_groups(state):
         mine = [key for key in keys if key in holder]
@@ -265,53 +261,21 @@ def _matched(model: nn.Module, entries: dict[str, Entry], path: str, held: dict[
             problems.append(f"missing key {' or '.join(map(repr, keys))}")
             continue
         key, tensor = present[0], holder[mine[0]]
-        entry = entries[found[key]]
+        source = found[key]
+        dtypes = sorted({str(leaf.dtype) for leaf in leaves(source) if not _convertible(leaf.dtype, tensor.dtype)})
         if tensor.is_meta:
             problems.append(f"{key!r} is on meta: parallelize the model first (it materializes the pieces)")
-        elif entry.shape != tuple(tensor.shape):
-            problems.append(f"{key!r} has shape {list(entry.shape)} in the checkpoint, {list(tensor.shape)} in the "
+        elif source.shape != tuple(tensor.shape):
+            problems.append(f"{key!r} has shape {list(source.shape)} in the checkpoint, {list(tensor.shape)} in the "
                             f"model")
-        elif not _convertible(entry.dtype, tensor.dtype):
-            problems.append(f"{key!r} is {entry.dtype} in the checkpoint, which does not convert to the model's "
-                            f"{tensor.dtype}")
+        elif dtypes:
+            problems.append(f"{key!r} is {' and '.join(dtypes)} in the checkpoint, which does not convert to the "
+                            f"model's {tensor.dtype}")
         else:
-            reads.append((tensor, entry))
-    converted = _converted_by_transformers(model, [key for key in entries if rename(key) not in state], state)
-    if converted:
-        shown = "\n  ".join(f"{key!r} -> {target!r}" for key, target in converted[:CONVERTED_SHOWN])
-        raise ValueError(f"checkpoint {path!r} is in a layout transformers converts while loading "
-                         f"{type(model).__name__} (its conversion mapping), which is not read piece by piece: "
-                         f"{len(converted)} of its keys would become the model's, first\n  {shown}\nRead it once on one "
-                         f"device with transformers' from_pretrained and write it with dtensor_par.save_pretrained, "
-                         f"which writes the model's own keys")
+            reads.append((tensor, source))
     if problems:
         raise ValueError(f"checkpoint {path!r} does not fit {type(model).__name__}:\n  " + "\n  ".join(problems))
     return reads
-
-
-CONVERTED_SHOWN = 4
-"""How many converted keys the error names."""
-
-
-def _converted_by_transformers(model: nn.Module, unexpected: list[str], state: dict) -> list[tuple[str, str]]:
-    """(checkpoint key, the model key it would become) for each of ``unexpected`` that transformers'
-    conversion mapping for ``model`` renames into one of ``state``'s keys (v5 loading stacks
-    Mixtral's per-expert ``w1/w2/w3`` into ``experts.gate_up_proj``/``down_proj``, and its own
-    ``save_pretrained`` writes them back per expert)."""
-    if not unexpected or not hasattr(model, "_from_config"):
-        return []
-    try:  # transformers 5's loading internals: without them, the keys are named as any mismatch
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:
-        return []
-
-    mapping = get_model_conversion_mapping(model)
-    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
-    converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    targets = [(key, rename_source_key(key, renamings, converters, model.base_model_prefix, state)[0])
-               for key in unexpected]
-    return [(key, target) for key, target in targets if target != key and target in state]
 
 
 def _pread(fd: int, into: torch.Tensor, offset: int) -> None:
@@ -322,6 +286,34 @@ def _pread(fd: int, into: torch.Tensor, offset: int) -> None:
         if n == 0:
             raise EOFError(f"file descriptor {fd} ended at byte {offset}")
         view, offset = view[n:], offset + n
+
+
+def _read_source(local: torch.Tensor, source: Entry | Composite, indices: list[torch.Tensor | None],
+                 fds: dict[str, int], buffer: torch.Tensor) -> None:
+    """Read this rank's piece of ``source`` (the global indices it holds along each dim:
+    ``indices``) into ``local``. A ``Composite``'s piece maps dim by dim to pieces of its parts,
+    each read into the view of ``local`` it lands in: a stack's held positions select parts, a
+    concatenation's held indices fall in each part's stretch in runs."""
+    if not isinstance(source, Composite):
+        _read_into(local, source, indices, fds[source.file], buffer)
+        return
+    dim, index = source.dim, indices[source.dim]
+    if source.stack:
+        rest = indices[:dim] + indices[dim + 1:]
+        for at, part in enumerate(range(source.shape[dim]) if index is None else index.tolist()):
+            _read_source(local.select(dim, at), source.parts[part], rest, fds, buffer)
+        return
+    start = 0
+    for part in source.parts:
+        size = part.shape[dim]
+        if index is None:
+            _read_source(local.narrow(dim, start, size), part, indices, fds, buffer)
+        else:
+            held = torch.nonzero((index >= start) & (index < start + size)).flatten()
+            for first, stop in runs(held):
+                within = [*indices[:dim], index[first:stop] - start, *indices[dim + 1:]]
+                _read_source(local.narrow(dim, first, stop - first), part, within, fds, buffer)
+        start += size
 
 
 def _read_into(local: torch.Tensor, entry: Entry, indices: list[torch.Tensor | None], fd: int,

@@ -27,8 +27,8 @@ from tests.background import in_background
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
 # imported here, once, before this module's launches start: transformers' lazy imports are not thread-safe
 from diffusers import FluxTransformer2DModel  # noqa: E402
-from transformers import (LlamaConfig, LlamaForCausalLM, LlamaModel, MixtralConfig, MixtralForCausalLM,  # noqa: E402
-                          Phi3Config, Phi3ForCausalLM)
+from transformers import (Dinov2Config, Dinov2Model, LlamaConfig, LlamaForCausalLM, LlamaModel,  # noqa: E402
+                          MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2MoeForCausalLM)
 
 KW = {"use_cache": False}
 """Llama's keyword arguments: a kv cache is generate's, not what is planned here."""
@@ -89,18 +89,23 @@ def round_trip(rank: int, world: int, *, model_cls: type, folder: str, out: str,
     the mesh of ``sizes`` (``options`` for planning and compiling), its output against one
     device's ``from_pretrained`` of it; then written by ``save_pretrained`` (each rank its own
     files) and read back by the library on one device. ``probe``: a parameter whose placements
-    are reported."""
+    are reported. The read is measured alone (read again: ``from_pretrained`` also plans): the
+    bytes read from disk beside the bytes this rank holds and the checkpoint's."""
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch._dynamo.reset()
     options = {"inner_backend": "eager", **(options or {})}
     mesh, (args, kwargs) = dtensor_par.init_mesh(**sizes), inputs()
     model = dtensor_par.from_pretrained(model_cls, folder, mesh, example_inputs=args, example_kwargs=kwargs, **options)
+    read = loading.read_bytes()
+    load_checkpoint(model, folder)
+    read = {"read_bytes": loading.read_bytes() - read, "held_bytes": loading.held_bytes(model),
+            "checkpoint_bytes": loading.checkpoint_bytes(folder)}
     reference = model_cls.from_pretrained(folder)
     computed = _output(torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, **options))(*args, **kwargs))
     embeddings = [getattr(model, f"get_{side}_embeddings", lambda: None)() for side in ("input", "output")]
     result = {"pieces_differ": _pieces_differ(model, reference), "probe": _placements(model.get_parameter(probe)),
               "tied": None not in embeddings and embeddings[0].weight is embeddings[1].weight,
-              "forward": (computed - _output(reference(*args, **kwargs))).abs().max().item()}
+              "forward": (computed - _output(reference(*args, **kwargs))).abs().max().item(), **read}
     written = dtensor_par.save_pretrained(model, out, max_shard_size=SHARD)
     result["saved_differ"] = _differ(_state(model_cls.from_pretrained(out)), _state(reference))
     result["written"], result["files"] = [os.path.basename(f) for f in written], sorted(os.listdir(out))
@@ -216,9 +221,9 @@ def write_checkpoints(rank: int, world: int, *, folder: str, launch: int) -> dic
     """The checkpoints the launches' ranks read, written in a process of their own: building
     transformers models on the pytest process's background thread would race its tests' Dynamo
     traces (transformers registers each model class in a global that Dynamo guards on). Mixtral's
-    by ``save_pretrained`` (the model's own keys; transformers' writes per-expert keys:
-    test_a_layout_transformers_converts_is_named_with_the_keys_it_would_become); a diffusers
-    transformer into a pipeline's component folder, sharded with an index."""
+    by ``save_pretrained`` (the model's own keys) and by transformers' (per expert, the layout
+    its loading converts), Qwen2-MoE's by transformers' too; a diffusers transformer into a
+    pipeline's component folder, sharded with an index."""
     torch.manual_seed(0)
     LlamaForCausalLM(_llama_config(tie_word_embeddings=True)).save_pretrained(os.path.join(folder, "tied"),
                                                                               max_shard_size=SHARD)
@@ -230,6 +235,10 @@ def write_checkpoints(rank: int, world: int, *, folder: str, launch: int) -> dic
     dtensor_par.save_pretrained(mixtral, os.path.join(folder, "mixtral"))
     read = _differ(_state(MixtralForCausalLM.from_pretrained(os.path.join(folder, "mixtral"))), _state(mixtral))
     assert read == [], f"transformers reads other values from save_pretrained's Mixtral: {read}"
+    mixtral.save_pretrained(os.path.join(folder, "legacy mixtral"))
+    real_models.qwen2_moe()[0].save_pretrained(os.path.join(folder, "legacy qwen2_moe"))
+    per_expert = [_checkpoint_keys(os.path.join(folder, name), "experts.0.") for name in LEGACY]
+    assert all(per_expert), f"transformers no longer writes experts one by one: {dict(zip(LEGACY, per_expert))}"
     torch.manual_seed(0)
     real_models.flux()[0].save_pretrained(os.path.join(folder, "flux", "transformer"), max_shard_size="50KB")
     if launch == 2:
@@ -237,6 +246,15 @@ def write_checkpoints(rank: int, world: int, *, folder: str, launch: int) -> dic
     return {}
 
 
+def _checkpoint_keys(folder: str, part: str) -> list[str]:
+    """The keys of the checkpoint ``folder`` that hold ``part``."""
+    from dtensor_par.checkpoints import checkpoint_entries
+    return sorted(key for key in checkpoint_entries(folder) if part in key)
+
+
+LEGACY = ("legacy mixtral", "legacy qwen2_moe")
+"""The folders transformers writes experts to one by one (its ``save_pretrained`` reverses its
+conversion mapping), which its loading stacks."""
 MESHES = {"tp2": {"tp": 2}, "tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2},
           "dp_shard2-tp2": {"dp_shard": 2, "tp": 2}, "dp_shard2-ulysses2": {"dp_shard": 2, "ulysses": 2}}
 """tp2 runs in the world-2 launch, the others in the world-4 one."""
@@ -250,11 +268,17 @@ ROUND_TRIPS = {
     "phi3": dict(model_cls=Phi3ForCausalLM, folder="phi3", probe="model.layers.0.self_attn.qkv_proj.weight"),
     "mixtral": dict(model_cls=MixtralForCausalLM, folder="mixtral", probe="model.layers.0.mlp.experts.gate_up_proj",
                     options={"ep": "cp"}, meshes=(*ISSUE_MESHES, "dp_shard2-ulysses2")),
+    "legacy-mixtral": dict(model_cls=MixtralForCausalLM, folder="legacy mixtral",
+                           probe="model.layers.0.mlp.experts.gate_up_proj", options={"ep": "cp"},
+                           meshes=("tp2", "tp2-ring2")),
+    "legacy-qwen2_moe": dict(model_cls=Qwen2MoeForCausalLM, folder="legacy qwen2_moe",
+                             probe="model.layers.0.mlp.experts.gate_up_proj", options={"ep": "cp"}, meshes=("tp2",)),
     "flux": dict(model_cls=FluxTransformer2DModel, folder="flux/transformer", probe="transformer_blocks.0.attn.to_q.weight",
                  inputs=_flux_inputs)}
 """Each model ``round_trip`` reads, by name, at its ``meshes`` (the issue's by default): Llama with
 tied embeddings at tp2 and dp_shard2 x tp2, untied at the two cp meshes; Mixtral's experts also cut
-4 ways, over dp_shard x ulysses."""
+4 ways, over dp_shard x ulysses; the per-expert folders transformers writes (``LEGACY``) at tp2 and,
+experts cut by ring, tp2 x ring2."""
 
 
 def _round_trips(world: int, folder: str) -> dict:
@@ -307,12 +331,15 @@ def _each_rank_wrote_its_own_files(results: list[dict]) -> None:
     (2, "mixtral tp2", ["_S(1, 2)"], False), (4, "mixtral tp2-ulysses2", ["S(0)", "_S(1, 2)"], False),
     (4, "mixtral tp2-ring2", ["S(0)", "_S(1, 2)"], False), (4, "mixtral dp_shard2-tp2", ["S(0)", "_S(1, 2)"], False),
     (4, "mixtral dp_shard2-ulysses2", ["S(0)", "S(0)"], False),
+    (2, "legacy-mixtral tp2", ["_S(1, 2)"], False), (4, "legacy-mixtral tp2-ring2", ["S(0)", "_S(1, 2)"], False),
+    (2, "legacy-qwen2_moe tp2", ["_S(1, 2)"], False),
     (2, "flux tp2", ["S(0)"], False), (4, "flux tp2-ulysses2", ["S(1)", "S(0)"], False),
     (4, "flux tp2-ring2", ["S(1)", "S(0)"], False), (4, "flux dp_shard2-tp2", ["S(1)", "S(0)"], False)])
 def test_checkpoints_read_at_each_mesh_compute_as_one_device_and_write_back(world, label, probe, tied):
     """Llama (4 shards and an index), Phi3's fused qkv and gate_up (``_StridedShard``), Mixtral's
-    stacked experts with ``ep="cp"`` (which cuts none at tp2, where cp is 1) and a diffusers Flux
-    transformer from its component folder:
+    stacked experts with ``ep="cp"`` (which cuts none at tp2, where cp is 1), the per-expert
+    folders transformers writes of Mixtral and Qwen2-MoE (stacked and concatenated as read) and a
+    diffusers Flux transformer from its component folder:
     pieces bit-equal to the library's one-device read, output within 1e-5 of it, and the files
     ``save_pretrained`` writes (each rank its own) read back by the library bit-exact."""
     results = [r[label] for r in LAUNCHES[world].result()]
@@ -321,6 +348,19 @@ def test_checkpoints_read_at_each_mesh_compute_as_one_device_and_write_back(worl
         assert result["probe"] == probe and result["tied"] == tied, (rank, result)
         assert result["forward"] <= 1e-5, (rank, result)
     _each_rank_wrote_its_own_files(results)
+
+
+@pytest.mark.parametrize("world, mesh", [(2, "tp2"), (4, "tp2-ring2")])
+def test_a_per_expert_checkpoint_reads_the_rank_pieces_of_each_expert(world, mesh):
+    """A rank reads its pieces of the per-expert tensors, not whole stacked ones: at most what it
+    reads of the stacked folder ``save_pretrained`` writes (where a piece of ``gate_up_proj`` cut
+    along its rows reads whole experts, each expert's ``w1``, ``w3`` here only its rows), and at
+    most its pieces and one rank's share of the rest (a column cut reads whole rows)."""
+    for rank, result in enumerate(LAUNCHES[world].result()):
+        legacy, stacked = result[f"legacy-mixtral {mesh}"], result[f"mixtral {mesh}"]
+        assert legacy["held_bytes"] == stacked["held_bytes"], (rank, legacy, stacked)
+        assert legacy["read_bytes"] <= stacked["read_bytes"], (rank, legacy, stacked)
+        assert legacy["read_bytes"] < legacy["held_bytes"] + legacy["checkpoint_bytes"] / world, (rank, legacy)
 
 
 BIG = dict(hidden=1024, intermediate=8192, layers=2, vocab=1000, max_shard_size="100MB")
@@ -497,25 +537,61 @@ def test_every_mismatch_is_named_before_anything_is_read(tmp_path):
     assert _differ(_state(model), before) == []
 
 
-def test_a_layout_transformers_converts_is_named_with_the_keys_it_would_become(tmp_path):
-    """transformers 5 stacks Mixtral's experts when loading (``mlp.experts.gate_up_proj``) and its
-    ``save_pretrained`` writes them back per expert (``block_sparse_moe.experts.0.w1.weight``):
-    such a folder is refused naming the conversion, not as missing and unexpected keys."""
+def _dinov2(**overrides):
+    return Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                    image_size=32, patch_size=8, **overrides)).eval()
+
+
+def test_a_layout_transformers_renames_is_read_under_the_model_keys(tmp_path):
+    """transformers 5 writes Dinov2's attention under its old names (``attention.attention.query``)
+    and renames them when loading (``attention.q_proj``): read as the library reads them."""
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    _dinov2().save_pretrained(str(tmp_path))
+    assert _checkpoint_keys(str(tmp_path), "attention.attention.query") != []
+    model = load_checkpoint(_dinov2(), str(tmp_path))
+    assert _differ(_state(model), _state(Dinov2Model.from_pretrained(str(tmp_path)))) == []
+
+
+def test_a_conversion_that_is_not_a_stack_or_a_concatenation_is_refused_naming_its_operation(tmp_path):
+    """Dinov2's SwiGLU checkpoints hold gate and up in one tensor (``mlp.weights_in``), which
+    transformers splits when loading (``Chunk``): not read piece by piece, refused naming the
+    operation, the model tensor and the checkpoint key, before anything is read."""
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    _dinov2(use_swiglu_ffn=True).save_pretrained(str(tmp_path))
+    model = _dinov2(use_swiglu_ffn=True)
+    before = _state(model)
+    with pytest.raises(ValueError) as error:
+        load_checkpoint(model, str(tmp_path))
+    layer = "'encoder.layer.0.mlp"
+    assert str(error.value) == (
+        f"checkpoint {str(tmp_path)!r} is in a layout transformers converts while loading Dinov2Model (its "
+        "conversion mapping) by operations that are not read piece by piece: 2 of the model's tensors, first\n"
+        f"  {layer}.gate_proj.bias' (from {layer}.weights_in.bias') is made by transformers' Chunk(dim=0), which is "
+        "not read piece by piece\n"
+        f"  {layer}.gate_proj.weight' (from {layer}.weights_in.weight') is made by transformers' Chunk(dim=0), which "
+        "is not read piece by piece\n"
+        "Read it once on one device with transformers' from_pretrained and write it with dtensor_par.save_pretrained, "
+        "which writes the model's own keys")
+    assert _differ(_state(model), before) == []
+
+
+def test_a_per_expert_checkpoint_missing_an_expert_is_named_with_the_stacked_shape(tmp_path):
+    from safetensors.torch import load_file
+
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.manual_seed(0)
     _mixtral().save_pretrained(str(tmp_path))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    _save({k: v for k, v in tensors.items() if ".experts.3." not in k}, str(tmp_path))
     with pytest.raises(ValueError) as error:
         load_checkpoint(_mixtral(), str(tmp_path))
-    layer = "'model.layers.0.block_sparse_moe.experts"
     assert str(error.value) == (
-        f"checkpoint {str(tmp_path)!r} is in a layout transformers converts while loading MixtralForCausalLM (its "
-        "conversion mapping), which is not read piece by piece: 13 of its keys would become the model's, first\n"
-        f"  {layer}.0.w1.weight' -> 'model.layers.0.mlp.experts.gate_up_proj'\n"
-        f"  {layer}.0.w2.weight' -> 'model.layers.0.mlp.experts.down_proj'\n"
-        f"  {layer}.0.w3.weight' -> 'model.layers.0.mlp.experts.gate_up_proj'\n"
-        f"  {layer}.1.w1.weight' -> 'model.layers.0.mlp.experts.gate_up_proj'\n"
-        "Read it once on one device with transformers' from_pretrained and write it with dtensor_par.save_pretrained, "
-        "which writes the model's own keys")
+        f"checkpoint {str(tmp_path)!r} does not fit MixtralForCausalLM:\n"
+        "  'model.layers.0.mlp.experts.gate_up_proj' has shape [3, 256, 64] in the checkpoint, [4, 256, 64] in the "
+        "model\n"
+        "  'model.layers.0.mlp.experts.down_proj' has shape [3, 64, 128] in the checkpoint, [4, 64, 128] in the model")
 
 
 def _rewrite_header(file: str, edit) -> None:

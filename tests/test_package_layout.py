@@ -21,8 +21,8 @@ FLOORS = (
     ("passes.context",),
     ("passes",),  # the passes themselves
     ("dump", "planning", "plancache", "routing", "pipeline_plan"),
-    ("sharded", "checkpoints", "runtime", "api", "explain", "choose", "calibrate", "pipelining", "__init__",
-     "__main__"),
+    ("sharded", "checkpoint_keys", "checkpoints", "runtime", "api", "explain", "choose", "calibrate", "pipelining",
+     "__init__", "__main__"),
     ("_testing",),  # what the tests and benchmarks share: above the public API, which no module imports it from
 )
 

@@ -1,0 +1,144 @@
+"""Which tensors of a checkpoint make each tensor of a model: its keys as they are, with the
+model's ``base_model_prefix`` added or removed, or renamed and converted by transformers 5's
+conversion mapping (``get_model_conversion_mapping``), as its own ``from_pretrained`` reads them.
+
+A converted tensor is described, not built: a ``Composite`` of the files' tensors, stacked
+(``MergeModulelist``: Mixtral's per-expert ``w1``, one tensor per expert) and concatenated
+(``Concatenate``: ``w1`` beside ``w3`` into ``gate_up_proj``), nested. A rank's piece of it then
+maps to pieces of the files' tensors, each read alone (``checkpoints._read_source``): no rank ever
+holds a whole converted tensor. Operations that are not a stack or a concatenation (a transpose,
+a split, a permutation) are refused, naming the operation and the keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Composite:
+    """A model tensor built from ``parts`` (the files' entries or composites): stacked along a
+    new ``dim`` (``stack``) or concatenated along ``dim``; ``shape`` is the result's."""
+
+    stack: bool
+    dim: int
+    parts: tuple
+    shape: tuple[int, ...]
+
+
+def leaves(source) -> list:
+    """The files' entries a source (an entry or a ``Composite``) is made of, in order."""
+    return [leaf for part in source.parts for leaf in leaves(part)] if isinstance(source, Composite) else [source]
+
+
+def _stacked(parts: list, dim: int) -> Composite | str:
+    shapes = {tuple(p.shape) for p in parts}
+    if len(shapes) != 1:
+        return f"stacks tensors of shapes {sorted(map(list, shapes))}"
+    shape = list(shapes.pop())
+    return Composite(True, dim, tuple(parts), tuple(shape[:dim] + [len(parts)] + shape[dim:]))
+
+
+def _joined(parts: list, dim: int) -> Composite | str:
+    rest = {tuple(s for d, s in enumerate(p.shape) if d != dim) for p in parts}
+    if len(rest) != 1 or any(len(p.shape) <= dim for p in parts):
+        return f"concatenates tensors of shapes {[list(p.shape) for p in parts]} along dim {dim}"
+    shape = list(parts[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    return Composite(False, dim, tuple(parts), tuple(shape))
+
+
+def _converted(converter, keys: dict[str, list[str]], entries: dict) -> Composite | str:
+    """The ``Composite`` ``converter``'s operations build from the checkpoint ``keys`` (by source
+    pattern), as its ``convert`` does: each pattern's tensors in the order transformers collects
+    them (``dot_natural_key``), ``Concatenate`` in the converter's pattern order; else why not."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, dot_natural_key
+
+    values = {p: [entries[k] for k in sorted(found, key=dot_natural_key)] for p, found in keys.items()}
+    for op in converter.operations:
+        if type(op) is MergeModulelist:  # a subclass may convert otherwise: refused by its name
+            values = {p: _stacked(v, op.dim) if isinstance(v, list) else v for p, v in values.items()}
+        elif type(op) is Concatenate:
+            parts = [part for p in converter.source_patterns if p in values
+                     for part in (values[p] if isinstance(values[p], list) else [values[p]])]
+            values = {"": _joined(parts, op.dim)}
+        else:
+            return f"is made by transformers' {op!r}, which is not read piece by piece"
+        problem = next((v for v in values.values() if isinstance(v, str)), None)
+        if problem is not None:
+            return f"is made by transformers' {op!r}, which {problem}"
+    value = next(iter(values.values()))
+    if len(values) != 1 or isinstance(value, list) and len(value) != 1:
+        return f"is made by transformers' {converter.operations!r} into several tensors, not read piece by piece"
+    return value[0] if isinstance(value, list) else value
+
+
+def _key_mapping(model: nn.Module, keys, found):
+    """How checkpoint keys name the model's: as they are, or with the model's
+    ``base_model_prefix`` added or removed (a base model's checkpoint into a model with a head,
+    and back, as transformers loads them), whichever names most."""
+    prefix = getattr(model, "base_model_prefix", "")
+    candidates = [lambda k: k]
+    if prefix:
+        candidates += [lambda k: f"{prefix}.{k}", lambda k: k.removeprefix(f"{prefix}.")]
+    return max(candidates, key=lambda rename: len(keys & {rename(k) for k in found}))
+
+
+def _transformers_renaming(model: nn.Module):
+    """transformers 5's renaming of a checkpoint key for ``model`` by its conversion mapping:
+    ``key -> (renamed key, the converter's source pattern or None, the converter or None)``; the
+    identity for other models (and other transformers versions)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return lambda key: (key, None, None)
+    if not hasattr(model, "_from_config"):
+        return lambda key: (key, None, None)
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+
+    def rename(key: str):
+        renamed, pattern = rename_source_key(key, renamings, converters)
+        return renamed, pattern, by_pattern.get(pattern)
+    return rename
+
+
+CONVERTED_SHOWN = 4
+"""How many refused converted keys an error names."""
+
+
+def model_sources(model: nn.Module, entries: dict, keys: set[str]) -> tuple[dict, list[str], list[str]]:
+    """Each model key's source among the checkpoint's ``entries`` (by key): an entry, or a
+    ``Composite`` of entries where transformers' conversion mapping builds the tensor; then the
+    checkpoint keys that name no model key (unexpected), and the conversions refused (naming
+    their operation and keys). A renamed key the model does not have falls back to the key as
+    it is, as transformers' loading does."""
+    transformers_rename = _transformers_renaming(model)
+    renamed = {key: transformers_rename(key) for key in entries}
+    prefix = _key_mapping(model, keys, [name for name, _, _ in renamed.values()])
+    sources, converted, unexpected = {}, {}, []
+    for key, (name, pattern, converter) in renamed.items():
+        target = prefix(name)
+        if target not in keys and prefix(key) in keys:
+            target, converter = prefix(key), None
+        if target not in keys:
+            unexpected.append(key)
+        elif converter is None:
+            sources[target] = entries[key]
+        else:
+            converted.setdefault(target, (converter, {}))[1].setdefault(pattern, []).append(key)
+    refused = []
+    for target, (converter, by_pattern) in converted.items():
+        source = _converted(converter, by_pattern, entries)
+        if isinstance(source, str):
+            keys = sorted(key for found in by_pattern.values() for key in found)
+            more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
+            refused.append(f"{target!r} (from {keys[0]!r}{more}) {source}")
+        else:
+            sources[target] = source
+    return sources, unexpected, refused
