@@ -132,28 +132,32 @@ def bubble(pp: int, virtual: int, microbatches: int) -> float:
     return (pp - 1) / (virtual * microbatches + pp - 1)
 
 
-def in_flight(schedule: str, pp: int, virtual: int, microbatches: int, stage: int) -> int:
-    """Microbatches whose activations a stage holds at once under torch's ``schedule``: GPipe runs
-    every forward before any backward; 1F1B's rank r runs pp - r forwards before its first
-    backward; Interleaved1F1B's runs its warmup forwards (torch's ``_get_warmup_ops``), spread
-    over its v stages. The schedules that split the backward are bounded as GPipe is."""
-    rank = stage % pp
-    if schedule == "GPipe":
-        return microbatches
-    if schedule == "1F1B":
-        return min(microbatches, pp - rank)
-    if schedule == "Interleaved1F1B":
-        per_round = microbatches // max(1, microbatches // pp)
-        warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank) + 1, microbatches * virtual)
-        return math.ceil(warmup / virtual)
-    return microbatches  # the schedules that split the backward: at most every microbatch, GPipe's bound
+def _every_microbatch(pp: int, virtual: int, microbatches: int, rank: int) -> int:
+    """GPipe runs every forward before any backward; the schedules that split the backward are
+    bounded as GPipe is."""
+    return microbatches
+
+
+def _one_forward_one_backward(pp: int, virtual: int, microbatches: int, rank: int) -> int:
+    """1F1B's rank r runs pp - r forwards before its first backward."""
+    return min(microbatches, pp - rank)
+
+
+def _interleaved_warmup(pp: int, virtual: int, microbatches: int, rank: int) -> int:
+    """Interleaved1F1B's rank runs its warmup forwards (torch's ``_get_warmup_ops``), spread over
+    its v stages."""
+    per_round = microbatches // max(1, microbatches // pp)
+    warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank) + 1, microbatches * virtual)
+    return math.ceil(warmup / virtual)
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """How ``pipeline`` runs one of torch's schedules: the stages each rank holds, and where."""
+    """How ``pipeline`` runs one of torch's schedules: the stages each rank holds, and where; how
+    many microbatches' activations a rank keeps at once."""
 
     stages_per_rank: int
+    in_flight_rule: Callable[[int, int, int, int], int] = _every_microbatch  # (pp, virtual, microbatches, rank)
     v_shaped: bool = False  # rank r holds stages r and 2*pp-1-r (the first and last both on rank 0), not r, r+pp, ...
     splits_backward: bool = False  # computes each stage's input gradients and weight gradients apart
 
@@ -162,6 +166,10 @@ class Schedule:
         if self.v_shaped:
             return [rank, 2 * pp - 1 - rank]
         return list(range(rank, pp * self.stages_per_rank, pp))
+
+    def in_flight(self, pp: int, virtual: int, microbatches: int, stage: int) -> int:
+        """Microbatches whose activations ``stage`` holds at once, by the rank that holds it."""
+        return self.in_flight_rule(pp, virtual, microbatches, self.rank_of(stage, pp))
 
     def check_backend(self, name: str, inner_backend) -> None:
         """Refuse to split the backward of stages compiled whole: an AOT-compiled stage's backward is
@@ -182,8 +190,8 @@ class Schedule:
 
 SCHEDULES = {
     "GPipe": Schedule(1),
-    "1F1B": Schedule(1),
-    "Interleaved1F1B": Schedule(2),
+    "1F1B": Schedule(1, _one_forward_one_backward),
+    "Interleaved1F1B": Schedule(2, _interleaved_warmup),
     "InterleavedZeroBubble": Schedule(2, splits_backward=True),
     "ZBVZeroBubble": Schedule(2, v_shaped=True, splits_backward=True),
     "DualPipeV": Schedule(2, v_shaped=True, splits_backward=True),
@@ -228,7 +236,7 @@ class StagePlan:
 
 def stage_plan(costs: list[BlockCost], blocks: list[str], schedule: ScheduleRun, stage: int) -> StagePlan:
     """Stage ``stage`` made of ``blocks`` (their ``costs``)."""
-    held = in_flight(schedule.name, schedule.pp, schedule.virtual, schedule.microbatches, stage)
+    held = SCHEDULES[schedule.name].in_flight(schedule.pp, schedule.virtual, schedule.microbatches, stage)
     params, trained = sum(c.parameter_bytes for c in costs), sum(c.trained_bytes for c in costs)
     activations = sum(c.activation_bytes for c in costs)
     return StagePlan(blocks, sum(c.seconds for c in costs), params, trained, activations, held,

@@ -125,6 +125,70 @@ def assert_matches(case: str, per_rank: list[dict], forward_atol: float = FORWAR
     return per_rank[0]
 
 
+def _as_captured(out):
+    """A model's output as a pipeline's ``loss_fn`` gets it: a ``ModelOutput``'s values without its
+    ``None``s, one value as itself."""
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+        return out[0] if len(out) == 1 else out
+    return out
+
+
+def pipeline_against_one_device(step, reference: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, *,
+                                loss_fn, microbatches: int, kwargs: dict, steps: int = 3) -> dict:
+    """A pipeline's ``step`` (``dtensor_par.pipeline``) against one device's ``reference``
+    accumulating the same microbatches (the mean loss over them, as the step returns), over
+    ``steps`` AdamW steps with clipping (the norm over every stage): the worst loss (absolute),
+    clipped norm and parameters (relative), the first step's worst gradient (relative), the
+    least any parameter moved (so each trained), the share of the model's parameters this rank
+    holds, and the FQNs it and the model hold. ``pipeline_mismatches`` judges them."""
+    make_opt = lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-3)  # noqa: E731
+    opt, opt_ref = make_opt(step.parameters()), make_opt(reference.parameters())
+    worst = Counter()
+    initial = {fqn: whole(p).detach().clone() for fqn, p in step.named_parameters()}
+    for i in range(steps):
+        loss, losses = step(x, target=target, **kwargs), []
+        for xs, ts in zip(x.chunk(microbatches), target.chunk(microbatches)):
+            part = loss_fn(_as_captured(reference(xs, **kwargs)), ts)
+            (part / microbatches).backward()
+            losses.append(part.detach())
+        worst["loss"] = max(worst["loss"], abs(loss.item() - torch.stack(losses).mean().item()))
+        if i == 0:
+            worst["grad"] = max(max_rel(whole(p.grad), reference.get_parameter(fqn).grad)
+                                for fqn, p in step.named_parameters())
+        norm = step.clip_grad_norm_(0.05)
+        norm_ref = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        worst["norm"] = max(worst["norm"], abs(norm.item() - norm_ref.item()) / norm_ref.item())
+        opt.step(); opt_ref.step(); opt.zero_grad(); opt_ref.zero_grad()
+        worst["param"] = max(worst["param"], max(max_rel(whole(p), reference.get_parameter(fqn))
+                                                 for fqn, p in step.named_parameters()))
+    worst["least_moved"] = min((whole(p) - initial[fqn]).abs().max().item() for fqn, p in step.named_parameters())
+    local = lambda p: p.to_local() if isinstance(p, torch.distributed.tensor.DTensor) else p  # noqa: E731
+    return {**worst, "held": sum(local(p).numel() for p in step.parameters()) / sum(p.numel() for p in reference.parameters()),
+            "fqns": sorted(fqn for fqn, _ in step.named_parameters()),
+            "model_fqns": sorted(fqn for fqn, _ in reference.named_parameters())}
+
+
+def pipeline_mismatches(label: str, per_rank: list[dict], most_held: float) -> list[str]:
+    """What of ``pipeline_against_one_device``'s numbers on every rank is out of tolerance (loss
+    within 1e-6, gradients, clipped norms and parameters within 1e-5 relative, each parameter
+    moved, a rank holding at most ``most_held`` of the model's parameters, each parameter held
+    by some rank), each naming the case, the rank and its numbers; empty where nothing is."""
+    found = []
+    for rank, r in enumerate(per_rank):
+        numbers = {k: v for k, v in r.items() if "fqns" not in k}
+        if not (r["loss"] <= 1e-6 and r["grad"] <= 1e-5 and r["norm"] <= 1e-5 and r["param"] <= 1e-5):
+            found.append(f"{label}: rank {rank} differs from one device: {numbers}")
+        if not r["least_moved"] > 1e-3:
+            found.append(f"{label}: rank {rank}: a parameter moved by only {r['least_moved']:.3g}: {numbers}")
+        if not 0 < r["held"] <= most_held:
+            found.append(f"{label}: rank {rank} holds {r['held']:.3f} of the parameters, more than {most_held:.3f}")
+    unheld = set(per_rank[0]["model_fqns"]).difference(*(r["fqns"] for r in per_rank))
+    if unheld:
+        found.append(f"{label}: no rank holds {sorted(unheld)}")
+    return found
+
+
 @contextlib.contextmanager
 def logged(level: int):
     """The records dtensor_par logs at ``level`` or above while the block runs."""
