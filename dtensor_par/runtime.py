@@ -36,7 +36,7 @@ from .mesh import PLAN_DIMS_DECLARED, MeshInfo
 from .kv_cache import cache_shard, hold, laid_out
 from .params import WholeParameters, feeding_for, standin_param
 from .passes import meta
-from .passes.capture import breaks_at_frame_start, graph_breaks, handed_over, scalar_inputs
+from .passes.capture import frames_compiled, handed_over, scalar_inputs
 from .passes.recompute import allow_side_effects_in_regions
 from .errors import PlanningError
 from .passes.kv_cache import CacheOutput
@@ -85,7 +85,7 @@ class ParallelBackend:
         self.inner = resolve_backend(config.inner_backend)
         self.graph_ids = itertools.count()
         self.plan_ids = itertools.count()
-        self.breaks_counted, self.breaks_warned = graph_breaks() | breaks_at_frame_start(), set()
+        self.last_frame, self.graph_frame, self.breaks_warned = frames_compiled()[0], None, set()
         _route_generate_of_compiled_modules()
         allow_side_effects_in_regions()
 
@@ -94,16 +94,21 @@ class ParallelBackend:
         return ParallelRuntime(handed_over(gm), self)
 
     def _warn_of_graph_breaks(self) -> None:
-        """Warn once of each graph break Dynamo counted in the frames it handed over graphs of: since
-        the later of the last graph and the start of this graph's frame."""
-        counted = graph_breaks()
-        for reason in map(_break_summary, counted - (self.breaks_counted | breaks_at_frame_start())):
+        """Warn once of each graph break of the frames this backend compiles: the frame it is handed a
+        graph of now, the one it was last handed a graph of, and those between that handed over no
+        graph (Dynamo gave up on the frame and runs it eagerly, compiling the calls it makes). A
+        frame whose graphs went to another backend is not this model's."""
+        number, breaks, frames = frames_compiled()
+        for frame in frames:
+            if frame.number > self.last_frame and (frame.number == self.graph_frame or frame.graphs == 0):
+                breaks += frame.breaks
+        self.last_frame, self.graph_frame = number - 1, number
+        for reason in map(_break_summary, breaks):
             if reason not in self.breaks_warned:
                 self.breaks_warned.add(reason)
                 logger.warning("hybrid_parallel: Dynamo broke the graph (%s): the code between two graphs runs "
                                "eagerly, whole on every rank, and the graphs are planned each on its own%s", reason,
                                _EXPERT_LOOP_HINT if "capture_dynamic_output_shape_ops" in reason else "")
-        self.breaks_counted = counted
 
 
 _EXPERT_LOOP_HINT = ("; a loop over an nn.ModuleList's experts that finds each one's tokens with torch.where, or "

@@ -6,7 +6,8 @@ from __future__ import annotations
 import operator
 import re
 import types
-from collections import Counter
+from collections import Counter, deque
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -66,25 +67,46 @@ def graph_breaks() -> Counter:
     return Counter(counters["graph_break"]) + Counter(counters["unimplemented"])
 
 
-_BREAKS_AT_FRAME_START = Counter()
-"""``graph_breaks()`` when Dynamo last started compiling a frame."""
+@dataclass(frozen=True)
+class FrameCompile:
+    """One frame Dynamo compiled: the graph breaks it counted and the graphs it handed to a backend."""
+    number: int
+    compile_id: str
+    breaks: Counter
+    graphs: int
 
 
-def _note_frame_start(_args) -> None:
-    global _BREAKS_AT_FRAME_START
-    _BREAKS_AT_FRAME_START = graph_breaks()
+_FRAMES: deque[FrameCompile] = deque(maxlen=256)
+"""The frames Dynamo compiled last, oldest first."""
+_AT_FRAME_START: list = [0, Counter(), 0]
+"""The number of the frame Dynamo compiles now (or last), and the breaks and graphs counted when it started."""
 
 
-def breaks_at_frame_start() -> Counter:
-    """``graph_breaks()`` when Dynamo started compiling the frame it compiles now (or last). The
-    counts are global: a backend that warns of the breaks since its last graph would warn of
-    those of frames other backends compiled in between (a VAE compiled with inductor beside the
-    transformer); the breaks since its frame started are its frame's own. Dynamo's reset drops
-    the callback that takes the count; a backend calls this at its construction and at each
-    graph to keep it registered (a frame started without it: the count taken before it)."""
-    if _note_frame_start not in torch._dynamo.callback_handler.start_callbacks:
-        torch._dynamo.callback_handler.register_start_callback(_note_frame_start)
-    return _BREAKS_AT_FRAME_START
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def _frame_started(_args) -> None:
+    _AT_FRAME_START[:] = [_AT_FRAME_START[0] + 1, graph_breaks(), _graphs()]
+
+
+def _frame_ended(args) -> None:
+    number, breaks, graphs = _AT_FRAME_START
+    _FRAMES.append(FrameCompile(number, args.compile_id, graph_breaks() - breaks, _graphs() - graphs))
+
+
+def frames_compiled() -> tuple[int, Counter, list[FrameCompile]]:
+    """(the number of the frame Dynamo compiles now, the breaks it counted so far, the frames
+    compiled before it). Dynamo counts graph breaks for the whole process; which frame counted a
+    break tells whose it is (a VAE compiled with inductor beside the parallel transformer breaks
+    in frames of its own). Dynamo's reset drops the callbacks that record the frames: a backend
+    calls this at its construction and at each graph, which registers them again."""
+    handler = torch._dynamo.callback_handler
+    if _frame_started not in handler.start_callbacks:
+        handler.register_start_callback(_frame_started)
+        handler.register_end_callback(_frame_ended)
+    number, breaks, _ = _AT_FRAME_START
+    return number, graph_breaks() - breaks, list(_FRAMES)
 
 
 def capture_graphs(model, *example_inputs, dynamic: bool | None = None, **example_kwargs) -> list[tuple]:
