@@ -43,11 +43,12 @@ def test_quick_benchmark_writes_json():
     assert set(result["memory"]["ours"]) == {"params", "grads", "optimizer", "saved_activations"}
     assert report["gpu"]["skipped"] == (not __import__("torch").cuda.is_available())
     assert "| model | mesh |" in run.stdout
-    flux = report["diffusers"]  # diffusers' transformer: ours and diffusers' own ulysses2 ran (tp2: refused on CPU)
+    flux = report["diffusers"]  # diffusers' transformer: ours and diffusers' own ulysses2 and tp2 ran
     if flux.get("skipped"):
         return
-    assert {"forward/ours ulysses2", "forward/ours tp2", "step/diffusers ulysses2 eager"} <= set(flux["ms"]), flux
-    assert set(flux["failed"]) <= {"diffusers tp2 eager"}, flux["failed"]
+    assert {"forward/ours ulysses2", "forward/ours tp2", "step/diffusers ulysses2 eager",
+            "step/diffusers tp2 eager"} <= set(flux["ms"]), flux
+    assert set(flux["failed"]) <= {"diffusers tp2 aot_eager"}, flux["failed"]  # Dynamo's RecursionError, recorded
 
 
 def test_quick_decode_benchmark_decodes_one_devices_tokens_on_half_the_cache():
