@@ -5,9 +5,10 @@ torchtitan deep-copies the model once per stage the rank holds, deletes the laye
 stage, sets the embedding to None outside the first stage and the norm and head outside the last
 (its model's forward skips what is None), compiles each stage and wraps it in torch's
 ``PipelineStage``; stage s runs on pp rank s % pp (its loop-style assignment, two stages a rank for
-Interleaved1F1B). ``HandSplitStep`` does that with the layers split evenly, each stage compiled
-whole (``nn.Module.compile``) with the inner backend ``dtensor_par.pipeline`` compiles its stages
-with, and returns the mean loss on every rank as ``PipelineStep`` does (a broadcast from the last
+Interleaved1F1B). ``HandSplitStep`` does that with the layers split evenly (``pipeline`` cuts by
+cost: its stages' block counts are in the results), each stage compiled whole
+(``nn.Module.compile``) with the inner backend ``dtensor_par.pipeline`` compiles its stages with,
+and returns the mean loss on every rank as ``PipelineStep`` does (a broadcast from the last
 stage's rank), so the two steps do the same work.
 """
 
@@ -25,6 +26,8 @@ import dtensor_par
 from benchmarks.timing import slowest, timed
 from dtensor_par._testing.models import Llama
 
+STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
+"""The schedules the hand split runs, and the stages each puts on a rank (loop-style: stage s on rank s % pp)."""
 LOSS_TOLERANCE = 1e-5
 """How far the two variants' losses may differ: the same weights, microbatches and ops."""
 
@@ -60,8 +63,10 @@ class HandSplitStep:
     def __init__(self, model: Llama, group, schedule: str, microbatches: int, inner_backend: str):
         from torch.distributed import pipelining
 
+        if schedule not in STAGES_PER_RANK:
+            raise ValueError(f"hand split: schedule {schedule!r} is not one of {list(STAGES_PER_RANK)}")
         pp, rank = dist.get_world_size(group), dist.get_rank(group)
-        stages = pp * (2 if schedule == "Interleaved1F1B" else 1)
+        stages = pp * STAGES_PER_RANK[schedule]
         layers = len(model.blocks)
         if layers % stages:
             raise ValueError(f"hand split: {layers} blocks do not split evenly into {stages} stages")
@@ -123,4 +128,5 @@ def side_by_side(rank: int, world: int, *, setup: dict, schedule: str, microbatc
         for name, step in steps.items():
             seconds[name].append(slowest(timed(lambda: _train_step(step, ids, target))))
     return {"hand_ms": 1e3 * statistics.median(seconds["hand"]), "ours_ms": 1e3 * statistics.median(seconds["ours"]),
-            "loss": losses["ours"], "loss_difference": abs(losses["hand"] - losses["ours"])}
+            "loss": losses["ours"], "loss_difference": abs(losses["hand"] - losses["ours"]),
+            "ours_stage_blocks": [len(blocks) for blocks in steps["ours"].cut.blocks]}

@@ -9,6 +9,7 @@ ended: forward i of stage s after forward i of stage s-1; backward i of stage s 
 stage s+1, and the last stage's after its own forward i. Communication is not replayed (a send
 takes no time), nor what the schedule runs beside the stages' compute (the receive waits, the
 gradients' final scaling, the loss's broadcast): the replayed bubble is the schedule's own.
+Backwards split into input and weight gradients (the zero-bubble schedules) are not recorded.
 """
 
 from __future__ import annotations
