@@ -101,6 +101,8 @@ def launch(pp: int, setup: dict, steps: int, reps: int) -> list[dict]:
 
 
 def bubble_rows(pp: int, setup: dict, ranks: list[dict]) -> list[dict]:
+    """Each schedule's bubble at each microbatch count: predicted, replayed from every rank's
+    actions, and (pp2) inferred from rank 0's wall steps."""
     rows = []
     for schedule in setup["schedules"]:
         few, many = setup["microbatches"]
@@ -111,7 +113,8 @@ def bubble_rows(pp: int, setup: dict, ranks: list[dict]) -> list[dict]:
             rows.append({"schedule": schedule, "pp": pp, "microbatches": m,
                          "predicted_bubble": bubble(pp, SCHEDULES[schedule].stages_per_rank, m),
                          "replayed_bubble": replayed.bubble, "replayed_step_ms": 1e3 * replayed.step_seconds,
-                         "step_ms": 1e3 * wall[m], "wall_bubble": 1 - per_microbatch * m / wall[m] if pp == 2 else None})
+                         "step_ms": 1e3 * wall[m],
+                         "wall_bubble": 1 - per_microbatch * m / wall[m] if pp == 2 else None})
     return rows
 
 
