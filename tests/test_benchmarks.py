@@ -66,11 +66,17 @@ def test_quick_decode_benchmark_decodes_one_devices_tokens_on_half_the_cache():
     assert "| tp=2 | 2 |" in run.stdout
 
 
-def test_quick_pipeline_benchmark_measures_each_step_against_the_predicted_bubble():
+def test_quick_pipeline_benchmark_replays_the_bubble_and_steps_beside_the_hand_split():
     run, written = QUICK_PIPELINE.result()
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(written)["rows"]
+    report = json.loads(written)
+    rows = report["rows"]
     assert [(r["schedule"], r["pp"], r["microbatches"]) for r in rows] == [("GPipe", 2, 4), ("GPipe", 2, 8)], rows
     assert [r["predicted_bubble"] for r in rows] == pytest.approx([1 / 5, 1 / 9])
-    assert all(r["step_ms"] > 0 and isinstance(r["measured_bubble"], float) for r in rows), rows
-    assert "| schedule | pp | microbatches | step ms | measured bubble | predicted bubble |" in run.stdout
+    assert all(r["step_ms"] > 0 and isinstance(r["wall_bubble"], float) for r in rows), rows
+    assert all(r["replayed_step_ms"] > 0 and 0 < r["replayed_bubble"] < 1 for r in rows), rows
+    side, = report["side_by_side"]
+    assert (side["schedule"], side["microbatches"]) == ("GPipe", 4) and side["loss_difference"] <= 1e-5, side
+    assert side["hand_ms"] > 0 and side["ours_ms"] > 0, side
+    assert "| schedule | pp | microbatches | predicted bubble | replayed bubble |" in run.stdout
+    assert "| schedule | microbatches | hand-split ms | ours ms | ours/hand |" in run.stdout
