@@ -555,11 +555,10 @@ def _sites_cutting(node: fx.Node, colwise: dict[fx.Node, set[str]]) -> set[str]:
 
 
 def _cut_starts_as_read(gm: fx.GraphModule, dim: str) -> None:
-    """A sequence cut where it is made from a whole value (a rotary table the positions of the
-    joint text + image sequence built) takes any cut of that dim for free, a local slice. Where
-    every reader needs one other cut of it (the joint sequence interleaved, text and image halves
-    per rank), it is cut so where it starts, not cut evenly and then gathered and cut again at
-    each reader."""
+    """A sequence cut where it is made from a value whole on every rank (a rotary table built from
+    the positions) may take any cut of that dim for free: a local slice. Where every reader needs
+    one other cut of it (a joint sequence's, each rank its part of each stream), it is cut so
+    where it starts, not cut evenly and then gathered and cut again at each reader."""
     for start in [n for n in gm.graph.nodes if op_kind(n) == "sequence_start"]:
         planned = shardings(start)[dim]
         if shardings(tensor_inputs(start)[0])[dim].out != R:
@@ -576,7 +575,7 @@ def _cut_starts_as_read(gm: fx.GraphModule, dim: str) -> None:
 
 def _needed_by_readers(node: fx.Node, dim: str, p: Placement, casts: list[fx.Node]) -> set[Placement]:
     """The placements ``node``'s readers need it in on ``dim``, past casts that keep ``p`` (which
-    join ``casts``): ``.to(device)`` after diffusers' rotary table."""
+    join ``casts``: a ``.to(device)``)."""
     needed = set()
     for user in node.users:
         planned = shardings(user)[dim]
