@@ -15,7 +15,8 @@ repetitions alternated between the variants, each timed on its slowest rank:
   each eager and compiled with ``inner``. Two changes let it run on CPU: diffusers picks a device
   with ``rank % torch.accelerator.device_count()``, 0 on CPU, so it is called with a count of 1;
   its tensor parallelism refuses a CPU mesh by a device-type check alone, which is let pass;
-- ours: ``parallelize`` + ``hybrid_parallel(inner_backend=inner)`` at ulysses2 and at tp2.
+- ours: ``parallelize`` + ``hybrid_parallel(inner_backend=inner)`` at ulysses2 and at tp2, the
+  parameters whole on every cp rank (``fsdp_dims=()``) as diffusers holds them.
 
 Parallel efficiency: one device's best (compiled) time / (2 x the variant's). What fails is recorded.
 """
@@ -56,10 +57,14 @@ def _diffusers(model, config, inner: str | None):
 
 
 def _ours(model, kwargs, inner: str, **degrees):
+    """Parameters held as diffusers holds them: whole on every cp rank (``fsdp_dims=()``; by
+    default ``parallelize`` cuts them over ulysses too, as FSDP, and gathers them each forward),
+    cut by tp's plan over tp."""
     mesh = dtensor_par.init_mesh(**degrees)
     with_loss = WithLoss(copy.deepcopy(model))
-    dtensor_par.parallelize(with_loss, mesh, (), example_kwargs=kwargs)
-    return with_loss, torch.compile(with_loss, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=inner))
+    dtensor_par.parallelize(with_loss, mesh, (), example_kwargs=kwargs, fsdp_dims=())
+    return with_loss, torch.compile(with_loss, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=inner,
+                                                                                   fsdp_dims=()))
 
 
 def variants(model, kwargs, inner: str) -> dict:

@@ -445,3 +445,39 @@ def test_a_graph_break_is_warned_of_by_the_backend_whose_frame_it_broke(fake_wor
         assert not [r for r in caplog.records if "broke the graph" in r.getMessage()], caplog.text
         torch.compile(with_break, backend=backend)(x)
     assert [r for r in caplog.records if "broke the graph" in r.getMessage()], caplog.text
+
+
+def test_flux_forward_at_ulysses2_runs_the_attentions_exchanges_and_the_outputs_gather_alone(fake_world):
+    """Every collective of a no_grad forward of diffusers' Flux (one joint and one single-stream
+    block, 4 heads x 16, 32 image + 16 text tokens: 24 joint rows a rank) at ulysses2, parameters
+    held whole on every rank (as diffusers' own ulysses holds them), is one of:
+
+    - per attention (2), the Ulysses exchange: q by heads (24 rows x 64 floats), k and v packed
+      by heads (twice that), the output back by rows (as q): 3 all-to-alls;
+    - the output's rows gathered whole (16 of 32 image tokens x 16 channels), as the model
+      returns it whole (diffusers gathers it too).
+
+    Nothing else: the text stream, the timestep and pooled embeddings and the modulation vectors
+    run cut or whole where they are made; the rotary tables, built whole on every rank from the
+    joint positions, are cut where they start as the joint sequence is (text and image halves a
+    rank), not cut evenly, gathered and cut again at each of q and k (before: 8 more gathers of
+    24 x 16 floats). A compiled forward runs what explain reports, collective by collective."""
+    pytest.importorskip("diffusers")
+    from dtensor_par._testing import real_models
+    from dtensor_par._testing.harness import executed_collectives
+
+    fake_world(2)
+    torch.manual_seed(0)
+    model, _, kwargs = real_models.flux()
+    with torch.no_grad():
+        report = dtensor_par.explain(model, (), example_kwargs=kwargs, ulysses=2, device_type="cpu", training=False)
+    reported = reported_collectives(report.graphs[0])["forward"]
+    rows = 24 * 64 * 4  # a rank's 24 joint rows of 4 heads x 16 float32
+    assert reported == Counter({("all_to_all_single", rows): 4, ("all_to_all_single", 2 * rows): 2,
+                                ("all_gather_into_tensor", 16 * 16 * 4): 1}), reported
+    compiled = torch.compile(model, backend=dtensor_par.hybrid_parallel(dtensor_par.init_mesh(ulysses=2),
+                                                                        inner_backend="aot_eager"))
+    with torch.no_grad():
+        compiled(**kwargs)
+        ran = Counter(executed_collectives(lambda: compiled(**kwargs)))
+    assert ran == reported

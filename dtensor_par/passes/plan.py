@@ -554,6 +554,39 @@ def _sites_cutting(node: fx.Node, colwise: dict[fx.Node, set[str]]) -> set[str]:
     return sites
 
 
+def _cut_starts_as_read(gm: fx.GraphModule, dim: str) -> None:
+    """A sequence cut where it is made from a value whole on every rank (a rotary table built from
+    the positions) may take any cut of that dim for free: a local slice. Where every reader needs
+    one other cut of it (a joint sequence's, each rank its part of each stream), it is cut so
+    where it starts, not cut evenly and then gathered and cut again at each reader."""
+    for start in [n for n in gm.graph.nodes if op_kind(n) == "sequence_start"]:
+        planned = shardings(start)[dim]
+        if shardings(tensor_inputs(start)[0])[dim].out != R:
+            continue
+        casts: list[fx.Node] = []
+        needed = _needed_by_readers(start, dim, planned.out, casts)
+        if len(needed) != 1:
+            continue
+        wanted = needed.pop()
+        if wanted != planned.out and shard_dim(wanted) == shard_dim(planned.out):
+            for node in (start, *casts):
+                set_sharding(node, dim, dataclasses.replace(shardings(node)[dim], out=wanted, inputs=(wanted,)))
+
+
+def _needed_by_readers(node: fx.Node, dim: str, p: Placement, casts: list[fx.Node]) -> set[Placement]:
+    """The placements ``node``'s readers need it in on ``dim``, past casts that keep ``p`` (which
+    join ``casts``: a ``.to(device)``)."""
+    needed = set()
+    for user in node.users:
+        planned = shardings(user)[dim]
+        if op_kind(user) == "cast" and len(tensor_inputs(user)) == 1 and planned.out == p and planned.inputs == (p,):
+            casts.append(user)
+            needed |= _needed_by_readers(user, dim, p, casts)
+        else:
+            needed |= {q for i, q in zip(tensor_inputs(user), planned.inputs) if i is node}
+    return needed
+
+
 def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     """Annotate every node with its NodeSharding on each planned mesh dim (``meta.shardings``).
     Where the tp plan gathers an attention's heads to split them into groups, the heads are cut
@@ -577,6 +610,8 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
             else:
                 for message in held:
                     ctx.warn(message)
+        if PLAN[dim.name].cuts == "sequence":
+            _cut_starts_as_read(gm, dim.name)
         for node in gm.graph.nodes:
             if (note := shardings(node)[dim.name].note) is not None:
                 ctx.warn(f"{node.name} ({target_name(node)}): inputs gathered on mesh dim {dim.name!r}: {note}")
