@@ -161,8 +161,17 @@ def stage_module(cut: Cut, stage: int) -> fx.GraphModule:
         env[node] = graph.node_copy(node, lambda n: env[n])
     outs = [env[n] for n in cut.outputs[stage]]
     last = stage == len(cut.outputs) - 1
+    if not last:  # what crosses a cut is sent point to point, which takes a contiguous tensor (a slice, a transpose)
+        outs = [graph.call_method("contiguous", (out,)) if _strided(node) else out
+                for node, out in zip(cut.outputs[stage], outs)]
     graph.output(outs[0] if last and len(outs) == 1 else tuple(outs))
     return fx.GraphModule(root, graph, class_name=f"Stage{stage}")
+
+
+def _strided(node: fx.Node) -> bool:
+    """Whether Dynamo saw ``node``'s value as a tensor laid out other than contiguously."""
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and not value.is_contiguous()
 
 
 def _put(root: nn.Module, fqn: str, tensor: torch.Tensor) -> None:
