@@ -378,7 +378,12 @@ class PipelinePlan:
 
 
 def _block_span(blocks: list[str]) -> str:
-    return blocks[0] if len(blocks) == 1 else f"{blocks[0]}..{blocks[-1].rpartition('.')[2]} ({len(blocks)} blocks)"
+    """``layers.0..3 (4 blocks)``; a run across two lists names both ends whole."""
+    if len(blocks) == 1:
+        return blocks[0]
+    first, last = blocks[0].rpartition("."), blocks[-1].rpartition(".")
+    end = last[2] if first[0] == last[0] else blocks[-1]
+    return f"{blocks[0]}..{end} ({len(blocks)} blocks)"
 
 
 def pipeline_plan(stages: list[StagePlan], crossing: list[list[fx.Node]], gm: fx.GraphModule, mesh: MeshInfo,

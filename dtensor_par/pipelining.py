@@ -20,6 +20,7 @@ so a rank's memory is its stages', never the whole model's.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import torch
@@ -410,19 +411,34 @@ class PipelineStep:
         write_parts(self.model, path, max_shard_size, parts)
 
 
-def _one_graph(model: nn.Module, call: tuple[tuple, dict], device: torch.device) -> tuple[fx.GraphModule, list]:
-    """Dynamo's one graph of ``model(*args, **kwargs)`` (``call``) and its inputs; a model on
-    ``meta`` is traced with stand-ins on ``device`` (``sharded.planned_on``)."""
+def _one_graph(model: nn.Module, call: tuple[tuple, dict], device: torch.device, microbatches: int
+               ) -> tuple[fx.GraphModule, list]:
+    """Dynamo's one graph of ``model(*args, **kwargs)`` (``call``: the first of ``microbatches``)
+    and its inputs; a model on ``meta`` is traced with stand-ins on ``device``
+    (``sharded.planned_on``). A model that fails on the microbatch is refused naming the likely
+    cause: an input without a batch dim, cut as if it had one."""
     args, kwargs = call
     try:
         with planned_on(model, device):
             graphs = capture_graphs(model, *args, dynamic=False, **kwargs)
     except NotImplementedError as e:
         raise NotImplementedError(f"pipeline: the model must be one graph to cut into stages: {e}") from None
+    except torch._dynamo.exc.TorchRuntimeError as e:
+        raise ValueError(f"pipeline: {type(model).__name__} fails on its first microbatch (each tensor input cut "
+                         f"along dim 0 into microbatches={microbatches}): {_fake_error(e)}. An input without a "
+                         f"batch dim (positions, a table every sample shares) goes whole to every microbatch: name "
+                         f"it in whole_inputs=") from e
     if len(graphs) != 1:
         raise NotImplementedError(f"pipeline: Dynamo captured {len(graphs)} graphs of {type(model).__name__}; "
                                   f"stages are cut from one graph")
     return graphs[0]
+
+
+def _fake_error(error: Exception) -> str:
+    """The error an op raised on Dynamo's fake tensors, as its message quotes it (``got
+    RuntimeError('Attempting to broadcast ...')``), else the message's first line."""
+    found = re.search(r"got (\w+\(.*\))$", str(error), re.MULTILINE)
+    return found.group(1) if found else str(error).splitlines()[0]
 
 
 def _planned_whole(gm: fx.GraphModule, graph_inputs: list, submesh: DeviceMesh, config: ParallelConfig
@@ -491,6 +507,9 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
                          f"init_mesh(pp=..., ...)")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline: microbatches must be a positive int, got {microbatches!r}")
+    if loss_fn is None:
+        raise NotImplementedError("pipeline: loss_fn=None (a forward-only pipeline, for inference) is not built "
+                                  "yet: pipeline runs training steps, a loss on the last stage's output")
     _refuse_unfilled_meta(model, checkpoint)
     pp, stage = mesh["pp"].size(), mesh.get_local_rank("pp")
     submesh = mesh[tuple(n for n in names if n not in STAGE_DIMS)]
@@ -501,7 +520,8 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     first = _chunk(flat, microbatches, batched)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
         torch.device(mesh.device_type)
-    gm, graph_inputs = _one_graph(model, pytree.tree_unflatten(first, spec), inputs_device(first) or device)
+    gm, graph_inputs = _one_graph(model, pytree.tree_unflatten(first, spec), inputs_device(first) or device,
+                                  microbatches)
     _, cut = cut_by_cost(model, gm, graph_inputs, first, _planned_whole(gm, graph_inputs, submesh, config),
                          ScheduleRun(schedule, pp, runs.stages_per_rank, microbatches),
                          machine and machine_profile(machine))

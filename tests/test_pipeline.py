@@ -139,7 +139,7 @@ def _launch(world: int) -> list[dict]:
                                       for label, (w, sizes, schedule, model, mb) in RUNS.items() if w == world})
 
 
-LAUNCHES = {world: in_background(_launch, world) for world in (2, 4)} if __name__ != "__main__" and not __import__("os").environ.get("PPFLUX_NO_LAUNCH") else {}
+LAUNCHES = {world: in_background(_launch, world) for world in (2, 4)}
 """One launch per world size."""
 
 
@@ -147,8 +147,9 @@ LAUNCHES = {world: in_background(_launch, world) for world in (2, 4)} if __name_
 def test_training_matches_one_device_accumulating_the_microbatches(label):
     world, sizes, _, name, _ = RUNS[label]
     per_rank = [results[label] for results in LAUNCHES[world].result()]
-    # Flux's joint blocks hold 2.4 times a single block's parameters for about its time: the stages balance time
-    held, moved = (0.75, 1e-4) if name == "flux" else (0.6, 1e-3)  # and its to_k biases barely change a softmax
+    # Flux's joint blocks hold 2.4 times a single block's parameters for about its time (the stages balance time;
+    # under tp its single blocks' proj_out is held whole), and its to_k biases barely change a softmax
+    held, moved = (0.9, 1e-4) if name == "flux" else (0.6, 1e-3)
     found = pipeline_mismatches(label, per_rank, most_held=held / (sizes.get("tp", 1) * sizes.get("dp_shard", 1)),
                                 least_moved=moved)
     assert not found, "\n".join(found)
@@ -173,9 +174,20 @@ class _BrokenLlama(models.Llama):
         return self.lm_head(self.norm(x))
 
 
+class _PositionsLlama(models.Llama):
+    """The toy Llama adding a table of positions without a batch dim (``[seq, hidden]``)."""
+
+    def forward(self, ids, positions):
+        x = self.embed(ids) + positions
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+
 def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
-    """An unknown schedule, fewer blocks than stages, a batch the microbatches do not divide, a
-    weight tied across stages, a model Dynamo breaks into several graphs."""
+    """An unknown schedule, fewer blocks than stages, a batch the microbatches do not divide, an
+    input without a batch dim cut as if it had one, an unknown whole input, no loss (a forward-only
+    pipeline), a weight tied across stages, a model Dynamo breaks into several graphs."""
     fake_world(2)
     mesh = dtensor_par.init_mesh(pp=2)
     model, ids, *_ = _model_and_batch()
@@ -192,6 +204,19 @@ def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
     with pytest.raises(ValueError, match=r"input 0 of shape \[4, 8\] has a batch \(dim 0\) of 4, not divisible by "
                                          r"microbatches=3"):
         dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=3)
+    positions = {"positions": torch.randn(SEQ, 64)}
+    with pytest.raises(ValueError, match=r"_PositionsLlama fails on its first microbatch \(each tensor input cut along "
+                                         r"dim 0 into microbatches=2\): RuntimeError\('Attempting to "
+                                         r"broadcast .*name it in whole_inputs="):
+        dtensor_par.pipeline(_PositionsLlama(vocab=VOCAB, layers=LAYERS), mesh, (ids,), loss_fn=_loss,
+                             microbatches=2, example_kwargs=positions)
+    with pytest.raises(ValueError, match=r"whole_inputs names \['position'\], which are not keyword inputs of the "
+                                         r"call \(those are \['positions'\]\)"):
+        dtensor_par.pipeline(_PositionsLlama(vocab=VOCAB, layers=LAYERS), mesh, (ids,), loss_fn=_loss,
+                             microbatches=2, example_kwargs=positions, whole_inputs=("position",))
+    with pytest.raises(NotImplementedError, match=r"loss_fn=None \(a forward-only pipeline, for inference\) is not "
+                                                  r"built yet"):
+        dtensor_par.pipeline(model, mesh, (ids,), loss_fn=None, microbatches=2)
     with pytest.raises(ValueError, match=r"Llama has 1 blocks \(blocks\) but 2 stages were asked for"):
         dtensor_par.pipeline(models.Llama(vocab=VOCAB, layers=1), mesh, (ids,), loss_fn=_loss, microbatches=2)
     tied, *_ = _model_and_batch()
