@@ -471,6 +471,22 @@ def cut_by_cost(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_i
     return stages, cut_graph(model, gm, graph_inputs, flat_inputs, [s.blocks for s in stages])
 
 
+def _refuse_bad_call(mesh: DeviceMesh, schedule: str, microbatches, loss_fn) -> None:
+    """An unknown schedule, a mesh without pp, microbatches not a positive int, no loss (a
+    forward-only pipeline)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline: unknown schedule {schedule!r}; the schedules are {list(SCHEDULES)}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if "pp" not in names:
+        raise ValueError(f"pipeline: the mesh {dict(zip(names, mesh.shape))} has no pp dim: build it with "
+                         f"init_mesh(pp=..., ...)")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"pipeline: microbatches must be a positive int, got {microbatches!r}")
+    if loss_fn is None:
+        raise NotImplementedError("pipeline: loss_fn=None (a forward-only pipeline, for inference) is not built "
+                                  "yet: pipeline runs training steps, a loss on the last stage's output")
+
+
 def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, loss_fn, microbatches: int,
              schedule: str = "1F1B", example_kwargs: dict | None = None, whole_inputs: tuple[str, ...] = (),
              checkpoint: str | None = None, machine: str | Machine | None = None, **options) -> PipelineStep:
@@ -496,20 +512,11 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     """
     from torch.distributed import pipelining
 
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline: unknown schedule {schedule!r}; the schedules are {list(SCHEDULES)}")
+    _refuse_bad_call(mesh, schedule, microbatches, loss_fn)
     config = ParallelConfig.of("pipeline", options)
     runs = SCHEDULES[schedule]
     runs.check_backend(schedule, config.inner_backend)
-    names = tuple(mesh.mesh_dim_names or ())
-    if "pp" not in names:
-        raise ValueError(f"pipeline: the mesh {dict(zip(names, mesh.shape))} has no pp dim: build it with "
-                         f"init_mesh(pp=..., ...)")
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"pipeline: microbatches must be a positive int, got {microbatches!r}")
-    if loss_fn is None:
-        raise NotImplementedError("pipeline: loss_fn=None (a forward-only pipeline, for inference) is not built "
-                                  "yet: pipeline runs training steps, a loss on the last stage's output")
+    names = tuple(mesh.mesh_dim_names)
     _refuse_unfilled_meta(model, checkpoint)
     pp, stage = mesh["pp"].size(), mesh.get_local_rank("pp")
     submesh = mesh[tuple(n for n in names if n not in STAGE_DIMS)]
