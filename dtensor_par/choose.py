@@ -364,7 +364,7 @@ def _pipelined(model, example: tuple, world_size: int, degrees_pp: list[int], mi
         why = f"Dynamo captured {len(graphs)} graphs of {type(model).__name__}; pipeline stages are cut from one"
         return [], [Rejection({"pp": d, **dict.fromkeys(MESH_DIMS, 1)}, None, why) for d in degrees_pp]
     (gm, inputs), = graphs
-    captured, flat, blocks = [(gm, [hint(a) for a in inputs])], pytree.tree_leaves((args, kwargs)), blocks_of(model)
+    captured, flat, blocks = [(gm, [hint(a) for a in inputs])], pytree.tree_leaves((args, kwargs)), blocks_of(model, gm)
     done: dict = {}
     choices, rejected = [], []
     for pp in degrees_pp:

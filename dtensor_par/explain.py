@@ -123,7 +123,7 @@ def explain(model, example_inputs, *, device_type: str = "cuda",
             order: tuple[str, ...] | None = None, parallelized: bool | None = None,
             example_kwargs: dict | None = None, dynamic: bool | None = None, machine: str | Machine | None = None,
             training: bool = True, measure_routing: bool = False, pp: int = 1, microbatches: int | None = None,
-            schedule: str = "1F1B", **options) -> Report:
+            schedule: str = "1F1B", whole_inputs: tuple[str, ...] = (), **options) -> Report:
     """Plan ``model(*example_inputs, **example_kwargs)`` for the given mesh as rank 0 would, without hardware.
 
     The model may live on the ``meta`` device, so a model too large for this machine can be
@@ -142,7 +142,7 @@ def explain(model, example_inputs, *, device_type: str = "cuda",
     ``pp`` > 1: plan ``pipeline(..., microbatches=, schedule=)`` as it runs, the example inputs a
     whole batch: its stages and their blocks, each one's time (on ``machine``) and memory, the
     schedule's bubble and the bytes sent across each cut (``pipeline_plan``); the graph is the whole
-    model planned over one stage's mesh, on one microbatch.
+    model planned over one stage's mesh, on one microbatch (``whole_inputs``: as ``pipeline`` takes it).
     """
     sizes, options = split_degrees(options)
     config = ParallelConfig.of("explain", options)
@@ -163,7 +163,7 @@ def explain(model, example_inputs, *, device_type: str = "cuda",
     with paused_gc():  # capture and passes: ~0.5 s of full collections finding little garbage
         args, kwargs = cast_floating((tuple(example_inputs), example_kwargs or {}), config.param_dtype)
         if pp > 1:
-            args, kwargs = microbatch_of((args, kwargs), microbatches, "explain")
+            args, kwargs = microbatch_of((args, kwargs), microbatches, "explain", tuple(whole_inputs))
         with traced_in(model, config.param_dtype):
             captured = capture_graphs(model, *args, dynamic=dynamic, **kwargs)
         for i, (gm, inputs) in enumerate(captured):

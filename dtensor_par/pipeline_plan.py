@@ -1,6 +1,7 @@
 """Where ``pipeline`` cuts a model into stages, and what each stage costs.
 
-The blocks are the children of the ``nn.ModuleList`` that holds the most parameters. Each is
+The blocks are the children of the ``nn.ModuleList`` that holds the most parameters, and of the
+lists beside it that run before or after it (Flux's joint blocks, then its single ones). Each is
 costed on the whole graph planned over one stage's mesh (the mesh without pp), by the time
 model (``passes.cost.node_seconds``: forward and backward of one microbatch) and by memory
 (the parameters a rank holds, their gradients and AdamW's states, and the activations kept for
@@ -38,18 +39,42 @@ REFERENCE = H100_SXM
 with no memory limit."""
 
 
-def blocks_of(model: nn.Module) -> list[str]:
-    """The FQNs of the children of the ``nn.ModuleList`` that holds the most parameters
-    (``layers.0``, ``layers.1``, ...): the model's repeated blocks, where stages are cut."""
-    best, most = None, -1
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            held = sum(p.numel() for p in module.parameters())
-            if held > most:
-                best, most = name, held
-    if best is None:
+def blocks_of(model: nn.Module, gm: fx.GraphModule) -> list[str]:
+    """The model's repeated blocks, where stages are cut, in the order ``gm`` (its captured graph)
+    runs them: the children of the ``nn.ModuleList`` that holds the most parameters
+    (``layers.0``, ``layers.1``, ...), and of each ``nn.ModuleList`` beside it (one parent) whose
+    blocks run wholly before or after it: Flux's joint ``transformer_blocks``, then its
+    ``single_transformer_blocks``. A list whose blocks run interleaved with the largest one's
+    does not cut stages."""
+    lists = {name: module for name, module in model.named_modules()
+             if isinstance(module, nn.ModuleList) and len(module) > 0}
+    if not lists:
         raise ValueError(f"pipeline: {type(model).__name__} holds no nn.ModuleList of blocks to cut into stages")
-    return [f"{best}.{i}" if best else str(i) for i in range(len(model.get_submodule(best)))]
+    largest = max(lists, key=lambda name: sum(p.numel() for p in lists[name].parameters()))
+    parent = largest.rpartition(".")[0]
+    children = {name: [f"{name}.{i}" if name else str(i) for i in range(len(module))] for name, module in lists.items()
+                if name.rpartition(".")[0] == parent and bool(name) == bool(largest)}
+    spans = _traced_spans(gm, children)
+    runs = [name for name in children if name == largest or (name in spans and largest in spans and (
+        spans[name][1] < spans[largest][0] or spans[name][0] > spans[largest][1]))]
+    runs.sort(key=lambda name: spans.get(name, (0,))[0])
+    return [block for name in runs for block in children[name]]
+
+
+def _traced_spans(gm: fx.GraphModule, lists: dict[str, list[str]]) -> dict[str, tuple[int, int]]:
+    """Of each list of blocks (name: its blocks' FQNs), the positions in ``gm`` of the first and
+    last op traced in any of its blocks (not its parameters' placeholders, all at the graph's
+    start); lists none of whose ops is traced are left out."""
+    list_of = {block: name for name, blocks in lists.items() for block in blocks}
+    index = {block: i for i, block in enumerate(list_of)}
+    names = list(list_of)
+    spans: dict[str, tuple[int, int]] = {}
+    for position, node in enumerate(gm.graph.nodes):
+        found = node_block(node, index) if node.op != "placeholder" else None  # parameters are inputs first
+        if found is not None:
+            name = list_of[names[found]]
+            spans[name] = (spans.get(name, (position,))[0], position)
+    return spans
 
 
 def node_block(node: fx.Node, blocks: dict[str, int]) -> int | None:
@@ -353,7 +378,12 @@ class PipelinePlan:
 
 
 def _block_span(blocks: list[str]) -> str:
-    return blocks[0] if len(blocks) == 1 else f"{blocks[0]}..{blocks[-1].rpartition('.')[2]} ({len(blocks)} blocks)"
+    """``layers.0..3 (4 blocks)``; a run across two lists names both ends whole."""
+    if len(blocks) == 1:
+        return blocks[0]
+    first, last = blocks[0].rpartition("."), blocks[-1].rpartition(".")
+    end = last[2] if first[0] == last[0] else blocks[-1]
+    return f"{blocks[0]}..{end} ({len(blocks)} blocks)"
 
 
 def pipeline_plan(stages: list[StagePlan], crossing: list[list[fx.Node]], gm: fx.GraphModule, mesh: MeshInfo,

@@ -20,6 +20,7 @@ so a rank's memory is its stages', never the whole model's.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.distributed.tensor import DTensor
 
 from .checkpoints import Part, held_tensors, load_checkpoint, tied_groups, write_parts
@@ -160,8 +162,17 @@ def stage_module(cut: Cut, stage: int) -> fx.GraphModule:
         env[node] = graph.node_copy(node, lambda n: env[n])
     outs = [env[n] for n in cut.outputs[stage]]
     last = stage == len(cut.outputs) - 1
+    if not last:  # what crosses a cut is sent point to point, which takes a contiguous tensor (a slice, a transpose)
+        outs = [graph.call_method("contiguous", (out,)) if _strided(node) else out
+                for node, out in zip(cut.outputs[stage], outs)]
     graph.output(outs[0] if last and len(outs) == 1 else tuple(outs))
     return fx.GraphModule(root, graph, class_name=f"Stage{stage}")
+
+
+def _strided(node: fx.Node) -> bool:
+    """Whether Dynamo saw ``node``'s value as a tensor laid out other than contiguously."""
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and not value.is_contiguous()
 
 
 def _put(root: nn.Module, fqn: str, tensor: torch.Tensor) -> None:
@@ -179,27 +190,48 @@ def _put(root: nn.Module, fqn: str, tensor: torch.Tensor) -> None:
         owner.register_buffer(name, tensor)
 
 
-def _batch_rows(entry: str, flat: list, microbatches: int, what: str = "input") -> None:
-    """Every tensor of ``flat`` cut along dim 0 into ``microbatches`` equal microbatches: refuse sizes
-    that do not divide."""
+def _batch_rows(entry: str, flat: list, microbatches: int, what: str = "input", batched: list | None = None) -> None:
+    """Every tensor of ``flat`` (those ``batched`` marks, where given) cut along dim 0 into
+    ``microbatches`` equal microbatches: refuse sizes that do not divide."""
     for i, leaf in enumerate(flat):
+        if batched is not None and not batched[i]:
+            continue
         if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or leaf.shape[0] % microbatches):
             raise ValueError(f"{entry}: {what} {i} of shape {list(leaf.shape)} has a batch (dim 0) of "
                              f"{leaf.shape[0] if leaf.dim() else 'no size'}, not divisible by microbatches="
-                             f"{microbatches}")
+                             f"{microbatches}" + ("; a keyword input without a batch dim goes whole to every "
+                                                  "microbatch: name it in whole_inputs=" if what == "input" else ""))
 
 
-def _chunk(flat: list, microbatches: int) -> list:
-    """The first microbatch of each tensor of ``flat`` (what each stage is planned on)."""
-    return [leaf[: leaf.shape[0] // microbatches] if isinstance(leaf, torch.Tensor) else leaf for leaf in flat]
+def _chunk(flat: list, microbatches: int, batched: list[bool]) -> list:
+    """The first microbatch of each tensor of ``flat`` (what each stage is planned on); those
+    ``batched`` does not mark, whole."""
+    return [leaf[: leaf.shape[0] // microbatches] if isinstance(leaf, torch.Tensor) and cut else leaf
+            for leaf, cut in zip(flat, batched)]
 
 
-def microbatch_of(tree, microbatches: int, entry: str):
-    """``tree`` with each tensor its first of ``microbatches`` (cut along dim 0; a batch they do not
-    divide refused): what ``pipeline`` captures and plans the stages on."""
+def batched_leaves(args: tuple, kwargs: dict, whole_inputs: tuple[str, ...], entry: str) -> list[bool]:
+    """Per leaf of the flattened call ``(args, kwargs)``: whether it is cut into microbatches
+    (every tensor but the keyword inputs ``whole_inputs`` names, which have no batch dim: Flux's
+    ``img_ids`` and ``txt_ids``, positions every sample shares). Refuses a name no keyword
+    input has."""
+    unknown = [name for name in whole_inputs if name not in kwargs]
+    if unknown:
+        raise ValueError(f"{entry}: whole_inputs names {unknown}, which are not keyword inputs of the call "
+                         f"(those are {list(kwargs)})")
+    marks = (pytree.tree_map(lambda _: True, args),
+             {name: pytree.tree_map(lambda _, cut=name not in whole_inputs: cut, value) for name, value in kwargs.items()})
+    return pytree.tree_leaves(marks)
+
+
+def microbatch_of(tree, microbatches: int, entry: str, whole_inputs: tuple[str, ...] = ()):
+    """``tree`` (``(args, kwargs)``) with each tensor its first of ``microbatches`` (cut along dim
+    0; a batch they do not divide refused; those ``whole_inputs`` names whole): what ``pipeline``
+    captures and plans the stages on."""
     flat, spec = pytree.tree_flatten(tree)
-    _batch_rows(entry, flat, microbatches)
-    return pytree.tree_unflatten(_chunk(flat, microbatches), spec)
+    batched = batched_leaves(*tree, whole_inputs, entry)
+    _batch_rows(entry, flat, microbatches, batched=batched)
+    return pytree.tree_unflatten(_chunk(flat, microbatches, batched), spec)
 
 
 def _example(node: fx.Node, device: torch.device) -> torch.Tensor:
@@ -280,10 +312,10 @@ class PipelineStep:
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, submesh: DeviceMesh, cut: Cut,
                  stage_gms: list[fx.GraphModule], schedule, kind: Schedule, spec, example_flat: list,
-                 microbatches: int, config: ParallelConfig):
+                 batched: list[bool], microbatches: int, config: ParallelConfig):
         self.model, self.mesh, self.submesh, self.cut, self.modules = model, mesh, submesh, cut, stage_gms
         self.schedule, self.kind = schedule, kind  # torch's schedule object, and how it places stages
-        self._spec, self._example_flat = spec, example_flat
+        self._spec, self._example_flat, self._batched = spec, example_flat, batched
         self.microbatches, self.config = microbatches, config
         self.pp_group = mesh.get_group("pp")
         self.pp, self.stage = mesh["pp"].size(), mesh.get_local_rank("pp")
@@ -309,7 +341,7 @@ class PipelineStep:
             if not isinstance(leaf, torch.Tensor) and leaf != example:
                 raise ValueError(f"pipeline: input {i} is {leaf!r}, but the model was captured with {example!r} "
                                  f"(a non-tensor input is part of the captured graph)")
-        _batch_rows("pipeline", flat, self.microbatches)
+        _batch_rows("pipeline", flat, self.microbatches, batched=self._batched)
         if target is None:
             raise ValueError("pipeline: the step needs target=, what loss_fn compares the last stage's output with")
         _batch_rows("pipeline", [target], self.microbatches, "target")
@@ -379,19 +411,34 @@ class PipelineStep:
         write_parts(self.model, path, max_shard_size, parts)
 
 
-def _one_graph(model: nn.Module, call: tuple[tuple, dict], device: torch.device) -> tuple[fx.GraphModule, list]:
-    """Dynamo's one graph of ``model(*args, **kwargs)`` (``call``) and its inputs; a model on
-    ``meta`` is traced with stand-ins on ``device`` (``sharded.planned_on``)."""
+def _one_graph(model: nn.Module, call: tuple[tuple, dict], device: torch.device, microbatches: int
+               ) -> tuple[fx.GraphModule, list]:
+    """Dynamo's one graph of ``model(*args, **kwargs)`` (``call``: the first of ``microbatches``)
+    and its inputs; a model on ``meta`` is traced with stand-ins on ``device``
+    (``sharded.planned_on``). A model that fails on the microbatch is refused naming the likely
+    cause: an input without a batch dim, cut as if it had one."""
     args, kwargs = call
     try:
         with planned_on(model, device):
             graphs = capture_graphs(model, *args, dynamic=False, **kwargs)
     except NotImplementedError as e:
         raise NotImplementedError(f"pipeline: the model must be one graph to cut into stages: {e}") from None
+    except torch._dynamo.exc.TorchRuntimeError as e:
+        raise ValueError(f"pipeline: {type(model).__name__} fails on its first microbatch (each tensor input cut "
+                         f"along dim 0 into microbatches={microbatches}): {_fake_error(e)}. An input without a "
+                         f"batch dim (positions, a table every sample shares) goes whole to every microbatch: name "
+                         f"it in whole_inputs=") from e
     if len(graphs) != 1:
         raise NotImplementedError(f"pipeline: Dynamo captured {len(graphs)} graphs of {type(model).__name__}; "
                                   f"stages are cut from one graph")
     return graphs[0]
+
+
+def _fake_error(error: Exception) -> str:
+    """The error an op raised on Dynamo's fake tensors, as its message quotes it (``got
+    RuntimeError('Attempting to broadcast ...')``), else the message's first line."""
+    found = re.search(r"got (\w+\(.*\))$", str(error), re.MULTILINE)
+    return found.group(1) if found else str(error).splitlines()[0]
 
 
 def _planned_whole(gm: fx.GraphModule, graph_inputs: list, submesh: DeviceMesh, config: ParallelConfig
@@ -420,18 +467,36 @@ def cut_by_cost(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_i
     """``gm`` cut into stages of blocks balanced by the time model (and memory) of ``planned``
     (the graph planned over one stage's mesh; ``pipeline_plan.plan_stages``): what ``pipeline``
     runs and ``explain(pp=...)`` reports."""
-    stages = plan_stages(type(model).__name__, *planned, blocks_of(model), schedule, machine)
+    stages = plan_stages(type(model).__name__, *planned, blocks_of(model, gm), schedule, machine)
     return stages, cut_graph(model, gm, graph_inputs, flat_inputs, [s.blocks for s in stages])
 
 
+def _refuse_bad_call(mesh: DeviceMesh, schedule: str, microbatches, loss_fn) -> None:
+    """An unknown schedule, a mesh without pp, microbatches not a positive int, no loss (a
+    forward-only pipeline)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline: unknown schedule {schedule!r}; the schedules are {list(SCHEDULES)}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if "pp" not in names:
+        raise ValueError(f"pipeline: the mesh {dict(zip(names, mesh.shape))} has no pp dim: build it with "
+                         f"init_mesh(pp=..., ...)")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"pipeline: microbatches must be a positive int, got {microbatches!r}")
+    if loss_fn is None:
+        raise NotImplementedError("pipeline: loss_fn=None (a forward-only pipeline, for inference) is not built "
+                                  "yet: pipeline runs training steps, a loss on the last stage's output")
+
+
 def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, loss_fn, microbatches: int,
-             schedule: str = "1F1B", example_kwargs: dict | None = None, checkpoint: str | None = None,
-             machine: str | Machine | None = None, **options) -> PipelineStep:
+             schedule: str = "1F1B", example_kwargs: dict | None = None, whole_inputs: tuple[str, ...] = (),
+             checkpoint: str | None = None, machine: str | Machine | None = None, **options) -> PipelineStep:
     """Run ``model`` pipeline-parallel over ``mesh``'s pp dim, each stage over the other dims as
     ``hybrid_parallel`` runs a model (``options``: its options).
 
     ``example_inputs``/``example_kwargs``: a whole batch, as the step will be called; every tensor
-    is cut along dim 0 into ``microbatches``. ``loss_fn(output, target)``: a mean over its
+    is cut along dim 0 into ``microbatches``, but the keyword inputs ``whole_inputs`` names, which
+    have no batch dim (Flux's ``img_ids`` and ``txt_ids``): each microbatch is given them whole.
+    ``loss_fn(output, target)``: a mean over its
     microbatch, given the last stage's output: the tensors the model returns, as the captured graph
     returns them (a ``ModelOutput``'s without its ``None``s), one tensor as itself.
     ``schedule``: one of ``SCHEDULES``. ``machine``: the profile whose time model (and memory)
@@ -447,27 +512,23 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     """
     from torch.distributed import pipelining
 
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline: unknown schedule {schedule!r}; the schedules are {list(SCHEDULES)}")
+    _refuse_bad_call(mesh, schedule, microbatches, loss_fn)
     config = ParallelConfig.of("pipeline", options)
     runs = SCHEDULES[schedule]
     runs.check_backend(schedule, config.inner_backend)
-    names = tuple(mesh.mesh_dim_names or ())
-    if "pp" not in names:
-        raise ValueError(f"pipeline: the mesh {dict(zip(names, mesh.shape))} has no pp dim: build it with "
-                         f"init_mesh(pp=..., ...)")
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"pipeline: microbatches must be a positive int, got {microbatches!r}")
+    names = tuple(mesh.mesh_dim_names)
     _refuse_unfilled_meta(model, checkpoint)
     pp, stage = mesh["pp"].size(), mesh.get_local_rank("pp")
     submesh = mesh[tuple(n for n in names if n not in STAGE_DIMS)]
     MeshInfo.from_mesh(submesh, "pipeline")  # every rank now, in one order: every stage's groups
     flat, spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs or {}))
-    _batch_rows("pipeline", flat, microbatches)
-    first = _chunk(flat, microbatches)
+    batched = batched_leaves(tuple(example_inputs), example_kwargs or {}, tuple(whole_inputs), "pipeline")
+    _batch_rows("pipeline", flat, microbatches, batched=batched)
+    first = _chunk(flat, microbatches, batched)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
         torch.device(mesh.device_type)
-    gm, graph_inputs = _one_graph(model, pytree.tree_unflatten(first, spec), inputs_device(first) or device)
+    gm, graph_inputs = _one_graph(model, pytree.tree_unflatten(first, spec), inputs_device(first) or device,
+                                  microbatches)
     _, cut = cut_by_cost(model, gm, graph_inputs, first, _planned_whole(gm, graph_inputs, submesh, config),
                          ScheduleRun(schedule, pp, runs.stages_per_rank, microbatches),
                          machine and machine_profile(machine))
@@ -481,6 +542,8 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
         runners.append(_pipeline_stage(stage_gm, index, stages, device, example, cut, mesh))
     if checkpoint is not None:
         load_checkpoint(model, checkpoint, stages=held)
+    chunking = tuple(TensorChunkSpec(0) if batched[i] else _Replicate for i in cut.user)
     order = getattr(pipelining, f"Schedule{schedule}")(runners if runs.stages_per_rank > 1 else runners[0],
-                                                       n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-    return PipelineStep(model, mesh, submesh, cut, held, order, runs, spec, flat, microbatches, config)
+                                                       n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True,
+                                                       args_chunk_spec=chunking)
+    return PipelineStep(model, mesh, submesh, cut, held, order, runs, spec, flat, batched, microbatches, config)

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 import dtensor_par
 from dtensor_par._testing import models
 from dtensor_par._testing.harness import pipeline_against_one_device, pipeline_mismatches, run_ranks_together
+from dtensor_par.model_folders import flux_image_ids
 from dtensor_par.pipelining import SCHEDULES
 from tests.background import in_background
 
@@ -46,17 +47,48 @@ class _IdsAtTheHead(models.Llama):
         return logits, logits.mean()
 
 
+def _flux() -> torch.nn.Module:
+    """diffusers' Flux: 2 joint blocks (image and text streams), then 2 single-stream blocks on
+    their concatenation, both lists cut into stages; guidance-distilled. Its weights doubled: the
+    text stream reaches the loss (the image tokens) only through attention, and at diffusers' own
+    init its gradients are too small for AdamW (eps 1e-3) to move it measurably in 3 steps."""
+    from diffusers import FluxTransformer2DModel
+    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
+                                  attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+                                  pooled_projection_dim=32, axes_dims_rope=(4, 6, 6), guidance_embeds=True)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(2)
+    return model
+
+
+def _flux_loss(out, target: torch.Tensor) -> torch.Tensor:
+    out = out[0] if isinstance(out, tuple) else out  # the one device's (sample,); the last stage's one tensor
+    return (out - target).square().mean()  # the denoised sample against its target
+
+
 MODELS = {  # name: (build, the call's kwargs)
     "toy": (lambda: models.Llama(vocab=VOCAB, layers=LAYERS), {}),
     "hf": (_hf_llama, {"use_cache": False}),
     "ids at the head": (lambda: _IdsAtTheHead(vocab=VOCAB, layers=LAYERS), {}),
+    "flux": (_flux, {}),
 }
+FLUX_WHOLE = ("img_ids", "txt_ids")
+"""Flux's positions of the image and text tokens: no batch dim, each microbatch given them whole."""
 
 
 def _model_and_batch(name: str = "toy"):
+    """The model, its input, target and keyword inputs (a whole batch), and its loss."""
     torch.manual_seed(0)
     model = MODELS[name][0]()
-    return model, torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
+    if name == "flux":  # the image tokens positional, the rest by keyword: 32 image tokens (8 x 16 latent), 16 text
+        text = 16
+        kwargs = {"encoder_hidden_states": torch.randn(BATCH, text, 32), "pooled_projections": torch.randn(BATCH, 32),
+                  "timestep": torch.rand(BATCH), "img_ids": flux_image_ids(4, 8), "txt_ids": torch.zeros(text, 3),
+                  "guidance": torch.full((BATCH,), 3.5), "return_dict": False}
+        return model, torch.randn(BATCH, 32, 16), torch.randn(BATCH, 32, 16), kwargs, _flux_loss
+    ids, target = torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
+    return model, ids, target, MODELS[name][1], _loss
 
 
 def train_against_one_device(rank: int, world: int, *, sizes: dict, schedule: str, model: str,
@@ -66,14 +98,14 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, schedule: st
     inner_backend="eager", the others under "aot_eager"."""
     torch._dynamo.reset()
     mesh = dtensor_par.init_mesh(**sizes)
-    kwargs = MODELS[model][1]
-    model, ids, target = _model_and_batch(model)
+    whole = FLUX_WHOLE if model == "flux" else ()
+    model, ids, target, kwargs, loss = _model_and_batch(model)
     reference = copy.deepcopy(model)
     backend = "eager" if SCHEDULES[schedule].splits_backward else "aot_eager"
-    step = dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=microbatches, schedule=schedule,
-                                example_kwargs=kwargs, inner_backend=backend)
-    result = pipeline_against_one_device(step, reference, ids, target, loss_fn=_loss, microbatches=microbatches,
-                                         kwargs=kwargs)
+    step = dtensor_par.pipeline(model, mesh, (ids,), loss_fn=loss, microbatches=microbatches, schedule=schedule,
+                                example_kwargs=kwargs, whole_inputs=whole, inner_backend=backend)
+    result = pipeline_against_one_device(step, reference, ids, target, loss_fn=loss, microbatches=microbatches,
+                                         kwargs=kwargs, whole_inputs=whole)
     return {**result, "dtensor": sorted({isinstance(p, DTensor) for p in step.parameters()}), "blocks": step.cut.blocks}
 
 
@@ -92,6 +124,12 @@ RUNS = {  # label: world, mesh, schedule, model, microbatches (DualPipeV: at lea
     "pp2 x tp2 ZBVZeroBubble": (4, {"pp": 2, "tp": 2}, "ZBVZeroBubble", "toy", MICROBATCHES),
     "pp2 x ulysses2 GPipe": (4, {"pp": 2, "ulysses": 2}, "GPipe", "toy", MICROBATCHES),
     "transformers pp2 x ulysses2 1F1B": (4, {"pp": 2, "ulysses": 2}, "1F1B", "hf", MICROBATCHES),
+    # diffusers' Flux by keyword: two lists of blocks, positions without a batch dim (whole_inputs), the
+    # timestep's embedding and the rotary table read by every block, so crossing every cut
+    "flux pp2 1F1B": (2, {"pp": 2}, "1F1B", "flux", MICROBATCHES),
+    "flux pp2 Interleaved1F1B": (2, {"pp": 2}, "Interleaved1F1B", "flux", MICROBATCHES),
+    "flux pp2 x tp2 GPipe": (4, {"pp": 2, "tp": 2}, "GPipe", "flux", MICROBATCHES),
+    "flux pp2 x ulysses2 GPipe": (4, {"pp": 2, "ulysses": 2}, "GPipe", "flux", MICROBATCHES),
 }
 
 
@@ -109,13 +147,18 @@ LAUNCHES = {world: in_background(_launch, world) for world in (2, 4)}
 def test_training_matches_one_device_accumulating_the_microbatches(label):
     world, sizes, _, name, _ = RUNS[label]
     per_rank = [results[label] for results in LAUNCHES[world].result()]
-    found = pipeline_mismatches(label, per_rank, most_held=0.6 / (sizes.get("tp", 1) * sizes.get("dp_shard", 1)))
+    # Flux's joint blocks hold 2.4 times a single block's parameters for about its time (the stages balance time;
+    # under tp its single blocks' proj_out is held whole), and its to_k biases barely change a softmax
+    held, moved = (0.9, 1e-4) if name == "flux" else (0.6, 1e-3)
+    found = pipeline_mismatches(label, per_rank, most_held=held / (sizes.get("tp", 1) * sizes.get("dp_shard", 1)),
+                                least_moved=moved)
     assert not found, "\n".join(found)
     sliced = any(size > 1 for dim, size in sizes.items() if dim != "pp")  # held over tp or FSDP over cp
     assert all(r["dtensor"] == [sliced] for r in per_rank), (label, [r["dtensor"] for r in per_rank])
-    model, ids, _ = _model_and_batch(name)
-    report = dtensor_par.explain(model, (ids,), example_kwargs=MODELS[name][1], device_type="cpu", **sizes,
-                                 microbatches=MICROBATCHES, schedule=RUNS[label][2])
+    model, ids, _, kwargs, _ = _model_and_batch(name)
+    report = dtensor_par.explain(model, (ids,), example_kwargs=kwargs, device_type="cpu", **sizes,
+                                 microbatches=MICROBATCHES, schedule=RUNS[label][2],
+                                 whole_inputs=FLUX_WHOLE if name == "flux" else ())
     assert all(worst["blocks"] == [s.blocks for s in report.pipeline.stages] for worst in per_rank), label
 
 
@@ -131,12 +174,23 @@ class _BrokenLlama(models.Llama):
         return self.lm_head(self.norm(x))
 
 
+class _PositionsLlama(models.Llama):
+    """The toy Llama adding a table of positions without a batch dim (``[seq, hidden]``)."""
+
+    def forward(self, ids, positions):
+        x = self.embed(ids) + positions
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+
 def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
-    """An unknown schedule, fewer blocks than stages, a batch the microbatches do not divide, a
-    weight tied across stages, a model Dynamo breaks into several graphs."""
+    """An unknown schedule, fewer blocks than stages, a batch the microbatches do not divide, an
+    input without a batch dim cut as if it had one, an unknown whole input, no loss (a forward-only
+    pipeline), a weight tied across stages, a model Dynamo breaks into several graphs."""
     fake_world(2)
     mesh = dtensor_par.init_mesh(pp=2)
-    model, ids, _ = _model_and_batch()
+    model, ids, *_ = _model_and_batch()
     with pytest.raises(ValueError, match=r"unknown schedule 'ZBV'; the schedules are \['GPipe', '1F1B', "
                                          r"'Interleaved1F1B', 'InterleavedZeroBubble', 'ZBVZeroBubble', 'DualPipeV'\]"):
         dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=2, schedule="ZBV")
@@ -150,9 +204,22 @@ def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
     with pytest.raises(ValueError, match=r"input 0 of shape \[4, 8\] has a batch \(dim 0\) of 4, not divisible by "
                                          r"microbatches=3"):
         dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=3)
+    positions = {"positions": torch.randn(SEQ, 64)}
+    with pytest.raises(ValueError, match=r"_PositionsLlama fails on its first microbatch \(each tensor input cut along "
+                                         r"dim 0 into microbatches=2\): RuntimeError\('Attempting to "
+                                         r"broadcast .*name it in whole_inputs="):
+        dtensor_par.pipeline(_PositionsLlama(vocab=VOCAB, layers=LAYERS), mesh, (ids,), loss_fn=_loss,
+                             microbatches=2, example_kwargs=positions)
+    with pytest.raises(ValueError, match=r"whole_inputs names \['position'\], which are not keyword inputs of the "
+                                         r"call \(those are \['positions'\]\)"):
+        dtensor_par.pipeline(_PositionsLlama(vocab=VOCAB, layers=LAYERS), mesh, (ids,), loss_fn=_loss,
+                             microbatches=2, example_kwargs=positions, whole_inputs=("position",))
+    with pytest.raises(NotImplementedError, match=r"loss_fn=None \(a forward-only pipeline, for inference\) is not "
+                                                  r"built yet"):
+        dtensor_par.pipeline(model, mesh, (ids,), loss_fn=None, microbatches=2)
     with pytest.raises(ValueError, match=r"Llama has 1 blocks \(blocks\) but 2 stages were asked for"):
         dtensor_par.pipeline(models.Llama(vocab=VOCAB, layers=1), mesh, (ids,), loss_fn=_loss, microbatches=2)
-    tied, _, _ = _model_and_batch()
+    tied, *_ = _model_and_batch()
     tied.lm_head.weight = tied.embed.weight
     with pytest.raises(NotImplementedError, match=r"'embed.weight' is read by stages 0 and 1 \(tied weights across "
                                                   r"stages are not supported yet\): untie them, e.g. transformers' "
@@ -180,7 +247,7 @@ def test_stages_are_cut_at_block_boundaries():
     assert balanced_cuts(4, 2, by_sum([1, 1, 1, 1])) == [0, 2]
     assert balanced_cuts(4, 2, by_sum([3, 1, 1, 1])) == [0, 1]
     assert balanced_cuts(4, 4, by_sum([1, 1, 1, 1])) == [0, 1, 2, 3]
-    model, ids, _ = _model_and_batch()
+    model, ids, *_ = _model_and_batch()
     (gm, inputs), = capture_graphs(model, ids)
     cut = cut_graph(model, gm, inputs, [ids], [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]])
     assert cut.blocks == [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]]
@@ -191,7 +258,7 @@ def test_stages_are_cut_at_block_boundaries():
     assert torch.equal(last(*hidden), model(ids))
 
     # transformers' Llama: rotary cos and sin and the mask, made before the first block, cross with the hidden states
-    model, ids, _ = _model_and_batch("hf")
+    model, ids, *_ = _model_and_batch("hf")
     (gm, inputs), = capture_graphs(model, ids, use_cache=False)
     cut = cut_graph(model, gm, inputs, [ids], [[f"model.layers.{i}" for i in run] for run in ((0, 1), (2, 3))])
     assert cut.blocks == [["model.layers.0", "model.layers.1"], ["model.layers.2", "model.layers.3"]]

@@ -85,7 +85,7 @@ def test_the_runtime_cuts_what_explain_reports(fake_world):
     model, ids = _llama(vocab=4096)
     (gm, inputs), = capture_graphs(model, ids[:2], dynamic=False)
     planned = _planned_whole(gm, inputs, mesh["ring", "ulysses", "tp"], ParallelConfig())
-    stages = plan_stages("Llama", *planned, blocks_of(model), ScheduleRun("1F1B", 2, 1, 2), None)
+    stages = plan_stages("Llama", *planned, blocks_of(model, gm), ScheduleRun("1F1B", 2, 1, 2), None)
     report = dtensor_par.explain(model, (ids,), device_type="cpu", pp=2, microbatches=2)
     assert [s.blocks for s in stages] == _blocks(report) == [[f"blocks.{i}" for i in range(3)], ["blocks.3"]]
 

@@ -135,21 +135,25 @@ def _as_captured(out):
 
 
 def pipeline_against_one_device(step, reference: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, *,
-                                loss_fn, microbatches: int, kwargs: dict, steps: int = 3) -> dict:
+                                loss_fn, microbatches: int, kwargs: dict, steps: int = 3,
+                                whole_inputs: tuple[str, ...] = ()) -> dict:
     """A pipeline's ``step`` (``dtensor_par.pipeline``) against one device's ``reference``
     accumulating the same microbatches (the mean loss over them, as the step returns), over
     ``steps`` AdamW steps with clipping (the norm over every stage): the worst loss (absolute),
     clipped norm and parameters (relative), the first step's worst gradient (relative), the
     least any parameter moved (so each trained), the share of the model's parameters this rank
-    holds, and the FQNs it and the model hold. ``pipeline_mismatches`` judges them."""
+    holds, and the FQNs it and the model hold. ``pipeline_mismatches`` judges them. The tensors
+    of ``kwargs`` are cut into the microbatches too, but those ``whole_inputs`` names."""
     make_opt = lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-3)  # noqa: E731
     opt, opt_ref = make_opt(step.parameters()), make_opt(reference.parameters())
     worst = Counter()
     initial = {fqn: whole(p).detach().clone() for fqn, p in step.named_parameters()}
     for i in range(steps):
         loss, losses = step(x, target=target, **kwargs), []
-        for xs, ts in zip(x.chunk(microbatches), target.chunk(microbatches)):
-            part = loss_fn(_as_captured(reference(xs, **kwargs)), ts)
+        for k, (xs, ts) in enumerate(zip(x.chunk(microbatches), target.chunk(microbatches))):
+            part_kwargs = {name: value.chunk(microbatches)[k] if isinstance(value, torch.Tensor) and
+                           name not in whole_inputs else value for name, value in kwargs.items()}
+            part = loss_fn(_as_captured(reference(xs, **part_kwargs)), ts)
             (part / microbatches).backward()
             losses.append(part.detach())
         worst["loss"] = max(worst["loss"], abs(loss.item() - torch.stack(losses).mean().item()))
@@ -169,17 +173,17 @@ def pipeline_against_one_device(step, reference: torch.nn.Module, x: torch.Tenso
             "model_fqns": sorted(fqn for fqn, _ in reference.named_parameters())}
 
 
-def pipeline_mismatches(label: str, per_rank: list[dict], most_held: float) -> list[str]:
+def pipeline_mismatches(label: str, per_rank: list[dict], most_held: float, least_moved: float = 1e-3) -> list[str]:
     """What of ``pipeline_against_one_device``'s numbers on every rank is out of tolerance (loss
     within 1e-6, gradients, clipped norms and parameters within 1e-5 relative, each parameter
-    moved, a rank holding at most ``most_held`` of the model's parameters, each parameter held
+    moved by more than ``least_moved``, a rank holding at most ``most_held`` of the model's parameters, each parameter held
     by some rank), each naming the case, the rank and its numbers; empty where nothing is."""
     found = []
     for rank, r in enumerate(per_rank):
         numbers = {k: v for k, v in r.items() if "fqns" not in k}
         if not (r["loss"] <= 1e-6 and r["grad"] <= 1e-5 and r["norm"] <= 1e-5 and r["param"] <= 1e-5):
             found.append(f"{label}: rank {rank} differs from one device: {numbers}")
-        if not r["least_moved"] > 1e-3:
+        if not r["least_moved"] > least_moved:
             found.append(f"{label}: rank {rank}: a parameter moved by only {r['least_moved']:.3g}: {numbers}")
         if not 0 < r["held"] <= most_held:
             found.append(f"{label}: rank {rank} holds {r['held']:.3f} of the parameters, more than {most_held:.3f}")

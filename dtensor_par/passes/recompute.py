@@ -72,8 +72,11 @@ def allow_side_effects_in_regions() -> None:
 
 def _module_path(source: str) -> str:
     """``L['self'].model.layers[0]`` (a Dynamo source) -> ``model.layers.0``; the model is
-    ``L['args'][0]`` where its ``forward`` is wrapped in ``def wrapper(*args, **kwargs)`` (transformers')."""
+    ``L['args'][0]`` where its ``forward`` is wrapped in ``def wrapper(*args, **kwargs)`` (transformers').
+    A forward wrapped by a decorator that reads ``self`` (diffusers' ``apply_lora_scale``) is traced
+    through the module's ``__dict__['_modules']``: a container, not part of the path."""
     path = re.sub(r"^L\['args'\]\[0\]|^L\['[^']+'\]", "", source)
+    path = re.sub(r"\.__dict__\['_(modules|parameters|buffers)'\]", "", path)
     parts = re.findall(r"\._modules\['([^']+)'\]|\[(\d+)\]|\['([^']+)'\]|\.(\w+)", path)
     return ".".join(next(p for p in groups if p) for groups in parts if any(groups) and groups[-1] != "_modules")
 
