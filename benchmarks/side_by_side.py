@@ -13,8 +13,10 @@ weights and input everywhere:
   "ours" (``dtensor_par.parallelize`` + ``hybrid_parallel(inner_backend="aot_eager")``),
   the PyTorch anchor (``parallelize_module`` with a Colwise/Rowwise plan and the hand edits
   of ``models.TP_HAND_EDITS``, compiled with aot_eager; or ``context_parallel``, eager, for
-  ring), and the one-device model (``torch.compile(backend="aot_eager")``) run on every rank
-  at once; speedup = one device / ours. What fails is recorded, not hidden.
+  ring and for ulysses: torch's one form of context parallelism), and the one-device model
+  (``torch.compile(backend="aot_eager")``) run on every rank at once; speedup = one device /
+  ours. Over cp alone ours holds the parameters whole, as ``context_parallel`` does
+  (``fsdp_dims=()``). What fails is recorded, not hidden.
 - collectives a step runs (profiler): calls and bytes per rank put into them, forward and
   backward, against the analytic minimum of the strategy (``analytic_bytes``), with what
   lies above it by op.
@@ -175,9 +177,9 @@ def _variants(name, sizes, seq, mesh_sizes, mesh, inner):
         anchor = WithLoss(tp_anchor(model, mesh["tp"]))
         out["torch"] = (anchor, torch.compile(anchor, backend=inner),
                         f"parallelize_module (colwise q/k/v/up/gate, rowwise out/down), torch.compile(backend={inner!r})")
-    elif set(mesh_sizes) == {"ring"}:
+    elif set(mesh_sizes) in ({"ring"}, {"ulysses"}):  # torch's context parallelism has one form, its ring
         anchor = WithLoss(copy.deepcopy(model))
-        out["torch"] = (anchor, context_parallel_variant(anchor, mesh["ring"], x),
+        out["torch"] = (anchor, context_parallel_variant(anchor, mesh[next(iter(mesh_sizes))], x),
                         "context_parallel (eager; compiled: not tried, its tracing took over 12 minutes in "
                         "issue 11's measurement)")
     elif set(mesh_sizes) == {"dp_shard", "tp"}:
@@ -189,7 +191,10 @@ def _variants(name, sizes, seq, mesh_sizes, mesh, inner):
         anchor = ddp_anchor(model)
         out["torch"] = (anchor, on_own_rows(torch.compile(anchor, backend=inner), mesh, x),
                         f"DistributedDataParallel, torch.compile(backend={inner!r}); each rank given its own sequence")
-    out["ours"] = (*ours(model, mesh, x, inner), f"dtensor_par.parallelize + hybrid_parallel(inner_backend={inner!r})")
+    note = f"dtensor_par.parallelize + hybrid_parallel(inner_backend={inner!r})"
+    if _cp_only(mesh_sizes):
+        note += "; parameters whole on every rank (fsdp_dims=()), as context_parallel holds them"
+    out["ours"] = (*ours(model, mesh, mesh_sizes, x, inner), note)
     return out, x
 
 
@@ -199,11 +204,18 @@ def one_device(model, inner):
     return one, torch.compile(one, backend=inner)
 
 
-def ours(model, mesh, x, inner):
-    """``model`` (parallelized in place) with its loss, and its form compiled with our backend."""
+def _cp_only(mesh_sizes: dict) -> bool:
+    return set(mesh_sizes) <= {"ring", "ulysses"}
+
+
+def ours(model, mesh, mesh_sizes, x, inner):
+    """``model`` (parallelized in place) with its loss, and its form compiled with our backend. Over
+    cp alone its parameters stay whole on every rank, as the peer (``context_parallel``) holds them:
+    ``parallelize``'s default cuts them over cp as FSDP, which gathers them at each call."""
+    options = {"fsdp_dims": ()} if _cp_only(mesh_sizes) else {}
     parallel = WithLoss(model)
-    dtensor_par.parallelize(parallel, mesh, (x,))
-    return parallel, torch.compile(parallel, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=inner))
+    dtensor_par.parallelize(parallel, mesh, (x,), **options)
+    return parallel, torch.compile(parallel, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=inner, **options))
 
 
 def first_call_seconds(name, sizes, seq, mesh_sizes, mesh, inner, reps) -> tuple[dict, dict]:
@@ -214,7 +226,7 @@ def first_call_seconds(name, sizes, seq, mesh_sizes, mesh, inner, reps) -> tuple
     time per compile (ms)."""
     model, x = build(name, sizes, seq, mesh_sizes)
     makers = {"one_device": lambda: one_device(model, inner),
-              "ours": lambda: ours(copy.deepcopy(model), mesh, x, inner)}
+              "ours": lambda: ours(copy.deepcopy(model), mesh, mesh_sizes, x, inner)}
     times, records = defaultdict(list), []
     for rep in range(reps):
         for v, make in list(makers.items())[::1 if rep % 2 == 0 else -1]:
@@ -458,6 +470,9 @@ def main():
     parser.add_argument("--json", default="benchmarks.json", help="where to write the measurements")
     parser.add_argument("--world", type=int, action="append", choices=sorted(CONFIGS),
                         help="only the configurations of this world size (repeatable; default all)")
+    parser.add_argument("--mesh", action="append",
+                        help="only the configurations at this mesh, as the table writes it (e.g. ring2, 'tp2 x ulysses2'; "
+                             "repeatable)")
     parser.add_argument("--timed-only", action="store_true",
                         help="the step and forward times and the diffusers section only: no compile overhead "
                              "(first calls), forward overlap, decode or GPU section")
@@ -472,6 +487,10 @@ def main():
     for world, world_configs in configs.items():
         if args.world and world not in args.world:
             continue
+        if args.mesh:
+            world_configs = [(name, sizes) for name, sizes in world_configs if _mesh_text(sizes) in args.mesh]
+            if not world_configs:
+                continue
         results += run_ranks(world, run_world, configs=world_configs, shapes=shapes, seq=seq, reps=reps,
                              compile_reps=compile_reps, inner=inner)[0]  # rank 0's numbers
     for r in results:
