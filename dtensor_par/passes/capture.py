@@ -71,7 +71,6 @@ def graph_breaks() -> Counter:
 class FrameCompile:
     """One frame Dynamo compiled: the graph breaks it counted and the graphs it handed to a backend."""
     number: int
-    compile_id: str
     breaks: Counter
     graphs: int
 
@@ -90,9 +89,9 @@ def _frame_started(_args) -> None:
     _AT_FRAME_START[:] = [_AT_FRAME_START[0] + 1, graph_breaks(), _graphs()]
 
 
-def _frame_ended(args) -> None:
+def _frame_ended(_args) -> None:
     number, breaks, graphs = _AT_FRAME_START
-    _FRAMES.append(FrameCompile(number, args.compile_id, graph_breaks() - breaks, _graphs() - graphs))
+    _FRAMES.append(FrameCompile(number, graph_breaks() - breaks, _graphs() - graphs))
 
 
 def frames_compiled() -> tuple[int, Counter, list[FrameCompile]]:
