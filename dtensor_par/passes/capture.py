@@ -291,7 +291,7 @@ def _values_from_dynamo(gm: fx.GraphModule) -> bool:
     ``FakeTensorProp`` records it: the values ``_propagate`` would find, without running every
     op again (two thirds of the passes' time on a 24-layer graph). False, changing nothing, where
     a node has none (a graph Dynamo did not make) or one has symbolic sizes."""
-    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    nodes = [n for n in gm.graph.nodes if n.op != "output" and n.target not in _RETURN_NONE]
     if not all("example_value" in n.meta for n in nodes):
         return False
     values = [fx.node.map_aggregate(n.meta["example_value"], _static_snapshot) for n in nodes]
@@ -305,6 +305,10 @@ def _values_from_dynamo(gm: fx.GraphModule) -> bool:
         output.args[0], lambda a: _static_snapshot(a.meta["example_value"] if isinstance(a, fx.Node) else a))
     return True
 
+
+_RETURN_NONE = {operator.setitem, torch._C._log_api_usage_once}
+"""Calls Dynamo records without an example value: they return None, which ``FakeTensorProp``
+records as no value either."""
 
 _NEEDS_PROPAGATION = object()  # a value with symbolic sizes, or a real tensor: _propagate's to find
 
