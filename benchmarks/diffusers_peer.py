@@ -36,7 +36,7 @@ from unittest import mock
 import torch
 
 import dtensor_par
-from benchmarks.models import WithLoss, flux
+from benchmarks.models import WithLoss, flux, ours
 from benchmarks.report import failure
 from benchmarks.timing import adamw, slowest, timed
 from dtensor_par._testing.harness import run_ranks
@@ -56,17 +56,6 @@ def _diffusers(model, config, inner: str | None):
     return with_loss, (torch.compile(with_loss, backend=inner) if inner else with_loss)
 
 
-def _ours(model, kwargs, inner: str, **degrees):
-    """Parameters held as diffusers holds them: whole on every cp rank (``fsdp_dims=()``; by
-    default ``parallelize`` cuts them over ulysses too, as FSDP, and gathers them each forward),
-    cut by tp's plan over tp."""
-    mesh = dtensor_par.init_mesh(**degrees)
-    with_loss = WithLoss(copy.deepcopy(model))
-    dtensor_par.parallelize(with_loss, mesh, (), example_kwargs=kwargs, fsdp_dims=())
-    return with_loss, torch.compile(with_loss, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=inner,
-                                                                                   fsdp_dims=()))
-
-
 def variants(model, kwargs, inner: str) -> dict:
     """label -> a maker of (module with its loss, its callable)."""
     from diffusers import ContextParallelConfig, TensorParallelConfig
@@ -76,8 +65,8 @@ def variants(model, kwargs, inner: str) -> dict:
         return one, (torch.compile(one, backend=backend) if backend else one)
 
     return {"one_device": lambda: one_device(inner), "one_device eager": lambda: one_device(None),
-            "ours ulysses2": lambda: _ours(model, kwargs, inner, ulysses=2),
-            "ours tp2": lambda: _ours(model, kwargs, inner, tp=2),
+            "ours ulysses2": lambda: ours(copy.deepcopy(model), dtensor_par.init_mesh(ulysses=2), example_kwargs=kwargs, inner=inner),
+            "ours tp2": lambda: ours(copy.deepcopy(model), dtensor_par.init_mesh(tp=2), example_kwargs=kwargs, inner=inner),
             "diffusers ulysses2 eager": lambda: _diffusers(model, ContextParallelConfig(ulysses_degree=2), None),
             f"diffusers ulysses2 {inner}": lambda: _diffusers(model, ContextParallelConfig(ulysses_degree=2), inner),
             "diffusers tp2 eager": lambda: _diffusers(model, TensorParallelConfig(tp_degree=2), None),

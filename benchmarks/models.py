@@ -8,6 +8,8 @@ import copy
 
 import torch
 import torch.nn as nn
+
+import dtensor_par
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dtensor_par._testing.models import DiTBlock
@@ -34,6 +36,18 @@ class WithLoss(nn.Module):
     def forward(self, *args, **kwargs):
         out = self.model(*args, **kwargs)
         return (out[0] if isinstance(out, tuple) else out).square().mean()
+
+
+def ours(model: nn.Module, mesh, example_inputs: tuple = (), example_kwargs: dict | None = None, *, inner: str):
+    """``model`` with its loss (parallelized in place), and that compiled with our backend. Over
+    cp alone the parameters stay whole on every rank, as the peers (``context_parallel``,
+    diffusers' own) hold them: ``parallelize``'s default cuts them over cp as FSDP, which
+    gathers them at each call."""
+    cut = {name for name, size in zip(mesh.mesh_dim_names, mesh.mesh.shape) if size > 1}
+    options = {"fsdp_dims": ()} if cut <= {"ring", "ulysses"} else {}
+    parallel = WithLoss(model)
+    dtensor_par.parallelize(parallel, mesh, example_inputs, example_kwargs=example_kwargs, **options)
+    return parallel, torch.compile(parallel, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=inner, **options))
 
 
 def tp_anchor(model: nn.Module, mesh) -> nn.Module:

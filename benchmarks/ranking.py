@@ -33,9 +33,9 @@ import time
 import torch
 
 import dtensor_par
-from benchmarks.models import WithLoss
+from benchmarks.models import WithLoss, ours
 from benchmarks.report import save_json
-from benchmarks.side_by_side import FULL, QUICK, model_and_input, ours, train_step
+from benchmarks.side_by_side import FULL, QUICK, model_and_input, train_step
 from benchmarks.timing import adamw, slowest, timed
 from dtensor_par.calibrate import calibrate
 from dtensor_par.choose import choose_mesh
@@ -91,7 +91,7 @@ def _compiled(name, sizes, seq, batch, m, inner):
     try:
         mesh = dtensor_par.init_mesh(**m["degrees"], order=tuple(m["order"]), device_type="cpu")
         model, x = model_and_input(name, sizes, seq, batch)
-        parallel, fn = ours(model, mesh, x, inner)
+        parallel, fn = ours(model, mesh, (x,), inner=inner)
         step = functools.partial(train_step, fn, adamw(parallel), x)
         step()
         return step

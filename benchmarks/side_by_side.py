@@ -59,7 +59,7 @@ import torch
 
 import dtensor_par
 from benchmarks import decode, gpu, overlap
-from benchmarks.models import TP_HAND_EDITS, WithLoss, ddp_anchor, fsdp_anchor, tp_anchor
+from benchmarks.models import TP_HAND_EDITS, WithLoss, ddp_anchor, fsdp_anchor, ours, tp_anchor
 from benchmarks.report import failure
 from benchmarks.timing import adamw, slowest, timed
 from dtensor_par._testing.harness import dp_rows, executed_collectives, logged, run_ranks
@@ -192,9 +192,9 @@ def _variants(name, sizes, seq, mesh_sizes, mesh, inner):
         out["torch"] = (anchor, on_own_rows(torch.compile(anchor, backend=inner), mesh, x),
                         f"DistributedDataParallel, torch.compile(backend={inner!r}); each rank given its own sequence")
     note = f"dtensor_par.parallelize + hybrid_parallel(inner_backend={inner!r})"
-    if _cp_only(mesh_sizes):
+    if set(mesh_sizes) <= {"ring", "ulysses"}:
         note += "; parameters whole on every rank (fsdp_dims=()), as context_parallel holds them"
-    out["ours"] = (*ours(model, mesh, mesh_sizes, x, inner), note)
+    out["ours"] = (*ours(model, mesh, (x,), inner=inner), note)
     return out, x
 
 
@@ -202,20 +202,6 @@ def one_device(model, inner):
     """A copy of ``model`` with its loss, and its ``torch.compile`` form."""
     one = WithLoss(copy.deepcopy(model))
     return one, torch.compile(one, backend=inner)
-
-
-def _cp_only(mesh_sizes: dict) -> bool:
-    return set(mesh_sizes) <= {"ring", "ulysses"}
-
-
-def ours(model, mesh, mesh_sizes, x, inner):
-    """``model`` (parallelized in place) with its loss, and its form compiled with our backend. Over
-    cp alone its parameters stay whole on every rank, as the peer (``context_parallel``) holds them:
-    ``parallelize``'s default cuts them over cp as FSDP, which gathers them at each call."""
-    options = {"fsdp_dims": ()} if _cp_only(mesh_sizes) else {}
-    parallel = WithLoss(model)
-    dtensor_par.parallelize(parallel, mesh, (x,), **options)
-    return parallel, torch.compile(parallel, backend=dtensor_par.hybrid_parallel(mesh, inner_backend=inner, **options))
 
 
 def first_call_seconds(name, sizes, seq, mesh_sizes, mesh, inner, reps) -> tuple[dict, dict]:
@@ -226,7 +212,7 @@ def first_call_seconds(name, sizes, seq, mesh_sizes, mesh, inner, reps) -> tuple
     time per compile (ms)."""
     model, x = build(name, sizes, seq, mesh_sizes)
     makers = {"one_device": lambda: one_device(model, inner),
-              "ours": lambda: ours(copy.deepcopy(model), mesh, mesh_sizes, x, inner)}
+              "ours": lambda: ours(copy.deepcopy(model), mesh, (x,), inner=inner)}
     times, records = defaultdict(list), []
     for rep in range(reps):
         for v, make in list(makers.items())[::1 if rep % 2 == 0 else -1]:
