@@ -179,6 +179,31 @@ def _passes_on(model, inputs, run, **sizes):
     return parallelize_graph(gm, example_inputs, MeshInfo.for_planning(sizes, "cpu"), steps=run)
 
 
+class WrittenRows(nn.Module):
+    """A row written in place by index (``operator.setitem``, which returns None) before a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        x = x.clone()
+        x[:, 0] = 0.0
+        return self.fc(x)
+
+
+def test_specialize_takes_dynamos_values_past_calls_that_return_none(monkeypatch):
+    """Dynamo records no value for a call that returns None; the graph still needs no second run
+    on fakes (``_propagate``), and every node but those calls has its value."""
+    def fail(gm, ctx):
+        raise AssertionError("specialize ran the graph on fakes again")
+    monkeypatch.setattr("dtensor_par.passes.capture._propagate", fail)
+    gm, _ = _passes_on(WrittenRows(), (torch.randn(2, 8, 32),), CAPTURED, tp=2)
+    assert any(n.target is operator.setitem for n in gm.graph.nodes)
+    assert all("val" in n.meta for n in gm.graph.nodes if n.op != "output" and n.target is not operator.setitem)
+    assert list(gm.graph.output_node().meta["val"][0].shape) == [2, 8, 32]
+
+
 class PatchTokens(torch.nn.Module):
     """Tokens made inside the graph: a patch embedding's [B, C, H, W] transposed to [B, S, C]."""
 
