@@ -478,13 +478,13 @@ def _planned_whole(gm: fx.GraphModule, graph_inputs: list, submesh: DeviceMesh, 
     return parallelize_graph(gm, [hint(a) for a in graph_inputs], info, _stage_options(config), feeding=SHARDED)
 
 
-def _pipeline_stage(stage_gm: fx.GraphModule, index: int, stages: int, device: torch.device, example: list, cut: Cut,
+def _pipeline_stage(stage_gm: fx.GraphModule, index: int, device: torch.device, example: list, cut: Cut,
                     mesh: DeviceMesh):
     """Stage ``index`` as torch's ``PipelineStage``, given its inputs' and outputs' metadata: torch's
     own inference runs a later stage on uninitialized tensors (garbage integers: labels, ids)."""
     from torch.distributed import pipelining
 
-    return pipelining.PipelineStage(stage_gm, index, stages, device, input_args=tuple(example),
+    return pipelining.PipelineStage(stage_gm, index, len(cut.blocks), device, input_args=tuple(example),
                                     output_args=tuple(_example(n, device) for n in cut.outputs[index]),
                                     group=mesh.get_group("pp"))
 
@@ -499,9 +499,9 @@ def cut_by_cost(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_i
     return stages, cut_graph(model, gm, graph_inputs, flat_inputs, [s.blocks for s in stages])
 
 
-def _refuse_bad_call(mesh: DeviceMesh, schedule: str, microbatches, loss_fn) -> None:
-    """An unknown schedule, a mesh without pp, microbatches not a positive int, a V-shaped
-    schedule forward only."""
+def _refuse_bad_call(mesh: DeviceMesh, schedule: str, microbatches, loss_fn, inner_backend) -> None:
+    """An unknown schedule, a mesh without pp, microbatches not a positive int, a backward split
+    over compiled stages (``Schedule.check_backend``), a V-shaped schedule forward only."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: unknown schedule {schedule!r}; the schedules are {list(SCHEDULES)}")
     names = tuple(mesh.mesh_dim_names or ())
@@ -510,7 +510,9 @@ def _refuse_bad_call(mesh: DeviceMesh, schedule: str, microbatches, loss_fn) -> 
                          f"init_mesh(pp=..., ...)")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline: microbatches must be a positive int, got {microbatches!r}")
-    if loss_fn is None and SCHEDULES[schedule].v_shaped:
+    if loss_fn is not None:
+        SCHEDULES[schedule].check_backend(schedule, inner_backend)
+    elif SCHEDULES[schedule].v_shaped:
         raise NotImplementedError(
             f"pipeline: loss_fn=None (forward only) under the V-shaped schedule {schedule!r} is not built: torch "
             f"2.13's runtime hands a backward between a rank's two adjacent stages even when it runs none; forward "
@@ -536,18 +538,14 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     ``example_inputs``/``example_kwargs``: a whole batch, as the step will be called; every tensor
     is cut along dim 0 into ``microbatches``, but the keyword inputs ``whole_inputs`` names, which
     have no batch dim (Flux's ``img_ids`` and ``txt_ids``): each microbatch is given them whole.
-    ``loss_fn(output, target)``: a mean over its
-    microbatch, given the last stage's output: the tensors the model returns, as the captured graph
-    returns them (a ``ModelOutput``'s without its ``None``s), one tensor as itself. ``loss_fn=None``
-    runs forward only, for inference: ``out = step(*inputs, **kwargs)`` is that output for the
-    whole batch (the microbatches' concatenated along dim 0) on every rank.
-    ``schedule``: one of ``SCHEDULES`` (forward only, not a V-shaped one). ``machine``: the
-    profile whose time model (and memory) balances the stages (``pipeline_plan``), as
-    ``explain(pp=..., machine=...)`` reports them.
-    Returns a ``PipelineStep``: ``loss = step(*inputs,
-    target=target, **kwargs)`` is the mean of ``loss_fn`` over the microbatches on every rank, the
-    gradients those of that mean; build the optimizer over ``step.parameters()`` and clip with
-    ``step.clip_grad_norm_``.
+    ``loss_fn(output, target)``: a mean over its microbatch, given the last stage's output: the
+    tensors the model returns, as the captured graph returns them (a ``ModelOutput``'s without its
+    ``None``s), one tensor as itself. ``schedule``: one of ``SCHEDULES``. ``machine``: the profile
+    whose time model (and memory) balances the stages, as ``explain(pp=..., machine=...)`` reports.
+    Returns a ``PipelineStep``: ``loss = step(*inputs, target=target, **kwargs)`` is the mean of
+    ``loss_fn`` over the microbatches on every rank, the gradients those of that mean (optimizer
+    over ``step.parameters()``, clip with ``step.clip_grad_norm_``). ``loss_fn=None``: forward only
+    (no V-shaped schedule), ``out = step(*inputs, **kwargs)`` the whole batch's output, every rank.
 
     ``checkpoint``: a checkpoint folder (safetensors, transformers or diffusers layout) each rank
     reads its stages' pieces from. With it, ``model`` may hold its parameters on ``meta``
@@ -555,11 +553,9 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     """
     from torch.distributed import pipelining
 
-    _refuse_bad_call(mesh, schedule, microbatches, loss_fn)
     config = ParallelConfig.of("pipeline", options)
+    _refuse_bad_call(mesh, schedule, microbatches, loss_fn, config.inner_backend)
     runs = SCHEDULES[schedule]
-    if loss_fn is not None:  # forward only, no backward is split
-        runs.check_backend(schedule, config.inner_backend)
     names = tuple(mesh.mesh_dim_names)
     _refuse_unfilled_meta(model, checkpoint)
     pp, stage = mesh["pp"].size(), mesh.get_local_rank("pp")
@@ -578,14 +574,13 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
                          machine and machine_profile(machine))
     if loss_fn is None:
         _refuse_unbatched_outputs(cut)
-    stages = pp * runs.stages_per_rank
     held, runners = [], []
     for index in runs.stages_of(stage, pp):
         stage_gm = stage_module(cut, index)
         example = [first[i] for i in cut.user] if index == 0 else [_example(n, device) for n in cut.inputs[index]]
         _compile_stage(stage_gm, submesh, example, config, options, device)
         held.append(stage_gm)
-        runners.append(_pipeline_stage(stage_gm, index, stages, device, example, cut, mesh))
+        runners.append(_pipeline_stage(stage_gm, index, device, example, cut, mesh))
     if checkpoint is not None:
         load_checkpoint(model, checkpoint, stages=held)
     chunking = tuple(TensorChunkSpec(0) if batched[i] else _Replicate for i in cut.user)
