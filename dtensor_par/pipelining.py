@@ -307,16 +307,17 @@ def _compile_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list,
 class PipelineStep:
     """This rank's stage of a pipelined model and the schedule that runs it: ``step(*inputs,
     target=target, **kwargs)`` runs forward and backward over the microbatches and returns the mean
-    loss on every rank; ``parameters()``/``named_parameters()`` are this rank's (model FQNs);
-    ``save_pretrained(path)`` writes the whole model."""
+    loss on every rank (built with ``loss_fn=None``: ``step(*inputs, **kwargs)`` runs forward only
+    and returns the model's output on every rank); ``parameters()``/``named_parameters()`` are this
+    rank's (model FQNs); ``save_pretrained(path)`` writes the whole model."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, submesh: DeviceMesh, cut: Cut,
                  stage_gms: list[fx.GraphModule], schedule, kind: Schedule, spec, example_flat: list,
-                 batched: list[bool], microbatches: int, config: ParallelConfig):
+                 batched: list[bool], microbatches: int, config: ParallelConfig, forward_only: bool):
         self.model, self.mesh, self.submesh, self.cut, self.modules = model, mesh, submesh, cut, stage_gms
         self.schedule, self.kind = schedule, kind  # torch's schedule object, and how it places stages
         self._spec, self._example_flat, self._batched = spec, example_flat, batched
-        self.microbatches, self.config = microbatches, config
+        self.microbatches, self.config, self.forward_only = microbatches, config, forward_only
         self.pp_group = mesh.get_group("pp")
         self.pp, self.stage = mesh["pp"].size(), mesh.get_local_rank("pp")
         self.stages = kind.stages_of(self.stage, self.pp)  # the stages this rank runs (by index)
@@ -342,18 +343,27 @@ class PipelineStep:
                 raise ValueError(f"pipeline: input {i} is {leaf!r}, but the model was captured with {example!r} "
                                  f"(a non-tensor input is part of the captured graph)")
         _batch_rows("pipeline", flat, self.microbatches, batched=self._batched)
-        if target is None:
+        named = {f"input {i}": leaf for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)}
+        if self.forward_only:
+            if target is not None:
+                raise ValueError("pipeline: built with loss_fn=None, the step runs forward only and takes no target=; "
+                                 "give pipeline a loss_fn= to train")
+        elif target is None:
             raise ValueError("pipeline: the step needs target=, what loss_fn compares the last stage's output with")
-        _batch_rows("pipeline", [target], self.microbatches, "target")
+        else:
+            _batch_rows("pipeline", [target], self.microbatches, "target")
+            named["target"] = target
         if self.config.check_inputs and not self._checked:
-            named = {f"input {i}": leaf for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)}
-            check_same_inputs("pipeline", {**named, "target": target}, [list(range(dist.get_world_size()))],
+            check_same_inputs("pipeline", named, [list(range(dist.get_world_size()))],
                               "Give every rank the same inputs and target; check_inputs=False turns this check off")
             self._checked = True
         return [flat[i] for i in self.cut.user]
 
-    def __call__(self, *args, target=None, **kwargs) -> torch.Tensor:
+    def __call__(self, *args, target=None, **kwargs):
         inputs = self._stage_inputs(args, kwargs, target)
+        device = inputs[0].device if inputs else torch.device(self.mesh.device_type)
+        if self.forward_only:
+            return self._forward(inputs, device)
         losses: list[torch.Tensor] = []
         # the outputs are not merged over the microbatches: only the losses are used (and a 0-dim output,
         # a model's own loss, does not concatenate)
@@ -366,11 +376,29 @@ class PipelineStep:
             dtype = [losses[0].dtype if losses else None]
             dist.broadcast_object_list(dtype, group=self.pp_group, group_src=last)
             self._loss_dtype = dtype[0]
-        device = inputs[0].device if inputs else torch.device(self.mesh.device_type)
         loss = (torch.stack([x.detach() for x in losses]).mean() if losses else
                 torch.zeros((), dtype=self._loss_dtype, device=device))
         dist.broadcast(loss, group=self.pp_group, group_src=last)
         return loss
+
+    def _forward(self, inputs: list, device: torch.device):
+        """Every microbatch forward through the stages under ``no_grad`` (nothing kept for a
+        backward; torch's schedule built without a loss skips its backward), the last stage's
+        outputs concatenated along dim 0, then broadcast over pp from the last stage's rank: every
+        rank returns the whole output, so a loop of steps (a diffusion sampler's) feeds it to the
+        next step on every rank, as every rank gives the step the same inputs. One tensor as
+        itself, several as a tuple, as ``loss_fn`` would get them."""
+        with torch.no_grad():
+            out = self.schedule.step(*inputs) if self.stage == 0 else self.schedule.step()
+        if self.stage == self.loss_rank:
+            outputs = pytree.tree_leaves(out)
+        else:  # the shapes Dynamo saw on one microbatch, dim 0 times the microbatches
+            values = [node.meta["example_value"] for node in self.cut.outputs[-1]]
+            outputs = [torch.empty((v.shape[0] * self.microbatches, *v.shape[1:]), dtype=v.dtype, device=device)
+                       for v in values]
+        for output in outputs:
+            dist.broadcast(output, group=self.pp_group, group_src=self.loss_rank)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def clip_grad_norm_(self, max_norm: float, foreach: bool | None = None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model: the 2-norm of every stage's
@@ -450,13 +478,13 @@ def _planned_whole(gm: fx.GraphModule, graph_inputs: list, submesh: DeviceMesh, 
     return parallelize_graph(gm, [hint(a) for a in graph_inputs], info, _stage_options(config), feeding=SHARDED)
 
 
-def _pipeline_stage(stage_gm: fx.GraphModule, index: int, stages: int, device: torch.device, example: list, cut: Cut,
+def _pipeline_stage(stage_gm: fx.GraphModule, index: int, device: torch.device, example: list, cut: Cut,
                     mesh: DeviceMesh):
     """Stage ``index`` as torch's ``PipelineStage``, given its inputs' and outputs' metadata: torch's
     own inference runs a later stage on uninitialized tensors (garbage integers: labels, ids)."""
     from torch.distributed import pipelining
 
-    return pipelining.PipelineStage(stage_gm, index, stages, device, input_args=tuple(example),
+    return pipelining.PipelineStage(stage_gm, index, len(cut.blocks), device, input_args=tuple(example),
                                     output_args=tuple(_example(n, device) for n in cut.outputs[index]),
                                     group=mesh.get_group("pp"))
 
@@ -471,9 +499,9 @@ def cut_by_cost(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_i
     return stages, cut_graph(model, gm, graph_inputs, flat_inputs, [s.blocks for s in stages])
 
 
-def _refuse_bad_call(mesh: DeviceMesh, schedule: str, microbatches, loss_fn) -> None:
-    """An unknown schedule, a mesh without pp, microbatches not a positive int, no loss (a
-    forward-only pipeline)."""
+def _refuse_bad_call(mesh: DeviceMesh, schedule: str, microbatches, loss_fn, inner_backend) -> None:
+    """An unknown schedule, a mesh without pp, microbatches not a positive int, a backward split
+    over compiled stages (``Schedule.check_backend``), a V-shaped schedule forward only."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: unknown schedule {schedule!r}; the schedules are {list(SCHEDULES)}")
     names = tuple(mesh.mesh_dim_names or ())
@@ -482,9 +510,23 @@ def _refuse_bad_call(mesh: DeviceMesh, schedule: str, microbatches, loss_fn) -> 
                          f"init_mesh(pp=..., ...)")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline: microbatches must be a positive int, got {microbatches!r}")
-    if loss_fn is None:
-        raise NotImplementedError("pipeline: loss_fn=None (a forward-only pipeline, for inference) is not built "
-                                  "yet: pipeline runs training steps, a loss on the last stage's output")
+    if loss_fn is not None:
+        SCHEDULES[schedule].check_backend(schedule, inner_backend)
+    elif SCHEDULES[schedule].v_shaped:
+        raise NotImplementedError(
+            f"pipeline: loss_fn=None (forward only) under the V-shaped schedule {schedule!r} is not built: torch "
+            f"2.13's runtime hands a backward between a rank's two adjacent stages even when it runs none; forward "
+            f"only, a schedule decides no more than where the stages sit and the order of their forwards: take one "
+            f"of {[name for name, kind in SCHEDULES.items() if not kind.v_shaped]}")
+
+
+def _refuse_unbatched_outputs(cut: Cut) -> None:
+    """A forward-only step concatenates the last stage's outputs over the microbatches along dim 0:
+    refuse a 0-dim one (a model's own loss), which has no batch dim to concatenate along."""
+    for i, node in enumerate(cut.outputs[-1]):
+        if node.meta["example_value"].dim() == 0:
+            raise ValueError(f"pipeline: loss_fn=None returns the model's outputs concatenated over the microbatches "
+                             f"along dim 0, but its output {i} ({node.name}) is 0-dim")
 
 
 def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, loss_fn, microbatches: int,
@@ -496,15 +538,14 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     ``example_inputs``/``example_kwargs``: a whole batch, as the step will be called; every tensor
     is cut along dim 0 into ``microbatches``, but the keyword inputs ``whole_inputs`` names, which
     have no batch dim (Flux's ``img_ids`` and ``txt_ids``): each microbatch is given them whole.
-    ``loss_fn(output, target)``: a mean over its
-    microbatch, given the last stage's output: the tensors the model returns, as the captured graph
-    returns them (a ``ModelOutput``'s without its ``None``s), one tensor as itself.
-    ``schedule``: one of ``SCHEDULES``. ``machine``: the profile whose time model (and memory)
-    balances the stages (``pipeline_plan``), as ``explain(pp=..., machine=...)`` reports them.
-    Returns a ``PipelineStep``: ``loss = step(*inputs,
-    target=target, **kwargs)`` is the mean of ``loss_fn`` over the microbatches on every rank, the
-    gradients those of that mean; build the optimizer over ``step.parameters()`` and clip with
-    ``step.clip_grad_norm_``.
+    ``loss_fn(output, target)``: a mean over its microbatch, given the last stage's output: the
+    tensors the model returns, as the captured graph returns them (a ``ModelOutput``'s without its
+    ``None``s), one tensor as itself. ``schedule``: one of ``SCHEDULES``. ``machine``: the profile
+    whose time model (and memory) balances the stages, as ``explain(pp=..., machine=...)`` reports.
+    Returns a ``PipelineStep``: ``loss = step(*inputs, target=target, **kwargs)`` is the mean of
+    ``loss_fn`` over the microbatches on every rank, the gradients those of that mean (optimizer
+    over ``step.parameters()``, clip with ``step.clip_grad_norm_``). ``loss_fn=None``: forward only
+    (no V-shaped schedule), ``out = step(*inputs, **kwargs)`` the whole batch's output, every rank.
 
     ``checkpoint``: a checkpoint folder (safetensors, transformers or diffusers layout) each rank
     reads its stages' pieces from. With it, ``model`` may hold its parameters on ``meta``
@@ -512,10 +553,9 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     """
     from torch.distributed import pipelining
 
-    _refuse_bad_call(mesh, schedule, microbatches, loss_fn)
     config = ParallelConfig.of("pipeline", options)
+    _refuse_bad_call(mesh, schedule, microbatches, loss_fn, config.inner_backend)
     runs = SCHEDULES[schedule]
-    runs.check_backend(schedule, config.inner_backend)
     names = tuple(mesh.mesh_dim_names)
     _refuse_unfilled_meta(model, checkpoint)
     pp, stage = mesh["pp"].size(), mesh.get_local_rank("pp")
@@ -532,18 +572,20 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     _, cut = cut_by_cost(model, gm, graph_inputs, first, _planned_whole(gm, graph_inputs, submesh, config),
                          ScheduleRun(schedule, pp, runs.stages_per_rank, microbatches),
                          machine and machine_profile(machine))
-    stages = pp * runs.stages_per_rank
+    if loss_fn is None:
+        _refuse_unbatched_outputs(cut)
     held, runners = [], []
     for index in runs.stages_of(stage, pp):
         stage_gm = stage_module(cut, index)
         example = [first[i] for i in cut.user] if index == 0 else [_example(n, device) for n in cut.inputs[index]]
         _compile_stage(stage_gm, submesh, example, config, options, device)
         held.append(stage_gm)
-        runners.append(_pipeline_stage(stage_gm, index, stages, device, example, cut, mesh))
+        runners.append(_pipeline_stage(stage_gm, index, device, example, cut, mesh))
     if checkpoint is not None:
         load_checkpoint(model, checkpoint, stages=held)
     chunking = tuple(TensorChunkSpec(0) if batched[i] else _Replicate for i in cut.user)
     order = getattr(pipelining, f"Schedule{schedule}")(runners if runs.stages_per_rank > 1 else runners[0],
                                                        n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True,
                                                        args_chunk_spec=chunking)
-    return PipelineStep(model, mesh, submesh, cut, held, order, runs, spec, flat, batched, microbatches, config)
+    return PipelineStep(model, mesh, submesh, cut, held, order, runs, spec, flat, batched, microbatches, config,
+                        forward_only=loss_fn is None)

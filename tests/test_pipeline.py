@@ -4,7 +4,9 @@ microbatches (a mean loss over them; 3 AdamW steps with clipping, ``harness.pipe
 under each of torch's schedules, alone and beside tp and ulysses; each rank holds its stages'
 parameters only. ``test_pipeline_checkpoints`` runs the rest of issue 58's matrix (every schedule
 and both models, transformers' Llama and a DiT, at pp2, pp2 x tp2, pp2 x ulysses2 and
-pp2 x dp_shard2 x tp2) from checkpoints, by the same check. Bad inputs are refused by name."""
+pp2 x dp_shard2 x tp2) from checkpoints, by the same check. Forward only (``loss_fn=None``), a DiT
+and transformers' Llama return one device's output on every rank, in the same launches. Bad inputs
+are refused by name."""
 
 from __future__ import annotations
 
@@ -133,10 +135,51 @@ RUNS = {  # label: world, mesh, schedule, model, microbatches (DualPipeV: at lea
 }
 
 
+def forward_against_one_device(rank: int, world: int, *, sizes: dict, schedule: str, model: str) -> dict:
+    """A forward-only step's (``loss_fn=None``) largest absolute difference to one device's output
+    on this rank, over two steps each fed the last one's output (a DiT's as a diffusion sampler's
+    steps feed it, the Llama's greedy next tokens), and the step's refusal of ``target=``."""
+    torch._dynamo.reset()
+    mesh = dtensor_par.init_mesh(**sizes)
+    name = model
+    if name == "dit":
+        torch.manual_seed(0)
+        model, inputs, kwargs = models.DiT(layers=LAYERS, dim=32, heads=4, mlp=64, qk_norm=True), \
+            torch.randn(BATCH, SEQ, 32), {}
+    else:
+        model, inputs, _, kwargs, _ = _model_and_batch(name)
+    reference = copy.deepcopy(model)
+    step = dtensor_par.pipeline(model, mesh, (inputs,), loss_fn=None, microbatches=MICROBATCHES, schedule=schedule,
+                                example_kwargs=kwargs, inner_backend="aot_eager")
+    diffs = []
+    for _ in range(2):
+        out = step(inputs, **kwargs)
+        with torch.no_grad():
+            expected = reference(inputs, **kwargs)
+        diffs.append((out - (expected.logits if name == "hf" else expected)).abs().max().item())
+        inputs = out.argmax(-1) if name == "hf" else out
+    try:
+        step(inputs, target=inputs, **kwargs)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return {"diffs": diffs, "requires_grad": out.requires_grad, "refused": refused}
+
+
+FORWARD_RUNS = {  # label: world, mesh, schedule, model (InterleavedZeroBubble: forward only, over aot_eager stages)
+    "DiT pp2 1F1B": (2, {"pp": 2}, "1F1B", "dit"),
+    "transformers pp2 InterleavedZeroBubble": (2, {"pp": 2}, "InterleavedZeroBubble", "hf"),
+    "DiT pp2 x tp2 Interleaved1F1B": (4, {"pp": 2, "tp": 2}, "Interleaved1F1B", "dit"),
+}
+
+
 def _launch(world: int) -> list[dict]:
-    return run_ranks_together(world, {label: (train_against_one_device, {"sizes": sizes, "schedule": schedule,
-                                                                         "model": model, "microbatches": mb})
-                                      for label, (w, sizes, schedule, model, mb) in RUNS.items() if w == world})
+    training = {label: (train_against_one_device, {"sizes": sizes, "schedule": schedule, "model": model,
+                                                   "microbatches": mb})
+                for label, (w, sizes, schedule, model, mb) in RUNS.items() if w == world}
+    forward = {f"forward {label}": (forward_against_one_device, {"sizes": sizes, "schedule": schedule, "model": model})
+               for label, (w, sizes, schedule, model) in FORWARD_RUNS.items() if w == world}
+    return run_ranks_together(world, {**training, **forward})
 
 
 LAUNCHES = {world: in_background(_launch, world) for world in (2, 4)}
@@ -160,6 +203,18 @@ def test_training_matches_one_device_accumulating_the_microbatches(label):
                                  microbatches=MICROBATCHES, schedule=RUNS[label][2],
                                  whole_inputs=FLUX_WHOLE if name == "flux" else ())
     assert all(worst["blocks"] == [s.blocks for s in report.pipeline.stages] for worst in per_rank), label
+
+
+@pytest.mark.parametrize("label", list(FORWARD_RUNS))
+def test_forward_only_matches_one_device_on_every_rank(label):
+    """``loss_fn=None``: the whole batch's output on every rank, as one device's, kept for no
+    backward; a ``target=`` refused."""
+    per_rank = [results[f"forward {label}"] for results in LAUNCHES[FORWARD_RUNS[label][0]].result()]
+    for rank, result in enumerate(per_rank):
+        assert max(result["diffs"]) <= 1e-6, (label, rank, result["diffs"])
+        assert not result["requires_grad"], (label, rank)
+        assert result["refused"] and result["refused"].startswith(
+            "pipeline: built with loss_fn=None, the step runs forward only and takes no target="), (label, rank, result)
 
 
 class _BrokenLlama(models.Llama):
@@ -186,8 +241,9 @@ class _PositionsLlama(models.Llama):
 
 def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
     """An unknown schedule, fewer blocks than stages, a batch the microbatches do not divide, an
-    input without a batch dim cut as if it had one, an unknown whole input, no loss (a forward-only
-    pipeline), a weight tied across stages, a model Dynamo breaks into several graphs."""
+    input without a batch dim cut as if it had one, an unknown whole input, forward only (no loss)
+    under a V-shaped schedule or for a 0-dim output, a weight tied across stages, a model Dynamo
+    breaks into several graphs."""
     fake_world(2)
     mesh = dtensor_par.init_mesh(pp=2)
     model, ids, *_ = _model_and_batch()
@@ -214,9 +270,13 @@ def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
                                          r"call \(those are \['positions'\]\)"):
         dtensor_par.pipeline(_PositionsLlama(vocab=VOCAB, layers=LAYERS), mesh, (ids,), loss_fn=_loss,
                              microbatches=2, example_kwargs=positions, whole_inputs=("position",))
-    with pytest.raises(NotImplementedError, match=r"loss_fn=None \(a forward-only pipeline, for inference\) is not "
-                                                  r"built yet"):
-        dtensor_par.pipeline(model, mesh, (ids,), loss_fn=None, microbatches=2)
+    with pytest.raises(NotImplementedError, match=r"loss_fn=None \(forward only\) under the V-shaped schedule "
+                                                  r"'ZBVZeroBubble' is not built.*take one of \['GPipe', '1F1B', "
+                                                  r"'Interleaved1F1B', 'InterleavedZeroBubble'\]"):
+        dtensor_par.pipeline(model, mesh, (ids,), loss_fn=None, microbatches=2, schedule="ZBVZeroBubble")
+    with pytest.raises(ValueError, match=r"loss_fn=None returns the model's outputs concatenated over the microbatches "
+                                         r"along dim 0, but its output 1 \(.*\) is 0-dim"):
+        dtensor_par.pipeline(_IdsAtTheHead(vocab=VOCAB, layers=LAYERS), mesh, (ids,), loss_fn=None, microbatches=2)
     with pytest.raises(ValueError, match=r"Llama has 1 blocks \(blocks\) but 2 stages were asked for"):
         dtensor_par.pipeline(models.Llama(vocab=VOCAB, layers=1), mesh, (ids,), loss_fn=_loss, microbatches=2)
     tied, *_ = _model_and_batch()
