@@ -71,7 +71,8 @@ def given_pieces(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, Shard]:
 
 def sequence_inputs(gm: fx.GraphModule, ctx: ParallelContext, lengths: list[int], masks: set[fx.Node]) -> list[fx.Node]:
     """Graph inputs that may hold the sequence: sequence-shaped ones whose dim 1 has one of the
-    ``lengths``, except parameters, kv caches and inputs that only build attention masks."""
+    ``lengths``, except parameters, kv caches, inputs that only build attention masks and those
+    given as their pieces (already cut)."""
     return [node for node in gm.graph.nodes
             if node.op == "placeholder" and node.name not in ctx.params and node.name not in ctx.cache_inputs
             and node.name not in ctx.input_cuts["cp"]
