@@ -29,6 +29,7 @@ from torch.distributed.tensor import Shard as DTensorShard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .kv_cache import cache_shard
+from .sequence_pieces import sequence_piece
 from .mesh import MeshDim, MeshInfo
 from .ops.collectives import gather_param_grad, shard_local
 from .placements import InterleavedShard, Placement, Replicate, Shard, describe, interleaved_parts, local_chunk, \
@@ -262,10 +263,14 @@ class WholeParameters:
         """This rank's piece of one graph input, ``cuts`` its placements that shard it
         (``sharding_placements``): a parameter's tp piece sliced from it, then cut on the other
         dims as any input (expert weights over cp, with ep); a kv cache stand-in's piece is the
-        shard the runtime holds; an input nothing cuts is fed as it is."""
+        shard the runtime holds; a sequence piece's stand-in (``sequence_pieces``) its piece, cut
+        on the dims but cp; an input nothing cuts is fed as it is."""
         shard = cache_shard(value)
         if shard is not None:
             return shard.local
+        piece = sequence_piece(value)
+        if piece is not None:  # already cut over cp (the plan seeded it so): cut on the other dims alone
+            value, cuts = piece.local, {name: p for name, p in cuts.items() if name != "cp"}
         if not cuts or not isinstance(value, torch.Tensor):
             return value
         parameter = isinstance(value, nn.Parameter)

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -28,7 +29,8 @@ from .machines import H100_SXM, Machine
 from .mesh import MeshInfo
 from .passes.context import ParallelContext
 from .passes.cost import StepTime, Traffic, bytes_text, duration_text, link_classes, node_seconds
-from .passes.meta import planned_local_shape
+from .passes.meta import placements, planned_local_shape
+from .placements import Shard, local_shape_on
 from .passes.recompute import module_stack
 from .passes.saved import kept_by_node
 
@@ -311,6 +313,26 @@ def _value(node: fx.Node):
     return node.meta.get("example_value", node.meta.get("val"))
 
 
+def sent_dims(values: list[fx.Node], planned: fx.GraphModule) -> list[int | None]:
+    """Of each value crossing a cut, the dim along which each cp rank sends its own piece of it
+    (``sequence_pieces``), where the plan of the whole graph over one stage's mesh (``planned``)
+    cuts it over cp (a ``Shard``: its sequence); None where it is sent whole: cp is 1, or the plan
+    holds it whole on cp (gathered, or rewritten away: transformers' mask under cp, which the
+    planned attention reads none of). Both stages of a cut are compiled to it: the one that
+    makes a value returns it so, the next takes it so."""
+    nodes = {n.name: n for n in planned.graph.nodes}
+    cuts = [placements(nodes[v.name]).get("cp") if v.name in nodes else None for v in values]
+    return [p.dim if type(p) is Shard and isinstance(_value(v), torch.Tensor) else None
+            for v, p in zip(values, cuts)]
+
+
+def sent_shape(value: fx.Node, dim: int | None, mesh: MeshInfo) -> tuple[int, ...]:
+    """The shape of what one rank sends of a crossing value: its piece along ``dim`` over cp (in
+    the sequence layout, padded where the length does not divide), or whole (``dim`` None)."""
+    shape = tuple(_value(value).shape)
+    return shape if dim is None else local_shape_on(shape, {"cp": Shard(dim)}, mesh)
+
+
 def _piece_bytes(captured: fx.Node, planned: dict[str, fx.Node], mesh: MeshInfo) -> int:
     """This rank's bytes of a value as the plan cuts it (``planned``: the planned graph's nodes by
     name); whole where the plan rewrote it away (transformers' mask under cp: the planned
@@ -328,7 +350,8 @@ class PipelinePlan:
     schedule: ScheduleRun
     stages: list[StagePlan]
     sent_bytes: list[int]  # per microbatch, one rank to its peer across each cut (the gradients back: as many at most)
-    piece_bytes: list[int]  # of them, the rank's own piece as the plan cuts the values (cp: its sequence shard)
+    sent_whole: list[list[str]]  # per cut, the values sent whole under cp (the others: each cp rank's piece)
+    piece_bytes: list[int]  # the rank's own piece as the plan cuts the values (every dim: dp's rows too)
     send_seconds: float  # one send across the largest cut, on the pp link
     link: str  # the link class pp's sends cross
     machine: str | None  # the profile the seconds are of; None: REFERENCE's rates, shown only as shares
@@ -369,9 +392,10 @@ class PipelinePlan:
             out.append(f"  stage {i} (pp rank {SCHEDULES[s.name].rank_of(i, s.pp)}): {_block_span(st.blocks)}; {time} a microbatch; "
                        f"{bytes_text(st.memory)} (parameters {bytes_text(st.parameter_bytes)}, activations "
                        f"{bytes_text(st.activation_bytes)} a microbatch x {st.in_flight} in flight)")
-        for i, (sent, piece) in enumerate(zip(self.sent_bytes, self.piece_bytes)):
-            out.append(f"  cut {i}->{i + 1}: {sent:,} bytes a microbatch a rank ({self.link}), and back the gradients "
-                       f"of those that need one; the rank's own piece {piece:,}")
+        for i, (sent, whole, piece) in enumerate(zip(self.sent_bytes, self.sent_whole, self.piece_bytes)):
+            how = f"; whole on cp in the plan, so sent whole: {', '.join(whole)}" if whole else ""
+            out.append(f"  cut {i}->{i + 1}: {sent:,} bytes a microbatch a rank ({self.link}{how}), and back the "
+                       f"gradients of those that need one; the rank's own piece {piece:,}")
         if self.machine and s.bubble is not None:
             out.append(f"  predicted training step on {self.machine}: {duration_text(self.step_seconds)}")
         return out
@@ -389,14 +413,18 @@ def _block_span(blocks: list[str]) -> str:
 def pipeline_plan(stages: list[StagePlan], crossing: list[list[fx.Node]], gm: fx.GraphModule, mesh: MeshInfo,
                   schedule: ScheduleRun, machine: Machine | None) -> PipelinePlan:
     """The report of ``stages`` whose cuts send ``crossing`` (values of the captured graph): each
-    whole, as a stage compiled by ``hybrid_parallel`` returns it, and the piece the plan of ``gm``
-    (its planned graph) cuts of it. The pp group of rank 0 spans one stage's ranks (its mesh's
-    size) apart."""
+    as ``pipeline`` sends it (``sent_dims``: each cp rank its sequence piece, where the plan of
+    ``gm``, its planned graph, cuts it so; else whole), and the piece the plan cuts of it on every
+    dim. The pp group of rank 0 spans one stage's ranks (its mesh's size) apart."""
     planned = {n.name: n for n in gm.graph.nodes}
-    sent = [sum(_value(v).numel() * _value(v).element_size() for v in values) for values in crossing]
+    dims = [sent_dims(values, gm) for values in crossing]
+    sent = [sum(math.prod(sent_shape(v, d, mesh)) * _value(v).element_size() for v, d in zip(values, ds))
+            for values, ds in zip(crossing, dims)]
+    whole = [[v.name for v, d in zip(values, ds) if d is None and mesh.size("cp") > 1]
+             for values, ds in zip(crossing, dims)]
     pieces = [sum(_piece_bytes(v, planned, mesh) for v in values) for values in crossing]
     rates = machine or REFERENCE
     apart = mesh.world_size // mesh.stages
     link = "inter_node" if (schedule.pp - 1) * apart >= rates.devices_per_node else "intra_node"
     seconds = rates.collective_seconds("permute", max(sent, default=0), 2, link)
-    return PipelinePlan(schedule, stages, sent, pieces, seconds, link, machine and machine.name)
+    return PipelinePlan(schedule, stages, sent, whole, pieces, seconds, link, machine and machine.name)

@@ -10,7 +10,8 @@ their FQNs (``get_attr``). Each rank
 builds only its stage, holds its parameters as ``parallelize`` holds them over the mesh without
 pp (the rank's slice), compiles it with ``hybrid_parallel`` over that slice, and runs it as a
 ``torch.distributed.pipelining.PipelineStage`` under one of torch's schedules, which sends what
-crosses a cut point to point.
+crosses a cut point to point: under cp, each cp rank its own piece of a sequence the plan cuts
+over cp (``pipeline_plan.sent_dims``), which the next stage takes already cut (``sequence_pieces``).
 
 A model with its parameters on ``meta`` holds nothing: each rank materializes only its stages'
 pieces and reads them from a checkpoint folder (``checkpoint=``, ``checkpoints.load_checkpoint``),
@@ -41,10 +42,11 @@ from .passes.capture import capture_graphs
 from .passes.context import ParallelContext
 from .passes.meta import module_paths
 from .pipeline_plan import (SCHEDULES, Schedule, ScheduleRun, StagePlan, blocks_of, node_block, node_blocks,
-                            plan_stages)
+                            plan_stages, sent_dims, sent_shape)
 from .planning import parallelize_graph
 from .runtime import ParallelBackend
 from .same_inputs import check_same_inputs
+from .sequence_pieces import piece_standin, sequence_piece
 from .sharded import inputs_device, parallelize_with, planned_on
 from .symbolic import hint
 
@@ -234,11 +236,25 @@ def microbatch_of(tree, microbatches: int, entry: str, whole_inputs: tuple[str, 
     return pytree.tree_unflatten(_chunk(flat, microbatches, batched), spec)
 
 
-def _example(node: fx.Node, device: torch.device) -> torch.Tensor:
-    """A tensor of the shape and dtype Dynamo saw at ``node`` (a stage's input or output: its values
-    unread by planning and by torch's stage, which takes them as metadata)."""
+def _example(node: fx.Node, device: torch.device, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A tensor of the dtype Dynamo saw at ``node`` (a stage's input or output: its values unread
+    by planning and by torch's stage, which takes them as metadata), of its shape or ``shape``
+    (a piece of it)."""
     value = node.meta["example_value"]
-    return torch.zeros(value.shape, dtype=value.dtype, device=device).requires_grad_(value.is_floating_point())
+    return torch.zeros(value.shape if shape is None else shape, dtype=value.dtype,
+                       device=device).requires_grad_(value.is_floating_point())
+
+
+def _stage_example(cut: Cut, index: int, first: list, device: torch.device, sent: list[list[int | None]],
+                   info: MeshInfo) -> list:
+    """What stage ``index`` is planned and compiled on: the call's tensors (the first stage), else
+    what the previous stage sends (``sent``: per stage, each output's piece dim over cp), each
+    piece as the stand-in the stage is called with."""
+    if index == 0:
+        return [first[i] for i in cut.user]
+    return [_example(n, device) if dim is None else
+            piece_standin(_example(n, device, sent_shape(n, dim, info)), tuple(n.meta["example_value"].shape), dim)
+            for n, dim in zip(cut.inputs[index], sent[index - 1])]
 
 
 def _stage_options(config: ParallelConfig) -> ParallelConfig:
@@ -285,11 +301,12 @@ def _materialize(stage_gm: fx.GraphModule, device: torch.device) -> None:
 
 
 def _compile_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list, config: ParallelConfig,
-                   options: dict, device: torch.device) -> None:
+                   options: dict, device: torch.device, sent: list[int | None]) -> None:
     """Hold and compile the stage over ``submesh`` (the mesh without pp): ``parallelize`` and
-    ``hybrid_parallel``; over a slice of one rank (pp alone), held whole and compiled by the inner
-    backend alone. Compiled in place (``nn.Module.compile``): the module the schedule runs is the
-    one that holds the parameters, which torch's input/weight backward split walks."""
+    ``hybrid_parallel``, each output returned as its piece over cp along its dim in ``sent``
+    (None: whole); over a slice of one rank (pp alone), held whole and compiled by the inner
+    backend alone. Compiled in place (``nn.Module.compile``): the module the schedule runs holds
+    the parameters, which torch's input/weight backward split walks."""
     if submesh.size() == 1:
         ignored = sorted(set(options) - {"inner_backend", "check_inputs"})
         if ignored:
@@ -301,7 +318,8 @@ def _compile_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list,
         return
     stage_config = _stage_options(config)
     parallelize_with(stage_gm, submesh, tuple(example), {}, stage_config, "pipeline")
-    stage_gm.compile(backend=ParallelBackend(submesh, stage_config))
+    pieces = {i: dim for i, dim in enumerate(sent) if dim is not None}
+    stage_gm.compile(backend=ParallelBackend(submesh, stage_config, pieces))
 
 
 class PipelineStep:
@@ -478,15 +496,46 @@ def _planned_whole(gm: fx.GraphModule, graph_inputs: list, submesh: DeviceMesh, 
     return parallelize_graph(gm, [hint(a) for a in graph_inputs], info, _stage_options(config), feeding=SHARDED)
 
 
+class _TakesPieces(nn.Module):
+    """A stage called with the pieces over cp of the inputs ``dims`` marks (the dim each is cut
+    along; None: whole), each handed to the compiled stage as its stand-in of the global shape
+    (``sequence_pieces``): what torch's stage receives and returns gradients for is the piece."""
+
+    def __init__(self, stage: fx.GraphModule, shapes: list[tuple[int, ...]], dims: list[int | None]):
+        super().__init__()
+        self.stage, self.shapes, self.dims = stage, shapes, dims
+
+    def forward(self, *inputs):
+        return self.stage(*(x if dim is None else piece_standin(x, shape, dim)
+                            for x, shape, dim in zip(inputs, self.shapes, self.dims)))
+
+
 def _pipeline_stage(stage_gm: fx.GraphModule, index: int, device: torch.device, example: list, cut: Cut,
-                    mesh: DeviceMesh):
-    """Stage ``index`` as torch's ``PipelineStage``, given its inputs' and outputs' metadata: torch's
-    own inference runs a later stage on uninitialized tensors (garbage integers: labels, ids)."""
+                    mesh: DeviceMesh, sent: list[list[int | None]], info: MeshInfo):
+    """Stage ``index`` as torch's ``PipelineStage``, given the metadata of what it receives and
+    sends (``sent``: per stage, each output's piece dim over cp): torch's own inference runs a later
+    stage on uninitialized tensors (garbage integers: labels, ids)."""
     from torch.distributed import pipelining
 
-    return pipelining.PipelineStage(stage_gm, index, len(cut.blocks), device, input_args=tuple(example),
-                                    output_args=tuple(_example(n, device) for n in cut.outputs[index]),
-                                    group=mesh.get_group("pp"))
+    outputs = [_example(n, device, sent_shape(n, dim, info)) for n, dim in zip(cut.outputs[index], sent[index])]
+    module = stage_gm
+    if index > 0 and any(dim is not None for dim in sent[index - 1]):
+        shapes = [tuple(n.meta["example_value"].shape) for n in cut.inputs[index]]
+        module = _TakesPieces(stage_gm, shapes, sent[index - 1])
+        example = [sequence_piece(x).local if sequence_piece(x) is not None else x for x in example]
+    return pipelining.PipelineStage(module, index, len(cut.blocks), device, input_args=tuple(example),
+                                    output_args=tuple(outputs), group=mesh.get_group("pp"))
+
+
+def _cut_stages(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, first: list, submesh: DeviceMesh,
+                config: ParallelConfig, schedule: ScheduleRun, machine: Machine | None
+                ) -> tuple[Cut, list[list[int | None]]]:
+    """``gm`` cut into stages as ``explain(pp=...)`` reports them (``cut_by_cost`` on the whole
+    graph planned over one stage's mesh), and per stage the dim each output is sent cut along
+    over cp, by that plan (``pipeline_plan.sent_dims``; None: whole; the last stage's: not sent)."""
+    planned = _planned_whole(gm, graph_inputs, submesh, config)
+    _, cut = cut_by_cost(model, gm, graph_inputs, first, planned, schedule, machine)
+    return cut, [*(sent_dims(values, planned[0]) for values in cut.outputs[:-1]), [None] * len(cut.outputs[-1])]
 
 
 def cut_by_cost(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inputs: list,
@@ -560,7 +609,7 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     _refuse_unfilled_meta(model, checkpoint)
     pp, stage = mesh["pp"].size(), mesh.get_local_rank("pp")
     submesh = mesh[tuple(n for n in names if n not in STAGE_DIMS)]
-    MeshInfo.from_mesh(submesh, "pipeline")  # every rank now, in one order: every stage's groups
+    info = MeshInfo.from_mesh(submesh, "pipeline")  # every rank now, in one order: every stage's groups
     flat, spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs or {}))
     batched = batched_leaves(tuple(example_inputs), example_kwargs or {}, tuple(whole_inputs), "pipeline")
     _batch_rows("pipeline", flat, microbatches, batched=batched)
@@ -569,18 +618,18 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
         torch.device(mesh.device_type)
     gm, graph_inputs = _one_graph(model, pytree.tree_unflatten(first, spec), inputs_device(first) or device,
                                   microbatches)
-    _, cut = cut_by_cost(model, gm, graph_inputs, first, _planned_whole(gm, graph_inputs, submesh, config),
-                         ScheduleRun(schedule, pp, runs.stages_per_rank, microbatches),
-                         machine and machine_profile(machine))
+    cut, sent = _cut_stages(model, gm, graph_inputs, first, submesh, config,
+                            ScheduleRun(schedule, pp, runs.stages_per_rank, microbatches),
+                            machine and machine_profile(machine))
     if loss_fn is None:
         _refuse_unbatched_outputs(cut)
     held, runners = [], []
     for index in runs.stages_of(stage, pp):
         stage_gm = stage_module(cut, index)
-        example = [first[i] for i in cut.user] if index == 0 else [_example(n, device) for n in cut.inputs[index]]
-        _compile_stage(stage_gm, submesh, example, config, options, device)
+        example = _stage_example(cut, index, first, device, sent, info)
+        _compile_stage(stage_gm, submesh, example, config, options, device, sent[index])
         held.append(stage_gm)
-        runners.append(_pipeline_stage(stage_gm, index, device, example, cut, mesh))
+        runners.append(_pipeline_stage(stage_gm, index, device, example, cut, mesh, sent, info))
     if checkpoint is not None:
         load_checkpoint(model, checkpoint, stages=held)
     chunking = tuple(TensorChunkSpec(0) if batched[i] else _Replicate for i in cut.user)

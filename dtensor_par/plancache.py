@@ -40,6 +40,7 @@ from .passes.context import ParallelContext, ParamInfo
 from .planning import on_captured
 from .placements import Placement
 from .same_inputs import fingerprint
+from .sequence_pieces import sequence_piece
 from .symbolic import Specialization
 
 PLANS_DIR = "dtensor_par_plans"
@@ -56,11 +57,15 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-def plan_key(gm: fx.GraphModule, args, signature: tuple, symbolic: bool, config, mesh, feeding) -> str:
-    """Everything a plan of ``gm`` for ``args`` (``signature``: the runtime's key for them) depends on."""
+def plan_key(gm: fx.GraphModule, args, signature: tuple, symbolic: bool, config, mesh, feeding,
+             sent_outputs: dict[int, int]) -> str:
+    """Everything a plan of ``gm`` for ``args`` (``signature``: the runtime's key for them) depends
+    on; an input given as its piece over cp (``sequence_pieces``) and ``sent_outputs`` (a
+    pipeline stage's pieces) too."""
+    pieces = [getattr(sequence_piece(a), "dim", None) for a in args]
     parts = (gm.code, meta.module_paths(gm), [type(a).__name__ for a in args], signature, symbolic,
              meta.symbolic_inputs(gm).inputs, config.plan_key(), mesh, type(feeding).__name__,
-             torch.is_grad_enabled(), source_digest(), torch.__version__)
+             torch.is_grad_enabled(), source_digest(), torch.__version__, pieces, sorted(sent_outputs.items()))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 

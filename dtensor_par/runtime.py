@@ -78,8 +78,9 @@ class ParallelBackend:
     the way: the code between two graphs runs whole on every rank, which no graph's plan shows.
     """
 
-    def __init__(self, mesh: DeviceMesh, config: ParallelConfig):
+    def __init__(self, mesh: DeviceMesh, config: ParallelConfig, sent_outputs: dict[int, int] | None = None):
         self.mesh, self.config = mesh, config
+        self.sent_outputs = dict(sent_outputs or {})  # a pipeline stage's outputs returned cut over cp (passes.plan)
         self.info = MeshInfo.from_mesh(mesh, "hybrid_parallel")
         config.check_mesh(self.info, "hybrid_parallel")
         self.inner = resolve_backend(config.inner_backend)
@@ -497,11 +498,12 @@ class ParallelRuntime:
         folder: the dump needs the passes)."""
         if not self.config.plan_cache or self.config.dump_dir is not None:
             return None
-        return PlanStore(plan_key(self.gm, args, key, spec is not None, self.config, self.info, feeding))
+        return PlanStore(plan_key(self.gm, args, key, spec is not None, self.config, self.info, feeding,
+                                  self.backend.sent_outputs))
 
     def _plan(self, args, spec: Specialization | None, feeding: WholeParameters) -> tuple[fx.GraphModule, Plan]:
         local_gm, ctx = parallelize_graph(self.gm, args, self.info, self.config, feeding=feeding, dump=self._dump(),
-                                          specialization=spec)
+                                          specialization=spec, sent_outputs=self.backend.sent_outputs)
         return local_gm, Plan.of(local_gm, ctx)
 
     def _local_examples(self, args, spec: Specialization | None, plan: Plan, feeding: WholeParameters,

@@ -15,7 +15,7 @@ PACKAGE = ROOT / "dtensor_par"
 FLOORS = (
     ("errors", "gcpause", "logs", "machines", "mesh", "model_folders", "placements", "same_inputs", "symbolic"),
     ("ops",),
-    ("params", "config", "kv_cache", "pieces"),
+    ("params", "config", "kv_cache", "pieces", "sequence_pieces"),
     ("passes.nodes", "passes.meta"),
     ("passes.rules",),
     ("passes.context",),

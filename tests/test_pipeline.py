@@ -106,9 +106,32 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, schedule: st
     backend = "eager" if SCHEDULES[schedule].splits_backward else "aot_eager"
     step = dtensor_par.pipeline(model, mesh, (ids,), loss_fn=loss, microbatches=microbatches, schedule=schedule,
                                 example_kwargs=kwargs, whole_inputs=whole, inner_backend=backend)
+    sent = _record_sends(step)
     result = pipeline_against_one_device(step, reference, ids, target, loss_fn=loss, microbatches=microbatches,
                                          kwargs=kwargs, whole_inputs=whole)
-    return {**result, "dtensor": sorted({isinstance(p, DTensor) for p in step.parameters()}), "blocks": step.cut.blocks}
+    return {**result, "dtensor": sorted({isinstance(p, DTensor) for p in step.parameters()}), "blocks": step.cut.blocks,
+            "sent": {way: sorted(calls) for way, calls in sent.items()}}
+
+
+def _record_sends(step) -> dict[str, set]:
+    """What this rank's stages send their peers a microbatch, forward (activations) and backward
+    (their gradients), as torch's ``PipelineStage`` hands it to ``isend``: per stage and call, the
+    cut it crosses, its bytes and the tensors' shapes."""
+    sent = {"forward": set(), "backward": set()}
+    schedule = step.schedule
+    for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+        for way, method, cut in (("forward", "get_fwd_send_ops", stage.stage_index),
+                                 ("backward", "get_bwd_send_ops", stage.stage_index - 1)):
+            ops = getattr(stage, method)
+
+            def recorded(*args, ops=ops, way=way, cut=cut, **kwargs):
+                made = ops(*args, **kwargs)
+                if made:
+                    sent[way].add((cut, sum(op.tensor.numel() * op.tensor.element_size() for op in made),
+                                   tuple(tuple(op.tensor.shape) for op in made)))
+                return made
+            setattr(stage, method, recorded)
+    return sent
 
 
 RUNS = {  # label: world, mesh, schedule, model, microbatches (DualPipeV: at least the 4 stages)
@@ -125,6 +148,8 @@ RUNS = {  # label: world, mesh, schedule, model, microbatches (DualPipeV: at lea
     "pp2 x tp2 Interleaved1F1B": (4, {"pp": 2, "tp": 2}, "Interleaved1F1B", "toy", MICROBATCHES),
     "pp2 x tp2 ZBVZeroBubble": (4, {"pp": 2, "tp": 2}, "ZBVZeroBubble", "toy", MICROBATCHES),
     "pp2 x ulysses2 GPipe": (4, {"pp": 2, "ulysses": 2}, "GPipe", "toy", MICROBATCHES),
+    # the zigzag sequence layout: each cp rank sends the next stage's matching rank its two chunks
+    "pp2 x ring2 1F1B": (4, {"pp": 2, "ring": 2}, "1F1B", "toy", MICROBATCHES),
     "transformers pp2 x ulysses2 1F1B": (4, {"pp": 2, "ulysses": 2}, "1F1B", "hf", MICROBATCHES),
     # diffusers' Flux by keyword: two lists of blocks, positions without a batch dim (whole_inputs), the
     # timestep's embedding and the rotary table read by every block, so crossing every cut
@@ -188,7 +213,7 @@ LAUNCHES = {world: in_background(_launch, world) for world in (2, 4)}
 
 @pytest.mark.parametrize("label", list(RUNS))
 def test_training_matches_one_device_accumulating_the_microbatches(label):
-    world, sizes, _, name, _ = RUNS[label]
+    world, sizes, _, name, microbatches = RUNS[label]
     per_rank = [results[label] for results in LAUNCHES[world].result()]
     # Flux's joint blocks hold 2.4 times a single block's parameters for about its time (the stages balance time;
     # under tp its single blocks' proj_out is held whole), and its to_k biases barely change a softmax
@@ -200,9 +225,18 @@ def test_training_matches_one_device_accumulating_the_microbatches(label):
     assert all(r["dtensor"] == [sliced] for r in per_rank), (label, [r["dtensor"] for r in per_rank])
     model, ids, _, kwargs, _ = _model_and_batch(name)
     report = dtensor_par.explain(model, (ids,), example_kwargs=kwargs, device_type="cpu", **sizes,
-                                 microbatches=MICROBATCHES, schedule=RUNS[label][2],
+                                 microbatches=microbatches, schedule=RUNS[label][2],
                                  whole_inputs=FLUX_WHOLE if name == "flux" else ())
     assert all(worst["blocks"] == [s.blocks for s in report.pipeline.stages] for worst in per_rank), label
+    # what crosses each cut is what explain reports: under cp, each rank's piece of the sequence (its gradient back)
+    forward = [call for r in per_rank for call in r["sent"]["forward"]]
+    backward = [call for r in per_rank for call in r["sent"]["backward"]]
+    assert forward and all(nbytes == report.pipeline.sent_bytes[cut] for cut, nbytes, _ in forward), (label, forward)
+    assert backward and all(nbytes <= report.pipeline.sent_bytes[cut] for cut, nbytes, _ in backward), (label, backward)
+    cp = sizes.get("ring", 1) * sizes.get("ulysses", 1)
+    if name == "toy":  # the hidden states alone cross, [rows, seq, hidden]
+        assert {tuple(map(tuple, shapes)) for _, _, shapes in forward + backward} == {
+            ((BATCH // microbatches, SEQ // cp, 64),)}, (label, forward, backward)
 
 
 @pytest.mark.parametrize("label", list(FORWARD_RUNS))

@@ -47,8 +47,8 @@ def test_the_time_model_moves_a_cut_toward_a_heavy_head():
 @pytest.mark.parametrize("schedule, virtual", [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)])
 def test_explain_reports_stages_bubble_memory_and_what_crosses_each_cut(schedule, virtual):
     """pp2 x ulysses2 over 4 microbatches: pp x v stages, the schedule's bubble, the activations each
-    stage holds at once, and per cut a microbatch's hidden states, whole as a stage returns them,
-    its sequence shard as the plan cuts it; the step: the slowest rank's microbatches over 1 - bubble."""
+    stage holds at once, and per cut a microbatch's hidden states, each rank's sequence piece as
+    the plan cuts it and ``pipeline`` sends it; the step: the slowest rank's microbatches over 1 - bubble."""
     model, ids = _llama()
     report = dtensor_par.explain(model, (ids,), device_type="cpu", pp=2, ulysses=2, microbatches=4,
                                  schedule=schedule, machine="h100-sxm-8")
@@ -57,8 +57,8 @@ def test_explain_reports_stages_bubble_memory_and_what_crosses_each_cut(schedule
     assert [b for stage in _blocks(report) for b in stage] == [f"blocks.{i}" for i in range(4)]
     assert plan.schedule.bubble == pytest.approx(1 / (4 * virtual + 1))
     hidden = BATCH // 4 * SEQ * HIDDEN * 4
-    assert plan.sent_bytes == [hidden] * (2 * virtual - 1), plan.sent_bytes
-    assert plan.piece_bytes == [hidden // 2] * (2 * virtual - 1), plan.piece_bytes
+    assert plan.sent_bytes == plan.piece_bytes == [hidden // 2] * (2 * virtual - 1), plan.sent_bytes
+    assert plan.sent_whole == [[]] * (2 * virtual - 1), plan.sent_whole
     in_flight = [s.in_flight for s in plan.stages]
     assert in_flight == {"GPipe": [4, 4], "1F1B": [2, 1], "Interleaved1F1B": [3, 2, 3, 2]}[schedule]
     for s in plan.stages:
@@ -69,7 +69,8 @@ def test_explain_reports_stages_bubble_memory_and_what_crosses_each_cut(schedule
     text = str(report)
     assert text.startswith("dtensor_par plan: mesh pp=2 x ") and "(4 ranks, cpu" in text
     assert f"pipeline: {schedule}, pp=2 x {virtual} stage" in text
-    assert f"cut 0->1: {hidden:,} bytes a microbatch a rank" in text and "predicted training step" in text
+    assert f"cut 0->1: {hidden // 2:,} bytes a microbatch a rank (intra_node)," in text
+    assert "predicted training step" in text
 
 
 def test_the_runtime_cuts_what_explain_reports(fake_world):
@@ -144,7 +145,8 @@ def test_explain_plans_a_32_layer_llama_at_pp4_tp8_dp_shard4_on_128_ranks():
     assert [b for stage in _blocks(report) for b in stage] == [f"blocks.{i}" for i in range(32)]
     assert plan.schedule.bubble == pytest.approx(3 / 11)
     rows, seq, hidden = inputs[0].shape[0] // 8, inputs[0].shape[1], 8192
-    assert plan.sent_bytes == [rows * seq * hidden * 4] * 3  # a microbatch's hidden states, whole
+    assert plan.sent_bytes == [rows * seq * hidden * 4] * 3  # a microbatch's hidden states, whole (no cp)
+    assert plan.sent_whole == [[]] * 3
     assert plan.piece_bytes == [rows // 4 * seq * hidden * 4] * 3  # this rank's batch rows (dp_shard)
     assert len(_blocks(report)[-1]) < len(_blocks(report)[1])  # the head's stage takes fewer blocks
     assert "pp rank 3" in str(report) and "predicted training step on h100-sxm-8" in str(report)

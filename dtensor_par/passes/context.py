@@ -47,6 +47,8 @@ class ParallelContext:
     cache_inputs: dict[str, dict[str, Placement]] = field(default_factory=dict)  # kv cache stand-in -> its cut
     cache_outputs: tuple = ()  # kv_cache.CacheOutput per output the runtime holds as a cache shard
     positions_of: dict[str, str] = field(default_factory=dict)  # input added for a held cache's positions -> it
+    sent_outputs: dict[int, int] = field(default_factory=dict)  # output index -> the dim it is returned cut
+    # along over cp: what a pipeline stage sends as its pieces (``sequence_pieces``)
     output_placements: list[dict[str, Placement] | None] = field(default_factory=list)  # per output, by dim
     recompute_regions: list = field(default_factory=list)  # meta.RecomputeRegion, in order: recompute_pass
     warnings: list[str] = field(default_factory=list)

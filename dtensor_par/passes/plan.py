@@ -326,7 +326,8 @@ def _check_local_outputs(outputs: list[fx.Node], placements: list[Placement], en
 
 def _plan_outputs(output: fx.Node, cur: list[Placement], env: RuleEnv, ctx: ParallelContext) -> NodeSharding:
     """Outputs are gathered whole, unless ``output="local"`` or they are a kv cache, which the
-    runtime holds as computed (``passes.kv_cache``) on tp and cp: whole on dp."""
+    runtime holds as computed (``passes.kv_cache``) on tp and cp: whole on dp. What a pipeline
+    stage sends as its pieces over cp (``ctx.sent_outputs``) is returned cut so on cp."""
     tensors = tensor_inputs(output)
     caches = {output.args[0][c.index] for c in ctx.cache_outputs}
     if ctx.config.output == "local":
@@ -334,6 +335,9 @@ def _plan_outputs(output: fx.Node, cur: list[Placement], env: RuleEnv, ctx: Para
     kept = [p if (ctx.config.output == "local" or (o in caches and not env.cuts_batch))
             and isinstance(p, (Shard, Replicate)) else R
             for o, p in zip(tensors, cur)]
+    if env.dim == "cp":
+        sent = {output.args[0][i]: Shard(dim) for i, dim in ctx.sent_outputs.items()}
+        kept = [sent.get(o, p) for o, p in zip(tensors, kept)]
     return NodeSharding(None, tuple(kept))
 
 

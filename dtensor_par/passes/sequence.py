@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from ..ops.recurrence import kind_of, named_arguments
 from ..placements import Shard, shard_dim
+from ..sequence_pieces import sequence_piece
 from ..symbolic import same_size
 from .batch import Carrier
 from .context import ParallelContext, at_node
@@ -33,15 +34,19 @@ from .sites import AttentionSite
 
 
 def sequence_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
-    """Fill ``ctx.input_cuts["cp"]`` and cut the sequences the graph makes (with cp only)."""
+    """Fill ``ctx.input_cuts["cp"]`` and cut the sequences the graph makes (with cp only). An
+    input given as its piece over cp (``sequence_pieces``) is cut as given."""
     if ctx.mesh.size("cp") == 1:
         return gm
+    ctx.input_cuts["cp"] = given_pieces(gm, ctx)
     lengths = [tensor_val(node.args[1]).shape[1] for node in _recurrences(gm)]
     for site in ctx.sites:
         if isinstance(site, AttentionSite) and op_kind(site.core) == "hybrid_attention":
             with at_node("sequence", site.core):
                 lengths += sequence_lengths(site, ctx)
     if not lengths:
+        if ctx.input_cuts["cp"]:
+            return gm  # a stage of a pipeline without attention (the head): it takes its input's pieces as given
         if any(isinstance(s, AttentionSite) and op_kind(s.core) == "cached_attention" for s in ctx.sites):
             return gm  # decode against a kv cache held cut over cp: the queries are whole
         ctx.warn(f"no attention runs sequence-parallel: mesh dims 'ring' x 'ulysses' = {ctx.mesh.size('cp')} "
@@ -51,17 +56,26 @@ def sequence_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     inputs = sequence_inputs(gm, ctx, lengths, masks)
     starts = sequence_start_candidates(gm, lengths, masks | made_of_parameters(gm, ctx))
     cut = traced_sequences(gm, ctx, inputs + starts)
-    ctx.input_cuts["cp"] = {node.name: Shard(1) for node in inputs if node in cut}
+    ctx.input_cuts["cp"].update({node.name: Shard(1) for node in inputs if node in cut})
     mark_sequence_starts(gm, [node for node in starts if node in cut])
     gm.recompile()
     return gm
 
 
+def given_pieces(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, Shard]:
+    """Placeholder name -> its cut, for the inputs given as their piece over cp."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    pieces = [(node, sequence_piece(value)) for node, value in zip(placeholders, ctx.example_inputs)]
+    return {node.name: Shard(piece.dim) for node, piece in pieces if piece is not None}
+
+
 def sequence_inputs(gm: fx.GraphModule, ctx: ParallelContext, lengths: list[int], masks: set[fx.Node]) -> list[fx.Node]:
     """Graph inputs that may hold the sequence: sequence-shaped ones whose dim 1 has one of the
-    ``lengths``, except parameters, kv caches and inputs that only build attention masks."""
+    ``lengths``, except parameters, kv caches, inputs that only build attention masks and those
+    given as their pieces (already cut)."""
     return [node for node in gm.graph.nodes
             if node.op == "placeholder" and node.name not in ctx.params and node.name not in ctx.cache_inputs
+            and node.name not in ctx.input_cuts["cp"]
             and node not in masks and _is_sequence(tensor_val(node), lengths)]
 
 
