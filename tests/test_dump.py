@@ -146,10 +146,11 @@ def test_explain_56_heads_at_tp8_without_hardware():
     assert len(graph.sites) == 4
     assert "attention0: blocks.0.q_proj.weight=S(0), blocks.0.k_proj.weight=S(0)" in text
     forward = sorted((c["op"], c["site"], c["count"]) for c in graph.collectives if c["direction"] == "forward")
-    # each rowwise output's partial sums, and the token embedding's (its 1000 rows cut by vocab, 125 a rank)
-    assert forward == [("all_reduce", f"{site}.rowwise", 1) for site in ("attention0", "attention1", "mlp0", "mlp1")] \
-        + [("all_reduce", "token embedding", 1)]
-    assert "token embeddings (cut by vocab rows): embed.weight=S(0)" in text
+    # the LM head's logits gathered (cut by vocab, 125 of 1000 a rank, as the token embedding's rows), each
+    # rowwise output's partial sums, and the token embedding's
+    assert forward == [("all_gather", "-", 1)] + [("all_reduce", f"{site}.rowwise", 1) for site in (
+        "attention0", "attention1", "mlp0", "mlp1")] + [("all_reduce", "token embedding", 1)]
+    assert "cut by vocabulary (token embeddings, LM heads): embed.weight=S(0), lm_head.weight=S(0)" in text
     local, full = report.parameter_bytes
     assert local < full / 4 and graph.warnings == []
     assert "state sharded (dtensor_par.parallelize)" in text

@@ -281,15 +281,15 @@ def _bias_placement(site, linear: fx.Node, p: Placement) -> tuple[fx.Node, Place
     return None if bias is None else (bias, p)
 
 
-def token_embeddings(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, Placement]:
+def vocab_cuts(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, Placement]:
     """The tables of token embeddings, cut by rows over tp (Megatron's vocab-parallel embedding:
     ``rules.indexing.localize_embedding``), so no rank holds a whole one: tables (parameters)
     that ``F.embedding`` reads with ids that are a graph input as given (through views and
-    casts; not positions or buckets the graph computes). A table tied to the LM head stays tied:
-    the head reads it cut as a colwise linear. One whose rows do not divide by tp, or read with
-    options a cut cannot keep exact (``max_norm`` writes the table, ``scale_grad_by_freq``
-    counts ids over all rows, ``sparse``), stays whole (a warning)."""
-    tp, tables = ctx.mesh.size("tp"), {}
+    casts; not positions or buckets the graph computes). One whose rows do not divide by tp, or
+    read with options a cut cannot keep exact (``max_norm`` writes the table,
+    ``scale_grad_by_freq`` counts ids over all rows, ``sparse``), stays whole (a warning).
+    An LM head, tied to a cut table or not, is cut colwise by the vocabulary (``_lm_heads``)."""
+    tp, tables, shapes = ctx.mesh.size("tp"), {}, set()
     for node in (n for n in gm.graph.nodes if op_kind(n) == "embedding"):
         given = arguments(node)
         table, ids = given["weight"], given["input"]
@@ -304,15 +304,32 @@ def token_embeddings(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, Plac
             ctx.warn(f"{node.name}: the embedding table {fqn} stays whole on every rank: {why}")
             continue
         tables[table.name] = Shard(0)
-    return tables
+        shapes.add(tensor_val(table).shape)
+    return {**tables, **_lm_heads(gm, ctx, shapes)}
+
+
+def _lm_heads(gm: fx.GraphModule, ctx: ParallelContext, table_shapes: set[torch.Size]) -> dict[str, Placement]:
+    """The weights (and biases) of LM heads, cut colwise (``Shard(0)``: each rank its vocabulary's
+    logits, which the plan gathers where they are read whole): linears outside every site whose
+    weight is a parameter shaped as a cut token table, ``[vocab, hidden]``. A head tied to the
+    table reads it cut so anyway."""
+    in_sites = {n for site in ctx.sites for n in site.colwise + site.rowwise}
+    heads = {}
+    for linear in (n for n in gm.graph.nodes if op_kind(n) == "linear" and n not in in_sites):
+        weight, transposed = weight_param(linear)
+        if transposed or weight.name not in ctx.params or tensor_val(weight).shape not in table_shapes:
+            continue
+        bias = arguments(linear).get("bias")
+        heads.update({t.name: Shard(0) for t in (weight, bias) if isinstance(t, fx.Node) and t.name in ctx.params})
+    return heads
 
 
 def assign_weight_placements(gm: fx.GraphModule, ctx: ParallelContext, groups: dict[str, int] | None = None) -> None:
     """Fill ``ctx.param_placements`` from the sites, the heads of those in ``groups`` (site name
-    -> groups) cut group by group, and the token embeddings' tables; a weight shared by two
-    roles stays replicated."""
-    chosen: dict[str, Placement] = token_embeddings(gm, ctx)
-    ctx.token_tables = list(chosen)
+    -> groups) cut group by group, and the token embeddings' tables and LM heads cut by the
+    vocabulary (``vocab_cuts``); a weight shared by two roles stays replicated."""
+    chosen: dict[str, Placement] = vocab_cuts(gm, ctx)
+    ctx.vocab_cuts = list(chosen)
     conflicts: set[str] = set()
     for site in ctx.sites:
         placements = _site_weights(site, ctx, (groups or {}).get(site.name, 1)) or {}
