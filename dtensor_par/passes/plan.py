@@ -317,7 +317,7 @@ def _lm_heads(gm: fx.GraphModule, ctx: ParallelContext, table_shapes: set[torch.
     heads = {}
     for linear in (n for n in gm.graph.nodes if op_kind(n) == "linear" and n not in in_sites):
         weight, transposed = weight_param(linear)
-        if transposed or weight.name not in ctx.params or tensor_val(weight).shape not in table_shapes:
+        if transposed or getattr(weight, "name", None) not in ctx.params or tensor_val(weight).shape not in table_shapes:
             continue
         bias = arguments(linear).get("bias")
         heads.update({t.name: Shard(0) for t in (weight, bias) if isinstance(t, fx.Node) and t.name in ctx.params})

@@ -296,7 +296,7 @@ def cat_rule(node, ins, cur, env):
 
 def embedding_rule(node, ins, cur, env):
     """A table whole looks ids up where they are; a table cut by rows (the vocabulary, from the
-    plan: ``plan.token_embeddings``) looks every id up on each rank, giving partial sums
+    plan: ``plan.vocab_cuts``) looks every id up on each rank, giving partial sums
     (``localize_embedding``)."""
     ids_p, w_p = cur
     if type(w_p) is Shard and w_p.dim == 0 and ids_p == R and not env.pads:
