@@ -294,7 +294,8 @@ def mesh_svg(sizes: dict[str, int], order: tuple[str, ...], sites: list[str] | N
 def site_placement_lines(ctx: ParallelContext) -> list[str]:
     """Per site, the tp placement of each of its weights and experts' bias tables (and, with ep,
     the mesh dims an expert weight's experts are cut over; or those one expert's weight, an
-    ``nn.ModuleList``'s, is cut over along a dim of its own, and sent whole to its expert's rank)."""
+    ``nn.ModuleList``'s, is cut over along a dim of its own, and sent whole to its expert's rank);
+    then the token embeddings' tables and LM heads cut by the vocabulary."""
     lines, group = [], group_text(ctx.mesh, expert_group(ctx.mesh))
     for site in ctx.sites:
         weights, names = [], site_weight_names(site)
@@ -305,7 +306,9 @@ def site_placement_lines(ctx: ParallelContext) -> list[str]:
                 f" ({describe(Shard(dim))} over {group}, sent whole to its expert's rank at each use)"
             weights.append(f"{ctx.params[name].fqn}={describe(ctx.param_placements.get(name, Replicate()))}{experts}")
         lines.append(f"{site.name}: " + ", ".join(weights))
-    return lines
+    by_vocab = [f"{ctx.params[name].fqn}={describe(ctx.param_placements[name])}" for name in ctx.vocab_cuts
+                if name in ctx.param_placements]
+    return lines + ([f"cut by vocabulary (token embeddings, LM heads): {', '.join(by_vocab)}"] if by_vocab else [])
 
 
 def aten_code(gm: fx.GraphModule, ctx: ParallelContext) -> str:

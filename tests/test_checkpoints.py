@@ -105,6 +105,7 @@ def round_trip(rank: int, world: int, *, model_cls: type, folder: str, out: str,
     embeddings = [getattr(model, f"get_{side}_embeddings", lambda: None)() for side in ("input", "output")]
     result = {"pieces_differ": _pieces_differ(model, reference), "probe": _placements(model.get_parameter(probe)),
               "tied": None not in embeddings and embeddings[0].weight is embeddings[1].weight,
+              "vocab": [_placements(e.weight) for e in embeddings if e is not None],
               "forward": (computed - _output(reference(*args, **kwargs))).abs().max().item(), **read}
     written = dtensor_par.save_pretrained(model, out, max_shard_size=SHARD)
     result["saved_differ"] = _differ(_state(model_cls.from_pretrained(out)), _state(reference))
@@ -347,6 +348,8 @@ def test_checkpoints_read_at_each_mesh_compute_as_one_device_and_write_back(worl
         assert result["pieces_differ"] == [] and result["saved_differ"] == [], (rank, result)
         assert result["probe"] == probe and result["tied"] == tied, (rank, result)
         assert result["forward"] <= 1e-5, (rank, result)
+        # the token embedding and LM head cut by the vocabulary on tp (last), read piece by piece
+        assert all(p[-1] == "S(0)" for p in result["vocab"]) and len(result["vocab"]) == (0 if "flux" in label else 2)
     _each_rank_wrote_its_own_files(results)
 
 

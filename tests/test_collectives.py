@@ -88,7 +88,9 @@ def test_llama_gqa_kv_sharded_when_divisible_else_replicated(fake_world):
     gm, ctx = plan_graph(model, ids, tp=8)
     fqns = {ctx.params[name].fqn for name in ctx.param_placements}
     assert "blocks.0.k_proj.weight" not in fqns and "blocks.0.q_proj.weight" in fqns
-    assert ctx.warnings == ["attention0 (a): 2 kv heads do not divide by tp=8; "
+    assert ctx.warnings == ["x: the embedding table embed.weight stays whole on every rank: its 50 rows do not divide "
+                            "by tp=8",
+                            "attention0 (a): 2 kv heads do not divide by tp=8; "
                             "kv projections ['blocks.0.k_proj', 'blocks.0.v_proj'] stay replicated"]
     assert forward_collectives(gm) == Counter(all_reduce=2)
 

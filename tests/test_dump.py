@@ -146,7 +146,11 @@ def test_explain_56_heads_at_tp8_without_hardware():
     assert len(graph.sites) == 4
     assert "attention0: blocks.0.q_proj.weight=S(0), blocks.0.k_proj.weight=S(0)" in text
     forward = sorted((c["op"], c["site"], c["count"]) for c in graph.collectives if c["direction"] == "forward")
-    assert forward == [("all_reduce", f"{site}.rowwise", 1) for site in ("attention0", "attention1", "mlp0", "mlp1")]
+    # the LM head's logits gathered (cut by vocab, 125 of 1000 a rank, as the token embedding's rows), each
+    # rowwise output's partial sums, and the token embedding's
+    assert forward == [("all_gather", "-", 1)] + [("all_reduce", f"{site}.rowwise", 1) for site in (
+        "attention0", "attention1", "mlp0", "mlp1")] + [("all_reduce", "token embedding", 1)]
+    assert "cut by vocabulary (token embeddings, LM heads): embed.weight=S(0), lm_head.weight=S(0)" in text
     local, full = report.parameter_bytes
     assert local < full / 4 and graph.warnings == []
     assert "state sharded (dtensor_par.parallelize)" in text
@@ -380,7 +384,8 @@ def test_cli_plans_a_transformers_checkpoint_folder_on_the_meta_device(tmp_path,
     for spec in (str(tmp_path), str(tmp_path / "config.json")):
         assert main(["explain", spec, "--tp", "2", "--ulysses", "2", "--seq", "64"]) == 0
         out = capsys.readouterr().out
-        assert "graph 0: 4 sites; linear FLOPs sharded 90.0% (in blocks 100.0%" in out and "0 fallback gathers" in out
+        # the LM head too (cut by the vocabulary, as the token embedding)
+        assert "graph 0: 4 sites; linear FLOPs sharded 100.0% (in blocks 100.0%" in out and "0 fallback gathers" in out
         params = 128 * 64 * 2 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
         assert f"parameters: {2 * params:,} bytes held per rank" in out, out  # bfloat16
     assert main(["explain", str(tmp_path), "--dp-shard", "2", "--seq", "64", "--batch-size", "2"]) == 0

@@ -110,20 +110,33 @@ def compare_models_over_xm(rank: int, world: int, **kwargs) -> dict:
 
 def decorated_llama(rank: int, world: int) -> dict:
     """``parallel(tp=2)(LlamaForCausalLM)``: a third-party class, loaded with a full state dict
-    before its first call, called with keywords as transformers models are."""
+    before its first call, called with keywords as transformers models are; its embedding tied
+    to the LM head (``real_models.llama``) and untied. The pieces each rank holds of q_proj, the
+    token table and the LM head, and whether they stay tied."""
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(0)
-    reference, args, kwargs = real_models.llama()
-    model = dtensor_par.parallel(tp=2, inner_backend="eager")(LlamaForCausalLM)(reference.config)
-    model.load_state_dict(reference.state_dict())
-    out = model(input_ids=args[0], **kwargs)[0]
-    expected = reference(input_ids=args[0], **kwargs)[0]
-    loss_of(out).backward()
-    loss_of(expected).backward()
-    q = model.model.layers[0].self_attn.q_proj.weight
-    return {"forward": (out - expected).abs().max().item(), "local_rows": q.to_local().shape[0],
-            "grad": max(max_rel(p.grad.full_tensor(), r.grad) for p, r in zip(model.parameters(), reference.parameters()))}
+    results = {}
+    for tied in (True, False):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        reference, args, kwargs = real_models.llama()
+        if not tied:
+            reference.config.tie_word_embeddings = False
+            reference = LlamaForCausalLM(reference.config)
+        model = dtensor_par.parallel(tp=2, inner_backend="eager")(LlamaForCausalLM)(reference.config)
+        model.load_state_dict(reference.state_dict())
+        out = model(input_ids=args[0], **kwargs)[0]
+        expected = reference(input_ids=args[0], **kwargs)[0]
+        loss_of(out).backward()
+        loss_of(expected).backward()
+        q = model.model.layers[0].self_attn.q_proj.weight
+        table, head = model.model.embed_tokens.weight, model.lm_head.weight
+        results["tied" if tied else "untied"] = {
+            "forward": (out - expected).abs().max().item(), "local_rows": q.to_local().shape[0],
+            "table": list(table.to_local().shape), "head": list(head.to_local().shape), "tied": head is table,
+            "grad": max(max_rel(p.grad.full_tensor(), r.grad) for p, r in zip(model.parameters(),
+                                                                               reference.parameters()))}
+    return results
 
 
 RUNS = {
@@ -225,10 +238,14 @@ def test_eager_experts_run_between_graphs_and_their_router_is_named():
                    and "'grouped_mm' or 'batched_mm' experts run sharded" in w for w in warnings), warnings
 
 
-def test_parallel_decorator_on_transformers_llama():
-    for result in (rank_results["decorated"] for rank_results in LAUNCHES[2].result()):
+@pytest.mark.parametrize("tied", ["tied", "untied"])
+def test_parallel_decorator_on_transformers_llama(tied):
+    """Each rank holds half of q_proj's rows, of the token table's (vocab 128 / tp 2, hidden 64)
+    and of the LM head's, tied ones still one tensor; forward and every gradient as one device's."""
+    for result in (rank_results["decorated"][tied] for rank_results in LAUNCHES[2].result()):
         assert result["forward"] <= FORWARD_ATOL and result["grad"] <= GRAD_RTOL, result
-        assert result["local_rows"] == 32, result
+        assert result["local_rows"] == 32 and result["table"] == result["head"] == [64, 64], result
+        assert result["tied"] == (tied == "tied"), result
 
 
 def _local_graph(config, seq: int, ring: int, **kwargs):

@@ -22,10 +22,11 @@ from dtensor_par.ops.attention import hybrid_attention
 from dtensor_par.ops.experts import combine_rows, dispatch_rows, exchange_counts
 from dtensor_par.ops.halo import HaloPlan, halo_plan, padded_conv1d
 from dtensor_par.ops.recurrence import linear_recurrence
+from dtensor_par.ops.vocab import vocab_rows_embedding
 from dtensor_par.passes.meta import NodeSharding, set_global_shape, set_sharding
 from dtensor_par.passes.nodes import tensor_inputs
 from dtensor_par.passes.rules.core import RuleEnv
-from dtensor_par.passes.rules.indexing import localize_split
+from dtensor_par.passes.rules.indexing import localize_embedding, localize_split
 from dtensor_par.passes.rules.reductions import localize_group_norm, localize_mean
 from dtensor_par.passes.rules.registry import lookup
 from dtensor_par.passes.rules.views import localize_interpolate
@@ -94,11 +95,15 @@ def check_rule(fn, inputs: list, placements: list) -> NodeSharding:
         if isinstance(need, Partial):
             assert isinstance(given[i], Partial), f"{op.name}: the rule asks {i.name} for partial sums it lacks"
         pieces[i] = _pieces(i.meta["val"], need, generator)
-    outs = []
+    outs, planned = [], (op.target, op.args, op.kwargs)
     for r in range(SIZE):
+        if kind.localize is localize_embedding:  # rank r's rows of the table: localized for that rank
+            set_sharding(op, "tp", sharding)
+            kind.localize(gm, op, SimpleNamespace(dims={"tp": SimpleNamespace(rank=r)}))
         args, kwargs = fx.node.map_arg((op.args, op.kwargs), lambda n: pieces[n][r])
         outs.append(op.target(*args, **kwargs) if op.op == "call_function"
                     else getattr(args[0], op.target)(*args[1:], **kwargs))
+        op.target, op.args, op.kwargs = planned
     several = isinstance(sharding.out, tuple)  # topk's, sort's values and indices
     for rank_outs, p, expected in zip(zip(*outs) if several else [outs], sharding.out if several else [sharding.out],
                                       op.meta["val"] if several else [op.meta["val"]]):
@@ -162,6 +167,9 @@ OPS = {
     "complex": (lambda x: torch.view_as_complex(x), [_t(2, 4, 2)]),
     "pad": (lambda x: F.pad(x, (0, 2)), [_t(2, 4, 6)]),
     "embedding": (lambda ids, w: F.embedding(ids, w), [torch.randint(0, 10, (2, 4)), _t(10, 6)]),
+    # a table cut by vocab rows: each rank's ids looked up, zeros elsewhere; the padding row kept on its rank
+    "embedding_padding_idx": (lambda ids, w: F.embedding(ids, w, padding_idx=7), [torch.randint(0, 10, (2, 4)),
+                                                                                 _t(10, 6)]),
     "conv2d": (lambda x, w, b: F.conv2d(x, w, b, stride=2), [_t(2, 3, 4, 4), _t(6, 3, 2, 2), _t(6)]),
     # Sana's 1 x 1 convolutions over an image grid made of the sequence: a row for each row, its shard kept
     "conv2d_pointwise": (lambda x, w, b: F.conv2d(x, w, b), [_t(2, 3, 4, 6), _t(5, 3, 1, 1), _t(5)]),
@@ -202,9 +210,25 @@ OPS = {
 @pytest.mark.parametrize("name", OPS)
 def test_every_placement_is_exact(name):
     fn, inputs = OPS[name]
-    shardings = _check_all(fn, inputs, partial=name != "embedding")
+    shardings = _check_all(fn, inputs, partial=not name.startswith("embedding"))
     firsts = [s.out[0] if isinstance(s.out, tuple) else s.out for s in shardings]
     assert any(shard_dim(p) is not None or isinstance(p, Partial) for p in firsts), name
+
+
+def test_a_table_cut_by_vocab_rows_sums_to_the_lookup_and_gives_each_rank_its_rows_gradient():
+    """Each rank's lookup of its rows (zeros elsewhere) sums to the whole lookup bit for bit, and
+    each rank's gradient is exactly its rows of the whole table's, the padding row's zero kept."""
+    ids = torch.randint(0, 10, (3, 5), generator=torch.Generator().manual_seed(0))
+    ids[0, :2] = 7
+    table, grad = _t(10, 6).requires_grad_(), _t(3, 5, 6)
+    expected = F.embedding(ids, table, padding_idx=7)
+    expected.backward(grad)
+    pieces = [table.detach()[5 * r:5 * (r + 1)].clone().requires_grad_() for r in range(SIZE)]
+    outs = [vocab_rows_embedding(ids, piece, r, 7) for r, piece in enumerate(pieces)]
+    for out in outs:
+        out.backward(grad)
+    assert torch.equal(sum(outs), expected)
+    assert torch.equal(torch.cat([piece.grad for piece in pieces]), table.grad) and not table.grad[7].any()
 
 
 def test_a_new_tensor_is_whole_and_leaves_its_source_as_it_is():

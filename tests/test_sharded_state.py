@@ -25,13 +25,15 @@ from tests.background import in_background
 
 PARAM_RTOL = 1e-5
 
-# Block weights the plan shards on tp (the rest, norms, embedding, LM head and rowwise biases,
-# stays replicated).
+# Block weights the plan shards on tp (the rest, norms and rowwise biases, stays replicated).
 SHARDED = {
     "gpt": ("qkv.weight", "qkv.bias", "proj.weight", "fc.weight", "fc.bias", "fc_out.weight"),
     "llama": ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
               "up_proj.weight", "down_proj.weight"),
 }
+BY_VOCAB = {"gpt": (), "llama": ("embed.weight", "lm_head.weight")}
+"""The token embedding and LM head the plan cuts by the vocabulary on tp, once per model (GPT's
+input is hidden states, its output too)."""
 
 
 LAYERS = 1
@@ -59,7 +61,7 @@ def _check_storage(model: nn.Module, optimizer, name: str, tp: int, fsdp: int) -
     sharded, wrong = 0, []
     for fqn, p in model.named_parameters():
         full = p.numel() * p.element_size()
-        on_tp = fqn.endswith(SHARDED[name])
+        on_tp = fqn.endswith(SHARDED[name] + BY_VOCAB[name])
         expected = full // (tp if on_tp else 1) // (1 if on_tp and p.dim() == 1 else fsdp)
         sharded += on_tp
         state = optimizer.state[p]
@@ -255,7 +257,7 @@ def test_training_matches_one_device_holding_one_tp_and_fsdp_share(world, label,
     """At dp_replicate alone no mesh dim cuts a parameter: each is held whole, as DDP holds it,
     a plain tensor (as its gradient and optimizer state), and trains and checkpoints alike."""
     for rank, worst in enumerate(rank_results[label][name] for rank_results in LAUNCHES[world].result()):
-        assert worst["sharded_params"] == LAYERS * len(SHARDED[name]), (rank, worst)
+        assert worst["sharded_params"] == LAYERS * len(SHARDED[name]) + len(BY_VOCAB[name]), (rank, worst)
         assert worst["other_storage"] == [], (rank, worst["other_storage"])
         assert worst["plain"] == [label == "ddp"], (rank, worst)
         for key in ("loss", "norm", "param", "full_state_dict", "loaded_full", "dcp_params", "dcp_exp_avg"):

@@ -207,7 +207,8 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """Token embedding, Llama blocks, final norm and LM head (outside any site: replicated)."""
+    """Token embedding, Llama blocks, final norm and LM head (outside any site: both cut by the
+    vocabulary over tp where it divides)."""
 
     def __init__(self, vocab: int = 50, layers: int = 2, **block):
         super().__init__()

@@ -40,6 +40,7 @@ class ParallelContext:
     params: dict[str, ParamInfo] = field(default_factory=dict)  # placeholder name -> parameter
     sites: list = field(default_factory=list)  # AttentionSite | MoESite | MLPSite, from detect
     param_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> tp placement
+    vocab_cuts: list[str] = field(default_factory=list)  # of param_placements: token tables and LM heads, by vocab
     expert_placements: dict[str, dict[str, Placement]] = field(default_factory=dict)  # with ep: name -> plan dim -> cut
     input_cuts: dict[str, dict[str, Placement]] = field(default_factory=dict)  # plan dim -> placeholder name -> its
     # cut, by the step that seeds the dim (``mesh.PlanDim.seeded_by``: cp's sequence, dp's batch)

@@ -480,11 +480,13 @@ def localize_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
 
 def _summed_site(value: fx.Node) -> str | None:
     """The site a value comes from: its own, or where it is partial sums viewed since (a rowwise
-    MLP's output viewed as an image grid), the site that made them, whose all-reduce it is."""
+    MLP's output viewed as an image grid), the site that made them, whose all-reduce it is; a
+    token embedding's partial sums (its table cut by vocab rows) are named as such."""
     while (site_role(value) is None and lookup(value) is not None and lookup(value).family == "views"
            and any(isinstance(p, Partial) for p in placements(value).values())):
         value = tensor_inputs(value)[0]
-    return site_role(value)
+    summed_lookup = op_kind(value) == "embedding" and any(isinstance(p, Partial) for p in placements(value).values())
+    return site_role(value) or ("token embedding" if summed_lookup else None)
 
 
 def _parameter_at_use(gm: fx.GraphModule, ctx: ParallelContext, cached, arg: fx.Node, layout: HeldLayout | None,

@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..mesh import PLAN, SPANS
 from ..params import unequal_parts
 from ..errors import InvalidPlan, NotSupported
-from ..placements import InterleavedShard, Placement, Replicate, Shard, parts_of, shard_dim
+from ..placements import InterleavedShard, Partial, Placement, Replicate, Shard, parts_of, shard_dim
 from .context import ParallelContext, at_node
 from .detect.attention import concatenated_features
 from .detect.heads import parts_major_split
@@ -281,10 +281,55 @@ def _bias_placement(site, linear: fx.Node, p: Placement) -> tuple[fx.Node, Place
     return None if bias is None else (bias, p)
 
 
-def assign_weight_placements(ctx: ParallelContext, groups: dict[str, int] | None = None) -> None:
+def vocab_cuts(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, Placement]:
+    """The tables of token embeddings, cut by rows over tp (Megatron's vocab-parallel embedding:
+    ``rules.indexing.localize_embedding``), so no rank holds a whole one: tables (parameters)
+    that ``F.embedding`` reads with ids that are a graph input as given (through views and
+    casts; not positions or buckets the graph computes). One whose rows do not divide by tp, or
+    read with options a cut cannot keep exact (``max_norm`` writes the table,
+    ``scale_grad_by_freq`` counts ids over all rows, ``sparse``), stays whole (a warning).
+    An LM head, tied to a cut table or not, is cut colwise by the vocabulary (``_lm_heads``)."""
+    tp, tables, shapes = ctx.mesh.size("tp"), {}, set()
+    for node in (n for n in gm.graph.nodes if op_kind(n) == "embedding"):
+        given = arguments(node)
+        table, ids = given["weight"], given["input"]
+        while op_kind(ids) in _RESHAPES:
+            ids = tensor_inputs(ids)[0]
+        if table.name not in ctx.params or ids.op != "placeholder" or ids.name in ctx.params:
+            continue
+        rows, fqn = tensor_val(table).shape[0], ctx.params[table.name].fqn
+        options = {k: given[k] for k in ("max_norm", "scale_grad_by_freq", "sparse") if given[k] not in (None, False)}
+        if rows % tp or options:
+            why = f"its {rows} rows do not divide by tp={tp}" if rows % tp else f"it is read with {options}"
+            ctx.warn(f"{node.name}: the embedding table {fqn} stays whole on every rank: {why}")
+            continue
+        tables[table.name] = Shard(0)
+        shapes.add(tensor_val(table).shape)
+    return {**tables, **_lm_heads(gm, ctx, shapes)}
+
+
+def _lm_heads(gm: fx.GraphModule, ctx: ParallelContext, table_shapes: set[torch.Size]) -> dict[str, Placement]:
+    """The weights (and biases) of LM heads, cut colwise (``Shard(0)``: each rank its vocabulary's
+    logits, which the plan gathers where they are read whole): linears outside every site whose
+    weight is a parameter shaped as a cut token table, ``[vocab, hidden]``. A head tied to the
+    table reads it cut so anyway."""
+    in_sites = {n for site in ctx.sites for n in site.colwise + site.rowwise}
+    heads = {}
+    for linear in (n for n in gm.graph.nodes if op_kind(n) == "linear" and n not in in_sites):
+        weight, transposed = weight_param(linear)
+        if transposed or getattr(weight, "name", None) not in ctx.params or tensor_val(weight).shape not in table_shapes:
+            continue
+        bias = arguments(linear).get("bias")
+        heads.update({t.name: Shard(0) for t in (weight, bias) if isinstance(t, fx.Node) and t.name in ctx.params})
+    return heads
+
+
+def assign_weight_placements(gm: fx.GraphModule, ctx: ParallelContext, groups: dict[str, int] | None = None) -> None:
     """Fill ``ctx.param_placements`` from the sites, the heads of those in ``groups`` (site name
-    -> groups) cut group by group; a weight shared by two roles stays replicated."""
-    chosen: dict[str, Placement] = {}
+    -> groups) cut group by group, and the token embeddings' tables and LM heads cut by the
+    vocabulary (``vocab_cuts``); a weight shared by two roles stays replicated."""
+    chosen: dict[str, Placement] = vocab_cuts(gm, ctx)
+    ctx.vocab_cuts = list(chosen)
     conflicts: set[str] = set()
     for site in ctx.sites:
         placements = _site_weights(site, ctx, (groups or {}).get(site.name, 1)) or {}
@@ -384,10 +429,19 @@ def token_local_sharding(node: fx.Node, site: MoESite, ins, cur, env: RuleEnv) -
     return NodeSharding(out, tuple(cur))
 
 
+def _as_read(node: fx.Node, env: RuleEnv):
+    """The placement a reader takes ``node`` in: as planned, but a vocab-cut embedding's partial
+    sums reduced (or reduce-scattered under sequence parallelism) once for all its readers. The
+    stream it starts is read by norms, which need it whole, and by residual adds, which would
+    carry partial sums on: each block's norm would then reduce it again."""
+    p = env.out_of(node)
+    return env.reduce_target(node) if isinstance(p, Partial) and op_kind(node) == "embedding" else p
+
+
 def plan_node(node: fx.Node, env: RuleEnv, ctx: ParallelContext, dispatch: dict[fx.Node, MoESite]) -> NodeSharding:
     """``dispatch``: the mixture of experts whose dispatch each node is part of, if any."""
     ins = tensor_inputs(node)
-    cur = [env.out_of(i) for i in ins]
+    cur = [_as_read(i, env) for i in ins]
     site = dispatch.get(node)
     if site is not None and not env.cuts_features and shard_dim(env.out_of(site.token_order)) == 0:
         return token_local_sharding(node, site, ins, cur, env)
@@ -596,7 +650,7 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
     Where the tp plan gathers an attention's heads to split them into groups, the heads are cut
     group by group instead (``head_groups``), if that gathers less."""
     if ctx.mesh.size("tp") > 1:
-        assign_weight_placements(ctx)
+        assign_weight_placements(gm, ctx)
     for node in gm.graph.nodes:
         if tensor_val(node) is not None:
             set_global_shape(node, tuple(tensor_val(node).shape))
@@ -606,7 +660,7 @@ def plan_pass(gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule:
         groups = head_groups(gm, ctx) if dim.name == "tp" and gathers else {}
         if groups:
             whole, ctx.held_warnings = ctx.param_placements, []
-            assign_weight_placements(ctx, groups)
+            assign_weight_placements(gm, ctx, groups)
             held, ctx.held_warnings = ctx.held_warnings, None
             if _plan_dim(gm, ctx, dim, dispatch) >= gathers:
                 ctx.param_placements = whole

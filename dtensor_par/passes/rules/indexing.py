@@ -17,6 +17,7 @@ from ...mesh import MeshInfo
 from ...placements import InterleavedShard, Partial, Placement, Shard, parts_of, shard_dim, shard_length
 from ...symbolic import is_symbolic
 from ...ops.collectives import shard_positions
+from ...ops.vocab import vocab_rows_embedding
 from ..meta import NodeSharding, global_shape, shardings
 from ..nodes import arguments, tensor_val
 from .core import R, moved, norm_dim, replicate_all, resolve_partial
@@ -294,10 +295,25 @@ def cat_rule(node, ins, cur, env):
 
 
 def embedding_rule(node, ins, cur, env):
+    """A table whole looks ids up where they are; a table cut by rows (the vocabulary, from the
+    plan: ``plan.vocab_cuts``) looks every id up on each rank, giving partial sums
+    (``localize_embedding``)."""
     ids_p, w_p = cur
+    if type(w_p) is Shard and w_p.dim == 0 and ids_p == R and not env.pads:
+        return NodeSharding(Partial(), (R, w_p))
     if w_p != R or isinstance(ids_p, Partial):
         return replicate_all(node, ins, cur, "sharded embedding table")
     return NodeSharding(ids_p, (ids_p, R))
+
+
+def localize_embedding(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
+    """A table cut by rows over a mesh dim: this rank's rows looked up, zeros for the other ids
+    (``ops.vocab.vocab_rows_embedding``); the planned all-reduce (or reduce-scatter) sums them."""
+    for name, sharding in shardings(node).items():
+        if isinstance(sharding.out, Partial) and sharding.inputs[1] == Shard(0):
+            given = arguments(node)
+            node.target, node.kwargs = vocab_rows_embedding, {}
+            node.args = (given["input"], given["weight"], mesh.dims[name].rank, given["padding_idx"])
 
 
 def localize_getitem(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
@@ -366,4 +382,5 @@ register("split", "indexing", split_rule, functions=[torch.chunk, torch.split],
 register("unbind", "indexing", unbind_rule, functions=[torch.unbind], methods=["unbind"])
 register("cat", "indexing", cat_rule, functions=[torch.cat, torch.concat, torch.concatenate])
 register("stack", "indexing", cat_rule, functions=[torch.stack])
-register("embedding", "indexing", embedding_rule, functions=[F.embedding])
+register("embedding", "indexing", embedding_rule, functions=[F.embedding, vocab_rows_embedding],
+         localize=localize_embedding)

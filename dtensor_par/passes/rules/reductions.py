@@ -253,6 +253,16 @@ def localize_mean(gm: fx.GraphModule, node: fx.Node, mesh: MeshInfo) -> None:
         node.kwargs = {"ranks": ranks}
 
 
+def loss_rule(node, ins, cur, env):
+    """A loss reads its logits whole. Logits cut by class over tp (an LM head cut by the
+    vocabulary: ``plan.vocab_cuts``) are gathered by plan, as an output's are; any other cut (a
+    sequence over cp, partial sums) is gathered as for an op without a rule, with a warning."""
+    classes = 1 if tensor_val(ins[0]).dim() > 1 else 0
+    if env.cuts_features and shard_dim(cur[0]) == classes and all(p == R for p in cur[1:]):
+        return NodeSharding(R, tuple(R for _ in ins))
+    return replicate_all(node, ins, cur, f"no sharding rule for {target_name(node)}")
+
+
 register("norm", "reductions", norm_rule, functions=[F.layer_norm, F.rms_norm, torch.layer_norm, torch.rms_norm],
          localize=localize_norm)
 register("group_norm", "reductions", group_norm_rule, functions=[F.group_norm, torch.group_norm],
@@ -268,3 +278,4 @@ register("reduce", "reductions", reduce_rule, functions=[torch.sum, torch.mean, 
 register("extreme", "reductions", extreme_rule, functions=[torch.max, torch.min], methods=["max", "min"])
 register("recurrence", "reductions", recurrence_rule, functions=[linear_recurrence], localize=localize_recurrence)
 register("cumsum", "reductions", cumsum_rule, functions=[torch.cumsum], methods=["cumsum"], localize=localize_cumsum)
+register("loss", "reductions", loss_rule, functions=[F.cross_entropy])
