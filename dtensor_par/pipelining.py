@@ -493,7 +493,8 @@ def _planned_whole(gm: fx.GraphModule, graph_inputs: list, submesh: DeviceMesh, 
     every rank costs the blocks alike and cuts the same stages), as ``explain`` plans it."""
     names = tuple(submesh.mesh_dim_names)
     info = MeshInfo.for_planning(dict(zip(names, submesh.shape)), submesh.device_type, names)
-    return parallelize_graph(gm, [hint(a) for a in graph_inputs], info, _stage_options(config), feeding=SHARDED)
+    return parallelize_graph(gm, [hint(a) for a in graph_inputs], info, _stage_options(config), feeding=SHARDED,
+                             pipelined=True)
 
 
 class _TakesPieces(nn.Module):

@@ -99,14 +99,15 @@ def _run(step: Step, gm: fx.GraphModule, ctx: ParallelContext) -> fx.GraphModule
 def parallelize_graph(gm: fx.GraphModule, example_inputs: list, mesh: MeshInfo,
                       config: ParallelConfig | None = None, *, feeding: WholeParameters = WHOLE,
                       steps: tuple[Step, ...] = STEPS, dump: GraphDump | None = None,
-                      specialization: Specialization | None = None, sent_outputs: dict[int, int] | None = None
-                      ) -> tuple[fx.GraphModule, ParallelContext]:
+                      specialization: Specialization | None = None, sent_outputs: dict[int, int] | None = None,
+                      pipelined: bool = False) -> tuple[fx.GraphModule, ParallelContext]:
     """Run ``steps`` in order on a copy of ``gm`` for concrete ``example_inputs`` over ``mesh``,
     the parameters fed as ``feeding`` says; with a ``specialization``
     (``symbolic.SymbolicInputs.fake_inputs``), on its symbolic sizes. ``sent_outputs``: the
-    outputs returned cut over cp (output index -> the dim), a pipeline stage's pieces."""
+    outputs returned cut over cp (output index -> the dim), a pipeline stage's pieces. ``pipelined``:
+    ``gm`` is a pipeline's whole graph, whose stages each plan their own."""
     ctx = ParallelContext(config or ParallelConfig(), mesh, list(example_inputs), feeding,
-                          specialization=specialization, sent_outputs=dict(sent_outputs or {}),
+                          specialization=specialization, sent_outputs=dict(sent_outputs or {}), pipelined=pipelined,
                           fake_inputs=specialization.global_inputs if specialization else None)
     if dump is not None:
         dump.captured(gm)

@@ -50,6 +50,7 @@ class ParallelContext:
     positions_of: dict[str, str] = field(default_factory=dict)  # input added for a held cache's positions -> it
     sent_outputs: dict[int, int] = field(default_factory=dict)  # output index -> the dim it is returned cut
     # along over cp: what a pipeline stage sends as its pieces (``sequence_pieces``)
+    pipelined: bool = False  # the whole graph of a pipeline, planned over one stage's mesh (``plan.vocab_cuts``)
     output_placements: list[dict[str, Placement] | None] = field(default_factory=list)  # per output, by dim
     recompute_regions: list = field(default_factory=list)  # meta.RecomputeRegion, in order: recompute_pass
     warnings: list[str] = field(default_factory=list)

@@ -288,7 +288,10 @@ def vocab_cuts(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, Placement]
     casts; not positions or buckets the graph computes). One whose rows do not divide by tp, or
     read with options a cut cannot keep exact (``max_norm`` writes the table,
     ``scale_grad_by_freq`` counts ids over all rows, ``sparse``), stays whole (a warning).
-    An LM head, tied to a cut table or not, is cut colwise by the vocabulary (``_lm_heads``)."""
+    An LM head, tied to a cut table or not, is cut colwise by the vocabulary (``_lm_heads``), but
+    in a pipeline's whole graph (``ctx.pipelined``): the head's stage plans a graph of its own, which
+    holds no table to show the head is one, and holds it whole; so does the plan that balances the
+    stages and that ``explain`` reports."""
     tp, tables, shapes = ctx.mesh.size("tp"), {}, set()
     for node in (n for n in gm.graph.nodes if op_kind(n) == "embedding"):
         given = arguments(node)
@@ -305,7 +308,7 @@ def vocab_cuts(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, Placement]
             continue
         tables[table.name] = Shard(0)
         shapes.add(tensor_val(table).shape)
-    return {**tables, **_lm_heads(gm, ctx, shapes)}
+    return tables if ctx.pipelined else {**tables, **_lm_heads(gm, ctx, shapes)}
 
 
 def _lm_heads(gm: fx.GraphModule, ctx: ParallelContext, table_shapes: set[torch.Size]) -> dict[str, Placement]:
