@@ -194,15 +194,24 @@ def _put(root: nn.Module, fqn: str, tensor: torch.Tensor) -> None:
 
 def _batch_rows(entry: str, flat: list, microbatches: int, what: str = "input", batched: list | None = None) -> None:
     """Every tensor of ``flat`` (those ``batched`` marks, where given) cut along dim 0 into
-    ``microbatches`` equal microbatches: refuse sizes that do not divide."""
-    for i, leaf in enumerate(flat):
-        if batched is not None and not batched[i]:
-            continue
-        if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or leaf.shape[0] % microbatches):
+    ``microbatches`` equal microbatches, all of one batch: refuse sizes that do not divide, and a
+    tensor whose dim 0 is not the first's. That one has no batch dim: cut as if it had, its pieces
+    may broadcast against each microbatch's rows, a different answer from one device's, silently."""
+    hint = ("; a keyword input without a batch dim goes whole to every microbatch: name it in whole_inputs="
+            if what == "input" else "")
+    cut = [(i, leaf) for i, leaf in enumerate(flat)
+           if isinstance(leaf, torch.Tensor) and (batched is None or batched[i])]
+    for i, leaf in cut:
+        if leaf.dim() == 0 or leaf.shape[0] % microbatches:
             raise ValueError(f"{entry}: {what} {i} of shape {list(leaf.shape)} has a batch (dim 0) of "
                              f"{leaf.shape[0] if leaf.dim() else 'no size'}, not divisible by microbatches="
-                             f"{microbatches}" + ("; a keyword input without a batch dim goes whole to every "
-                                                  "microbatch: name it in whole_inputs=" if what == "input" else ""))
+                             f"{microbatches}{hint}")
+    for i, leaf in cut[1:]:
+        first, batch = cut[0]
+        if leaf.shape[0] != batch.shape[0]:
+            raise ValueError(f"{entry}: {what} {i} of shape {list(leaf.shape)} would be cut along dim 0 into "
+                             f"microbatches=" f"{microbatches}, but its dim 0 is not the batch: {what} {first} has "
+                             f"{batch.shape[0]} rows (shape {list(batch.shape)}){hint}")
 
 
 def _chunk(flat: list, microbatches: int, batched: list[bool]) -> list:

@@ -295,9 +295,10 @@ def test_bad_inputs_are_refused_naming_their_sizes(fake_world):
                                          r"microbatches=3"):
         dtensor_par.pipeline(model, mesh, (ids,), loss_fn=_loss, microbatches=3)
     positions = {"positions": torch.randn(SEQ, 64)}
-    with pytest.raises(ValueError, match=r"_PositionsLlama fails on its first microbatch \(each tensor input cut along "
-                                         r"dim 0 into microbatches=2\): RuntimeError\('Attempting to "
-                                         r"broadcast .*name it in whole_inputs="):
+    with pytest.raises(ValueError, match=r"input 1 of shape \[8, 64\] would be cut along dim 0 into microbatches=2, "
+                                         r"but its dim 0 is not the batch: input 0 has 4 rows \(shape \[4, 8\]\); a "
+                                         r"keyword input without a batch dim goes whole to every microbatch: name it in "
+                                         r"whole_inputs="):
         dtensor_par.pipeline(_PositionsLlama(vocab=VOCAB, layers=LAYERS), mesh, (ids,), loss_fn=_loss,
                              microbatches=2, example_kwargs=positions)
     with pytest.raises(ValueError, match=r"whole_inputs names \['position'\], which are not keyword inputs of the "
