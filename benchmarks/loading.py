@@ -7,9 +7,8 @@ Two random float32 Llama checkpoints (written once under ``--cache``, 4 to 6 sha
 (hidden 1024, 4 layers) and ~1.2 GB (hidden 2048, 8 layers). Each is read at tp2 (world 2),
 tp2 x ulysses2 and dp_shard2 x tp2 (world 4) on gloo ranks, in ``from_pretrained``'s two steps:
 planning (built on meta, ``parallelize``: Dynamo traces the model once) and reading
-(``load_checkpoint``). Goals: a rank's RSS rise while reading at most the bytes it holds + 64 MB
-(tp keeps the embedding and LM head whole, so "checkpoint / ranks + 64 MB" holds only for what is
-cut: both are shown), and the time at most 1.2 x one device's (run in a fresh process; transformers 5 maps a float32
+(``load_checkpoint``). Goals: a rank's RSS rise while reading at most the bytes it holds + 64 MB,
+and at most "checkpoint / ranks + 64 MB" (both are shown), and the time at most 1.2 x one device's (run in a fresh process; transformers 5 maps a float32
 file into float32 parameters, so its time and RSS are also shown with every parameter read once).
 Then each rank's ``save_pretrained`` of what it read (each rank writes its share of the files;
 its RSS rise is at most the largest tensor it gathers + the 16 MB block buffer), beside one
