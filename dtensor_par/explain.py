@@ -169,7 +169,7 @@ def explain(model, example_inputs, *, device_type: str = "cuda",
         for i, (gm, inputs) in enumerate(captured):
             dump = GraphDump(os.path.join(config.dump_dir, f"graph{i}"), info.order) if config.dump_dir else None
             graph, *planned = _graph_report(gm, [hint(a) for a in inputs], info, config, feeding, dump, profile,
-                                            training, measure_routing, pp > 1)
+                                            training, measure_routing)
             report.graphs.append(graph)
         if pp > 1:
             report.pipeline = _stages(model, captured, (args, kwargs), planned, info,
@@ -218,15 +218,14 @@ def _with_measured_routing(sites: list[str], ctx, gm, inputs: list, info: MeshIn
 
 
 def _graph_report(gm, inputs: list, info: MeshInfo, config: ParallelConfig, feeding, dump, machine: Machine | None,
-                  training: bool, measure_routing: bool, pipelined: bool) -> tuple[GraphReport, object, object]:
+                  training: bool, measure_routing: bool) -> tuple[GraphReport, object, object]:
     """Plan one captured graph at the example sizes (Dynamo's SymInt inputs at their hints):
     its report, its planned graph and context; ``measure_routing``: with the routing of experts
-    cut over cp that the graph computes on them; ``pipelined``: a pipeline's whole graph."""
+    cut over cp that the graph computes on them."""
     start = time.perf_counter()
     symbolic = meta.symbolic_inputs(gm)
     spec = symbolic.specialization(inputs) if symbolic.symbolic else None
-    local_gm, ctx = parallelize_graph(gm, inputs, info, config, feeding=feeding, dump=dump, specialization=spec,
-                                      pipelined=pipelined)
+    local_gm, ctx = parallelize_graph(gm, inputs, info, config, feeding=feeding, dump=dump, specialization=spec)
     sites = sites_text(ctx).splitlines()
     plan_seconds = time.perf_counter() - start
     if measure_routing:

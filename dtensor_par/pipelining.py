@@ -21,6 +21,7 @@ so a rank's memory is its stages', never the whole model's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 
@@ -41,12 +42,14 @@ from .params import SHARDED
 from .passes.capture import capture_graphs
 from .passes.context import ParallelContext
 from .passes.meta import module_paths
+from .passes.plan import decided_vocab_cuts
+from .placements import Placement
 from .pipeline_plan import (SCHEDULES, Schedule, ScheduleRun, StagePlan, blocks_of, node_block, node_blocks,
                             plan_stages, sent_dims, sent_shape)
 from .planning import parallelize_graph
 from .runtime import ParallelBackend
 from .same_inputs import check_same_inputs
-from .sequence_pieces import piece_standin, sequence_piece
+from .sequence_pieces import piece_standin
 from .sharded import inputs_device, parallelize_with, planned_on
 from .symbolic import hint
 
@@ -256,14 +259,20 @@ def _example(node: fx.Node, device: torch.device, shape: tuple[int, ...] | None 
 
 def _stage_example(cut: Cut, index: int, first: list, device: torch.device, sent: list[list[int | None]],
                    info: MeshInfo) -> list:
-    """What stage ``index`` is planned and compiled on: the call's tensors (the first stage), else
-    what the previous stage sends (``sent``: per stage, each output's piece dim over cp), each
-    piece as the stand-in the stage is called with."""
+    """What torch's stage ``index`` is given: the call's tensors (the first stage), else what the
+    previous stage sends (``sent``: per stage, each output's piece dim over cp; a piece where cut)."""
     if index == 0:
         return [first[i] for i in cut.user]
-    return [_example(n, device) if dim is None else
-            piece_standin(_example(n, device, sent_shape(n, dim, info)), tuple(n.meta["example_value"].shape), dim)
-            for n, dim in zip(cut.inputs[index], sent[index - 1])]
+    return [_example(n, device, sent_shape(n, dim, info)) for n, dim in zip(cut.inputs[index], sent[index - 1])]
+
+
+def _standins(cut: Cut, index: int, sent: list[list[int | None]], inputs: list) -> list:
+    """Stage ``index``'s ``inputs`` as its compiled graph takes them: each received as its piece
+    over cp (``sent``) as the piece's stand-in of the whole shape (``sequence_pieces``)."""
+    if index == 0:
+        return list(inputs)
+    return [x if dim is None else piece_standin(x, tuple(n.meta["example_value"].shape), dim)
+            for x, n, dim in zip(inputs, cut.inputs[index], sent[index - 1])]
 
 
 def _stage_options(config: ParallelConfig) -> ParallelConfig:
@@ -310,11 +319,13 @@ def _materialize(stage_gm: fx.GraphModule, device: torch.device) -> None:
 
 
 def _compile_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list, config: ParallelConfig,
-                   options: dict, device: torch.device, sent: list[int | None]) -> None:
+                   options: dict, device: torch.device, sent: list[int | None],
+                   vocab_cuts: dict[str, Placement]) -> None:
     """Hold and compile the stage over ``submesh`` (the mesh without pp): ``parallelize`` and
     ``hybrid_parallel``, each output returned as its piece over cp along its dim in ``sent``
-    (None: whole); over a slice of one rank (pp alone), held whole and compiled by the inner
-    backend alone. Compiled in place (``nn.Module.compile``): the module the schedule runs holds
+    (None: whole), the token tables and LM heads cut as the whole graph's plan decided
+    (``vocab_cuts``, by FQN: the last stage holds no table to show its head is one); over a
+    slice of one rank (pp alone), held whole and compiled by the inner backend alone. Compiled in place (``nn.Module.compile``): the module the schedule runs holds
     the parameters, which torch's input/weight backward split walks."""
     if submesh.size() == 1:
         ignored = sorted(set(options) - {"inner_backend", "check_inputs"})
@@ -326,9 +337,9 @@ def _compile_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list,
             stage_gm.compile(backend=config.inner_backend)
         return
     stage_config = _stage_options(config)
-    parallelize_with(stage_gm, submesh, tuple(example), {}, stage_config, "pipeline")
+    parallelize_with(stage_gm, submesh, tuple(example), {}, stage_config, "pipeline", vocab_cuts)
     pieces = {i: dim for i, dim in enumerate(sent) if dim is not None}
-    stage_gm.compile(backend=ParallelBackend(submesh, stage_config, pieces))
+    stage_gm.compile(backend=ParallelBackend(submesh, stage_config, pieces, vocab_cuts))
 
 
 class PipelineStep:
@@ -499,25 +510,24 @@ def _fake_error(error: Exception) -> str:
 def _planned_whole(gm: fx.GraphModule, graph_inputs: list, submesh: DeviceMesh, config: ParallelConfig
                    ) -> tuple[fx.GraphModule, ParallelContext]:
     """The whole graph planned over one stage's mesh, as rank 0 of the first stage sees it (so
-    every rank costs the blocks alike and cuts the same stages), as ``explain`` plans it."""
+    every rank costs the blocks alike, cuts the same stages and cuts the same tables and heads by
+    the vocabulary), as ``explain`` plans it."""
     names = tuple(submesh.mesh_dim_names)
     info = MeshInfo.for_planning(dict(zip(names, submesh.shape)), submesh.device_type, names)
-    return parallelize_graph(gm, [hint(a) for a in graph_inputs], info, _stage_options(config), feeding=SHARDED,
-                             pipelined=True)
+    return parallelize_graph(gm, [hint(a) for a in graph_inputs], info, _stage_options(config), feeding=SHARDED)
 
 
 class _TakesPieces(nn.Module):
-    """A stage called with the pieces over cp of the inputs ``dims`` marks (the dim each is cut
-    along; None: whole), each handed to the compiled stage as its stand-in of the global shape
-    (``sequence_pieces``): what torch's stage receives and returns gradients for is the piece."""
+    """A stage called with pieces over cp of its inputs, each handed to the compiled stage as its
+    stand-in (``standins``: ``_standins`` of the stage): what torch's stage receives and returns
+    gradients for is the piece."""
 
-    def __init__(self, stage: fx.GraphModule, shapes: list[tuple[int, ...]], dims: list[int | None]):
+    def __init__(self, stage: fx.GraphModule, standins):
         super().__init__()
-        self.stage, self.shapes, self.dims = stage, shapes, dims
+        self.stage, self.standins = stage, standins
 
     def forward(self, *inputs):
-        return self.stage(*(x if dim is None else piece_standin(x, shape, dim)
-                            for x, shape, dim in zip(inputs, self.shapes, self.dims)))
+        return self.stage(*self.standins(inputs))
 
 
 def _pipeline_stage(stage_gm: fx.GraphModule, index: int, device: torch.device, example: list, cut: Cut,
@@ -530,22 +540,22 @@ def _pipeline_stage(stage_gm: fx.GraphModule, index: int, device: torch.device, 
     outputs = [_example(n, device, sent_shape(n, dim, info)) for n, dim in zip(cut.outputs[index], sent[index])]
     module = stage_gm
     if index > 0 and any(dim is not None for dim in sent[index - 1]):
-        shapes = [tuple(n.meta["example_value"].shape) for n in cut.inputs[index]]
-        module = _TakesPieces(stage_gm, shapes, sent[index - 1])
-        example = [sequence_piece(x).local if sequence_piece(x) is not None else x for x in example]
+        module = _TakesPieces(stage_gm, functools.partial(_standins, cut, index, sent))
     return pipelining.PipelineStage(module, index, len(cut.blocks), device, input_args=tuple(example),
                                     output_args=tuple(outputs), group=mesh.get_group("pp"))
 
 
 def _cut_stages(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, first: list, submesh: DeviceMesh,
                 config: ParallelConfig, schedule: ScheduleRun, machine: Machine | None
-                ) -> tuple[Cut, list[list[int | None]]]:
+                ) -> tuple[Cut, list[list[int | None]], dict[str, Placement]]:
     """``gm`` cut into stages as ``explain(pp=...)`` reports them (``cut_by_cost`` on the whole
-    graph planned over one stage's mesh), and per stage the dim each output is sent cut along
-    over cp, by that plan (``pipeline_plan.sent_dims``; None: whole; the last stage's: not sent)."""
+    graph planned over one stage's mesh); per stage the dim each output is sent cut along over
+    cp, by that plan (``pipeline_plan.sent_dims``; None: whole; the last stage's: not sent); and
+    the tables and heads that plan cuts by the vocabulary (by FQN), which every stage holds so."""
     planned = _planned_whole(gm, graph_inputs, submesh, config)
     _, cut = cut_by_cost(model, gm, graph_inputs, first, planned, schedule, machine)
-    return cut, [*(sent_dims(values, planned[0]) for values in cut.outputs[:-1]), [None] * len(cut.outputs[-1])]
+    sent = [*(sent_dims(values, planned[0]) for values in cut.outputs[:-1]), [None] * len(cut.outputs[-1])]
+    return cut, sent, decided_vocab_cuts(planned[1])
 
 
 def cut_by_cost(model: nn.Module, gm: fx.GraphModule, graph_inputs: list, flat_inputs: list,
@@ -615,10 +625,9 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
     config = ParallelConfig.of("pipeline", options)
     _refuse_bad_call(mesh, schedule, microbatches, loss_fn, config.inner_backend)
     runs = SCHEDULES[schedule]
-    names = tuple(mesh.mesh_dim_names)
     _refuse_unfilled_meta(model, checkpoint)
     pp, stage = mesh["pp"].size(), mesh.get_local_rank("pp")
-    submesh = mesh[tuple(n for n in names if n not in STAGE_DIMS)]
+    submesh = mesh[tuple(n for n in mesh.mesh_dim_names if n not in STAGE_DIMS)]
     info = MeshInfo.from_mesh(submesh, "pipeline")  # every rank now, in one order: every stage's groups
     flat, spec = pytree.tree_flatten((tuple(example_inputs), example_kwargs or {}))
     batched = batched_leaves(tuple(example_inputs), example_kwargs or {}, tuple(whole_inputs), "pipeline")
@@ -628,16 +637,17 @@ def pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), *, 
         torch.device(mesh.device_type)
     gm, graph_inputs = _one_graph(model, pytree.tree_unflatten(first, spec), inputs_device(first) or device,
                                   microbatches)
-    cut, sent = _cut_stages(model, gm, graph_inputs, first, submesh, config,
-                            ScheduleRun(schedule, pp, runs.stages_per_rank, microbatches),
-                            machine and machine_profile(machine))
+    cut, sent, vocab_cuts = _cut_stages(model, gm, graph_inputs, first, submesh, config,
+                                        ScheduleRun(schedule, pp, runs.stages_per_rank, microbatches),
+                                        machine and machine_profile(machine))
     if loss_fn is None:
         _refuse_unbatched_outputs(cut)
     held, runners = [], []
     for index in runs.stages_of(stage, pp):
         stage_gm = stage_module(cut, index)
         example = _stage_example(cut, index, first, device, sent, info)
-        _compile_stage(stage_gm, submesh, example, config, options, device, sent[index])
+        _compile_stage(stage_gm, submesh, _standins(cut, index, sent, example), config, options, device, sent[index],
+                       vocab_cuts)
         held.append(stage_gm)
         runners.append(_pipeline_stage(stage_gm, index, device, example, cut, mesh, sent, info))
     if checkpoint is not None:

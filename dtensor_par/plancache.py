@@ -58,14 +58,15 @@ def source_digest() -> str:
 
 
 def plan_key(gm: fx.GraphModule, args, signature: tuple, symbolic: bool, config, mesh, feeding,
-             sent_outputs: dict[int, int]) -> str:
+             sent_outputs: dict[int, int], vocab_cuts: dict | None) -> str:
     """Everything a plan of ``gm`` for ``args`` (``signature``: the runtime's key for them) depends
-    on; an input given as its piece over cp (``sequence_pieces``) and ``sent_outputs`` (a
-    pipeline stage's pieces) too."""
+    on; an input given as its piece over cp (``sequence_pieces``), ``sent_outputs`` (a
+    pipeline stage's pieces) and ``vocab_cuts`` (a stage's, decided on the whole graph) too."""
     pieces = [getattr(sequence_piece(a), "dim", None) for a in args]
     parts = (gm.code, meta.module_paths(gm), [type(a).__name__ for a in args], signature, symbolic,
              meta.symbolic_inputs(gm).inputs, config.plan_key(), mesh, type(feeding).__name__,
-             torch.is_grad_enabled(), source_digest(), torch.__version__, pieces, sorted(sent_outputs.items()))
+             torch.is_grad_enabled(), source_digest(), torch.__version__, pieces, sorted(sent_outputs.items()),
+             None if vocab_cuts is None else sorted(vocab_cuts.items()))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 

@@ -16,6 +16,7 @@ from .errors import USER_ERRORS, PlanningError
 from .logs import logger
 from .mesh import MeshInfo
 from .params import WHOLE, WholeParameters
+from .placements import Placement
 from .passes.context import ParallelContext
 from .passes.localize import graph_communications
 from .passes.steps import STEPS, Step
@@ -100,14 +101,15 @@ def parallelize_graph(gm: fx.GraphModule, example_inputs: list, mesh: MeshInfo,
                       config: ParallelConfig | None = None, *, feeding: WholeParameters = WHOLE,
                       steps: tuple[Step, ...] = STEPS, dump: GraphDump | None = None,
                       specialization: Specialization | None = None, sent_outputs: dict[int, int] | None = None,
-                      pipelined: bool = False) -> tuple[fx.GraphModule, ParallelContext]:
+                      vocab_cuts: dict[str, Placement] | None = None) -> tuple[fx.GraphModule, ParallelContext]:
     """Run ``steps`` in order on a copy of ``gm`` for concrete ``example_inputs`` over ``mesh``,
     the parameters fed as ``feeding`` says; with a ``specialization``
     (``symbolic.SymbolicInputs.fake_inputs``), on its symbolic sizes. ``sent_outputs``: the
-    outputs returned cut over cp (output index -> the dim), a pipeline stage's pieces. ``pipelined``:
-    ``gm`` is a pipeline's whole graph, whose stages each plan their own."""
+    outputs returned cut over cp (output index -> the dim), a pipeline stage's pieces. ``vocab_cuts``:
+    a pipeline stage's, decided on the whole graph (by FQN: ``plan.vocab_cuts``)."""
     ctx = ParallelContext(config or ParallelConfig(), mesh, list(example_inputs), feeding,
-                          specialization=specialization, sent_outputs=dict(sent_outputs or {}), pipelined=pipelined,
+                          specialization=specialization, sent_outputs=dict(sent_outputs or {}),
+                          decided_vocab_cuts=vocab_cuts,
                           fake_inputs=specialization.global_inputs if specialization else None)
     if dump is not None:
         dump.captured(gm)

@@ -78,9 +78,11 @@ class ParallelBackend:
     the way: the code between two graphs runs whole on every rank, which no graph's plan shows.
     """
 
-    def __init__(self, mesh: DeviceMesh, config: ParallelConfig, sent_outputs: dict[int, int] | None = None):
+    def __init__(self, mesh: DeviceMesh, config: ParallelConfig, sent_outputs: dict[int, int] | None = None,
+                 vocab_cuts: dict[str, Placement] | None = None):
         self.mesh, self.config = mesh, config
         self.sent_outputs = dict(sent_outputs or {})  # a pipeline stage's outputs returned cut over cp (passes.plan)
+        self.vocab_cuts = vocab_cuts  # a pipeline stage's, decided on the whole graph (plan.vocab_cuts); None: its own
         self.info = MeshInfo.from_mesh(mesh, "hybrid_parallel")
         config.check_mesh(self.info, "hybrid_parallel")
         self.inner = resolve_backend(config.inner_backend)
@@ -499,11 +501,12 @@ class ParallelRuntime:
         if not self.config.plan_cache or self.config.dump_dir is not None:
             return None
         return PlanStore(plan_key(self.gm, args, key, spec is not None, self.config, self.info, feeding,
-                                  self.backend.sent_outputs))
+                                  self.backend.sent_outputs, self.backend.vocab_cuts))
 
     def _plan(self, args, spec: Specialization | None, feeding: WholeParameters) -> tuple[fx.GraphModule, Plan]:
         local_gm, ctx = parallelize_graph(self.gm, args, self.info, self.config, feeding=feeding, dump=self._dump(),
-                                          specialization=spec, sent_outputs=self.backend.sent_outputs)
+                                          specialization=spec, sent_outputs=self.backend.sent_outputs,
+                                          vocab_cuts=self.backend.vocab_cuts)
         return local_gm, Plan.of(local_gm, ctx)
 
     def _local_examples(self, args, spec: Specialization | None, plan: Plan, feeding: WholeParameters,

@@ -195,9 +195,11 @@ def sharded_state(model: nn.Module) -> ShardedState | None:
 
 
 def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, example_kwargs: dict,
-                    config: ParallelConfig) -> dict[str, tuple[Placement, int | None]]:
+                    config: ParallelConfig, vocab_cuts: dict[str, Placement] | None = None
+                    ) -> dict[str, tuple[Placement, int | None]]:
     """The tp placement of every parameter (by FQN), and the dim ``ep`` cuts it along over its
-    expert group (None: not cut); the plan's warnings are logged.
+    expert group (None: not cut); the plan's warnings are logged. ``vocab_cuts``: a pipeline
+    stage's, decided on the whole graph (``plan.vocab_cuts``).
 
     Plans as ``explain`` does: one process, no communication, any device (meta included).
     """
@@ -205,7 +207,8 @@ def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, exa
                                       MeshInfo.full_order(mesh.mesh_dim_names))
     placements: dict[str, tuple[Placement, int | None]] = {}
     for gm, inputs in capture_graphs(model, *example_args, **example_kwargs):
-        _, ctx = parallelize_graph(gm, inputs, mesh_info, config, feeding=SHARDED, steps=steps(last="coverage"))
+        _, ctx = parallelize_graph(gm, inputs, mesh_info, config, feeding=SHARDED, steps=steps(last="coverage"),
+                                  vocab_cuts=vocab_cuts)
         for name, param in ctx.params.items():
             p = (ctx.param_placements.get(name, Replicate()), expert_dim(ctx, name))
             if placements.setdefault(param.fqn, p) != p:
@@ -289,8 +292,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple = (), 
 
 
 def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, example_kwargs: dict,
-                     config: ParallelConfig, entry: str) -> nn.Module:
-    """``parallelize`` with its options checked; errors name the entry point ``entry``."""
+                     config: ParallelConfig, entry: str, vocab_cuts: dict[str, Placement] | None = None) -> nn.Module:
+    """``parallelize`` with its options checked; errors name the entry point ``entry``.
+    ``vocab_cuts``: a pipeline stage's (``plan_placements``)."""
     state = sharded_state(model)
     if state is not None:
         if state.mesh != mesh or state.config.plan_key() != config.plan_key():
@@ -301,7 +305,7 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
     config.check_mesh(info, entry)
     device = inputs_device((example_args, example_kwargs))
     with planned_on(model, device) if device is not None else contextlib.nullcontext():
-        placements = plan_placements(model, mesh, example_args, example_kwargs, config)
+        placements = plan_placements(model, mesh, example_args, example_kwargs, config, vocab_cuts)
     layout_of, held, whole = layout_maker(info, config, True), held_mesh(mesh), holds_whole(info, config)
     state = ShardedState(mesh, config, [])
     # id(old) -> (held param, stand-in): tied weights share them

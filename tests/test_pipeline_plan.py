@@ -148,8 +148,10 @@ def test_explain_plans_a_32_layer_llama_at_pp4_tp8_dp_shard4_on_128_ranks():
     assert plan.sent_bytes == [rows * seq * hidden * 4] * 3  # a microbatch's hidden states, whole (no cp)
     assert plan.sent_whole == [[]] * 3
     assert plan.piece_bytes == [rows // 4 * seq * hidden * 4] * 3  # this rank's batch rows (dp_shard)
-    # the head's stage plans its own graph, without the token table that shows its head is one: the head
-    # is whole there, in the plan that balances the stages too (without pp, cut by the vocabulary)
-    assert "embed.weight=S(0)" in report.graphs[0].placements[-1] and "lm_head" not in report.graphs[0].placements[-1]
-    assert len(_blocks(report)[-1]) < len(_blocks(report)[1])  # the head's stage takes fewer blocks
+    # the table and the head cut by the vocabulary over tp, as the first and the head's stage hold them (the
+    # whole graph's cuts handed to each stage's plan), and so in the plan that balances the stages
+    assert report.graphs[0].placements[-1] == "cut by vocabulary (token embeddings, LM heads): embed.weight=S(0), " \
+                                              "lm_head.weight=S(0)", report.graphs[0].placements[-1]
+    assert [len(blocks) for blocks in _blocks(report)] == [8] * 4  # the head's 1/8 costs less than a block
+    assert report.pipeline.stages[-1].seconds > report.pipeline.stages[1].seconds  # the head's time is in it
     assert "pp rank 3" in str(report) and "predicted training step on h100-sxm-8" in str(report)

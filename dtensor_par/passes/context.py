@@ -50,7 +50,8 @@ class ParallelContext:
     positions_of: dict[str, str] = field(default_factory=dict)  # input added for a held cache's positions -> it
     sent_outputs: dict[int, int] = field(default_factory=dict)  # output index -> the dim it is returned cut
     # along over cp: what a pipeline stage sends as its pieces (``sequence_pieces``)
-    pipelined: bool = False  # the whole graph of a pipeline, planned over one stage's mesh (``plan.vocab_cuts``)
+    decided_vocab_cuts: dict[str, Placement] | None = None  # a pipeline stage's: by FQN, the vocab cuts decided
+    # on the whole graph (``plan.vocab_cuts``); None: decided on this graph
     output_placements: list[dict[str, Placement] | None] = field(default_factory=list)  # per output, by dim
     recompute_regions: list = field(default_factory=list)  # meta.RecomputeRegion, in order: recompute_pass
     warnings: list[str] = field(default_factory=list)

@@ -288,10 +288,12 @@ def vocab_cuts(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, Placement]
     casts; not positions or buckets the graph computes). One whose rows do not divide by tp, or
     read with options a cut cannot keep exact (``max_norm`` writes the table,
     ``scale_grad_by_freq`` counts ids over all rows, ``sparse``), stays whole (a warning).
-    An LM head, tied to a cut table or not, is cut colwise by the vocabulary (``_lm_heads``), but
-    in a pipeline's whole graph (``ctx.pipelined``): the head's stage plans a graph of its own, which
-    holds no table to show the head is one, and holds it whole; so does the plan that balances the
-    stages and that ``explain`` reports."""
+    An LM head, tied to a cut table or not, is cut colwise by the vocabulary (``_lm_heads``).
+    A pipeline stage takes the cuts decided on the whole graph (``ctx.decided_vocab_cuts``): the
+    last stage holds no table to show its head is one."""
+    if ctx.decided_vocab_cuts is not None:
+        return {name: ctx.decided_vocab_cuts[param.fqn] for name, param in ctx.params.items()
+                if param.fqn in ctx.decided_vocab_cuts}
     tp, tables, shapes = ctx.mesh.size("tp"), {}, set()
     for node in (n for n in gm.graph.nodes if op_kind(n) == "embedding"):
         given = arguments(node)
@@ -308,7 +310,13 @@ def vocab_cuts(gm: fx.GraphModule, ctx: ParallelContext) -> dict[str, Placement]
             continue
         tables[table.name] = Shard(0)
         shapes.add(tensor_val(table).shape)
-    return tables if ctx.pipelined else {**tables, **_lm_heads(gm, ctx, shapes)}
+    return {**tables, **_lm_heads(gm, ctx, shapes)}
+
+
+def decided_vocab_cuts(ctx: ParallelContext) -> dict[str, Placement]:
+    """The vocab cuts ``ctx``'s plan holds (those a conflict left whole dropped), by FQN: what a
+    pipeline's whole graph hands each stage's plan."""
+    return {ctx.params[name].fqn: ctx.param_placements[name] for name in ctx.vocab_cuts if name in ctx.param_placements}
 
 
 def _lm_heads(gm: fx.GraphModule, ctx: ParallelContext, table_shapes: set[torch.Size]) -> dict[str, Placement]:
