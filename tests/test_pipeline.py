@@ -110,7 +110,13 @@ def train_against_one_device(rank: int, world: int, *, sizes: dict, schedule: st
     result = pipeline_against_one_device(step, reference, ids, target, loss_fn=loss, microbatches=microbatches,
                                          kwargs=kwargs, whole_inputs=whole)
     return {**result, "dtensor": sorted({isinstance(p, DTensor) for p in step.parameters()}), "blocks": step.cut.blocks,
-            "sent": {way: sorted(calls) for way, calls in sent.items()}}
+            "sent": {way: sorted(calls) for way, calls in sent.items()},
+            "by_vocab": {fqn: dict(zip(p.device_mesh.mesh_dim_names, map(str, p.placements)))
+                         for fqn, p in step.named_parameters() if fqn in VOCAB_CUT and isinstance(p, DTensor)}}
+
+
+VOCAB_CUT = ("embed.weight", "lm_head.weight")
+"""The toy Llama's token table (on the first stage) and LM head (on the last), cut by the vocabulary over tp."""
 
 
 def _record_sends(step) -> dict[str, set]:
@@ -144,6 +150,8 @@ RUNS = {  # label: world, mesh, schedule, model, microbatches (DualPipeV: at lea
     # an integer value crossing to the last stage (before: torch's first-step inference ran the stage on it
     # uninitialized) and a 0-dim output (before: torch's merge of the outputs over microbatches failed)
     "ids at the head pp2 1F1B": (2, {"pp": 2}, "1F1B", "ids at the head", MICROBATCHES),
+    # the head cut by the vocabulary on its stage, its logits read whole in the stage's graph (gathered by plan)
+    "ids at the head pp2 x tp2 1F1B": (4, {"pp": 2, "tp": 2}, "1F1B", "ids at the head", MICROBATCHES),
     "transformers pp2 ZBVZeroBubble": (2, {"pp": 2}, "ZBVZeroBubble", "hf", MICROBATCHES),
     "pp2 x tp2 Interleaved1F1B": (4, {"pp": 2, "tp": 2}, "Interleaved1F1B", "toy", MICROBATCHES),
     "pp2 x tp2 ZBVZeroBubble": (4, {"pp": 2, "tp": 2}, "ZBVZeroBubble", "toy", MICROBATCHES),
@@ -223,6 +231,10 @@ def test_training_matches_one_device_accumulating_the_microbatches(label):
     assert not found, "\n".join(found)
     sliced = any(size > 1 for dim, size in sizes.items() if dim != "pp")  # held over tp or FSDP over cp
     assert all(r["dtensor"] == [sliced] for r in per_rank), (label, [r["dtensor"] for r in per_rank])
+    if name in ("toy", "ids at the head") and "tp" in sizes:  # the head's stage holds it cut by the vocabulary, as the first its table
+        held = [(fqn, placements) for r in per_rank for fqn, placements in r["by_vocab"].items()]
+        assert sorted({fqn for fqn, _ in held}) == list(VOCAB_CUT), (label, held)
+        assert all(placements == {"tp": "S(0)"} for _, placements in held), (label, held)
     model, ids, _, kwargs, _ = _model_and_batch(name)
     report = dtensor_par.explain(model, (ids,), example_kwargs=kwargs, device_type="cpu", **sizes,
                                  microbatches=microbatches, schedule=RUNS[label][2],

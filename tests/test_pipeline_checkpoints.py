@@ -91,8 +91,14 @@ def pipeline_from_checkpoint(rank: int, world: int, *, folder: str, out: str, si
     reference, saved = build_loaded(folder), build_loaded(out).state_dict()
     result["saved_differ"] = [k for k, v in reference.state_dict().items() if not torch.equal(v, saved[k])]
     result["files"] = sorted(os.listdir(out))
+    result["by_vocab"] = {fqn: dict(zip(p.device_mesh.mesh_dim_names, map(str, p.placements)))["tp"]
+                          for fqn, p in step.named_parameters() if fqn in VOCAB_CUT and isinstance(p, DTensor)}
     return {**result, **pipeline_against_one_device(step, reference, x, target, loss_fn=loss_fn,
                                                     microbatches=MICROBATCHES, kwargs=kwargs)}
+
+
+VOCAB_CUT = ("model.embed_tokens.weight", "embed.weight", "lm_head.weight")
+"""The Llamas' token tables (on the first stage) and LM heads (on the last), read cut by the vocabulary over tp."""
 
 
 def write_checkpoints(rank: int, world: int, *, folder: str) -> dict:
@@ -137,7 +143,7 @@ LAUNCHES = {world: in_background(_launch, world) for world in (2, 4, 8)}
 
 @pytest.mark.parametrize("label", list(RUNS))
 def test_a_meta_model_reads_its_stages_and_trains_as_one_device_loaded_alike(label):
-    world, _, _, _, most = RUNS[label]
+    world, sizes, model, _, most = RUNS[label]
     per_rank = [r[label] for r in LAUNCHES[world].result()]
     found = pipeline_mismatches(label, per_rank, most)
     assert not found, "\n".join(found)
@@ -145,6 +151,9 @@ def test_a_meta_model_reads_its_stages_and_trains_as_one_device_loaded_alike(lab
         assert result["model_on_meta"] and result["own_storage"], (label, rank, result)
         assert result["saved_differ"] == [], (label, rank, result["saved_differ"])
         assert "model.safetensors.index.json" in result["files"], (label, rank, result["files"])
+    if model != "dit" and "tp" in sizes:  # each rank read its vocabulary's rows of the table and of the head
+        held = [(fqn, placement) for r in per_rank for fqn, placement in r["by_vocab"].items()]
+        assert len({fqn for fqn, _ in held}) == 2 and all(p == "S(0)" for _, p in held), (label, held)
 
 
 def test_a_meta_model_without_what_fills_it_is_refused_by_name(fake_world, tmp_path):
