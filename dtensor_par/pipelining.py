@@ -325,8 +325,9 @@ def _compile_stage(stage_gm: fx.GraphModule, submesh: DeviceMesh, example: list,
     ``hybrid_parallel``, each output returned as its piece over cp along its dim in ``sent``
     (None: whole), the token tables and LM heads cut as the whole graph's plan decided
     (``vocab_cuts``, by FQN: the last stage holds no table to show its head is one); over a
-    slice of one rank (pp alone), held whole and compiled by the inner backend alone. Compiled in place (``nn.Module.compile``): the module the schedule runs holds
-    the parameters, which torch's input/weight backward split walks."""
+    slice of one rank (pp alone), held whole and compiled by the inner backend alone. Compiled
+    in place (``nn.Module.compile``): the module the schedule runs holds the parameters, which
+    torch's input/weight backward split walks."""
     if submesh.size() == 1:
         ignored = sorted(set(options) - {"inner_backend", "check_inputs"})
         if ignored:
