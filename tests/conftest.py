@@ -13,7 +13,7 @@ from dtensor_par.planning import parallelize_graph
 from dtensor_par.mesh import MeshInfo
 from dtensor_par.config import ParallelConfig
 from dtensor_par._testing.harness import CPU_TIME_LOG, RANK_TIMEOUT, start_fork_server
-from tests import background
+from tests import background, tiers
 
 # every test plans afresh (tests patch passes and count plans); the plan cache's own tests turn it on
 os.environ.setdefault("DTENSOR_PAR_PLAN_CACHE", "0")
@@ -29,13 +29,34 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 """The devices a one-process test of a device-specific path runs on: CUDA where a GPU is present."""
 
 
+def pytest_addoption(parser):
+    parser.addoption("--sweep", action="store_true",
+                     help="also run the repeats (tests/tiers.py): every family at every mesh, the full matrices")
+
+
+def pytest_configure(config):
+    """Before the test modules are imported: they choose what their launches run by the tier."""
+    config.addinivalue_line("markers", "sweep: a repeat of a capability CI runs once; run with --sweep")
+    tiers.SWEEP = config.getoption("--sweep")
+
+
+def pytest_collection_modifyitems(config, items):
+    if tiers.SWEEP:
+        return
+    skip = pytest.mark.skip(reason="a repeat of what CI runs once: run with --sweep")
+    for item in items:
+        if item.get_closest_marker("sweep"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def background_jobs(request):
     """Start the launches and subprocesses of the modules whose tests run (``tests.background``),
     and the ranks' fork server before any test changes the environment or the folder. Set up
     within pytest's output capture, as a test's own launch is, the ranks' output goes where
     the tests' output goes (shown when a test fails), not to the terminal."""
-    if background.start({item.module.__name__ for item in request.session.items}):
+    running = [item for item in request.session.items if not item.get_closest_marker("skip")]
+    if background.start({item.module.__name__ for item in running}):
         start_fork_server()
     yield
     background.stop()

@@ -25,6 +25,7 @@ from dtensor_par.passes.saved import kept_for_backward
 from dtensor_par.runtime import compile_local
 from dtensor_par._testing import models
 from dtensor_par._testing.harness import capturing_backend, logged, loss_of, max_rel, run_ranks_together, whole
+from tests import tiers
 from tests.background import in_background
 
 PARAM_RTOL = 1e-5
@@ -348,12 +349,16 @@ CASES = {
         "flux tp2 x ring2": _case("flux", TP2_RING2, False),
         "gpt_plain dp_shard2 x tp2 selective parallelized": _case("gpt_plain", DP_SHARD2_TP2, True, "selective")},
 } if real_models is not None else {}
-LAUNCHES = {world: in_background(run_ranks_together, world, {"cases": (checkpointed_against_one_device,
-                                                                        {"cases": cases})})
+SWEPT = {"gpt ulysses2 parallelized", "llama_reentrant ulysses2", "gpt tp2 x ring2 parallelized", "flux tp2 x ring2"}
+"""Cases ``tests.tiers`` leaves to ``--sweep``: CI checkpoints each way (the model's own,
+reentrant, the option's policies) on each dim alone, and over dp_shard x tp."""
+LAUNCHES = {world: in_background(run_ranks_together, world, {"cases": (checkpointed_against_one_device, {
+    "cases": {label: case for label, case in cases.items() if tiers.kept(label, SWEPT)}})})
             for world, cases in CASES.items()}
 
 
-@pytest.mark.parametrize("world, label", [(w, label) for w, cases in CASES.items() for label in cases])
+@pytest.mark.parametrize("world, label", [tiers.case(w, label, sweep=label in SWEPT)
+                                          for w, cases in CASES.items() for label in cases])
 def test_checkpointed_training_equals_one_device_with_the_same_checkpointing(world, label):
     """Forward within 1e-5; gradients within 1e-4 and parameters after 3 AdamW steps with clipping
     within 1e-5 relative, on every rank; nothing warned of, but Dynamo's breaks in T5's layers."""

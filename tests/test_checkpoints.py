@@ -22,6 +22,7 @@ import dtensor_par
 from dtensor_par.checkpoints import load_checkpoint
 from dtensor_par._testing import loading, models, patterns, real_models
 from dtensor_par._testing.harness import run_ranks, run_ranks_together
+from tests import tiers
 from tests.background import in_background
 
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
@@ -282,6 +283,13 @@ tied embeddings at tp2 and dp_shard2 x tp2, untied at the two cp meshes; Mixtral
 experts cut by ring, tp2 x ring2."""
 
 
+SWEPT = {"llama tp2-ulysses2", "llama tp2-ring2", "phi3 tp2-ulysses2", "phi3 dp_shard2-tp2", "mixtral tp2-ulysses2",
+         "mixtral dp_shard2-tp2", "flux tp2-ring2", "flux dp_shard2-tp2"}
+"""Round trips ``tests.tiers`` leaves to ``--sweep``: CI reads and writes each model at tp2 and
+at one mesh of 4 (Llama tied over dp_shard x tp, Phi3's fused projections and Mixtral's experts
+beside the ring, Mixtral's also over dp_shard x ulysses, Flux beside Ulysses)."""
+
+
 def _round_trips(world: int, folder: str) -> dict:
     calls = {}
     for model, spec in ROUND_TRIPS.items():
@@ -291,7 +299,7 @@ def _round_trips(world: int, folder: str) -> dict:
                 kwargs = {**spec, "sizes": MESHES[mesh], "folder": os.path.join(folder, spec["folder"]),
                           "out": os.path.join(folder, f"{model} {mesh}")}
                 calls[f"{model.split()[0]} {mesh}"] = (round_trip, kwargs)
-    return calls
+    return {label: call for label, call in calls.items() if tiers.kept(label, SWEPT)}
 
 
 def _calls(world: int, folder: str) -> dict:
@@ -324,7 +332,7 @@ def _each_rank_wrote_its_own_files(results: list[dict]) -> None:
     assert all(written) and sorted(f for w in written for f in w) == shards, written
 
 
-@pytest.mark.parametrize("world, label, probe, tied", [
+@pytest.mark.parametrize("world, label, probe, tied", [tiers.case(*run, sweep=run[1] in SWEPT) for run in [
     (2, "llama tp2", ["S(0)"], True), (4, "llama tp2-ulysses2", ["S(1)", "S(0)"], False),
     (4, "llama tp2-ring2", ["S(1)", "S(0)"], False), (4, "llama dp_shard2-tp2", ["S(1)", "S(0)"], True),
     (2, "phi3 tp2", ["_S(0, 3)"], False), (4, "phi3 tp2-ulysses2", ["S(1)", "_S(0, 3)"], False),
@@ -335,7 +343,7 @@ def _each_rank_wrote_its_own_files(results: list[dict]) -> None:
     (2, "legacy-mixtral tp2", ["_S(1, 2)"], False), (4, "legacy-mixtral tp2-ring2", ["S(0)", "_S(1, 2)"], False),
     (2, "legacy-qwen2_moe tp2", ["_S(1, 2)"], False),
     (2, "flux tp2", ["S(0)"], False), (4, "flux tp2-ulysses2", ["S(1)", "S(0)"], False),
-    (4, "flux tp2-ring2", ["S(1)", "S(0)"], False), (4, "flux dp_shard2-tp2", ["S(1)", "S(0)"], False)])
+    (4, "flux tp2-ring2", ["S(1)", "S(0)"], False), (4, "flux dp_shard2-tp2", ["S(1)", "S(0)"], False)]])
 def test_checkpoints_read_at_each_mesh_compute_as_one_device_and_write_back(world, label, probe, tied):
     """Llama (4 shards and an index), Phi3's fused qkv and gate_up (``_StridedShard``), Mixtral's
     stacked experts with ``ep="cp"`` (which cuts none at tp2, where cp is 1), the per-expert

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests import tiers
 from tests.background import in_background
 from tests.cases import case_matches, labelled_cases, run_labelled_cases
 
@@ -42,9 +43,15 @@ block). The others differ from them in planning only and run their local graphs 
 (``eager``): AOT's trace is most of a case's time (CI time)."""
 
 
+SWEPT = {("tp2-ring2", "state_space_scan"), ("tp2-ulysses2", "llama_gqa_rope"), ("ring2-ulysses2", "uneven_seq_30"),
+         ("ring2-ulysses2", "state_space_scan_uneven_30")}
+"""Traced cases ``tests.tiers`` leaves to ``--sweep``: the causal GQA, the padded sequence and
+Mamba-2's exact scan each run traced at another pair (an eager case costs a traced one's tenth)."""
+
+
 def _pair_runs(label: str, mesh_sizes: dict, traced: list[str], names: list[str]) -> dict:
     """A pair's two runs: its traced cases through ``aot_eager``, the others ``eager``."""
-    return {label: dict(mesh_sizes=mesh_sizes, names=traced, steps=1),
+    return {label: dict(mesh_sizes=mesh_sizes, names=[n for n in traced if tiers.kept((label, n), SWEPT)], steps=1),
             f"{label} eager": dict(mesh_sizes=mesh_sizes, names=[n for n in names if n not in traced], steps=1,
                                    options={"inner_backend": "eager"})}
 
@@ -92,7 +99,8 @@ small_unet: group norms, a stride-2 convolution and nearest upsampling over rows
 running_positions: position ids and a running mean summed along the sequence cut over cp."""
 
 
-@pytest.mark.parametrize("pair, name", [(pair, name) for pair, spec in PAIRS.items() for name in spec["names"]])
+@pytest.mark.parametrize("pair, name", [tiers.case(pair, name, sweep=(pair, name) in SWEPT)
+                                        for pair, spec in PAIRS.items() for name in spec["names"]])
 def test_each_pair_of_mesh_dims_at_world_4(pair, name):
     case = _case(4, pair if name in PAIRS[pair]["traced"] else f"{pair} eager", name)
     warnings = case["warnings"]

@@ -23,6 +23,7 @@ from dtensor_par.mesh import MeshDim
 from dtensor_par.ops.experts import combine_rows, dispatch_rows, exchange_counts, local_offsets
 from dtensor_par._testing.harness import FUNCTIONAL_OPS, dp_rows, executed_collectives, loss_of, max_rel, run_ranks, whole
 from tests import xm_gloo
+from tests import tiers
 from tests.background import in_background
 
 EXPERTS, WIDTH, OUT = 6, 5, 3
@@ -133,15 +134,11 @@ def _train_against_one_device(model, reference, outputs, inspect=lambda opt: Non
     return worst
 
 
-def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
+def train_with_ep(rank: int, world: int, *, dump_dir: str, runs: list[str]) -> dict:
     """Mixtral parallelized at dp_shard2 x ulysses2 with ``ep="cp"``, its 4 experts cut over all
     4 ranks (dp_shard x cp): 2 AdamW steps with clipping against one device, the storage each
     rank holds of an expert weight and of its gradient and AdamW state, and the collectives a
-    step runs against the dumped table; then one step at dp_shard2 x ring2 (parallelized and
-    held whole), at dp_replicate2 x dp_shard2 and, with a local batch, at dp_shard2 x ulysses2
-    and dp_replicate2 x dp_shard2 (parallelized: ``one_step``), one at ulysses2 x ring2
-    (``one_step_ulysses_first``), and an ``nn.ModuleList`` mixture trained at dp_shard2 x ulysses2
-    and tp2 x ring2 (``train_module_list_with_ep``)."""
+    step runs against the dumped table; then the ``runs`` of ``EP_RUNS``, by name."""
     from dtensor_par._testing import real_models
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -171,16 +168,25 @@ def train_with_ep(rank: int, world: int, *, dump_dir: str) -> dict:
     table = _collectives_table(dump_dir, f"dp_shard{rank // 2}_ring0_ulysses{rank % 2}_tp0")
     return {**worst, "held": held, "whole": experts.numel() * experts.element_size(), "ran": dict(ran),
             "table": dict(table), "back": exchanges[counts + 2], "routing": routing,
-            "ring": one_step(os.path.join(dump_dir, "ring"), dp_shard=2, ring=2),
-            "replicas": one_step(os.path.join(dump_dir, "replicas"), rows=4, modes=(True,), dp_replicate=2,
-                                 dp_shard=2),
-            "local": one_step(os.path.join(dump_dir, "local"), rows=4, batch="local", modes=(True,), dp_shard=2,
-                              ulysses=2),
-            "local_replicas": one_step(os.path.join(dump_dir, "local_replicas"), rows=4, batch="local",
-                                       modes=(True,), dp_replicate=2, dp_shard=2),
-            "ulysses_first": one_step_ulysses_first(),
-            "module_list": train_module_list_with_ep(os.path.join(dump_dir, "module_list"), dp_shard=2, ulysses=2),
-            "module_list_tp": train_module_list_with_ep(os.path.join(dump_dir, "module_list_tp"), tp=2, ring=2)}
+            **{name: EP_RUNS[name](os.path.join(dump_dir, name)) for name in runs}}
+
+
+EP_RUNS = {
+    # one step at dp_shard2 x ring2, parallelized and held whole (``one_step``)
+    "ring": lambda folder: one_step(folder, dp_shard=2, ring=2),
+    # parallelized at dp_replicate2 x dp_shard2, and with a local batch at dp_shard2 x ulysses2 and there
+    "replicas": lambda folder: one_step(folder, rows=4, modes=(True,), dp_replicate=2, dp_shard=2),
+    "local": lambda folder: one_step(folder, rows=4, batch="local", modes=(True,), dp_shard=2, ulysses=2),
+    "local_replicas": lambda folder: one_step(folder, rows=4, batch="local", modes=(True,), dp_replicate=2,
+                                              dp_shard=2),
+    "ulysses_first": lambda folder: one_step_ulysses_first(),
+    # an nn.ModuleList mixture trained at dp_shard2 x ulysses2 and tp2 x ring2
+    "module_list": lambda folder: train_module_list_with_ep(folder, dp_shard=2, ulysses=2),
+    "module_list_tp": lambda folder: train_module_list_with_ep(folder, tp=2, ring=2)}
+"""``train_with_ep``'s runs after Mixtral's two steps at dp_shard2 x ulysses2, by name."""
+SWEPT = {"replicas", "local_replicas", "ulysses_first", "module_list"}
+"""Runs ``tests.tiers`` leaves to ``--sweep``: CI cuts the experts over dp_shard beside cp
+(both ways), with a local batch, and a ModuleList's over tp x ring."""
 
 
 def train_module_list_with_ep(dump_dir: str, **sizes) -> dict:
@@ -279,7 +285,7 @@ def one_step_ulysses_first() -> dict:
 
 def _train_launch() -> list:
     with tempfile.TemporaryDirectory() as folder:
-        return run_ranks(4, train_with_ep, dump_dir=folder)
+        return run_ranks(4, train_with_ep, dump_dir=folder, runs=[name for name in EP_RUNS if tiers.kept(name, SWEPT)])
 
 
 TRAINED = in_background(_train_launch)
@@ -327,6 +333,7 @@ def test_experts_cut_over_dp_shard_and_ring_as_on_one_device():
         _check_one_step(result, experts=1)
 
 
+@tiers.MARK
 def test_experts_cut_over_dp_shard_beside_dp_replicate_as_on_one_device():
     """At dp_replicate2 x dp_shard2, parallelized: each replica holds the 4 experts once, 2 a
     rank, and its rows reach only its own replica's experts; the experts' gradients are summed
@@ -337,7 +344,8 @@ def test_experts_cut_over_dp_shard_beside_dp_replicate_as_on_one_device():
         assert held["ran"]["all_reduce"] == 1, held  # the replicas' sums, the experts' in the others' bucket
 
 
-@pytest.mark.parametrize("run, experts", [("local", 1), ("local_replicas", 2)])
+@pytest.mark.parametrize("run, experts", [tiers.case(run, experts, sweep=run in SWEPT)
+                                          for run, experts in [("local", 1), ("local_replicas", 2)]])
 def test_experts_cut_over_dp_shard_with_a_local_batch_as_on_one_device(run, experts):
     """With a local batch (each dp coordinate its own rows) the experts are cut over dp_shard too,
     parallelized: at dp_shard2 x ulysses2 one expert a rank; at dp_replicate2 x dp_shard2 two a
@@ -348,7 +356,9 @@ def test_experts_cut_over_dp_shard_with_a_local_batch_as_on_one_device(run, expe
         _check_one_step(result[run], experts=experts)
 
 
-@pytest.mark.parametrize("run, w1, w2", [("module_list", [64, 8], [8, 64]), ("module_list_tp", [32, 16], [16, 32])])
+@pytest.mark.parametrize("run, w1, w2", [tiers.case(*run, sweep=run[0] in SWEPT)
+                                         for run in [("module_list", [64, 8], [8, 64]),
+                                                     ("module_list_tp", [32, 16], [16, 32])]])
 def test_module_list_experts_held_cut_by_ep_train_as_on_one_device(run, w1, w2):
     """Each of an ``nn.ModuleList``'s experts held cut along its hidden features over the expert
     group (a quarter of it at dp_shard2 x ulysses2; at tp2 x ring2 a half of its tp half) and sent
@@ -364,6 +374,7 @@ def test_module_list_experts_held_cut_by_ep_train_as_on_one_device(run, w1, w2):
         assert result["ran"] == result["table"] and result["ran"]["all_to_all_single"] >= 8, result
 
 
+@tiers.MARK
 def test_experts_cut_in_the_mesh_order_where_ulysses_comes_before_ring():
     """Parallelized at ring2 x ulysses2 on a mesh that puts ulysses first: each rank holds the 2
     of the 8 experts at its coordinate in the mesh's order, and computes as one device does."""

@@ -13,6 +13,7 @@ import torch.nn as nn
 import dtensor_par
 from dtensor_par._testing import models
 from dtensor_par._testing.harness import FORWARD_ATOL, logged, run_ranks_together
+from tests import tiers
 from tests.background import in_background
 
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
@@ -81,10 +82,17 @@ CP_DECODE = [({"ring": 2}, "mistral"), ({"ulysses": 2}, "llama")]
 """``cp_decode``'s runs at world 2: a mesh's sizes and a model family."""
 
 
+SWEPT = {"written out ring", "alibi ring", "recurrence tp", "scan tp", "selective scan tp", "selective scan ring",
+         "generate", "decode falcon_multi_query {'tp': 2, 'ring': 2}"}
+"""Runs ``tests.tiers`` leaves to ``--sweep``: CI decodes attention written out, a recurrence
+and a scan once each under ring=2, the decorator's generate under ring=2 and dp x ring, and
+tp x ring decode on Llama."""
+
+
 def _world2_launch() -> list[dict]:
     """Every world-2 case of this module in one launch of 2 gloo ranks, each rank's results
     by case (``parallelize`` resets Dynamo's caches: its case runs last)."""
-    return run_ranks_together(2, {
+    return run_ranks_together(2, {label: call for label, call in {
         "side effects": (side_effects_once, {}),
         "decorated ring": (decorated_generate, {"ring": 2}),
         "written out ring": (decorated_written_out_generate, {"name": "gpt_oss", "ring": 2}),
@@ -98,7 +106,7 @@ def _world2_launch() -> list[dict]:
         "decode plans": (decode_plans, {}),
         "cp decode": (cp_decode, {"runs": CP_DECODE}),
         "entry points": (generate_entry_points, {}),
-    })
+    }.items() if tiers.kept(label, SWEPT)})
 
 
 WORLD2 = in_background(_world2_launch)
@@ -178,7 +186,7 @@ def _check_decorated_generate(result: dict) -> None:
     assert result["logits"] <= FORWARD_ATOL, result
 
 
-@pytest.mark.parametrize("run", GENERATED)
+@pytest.mark.parametrize("run", [tiers.case(run, sweep=run in SWEPT) for run in GENERATED])
 def test_decorated_transformers_llama_generates_one_devices_tokens(run):
     """Under ring=2 here; under tp (beside ulysses) at world 4. Attention written out by hand
     decodes under ring=2 too: GPT-OSS's (sink logits, a sliding window) and Bloom's (ALiBi).
@@ -322,16 +330,18 @@ def test_decode_with_the_kv_cache_cut_over_cp_matches_one_device(name):
 
 CP_DECODE_BESIDE_TP = [({"tp": 2, "ring": 2}, "llama"), ({"tp": 2, "ring": 2}, "falcon_multi_query")]
 """``cp_decode``'s runs at world 4."""
-WORLD4 = in_background(run_ranks_together, 4, {
+WORLD4_RUNS = [f"decode {family} {sizes}" for sizes, family in CP_DECODE_BESIDE_TP] + ["generate", "generate dp"]
+WORLD4 = in_background(run_ranks_together, 4, {label: call for label, call in {
     # Mistral's window under cp: at world 2 (ring); under tp: decode_plans. The cp decode graphs are
     # traced through AOTAutograd at world 2; beside tp they run as they are (CI time).
-    "decode": (cp_decode, {"runs": CP_DECODE_BESIDE_TP, "inner_backend": "eager"}),
+    "decode": (cp_decode, {"runs": [(sizes, family) for sizes, family in CP_DECODE_BESIDE_TP
+                                    if tiers.kept(f"decode {family} {sizes}", SWEPT)], "inner_backend": "eager"}),
     "generate": (decorated_generate, {"tp": 2, "ulysses": 2}),
-    "generate dp": (decorated_generate, {"dp_replicate": 2, "ring": 2, "batch": 2})})
+    "generate dp": (decorated_generate, {"dp_replicate": 2, "ring": 2, "batch": 2})}.items()
+    if tiers.kept(label, SWEPT)})
 
 
-@pytest.mark.parametrize("run", [f"decode {family} {sizes}" for sizes, family in CP_DECODE_BESIDE_TP]
-                         + ["generate", "generate dp"])
+@pytest.mark.parametrize("run", [tiers.case(run, sweep=run in SWEPT) for run in WORLD4_RUNS])
 def test_decode_at_tp_x_ring_and_decorated_generate_under_cp(run):
     """tp=2 x ring=2 decode (Llama, and Falcon-7B's multi-query fused qkv, whose one key and value
     head every tp rank holds whole: gathered as they are split off, in prefill and decode alike,

@@ -22,6 +22,7 @@ from dtensor_par._testing import models
 from dtensor_par._testing.harness import pipeline_against_one_device, pipeline_mismatches, run_ranks_together
 from dtensor_par.model_folders import flux_image_ids
 from dtensor_par.pipelining import SCHEDULES
+from tests import tiers
 from tests.background import in_background
 
 LAYERS, BATCH, SEQ, VOCAB, MICROBATCHES = 4, 4, 8, 50, 2
@@ -168,6 +169,13 @@ RUNS = {  # label: world, mesh, schedule, model, microbatches (DualPipeV: at lea
 }
 
 
+SWEPT = {"ids at the head pp2 1F1B", "flux pp2 Interleaved1F1B", "pp2 x tp2 ZBVZeroBubble",
+         "transformers pp2 x ulysses2 1F1B", "flux pp2 x tp2 GPipe"}
+"""Runs ``tests.tiers`` leaves to ``--sweep``: CI runs every schedule at pp2, each other dim
+beside pp on the toy Llama, transformers' Llama and Flux at pp2, Flux beside Ulysses, and the
+ids at the head beside tp."""
+
+
 def forward_against_one_device(rank: int, world: int, *, sizes: dict, schedule: str, model: str) -> dict:
     """A forward-only step's (``loss_fn=None``) largest absolute difference to one device's output
     on this rank, over two steps each fed the last one's output (a DiT's as a diffusion sampler's
@@ -209,7 +217,7 @@ FORWARD_RUNS = {  # label: world, mesh, schedule, model (InterleavedZeroBubble: 
 def _launch(world: int) -> list[dict]:
     training = {label: (train_against_one_device, {"sizes": sizes, "schedule": schedule, "model": model,
                                                    "microbatches": mb})
-                for label, (w, sizes, schedule, model, mb) in RUNS.items() if w == world}
+                for label, (w, sizes, schedule, model, mb) in RUNS.items() if w == world and tiers.kept(label, SWEPT)}
     forward = {f"forward {label}": (forward_against_one_device, {"sizes": sizes, "schedule": schedule, "model": model})
                for label, (w, sizes, schedule, model) in FORWARD_RUNS.items() if w == world}
     return run_ranks_together(world, {**training, **forward})
@@ -219,7 +227,7 @@ LAUNCHES = {world: in_background(_launch, world) for world in (2, 4)}
 """One launch per world size."""
 
 
-@pytest.mark.parametrize("label", list(RUNS))
+@pytest.mark.parametrize("label", [tiers.case(label, sweep=label in SWEPT) for label in RUNS])
 def test_training_matches_one_device_accumulating_the_microbatches(label):
     world, sizes, _, name, microbatches = RUNS[label]
     per_rank = [results[label] for results in LAUNCHES[world].result()]

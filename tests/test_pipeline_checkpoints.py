@@ -24,6 +24,7 @@ from dtensor_par._testing import models
 from dtensor_par._testing.harness import pipeline_against_one_device, pipeline_mismatches, run_ranks, run_ranks_together
 from dtensor_par.checkpoints import empty_model, load_checkpoint, parameters_on_meta
 from dtensor_par.pipeline_plan import SCHEDULES
+from tests import tiers
 from tests.background import in_background
 
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
@@ -128,20 +129,25 @@ RUNS = {  # label: world, mesh, model, schedule; the most a rank holds of the mo
 }
 
 
+SWEPT = {"DiT pp2 x tp2 GPipe", "transformers Llama pp2 x dp_shard2 x tp2 GPipe"}
+"""Runs ``tests.tiers`` leaves to ``--sweep``: CI reads transformers' Llama at pp2 and beside tp,
+and both toy models over pp x dp_shard x tp."""
+
+
 def _launch(world: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         run_ranks(1, write_checkpoints, folder=folder)
         return run_ranks_together(world, {
             label: (pipeline_from_checkpoint, dict(folder=os.path.join(folder, model), sizes=sizes, model=model,
                                                    schedule=schedule, out=os.path.join(folder, f"saved {label}")))
-            for label, (w, sizes, model, schedule, _) in RUNS.items() if w == world})
+            for label, (w, sizes, model, schedule, _) in RUNS.items() if w == world and tiers.kept(label, SWEPT)})
 
 
 LAUNCHES = {world: in_background(_launch, world) for world in (2, 4, 8)}
 """One launch per world size; the 8 ranks' three cases run one schedule each, and both models."""
 
 
-@pytest.mark.parametrize("label", list(RUNS))
+@pytest.mark.parametrize("label", [tiers.case(label, sweep=label in SWEPT) for label in RUNS])
 def test_a_meta_model_reads_its_stages_and_trains_as_one_device_loaded_alike(label):
     world, sizes, model, _, most = RUNS[label]
     per_rank = [r[label] for r in LAUNCHES[world].result()]

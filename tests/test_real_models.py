@@ -16,6 +16,7 @@ from dtensor_par.passes.meta import global_shape, placements, shardings
 from dtensor_par.passes.nodes import tensor_inputs
 from dtensor_par.placements import Replicate, Shard
 from dtensor_par._testing.harness import FORWARD_ATOL, GRAD_RTOL, logged, loss_of, max_rel, run_ranks_together
+from tests import tiers
 from tests.background import in_background
 
 pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
@@ -207,13 +208,37 @@ RUNS = {
 }
 """World size -> mesh label -> ``compare_models``' keyword arguments; one launch per world size
 (world 2's launch runs the ``parallel`` decorator's check too)."""
-LAUNCHES = {world: in_background(run_ranks_together, world, {
-    **{label: (compare_models_over_xm if label.endswith("xla") else compare_models, kwargs)
-       for label, kwargs in runs.items()},
-    **({"decorated": (decorated_llama, {})} if world == 2 else {})}) for world, runs in RUNS.items()}
+SWEPT = {("tp2-ulysses2", name) for name in ["gpt2", "qwen2", "mistral", "mistral_padded", "wan", "sd3", "gemma2",
+                                              "bloom", "t5", "t5_padded", "mixtral", "mixtral_batched_mm",
+                                              "qwen2_moe", "deepseek_v3", "apertus"]}
+SWEPT |= {("tp2-ring2", name) for name in ["flux", "wan", "gemma2", "gemma2_left_padded", "t5", "mixtral",
+                                           "qwen2_moe", "mpt", "llama4", "gpt_bigcode", "sana", "flux2",
+                                           "granite_swa", "mimo_v2_flash"]}
+SWEPT |= {("tp2-ring2 ep", name) for name in ["mixtral_batched_mm", "deepseek_v3", "phimoe"]}
+SWEPT |= {("tp2", name) for name in ["gpt_oss", "gpt_bigcode", "qwen3_5"]}
+SWEPT |= {("tp2-ring2-ulysses2", name) for name in ["llama", "flux"]}  # world 8: test_cp_gloo's non-default order
+"""(mesh, model) run again where CI runs the model, or the kind of site, at another mesh
+(``tests.tiers``); every model's plan is checked in process at both world-4 meshes
+(``test_every_block_runs_sharded_without_fallback_gathers``)."""
 
 
-@pytest.mark.parametrize("world, mesh, name", [pytest.param(world, mesh, name, id=f"{mesh}-{name}")
+def _launched(world: int, runs: dict) -> dict:
+    """The world's launch this session: each mesh's models ``tiers.kept``, the decorator's check at world 2."""
+    calls = {label: (compare_models_over_xm if label.endswith("xla") else compare_models,
+                     {**kwargs, "names": [n for n in kwargs["names"] if tiers.kept((label, n), SWEPT)]})
+             for label, kwargs in runs.items()}
+    calls = {label: call for label, call in calls.items() if call[1]["names"]}
+    if world == 2:
+        calls["decorated"] = (decorated_llama, {})
+    return calls
+
+
+LAUNCHES = {world: in_background(run_ranks_together, world, calls) for world, runs in RUNS.items()
+            if (calls := _launched(world, runs))}
+
+
+@pytest.mark.parametrize("world, mesh, name", [tiers.case(world, mesh, name, sweep=(mesh, name) in SWEPT,
+                                                          id=f"{mesh}-{name}")
                                                for world, runs in RUNS.items() for mesh, run in runs.items()
                                                for name in run["names"]])
 def test_real_models_match_one_device(world, mesh, name):

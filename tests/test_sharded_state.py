@@ -21,6 +21,7 @@ import dtensor_par
 from dtensor_par.mesh import FSDP_DIMS
 from dtensor_par._testing import models, patterns
 from dtensor_par._testing.harness import FUNCTIONAL_OPS, dp_rows, executed_collectives, loss_of, max_rel, run_ranks_together, whole
+from tests import tiers
 from tests.background import in_background
 
 PARAM_RTOL = 1e-5
@@ -247,11 +248,15 @@ def _launch(world: int) -> list[dict]:
         return run_ranks_together(world, _calls(world, folder))
 
 
-LAUNCHES = {world: in_background(_launch, world) for world in (4, 8, 2)}
+SWEPT = {"dp_shard2-ring2-tp2"}
+"""Runs ``tests.tiers`` leaves to ``--sweep``: CI holds FSDP beside tp at pp x dp_shard x tp
+(``test_pipeline_checkpoints``) and over dp_shard x tp (``test_data_parallel``)."""
+LAUNCHES = {world: in_background(_launch, world) for world in (4, 8, 2)
+            if world != 8 or tiers.kept("dp_shard2-ring2-tp2", SWEPT)}
 """One launch per world size serves all of that size's tests (in the order they read them)."""
 
 
-@pytest.mark.parametrize("world, label, name", [pytest.param(world, label, name, id=f"{run}-{name}")
+@pytest.mark.parametrize("world, label, name", [tiers.case(world, label, name, sweep=run in SWEPT, id=f"{run}-{name}")
                                                 for run, (world, label, names) in TRAINING.items() for name in names])
 def test_training_matches_one_device_holding_one_tp_and_fsdp_share(world, label, name):
     """At dp_replicate alone no mesh dim cuts a parameter: each is held whole, as DDP holds it,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests import tiers
 from tests.background import in_background
 from tests.cases import case_matches, labelled_cases, run_labelled_cases
 
@@ -35,7 +36,17 @@ RUNS = {
         "sequence_parallel": dict(names=["gpt_fused_qkv"], options=SEQUENCE_PARALLEL)},
 }
 """World size -> label -> ``run_cases``' keyword arguments; each world's runs share one launch."""
-LAUNCHES = {world: in_background(run_labelled_cases, world, runs) for world, runs in RUNS.items()}
+SWEPT = {(4, "tp"), (4, "sequence_parallel"), (2, "experts_in_one_graph new sizes"), (2, "dynamic=True")}
+"""(world, run) ``tests.tiers`` leaves to ``--sweep``: world 4 plans as world 2 does at other
+sizes; symbolic sizes run at world 2 under automatic dynamic shapes and in test_dynamic_shapes."""
+LAUNCHES = {world: in_background(run_labelled_cases, world, kept) for world, runs in RUNS.items()
+            if (kept := {label: run for label, run in runs.items() if tiers.kept((world, label), SWEPT)})}
+
+
+def _cases(*labels: str) -> list:
+    """``labelled_cases`` of ``labels`` for parametrize, as ``(world, label, name)``, each repeat marked."""
+    return [tiers.case(world, label, name, sweep=(world, label) in SWEPT)
+            for world, label, name in labelled_cases(RUNS, *labels)]
 
 
 def _case(world: int, label: str, name: str) -> dict:
@@ -43,9 +54,9 @@ def _case(world: int, label: str, name: str) -> dict:
     return case_matches(LAUNCHES[world], world, label, name)
 
 
-@pytest.mark.parametrize("world, name", [(world, name) for world, _, name in labelled_cases(RUNS, "tp")])
-def test_tensor_parallel_matches_single_device(world, name):
-    warnings = _case(world, "tp", name)["warnings"]
+@pytest.mark.parametrize("world, label, name", _cases("tp"))
+def test_tensor_parallel_matches_single_device(world, label, name):
+    warnings = _case(world, label, name)["warnings"]
     if name == "odd_mlp_width" and world == 4:
         assert any("fc" in w and "18" in w and "replicated" in w for w in warnings), warnings
     if name == "llama_gqa_rope" and world == 4:
@@ -62,9 +73,9 @@ def test_tensor_parallel_matches_single_device(world, name):
         assert warnings == [], warnings
 
 
-@pytest.mark.parametrize("world, name", [(world, name) for world, _, name in labelled_cases(RUNS, "sequence_parallel")])
-def test_sequence_parallel_matches_single_device(world, name):
-    _case(world, "sequence_parallel", name)
+@pytest.mark.parametrize("world, label, name", _cases("sequence_parallel"))
+def test_sequence_parallel_matches_single_device(world, label, name):
+    _case(world, label, name)
 
 
 @pytest.mark.parametrize("name", RUNS[2]["inductor"]["names"])
@@ -72,12 +83,11 @@ def test_inductor_matches_single_device(name):
     _case(2, "inductor", name)
 
 
-@pytest.mark.parametrize("label, name", [(label, name) for _, label, name in labelled_cases(RUNS, "dynamic=None",
-                                                                                           "dynamic=True")])
-def test_new_batch_and_sequence_sizes_stay_correct(label, name):
+@pytest.mark.parametrize("world, label, name", _cases("dynamic=None", "dynamic=True"))
+def test_new_batch_and_sequence_sizes_stay_correct(world, label, name):
     """Automatic dynamic shapes recompile with symbolic sizes; ``dynamic=True`` also lifts
     float attributes to inputs. Each size is planned on its own."""
-    _case(2, label, name)
+    _case(world, label, name)
 
 
 @pytest.mark.parametrize("name", RUNS[2]["local_output"]["names"])
@@ -85,10 +95,9 @@ def test_local_output_is_dtensor_of_the_same_values(name):
     _case(2, "local_output", name)
 
 
-@pytest.mark.parametrize("label, name", [(label, name) for _, label, name in labelled_cases(
-    RUNS, "experts_in_one_graph", "experts_in_one_graph new sizes")])
-def test_a_loop_over_experts_in_one_graph_matches_single_device(label, name):
+@pytest.mark.parametrize("world, label, name", _cases("experts_in_one_graph", "experts_in_one_graph new sizes"))
+def test_a_loop_over_experts_in_one_graph_matches_single_device(world, label, name):
     """Each expert's w1 and w3 colwise, w2 rowwise (``passes.expert_loop``), with no warning: nothing
     runs whole between graphs; at new batch and sequence sizes too (symbolic token counts)."""
-    warnings = _case(2, label, name)["warnings"]
+    warnings = _case(world, label, name)["warnings"]
     assert warnings == [], warnings
