@@ -7,8 +7,11 @@ model (``passes.cost.node_seconds``: forward and backward of one microbatch) and
 (the parameters a rank holds, their gradients and AdamW's states, and the activations kept for
 backward per microbatch). An op outside every block costs with the block traced before it, as
 ``pipelining`` places it: the embedding with the first block, the norm, head and loss with the
-last. Stages are contiguous runs of blocks; the cut minimizes the slowest stage, after keeping
-every stage within the machine's memory where it can, then the fullest stage's memory.
+last. A parameter, and what localize computes of it alone at the graph's start (its FSDP gather,
+its gradient reduction, each maybe merged with other blocks' parameters), costs with the block
+whose ops read it: the stage that holds it at runtime (``block_shares``). Stages are contiguous
+runs of blocks; the cut minimizes the slowest stage, after keeping every stage within the
+machine's memory where it can, then the fullest stage's memory.
 ``explain(pp=...)`` and ``pipeline`` cut by the same function on the same costs, so what the
 report shows is what the ranks run.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,6 +31,7 @@ import torch.nn as nn
 from .dump import parameter_rows
 from .machines import H100_SXM, Machine
 from .mesh import MeshInfo
+from .ops import collectives as C
 from .passes.context import ParallelContext
 from .passes.cost import StepTime, Traffic, bytes_text, duration_text, link_classes, node_seconds
 from .passes.meta import placements, planned_local_shape
@@ -121,32 +126,93 @@ class BlockCost:
     activation_bytes: int  # kept for backward
 
 
+_BUCKETS = (C.gather_params, C.grad_all_reduce_bucket)
+"""The collectives localize merges over many parameters, each one's piece read by the getitem of
+its position: FSDP's gathers (``bucket_fsdp_gathers``: one for all the parameters outside the
+blocks, the embedding's and the head's) and the gradient buckets that may span blocks
+(``bucket_input_grad_reductions``)."""
+
+
 def node_blocks(gm: fx.GraphModule, blocks: list[str]) -> dict[fx.Node, int]:
-    """Each node's block: the one it runs in, else the block traced before it (the first before
-    any), as ``pipelining`` places ops in stages; a placeholder goes with its first reader."""
+    """Each op's block: the one it runs in, else the block traced before it (the first before
+    any), as ``pipelining`` places ops in stages."""
     index = {b: i for i, b in enumerate(blocks)}
     current, of = 0, {}
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "output"):
             found = node_block(node, index)
             current = of[node] = current if found is None else found
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            of[node] = min((of[u] for u in node.users if u in of), default=0)
     return of
 
 
+def block_shares(gm: fx.GraphModule, ctx: ParallelContext, blocks: list[str]) -> dict[fx.Node, dict[int, float]]:
+    """Each node of the planned graph ``gm``: the blocks its cost goes to, with their shares. An op
+    goes with its block (``node_blocks``). A placeholder, and what is computed from parameters
+    alone (their casts, gradient reductions and FSDP gathers, which localize puts at the graph's
+    start), goes with the first block that reads it: each stage's own plan gathers the
+    parameters its ops read, so the stage that holds a parameter at runtime is that reader's.
+    A bucket of several parameters (``_BUCKETS``) is split among its parameters' readers by their
+    bytes, as the stages' own buckets move them."""
+    of = node_blocks(gm, blocks)
+    held = {row["name"]: row["bytes_per_rank"] for row in parameter_rows(ctx)}
+    carried = set()  # the parameters' placeholders and what is computed from them alone
+    for node in gm.graph.nodes:
+        if node.name in ctx.params if node.op == "placeholder" else (
+                node.op == "call_function" and node.all_input_nodes and all(a in carried for a in node.all_input_nodes)):
+            carried.add(node)
+    reader: dict[fx.Node, int] = {}  # a carried node's or placeholder's first reading block
+
+    def read_at(node: fx.Node, user: fx.Node) -> int | None:
+        if user not in carried:
+            return of.get(user)
+        if user.target in _BUCKETS:  # this input's piece: the getitems of its position
+            position = user.args[0].index(node)
+            return min((reader[g] for g in user.users
+                        if g.target is operator.getitem and g.args[1] == position), default=None)
+        return reader[user]
+
+    shares: dict[fx.Node, dict[int, float]] = {}
+    for node in reversed(gm.graph.nodes):
+        if node not in carried and node.op != "placeholder":
+            if node in of:
+                shares[node] = {of[node]: 1.0}
+            continue
+        reads = [b for b in (read_at(node, u) for u in node.users) if b is not None]
+        reader[node] = min(reads, default=of.get(node, 0))
+        if node.target in _BUCKETS and len(node.args[0]) > 1:
+            nbytes = [held[ctx.params[_placeholder_of(x).name].fqn] for x in node.args[0]]
+            split: dict[int, float] = {}
+            for x, n in zip(node.args[0], nbytes):
+                block = read_at(x, node)
+                block = reader[node] if block is None else block
+                split[block] = split.get(block, 0.0) + n / sum(nbytes)
+            shares[node] = split
+        else:
+            shares[node] = {reader[node]: 1.0}
+    return {node: shares[node] for node in gm.graph.nodes if node in shares}
+
+
+def _placeholder_of(node: fx.Node) -> fx.Node:
+    """The parameter's placeholder a carried value (a cast or gradient reduction of it) comes from."""
+    while node.op != "placeholder":
+        node = node.all_input_nodes[0]
+    return node
+
+
 def block_costs(gm: fx.GraphModule, ctx: ParallelContext, blocks: list[str], machine: Machine) -> list[BlockCost]:
-    """Each block's cost on one rank of the planned graph ``gm`` (a training step's)."""
+    """Each block's cost on one rank of the planned graph ``gm`` (a training step's), each node's
+    split among blocks by ``block_shares``."""
     links = link_classes(ctx.mesh, machine.devices_per_node)
     kept, recomputed = kept_by_node(gm)
     held = {row["name"]: row["bytes_per_rank"] for row in parameter_rows(ctx)}
     seconds, params, trained, acts = ([0] * len(blocks) for _ in range(4))
-    for node, block in node_blocks(gm, blocks).items():
-        seconds[block] += node_seconds(node, machine, links, True, node in recomputed)
-        acts[block] += kept.get(node, 0)
+    for node, split in block_shares(gm, ctx, blocks).items():
+        for block, share in split.items():
+            seconds[block] += share * node_seconds(node, machine, links, True, node in recomputed)
+            acts[block] += round(share * kept.get(node, 0))
         info = ctx.params.get(node.name) if node.op == "placeholder" else None
         if info is not None:
+            (block,) = split
             params[block] += held[info.fqn]
             trained[block] += held[info.fqn] if info.tensor.requires_grad else 0
     return [BlockCost(*c) for c in zip(seconds, params, trained, acts)]

@@ -75,11 +75,13 @@ def test_explain_reports_stages_bubble_memory_and_what_crosses_each_cut(schedule
 
 def test_the_runtime_cuts_what_explain_reports(fake_world):
     """``pipeline`` cuts by the same function on the same plan (the whole graph over one stage's
-    mesh, as rank 0 of the first stage sees it): on a heavy head, the same uneven stages."""
+    mesh, as rank 0 of the first stage sees it): on a heavy head, the same uneven stages. Each
+    stage's parameters are those the runtime's stage holds."""
     from dtensor_par.config import ParallelConfig
     from dtensor_par.passes.capture import capture_graphs
+    from dtensor_par.dump import parameter_rows
     from dtensor_par.pipeline_plan import ScheduleRun, blocks_of, plan_stages
-    from dtensor_par.pipelining import _planned_whole
+    from dtensor_par.pipelining import _planned_whole, cut_by_cost
 
     fake_world(2)
     mesh = dtensor_par.init_mesh(pp=2)
@@ -89,6 +91,24 @@ def test_the_runtime_cuts_what_explain_reports(fake_world):
     stages = plan_stages("Llama", *planned, blocks_of(model, gm), ScheduleRun("1F1B", 2, 1, 2), None)
     report = dtensor_par.explain(model, (ids,), device_type="cpu", pp=2, microbatches=2)
     assert [s.blocks for s in stages] == _blocks(report) == [[f"blocks.{i}" for i in range(3)], ["blocks.3"]]
+
+    # beside dp_shard and tp, localize merges collectives of many parameters (one FSDP gather of all those outside
+    # the blocks, at the graph's start; gradient buckets across blocks): each stage's parameters are still the
+    # pieces its runtime holds, those its ops read (the table the first stage's, the norm and head the last's)
+    fake_world(8)
+    mesh = dtensor_par.init_mesh(pp=2, dp_shard=2, tp=2)
+    dit, owners = models.DiT(layers=4, dim=32, heads=4, mlp=64, qk_norm=True), []
+    for model, first, schedule in ((model, ids[:2], ScheduleRun("1F1B", 2, 1, 2)),
+                                   (dit, torch.randn(2, SEQ, 32), ScheduleRun("Interleaved1F1B", 2, 2, 2))):
+        (gm, inputs), = capture_graphs(model, first, dynamic=False)
+        planned = _planned_whole(gm, inputs, mesh["dp_shard", "ring", "ulysses", "tp"], ParallelConfig())
+        stages, cut = cut_by_cost(model, gm, inputs, [first], planned, schedule, None)
+        pieces = {row["name"]: row["bytes_per_rank"] for row in parameter_rows(planned[1])}
+        held = [sum(n for fqn, n in pieces.items() if cut.owners[fqn] == stage) for stage in range(len(stages))]
+        assert [s.parameter_bytes for s in stages] == held, ([s.parameter_bytes for s in stages], held)
+        owners.append(cut.owners)
+    assert (owners[0]["embed.weight"], owners[0]["norm.weight"], owners[0]["lm_head.weight"]) == (0, 1, 1)
+    assert owners[1]["blocks.3.up.weight"] == 3 and len(set(held)) == 1  # the DiT's equal blocks, one a stage
 
 
 def test_explain_with_pp_refuses_what_pipeline_does_not_run():
@@ -153,5 +173,14 @@ def test_explain_plans_a_32_layer_llama_at_pp4_tp8_dp_shard4_on_128_ranks():
     assert report.graphs[0].placements[-1] == "cut by vocabulary (token embeddings, LM heads): embed.weight=S(0), " \
                                               "lm_head.weight=S(0)", report.graphs[0].placements[-1]
     assert [len(blocks) for blocks in _blocks(report)] == [8] * 4  # the head's 1/8 costs less than a block
+    # each stage's parameters are those its runtime holds, each a rank's piece (the matrices' over tp x dp_shard,
+    # the norms' over dp_shard): the table the first stage's, the final norm and the head the last's, though
+    # the one FSDP gather of all three runs first in the whole graph
+    def piece(p):
+        return p.numel() * 4 // (32 if p.dim() == 2 else 4)
+
+    block = sum(piece(p) for p in model.blocks[0].parameters())
+    table, head = piece(model.embed.weight), piece(model.norm.weight) + piece(model.lm_head.weight)
+    assert [s.parameter_bytes for s in plan.stages] == [8 * block + table, 8 * block, 8 * block, 8 * block + head]
     assert report.pipeline.stages[-1].seconds > report.pipeline.stages[1].seconds  # the head's time is in it
     assert "pp rank 3" in str(report) and "predicted training step on h100-sxm-8" in str(report)
