@@ -248,8 +248,19 @@ def test_the_option_with_no_block_to_checkpoint_says_so():
                for r in records), [r.getMessage() for r in records]
 
 
+EXPLAINED_SWEPT = {"mistral", "mistral_padded", "gpt2", "qwen2", "gptj", "bert", "modernbert", "gpt_bigcode", "phi3",
+                   "mpt", "falcon_multi_query", "apertus", "cogview4", "ltx", "mixtral_batched_mm",
+                   "deepseek_v3_published", "granite_swa", "mimo_v2_flash", "qwen3_next", "diffllama",
+                   "gemma2_left_padded", "jamba"}
+"""Families whose checkpointed plan ``tests.tiers`` leaves to ``--sweep``: CI checks one family
+of each kind of block (attention written out, experts, latent attention, joint and DiT blocks,
+UNet, recurrences, scans, convolutions)."""
+
+
 @pytest.mark.skipif(real_models is None, reason="the models extra is not installed")
-@pytest.mark.parametrize("name", sorted(set(real_models.FACTORIES) - set(NOT_CHECKPOINTED)) if real_models else [])
+@pytest.mark.parametrize("name", [tiers.case(name, sweep=name in EXPLAINED_SWEPT)
+                                  for name in sorted(set(real_models.FACTORIES) - set(NOT_CHECKPOINTED))]
+                         if real_models else [])
 def test_gradient_checkpointing_keeps_every_site_and_its_coverage(name):
     """At tp2 x ulysses2 the plan with the model's own gradient checkpointing has the same sites
     and the same share of every linear's FLOPs sharded as the plan without."""
@@ -349,7 +360,7 @@ CASES = {
         "flux tp2 x ring2": _case("flux", TP2_RING2, False),
         "gpt_plain dp_shard2 x tp2 selective parallelized": _case("gpt_plain", DP_SHARD2_TP2, True, "selective")},
 } if real_models is not None else {}
-SWEPT = {"gpt ulysses2 parallelized", "llama_reentrant ulysses2", "gpt tp2 x ring2 parallelized", "flux tp2 x ring2"}
+SWEPT = {"gpt tp2", "gpt ulysses2 parallelized", "llama_reentrant ulysses2", "gpt tp2 x ring2 parallelized", "flux tp2 x ring2"}
 """Cases ``tests.tiers`` leaves to ``--sweep``: CI checkpoints each way (the model's own,
 reentrant, the option's policies) on each dim alone, and over dp_shard x tp."""
 LAUNCHES = {world: in_background(run_ranks_together, world, {"cases": (checkpointed_against_one_device, {

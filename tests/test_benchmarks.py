@@ -11,6 +11,7 @@ import tempfile
 
 import pytest
 
+from tests import tiers
 from tests.background import in_background
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,11 +28,14 @@ def _quick(module: str) -> tuple[subprocess.CompletedProcess, str]:
         return run, open(out).read() if run.returncode == 0 else ""
 
 
-QUICK = in_background(_quick, "benchmarks")
+QUICK = in_background(_quick, "benchmarks") if tiers.SWEEP else None
+"""The side-by-side benchmark's smoke run, left to ``--sweep`` (``tests.tiers``): it launches
+each peer and ours at two meshes, and diffusers' own parallelism, for the report alone."""
 QUICK_DECODE = in_background(_quick, "benchmarks.decode")
 QUICK_PIPELINE = in_background(_quick, "benchmarks.pipeline")
 
 
+@tiers.MARK
 def test_quick_benchmark_writes_json():
     run, written = QUICK.result()
     assert run.returncode == 0, run.stderr[-3000:]

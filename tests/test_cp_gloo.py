@@ -43,10 +43,10 @@ block). The others differ from them in planning only and run their local graphs 
 (``eager``): AOT's trace is most of a case's time (CI time)."""
 
 
-SWEPT = {("tp2-ring2", "state_space_scan"), ("tp2-ulysses2", "llama_gqa_rope"), ("ring2-ulysses2", "uneven_seq_30"),
+SWEPT = {("tp2-ring2", "state_space_scan"), ("tp2-ring2", "gated_delta_rule"), ("tp2-ulysses2", "llama_gqa_rope"), ("ring2-ulysses2", "uneven_seq_30"),
          ("ring2-ulysses2", "state_space_scan_uneven_30")}
 """Traced cases ``tests.tiers`` leaves to ``--sweep``: the causal GQA, the padded sequence and
-Mamba-2's exact scan each run traced at another pair (an eager case costs a traced one's tenth)."""
+the exact recurrences each run traced at another pair (an eager case costs a traced one's tenth)."""
 
 
 def _pair_runs(label: str, mesh_sizes: dict, traced: list[str], names: list[str]) -> dict:

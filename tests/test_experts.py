@@ -184,9 +184,9 @@ EP_RUNS = {
     "module_list": lambda folder: train_module_list_with_ep(folder, dp_shard=2, ulysses=2),
     "module_list_tp": lambda folder: train_module_list_with_ep(folder, tp=2, ring=2)}
 """``train_with_ep``'s runs after Mixtral's two steps at dp_shard2 x ulysses2, by name."""
-SWEPT = {"replicas", "local_replicas", "ulysses_first", "module_list"}
-"""Runs ``tests.tiers`` leaves to ``--sweep``: CI cuts the experts over dp_shard beside cp
-(both ways), with a local batch, and a ModuleList's over tp x ring."""
+SWEPT = {"ring", "replicas", "local_replicas", "ulysses_first", "module_list"}
+"""Runs ``tests.tiers`` leaves to ``--sweep``: CI cuts the experts over dp_shard beside Ulysses,
+with a global and a local batch, and a ModuleList's over tp x ring."""
 
 
 def train_module_list_with_ep(dump_dir: str, **sizes) -> dict:
@@ -325,6 +325,7 @@ def _check_one_step(result: dict, experts: int) -> dict:
     return held
 
 
+@tiers.MARK
 def test_experts_cut_over_dp_shard_and_ring_as_on_one_device():
     """At dp_shard2 x ring2 (the ring's zigzag sequence): each rank holds 1 of the 4 experts whole,
     parallelized; held whole, each rank's slice is the same one."""

@@ -83,10 +83,10 @@ CP_DECODE = [({"ring": 2}, "mistral"), ({"ulysses": 2}, "llama")]
 
 
 SWEPT = {"written out ring", "alibi ring", "recurrence tp", "scan tp", "selective scan tp", "selective scan ring",
-         "generate", "decode falcon_multi_query {'tp': 2, 'ring': 2}"}
-"""Runs ``tests.tiers`` leaves to ``--sweep``: CI decodes attention written out, a recurrence
-and a scan once each under ring=2, the decorator's generate under ring=2 and dp x ring, and
-tp x ring decode on Llama."""
+         "generate", "decode falcon_multi_query {'tp': 2, 'ring': 2}", "llama {'ulysses': 2}"}
+"""Runs ``tests.tiers`` leaves to ``--sweep``: CI decodes a recurrence and a scan once each
+under ring=2, the decorator's generate under ring=2 and dp x ring, a kv cache cut over the ring
+(Mistral's window) and beside tp (Llama)."""
 
 
 def _world2_launch() -> list[dict]:
@@ -104,7 +104,8 @@ def _world2_launch() -> list[dict]:
         "selective scan tp": (decorated_written_out_generate, {"name": "jamba", "tp": 2}),
         "selective scan ring": (decorated_written_out_generate, {"name": "jamba", "ring": 2}),
         "decode plans": (decode_plans, {}),
-        "cp decode": (cp_decode, {"runs": CP_DECODE}),
+        "cp decode": (cp_decode, {"runs": [(sizes, family) for sizes, family in CP_DECODE
+                                           if tiers.kept(f"{family} {sizes}", SWEPT)]}),
         "entry points": (generate_entry_points, {}),
     }.items() if tiers.kept(label, SWEPT)})
 
@@ -318,7 +319,8 @@ def _check_cp_decode(r: dict) -> None:
     assert r["held"] <= r["whole"] / r["ranks"] + block, r
 
 
-@pytest.mark.parametrize("name", [f"{family} {sizes}" for sizes, family in CP_DECODE])
+@pytest.mark.parametrize("name", [tiers.case(name, sweep=name in SWEPT)
+                                  for name in (f"{family} {sizes}" for sizes, family in CP_DECODE)])
 def test_decode_with_the_kv_cache_cut_over_cp_matches_one_device(name):
     """Prefill under cp leaves each rank its sequence rows; decode (1 and 3 new tokens, a
     padded batch, a sliding window) attends to them and merges: one device's logits, and

@@ -129,9 +129,9 @@ RUNS = {  # label: world, mesh, model, schedule; the most a rank holds of the mo
 }
 
 
-SWEPT = {"DiT pp2 x tp2 GPipe", "transformers Llama pp2 x dp_shard2 x tp2 GPipe"}
+SWEPT = {"DiT pp2 x tp2 GPipe", "toy Llama pp2 x dp_shard2 x tp2 1F1B", "transformers Llama pp2 x dp_shard2 x tp2 GPipe"}
 """Runs ``tests.tiers`` leaves to ``--sweep``: CI reads transformers' Llama at pp2 and beside tp,
-and both toy models over pp x dp_shard x tp."""
+and the DiT over pp x dp_shard x tp."""
 
 
 def _launch(world: int) -> list[dict]:

@@ -210,12 +210,12 @@ RUNS = {
 (world 2's launch runs the ``parallel`` decorator's check too)."""
 SWEPT = {("tp2-ulysses2", name) for name in ["gpt2", "qwen2", "mistral", "mistral_padded", "wan", "sd3", "gemma2",
                                               "bloom", "t5", "t5_padded", "mixtral", "mixtral_batched_mm",
-                                              "qwen2_moe", "deepseek_v3", "apertus"]}
+                                              "qwen2_moe", "deepseek_v3", "apertus", "diffllama"]}
 SWEPT |= {("tp2-ring2", name) for name in ["flux", "wan", "gemma2", "gemma2_left_padded", "t5", "mixtral",
                                            "qwen2_moe", "mpt", "llama4", "gpt_bigcode", "sana", "flux2",
-                                           "granite_swa", "mimo_v2_flash"]}
+                                           "granite_swa", "mimo_v2_flash", "lfm2", "cogview4", "falcon_multi_query"]}
 SWEPT |= {("tp2-ring2 ep", name) for name in ["mixtral_batched_mm", "deepseek_v3", "phimoe"]}
-SWEPT |= {("tp2", name) for name in ["gpt_oss", "gpt_bigcode", "qwen3_5"]}
+SWEPT |= {("tp2", name) for name in ["gpt_oss", "gpt_bigcode", "qwen3_5", "unet"]}
 SWEPT |= {("tp2-ring2-ulysses2", name) for name in ["llama", "flux"]}  # world 8: test_cp_gloo's non-default order
 """(mesh, model) run again where CI runs the model, or the kind of site, at another mesh
 (``tests.tiers``); every model's plan is checked in process at both world-4 meshes
