@@ -360,7 +360,8 @@ CASES = {
         "flux tp2 x ring2": _case("flux", TP2_RING2, False),
         "gpt_plain dp_shard2 x tp2 selective parallelized": _case("gpt_plain", DP_SHARD2_TP2, True, "selective")},
 } if real_models is not None else {}
-SWEPT = {"gpt tp2", "gpt ulysses2 parallelized", "llama_reentrant ulysses2", "gpt tp2 x ring2 parallelized", "flux tp2 x ring2"}
+SWEPT = {"gpt tp2", "gpt ulysses2 parallelized", "llama_reentrant ulysses2", "gpt tp2 x ring2 parallelized", "flux tp2 x ring2",
+         "gpt_plain dp_shard2 x tp2 selective parallelized"}
 """Cases ``tests.tiers`` leaves to ``--sweep``: CI checkpoints each way (the model's own,
 reentrant, the option's policies) on each dim alone, and over dp_shard x tp."""
 LAUNCHES = {world: in_background(run_ranks_together, world, {"cases": (checkpointed_against_one_device, {

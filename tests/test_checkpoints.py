@@ -284,10 +284,10 @@ experts cut by ring, tp2 x ring2."""
 
 
 SWEPT = {"llama tp2-ulysses2", "llama tp2-ring2", "phi3 tp2-ulysses2", "phi3 dp_shard2-tp2", "mixtral tp2-ulysses2",
-         "mixtral dp_shard2-tp2", "flux tp2-ring2", "flux dp_shard2-tp2"}
+         "mixtral dp_shard2-tp2", "mixtral dp_shard2-ulysses2", "flux tp2-ring2", "flux dp_shard2-tp2"}
 """Round trips ``tests.tiers`` leaves to ``--sweep``: CI reads and writes each model at tp2 and
 at one mesh of 4 (Llama tied over dp_shard x tp, Phi3's fused projections and Mixtral's experts
-beside the ring, Mixtral's also over dp_shard x ulysses, Flux beside Ulysses)."""
+beside the ring, Flux beside Ulysses)."""
 
 
 def _round_trips(world: int, folder: str) -> dict:

@@ -43,15 +43,21 @@ block). The others differ from them in planning only and run their local graphs 
 (``eager``): AOT's trace is most of a case's time (CI time)."""
 
 
-SWEPT = {("tp2-ring2", "state_space_scan"), ("tp2-ring2", "gated_delta_rule"), ("tp2-ulysses2", "llama_gqa_rope"), ("ring2-ulysses2", "uneven_seq_30"),
-         ("ring2-ulysses2", "state_space_scan_uneven_30")}
-"""Traced cases ``tests.tiers`` leaves to ``--sweep``: the causal GQA, the padded sequence and
-the exact recurrences each run traced at another pair (an eager case costs a traced one's tenth)."""
+SWEPT = {("tp2-ring2", "state_space_scan"), ("tp2-ring2", "gated_delta_rule"), ("tp2-ulysses2", "llama_gqa_rope"),
+         ("ring2-ulysses2", "uneven_seq_30"), ("ring2-ulysses2", "state_space_scan_uneven_30")}
+SWEPT |= {("tp2-ring2", name) for name in ["gpt_fused_qkv", "flatten_tokens", "causal_mask_in_a_buffer", "selective_scan"]}
+SWEPT |= {("tp2-ulysses2", name) for name in ["llama_enable_gqa", "bool_mask", "joint_attention", "looped_experts"]}
+SWEPT |= {("ring2-ulysses2", name) for name in ["keyword_sdpa_scale", "mean_loss", "folded_heads_attention",
+                                                "window_mask_in_a_buffer", "small_unet"]}
+"""Cases ``tests.tiers`` leaves to ``--sweep``: each runs at another pair, traced or as it is
+(the causal GQA, the padded sequence, the exact recurrences, masks, joint attention), or plans
+as a case CI runs at this pair does."""
 
 
 def _pair_runs(label: str, mesh_sizes: dict, traced: list[str], names: list[str]) -> dict:
     """A pair's two runs: its traced cases through ``aot_eager``, the others ``eager``."""
-    return {label: dict(mesh_sizes=mesh_sizes, names=[n for n in traced if tiers.kept((label, n), SWEPT)], steps=1),
+    names = [n for n in names if tiers.kept((label, n), SWEPT)]
+    return {label: dict(mesh_sizes=mesh_sizes, names=[n for n in traced if n in names], steps=1),
             f"{label} eager": dict(mesh_sizes=mesh_sizes, names=[n for n in names if n not in traced], steps=1,
                                    options={"inner_backend": "eager"})}
 

@@ -16,6 +16,7 @@ import dtensor_par
 from dtensor_par.mesh import MESH_DIMS, MeshInfo
 from dtensor_par._testing import models, patterns
 from dtensor_par._testing.harness import dp_rows, max_rel, reported_collectives, run_ranks_together, step_collectives
+from tests import tiers
 from tests.background import in_background
 from tests.cases import case_matches, run_cases
 
@@ -118,7 +119,12 @@ def _world4() -> dict:
 
 CALLS = {2: _world2(), 4: _world4()}
 """World size -> label -> (rank function, its keyword arguments)."""
-LAUNCHES = {world: in_background(run_ranks_together, world, calls) for world, calls in CALLS.items()}
+SWEPT = {"dp_replicate2_ulysses2", "dp_shard2_tp2_batch3"}
+"""Runs ``tests.tiers`` leaves to ``--sweep``: CI cuts the batch over dp beside tp and the ring,
+and pads a batch of 3 over dp alone."""
+LAUNCHES = {world: in_background(run_ranks_together, world, {label: call for label, call in calls.items()
+                                                             if tiers.kept(label, SWEPT)})
+            for world, calls in CALLS.items()}
 """Every multi-process case of this file, one launch per world size (``tests.background``)."""
 
 
@@ -132,7 +138,8 @@ GLOBAL_BATCH = [(2, "dp_replicate2"), (2, "dp_shard2_batch3"), (4, "dp_shard2_tp
 """The runs of ``run_cases`` (world size, label): the whole batch given to every rank."""
 
 
-@pytest.mark.parametrize("world, label, name", [(world, label, name) for world, label in GLOBAL_BATCH
+@pytest.mark.parametrize("world, label, name", [tiers.case(world, label, name, sweep=label in SWEPT)
+                                                for world, label in GLOBAL_BATCH
                                                 for name in CALLS[world][label][1]["names"]])
 def test_global_batch_is_cut_over_dp_and_matches_one_device(world, label, name):
     """Every rank is given the whole batch and gets one device's result and gradients, with the

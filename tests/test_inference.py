@@ -82,10 +82,10 @@ CP_DECODE = [({"ring": 2}, "mistral"), ({"ulysses": 2}, "llama")]
 """``cp_decode``'s runs at world 2: a mesh's sizes and a model family."""
 
 
-SWEPT = {"written out ring", "alibi ring", "recurrence tp", "scan tp", "selective scan tp", "selective scan ring",
+SWEPT = {"written out ring", "alibi ring", "recurrence tp", "scan tp", "scan ring", "selective scan tp", "selective scan ring",
          "generate", "decode falcon_multi_query {'tp': 2, 'ring': 2}", "llama {'ulysses': 2}"}
-"""Runs ``tests.tiers`` leaves to ``--sweep``: CI decodes a recurrence and a scan once each
-under ring=2, the decorator's generate under ring=2 and dp x ring, a kv cache cut over the ring
+"""Runs ``tests.tiers`` leaves to ``--sweep``: CI decodes a recurrence under ring=2 (its cache
+of states as a scan's), the decorator's generate under ring=2 and dp x ring, a kv cache cut over the ring
 (Mistral's window) and beside tp (Llama)."""
 
 

@@ -211,7 +211,8 @@ RUNS = {
 SWEPT = {("tp2-ulysses2", name) for name in ["gpt2", "qwen2", "mistral", "mistral_padded", "wan", "sd3", "gemma2",
                                               "bloom", "t5", "t5_padded", "mixtral", "mixtral_batched_mm",
                                               "qwen2_moe", "deepseek_v3", "apertus", "diffllama"]}
-SWEPT |= {("tp2-ring2", name) for name in ["flux", "wan", "gemma2", "gemma2_left_padded", "t5", "mixtral",
+SWEPT |= {("tp2-ring2", name) for name in ["flux", "wan", "gemma2", "gemma2_left_padded", "t5", "mixtral", "bloom",
+                                           "mixtral_batched_mm",
                                            "qwen2_moe", "mpt", "llama4", "gpt_bigcode", "sana", "flux2",
                                            "granite_swa", "mimo_v2_flash", "lfm2", "cogview4", "falcon_multi_query"]}
 SWEPT |= {("tp2-ring2 ep", name) for name in ["mixtral_batched_mm", "deepseek_v3", "phimoe"]}
