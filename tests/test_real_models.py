@@ -218,9 +218,10 @@ SWEPT |= {("tp2-ring2", name) for name in ["flux", "wan", "gemma2", "gemma2_left
 SWEPT |= {("tp2-ring2 ep", name) for name in ["mixtral_batched_mm", "deepseek_v3", "phimoe"]}
 SWEPT |= {("tp2", name) for name in ["gpt_oss", "gpt_bigcode", "qwen3_5", "unet"]}
 SWEPT |= {("tp2-ring2-ulysses2", name) for name in ["llama", "flux"]}  # world 8: test_cp_gloo's non-default order
-"""(mesh, model) run again where CI runs the model, or the kind of site, at another mesh
-(``tests.tiers``); every model's plan is checked in process at both world-4 meshes
-(``test_every_block_runs_sharded_without_fallback_gathers``)."""
+"""(mesh, model) numerics ``tests.tiers`` leaves to ``--sweep``: CI runs each kind of site
+(attention written out, masks, position biases, experts with and without ep, latent attention,
+joint sequences, recurrences, scans) on one model at one mesh at least, and plans every model in
+process (``EXPLAINED``: ``test_every_block_runs_sharded_without_fallback_gathers``)."""
 
 
 def _launched(world: int, runs: dict) -> dict:
