@@ -28,11 +28,10 @@ def _quick(module: str) -> tuple[subprocess.CompletedProcess, str]:
         return run, open(out).read() if run.returncode == 0 else ""
 
 
-QUICK = in_background(_quick, "benchmarks") if tiers.SWEEP else None
-"""The side-by-side benchmark's smoke run, left to ``--sweep`` (``tests.tiers``): it launches
-each peer and ours at two meshes, and diffusers' own parallelism, for the report alone."""
-QUICK_DECODE = in_background(_quick, "benchmarks.decode")
-QUICK_PIPELINE = in_background(_quick, "benchmarks.pipeline")
+QUICK, QUICK_DECODE, QUICK_PIPELINE = (in_background(_quick, module) if tiers.SWEEP else None
+                                       for module in ("benchmarks", "benchmarks.decode", "benchmarks.pipeline"))
+"""The benchmarks' smoke runs, left to ``--sweep`` (``tests.tiers``): they launch the peers and
+ours for the report alone; what they compare is checked by the tests of each capability."""
 
 
 @tiers.MARK
@@ -55,6 +54,7 @@ def test_quick_benchmark_writes_json():
     assert set(flux["failed"]) <= {"diffusers tp2 aot_eager"}, flux["failed"]  # Dynamo's RecursionError, recorded
 
 
+@tiers.MARK
 def test_quick_decode_benchmark_decodes_one_devices_tokens_on_half_the_cache():
     pytest.importorskip("transformers", reason="the models extra (pip install -e '.[models]') is not installed")
     run, written = QUICK_DECODE.result()
@@ -70,6 +70,7 @@ def test_quick_decode_benchmark_decodes_one_devices_tokens_on_half_the_cache():
     assert "| tp=2 | 2 |" in run.stdout
 
 
+@tiers.MARK
 def test_quick_pipeline_benchmark_replays_the_bubble_and_steps_beside_the_hand_split():
     run, written = QUICK_PIPELINE.result()
     assert run.returncode == 0, run.stderr[-3000:]

@@ -214,8 +214,9 @@ SWEPT = {("tp2-ulysses2", name) for name in ["gpt2", "qwen2", "mistral", "mistra
 SWEPT |= {("tp2-ring2", name) for name in ["flux", "wan", "gemma2", "gemma2_left_padded", "t5", "mixtral", "bloom",
                                            "mixtral_batched_mm",
                                            "qwen2_moe", "mpt", "llama4", "gpt_bigcode", "sana", "flux2",
-                                           "granite_swa", "mimo_v2_flash", "lfm2", "cogview4", "falcon_multi_query"]}
-SWEPT |= {("tp2-ring2 ep", name) for name in ["mixtral_batched_mm", "deepseek_v3", "phimoe"]}
+                                           "granite_swa", "mimo_v2_flash", "lfm2", "cogview4", "falcon_multi_query",
+                                           "jamba"]}
+SWEPT |= {("tp2-ring2 ep", name) for name in ["mixtral_batched_mm", "deepseek_v3", "gpt_oss", "phimoe"]}
 SWEPT |= {("tp2", name) for name in ["gpt_oss", "gpt_bigcode", "qwen3_5", "unet"]}
 SWEPT |= {("tp2-ring2-ulysses2", name) for name in ["llama", "flux"]}  # world 8: test_cp_gloo's non-default order
 """(mesh, model) numerics ``tests.tiers`` leaves to ``--sweep``: CI runs each kind of site

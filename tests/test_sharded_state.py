@@ -238,7 +238,8 @@ def _calls(world: int, folder: str) -> dict:
                                                           names=TRAINING["local-hsdp2x2"][2],
                                                           checkpoint_dir=None, batch="local",
                                                           reshard_after_forward=False)),
-            "collectives": (count_collectives, dict(dump_dir=os.path.join(folder, "dump"))),
+            **({"collectives": (count_collectives, dict(dump_dir=os.path.join(folder, "dump")))}
+               if tiers.kept("collectives", SWEPT) else {}),
             "sliced": (sliced_unequal_parts, {})}
 
 
@@ -248,9 +249,11 @@ def _launch(world: int) -> list[dict]:
         return run_ranks_together(world, _calls(world, folder))
 
 
-SWEPT = {"dp_shard2-ring2-tp2"}
+SWEPT = {"dp_shard2-ring2-tp2", "collectives"}
 """Runs ``tests.tiers`` leaves to ``--sweep``: CI holds FSDP beside tp at pp x dp_shard x tp
-(``test_pipeline_checkpoints``) and over dp_shard x tp (``test_data_parallel``)."""
+(``test_pipeline_checkpoints``) and over dp_shard x tp (``test_data_parallel``), and checks the
+collectives a training step runs against the dumped table with experts over dp_shard x cp
+(``test_experts``)."""
 LAUNCHES = {world: in_background(_launch, world) for world in (4, 8, 2)
             if world != 8 or tiers.kept("dp_shard2-ring2-tp2", SWEPT)}
 """One launch per world size serves all of that size's tests (in the order they read them)."""
@@ -306,6 +309,7 @@ def count_collectives(rank: int, world: int, *, dump_dir: str):
     return results
 
 
+@tiers.MARK
 def test_every_collective_a_step_runs_is_in_the_table():
     result = LAUNCHES[4].result()[0]["collectives"]
     for mode in ("True", "False"):

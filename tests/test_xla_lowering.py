@@ -24,7 +24,7 @@ from dtensor_par.passes.steps import steps
 from dtensor_par.params import local_value
 from dtensor_par._testing import models
 from dtensor_par._testing.harness import assert_matches, run_ranks
-from tests import factories, xm_gloo
+from tests import factories, tiers, xm_gloo
 from tests.background import in_background
 from tests.cases import run_cases
 from tests.conftest import GoldenTestCase, _init_fake
@@ -230,7 +230,11 @@ RUNS = {
 }
 
 
-LAUNCHES = {world: in_background(run_ranks, world, _runs, runs=runs) for world, runs in RUNS.items()}
+SWEPT = {8}
+"""World sizes ``tests.tiers`` leaves to ``--sweep``: groups of 4 lower as groups of 2 do, and
+``test_xla_replica_groups_for_many_meshes_and_orders`` checks them at every size in process."""
+LAUNCHES = {world: in_background(run_ranks, world, _runs, runs=runs) for world, runs in RUNS.items()
+            if tiers.kept(world, SWEPT)}
 """One launch per world size for all of its runs."""
 
 
@@ -240,7 +244,8 @@ def _results(world: int) -> dict:
     return LAUNCHES[world].result()[0]
 
 
-@pytest.mark.parametrize("world, label, name", [(world, label, name) for world, runs in RUNS.items()
+@pytest.mark.parametrize("world, label, name", [tiers.case(world, label, name, sweep=world in SWEPT)
+                                                for world, runs in RUNS.items()
                                                 for label, (_, _, cases) in runs.items() for name in cases])
 def test_xla_lowering_matches_single_device(world, label, name):
     """tp x ulysses and tp x ring through the xm calls only: forward and every gradient exact."""
