@@ -3,8 +3,8 @@ a background thread of the pytest process.
 
 A suite on two cores spends most of its time in such launches, while most of its tests run
 in the pytest process on one core. ``tests/conftest.py`` starts the jobs of every module with
-a selected test once the tests are collected, ``WORKERS`` at a time in the order they were
-declared (module order, as pytest runs them), so the in-process tests run on the core a launch leaves.
+a selected test once the tests are collected, one at a time in the order they were declared
+(module order, as pytest runs them), so the in-process tests run on the core a launch leaves.
 
 A module declares a job at import, ``JOB = in_background(fn, *args, **kwargs)``, and a test
 reads ``JOB.result()``: it waits for the job, or runs it there when no session started it.
@@ -57,14 +57,8 @@ def in_background(fn, /, *args, **kwargs) -> Job:
     return job
 
 
-WORKERS = 2
-"""Jobs run at once. One launch leaves a core idle while its ranks wait on each other (a
-pipeline's bubble, rank 0's report) and the tests wait for it; a second fills it. Each launch
-holds its ranks' memory (under 1 GB a rank), so two at most."""
-
-
 def start(modules: set[str]) -> int:
-    """Run the jobs ``modules`` declared, in order, on ``WORKERS`` background threads; how many."""
+    """Run the jobs ``modules`` declared, one after the other, on a background thread; how many."""
     _QUEUED[:] = [job for job in _DECLARED if job.module in modules]
 
     def worker():
@@ -76,8 +70,7 @@ def start(modules: set[str]) -> int:
             job.run()
 
     queued = len(_QUEUED)
-    for _ in range(WORKERS):
-        threading.Thread(target=worker, name="background jobs", daemon=True).start()
+    threading.Thread(target=worker, name="background jobs", daemon=True).start()
     return queued
 
 
