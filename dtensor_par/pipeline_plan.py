@@ -145,20 +145,22 @@ def node_blocks(gm: fx.GraphModule, blocks: list[str]) -> dict[fx.Node, int]:
     return of
 
 
-def block_shares(gm: fx.GraphModule, ctx: ParallelContext, blocks: list[str]) -> dict[fx.Node, dict[int, float]]:
+def block_shares(gm: fx.GraphModule, ctx: ParallelContext, blocks: list[str], held: dict[str, int]
+                 ) -> dict[fx.Node, dict[int, float]]:
     """Each node of the planned graph ``gm``: the blocks its cost goes to, with their shares. An op
     goes with its block (``node_blocks``). A placeholder, and what is computed from parameters
     alone (their casts, gradient reductions and FSDP gathers, which localize puts at the graph's
     start), goes with the first block that reads it: each stage's own plan gathers the
     parameters its ops read, so the stage that holds a parameter at runtime is that reader's.
     A bucket of several parameters (``_BUCKETS``) is split among its parameters' readers by their
-    bytes, as the stages' own buckets move them."""
+    bytes (``held``: by FQN, on a rank), as the stages' own buckets move them."""
     of = node_blocks(gm, blocks)
-    held = {row["name"]: row["bytes_per_rank"] for row in parameter_rows(ctx)}
     carried = set()  # the parameters' placeholders and what is computed from them alone
     for node in gm.graph.nodes:
-        if node.name in ctx.params if node.op == "placeholder" else (
-                node.op == "call_function" and node.all_input_nodes and all(a in carried for a in node.all_input_nodes)):
+        parameter = node.op == "placeholder" and node.name in ctx.params
+        from_carried = node.op == "call_function" and node.all_input_nodes and all(
+            a in carried for a in node.all_input_nodes)
+        if parameter or from_carried:
             carried.add(node)
     reader: dict[fx.Node, int] = {}  # a carried node's or placeholder's first reading block
 
@@ -206,7 +208,7 @@ def block_costs(gm: fx.GraphModule, ctx: ParallelContext, blocks: list[str], mac
     kept, recomputed = kept_by_node(gm)
     held = {row["name"]: row["bytes_per_rank"] for row in parameter_rows(ctx)}
     seconds, params, trained, acts = ([0] * len(blocks) for _ in range(4))
-    for node, split in block_shares(gm, ctx, blocks).items():
+    for node, split in block_shares(gm, ctx, blocks, held).items():
         for block, share in split.items():
             seconds[block] += share * node_seconds(node, machine, links, True, node in recomputed)
             acts[block] += round(share * kept.get(node, 0))
