@@ -365,7 +365,7 @@ SWEPT = {"gpt tp2", "gpt ulysses2 parallelized", "llama_reentrant ulysses2", "gp
 """Cases ``tests.tiers`` leaves to ``--sweep``: CI checkpoints each way (the model's own,
 reentrant, the option's policies) on each dim alone, and over dp_shard x tp."""
 LAUNCHES = {world: in_background(run_ranks_together, world, {"cases": (checkpointed_against_one_device, {
-    "cases": {label: case for label, case in cases.items() if tiers.kept(label, SWEPT)}})})
+    "cases": tiers.running(cases, SWEPT)})})
             for world, cases in CASES.items()}
 
 

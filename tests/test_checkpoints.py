@@ -299,7 +299,7 @@ def _round_trips(world: int, folder: str) -> dict:
                 kwargs = {**spec, "sizes": MESHES[mesh], "folder": os.path.join(folder, spec["folder"]),
                           "out": os.path.join(folder, f"{model} {mesh}")}
                 calls[f"{model.split()[0]} {mesh}"] = (round_trip, kwargs)
-    return {label: call for label, call in calls.items() if tiers.kept(label, SWEPT)}
+    return tiers.running(calls, SWEPT)
 
 
 def _calls(world: int, folder: str) -> dict:

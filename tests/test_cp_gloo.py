@@ -56,7 +56,7 @@ as a case CI runs at this pair does."""
 
 def _pair_runs(label: str, mesh_sizes: dict, traced: list[str], names: list[str]) -> dict:
     """A pair's two runs: its traced cases through ``aot_eager``, the others ``eager``."""
-    names = [n for n in names if tiers.kept((label, n), SWEPT)]
+    names = tiers.running(names, SWEPT, key=lambda name: (label, name))
     return {label: dict(mesh_sizes=mesh_sizes, names=[n for n in traced if n in names], steps=1),
             f"{label} eager": dict(mesh_sizes=mesh_sizes, names=[n for n in names if n not in traced], steps=1,
                                    options={"inner_backend": "eager"})}

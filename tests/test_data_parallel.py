@@ -122,8 +122,7 @@ CALLS = {2: _world2(), 4: _world4()}
 SWEPT = {"dp_replicate2_ulysses2", "dp_shard2_tp2_batch3"}
 """Runs ``tests.tiers`` leaves to ``--sweep``: CI cuts the batch over dp beside tp and the ring,
 and pads a batch of 3 over dp alone."""
-LAUNCHES = {world: in_background(run_ranks_together, world, {label: call for label, call in calls.items()
-                                                             if tiers.kept(label, SWEPT)})
+LAUNCHES = {world: in_background(run_ranks_together, world, tiers.running(calls, SWEPT))
             for world, calls in CALLS.items()}
 """Every multi-process case of this file, one launch per world size (``tests.background``)."""
 

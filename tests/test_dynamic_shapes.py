@@ -103,7 +103,7 @@ def _run_modes(rank: int, world: int, *, names: list[str]) -> dict:
 SWEPT = {"tp2_ulysses2", "tp2_ring2"}
 """Modes ``tests.tiers`` leaves to ``--sweep``: CI runs Ulysses x ring, whose padded zigzag
 sequence holds the symbolic sizes the other modes hold."""
-LAUNCH = in_background(run_ranks, 4, _run_modes, names=[name for name in MODES if tiers.kept(name, SWEPT)])
+LAUNCH = in_background(run_ranks, 4, _run_modes, names=tiers.running(list(MODES), SWEPT))
 
 
 @pytest.mark.parametrize("name", [tiers.case(name, sweep=name in SWEPT) for name in [*MODES, "static"]])

@@ -285,7 +285,7 @@ def one_step_ulysses_first() -> dict:
 
 def _train_launch() -> list:
     with tempfile.TemporaryDirectory() as folder:
-        return run_ranks(4, train_with_ep, dump_dir=folder, runs=[name for name in EP_RUNS if tiers.kept(name, SWEPT)])
+        return run_ranks(4, train_with_ep, dump_dir=folder, runs=tiers.running(list(EP_RUNS), SWEPT))
 
 
 TRAINED = in_background(_train_launch)

@@ -92,7 +92,7 @@ of states as a scan's), the decorator's generate under ring=2 and dp x ring, a k
 def _world2_launch() -> list[dict]:
     """Every world-2 case of this module in one launch of 2 gloo ranks, each rank's results
     by case (``parallelize`` resets Dynamo's caches: its case runs last)."""
-    return run_ranks_together(2, {label: call for label, call in {
+    return run_ranks_together(2, tiers.running({
         "side effects": (side_effects_once, {}),
         "decorated ring": (decorated_generate, {"ring": 2}),
         "written out ring": (decorated_written_out_generate, {"name": "gpt_oss", "ring": 2}),
@@ -104,10 +104,9 @@ def _world2_launch() -> list[dict]:
         "selective scan tp": (decorated_written_out_generate, {"name": "jamba", "tp": 2}),
         "selective scan ring": (decorated_written_out_generate, {"name": "jamba", "ring": 2}),
         "decode plans": (decode_plans, {}),
-        "cp decode": (cp_decode, {"runs": [(sizes, family) for sizes, family in CP_DECODE
-                                           if tiers.kept(f"{family} {sizes}", SWEPT)]}),
+        "cp decode": (cp_decode, {"runs": tiers.running(CP_DECODE, SWEPT, key=lambda run: f"{run[1]} {run[0]}")}),
         "entry points": (generate_entry_points, {}),
-    }.items() if tiers.kept(label, SWEPT)})
+    }, SWEPT))
 
 
 WORLD2 = in_background(_world2_launch)
@@ -333,14 +332,13 @@ def test_decode_with_the_kv_cache_cut_over_cp_matches_one_device(name):
 CP_DECODE_BESIDE_TP = [({"tp": 2, "ring": 2}, "llama"), ({"tp": 2, "ring": 2}, "falcon_multi_query")]
 """``cp_decode``'s runs at world 4."""
 WORLD4_RUNS = [f"decode {family} {sizes}" for sizes, family in CP_DECODE_BESIDE_TP] + ["generate", "generate dp"]
-WORLD4 = in_background(run_ranks_together, 4, {label: call for label, call in {
+WORLD4 = in_background(run_ranks_together, 4, tiers.running({
     # Mistral's window under cp: at world 2 (ring); under tp: decode_plans. The cp decode graphs are
     # traced through AOTAutograd at world 2; beside tp they run as they are (CI time).
-    "decode": (cp_decode, {"runs": [(sizes, family) for sizes, family in CP_DECODE_BESIDE_TP
-                                    if tiers.kept(f"decode {family} {sizes}", SWEPT)], "inner_backend": "eager"}),
+    "decode": (cp_decode, {"runs": tiers.running(CP_DECODE_BESIDE_TP, SWEPT, key=lambda run: f"decode {run[1]} {run[0]}"),
+                           "inner_backend": "eager"}),
     "generate": (decorated_generate, {"tp": 2, "ulysses": 2}),
-    "generate dp": (decorated_generate, {"dp_replicate": 2, "ring": 2, "batch": 2})}.items()
-    if tiers.kept(label, SWEPT)})
+    "generate dp": (decorated_generate, {"dp_replicate": 2, "ring": 2, "batch": 2})}, SWEPT))
 
 
 @pytest.mark.parametrize("run", [tiers.case(run, sweep=run in SWEPT) for run in WORLD4_RUNS])

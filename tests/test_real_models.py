@@ -226,9 +226,9 @@ process (``EXPLAINED``: ``test_every_block_runs_sharded_without_fallback_gathers
 
 
 def _launched(world: int, runs: dict) -> dict:
-    """The world's launch this session: each mesh's models ``tiers.kept``, the decorator's check at world 2."""
+    """The world's launch this session: each mesh's models ``tiers.running``, the decorator's check at world 2."""
     calls = {label: (compare_models_over_xm if label.endswith("xla") else compare_models,
-                     {**kwargs, "names": [n for n in kwargs["names"] if tiers.kept((label, n), SWEPT)]})
+                     {**kwargs, "names": tiers.running(kwargs["names"], SWEPT, key=lambda name: (label, name))})
              for label, kwargs in runs.items()}
     calls = {label: call for label, call in calls.items() if call[1]["names"]}
     if world == 2:

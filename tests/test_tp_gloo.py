@@ -40,7 +40,7 @@ SWEPT = {(4, "tp"), (4, "sequence_parallel"), (2, "experts_in_one_graph new size
 """(world, run) ``tests.tiers`` leaves to ``--sweep``: world 4 plans as world 2 does at other
 sizes; symbolic sizes run at world 2 under automatic dynamic shapes and in test_dynamic_shapes."""
 LAUNCHES = {world: in_background(run_labelled_cases, world, kept) for world, runs in RUNS.items()
-            if (kept := {label: run for label, run in runs.items() if tiers.kept((world, label), SWEPT)})}
+            if (kept := tiers.running(runs, SWEPT, key=lambda label: (world, label)))}
 
 
 def _cases(*labels: str) -> list:

@@ -7,7 +7,7 @@ models, the full pipeline and checkpoint matrices. Whoever stops runs the sweep 
 
 The split exists because 82% of a launched case is Dynamo tracing the model on every rank:
 two cores cannot trace every family at every mesh within CI's time. A repeat is marked
-``sweep`` (``case``) and left out of its launch (``kept``); without ``--sweep`` it is
+``sweep`` (``case``) and left out of its launch (``running``, ``kept``); without ``--sweep`` it is
 reported skipped, never silently absent.
 """
 
@@ -30,3 +30,11 @@ def kept(key, sweep) -> bool:
     """Whether a launch runs the case ``key`` this session: every case under ``--sweep``, else
     those not in ``sweep``."""
     return SWEEP or key not in sweep
+
+
+def running(cases, sweep, key=lambda case: case):
+    """The cases a launch runs this session (``kept``): of a dict by label, or of a list, each
+    looked up in ``sweep`` as ``key`` of its label or item."""
+    if isinstance(cases, dict):
+        return {label: case for label, case in cases.items() if kept(key(label), sweep)}
+    return [case for case in cases if kept(key(case), sweep)]
