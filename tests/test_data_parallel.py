@@ -15,7 +15,8 @@ import torch
 import dtensor_par
 from dtensor_par.mesh import MESH_DIMS, MeshInfo
 from dtensor_par._testing import models, patterns
-from dtensor_par._testing.harness import dp_rows, max_rel, reported_collectives, run_ranks_together, step_collectives
+from dtensor_par._testing.harness import (dp_rows, loss_of, max_rel, reported_collectives, run_ranks_together,
+                                          step_collectives, whole)
 from tests import tiers
 from tests.background import in_background
 from tests.cases import case_matches, run_cases
@@ -91,6 +92,24 @@ def _cfg_example(rank: int, world: int) -> dict:
         return {"latents": {"forward_abs": max((a - b).abs().max().item() for a, b in steps), "grad_rel": 0.0}}
 
 
+def _fsdp_class_token(rank: int, world: int) -> dict:
+    """ViT's class token expanded over the batch that dp_shard cuts, the token held by FSDP over
+    dp_shard beside tp (``parallelize``): one device's output and gradients."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, images = patterns.ClassTokenBlock(), torch.randn(2, 3, 12, 20)
+    reference = copy.deepcopy(model)
+    mesh = dtensor_par.init_mesh(dp_shard=2, tp=2)
+    dtensor_par.parallelize(model, mesh, (images,))
+    out = torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="aot_eager"))(images)
+    expected = reference(images)
+    loss_of(out).backward()
+    loss_of(expected).backward()
+    return {"class_token": {"forward_abs": (whole(out) - expected).abs().max().item(),
+                            "grad_rel": max(max_rel(whole(p.grad), q.grad)
+                                            for p, q in zip(model.parameters(), reference.parameters()))}}
+
+
 def _world2() -> dict:
     return {
         "dp_replicate2": (run_cases, {"names": GLOBAL_CASES, "mesh_sizes": {"dp_replicate": 2}}),
@@ -114,6 +133,7 @@ def _world4() -> dict:
         "local_dp_replicate2_ring2": (_local_batch, {"mesh_sizes": {"dp_replicate": 2, "ring": 2}, "model": "llama"}),
         "mismatch_dp2_tp2": (_mismatch_errors, {"mesh_sizes": {"dp_replicate": 2, "tp": 2}}),
         "cfg_example": (_cfg_example, {}),
+        "fsdp_class_token": (_fsdp_class_token, {}),
     }
 
 
@@ -322,6 +342,13 @@ def test_bad_data_parallel_input_is_named(fake_world):
                                                   r"\['dp_shard', 'ring'\] alone"):
         dtensor_par.explain(model, (torch.randn(2, 8, 32),), dp_shard=2, ring=2, ulysses=2, fsdp_dims=("dp_shard", "ring"),
                             device_type="cpu")
+
+
+def test_a_parameter_fsdp_holds_expanded_over_the_batch_dp_cuts_equals_one_device():
+    """The class token gathered by FSDP, then expanded over this rank's rows: each rank sums its
+    rows' gradient and the ranks all-reduce the token's (before: planning failed sizing that
+    all-reduce, the gathered token having no planned shape)."""
+    _case(4, "fsdp_class_token", "class_token")
 
 
 def test_cfg_example_latents_equal_one_device():

@@ -175,8 +175,7 @@ def gather_fsdp_param(gm: fx.GraphModule, ctx: ParallelContext, node: fx.Node, l
         set_communications(gather, [Communication("all_gather", "reduce_scatter" if grad else None, layout.fsdp.name,
                                                   layout.fsdp.size, numel * sent.itemsize, whole if grad else 0,
                                                   "fsdp parameters")])
-        piece = graph.call_function(operator.getitem, (gather, 0))
-        piece.meta["val"] = val.to(sent)
+        piece = _valued_as(graph.call_function(operator.getitem, (gather, 0)), node, sent)
     return piece
 
 
