@@ -4,10 +4,11 @@ conversion mapping (``get_model_conversion_mapping``), as its own ``from_pretrai
 
 A converted tensor is described, not built: a ``Composite`` of the files' tensors, stacked
 (``MergeModulelist``: Mixtral's per-expert ``w1``, one tensor per expert) and concatenated
-(``Concatenate``: ``w1`` beside ``w3`` into ``gate_up_proj``), nested. A rank's piece of it then
-maps to pieces of the files' tensors, each read alone (``checkpoints._read_source``): no rank ever
-holds a whole converted tensor. Operations that are not a stack or a concatenation (a transpose,
-a split, a permutation) are refused, naming the operation and the keys.
+(``Concatenate``: ``w1`` beside ``w3`` into ``gate_up_proj``), nested; or a ``Stretch`` of one
+(``Chunk``: Dinov2's SwiGLU ``weights_in`` into ``gate_proj`` and ``up_proj``). A rank's piece of
+it then maps to pieces of the files' tensors, each read alone (``checkpoints._read_source``): no
+rank ever holds a whole converted tensor. Other operations (a transpose, a split by the model's
+sizes, an interleave) are refused, naming the operation and the keys.
 """
 
 from __future__ import annotations
@@ -28,9 +29,22 @@ class Composite:
     shape: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class Stretch:
+    """A model tensor that is the stretch of ``part`` (an entry or a ``Composite``) along ``dim``
+    from ``start``; ``shape`` is the stretch's."""
+
+    part: object
+    dim: int
+    start: int
+    shape: tuple[int, ...]
+
+
 def leaves(source) -> list:
-    """The files' entries a source (an entry or a ``Composite``) is made of, in order."""
-    return [leaf for part in source.parts for leaf in leaves(part)] if isinstance(source, Composite) else [source]
+    """The files' entries a source (an entry, a ``Composite`` or a ``Stretch``) is made of, in order."""
+    if isinstance(source, Composite):
+        return [leaf for part in source.parts for leaf in leaves(part)]
+    return leaves(source.part) if isinstance(source, Stretch) else [source]
 
 
 def _stacked(parts: list, dim: int) -> Composite | str:
@@ -50,11 +64,21 @@ def _joined(parts: list, dim: int) -> Composite | str:
     return Composite(False, dim, tuple(parts), tuple(shape))
 
 
-def _converted(converter, keys: dict[str, list[str]], entries: dict) -> Composite | str:
-    """The ``Composite`` ``converter``'s operations build from the checkpoint ``keys`` (by source
-    pattern), as its ``convert`` does: each pattern's tensors in the order transformers collects
-    them (``dot_natural_key``), ``Concatenate`` in the converter's pattern order; else why not."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist, dot_natural_key
+def _chunked(source, dim: int, count: int) -> list[Stretch] | str:
+    """``source`` cut along ``dim`` into ``count`` equal stretches, as ``torch.chunk`` cuts it."""
+    if len(source.shape) <= dim or source.shape[dim] % count:
+        return f"cuts a tensor of shape {list(source.shape)} along dim {dim} into {count} unequal parts"
+    size = source.shape[dim] // count
+    shape = (*source.shape[:dim], size, *source.shape[dim + 1:])
+    return [Stretch(source, dim, i * size, shape) for i in range(count)]
+
+
+def _converted(converter, keys: dict[str, list[str]], entries: dict) -> list | str:
+    """The sources ``converter``'s operations build from the checkpoint ``keys`` (by source
+    pattern), one per target pattern, as its ``convert`` does: each pattern's tensors in the order
+    transformers collects them (``dot_natural_key``), ``Concatenate`` in the converter's pattern
+    order, a last ``Chunk`` into one stretch per target; else why not."""
+    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist, dot_natural_key
 
     values = {p: [entries[k] for k in sorted(found, key=dot_natural_key)] for p, found in keys.items()}
     for op in converter.operations:
@@ -64,14 +88,25 @@ def _converted(converter, keys: dict[str, list[str]], entries: dict) -> Composit
             parts = [part for p in converter.source_patterns if p in values
                      for part in (values[p] if isinstance(values[p], list) else [values[p]])]
             values = {"": _joined(parts, op.dim)}
+        elif type(op) is Chunk and op is converter.operations[-1] and op.num_shards_attribute is None \
+                and _one(values) is not None and not any("\\" in t for t in converter.target_patterns):
+            values = {"": _chunked(_one(values), op.dim, len(converter.target_patterns))}
         else:
             return f"is made by transformers' {op!r}, which is not read piece by piece"
         problem = next((v for v in values.values() if isinstance(v, str)), None)
         if problem is not None:
             return f"is made by transformers' {op!r}, which {problem}"
+    made = values[""] if isinstance(values.get(""), list) and len(converter.target_patterns) > 1 else [_one(values)]
+    if made[0] is None or len(made) != len(converter.target_patterns):
+        return f"is made by transformers' {converter.operations!r} into several tensors, not read piece by piece"
+    return made
+
+
+def _one(values: dict):
+    """The one tensor ``values`` holds (by source pattern, each a tensor or a list), or None."""
     value = next(iter(values.values()))
     if len(values) != 1 or isinstance(value, list) and len(value) != 1:
-        return f"is made by transformers' {converter.operations!r} into several tensors, not read piece by piece"
+        return None
     return value[0] if isinstance(value, list) else value
 
 
@@ -134,11 +169,14 @@ def model_sources(model: nn.Module, entries: dict, keys: set[str]) -> tuple[dict
             converted.setdefault(target, (converter, {}))[1].setdefault(pattern, []).append(key)
     refused = []
     for target, (converter, by_pattern) in converted.items():
-        source = _converted(converter, by_pattern, entries)
-        if isinstance(source, str):
+        made = _converted(converter, by_pattern, entries)
+        if isinstance(made, str):
             keys = sorted(key for found in by_pattern.values() for key in found)
             more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
-            refused.append(f"{target!r} (from {keys[0]!r}{more}) {source}")
+            refused.append(f"{target!r} (from {keys[0]!r}{more}) {made}")
         else:
-            sources[target] = source
+            # transformers names a one-to-many conversion's key by its first target (rename_source_key)
+            first = converter.target_patterns[0]
+            sources.update({target.replace(first, pattern, 1): source
+                            for pattern, source in zip(converter.target_patterns, made)})
     return sources, unexpected, refused

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .checkpoint_keys import CONVERTED_SHOWN, Composite, leaves, model_sources
+from .checkpoint_keys import CONVERTED_SHOWN, Composite, Stretch, leaves, model_sources
 from .pieces import held_indices, held_runs, piece_blocks, runs
 from .sharded import sharded_state
 
@@ -235,8 +235,8 @@ def _convertible(source: torch.dtype, target: torch.dtype) -> bool:
 
 
 def _matched(model: nn.Module, entries: dict[str, Entry], path: str, held: dict[str, torch.Tensor] | None
-             ) -> list[tuple[torch.Tensor, Entry | Composite]]:
-    """(held tensor, its source: a checkpoint entry, or a ``Composite`` of entries that
+             ) -> list[tuple[torch.Tensor, Entry | Composite | Stretch]]:
+    """(held tensor, its source: a checkpoint entry, or a ``Composite`` or ``Stretch`` of entries that
     transformers converts) for every parameter and persistent buffer of ``model`` (of them, those
     ``held`` holds by FQN, when given): tied ones once, from any of their keys the checkpoint has
     (transformers saves one). Every mismatch is raised at once, before anything is read."""
@@ -288,12 +288,18 @@ def _pread(fd: int, into: torch.Tensor, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _read_source(local: torch.Tensor, source: Entry | Composite, indices: list[torch.Tensor | None],
+def _read_source(local: torch.Tensor, source: Entry | Composite | Stretch, indices: list[torch.Tensor | None],
                  fds: dict[str, int], buffer: torch.Tensor) -> None:
     """Read this rank's piece of ``source`` (the global indices it holds along each dim:
     ``indices``) into ``local``. A ``Composite``'s piece maps dim by dim to pieces of its parts,
     each read into the view of ``local`` it lands in: a stack's held positions select parts, a
-    concatenation's held indices fall in each part's stretch in runs."""
+    concatenation's held indices fall in each part's stretch in runs. A ``Stretch``'s indices are
+    its part's, moved by where it starts."""
+    if isinstance(source, Stretch):
+        dim, index = source.dim, indices[source.dim]
+        held = torch.arange(source.shape[dim]) if index is None else index
+        _read_source(local, source.part, [*indices[:dim], held + source.start, *indices[dim + 1:]], fds, buffer)
+        return
     if not isinstance(source, Composite):
         _read_into(local, source, indices, fds[source.file], buffer)
         return

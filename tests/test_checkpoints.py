@@ -564,13 +564,41 @@ def test_a_layout_transformers_renames_is_read_under_the_model_keys(tmp_path):
     assert _differ(_state(model), _state(Dinov2Model.from_pretrained(str(tmp_path)))) == []
 
 
-def test_a_conversion_that_is_not_a_stack_or_a_concatenation_is_refused_naming_its_operation(tmp_path):
+def test_a_tensor_transformers_chunks_is_read_stretch_by_stretch(tmp_path, fake_world):
     """Dinov2's SwiGLU checkpoints hold gate and up in one tensor (``mlp.weights_in``), which
-    transformers splits when loading (``Chunk``): not read piece by piece, refused naming the
-    operation, the model tensor and the checkpoint key, before anything is read."""
+    transformers chunks when loading (``Chunk``): each model tensor is read as its stretch of the
+    file's, whole and as tp2's pieces (gate and up cut by their rows), bit for bit what
+    transformers loads. Before, refused."""
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.manual_seed(0)
     _dinov2(use_swiglu_ffn=True).save_pretrained(str(tmp_path))
+    assert _checkpoint_keys(str(tmp_path), "mlp.weights_in") != []
+    reference = Dinov2Model.from_pretrained(str(tmp_path))
+    assert _differ(_state(load_checkpoint(_dinov2(use_swiglu_ffn=True), str(tmp_path))), _state(reference)) == []
+    fake_world(2)
+    mesh, pixels = dtensor_par.init_mesh(tp=2), torch.randn(1, 3, 32, 32)
+    model = dtensor_par.from_pretrained(Dinov2Model, str(tmp_path), mesh, example_inputs=(pixels,))
+    theirs = dict(dtensor_par.parallelize(reference, mesh, (pixels,)).named_parameters())
+    gate = "encoder.layer.0.mlp.gate_proj.weight"
+    assert _placements(theirs[gate]) == ["S(0)"] and _local(theirs[gate]).shape[0] < theirs[gate].shape[0]
+    assert [name for name, p in model.named_parameters() if not torch.equal(_local(p), _local(theirs[name]))] == []
+
+
+def test_a_conversion_that_is_not_read_piece_by_piece_is_refused_naming_its_operation(tmp_path, monkeypatch):
+    """A conversion other than a stack, a concatenation or a last chunk (here a transpose in
+    place of Dinov2's chunk) is refused naming the operation, the model tensor and the checkpoint
+    key, before anything is read."""
+    from transformers import conversion_mapping
+    from transformers.core_model_loading import Chunk, Transpose
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    _dinov2(use_swiglu_ffn=True).save_pretrained(str(tmp_path))
+    mapping = copy.deepcopy(conversion_mapping.get_model_conversion_mapping(_dinov2(use_swiglu_ffn=True)))
+    for transform in mapping:
+        if getattr(transform, "operations", None) and type(transform.operations[0]) is Chunk:
+            transform.operations = [Transpose(dim0=0, dim1=1)]
+    monkeypatch.setattr(conversion_mapping, "get_model_conversion_mapping", lambda *_, **__: mapping)
     model = _dinov2(use_swiglu_ffn=True)
     before = _state(model)
     with pytest.raises(ValueError) as error:
@@ -579,10 +607,10 @@ def test_a_conversion_that_is_not_a_stack_or_a_concatenation_is_refused_naming_i
     assert str(error.value) == (
         f"checkpoint {str(tmp_path)!r} is in a layout transformers converts while loading Dinov2Model (its "
         "conversion mapping) by operations that are not read piece by piece: 2 of the model's tensors, first\n"
-        f"  {layer}.gate_proj.bias' (from {layer}.weights_in.bias') is made by transformers' Chunk(dim=0), which is "
+        f"  {layer}.gate_proj.bias' (from {layer}.weights_in.bias') is made by transformers' Transpose, which is "
         "not read piece by piece\n"
-        f"  {layer}.gate_proj.weight' (from {layer}.weights_in.weight') is made by transformers' Chunk(dim=0), which "
-        "is not read piece by piece\n"
+        f"  {layer}.gate_proj.weight' (from {layer}.weights_in.weight') is made by transformers' Transpose, which is "
+        "not read piece by piece\n"
         "Read it once on one device with transformers' from_pretrained and write it with dtensor_par.save_pretrained, "
         "which writes the model's own keys")
     assert _differ(_state(model), before) == []
