@@ -308,11 +308,17 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
         placements = plan_placements(model, mesh, example_args, example_kwargs, config, vocab_cuts)
     layout_of, held, whole = layout_maker(info, config, True), held_mesh(mesh), holds_whole(info, config)
     state = ShardedState(mesh, config, [])
+    registered = list(_registered_parameters(model))
+    # a tied weight is planned under the FQN the graph reads it by, which need not be its first
+    planned: dict[int, tuple] = {}
+    for fqn, _, _, old in registered:
+        if fqn in placements:
+            planned.setdefault(id(old), placements[fqn])
     # id(old) -> (held param, stand-in): tied weights share them
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
-    for fqn, owner, name, old in _registered_parameters(model):
+    for fqn, owner, name, old in registered:
         if id(old) not in replaced:
-            param = _held_param(old, layout_of(old.shape, *placements.get(fqn, (None, None))), held, info, whole)
+            param = _held_param(old, layout_of(old.shape, *planned.get(id(old), (None, None))), held, info, whole)
             replaced[id(old)] = (param, _standin(param, config.param_dtype))
             state.remember_replaced(old, fqn)
         param, standin = replaced[id(old)]

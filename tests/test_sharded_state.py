@@ -466,6 +466,23 @@ def test_a_meta_model_is_planned_on_real_example_inputs(name, fake_world):
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+def test_a_tied_weight_is_held_as_the_graph_reads_it_under_another_name(fake_world):
+    """T5's token table is registered first as ``shared`` and read by the graph as
+    ``encoder.embed_tokens``: held cut by the vocabulary as the plan cuts it, and the compiled
+    call takes it (before: held whole, and the first call refused it)."""
+    pytest.importorskip("transformers")
+    from torch.distributed.tensor import Shard
+
+    from dtensor_par._testing import real_models
+
+    fake_world(2)
+    mesh = dtensor_par.init_mesh(tp=2)
+    model, args, kwargs = real_models.t5()
+    dtensor_par.parallelize(model, mesh, args, example_kwargs=kwargs)
+    assert model.shared.weight is model.encoder.embed_tokens.weight and model.shared.weight.placements == (Shard(0),)
+    torch.compile(model, backend=dtensor_par.hybrid_parallel(mesh, inner_backend="eager"))(*args, **kwargs)
+
+
 def test_parallel_decorator_refuses_a_non_module():
     with pytest.raises(TypeError, match="decorates torch.nn.Module subclasses"):
         dtensor_par.parallel(tp=2)(object)
