@@ -170,10 +170,12 @@ RUNS = {  # label: world, mesh, schedule, model, microbatches (DualPipeV: at lea
 
 
 SWEPT = {"ids at the head pp2 1F1B", "flux pp2 Interleaved1F1B", "pp2 x tp2 ZBVZeroBubble", "pp2 x ulysses2 GPipe",
-         "transformers pp2 x ulysses2 1F1B", "flux pp2 x tp2 GPipe", "flux pp2 x ulysses2 GPipe"}
-"""Runs ``tests.tiers`` leaves to ``--sweep``: CI runs every schedule at pp2, tp and the ring
-beside pp on the toy Llama (Ulysses on a DiT read from its checkpoint: test_pipeline_checkpoints),
-transformers' Llama and Flux at pp2, and the ids at the head beside tp."""
+         "transformers pp2 x ulysses2 1F1B", "flux pp2 x tp2 GPipe", "flux pp2 x ulysses2 GPipe",
+         "pp2 x tp2 Interleaved1F1B"}
+"""Runs ``tests.tiers`` leaves to ``--sweep``: CI runs every schedule at pp2, the ring beside pp on
+the toy Llama (Ulysses on a DiT read from its checkpoint: test_pipeline_checkpoints), transformers'
+Llama and Flux at pp2, and tp beside pp on the ids at the head (trained) and the DiT (an
+interleaved forward); an interleaved schedule trains beside Ulysses in test_pipeline_checkpoints."""
 
 
 def forward_against_one_device(rank: int, world: int, *, sizes: dict, schedule: str, model: str) -> dict:
