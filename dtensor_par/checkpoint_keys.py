@@ -81,6 +81,9 @@ def _converted(converter, keys: dict[str, list[str]], entries: dict) -> list | s
     from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist, dot_natural_key
 
     values = {p: [entries[k] for k in sorted(found, key=dot_natural_key)] for p, found in keys.items()}
+    # targets named with a backreference (\1) are renamed otherwise than ``model_sources`` does
+    literal_targets = not any("\\" in t for t in converter.target_patterns)
+    chunks = None
     for op in converter.operations:
         if type(op) is MergeModulelist:  # a subclass may convert otherwise: refused by its name
             values = {p: _stacked(v, op.dim) if isinstance(v, list) else v for p, v in values.items()}
@@ -89,14 +92,15 @@ def _converted(converter, keys: dict[str, list[str]], entries: dict) -> list | s
                      for part in (values[p] if isinstance(values[p], list) else [values[p]])]
             values = {"": _joined(parts, op.dim)}
         elif type(op) is Chunk and op is converter.operations[-1] and op.num_shards_attribute is None \
-                and _one(values) is not None and not any("\\" in t for t in converter.target_patterns):
-            values = {"": _chunked(_one(values), op.dim, len(converter.target_patterns))}
+                and _one(values) is not None and literal_targets:
+            chunks = _chunked(_one(values), op.dim, len(converter.target_patterns))
+            values = {"": chunks}
         else:
             return f"is made by transformers' {op!r}, which is not read piece by piece"
         problem = next((v for v in values.values() if isinstance(v, str)), None)
         if problem is not None:
             return f"is made by transformers' {op!r}, which {problem}"
-    made = values[""] if isinstance(values.get(""), list) and len(converter.target_patterns) > 1 else [_one(values)]
+    made = chunks or [_one(values)]
     if made[0] is None or len(made) != len(converter.target_patterns):
         return f"is made by transformers' {converter.operations!r} into several tensors, not read piece by piece"
     return made
