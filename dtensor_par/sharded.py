@@ -197,24 +197,37 @@ def sharded_state(model: nn.Module) -> ShardedState | None:
 def plan_placements(model: nn.Module, mesh: DeviceMesh, example_args: tuple, example_kwargs: dict,
                     config: ParallelConfig, vocab_cuts: dict[str, Placement] | None = None
                     ) -> dict[str, tuple[Placement, int | None]]:
-    """The tp placement of every parameter (by FQN), and the dim ``ep`` cuts it along over its
-    expert group (None: not cut); the plan's warnings are logged. ``vocab_cuts``: a pipeline
-    stage's, decided on the whole graph (``plan.vocab_cuts``).
+    """The tp placement of every parameter (by FQN, a tied one under each of its FQNs), and the
+    dim ``ep`` cuts it along over its expert group (None: not cut); the plan's warnings are
+    logged. ``vocab_cuts``: a pipeline stage's, decided on the whole graph (``plan.vocab_cuts``).
 
     Plans as ``explain`` does: one process, no communication, any device (meta included).
     """
     mesh_info = MeshInfo.for_planning(dict(zip(mesh.mesh_dim_names, mesh.shape)), mesh.device_type,
                                       MeshInfo.full_order(mesh.mesh_dim_names))
     placements: dict[str, tuple[Placement, int | None]] = {}
+
+    def agreed(fqn: str, p: tuple) -> None:
+        if placements.setdefault(fqn, p) != p:
+            raise ValueError(f"parallelize: graphs of {type(model).__name__} shard parameter {fqn!r} "
+                             f"differently ({describe(placements[fqn][0])}, cut by ep along dim "
+                             f"{placements[fqn][1]}; and {describe(p[0])}, along dim {p[1]})")
+
     for gm, inputs in capture_graphs(model, *example_args, **example_kwargs):
         _, ctx = parallelize_graph(gm, inputs, mesh_info, config, feeding=SHARDED, steps=steps(last="coverage"),
                                   vocab_cuts=vocab_cuts)
         for name, param in ctx.params.items():
-            p = (ctx.param_placements.get(name, Replicate()), expert_dim(ctx, name))
-            if placements.setdefault(param.fqn, p) != p:
-                raise ValueError(f"parallelize: graphs of {type(model).__name__} shard parameter {param.fqn!r} "
-                                 f"differently ({describe(placements[param.fqn][0])}, cut by ep along dim "
-                                 f"{placements[param.fqn][1]}; and {describe(p[0])}, along dim {p[1]})")
+            agreed(param.fqn, (ctx.param_placements.get(name, Replicate()), expert_dim(ctx, name)))
+    # a graph reads a tied weight by one of its FQNs, not necessarily the first it is registered
+    # under (a token table shared by an encoder and a decoder): its placement holds under each
+    tied: dict[int, list[str]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(param), []).append(fqn)
+    for fqns in tied.values():
+        read = next((placements[fqn] for fqn in fqns if fqn in placements), None)
+        if read is not None:
+            for fqn in fqns:
+                agreed(fqn, read)
     return placements
 
 
@@ -308,17 +321,11 @@ def parallelize_with(model: nn.Module, mesh: DeviceMesh, example_args: tuple, ex
         placements = plan_placements(model, mesh, example_args, example_kwargs, config, vocab_cuts)
     layout_of, held, whole = layout_maker(info, config, True), held_mesh(mesh), holds_whole(info, config)
     state = ShardedState(mesh, config, [])
-    registered = list(_registered_parameters(model))
-    # a tied weight is planned under the FQN the graph reads it by, which need not be its first
-    planned: dict[int, tuple] = {}
-    for fqn, _, _, old in registered:
-        if fqn in placements:
-            planned.setdefault(id(old), placements[fqn])
     # id(old) -> (held param, stand-in): tied weights share them
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
-    for fqn, owner, name, old in registered:
+    for fqn, owner, name, old in _registered_parameters(model):
         if id(old) not in replaced:
-            param = _held_param(old, layout_of(old.shape, *planned.get(id(old), (None, None))), held, info, whole)
+            param = _held_param(old, layout_of(old.shape, *placements.get(fqn, (None, None))), held, info, whole)
             replaced[id(old)] = (param, _standin(param, config.param_dtype))
             state.remember_replaced(old, fqn)
         param, standin = replaced[id(old)]
